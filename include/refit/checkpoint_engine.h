@@ -1,0 +1,116 @@
+// The checkpoint engine: one per worker process, on either side of a refit.
+//
+// Lifecycle (the reference's public contract):
+//   prepare()            allocate and register the two transfer buffers (if not already),
+//                        return this engine's metadata blob;
+//   init_source(...) / init_destination(...)
+//                        with every worker's metadata in order (sources first): validate the
+//                        pairing and the peers' metadata, connect to the peer;
+//   send(weights) / receive(loader)
+//                        one refit; repeat as often as needed;
+//   finalize()           disconnect; with release_after_refit also free the buffers, after
+//                        which prepare() must run again (with a fresh metadata exchange).
+// Source rank i sends to destination rank i; sources without a destination drain their
+// weights and return. The caller moves metadata between processes however it likes.
+//
+// Double buffering: the source packs bucket k+1 into one buffer while the destination reads
+// bucket k from the other with a one-sided read; the destination tells the source when a
+// buffer may be reused. Every wait has a deadline (config.timeout_s). A destination whose
+// refit failed stays stale() until a later refit succeeds.
+//
+// Not thread-safe: one thread drives an engine.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "refit/config.h"
+#include "refit/tensor.h"
+#include "refit/transport.h"
+
+namespace refit {
+
+using Metadata = Bytes;
+using SessionId = std::array<uint8_t, 16>;
+
+// A random session id; the driver gives the same one to every engine of a refit group, so that
+// metadata from another group or an older run is refused.
+SessionId new_session_id();
+
+struct EngineOptions {
+  RefitConfig config;
+  uint64_t bucket_bytes = 0;   // per buffer; from the driver's bucket sizing
+  SessionId session{};         // shared by all engines of one group
+  uint64_t model_fingerprint = 0;  // ModelInventory::fingerprint(); 0: not checked
+  // The transport to use; null creates one from config.backend_name/backend_init_params.
+  std::shared_ptr<Transport> transport;
+};
+
+// The weights a source streams, one tensor at a time. next() fills `out` and returns true, or
+// returns false at the end. Views must stay valid until the following next() call.
+class WeightSource {
+ public:
+  virtual ~WeightSource() = default;
+  virtual bool next(TensorView* out) = 0;
+};
+
+// A batch of received tensors. Views into transfer buffers (and merged tensors) are valid only
+// during the loader call: copy what must outlive it.
+using LoadBatch = std::span<const TensorView>;
+using BatchLoader = std::function<void(LoadBatch batch)>;
+
+struct SendStats {
+  uint64_t tensors = 0;
+  uint64_t buckets = 0;
+  uint64_t payload_bytes = 0;
+  double seconds = 0;
+  bool had_peer = false;
+};
+
+struct ReceiveStats {
+  uint64_t tensors = 0;
+  uint64_t batches = 0;
+  uint64_t buckets = 0;
+  uint64_t payload_bytes = 0;  // tensor bytes delivered to the loader
+  uint64_t wire_bytes = 0;     // bytes read over the transport
+  double total_seconds = 0;
+  double load_seconds = 0;
+  double receive_seconds() const { return total_seconds > load_seconds ? total_seconds - load_seconds : 0; }
+};
+
+class CheckpointEngine {
+ public:
+  // Throws Error(kConfig) for a bucket size of 0 or a device this build or machine lacks.
+  explicit CheckpointEngine(EngineOptions options);
+  ~CheckpointEngine();
+  CheckpointEngine(const CheckpointEngine&) = delete;
+  CheckpointEngine& operator=(const CheckpointEngine&) = delete;
+
+  Metadata prepare();
+  void init_source(int worker_rank, int train_world_size, int rollout_world_size,
+                   std::span<const Metadata> metadata);
+  void init_destination(int rollout_rank, int train_world_size, int rollout_world_size,
+                        std::span<const Metadata> metadata);
+  SendStats send(WeightSource& weights);
+  ReceiveStats receive(const BatchLoader& loader);
+  void finalize();
+
+  bool stale() const;
+  uint64_t bucket_bytes() const;
+  const Transport& transport() const;
+
+ private:
+  class Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// The reference's pairing: destination r is fed by source r. Validates the world sizes and
+// the rank, throwing Error(kTopology): T >= 1, R >= 1, 0 <= r < R, T >= R.
+int source_rank_for_destination(int rollout_rank, int train_world_size, int rollout_world_size);
+
+}  // namespace refit

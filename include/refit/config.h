@@ -1,0 +1,92 @@
+// The refit configuration: the reference's keys with their names and meaning, in YAML, with
+// dotted `key=value` overrides. Parsing validates everything that can be checked without
+// peers; each error names the key and the value (Error kind kConfig).
+//
+//   refit_transport: nixl
+//   refit_cfg:
+//     nixl:
+//       update_weights_bucket_memory_ratio: 0.05
+//       device: cpu
+//       backend_name: UCX
+//       backend_init_params: {ucx_error_handling_mode: peer}
+//       release_after_refit: false
+//       shard_expert_weights: false
+//       bucket_bytes: null        # refit extension
+//       timeout_s: 300           # refit extension
+//
+// The keys may also sit under `policy.generation`, as in a NeMo RL config. Two layouts:
+//  * refit layout (no `policy` key at the root): the root holds only refit_transport and
+//    refit_cfg; any other root key is an error, so a typo is never silently ignored.
+//  * NeMo RL layout (a `policy` key at the root): the file is a whole NeMo RL run config, so
+//    every key outside policy.generation (grpo, cluster, ...) and NeMo's own keys inside it
+//    (backend, colocated, vllm_cfg, ...) are ignored; `defaults:` is not followed. refit_transport
+//    or refit_cfg at the root of such a file is an error (which one would win is unclear).
+// In both, refit_cfg holds only the `nixl` scope and refit_cfg.nixl only the keys below.
+// An absent refit_transport means "nixl"; an explicit null (the reference's default, refit
+// without a checkpoint engine) is an error, as is any transport other than "nixl".
+// Quoted scalars are strings: `release_after_refit: "true"` is rejected, not coerced.
+// docs/CONFIG.md lists every key, its validation and the differences from the reference.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace refit {
+
+// Where transfer buffers live: "cpu", "cuda" (current device) or "cuda:N".
+struct Device {
+  enum class Kind { kCpu, kCuda };
+  Kind kind = Kind::kCpu;
+  int index = -1;  // -1: the current CUDA device
+  bool operator==(const Device&) const = default;
+};
+
+// Throws Error(kConfig) naming `key` when `text` is not cpu, cuda or cuda:N.
+Device parse_device(std::string_view text, std::string_view key = "device");
+std::string to_string(const Device& device);
+
+struct RefitConfig {
+  // The checkpoint-engine transport. "nixl" (the staged, paired checkpoint engine) is the
+  // only one refit implements; its scope is refit_cfg.nixl.
+  std::string refit_transport = "nixl";
+  // Fraction of the smallest worker's total memory used by EACH of the two transfer buffers;
+  // strictly between 0 and 0.5, since two buffers must fit.
+  double update_weights_bucket_memory_ratio = 0.05;
+  // Transfer-buffer device. The reference defaults to cuda; refit defaults to cpu so that a
+  // machine without a GPU works out of the box.
+  Device device;
+  // Transport backend plugin: "UCX".
+  std::string backend_name = "UCX";
+  // Passed to the backend, values as strings (the reference converts them with str()).
+  std::map<std::string, std::string> backend_init_params;
+  // Deregister and free the transfer buffers after every refit; prepare() allocates again.
+  bool release_after_refit = false;
+  // Send each destination only its expert shards and pipeline stage.
+  bool shard_expert_weights = false;
+  // refit extension: a fixed bucket size in bytes, instead of the memory ratio.
+  std::optional<uint64_t> bucket_bytes;
+  // refit extension: the deadline, in seconds, of every wait of one refit phase.
+  double timeout_s = 300.0;
+
+  bool operator==(const RefitConfig&) const = default;
+};
+
+// Parses YAML text then applies overrides ("refit_cfg.nixl.device=cpu"; a key without a dot
+// prefix that belongs to the nixl scope, such as "device=cpu", is accepted too, and so are the
+// prefix "policy.generation.", Hydra's leading "+"/"++" and "backend_init_params.<param>=v").
+// An override's value is parsed as YAML ("null" resets bucket_bytes); values are validated
+// after all overrides are applied, so an override may fix a bad value in the file.
+RefitConfig parse_config(std::string_view yaml_text, std::span<const std::string> overrides = {});
+
+// Reads the YAML file (empty path: defaults only) and applies overrides.
+RefitConfig load_config(const std::string& yaml_path, std::span<const std::string> overrides = {});
+
+// YAML that parse_config reads back to the same config.
+std::string to_yaml(const RefitConfig& config);
+
+}  // namespace refit

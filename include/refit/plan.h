@@ -1,0 +1,68 @@
+// Chunk planning: how a stream of tensors is laid out in fixed-size buckets.
+//
+// Rules (the reference's, with its quirks fixed):
+//  - a tensor larger than what is left of the bucket starts a new bucket; one larger than a
+//    bucket is split into chunks of whole elements (byte-granular only when a bucket is smaller
+//    than one element);
+//  - a chunk's offset inside its bucket is aligned to its element size, so the receiver can view
+//    it as typed memory;
+//  - a zero-byte tensor gets a zero-byte chunk, so its name is delivered;
+//  - a name seen twice in one refit is an error, not an overwrite.
+// The packer is incremental so that a source can pack while it iterates; plan_buckets runs the
+// same packer over a whole list (for `refit plan` and tests). Same input, same plan: a refit of
+// the same model replays the same manifests.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <unordered_set>
+#include <vector>
+
+#include "refit/tensor.h"
+
+namespace refit {
+
+struct ChunkPlacement {
+  uint64_t tensor_offset = 0;  // byte offset of this chunk within its tensor
+  uint64_t size = 0;           // bytes
+  uint64_t bucket_offset = 0;  // byte offset within the bucket
+  bool starts_bucket = false;  // the bucket before this chunk must be flushed first
+};
+
+class BucketPacker {
+ public:
+  explicit BucketPacker(uint64_t bucket_bytes);  // throws Error(kInvalidArgument) for 0
+
+  // Places the next tensor; throws Error(kInvalidArgument) for a repeated name.
+  std::vector<ChunkPlacement> place(const TensorInfo& tensor);
+
+  uint64_t bucket_bytes() const { return bucket_bytes_; }
+
+ private:
+  uint64_t bucket_bytes_;
+  uint64_t offset_ = 0;
+  bool bucket_has_chunks_ = false;
+  std::unordered_set<std::string> names_;
+};
+
+struct PlannedChunk {
+  uint32_t tensor = 0;  // index into the planned tensor list
+  ChunkPlacement placement;
+};
+
+struct PlannedBucket {
+  std::vector<PlannedChunk> chunks;
+  uint64_t used_bytes = 0;
+};
+
+struct BucketPlan {
+  uint64_t bucket_bytes = 0;
+  std::vector<PlannedBucket> buckets;  // an empty stream has one empty bucket
+  uint64_t payload_bytes = 0;          // sum of tensor sizes
+  uint64_t transferred_bytes = 0;      // sum of used bucket bytes (padding included)
+};
+
+BucketPlan plan_buckets(std::span<const TensorInfo> tensors, uint64_t bucket_bytes);
+
+}  // namespace refit

@@ -1,0 +1,75 @@
+// The interface every transport backend implements (UCX, in-process; CUDA IPC and NCCL later).
+// A transport moves bytes between processes and nothing else: it knows no models, layouts or
+// buckets. The engine above it uses three services:
+//   - memory: register a buffer so that peers can read it one-sided;
+//   - peers: an opaque address blob goes into metadata; connect() turns a peer's blob into a PeerId;
+//   - data and control: read() pulls bytes from a peer's registered region into local memory;
+//     send()/receive() carry small control messages, ordered per peer pair.
+// All blocking calls take a deadline and throw Error(kTimeout) past it, Error(kPeerLost) when
+// the peer went away, Error(kTransport) for other failures; messages name the peer's label.
+// A transport instance is used by one engine thread at a time; backends may run internal
+// progress threads.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "refit/deadline.h"
+
+namespace refit {
+
+using Bytes = std::vector<uint8_t>;
+using RegionId = uint64_t;
+using PeerId = uint64_t;
+
+// What a peer needs to read a registered region: its address in the owner's address space,
+// its length and the backend's packed access key. Serialized into metadata.
+struct RemoteRegion {
+  uint64_t address = 0;
+  uint64_t length = 0;
+  Bytes key;
+};
+
+class Transport {
+ public:
+  virtual ~Transport() = default;
+
+  // "UCX", "INPROC", ...
+  virtual std::string name() const = 0;
+
+  // Registers [base, base + bytes) for one-sided reads by peers and for local use as a read
+  // target. The memory stays owned by the caller and must outlive the registration.
+  virtual RegionId register_memory(void* base, size_t bytes) = 0;
+  virtual RemoteRegion describe(RegionId region) const = 0;
+  virtual void deregister_memory(RegionId region) = 0;
+
+  // This endpoint's address, to be carried to peers inside metadata.
+  virtual Bytes address() const = 0;
+
+  // Connects to a peer from its address. `label` names the peer in errors ("source rank 3").
+  virtual PeerId connect(std::span<const uint8_t> peer_address, const std::string& label) = 0;
+  virtual void disconnect(PeerId peer) = 0;
+
+  // Copies `length` bytes at `remote_offset` of the peer's region into `local`, which lies
+  // inside `local_region`. Returns when the bytes are in local memory.
+  virtual void read(PeerId peer, const RemoteRegion& remote, uint64_t remote_offset, void* local,
+                    RegionId local_region, uint64_t length, Deadline deadline) = 0;
+
+  // Sends one control message; messages from one endpoint to another arrive in order, whole.
+  virtual void send(PeerId peer, std::span<const uint8_t> message, Deadline deadline) = 0;
+
+  // Waits for the next control message from `peer`.
+  virtual Bytes receive(PeerId peer, Deadline deadline) = 0;
+};
+
+// Backend selection by `backend_name` with its `backend_init_params`. Throws Error(kConfig) for
+// an unknown name or parameter.
+std::unique_ptr<Transport> create_transport(const std::string& backend_name,
+                                            const std::map<std::string, std::string>& init_params);
+
+}  // namespace refit

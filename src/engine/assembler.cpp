@@ -1,0 +1,69 @@
+#include "engine/assembler.h"
+
+#include <cstring>
+
+#include "core/fail.h"
+
+namespace refit {
+
+std::vector<TensorView> TensorAssembler::add_bucket(const protocol::BucketReady& bucket, const std::byte* data,
+                                                    const std::string& who) {
+  batch_infos_.clear();
+  batch_merged_.clear();
+  std::vector<TensorView> out;
+  for (const auto& e : bucket.entries) {
+    const uint64_t nbytes = e.tensor.nbytes();
+    const bool whole = e.tensor_offset == 0 && e.size == nbytes;
+    if (merging_ && (whole || merging_->info.name != e.tensor.name))
+      fail(ErrorKind::kProtocol, "bucket {} from {}: tensor '{}' arrived while '{}' had only {} of {} bytes", bucket.seq,
+           who, e.tensor.name, merging_->info.name, merging_->received, merging_->data.size());
+    if (!merging_ && !whole && e.tensor_offset != 0)
+      fail(ErrorKind::kProtocol, "bucket {} from {}: tensor '{}' starts at byte {}, not 0", bucket.seq, who,
+           e.tensor.name, e.tensor_offset);
+    if (!merging_ && names_.count(e.tensor.name))
+      fail(ErrorKind::kProtocol, "bucket {} from {}: tensor '{}' delivered twice in one refit", bucket.seq, who,
+           e.tensor.name);
+
+    if (whole) {
+      names_.insert(e.tensor.name);
+      out.push_back({&e.tensor, data + e.bucket_offset, MemoryKind::kHost});
+      continue;
+    }
+    if (!merging_) {
+      merging_.emplace();
+      merging_->info = e.tensor;
+      merging_->data.resize(nbytes);
+    } else if (merging_->info != e.tensor) {
+      fail(ErrorKind::kProtocol, "bucket {} from {}: chunks of '{}' disagree on dtype or shape", bucket.seq, who,
+           e.tensor.name);
+    }
+    if (e.tensor_offset != merging_->received)
+      fail(ErrorKind::kProtocol, "bucket {} from {}: chunk of '{}' at byte {}, expected byte {}", bucket.seq, who,
+           e.tensor.name, e.tensor_offset, merging_->received);
+    std::memcpy(merging_->data.data() + e.tensor_offset, data + e.bucket_offset, e.size);
+    merging_->received += e.size;
+    if (merging_->received == nbytes) {
+      names_.insert(e.tensor.name);
+      batch_infos_.push_back(std::move(merging_->info));
+      batch_merged_.push_back(std::move(merging_->data));
+      out.push_back({&batch_infos_.back(), batch_merged_.back().data(), MemoryKind::kHost});
+      merging_.reset();
+    }
+  }
+  return out;
+}
+
+void TensorAssembler::finish(const std::string& who) const {
+  if (merging_)
+    fail(ErrorKind::kProtocol, "refit from {} ended with tensor '{}' incomplete ({} of {} bytes)", who,
+         merging_->info.name, merging_->received, merging_->data.size());
+}
+
+void TensorAssembler::reset() {
+  merging_.reset();
+  names_.clear();
+  batch_infos_.clear();
+  batch_merged_.clear();
+}
+
+}  // namespace refit

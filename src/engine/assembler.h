@@ -1,0 +1,47 @@
+// Turns received buckets back into whole tensors. A tensor that fits one chunk is handed out
+// as a zero-copy view into the transfer buffer; a tensor split over buckets is copied into an
+// owned buffer chunk by chunk and handed out when its last chunk arrives. Chunks of a split
+// tensor must arrive consecutively and in order, which is how every source packs them.
+#pragma once
+
+#include <cstddef>
+#include <deque>
+#include <optional>
+#include <string>
+#include <unordered_set>
+#include <vector>
+
+#include "engine/protocol.h"
+#include "refit/tensor.h"
+
+namespace refit {
+
+class TensorAssembler {
+ public:
+  // Returns the tensors completed by this bucket, in bucket order. Views stay valid until the
+  // next add_bucket() or reset(). `bucket` holds the bucket's used bytes.
+  std::vector<TensorView> add_bucket(const protocol::BucketReady& bucket, const std::byte* data,
+                                     const std::string& who);
+
+  // At the end of a refit: throws Error(kProtocol) if a split tensor is incomplete.
+  void finish(const std::string& who) const;
+
+  // Forgets everything, for the next refit.
+  void reset();
+
+  uint64_t tensors_completed() const { return names_.size(); }
+
+ private:
+  struct Merge {
+    TensorInfo info;
+    std::vector<std::byte> data;
+    uint64_t received = 0;
+  };
+  std::optional<Merge> merging_;
+  std::unordered_set<std::string> names_;  // tensors delivered this refit
+  // Storage behind the views of the latest batch.
+  std::deque<TensorInfo> batch_infos_;
+  std::vector<std::vector<std::byte>> batch_merged_;
+};
+
+}  // namespace refit

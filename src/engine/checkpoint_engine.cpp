@@ -1,0 +1,374 @@
+#include "refit/checkpoint_engine.h"
+
+#include <spdlog/spdlog.h>
+
+#include <cstring>
+#include <random>
+
+#include "core/fail.h"
+#include "engine/assembler.h"
+#include "engine/protocol.h"
+#include "refit/memory.h"
+#include "refit/plan.h"
+
+namespace refit {
+namespace {
+
+using Seconds = std::chrono::duration<double>;
+
+constexpr int kBufferCount = 2;
+// An abort is a courtesy to the peer; it must never hold up reporting our own error.
+constexpr Seconds kAbortTimeout{2.0};
+
+double seconds_since(Clock::time_point start) { return Seconds(Clock::now() - start).count(); }
+
+// Runs `body`; a refit::Error escaping it gets `context` in front of its message.
+template <typename F>
+auto in_phase(const std::string& context, F&& body) {
+  try {
+    return body();
+  } catch (const Error& e) {
+    throw Error(e.kind(), context + ": " + e.what());
+  }
+}
+
+}  // namespace
+
+SessionId new_session_id() {
+  std::random_device rd;
+  SessionId id;
+  for (auto& b : id) b = static_cast<uint8_t>(rd());
+  return id;
+}
+
+int source_rank_for_destination(int rollout_rank, int train_world_size, int rollout_world_size) {
+  if (train_world_size < 1) fail(ErrorKind::kTopology, "train_world_size must be >= 1, got {}", train_world_size);
+  if (rollout_world_size < 1) fail(ErrorKind::kTopology, "rollout_world_size must be >= 1, got {}", rollout_world_size);
+  if (rollout_rank < 0 || rollout_rank >= rollout_world_size)
+    fail(ErrorKind::kTopology, "rollout_rank must be in [0, {}), got {}", rollout_world_size, rollout_rank);
+  if (train_world_size < rollout_world_size)
+    fail(ErrorKind::kTopology,
+         "paired refit needs train_world_size >= rollout_world_size (every destination needs its own source), got {} < {}",
+         train_world_size, rollout_world_size);
+  return rollout_rank;
+}
+
+class CheckpointEngine::Impl {
+ public:
+  explicit Impl(EngineOptions options) : options_(std::move(options)) {
+    if (options_.bucket_bytes == 0) fail(ErrorKind::kConfig, "bucket size must be at least 1 byte");
+    if (options_.config.device.kind != Device::Kind::kCpu)
+      fail(ErrorKind::kUnsupported,
+           "refit_cfg.nixl.device: '{}' needs the CUDA data path, which this build does not have; use device=cpu",
+           to_string(options_.config.device));
+    transport_ = options_.transport ? options_.transport
+                                    : std::shared_ptr<Transport>(create_transport(options_.config.backend_name,
+                                                                                  options_.config.backend_init_params));
+  }
+
+  ~Impl() {
+    try {
+      disconnect();
+      release_buffers();
+    } catch (const std::exception& e) {
+      spdlog::warn("checkpoint engine teardown: {}", e.what());
+    }
+  }
+
+  Metadata prepare() {
+    if (!prepared_) {
+      for (int i = 0; i < kBufferCount; ++i) {
+        buffers_[i] = HostBuffer(options_.bucket_bytes);
+        regions_[i] = transport_->register_memory(buffers_[i].data(), buffers_[i].size());
+      }
+      prepared_ = true;
+    }
+    protocol::EngineMetadata md;
+    md.session = options_.session;
+    md.model_fingerprint = options_.model_fingerprint;
+    md.bucket_bytes = options_.bucket_bytes;
+    md.transport_name = transport_->name();
+    md.transport_address = transport_->address();
+    for (int i = 0; i < kBufferCount; ++i) md.buffers.push_back(transport_->describe(regions_[i]));
+    return protocol::encode(md);
+  }
+
+  void init_source(int worker_rank, int train, int rollout, std::span<const Metadata> metadata) {
+    std::string self = fmt::format("source rank {}", worker_rank);
+    in_phase(self + ", init", [&] {
+      disconnect();
+      if (worker_rank < 0 || worker_rank >= train)
+        fail(ErrorKind::kTopology, "worker_rank must be in [0, {}), got {}", train, worker_rank);
+      check_group(train, rollout, metadata);
+      // Validate the whole pairing, so that every source agrees on it, then find our peer.
+      for (int r = 0; r < rollout; ++r) source_rank_for_destination(r, train, rollout);
+      if (worker_rank < rollout) connect_peer(metadata, train + worker_rank, fmt::format("destination rank {}", worker_rank));
+    });
+    self_ = self;
+  }
+
+  void init_destination(int rollout_rank, int train, int rollout, std::span<const Metadata> metadata) {
+    std::string self = fmt::format("destination rank {}", rollout_rank);
+    in_phase(self + ", init", [&] {
+      disconnect();
+      check_group(train, rollout, metadata);
+      int source = source_rank_for_destination(rollout_rank, train, rollout);
+      connect_peer(metadata, source, fmt::format("source rank {}", source));
+    });
+    self_ = self;
+    is_destination_ = true;
+  }
+
+  SendStats send(WeightSource& weights) {
+    SendStats stats;
+    const auto start = Clock::now();
+    const uint64_t refit = ++refit_count_;
+    if (!has_peer_) {
+      // A source without a destination still drains its stream: real weight iterators run
+      // collectives that every rank must enter.
+      TensorView view;
+      while (weights.next(&view)) ++stats.tensors;
+      stats.seconds = seconds_since(start);
+      return stats;
+    }
+    stats.had_peer = true;
+    std::string phase = "pack";
+    try {
+      run_send(weights, refit, stats, phase);
+    } catch (const Error& e) {
+      abort_peer(refit, e.what());
+      throw Error(e.kind(), fmt::format("{}, refit {}, phase {}: {}", self_, refit, phase, e.what()));
+    } catch (const std::exception& e) {
+      // The weight iterator (caller code) failed.
+      abort_peer(refit, e.what());
+      throw Error(ErrorKind::kInvalidArgument, fmt::format("{}, refit {}, phase {}: weight stream failed: {}", self_, refit, phase, e.what()));
+    }
+    stats.seconds = seconds_since(start);
+    return stats;
+  }
+
+  ReceiveStats receive(const BatchLoader& loader) {
+    stale_ = true;
+    ReceiveStats stats;
+    const auto start = Clock::now();
+    const uint64_t refit = ++refit_count_;
+    if (!has_peer_)
+      fail(ErrorKind::kTopology, "{}: receive() before init_destination(): the destination is not connected to a source",
+           self_.empty() ? "destination" : self_);
+    std::string phase = "wait for bucket 0";
+    try {
+      run_receive(loader, refit, stats, phase);
+    } catch (const std::exception& e) {
+      abort_peer(refit, e.what());
+      ErrorKind kind = ErrorKind::kInvalidArgument;  // the loader (caller code) failed
+      if (const auto* err = dynamic_cast<const Error*>(&e)) kind = err->kind();
+      spdlog::error("{} is stale: refit {} failed in phase {}: {}", self_, refit, phase, e.what());
+      throw Error(kind, fmt::format("{}, refit {}, phase {}: {}", self_, refit, phase, e.what()));
+    }
+    stats.total_seconds = seconds_since(start);
+    stale_ = false;
+    spdlog::info("[vLLM refit] Loaded {} tensors in {} batches via checkpoint engine; bytes={:.2f}GiB total={:.2f}s receive={:.2f}s load={:.2f}s",
+                 stats.tensors, stats.batches, stats.payload_bytes / double(1ull << 30), stats.total_seconds,
+                 stats.receive_seconds(), stats.load_seconds);
+    return stats;
+  }
+
+  void finalize() {
+    disconnect();
+    if (options_.config.release_after_refit) release_buffers();
+  }
+
+  bool stale() const { return is_destination_ && stale_; }
+  uint64_t bucket_bytes() const { return options_.bucket_bytes; }
+  const Transport& transport() const { return *transport_; }
+
+ private:
+  Deadline next_deadline() const { return deadline_after(Seconds(options_.config.timeout_s)); }
+
+  void check_group(int train, int rollout, std::span<const Metadata> metadata) {
+    if (!prepared_) fail(ErrorKind::kInvalidArgument, "prepare() must run before init (buffers are not registered)");
+    if (train < 1 || rollout < 1)
+      fail(ErrorKind::kTopology, "world sizes must be >= 1, got train_world_size={} rollout_world_size={}", train, rollout);
+    if (metadata.size() != static_cast<size_t>(train + rollout))
+      fail(ErrorKind::kTopology, "got {} metadata entries for train_world_size={} + rollout_world_size={}",
+           metadata.size(), train, rollout);
+  }
+
+  // Decodes a peer's metadata, refuses it unless it belongs to the same group, model and bucket
+  // size, and connects.
+  void connect_peer(std::span<const Metadata> metadata, int index, const std::string& label) {
+    auto md = protocol::decode_metadata(metadata[index], "metadata of " + label);
+    if (md.session != options_.session)
+      fail(ErrorKind::kProtocol, "metadata of {} comes from another refit session (stale or foreign metadata)", label);
+    if (options_.model_fingerprint != 0 && md.model_fingerprint != 0 && md.model_fingerprint != options_.model_fingerprint)
+      fail(ErrorKind::kProtocol, "metadata of {} describes another model (fingerprint {:016x}, ours {:016x})", label,
+           md.model_fingerprint, options_.model_fingerprint);
+    if (md.bucket_bytes != options_.bucket_bytes)
+      fail(ErrorKind::kProtocol, "{} uses {}-byte buckets, this engine {}", label, md.bucket_bytes, options_.bucket_bytes);
+    if (md.transport_name != transport_->name())
+      fail(ErrorKind::kProtocol, "{} uses transport '{}', this engine '{}'", label, md.transport_name, transport_->name());
+    peer_ = transport_->connect(md.transport_address, label);
+    peer_metadata_ = std::move(md);
+    peer_label_ = label;
+    has_peer_ = true;
+    refit_count_ = 0;
+  }
+
+  void disconnect() {
+    if (!has_peer_) return;
+    has_peer_ = false;
+    transport_->disconnect(peer_);
+  }
+
+  void release_buffers() {
+    if (!prepared_) return;
+    for (int i = 0; i < kBufferCount; ++i) {
+      transport_->deregister_memory(regions_[i]);
+      buffers_[i] = HostBuffer();
+    }
+    prepared_ = false;
+  }
+
+  protocol::Message receive_message(const std::string& expecting) {
+    Bytes bytes = transport_->receive(peer_, next_deadline());
+    auto msg = protocol::decode_message(bytes, peer_label_);
+    if (msg.type == protocol::MessageType::kAbort)
+      fail(ErrorKind::kTransport, "{} aborted the refit while we waited for {}: {}", peer_label_, expecting, msg.abort.reason);
+    return msg;
+  }
+
+  void abort_peer(uint64_t refit, const std::string& reason) noexcept {
+    if (!has_peer_) return;
+    try {
+      transport_->send(peer_, protocol::encode(protocol::Abort{refit, reason}), deadline_after(kAbortTimeout));
+    } catch (const std::exception&) {
+      // The peer may be the reason we are aborting.
+    }
+  }
+
+  void wait_done(uint64_t refit, uint64_t seq, std::string& phase) {
+    phase = fmt::format("wait for {} to read bucket {}", peer_label_, seq);
+    auto msg = receive_message(fmt::format("bucket {} done", seq));
+    if (msg.type != protocol::MessageType::kBucketDone || msg.done.refit != refit || msg.done.seq != seq)
+      fail(ErrorKind::kProtocol, "{} sent an unexpected message (type {}, refit {}, bucket {}) instead of 'bucket {} done'",
+           peer_label_, static_cast<int>(msg.type), msg.done.refit, msg.done.seq, seq);
+  }
+
+  void run_send(WeightSource& weights, uint64_t refit, SendStats& stats, std::string& phase) {
+    BucketPacker packer(options_.bucket_bytes);
+    protocol::BucketReady bucket;
+    bucket.refit = refit;
+    std::optional<uint64_t> unacknowledged;
+
+    auto flush = [&](bool is_last) {
+      if (unacknowledged) wait_done(refit, *unacknowledged, phase);
+      bucket.is_last = is_last;
+      phase = fmt::format("announce bucket {}", bucket.seq);
+      transport_->send(peer_, protocol::encode(bucket), next_deadline());
+      unacknowledged = bucket.seq;
+      ++stats.buckets;
+      bucket.seq++;
+      bucket.buffer ^= 1;
+      bucket.entries.clear();
+      bucket.used_bytes = 0;
+    };
+
+    TensorView view;
+    while (true) {
+      phase = fmt::format("pack bucket {}", bucket.seq);
+      if (!weights.next(&view)) break;
+      if (view.info == nullptr) fail(ErrorKind::kInvalidArgument, "the weight stream yielded a tensor without metadata");
+      const TensorInfo& info = *view.info;
+      const uint64_t nbytes = info.nbytes();
+      if (nbytes > 0 && view.data == nullptr)
+        fail(ErrorKind::kInvalidArgument, "tensor '{}' ({} bytes) has no data pointer", info.name, nbytes);
+      if (view.memory != MemoryKind::kHost)
+        fail(ErrorKind::kUnsupported, "tensor '{}' is in GPU memory, which this build cannot read", info.name);
+      for (const ChunkPlacement& c : packer.place(info)) {
+        if (c.starts_bucket) flush(false);
+        std::memcpy(buffers_[bucket.buffer].data() + c.bucket_offset, view.data + c.tensor_offset, c.size);
+        bucket.entries.push_back({info, c.tensor_offset, c.size, c.bucket_offset});
+        bucket.used_bytes = c.bucket_offset + c.size;
+      }
+      ++stats.tensors;
+      stats.payload_bytes += nbytes;
+    }
+    flush(true);
+    wait_done(refit, *unacknowledged, phase);
+  }
+
+  void run_receive(const BatchLoader& loader, uint64_t refit, ReceiveStats& stats, std::string& phase) {
+    assembler_.reset();
+    for (uint64_t seq = 0;; ++seq) {
+      phase = fmt::format("wait for bucket {}", seq);
+      auto msg = receive_message(fmt::format("bucket {}", seq));
+      if (msg.type != protocol::MessageType::kBucketReady || msg.ready.refit != refit || msg.ready.seq != seq)
+        fail(ErrorKind::kProtocol, "{} sent an unexpected message (type {}, refit {}, bucket {}) instead of bucket {} of refit {}",
+             peer_label_, static_cast<int>(msg.type), msg.ready.refit, msg.ready.seq, seq, refit);
+      const auto& bucket = msg.ready;
+      protocol::validate(bucket, options_.bucket_bytes, peer_label_);
+
+      phase = fmt::format("read bucket {}", seq);
+      const int local = static_cast<int>(seq % kBufferCount);
+      if (bucket.used_bytes > 0)
+        transport_->read(peer_, peer_metadata_.buffers[bucket.buffer], 0, buffers_[local].data(), regions_[local],
+                         bucket.used_bytes, next_deadline());
+      stats.wire_bytes += bucket.used_bytes;
+      ++stats.buckets;
+      // The source may refill its buffer as soon as the bytes are here, while we load.
+      transport_->send(peer_, protocol::encode(protocol::BucketDone{refit, seq}), next_deadline());
+
+      phase = fmt::format("assemble bucket {}", seq);
+      auto batch = assembler_.add_bucket(bucket, buffers_[local].data(), peer_label_);
+      if (!batch.empty()) {
+        phase = fmt::format("load bucket {}", seq);
+        const auto load_start = Clock::now();
+        loader(batch);
+        stats.load_seconds += seconds_since(load_start);
+        ++stats.batches;
+        stats.tensors += batch.size();
+        for (const auto& v : batch) stats.payload_bytes += v.info->nbytes();
+      }
+      if (bucket.is_last) {
+        assembler_.finish(peer_label_);
+        return;
+      }
+    }
+  }
+
+  EngineOptions options_;
+  std::shared_ptr<Transport> transport_;
+  HostBuffer buffers_[kBufferCount];
+  RegionId regions_[kBufferCount] = {};
+  bool prepared_ = false;
+
+  std::string self_;
+  bool is_destination_ = false;
+  bool has_peer_ = false;
+  PeerId peer_ = 0;
+  std::string peer_label_;
+  protocol::EngineMetadata peer_metadata_;
+  uint64_t refit_count_ = 0;
+  bool stale_ = true;
+  TensorAssembler assembler_;
+};
+
+CheckpointEngine::CheckpointEngine(EngineOptions options) : impl_(std::make_unique<Impl>(std::move(options))) {}
+CheckpointEngine::~CheckpointEngine() = default;
+Metadata CheckpointEngine::prepare() { return impl_->prepare(); }
+void CheckpointEngine::init_source(int worker_rank, int train_world_size, int rollout_world_size,
+                                   std::span<const Metadata> metadata) {
+  impl_->init_source(worker_rank, train_world_size, rollout_world_size, metadata);
+}
+void CheckpointEngine::init_destination(int rollout_rank, int train_world_size, int rollout_world_size,
+                                        std::span<const Metadata> metadata) {
+  impl_->init_destination(rollout_rank, train_world_size, rollout_world_size, metadata);
+}
+SendStats CheckpointEngine::send(WeightSource& weights) { return impl_->send(weights); }
+ReceiveStats CheckpointEngine::receive(const BatchLoader& loader) { return impl_->receive(loader); }
+void CheckpointEngine::finalize() { impl_->finalize(); }
+bool CheckpointEngine::stale() const { return impl_->stale(); }
+uint64_t CheckpointEngine::bucket_bytes() const { return impl_->bucket_bytes(); }
+const Transport& CheckpointEngine::transport() const { return impl_->transport(); }
+
+}  // namespace refit

@@ -1,0 +1,206 @@
+#include "engine/protocol.h"
+
+#include "core/fail.h"
+#include "core/wire.h"
+
+namespace refit::protocol {
+namespace {
+
+constexpr uint32_t kMetadataMagic = 0x4d544652;  // "RFTM"
+constexpr uint32_t kMessageMagic = 0x47534d52;   // "RMSG"
+constexpr uint64_t kMaxRank = 8;                  // dimensions of a tensor shape
+
+void put_tensor(ByteWriter& w, const TensorInfo& t) {
+  w.put_string(t.name);
+  w.put<uint8_t>(static_cast<uint8_t>(t.dtype));
+  w.put<uint64_t>(t.shape.size());
+  for (int64_t d : t.shape) w.put<int64_t>(d);
+}
+
+TensorInfo get_tensor(ByteReader& r) {
+  TensorInfo t;
+  t.name = r.get_string("tensor name");
+  auto code = r.get<uint8_t>("dtype");
+  if (code >= kDTypeCount) fail(ErrorKind::kProtocol, "malformed {}: tensor '{}' has dtype code {}", r.what(), t.name, code);
+  t.dtype = static_cast<DType>(code);
+  uint64_t rank = r.get_count("shape rank", sizeof(int64_t));
+  if (rank > kMaxRank) fail(ErrorKind::kProtocol, "malformed {}: tensor '{}' has {} dimensions", r.what(), t.name, rank);
+  t.shape.resize(rank);
+  for (auto& d : t.shape) {
+    d = r.get<int64_t>("shape");
+    if (d < 0) fail(ErrorKind::kProtocol, "malformed {}: tensor '{}' has a negative dimension", r.what(), t.name);
+  }
+  return t;
+}
+
+// nbytes without overflow: a garbled shape must not wrap around to a small size.
+bool checked_nbytes(const TensorInfo& t, uint64_t* out) {
+  uint64_t n = dtype_size(t.dtype);
+  for (int64_t d : t.shape) {
+    if (d != 0 && n > UINT64_MAX / static_cast<uint64_t>(d)) return false;
+    n *= static_cast<uint64_t>(d);
+  }
+  *out = n;
+  return true;
+}
+
+ByteWriter message_writer(MessageType type) {
+  ByteWriter w;
+  w.put<uint32_t>(kMessageMagic);
+  w.put<uint32_t>(kVersion);
+  w.put<uint8_t>(static_cast<uint8_t>(type));
+  return w;
+}
+
+}  // namespace
+
+Bytes encode(const EngineMetadata& m) {
+  ByteWriter w;
+  w.put<uint32_t>(kMetadataMagic);
+  w.put<uint32_t>(m.version);
+  w.put_bytes(m.session);
+  w.put<uint64_t>(m.model_fingerprint);
+  w.put<uint64_t>(m.bucket_bytes);
+  w.put_string(m.transport_name);
+  w.put_bytes(m.transport_address);
+  w.put<uint64_t>(m.buffers.size());
+  for (const auto& region : m.buffers) {
+    w.put<uint64_t>(region.address);
+    w.put<uint64_t>(region.length);
+    w.put_bytes(region.key);
+  }
+  return w.take();
+}
+
+EngineMetadata decode_metadata(std::span<const uint8_t> blob, const std::string& who) {
+  ByteReader r(blob, who);
+  if (r.get<uint32_t>("magic") != kMetadataMagic)
+    fail(ErrorKind::kProtocol, "{} is not refit engine metadata (bad magic)", who);
+  EngineMetadata m;
+  m.version = r.get<uint32_t>("version");
+  if (m.version != kVersion)
+    fail(ErrorKind::kProtocol, "{} has protocol version {}, this engine speaks {}", who, m.version, kVersion);
+  auto session = r.get_bytes("session");
+  if (session.size() != m.session.size()) fail(ErrorKind::kProtocol, "malformed {}: session id of {} bytes", who, session.size());
+  std::copy(session.begin(), session.end(), m.session.begin());
+  m.model_fingerprint = r.get<uint64_t>("model fingerprint");
+  m.bucket_bytes = r.get<uint64_t>("bucket bytes");
+  m.transport_name = r.get_string("transport name");
+  auto address = r.get_bytes("transport address");
+  m.transport_address.assign(address.begin(), address.end());
+  uint64_t regions = r.get_count("buffer count", 3 * sizeof(uint64_t));
+  if (regions != 2) fail(ErrorKind::kProtocol, "malformed {}: {} transfer buffers, expected 2", who, regions);
+  for (uint64_t i = 0; i < regions; ++i) {
+    RemoteRegion region;
+    region.address = r.get<uint64_t>("buffer address");
+    region.length = r.get<uint64_t>("buffer length");
+    auto key = r.get_bytes("buffer key");
+    region.key.assign(key.begin(), key.end());
+    if (region.length < m.bucket_bytes)
+      fail(ErrorKind::kProtocol, "malformed {}: buffer {} holds {} bytes, less than the bucket size {}", who, i,
+           region.length, m.bucket_bytes);
+    m.buffers.push_back(std::move(region));
+  }
+  r.expect_end();
+  return m;
+}
+
+Bytes encode(const BucketReady& m) {
+  ByteWriter w = message_writer(MessageType::kBucketReady);
+  w.put<uint64_t>(m.refit);
+  w.put<uint64_t>(m.seq);
+  w.put<uint8_t>(m.buffer);
+  w.put<uint8_t>(m.is_last ? 1 : 0);
+  w.put<uint64_t>(m.used_bytes);
+  w.put<uint64_t>(m.entries.size());
+  for (const auto& e : m.entries) {
+    put_tensor(w, e.tensor);
+    w.put<uint64_t>(e.tensor_offset);
+    w.put<uint64_t>(e.size);
+    w.put<uint64_t>(e.bucket_offset);
+  }
+  return w.take();
+}
+
+Bytes encode(const BucketDone& m) {
+  ByteWriter w = message_writer(MessageType::kBucketDone);
+  w.put<uint64_t>(m.refit);
+  w.put<uint64_t>(m.seq);
+  return w.take();
+}
+
+Bytes encode(const Abort& m) {
+  ByteWriter w = message_writer(MessageType::kAbort);
+  w.put<uint64_t>(m.refit);
+  w.put_string(m.reason);
+  return w.take();
+}
+
+Message decode_message(std::span<const uint8_t> bytes, const std::string& who) {
+  ByteReader r(bytes, "message from " + who);
+  if (r.get<uint32_t>("magic") != kMessageMagic) fail(ErrorKind::kProtocol, "garbled message from {} (bad magic)", who);
+  auto version = r.get<uint32_t>("version");
+  if (version != kVersion) fail(ErrorKind::kProtocol, "message from {} has protocol version {}, expected {}", who, version, kVersion);
+  Message msg{};
+  auto type = r.get<uint8_t>("type");
+  switch (static_cast<MessageType>(type)) {
+    case MessageType::kBucketReady: {
+      msg.type = MessageType::kBucketReady;
+      auto& m = msg.ready;
+      m.refit = r.get<uint64_t>("refit");
+      m.seq = r.get<uint64_t>("seq");
+      m.buffer = r.get<uint8_t>("buffer");
+      auto last = r.get<uint8_t>("is_last");
+      if (last > 1) fail(ErrorKind::kProtocol, "garbled message from {}: is_last = {}", who, last);
+      m.is_last = last == 1;
+      m.used_bytes = r.get<uint64_t>("used bytes");
+      // Smallest entry: empty name, dtype, rank 0, three offsets.
+      uint64_t n = r.get_count("entry count", 8 + 1 + 8 + 24);
+      m.entries.reserve(n);
+      for (uint64_t i = 0; i < n; ++i) {
+        ManifestEntry e;
+        e.tensor = get_tensor(r);
+        e.tensor_offset = r.get<uint64_t>("tensor offset");
+        e.size = r.get<uint64_t>("chunk size");
+        e.bucket_offset = r.get<uint64_t>("bucket offset");
+        m.entries.push_back(std::move(e));
+      }
+      break;
+    }
+    case MessageType::kBucketDone:
+      msg.type = MessageType::kBucketDone;
+      msg.done.refit = r.get<uint64_t>("refit");
+      msg.done.seq = r.get<uint64_t>("seq");
+      break;
+    case MessageType::kAbort:
+      msg.type = MessageType::kAbort;
+      msg.abort.refit = r.get<uint64_t>("refit");
+      msg.abort.reason = r.get_string("reason");
+      break;
+    default:
+      fail(ErrorKind::kProtocol, "garbled message from {}: unknown message type {}", who, type);
+  }
+  r.expect_end();
+  return msg;
+}
+
+void validate(const BucketReady& m, uint64_t bucket_bytes, const std::string& who) {
+  if (m.buffer > 1) fail(ErrorKind::kProtocol, "bucket {} from {} names buffer {}", m.seq, who, m.buffer);
+  if (m.used_bytes > bucket_bytes)
+    fail(ErrorKind::kProtocol, "bucket {} from {} uses {} bytes, more than the bucket size {}", m.seq, who, m.used_bytes,
+         bucket_bytes);
+  for (const auto& e : m.entries) {
+    uint64_t nbytes = 0;
+    if (!checked_nbytes(e.tensor, &nbytes))
+      fail(ErrorKind::kProtocol, "bucket {} from {}: tensor '{}' has an impossible shape {}", m.seq, who, e.tensor.name,
+           shape_string(e.tensor.shape));
+    if (e.size > nbytes || e.tensor_offset > nbytes - e.size)
+      fail(ErrorKind::kProtocol, "bucket {} from {}: chunk [{}, +{}) lies outside tensor '{}' of {} bytes", m.seq, who,
+           e.tensor_offset, e.size, e.tensor.name, nbytes);
+    if (e.bucket_offset > m.used_bytes || e.size > m.used_bytes - e.bucket_offset)
+      fail(ErrorKind::kProtocol, "bucket {} from {}: chunk of '{}' at [{}, +{}) lies outside the {} used bytes", m.seq,
+           who, e.tensor.name, e.bucket_offset, e.size, m.used_bytes);
+  }
+}
+
+}  // namespace refit::protocol

@@ -1,0 +1,78 @@
+// What engines say to each other: the metadata blob of prepare(), and the control messages of a
+// refit (bucket ready, bucket done, abort). Decoding validates every field; anything malformed
+// or inconsistent is Error(kProtocol) naming the peer, the message and the field.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "refit/checkpoint_engine.h"
+#include "refit/tensor.h"
+#include "refit/transport.h"
+
+namespace refit::protocol {
+
+inline constexpr uint32_t kVersion = 1;
+
+struct EngineMetadata {
+  uint32_t version = kVersion;
+  SessionId session{};
+  uint64_t model_fingerprint = 0;
+  uint64_t bucket_bytes = 0;
+  std::string transport_name;
+  Bytes transport_address;
+  std::vector<RemoteRegion> buffers;  // the two transfer buffers
+};
+
+Bytes encode(const EngineMetadata& metadata);
+// `who` names the blob's owner in errors ("metadata of source rank 1").
+EngineMetadata decode_metadata(std::span<const uint8_t> blob, const std::string& who);
+
+// One chunk of a bucket, with the whole tensor's description so the receiver can reassemble.
+struct ManifestEntry {
+  TensorInfo tensor;
+  uint64_t tensor_offset = 0;
+  uint64_t size = 0;
+  uint64_t bucket_offset = 0;
+};
+
+enum class MessageType : uint8_t { kBucketReady = 1, kBucketDone = 2, kAbort = 3 };
+
+struct BucketReady {
+  uint64_t refit = 0;  // refit sequence number since connect
+  uint64_t seq = 0;    // bucket number within the refit
+  uint8_t buffer = 0;  // which of the source's two buffers holds it
+  bool is_last = false;
+  uint64_t used_bytes = 0;  // only this prefix of the buffer is read
+  std::vector<ManifestEntry> entries;
+};
+
+struct BucketDone {
+  uint64_t refit = 0;
+  uint64_t seq = 0;
+};
+
+struct Abort {
+  uint64_t refit = 0;
+  std::string reason;
+};
+
+struct Message {
+  MessageType type;
+  BucketReady ready;
+  BucketDone done;
+  Abort abort;
+};
+
+Bytes encode(const BucketReady& m);
+Bytes encode(const BucketDone& m);
+Bytes encode(const Abort& m);
+Message decode_message(std::span<const uint8_t> bytes, const std::string& who);
+
+// Checks a bucket against the receiver's bucket size: buffer index, used bytes, and every
+// entry's ranges (inside the bucket, inside the tensor, sizes matching dtype x shape).
+void validate(const BucketReady& m, uint64_t bucket_bytes, const std::string& who);
+
+}  // namespace refit::protocol

@@ -1,0 +1,165 @@
+#include "transport/inproc/inproc_transport.h"
+
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <mutex>
+
+#include "core/fail.h"
+
+namespace refit {
+
+struct InProcRegion {
+  std::byte* base = nullptr;
+  size_t bytes = 0;
+};
+
+struct InProcEndpoint {
+  std::map<RegionId, InProcRegion> regions;
+  std::map<uint64_t, std::deque<Bytes>> inbox;  // by sender endpoint id
+};
+
+class InProcFabric {
+ public:
+  std::mutex mutex;
+  std::condition_variable changed;
+  std::map<uint64_t, InProcEndpoint> endpoints;  // live endpoints by id
+  uint64_t next_id = 1;
+};
+
+namespace {
+
+Bytes id_bytes(uint64_t id) {
+  Bytes b(sizeof(id));
+  std::memcpy(b.data(), &id, sizeof(id));
+  return b;
+}
+
+uint64_t id_from(std::span<const uint8_t> b, const char* what) {
+  if (b.size() != sizeof(uint64_t)) fail(ErrorKind::kProtocol, "malformed in-process {} ({} bytes)", what, b.size());
+  uint64_t id;
+  std::memcpy(&id, b.data(), sizeof(id));
+  return id;
+}
+
+class InProcTransport final : public Transport {
+ public:
+  explicit InProcTransport(std::shared_ptr<InProcFabric> fabric) : fabric_(std::move(fabric)) {
+    std::lock_guard lock(fabric_->mutex);
+    id_ = fabric_->next_id++;
+    fabric_->endpoints[id_];
+  }
+
+  ~InProcTransport() override {
+    std::lock_guard lock(fabric_->mutex);
+    fabric_->endpoints.erase(id_);
+    fabric_->changed.notify_all();
+  }
+
+  std::string name() const override { return "INPROC"; }
+
+  RegionId register_memory(void* base, size_t bytes) override {
+    std::lock_guard lock(fabric_->mutex);
+    RegionId id = next_region_++;
+    self().regions[id] = {static_cast<std::byte*>(base), bytes};
+    return id;
+  }
+
+  RemoteRegion describe(RegionId region) const override {
+    std::lock_guard lock(fabric_->mutex);
+    const auto& r = region_of(fabric_->endpoints.at(id_), region, "local endpoint");
+    return {reinterpret_cast<uint64_t>(r.base), r.bytes, id_bytes(region)};
+  }
+
+  void deregister_memory(RegionId region) override {
+    std::lock_guard lock(fabric_->mutex);
+    self().regions.erase(region);
+  }
+
+  Bytes address() const override { return id_bytes(id_); }
+
+  PeerId connect(std::span<const uint8_t> peer_address, const std::string& label) override {
+    uint64_t peer = id_from(peer_address, "address");
+    std::lock_guard lock(fabric_->mutex);
+    if (!fabric_->endpoints.count(peer)) fail(ErrorKind::kPeerLost, "cannot connect to {}: no such endpoint", label);
+    labels_[peer] = label;
+    return peer;
+  }
+
+  void disconnect(PeerId peer) override {
+    std::lock_guard lock(fabric_->mutex);
+    labels_.erase(peer);
+  }
+
+  void read(PeerId peer, const RemoteRegion& remote, uint64_t remote_offset, void* local, RegionId local_region,
+            uint64_t length, Deadline) override {
+    std::lock_guard lock(fabric_->mutex);
+    auto& target = live_peer(peer, "read");
+    const auto& region = region_of(target, id_from(remote.key, "region key"), label(peer));
+    if (remote_offset > region.bytes || length > region.bytes - remote_offset)
+      fail(ErrorKind::kTransport, "read of {} bytes at offset {} is outside the {}-byte region of {}", length,
+           remote_offset, region.bytes, label(peer));
+    const auto& mine = region_of(self(), local_region, "local endpoint");
+    auto* dst = static_cast<std::byte*>(local);
+    if (dst < mine.base || dst + length > mine.base + mine.bytes)
+      fail(ErrorKind::kTransport, "read target lies outside the local registered region");
+    std::memcpy(dst, region.base + remote_offset, length);
+  }
+
+  void send(PeerId peer, std::span<const uint8_t> message, Deadline) override {
+    std::lock_guard lock(fabric_->mutex);
+    live_peer(peer, "send").inbox[id_].emplace_back(message.begin(), message.end());
+    fabric_->changed.notify_all();
+  }
+
+  Bytes receive(PeerId peer, Deadline deadline) override {
+    std::unique_lock lock(fabric_->mutex);
+    while (true) {
+      auto& queue = self().inbox[peer];
+      if (!queue.empty()) {
+        Bytes m = std::move(queue.front());
+        queue.pop_front();
+        return m;
+      }
+      if (!fabric_->endpoints.count(peer)) fail(ErrorKind::kPeerLost, "lost {} while waiting for a message", label(peer));
+      if (fabric_->changed.wait_until(lock, deadline) == std::cv_status::timeout && self().inbox[peer].empty())
+        fail(ErrorKind::kTimeout, "no message from {} before the deadline", label(peer));
+    }
+  }
+
+ private:
+  InProcEndpoint& self() { return fabric_->endpoints.at(id_); }
+
+  std::string label(PeerId peer) const {
+    auto it = labels_.find(peer);
+    return it == labels_.end() ? fmt::format("in-process endpoint {}", peer) : it->second;
+  }
+
+  InProcEndpoint& live_peer(PeerId peer, const char* op) {
+    auto it = fabric_->endpoints.find(peer);
+    if (it == fabric_->endpoints.end()) fail(ErrorKind::kPeerLost, "lost {} during {}", label(peer), op);
+    return it->second;
+  }
+
+  static const InProcRegion& region_of(const InProcEndpoint& ep, RegionId region, const std::string& owner) {
+    auto it = ep.regions.find(region);
+    if (it == ep.regions.end()) fail(ErrorKind::kTransport, "region {} of {} is not registered", region, owner);
+    return it->second;
+  }
+
+  std::shared_ptr<InProcFabric> fabric_;
+  uint64_t id_ = 0;
+  RegionId next_region_ = 1;
+  std::map<PeerId, std::string> labels_;
+};
+
+}  // namespace
+
+std::shared_ptr<InProcFabric> make_inproc_fabric() { return std::make_shared<InProcFabric>(); }
+
+std::unique_ptr<Transport> create_inproc_transport(std::shared_ptr<InProcFabric> fabric) {
+  return std::make_unique<InProcTransport>(std::move(fabric));
+}
+
+}  // namespace refit

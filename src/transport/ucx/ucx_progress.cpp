@@ -1,0 +1,60 @@
+#include "transport/ucx/ucx_progress.h"
+
+#include <poll.h>
+
+#include <chrono>
+
+#include "core/fail.h"
+
+namespace refit {
+namespace {
+
+using std::chrono::steady_clock;
+
+// How long to keep spinning after the last completed work: long enough to catch the next
+// message of a burst without a sleep/wake round trip, short enough not to starve other processes.
+constexpr auto kSpinAfterActivity = std::chrono::microseconds(200);
+// Bounds a sleep even if an event is missed; also the cadence of keepalive checks when idle.
+constexpr int kSleepMs = 1;
+
+}  // namespace
+
+ProgressThread::ProgressThread(ucp_worker_h worker) : worker_(worker) {
+  ucs_status_t status = ucp_worker_get_efd(worker_, &event_fd_);
+  if (status != UCS_OK) fail(ErrorKind::kTransport, "cannot get the UCX worker's event fd: {}", ucs_status_string(status));
+  thread_ = std::thread([this] { run(); });
+}
+
+ProgressThread::~ProgressThread() {
+  stop_.store(true, std::memory_order_release);
+  ucp_worker_signal(worker_);
+  thread_.join();
+}
+
+ProgressThread::Busy::Busy(ProgressThread& thread) : thread_(thread) {
+  if (thread_.busy_.fetch_add(1, std::memory_order_acq_rel) == 0) ucp_worker_signal(thread_.worker_);
+}
+
+ProgressThread::Busy::~Busy() { thread_.busy_.fetch_sub(1, std::memory_order_acq_rel); }
+
+void ProgressThread::run() {
+  auto last_activity = steady_clock::now();
+  while (!stop_.load(std::memory_order_acquire)) {
+    if (ucp_worker_progress(worker_) != 0) {
+      last_activity = steady_clock::now();
+      continue;
+    }
+    if (busy_.load(std::memory_order_acquire) > 0 || steady_clock::now() - last_activity < kSpinAfterActivity) {
+      // Yield so that the engine thread (or another process) gets the core and UCX's worker lock.
+      std::this_thread::yield();
+      continue;
+    }
+    // Arming fails with BUSY when events are pending: progress them first. Should it fail
+    // otherwise, the poll timeout still bounds the sleep.
+    if (ucp_worker_arm(worker_) == UCS_ERR_BUSY) continue;
+    pollfd fd{event_fd_, POLLIN, 0};
+    poll(&fd, 1, kSleepMs);
+  }
+}
+
+}  // namespace refit

@@ -1,0 +1,515 @@
+#include "transport/ucx/ucx_transport.h"
+
+#include <spdlog/spdlog.h>
+#include <ucp/api/ucp.h>
+
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <type_traits>
+#include <vector>
+
+#include "core/fail.h"
+#include "transport/ucx/ucx_address.h"
+#include "transport/ucx/ucx_options.h"
+#include "transport/ucx/ucx_progress.h"
+
+namespace refit {
+namespace {
+
+constexpr unsigned kMessageAmId = 1;
+// How long disconnect() lets a clean close flush outstanding operations.
+constexpr auto kCloseTimeout = std::chrono::seconds(2);
+
+class UcxTransport;
+
+// One UCX request as seen by its waiter and its completion callback (both under the owner's
+// mutex). A waiter that times out abandons it: the callback then frees it, so UCX may finish late
+// without touching freed memory.
+struct Operation {
+  explicit Operation(UcxTransport* owner) : owner(owner) {}
+  UcxTransport* owner;
+  bool done = false;
+  bool abandoned = false;
+  ucs_status_t status = UCS_OK;
+  Bytes payload;  // a send's own copy of the message, since UCX may still read it after an abandoned wait
+};
+
+struct Peer {
+  UcxTransport* owner = nullptr;
+  std::string label;
+  InstanceId id{};
+  ucp_ep_h ep = nullptr;
+  bool lost = false;                  // under owner's mutex: set by the endpoint error callback
+  ucs_status_t lost_status = UCS_OK;  // under owner's mutex
+  bool abandoned_operations = false;  // a timed-out operation may still be running on `ep`
+  std::map<Bytes, ucp_rkey_h> rkeys;  // unpacked remote keys by packed bytes
+};
+
+// A control message from one sender, in arrival order. A rendezvous message takes its place in
+// the queue when announced and becomes `complete` once its data is here.
+struct Inbound {
+  UcxTransport* owner = nullptr;
+  Bytes data;
+  bool complete = false;
+  ucs_status_t status = UCS_OK;
+};
+
+struct Region {
+  void* base = nullptr;
+  size_t bytes = 0;
+  ucp_mem_h memh = nullptr;  // null for an empty region, which needs no UCX registration
+  Bytes rkey;
+};
+
+bool is_peer_failure(ucs_status_t status) {
+  return status == UCS_ERR_ENDPOINT_TIMEOUT || status == UCS_ERR_CONNECTION_RESET || status == UCS_ERR_UNREACHABLE;
+}
+
+struct ContextDeleter {
+  void operator()(ucp_context_h context) const { ucp_cleanup(context); }
+};
+struct WorkerDeleter {
+  void operator()(ucp_worker_h worker) const { ucp_worker_destroy(worker); }
+};
+
+class UcxTransport final : public Transport {
+ public:
+  explicit UcxTransport(UcxOptions options);
+  ~UcxTransport() override;
+
+  std::string name() const override { return "UCX"; }
+  RegionId register_memory(void* base, size_t bytes) override;
+  RemoteRegion describe(RegionId region) const override;
+  void deregister_memory(RegionId region) override;
+  Bytes address() const override { return address_; }
+  PeerId connect(std::span<const uint8_t> peer_address, const std::string& label) override;
+  void disconnect(PeerId peer) override;
+  void read(PeerId peer, const RemoteRegion& remote, uint64_t remote_offset, void* local, RegionId local_region,
+            uint64_t length, Deadline deadline) override;
+  void send(PeerId peer, std::span<const uint8_t> message, Deadline deadline) override;
+  Bytes receive(PeerId peer, Deadline deadline) override;
+
+ private:
+  static void on_operation_done(void* request, ucs_status_t status, void* user_data);
+  static void on_message_data(void* request, ucs_status_t status, size_t length, void* user_data);
+  static void on_endpoint_error(void* arg, ucp_ep_h ep, ucs_status_t status);
+  static ucs_status_t on_message(void* arg, const void* header, size_t header_length, void* data, size_t length,
+                                 const ucp_am_recv_param_t* param);
+
+  void init_ucx();
+  Peer& find_peer(PeerId peer, std::string_view doing);
+  const Region& find_region(RegionId region, std::string_view doing) const;
+  void check_not_lost(const Peer& peer, std::string_view doing);
+  ucp_rkey_h remote_key(Peer& peer, const Bytes& packed);
+  // Waits for what ucp_*_nbx returned; throws naming `doing` and the peer on timeout or failure.
+  void finish(Peer& peer, ucs_status_ptr_t request, std::unique_ptr<Operation> operation, Deadline deadline,
+              const std::string& doing);
+  void complete_inbound(Inbound& message, ucs_status_t status);
+  // Closes the endpoint and drops its keys; returns false when the close is still running.
+  bool close(Peer& peer);
+
+  UcxOptions options_;
+  InstanceId id_;
+
+  // Declared before the worker: completion callbacks may still run while it is destroyed.
+  std::mutex mutex_;
+  std::condition_variable changed_;
+  std::map<InstanceId, std::deque<Inbound>> inbox_;  // by sender instance; under mutex_
+  std::map<PeerId, std::unique_ptr<Peer>> peers_;
+  std::vector<std::unique_ptr<Peer>> closing_;  // disconnected peers whose endpoint close did not finish in time
+
+  std::unique_ptr<std::remove_pointer_t<ucp_context_h>, ContextDeleter> context_;
+  std::unique_ptr<std::remove_pointer_t<ucp_worker_h>, WorkerDeleter> worker_;
+  std::unique_ptr<ProgressThread> progress_;  // declared last so that it stops first
+  Bytes address_;
+  std::map<RegionId, Region> regions_;
+  RegionId next_region_ = 1;
+  PeerId next_peer_ = 1;
+};
+
+UcxTransport::UcxTransport(UcxOptions options) : options_(std::move(options)), id_(random_instance_id()) {
+  init_ucx();
+}
+
+void UcxTransport::init_ucx() {
+  UcpConfig config = make_ucp_config(options_);
+  ucp_params_t params{};
+  params.field_mask = UCP_PARAM_FIELD_FEATURES;
+  params.features = UCP_FEATURE_RMA | UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
+  ucp_context_h context = nullptr;
+  ucs_status_t status = ucp_init(&params, config.get(), &context);
+  if (status != UCS_OK) {
+    std::string selection;
+    for (const UcxSetting& s : options_.settings) {
+      if (s.param == "tls" || s.param == "device_list") selection += fmt::format(" {}='{}'", ucx_param_name(s.param), s.value);
+    }
+    if (status == UCS_ERR_NO_DEVICE && !selection.empty()) {
+      fail(ErrorKind::kConfig, "UCX has no usable transport or device for{}: {}", selection, ucs_status_string(status));
+    }
+    fail(ErrorKind::kTransport, "cannot initialize UCX (ucp_init): {}", ucs_status_string(status));
+  }
+  context_.reset(context);
+  check_ucx_settings_known(options_);
+
+  ucp_worker_params_t worker_params{};
+  worker_params.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+  worker_params.thread_mode = UCS_THREAD_MODE_MULTI;
+  ucp_worker_h worker = nullptr;
+  status = ucp_worker_create(context_.get(), &worker_params, &worker);
+  if (status != UCS_OK) fail(ErrorKind::kTransport, "cannot create a UCX worker: {}", ucs_status_string(status));
+  worker_.reset(worker);
+
+  ucp_worker_attr_t attr{};
+  attr.field_mask = UCP_WORKER_ATTR_FIELD_THREAD_MODE | UCP_WORKER_ATTR_FIELD_ADDRESS;
+  status = ucp_worker_query(worker, &attr);
+  if (status != UCS_OK) fail(ErrorKind::kTransport, "cannot query the UCX worker: {}", ucs_status_string(status));
+  const auto* address = reinterpret_cast<const uint8_t*>(attr.address);
+  address_ = encode_ucx_address(id_, {address, attr.address_length});
+  ucp_worker_release_address(worker, attr.address);
+  if (attr.thread_mode != UCS_THREAD_MODE_MULTI) {
+    fail(ErrorKind::kTransport, "this UCX library does not support multi-threaded workers (build it with --enable-mt)");
+  }
+
+  ucp_am_handler_param_t handler{};
+  handler.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
+                       UCP_AM_HANDLER_PARAM_FIELD_ARG | UCP_AM_HANDLER_PARAM_FIELD_FLAGS;
+  handler.id = kMessageAmId;
+  handler.cb = on_message;
+  handler.arg = this;
+  handler.flags = UCP_AM_FLAG_WHOLE_MSG;
+  status = ucp_worker_set_am_recv_handler(worker, &handler);
+  if (status != UCS_OK) fail(ErrorKind::kTransport, "cannot install the UCX message handler: {}", ucs_status_string(status));
+
+  progress_ = std::make_unique<ProgressThread>(worker);
+}
+
+UcxTransport::~UcxTransport() {
+  for (auto& [id, peer] : peers_) close(*peer);
+  for (auto& [id, region] : regions_) {
+    if (region.memh != nullptr) ucp_mem_unmap(context_.get(), region.memh);
+  }
+  progress_.reset();
+  // Destroying the worker completes what is left (abandoned operations, unfinished closes).
+  worker_.reset();
+}
+
+RegionId UcxTransport::register_memory(void* base, size_t bytes) {
+  Region region{base, bytes, nullptr, {}};
+  if (bytes > 0) {
+    if (base == nullptr) fail(ErrorKind::kInvalidArgument, "cannot register {} bytes at a null address with UCX", bytes);
+    ucp_mem_map_params_t params{};
+    params.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
+    params.address = base;
+    params.length = bytes;
+    ucs_status_t status = ucp_mem_map(context_.get(), &params, &region.memh);
+    if (status != UCS_OK) {
+      fail(ErrorKind::kTransport, "cannot register {} bytes at {} with UCX (ucp_mem_map): {}", bytes, base,
+           ucs_status_string(status));
+    }
+    void* packed = nullptr;
+    size_t packed_size = 0;
+    status = ucp_rkey_pack(context_.get(), region.memh, &packed, &packed_size);
+    if (status != UCS_OK) {
+      ucp_mem_unmap(context_.get(), region.memh);
+      fail(ErrorKind::kTransport, "cannot pack the UCX key of {} bytes at {}: {}", bytes, base, ucs_status_string(status));
+    }
+    region.rkey.assign(static_cast<uint8_t*>(packed), static_cast<uint8_t*>(packed) + packed_size);
+    ucp_rkey_buffer_release(packed);
+  }
+  RegionId id = next_region_++;
+  regions_.emplace(id, std::move(region));
+  return id;
+}
+
+const Region& UcxTransport::find_region(RegionId region, std::string_view doing) const {
+  auto it = regions_.find(region);
+  if (it == regions_.end()) fail(ErrorKind::kInvalidArgument, "{}: UCX region {} is not registered", doing, region);
+  return it->second;
+}
+
+RemoteRegion UcxTransport::describe(RegionId region) const {
+  const Region& r = find_region(region, "describing a region");
+  return {reinterpret_cast<uint64_t>(r.base), r.bytes, r.rkey};
+}
+
+void UcxTransport::deregister_memory(RegionId region) {
+  const Region& r = find_region(region, "deregistering a region");
+  if (r.memh != nullptr) {
+    ucs_status_t status = ucp_mem_unmap(context_.get(), r.memh);
+    if (status != UCS_OK) {
+      fail(ErrorKind::kTransport, "cannot deregister {} bytes at {} from UCX: {}", r.bytes, r.base, ucs_status_string(status));
+    }
+  }
+  regions_.erase(region);
+}
+
+PeerId UcxTransport::connect(std::span<const uint8_t> peer_address, const std::string& label) {
+  UcxAddress remote = decode_ucx_address(peer_address, label);
+  auto peer = std::make_unique<Peer>();
+  peer->owner = this;
+  peer->label = label;
+  peer->id = remote.id;
+
+  ucp_ep_params_t params{};
+  params.field_mask =
+      UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
+  params.address = reinterpret_cast<const ucp_address_t*>(remote.worker_address.data());
+  params.err_mode = options_.error_mode;
+  params.err_handler.cb = on_endpoint_error;
+  params.err_handler.arg = peer.get();
+  ucs_status_t status = ucp_ep_create(worker_.get(), &params, &peer->ep);
+  if (status != UCS_OK) fail(ErrorKind::kTransport, "cannot connect to {} (ucp_ep_create): {}", label, ucs_status_string(status));
+
+  PeerId id = next_peer_++;
+  peers_.emplace(id, std::move(peer));
+  return id;
+}
+
+void UcxTransport::disconnect(PeerId id) {
+  auto it = peers_.find(id);
+  if (it == peers_.end()) fail(ErrorKind::kInvalidArgument, "disconnecting: UCX peer {} is not connected", id);
+  std::unique_ptr<Peer> peer = std::move(it->second);
+  peers_.erase(it);
+  // The endpoint's error callback may still fire until its close finishes; keep its Peer alive.
+  if (!close(*peer)) closing_.push_back(std::move(peer));
+}
+
+bool UcxTransport::close(Peer& peer) {
+  for (auto& [packed, rkey] : peer.rkeys) ucp_rkey_destroy(rkey);
+  peer.rkeys.clear();
+
+  bool force;
+  {
+    std::lock_guard lock(mutex_);
+    // A failed endpoint cannot flush; a timed-out operation may never finish. Forcing is only
+    // defined when both sides handle peer errors.
+    force = options_.error_mode == UCP_ERR_HANDLING_MODE_PEER && (peer.lost || peer.abandoned_operations);
+  }
+  auto operation = std::make_unique<Operation>(this);
+  ucp_request_param_t param{};
+  param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+  param.cb.send = on_operation_done;
+  param.user_data = operation.get();
+  param.flags = force ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+  ucs_status_ptr_t request = ucp_ep_close_nbx(peer.ep, &param);
+  peer.ep = nullptr;
+  try {
+    finish(peer, request, std::move(operation), deadline_after(kCloseTimeout), "closing the connection to");
+  } catch (const Error& e) {
+    // A close that fails or times out still releases the endpoint eventually (at the latest when
+    // the worker is destroyed); nothing is left for the caller to do about it.
+    spdlog::warn("{}", e.what());
+    return e.kind() != ErrorKind::kTimeout;
+  }
+  return true;
+}
+
+Peer& UcxTransport::find_peer(PeerId peer, std::string_view doing) {
+  auto it = peers_.find(peer);
+  if (it == peers_.end()) fail(ErrorKind::kInvalidArgument, "{}: UCX peer {} is not connected", doing, peer);
+  return *it->second;
+}
+
+void UcxTransport::check_not_lost(const Peer& peer, std::string_view doing) {
+  std::lock_guard lock(mutex_);
+  if (peer.lost) fail(ErrorKind::kPeerLost, "lost {} ({}) before {}", peer.label, ucs_status_string(peer.lost_status), doing);
+}
+
+ucp_rkey_h UcxTransport::remote_key(Peer& peer, const Bytes& packed) {
+  auto it = peer.rkeys.find(packed);
+  if (it != peer.rkeys.end()) return it->second;
+  if (packed.empty()) fail(ErrorKind::kProtocol, "a region of {} carries no UCX access key", peer.label);
+  ucp_rkey_h rkey = nullptr;
+  ucs_status_t status = ucp_ep_rkey_unpack(peer.ep, packed.data(), &rkey);
+  if (status != UCS_OK) {
+    fail(ErrorKind::kProtocol, "cannot unpack the UCX access key of a region of {}: {}", peer.label, ucs_status_string(status));
+  }
+  peer.rkeys.emplace(packed, rkey);
+  return rkey;
+}
+
+void UcxTransport::read(PeerId id, const RemoteRegion& remote, uint64_t remote_offset, void* local, RegionId local_region,
+                        uint64_t length, Deadline deadline) {
+  Peer& peer = find_peer(id, "reading");
+  const std::string doing = fmt::format("reading {} bytes at offset {} from", length, remote_offset);
+  const Region& region = find_region(local_region, doing + " " + peer.label);
+  const auto* target = static_cast<const std::byte*>(local);
+  const auto* base = static_cast<const std::byte*>(region.base);
+  if (target < base || length > region.bytes || target - base > static_cast<ptrdiff_t>(region.bytes - length)) {
+    fail(ErrorKind::kInvalidArgument, "{} {}: the local buffer {} lies outside local region {} ({} bytes at {})", doing,
+         peer.label, local, local_region, region.bytes, region.base);
+  }
+  if (remote_offset > remote.length || length > remote.length - remote_offset) {
+    fail(ErrorKind::kInvalidArgument, "{} {}: its region holds only {} bytes", doing, peer.label, remote.length);
+  }
+  if (length == 0) return;
+  check_not_lost(peer, doing + " " + peer.label);
+  ucp_rkey_h rkey = remote_key(peer, remote.key);
+
+  auto operation = std::make_unique<Operation>(this);
+  ucp_request_param_t param{};
+  param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_MEMH;
+  param.cb.send = on_operation_done;
+  param.user_data = operation.get();
+  param.memh = region.memh;
+  ProgressThread::Busy busy(*progress_);
+  ucs_status_ptr_t request = ucp_get_nbx(peer.ep, local, length, remote.address + remote_offset, rkey, &param);
+  finish(peer, request, std::move(operation), deadline, doing);
+}
+
+void UcxTransport::send(PeerId id, std::span<const uint8_t> message, Deadline deadline) {
+  Peer& peer = find_peer(id, "sending a message");
+  const std::string doing = fmt::format("sending a {}-byte message to", message.size());
+  check_not_lost(peer, doing + " " + peer.label);
+
+  auto operation = std::make_unique<Operation>(this);
+  operation->payload.assign(message.begin(), message.end());
+  ucp_request_param_t param{};
+  param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+  param.cb.send = on_operation_done;
+  param.user_data = operation.get();
+  param.memory_type = UCS_MEMORY_TYPE_HOST;
+  ProgressThread::Busy busy(*progress_);
+  // The header names this transport, so that the receiver queues the message under its sender.
+  ucs_status_ptr_t request = ucp_am_send_nbx(peer.ep, kMessageAmId, id_.data(), id_.size(), operation->payload.data(),
+                                             operation->payload.size(), &param);
+  finish(peer, request, std::move(operation), deadline, doing);
+}
+
+Bytes UcxTransport::receive(PeerId id, Deadline deadline) {
+  Peer& peer = find_peer(id, "receiving a message");
+  std::unique_lock lock(mutex_);
+  std::deque<Inbound>& queue = inbox_[peer.id];
+  auto ready = [&] { return (!queue.empty() && queue.front().complete) || peer.lost; };
+  if (!changed_.wait_until(lock, deadline, ready)) {
+    fail(ErrorKind::kTimeout, "timed out waiting for a message from {}", peer.label);
+  }
+  if (queue.empty() || !queue.front().complete) {
+    fail(ErrorKind::kPeerLost, "lost {} ({}) while waiting for a message from it", peer.label,
+         ucs_status_string(peer.lost_status));
+  }
+  Inbound message = std::move(queue.front());
+  queue.pop_front();
+  if (message.status != UCS_OK) {
+    fail(is_peer_failure(message.status) ? ErrorKind::kPeerLost : ErrorKind::kTransport,
+         "receiving a message from {} failed: {}", peer.label, ucs_status_string(message.status));
+  }
+  return std::move(message.data);
+}
+
+void UcxTransport::finish(Peer& peer, ucs_status_ptr_t request, std::unique_ptr<Operation> operation, Deadline deadline,
+                          const std::string& doing) {
+  ucs_status_t status = UCS_PTR_STATUS(request);
+  if (UCS_PTR_IS_PTR(request)) {
+    std::unique_lock lock(mutex_);
+    if (!changed_.wait_until(lock, deadline, [&] { return operation->done; })) {
+      // UCX cannot cancel RMA or sends: leave the request to complete on its own (or when the
+      // endpoint is closed) and let the callback free it.
+      operation->abandoned = true;
+      operation.release();
+      peer.abandoned_operations = true;
+      fail(ErrorKind::kTimeout, "timed out {} {}", doing, peer.label);
+    }
+    status = operation->status;
+    lock.unlock();
+    ucp_request_free(request);
+  }
+  if (status == UCS_OK) return;
+  bool lost;
+  {
+    std::lock_guard lock(mutex_);
+    lost = peer.lost || is_peer_failure(status);
+  }
+  if (lost) fail(ErrorKind::kPeerLost, "lost {} while {} it: {}", peer.label, doing, ucs_status_string(status));
+  fail(ErrorKind::kTransport, "UCX failed {} {}: {}", doing, peer.label, ucs_status_string(status));
+}
+
+void UcxTransport::on_operation_done(void* request, ucs_status_t status, void* user_data) {
+  auto* operation = static_cast<Operation*>(user_data);
+  UcxTransport* self = operation->owner;
+  std::unique_lock lock(self->mutex_);
+  if (operation->abandoned) {
+    lock.unlock();
+    delete operation;
+    ucp_request_free(request);
+    return;
+  }
+  operation->done = true;
+  operation->status = status;
+  lock.unlock();
+  self->changed_.notify_all();
+}
+
+void UcxTransport::on_endpoint_error(void* arg, ucp_ep_h, ucs_status_t status) {
+  auto* peer = static_cast<Peer*>(arg);
+  spdlog::warn("UCX connection to {} failed: {}", peer->label, ucs_status_string(status));
+  {
+    std::lock_guard lock(peer->owner->mutex_);
+    peer->lost = true;
+    peer->lost_status = status;
+  }
+  peer->owner->changed_.notify_all();
+}
+
+ucs_status_t UcxTransport::on_message(void* arg, const void* header, size_t header_length, void* data, size_t length,
+                                      const ucp_am_recv_param_t* param) {
+  auto* self = static_cast<UcxTransport*>(arg);
+  InstanceId sender;
+  if (header_length != sender.size()) {
+    spdlog::warn("dropping a UCX message with a {}-byte header: not from a refit UCX transport", header_length);
+    return UCS_OK;
+  }
+  std::memcpy(sender.data(), header, sender.size());
+  const bool rendezvous = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
+  // Copy or allocate before locking: messages may be tens of MB.
+  Bytes bytes;
+  if (rendezvous) {
+    bytes.resize(length);
+  } else {
+    bytes.assign(static_cast<const uint8_t*>(data), static_cast<const uint8_t*>(data) + length);
+  }
+  Inbound* message;
+  {
+    std::lock_guard lock(self->mutex_);
+    message = &self->inbox_[sender].emplace_back(Inbound{self, std::move(bytes), !rendezvous, UCS_OK});
+  }
+  if (!rendezvous) {
+    self->changed_.notify_all();
+    return UCS_OK;
+  }
+  // The receiver does not touch an incomplete message, so its buffer is ours until completion.
+  ucp_request_param_t recv{};
+  recv.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+  recv.cb.recv_am = on_message_data;
+  recv.user_data = message;
+  recv.memory_type = UCS_MEMORY_TYPE_HOST;
+  ucs_status_ptr_t request = ucp_am_recv_data_nbx(self->worker_.get(), data, message->data.data(), length, &recv);
+  if (UCS_PTR_IS_PTR(request)) return UCS_INPROGRESS;
+  self->complete_inbound(*message, UCS_PTR_STATUS(request));
+  return UCS_OK;
+}
+
+void UcxTransport::on_message_data(void* request, ucs_status_t status, size_t, void* user_data) {
+  auto* message = static_cast<Inbound*>(user_data);
+  message->owner->complete_inbound(*message, status);
+  ucp_request_free(request);
+}
+
+void UcxTransport::complete_inbound(Inbound& message, ucs_status_t status) {
+  {
+    std::lock_guard lock(mutex_);
+    message.complete = true;
+    message.status = status;
+  }
+  changed_.notify_all();
+}
+
+}  // namespace
+
+std::unique_ptr<Transport> create_ucx_transport(const std::map<std::string, std::string>& init_params) {
+  return std::make_unique<UcxTransport>(parse_ucx_options(init_params));
+}
+
+}  // namespace refit

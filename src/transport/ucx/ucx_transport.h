@@ -1,0 +1,21 @@
+// The UCX backend: one UCP worker per transport with a progress thread, one-sided GET for
+// read(), active messages for send()/receive(), peer error handling for lost peers.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <string>
+
+#include "refit/transport.h"
+
+namespace refit {
+
+// Accepted init params (all values are strings, as the reference passes them):
+//   ucx_error_handling_mode: "peer" (default) | "none"
+//   device_list:   comma-separated UCX devices (UCX_NET_DEVICES)
+//   tls:           comma-separated UCX transports (UCX_TLS)
+//   engine_config: "KEY=VALUE[;KEY=VALUE...]" applied to the UCP config (keys without "UCX_")
+// Throws Error(kConfig) naming the key for anything else.
+std::unique_ptr<Transport> create_ucx_transport(const std::map<std::string, std::string>& init_params);
+
+}  // namespace refit

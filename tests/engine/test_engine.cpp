@@ -1,0 +1,338 @@
+#include <gtest/gtest.h>
+
+#include <future>
+#include <thread>
+
+#include "engine/protocol.h"
+#include "engine_harness.h"
+#include "refit/error.h"
+
+namespace refit {
+namespace {
+
+using testing::inproc_options;
+using testing::make_tensor;
+using testing::OwnedTensor;
+using testing::Received;
+using testing::VectorSource;
+
+std::vector<OwnedTensor> mixed_model(uint32_t seed) {
+  return {
+      make_tensor("model.embed_tokens.weight", DType::kBFloat16, {64, 16}, seed + 1),   // 2048 B: split
+      make_tensor("model.layers.0.norm.weight", DType::kFloat32, {16}, seed + 2),
+      make_tensor("model.layers.0.empty", DType::kFloat32, {0, 4}, seed + 3),
+      make_tensor("model.layers.0.bias", DType::kFloat8E4M3FN, {7}, seed + 4),
+      make_tensor("model.layers.0.ids", DType::kInt64, {3}, seed + 5),
+      make_tensor("lm_head.weight", DType::kBFloat16, {300}, seed + 6),
+  };
+}
+
+void expect_same(const std::vector<OwnedTensor>& sent, const Received& got) {
+  ASSERT_EQ(got.tensors.size(), sent.size());
+  for (const auto& t : sent) {
+    auto it = got.tensors.find(t.info.name);
+    ASSERT_NE(it, got.tensors.end()) << t.info.name;
+    EXPECT_EQ(it->second.info, t.info) << t.info.name;
+    EXPECT_EQ(it->second.data, t.data) << t.info.name;
+  }
+}
+
+struct Pair {
+  std::shared_ptr<InProcFabric> fabric = make_inproc_fabric();
+  SessionId session = new_session_id();
+  std::unique_ptr<CheckpointEngine> source, destination;
+  std::vector<Metadata> metadata;
+
+  explicit Pair(uint64_t bucket, bool release = false, double timeout_s = 10.0) {
+    auto so = inproc_options(fabric, bucket, session, timeout_s);
+    auto dop = inproc_options(fabric, bucket, session, timeout_s);
+    so.config.release_after_refit = dop.config.release_after_refit = release;
+    source = std::make_unique<CheckpointEngine>(so);
+    destination = std::make_unique<CheckpointEngine>(dop);
+  }
+  void connect() {
+    metadata = {source->prepare(), destination->prepare()};
+    source->init_source(0, 1, 1, metadata);
+    destination->init_destination(0, 1, 1, metadata);
+  }
+  ReceiveStats refit(const std::vector<OwnedTensor>& weights, Received& got) {
+    auto sent = std::async(std::launch::async, [&] {
+      VectorSource src(weights);
+      return source->send(src);
+    });
+    ReceiveStats stats;
+    try {
+      stats = destination->receive(got.loader());
+    } catch (...) {
+      sent.wait();
+      throw;
+    }
+    sent.get();
+    return stats;
+  }
+};
+
+TEST(Engine, DeliversEveryTensorBitwiseWithSplitsAlignmentAndEmptyTensors) {
+  Pair p(256);
+  p.connect();
+  auto weights = mixed_model(1);
+  Received got;
+  auto stats = p.refit(weights, got);
+  expect_same(weights, got);
+  EXPECT_EQ(stats.tensors, weights.size());
+  EXPECT_FALSE(p.destination->stale());
+  // Only the used part of each bucket crosses: padding aside, no more than the payload.
+  uint64_t payload = 0;
+  for (const auto& t : weights) payload += t.info.nbytes();
+  EXPECT_EQ(stats.payload_bytes, payload);
+  EXPECT_LT(stats.wire_bytes, payload + 64);
+}
+
+TEST(Engine, OddBucketSizeOf17Bytes) {
+  Pair p(17);
+  p.connect();
+  auto weights = mixed_model(2);
+  Received got;
+  p.refit(weights, got);
+  expect_same(weights, got);
+}
+
+TEST(Engine, EmptyStreamCompletesWithoutBatches) {
+  Pair p(64);
+  p.connect();
+  std::vector<OwnedTensor> none;
+  Received got;
+  auto stats = p.refit(none, got);
+  EXPECT_EQ(stats.batches, 0u);
+  EXPECT_EQ(stats.buckets, 1u);
+  EXPECT_FALSE(p.destination->stale());
+}
+
+TEST(Engine, SeveralRefitsKeepOrReleaseBuffers) {
+  for (bool release : {false, true}) {
+    Pair p(100, release);
+    for (uint32_t r = 0; r < 3; ++r) {
+      if (release || r == 0) p.connect();
+      auto weights = mixed_model(10 * r);
+      Received got;
+      p.refit(weights, got);
+      expect_same(weights, got);
+      if (release) {
+        p.source->finalize();
+        p.destination->finalize();
+      }
+    }
+  }
+}
+
+TEST(Engine, SourceWithoutPeerDrainsItsWeights) {
+  auto fabric = make_inproc_fabric();
+  auto session = new_session_id();
+  CheckpointEngine s0(inproc_options(fabric, 128, session)), s1(inproc_options(fabric, 128, session)),
+      d0(inproc_options(fabric, 128, session));
+  std::vector<Metadata> md = {s0.prepare(), s1.prepare(), d0.prepare()};
+  s0.init_source(0, 2, 1, md);
+  s1.init_source(1, 2, 1, md);
+  d0.init_destination(0, 2, 1, md);
+  auto weights = mixed_model(3);
+  VectorSource idle(weights);
+  auto idle_stats = s1.send(idle);
+  EXPECT_FALSE(idle_stats.had_peer);
+  EXPECT_EQ(idle.consumed(), weights.size());
+  auto sent = std::async(std::launch::async, [&] {
+    VectorSource src(weights);
+    return s0.send(src);
+  });
+  Received got;
+  d0.receive(got.loader());
+  EXPECT_TRUE(sent.get().had_peer);
+  expect_same(weights, got);
+}
+
+TEST(Engine, RepeatedNameFailsTheRefitOnBothSides) {
+  Pair p(256);
+  p.connect();
+  std::vector<OwnedTensor> weights = {make_tensor("w", DType::kFloat32, {4}, 1), make_tensor("w", DType::kFloat32, {4}, 2)};
+  Received got;
+  EXPECT_THROW(p.refit(weights, got), Error);
+  EXPECT_TRUE(p.destination->stale());
+}
+
+TEST(Engine, LoaderFailureAbortsTheSourceAndLeavesDestinationStale) {
+  Pair p(64);
+  p.connect();
+  auto weights = mixed_model(4);
+  auto sent = std::async(std::launch::async, [&] {
+    VectorSource src(weights);
+    return p.source->send(src);
+  });
+  try {
+    p.destination->receive([](LoadBatch) { throw std::runtime_error("loader exploded"); });
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("loader exploded"), std::string::npos);
+    EXPECT_NE(std::string(e.what()).find("destination rank 0"), std::string::npos);
+  }
+  EXPECT_TRUE(p.destination->stale());
+  try {
+    sent.get();
+    FAIL() << "source should fail after the abort";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("aborted"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Engine, SilentSourceTimesOutNamingPeerAndPhase) {
+  Pair p(64, false, 0.3);
+  p.connect();
+  auto start = Clock::now();
+  try {
+    Received got;
+    p.destination->receive(got.loader());
+    FAIL() << "expected a timeout";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kTimeout);
+    std::string msg = e.what();
+    EXPECT_NE(msg.find("source rank 0"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("wait for bucket 0"), std::string::npos) << msg;
+  }
+  EXPECT_LT(std::chrono::duration<double>(Clock::now() - start).count(), 2.0);
+  EXPECT_TRUE(p.destination->stale());
+}
+
+TEST(Engine, LostSourceIsReportedAsPeerLost) {
+  Pair p(64);
+  p.connect();
+  p.source.reset();
+  try {
+    Received got;
+    p.destination->receive(got.loader());
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kPeerLost);
+    EXPECT_NE(std::string(e.what()).find("source rank 0"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Engine, MetadataFromAnotherSessionIsRefused) {
+  auto fabric = make_inproc_fabric();
+  CheckpointEngine s(inproc_options(fabric, 64, new_session_id())), d(inproc_options(fabric, 64, new_session_id()));
+  std::vector<Metadata> md = {s.prepare(), d.prepare()};
+  try {
+    d.init_destination(0, 1, 1, md);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kProtocol);
+    EXPECT_NE(std::string(e.what()).find("another refit session"), std::string::npos);
+  }
+}
+
+TEST(Engine, MetadataOfAnotherModelIsRefused) {
+  auto fabric = make_inproc_fabric();
+  auto session = new_session_id();
+  auto so = inproc_options(fabric, 64, session);
+  auto dop = inproc_options(fabric, 64, session);
+  so.model_fingerprint = 1;
+  dop.model_fingerprint = 2;
+  CheckpointEngine s(so), d(dop);
+  std::vector<Metadata> md = {s.prepare(), d.prepare()};
+  try {
+    s.init_source(0, 1, 1, md);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kProtocol);
+    EXPECT_NE(std::string(e.what()).find("another model"), std::string::npos);
+    EXPECT_NE(std::string(e.what()).find("destination rank 0"), std::string::npos);
+  }
+}
+
+TEST(Engine, TopologyIsValidated) {
+  auto fabric = make_inproc_fabric();
+  auto session = new_session_id();
+  CheckpointEngine s(inproc_options(fabric, 64, session)), d0(inproc_options(fabric, 64, session)),
+      d1(inproc_options(fabric, 64, session));
+  std::vector<Metadata> md = {s.prepare(), d0.prepare(), d1.prepare()};
+  try {
+    d1.init_destination(1, 1, 2, md);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kTopology);
+    EXPECT_NE(std::string(e.what()).find("train_world_size >= rollout_world_size"), std::string::npos);
+  }
+  EXPECT_THROW(d0.init_destination(2, 2, 1, md), Error);
+  EXPECT_THROW(source_rank_for_destination(-1, 1, 1), Error);
+  EXPECT_EQ(source_rank_for_destination(2, 4, 3), 2);
+  std::vector<Metadata> short_md = {md[0]};
+  EXPECT_THROW(s.init_source(0, 1, 1, short_md), Error);
+}
+
+TEST(Engine, ReceiveBeforeInitIsAnError) {
+  auto fabric = make_inproc_fabric();
+  CheckpointEngine d(inproc_options(fabric, 64, new_session_id()));
+  Received got;
+  EXPECT_THROW(d.receive(got.loader()), Error);
+}
+
+TEST(Engine, GarbledControlMessageIsAProtocolError) {
+  auto fabric = make_inproc_fabric();
+  auto session = new_session_id();
+  auto rogue = create_inproc_transport(fabric);
+  std::vector<std::byte> mem(64);
+  auto region = rogue->register_memory(mem.data(), mem.size());
+  protocol::EngineMetadata fake;
+  fake.session = session;
+  fake.bucket_bytes = 64;
+  fake.transport_name = rogue->name();
+  fake.transport_address = rogue->address();
+  fake.buffers = {rogue->describe(region), rogue->describe(region)};
+  CheckpointEngine d(inproc_options(fabric, 64, session));
+  std::vector<Metadata> md = {protocol::encode(fake), d.prepare()};
+  d.init_destination(0, 1, 1, md);
+  auto to_dest = rogue->connect(protocol::decode_metadata(md[1], "d").transport_address, "destination");
+  Bytes garbage = {0x52, 0x4d, 0x53, 0x47, 1, 0, 0, 0, 1, 9, 9};
+  rogue->send(to_dest, garbage, deadline_after(std::chrono::seconds(1)));
+  try {
+    Received got;
+    d.receive(got.loader());
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kProtocol);
+    EXPECT_NE(std::string(e.what()).find("source rank 0"), std::string::npos) << e.what();
+  }
+  EXPECT_TRUE(d.stale());
+}
+
+TEST(Engine, OutOfRangeChunkIsRejectedBeforeAnyRead) {
+  auto fabric = make_inproc_fabric();
+  auto session = new_session_id();
+  auto rogue = create_inproc_transport(fabric);
+  std::vector<std::byte> mem(64);
+  auto region = rogue->register_memory(mem.data(), mem.size());
+  protocol::EngineMetadata fake;
+  fake.session = session;
+  fake.bucket_bytes = 64;
+  fake.transport_name = rogue->name();
+  fake.transport_address = rogue->address();
+  fake.buffers = {rogue->describe(region), rogue->describe(region)};
+  CheckpointEngine d(inproc_options(fabric, 64, session));
+  std::vector<Metadata> md = {protocol::encode(fake), d.prepare()};
+  d.init_destination(0, 1, 1, md);
+  auto to_dest = rogue->connect(protocol::decode_metadata(md[1], "d").transport_address, "destination");
+  protocol::BucketReady bad;
+  bad.refit = 1;
+  bad.is_last = true;
+  bad.used_bytes = 32;
+  bad.entries.push_back({{"w", DType::kFloat32, {4}}, 0, 16, 24});  // ends at 40 > 32 used
+  rogue->send(to_dest, protocol::encode(bad), deadline_after(std::chrono::seconds(1)));
+  try {
+    Received got;
+    d.receive(got.loader());
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kProtocol);
+    EXPECT_NE(std::string(e.what()).find("'w'"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace refit

@@ -1,0 +1,105 @@
+#include <gtest/gtest.h>
+
+#include "engine/protocol.h"
+#include "refit/error.h"
+
+namespace refit::protocol {
+namespace {
+
+BucketReady sample_bucket() {
+  BucketReady m;
+  m.refit = 3;
+  m.seq = 7;
+  m.buffer = 1;
+  m.is_last = true;
+  m.used_bytes = 48;
+  m.entries.push_back({{"a.weight", DType::kBFloat16, {4, 4}}, 0, 32, 0});
+  m.entries.push_back({{"b.bias", DType::kFloat32, {4}}, 0, 16, 32});
+  return m;
+}
+
+EngineMetadata sample_metadata() {
+  EngineMetadata md;
+  md.session = new_session_id();
+  md.model_fingerprint = 42;
+  md.bucket_bytes = 1024;
+  md.transport_name = "UCX";
+  md.transport_address = {1, 2, 3};
+  md.buffers = {{0x1000, 1024, {9, 9}}, {0x2000, 1024, {8}}};
+  return md;
+}
+
+TEST(Protocol, BucketMessageRoundTrips) {
+  auto m = sample_bucket();
+  auto decoded = decode_message(encode(m), "source rank 0");
+  ASSERT_EQ(decoded.type, MessageType::kBucketReady);
+  EXPECT_EQ(decoded.ready.seq, 7u);
+  EXPECT_TRUE(decoded.ready.is_last);
+  ASSERT_EQ(decoded.ready.entries.size(), 2u);
+  EXPECT_EQ(decoded.ready.entries[1].tensor.name, "b.bias");
+  EXPECT_EQ(decoded.ready.entries[1].bucket_offset, 32u);
+  EXPECT_NO_THROW(validate(decoded.ready, 1024, "source rank 0"));
+}
+
+TEST(Protocol, EveryTruncationOfEveryMessageIsAProtocolError) {
+  std::vector<Bytes> messages = {encode(sample_bucket()), encode(BucketDone{1, 2}), encode(Abort{1, "why"})};
+  for (const auto& full : messages) {
+    for (size_t n = 0; n < full.size(); ++n) {
+      Bytes cut(full.begin(), full.begin() + n);
+      try {
+        decode_message(cut, "source rank 0");
+        FAIL() << "truncation to " << n << " bytes was accepted";
+      } catch (const Error& e) {
+        EXPECT_EQ(e.kind(), ErrorKind::kProtocol);
+        EXPECT_NE(std::string(e.what()).find("source rank 0"), std::string::npos);
+      }
+    }
+  }
+}
+
+TEST(Protocol, MetadataRoundTripsAndTruncationsAreRejected) {
+  auto md = sample_metadata();
+  auto blob = encode(md);
+  auto back = decode_metadata(blob, "metadata of source rank 1");
+  EXPECT_EQ(back.session, md.session);
+  EXPECT_EQ(back.buffers[1].key, md.buffers[1].key);
+  for (size_t n = 0; n < blob.size(); ++n) {
+    Bytes cut(blob.begin(), blob.begin() + n);
+    EXPECT_THROW(decode_metadata(cut, "m"), Error) << n;
+  }
+  Bytes longer = blob;
+  longer.push_back(0);
+  EXPECT_THROW(decode_metadata(longer, "m"), Error);
+}
+
+TEST(Protocol, OtherVersionIsRefused) {
+  auto blob = encode(sample_metadata());
+  blob[4] = 99;
+  try {
+    decode_metadata(blob, "metadata of destination rank 0");
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("version 99"), std::string::npos);
+  }
+}
+
+TEST(Protocol, ValidationRejectsRangesOutsideBucketOrTensor) {
+  auto m = sample_bucket();
+  m.entries[1].bucket_offset = 40;  // 40 + 16 > 48 used
+  EXPECT_THROW(validate(m, 1024, "s"), Error);
+  m = sample_bucket();
+  m.used_bytes = 2048;  // more than the bucket
+  EXPECT_THROW(validate(m, 1024, "s"), Error);
+  m = sample_bucket();
+  m.entries[0].tensor_offset = 8;  // 8 + 32 > 32 bytes of tensor
+  EXPECT_THROW(validate(m, 1024, "s"), Error);
+  m = sample_bucket();
+  m.entries[0].tensor.shape = {INT64_MAX, INT64_MAX};
+  EXPECT_THROW(validate(m, 1024, "s"), Error);
+  m = sample_bucket();
+  m.buffer = 2;
+  EXPECT_THROW(validate(m, 1024, "s"), Error);
+}
+
+}  // namespace
+}  // namespace refit::protocol

@@ -1,0 +1,179 @@
+#include "bench.h"
+
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "baseline.h"
+#include "programs.h"
+#include "refit/bucket_size.h"
+#include "refit/error.h"
+#include "refit/local_group.h"
+#include "refit/model.h"
+#include "refit/synchronizer.h"
+
+namespace refit::tools {
+namespace {
+
+using nlohmann::json;
+namespace fs = std::filesystem;
+
+constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+
+bool is_safetensors(const std::string& path) {
+  if (fs::is_regular_file(path)) return fs::path(path).extension() == ".safetensors";
+  if (!fs::is_directory(path) || fs::exists(fs::path(path) / "config.json")) return false;
+  for (const auto& e : fs::directory_iterator(path))
+    if (e.path().extension() == ".safetensors") return true;
+  return false;
+}
+
+// Every destination must hold exactly the tensors its source sent, with the same bytes.
+std::vector<std::string> verify(const RefitReport& report) {
+  std::map<int, json> source_hashes, destination_hashes;
+  for (const auto& w : report.workers) {
+    auto hashes = json::parse(w.detail).value("hashes", json::object());
+    (w.is_source ? source_hashes : destination_hashes)[w.rank] = hashes;
+  }
+  std::vector<std::string> problems;
+  for (const auto& [rank, got] : destination_hashes) {
+    const json& want = source_hashes.at(rank);
+    for (const auto& [name, hash] : want.items()) {
+      if (!got.contains(name))
+        problems.push_back(fmt::format("destination rank {} never received '{}'", rank, name));
+      else if (got[name] != hash)
+        problems.push_back(fmt::format("destination rank {}: '{}' differs from source rank {}", rank, name, rank));
+    }
+    for (const auto& [name, hash] : got.items())
+      if (!want.contains(name)) problems.push_back(fmt::format("destination rank {} received unknown '{}'", rank, name));
+  }
+  return problems;
+}
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  size_t n = v.size();
+  return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+}
+
+}  // namespace
+
+std::string default_model_path() {
+  const char* dir = std::getenv("REFIT_DATA_DIR");
+  return fmt::format("{}/models/refit-tiny-moe", dir ? dir : REFIT_DATA_DIR);
+}
+
+int run_bench(const BenchOptions& options) {
+  const RefitConfig config = load_config(options.config_file, options.overrides);
+  BenchModel model;
+  const std::string path = options.model.empty() ? default_model_path() : options.model;
+  model.inventory = load_model_inventory(path);
+  if (is_safetensors(path)) model.safetensors_path = path;
+  std::optional<KillPoint> kill;
+  if (!options.kill.empty()) kill = parse_kill_point(options.kill);
+  if (options.refits < 1) throw Error(ErrorKind::kInvalidArgument, fmt::format("--refits must be >= 1, got {}", options.refits));
+
+  fmt::print("refit bench: model {} ({} tensors, {:.2f} GiB{}), {} source(s) -> {} destination(s), {} refit(s)\n",
+             model.inventory.name, model.inventory.tensors.size(), model.inventory.total_bytes() / kGiB,
+             model.safetensors_path.empty() ? ", synthetic content" : ", safetensors", options.sources,
+             options.destinations, options.refits);
+
+  json out = {{"transport", config.backend_name}, {"refit_transport", config.refit_transport},
+              {"device", to_string(config.device)}, {"sources", options.sources},
+              {"destinations", options.destinations}, {"model", model.inventory.name},
+              {"model_bytes", model.inventory.total_bytes()}, {"tensors", model.inventory.tensors.size()},
+              {"release_after_refit", config.release_after_refit}, {"refits", json::array()}};
+  bool verified = true;
+  int exit_code = 0;
+  std::vector<double> throughputs;
+  uint64_t bucket_bytes = 0;
+  {
+    LocalGroupOptions group_options;
+    group_options.config = config;
+    group_options.sources = options.sources;
+    group_options.destinations = options.destinations;
+    group_options.model_fingerprint = model.inventory.fingerprint();
+    group_options.program = bench_programs(model, kill);
+    LocalProcessGroup group(group_options);
+    WeightSynchronizer sync(config, group);
+
+    fmt::print("{:>6} {:>10} {:>12} {:>14} {:>9}\n", "refit", "seconds", "GiB/dest", "GiB/s (all)", "verified");
+    for (int k = 0; k < options.refits; ++k) {
+      json entry = {{"index", k}};
+      try {
+        RefitReport report = sync.sync_weights();
+        bucket_bytes = sync.bucket_size().bytes;
+        auto problems = verify(report);
+        uint64_t received = 0;
+        json per_destination = json::array();
+        for (const auto& w : report.workers) {
+          if (w.is_source) continue;
+          received += w.receive.payload_bytes;
+          per_destination.push_back({{"rank", w.rank}, {"bytes", w.receive.payload_bytes},
+                                     {"wire_bytes", w.receive.wire_bytes}, {"tensors", w.receive.tensors},
+                                     {"batches", w.receive.batches}, {"receive_seconds", w.receive.receive_seconds()},
+                                     {"load_seconds", w.receive.load_seconds}});
+        }
+        const double rate = received / report.seconds;
+        throughputs.push_back(rate);
+        entry.update({{"ok", true}, {"seconds", report.seconds}, {"bytes_received", per_destination},
+                      {"throughput_bytes_per_s", rate}, {"verified", problems.empty()}});
+        if (!problems.empty()) {
+          verified = false;
+          exit_code = 3;
+          entry["verification_errors"] = problems;
+          for (const auto& p : problems) spdlog::error("verification: {}", p);
+        }
+        fmt::print("{:>6} {:>10.3f} {:>12.3f} {:>14.2f} {:>9}\n", k, report.seconds,
+                   received / kGiB / options.destinations, rate / kGiB, problems.empty() ? "yes" : "NO");
+      } catch (const Error& e) {
+        verified = false;
+        exit_code = 2;
+        entry.update({{"ok", false}, {"error", e.what()}, {"error_kind", std::string(to_string(e.kind()))}, {"verified", false}});
+        spdlog::error("refit {} failed: {}", k, e.what());
+        out["refits"].push_back(entry);
+        break;
+      }
+      out["refits"].push_back(entry);
+    }
+  }
+  out["bucket_bytes"] = bucket_bytes;
+  out["verified"] = verified;
+  out["median_throughput_bytes_per_s"] = median(throughputs);
+  fmt::print("median throughput: {:.2f} GiB/s over {} refit(s); verified: {}\n", median(throughputs) / kGiB,
+             throughputs.size(), verified ? "yes" : "no");
+
+  if (options.baseline && bucket_bytes > 0) {
+    auto tls = config.backend_init_params.count("tls") ? config.backend_init_params.at("tls") : "";
+    Baseline b = measure_baseline(bucket_bytes, tls);
+    json base = {{"memcpy_bytes_per_s", b.memcpy_bytes_per_s}, {"ucp_get_command", b.ucp_get_note}};
+    const double refit_rate = median(throughputs) / options.destinations;  // one pair's rate
+    fmt::print("baseline at {} MiB: memcpy {:.2f} GiB/s", bucket_bytes >> 20, b.memcpy_bytes_per_s / kGiB);
+    if (b.ucp_get_bytes_per_s) {
+      base["ucp_get_bytes_per_s"] = *b.ucp_get_bytes_per_s;
+      base["ratio_to_ucp_get"] = refit_rate / *b.ucp_get_bytes_per_s;
+      fmt::print(", ucp_get {:.2f} GiB/s\n", *b.ucp_get_bytes_per_s / kGiB);
+    } else {
+      fmt::print("\nucp_get baseline unavailable: {}\n", b.ucp_get_note);
+    }
+    base["ratio_to_memcpy"] = refit_rate / b.memcpy_bytes_per_s;
+    out["baseline"] = base;
+    fmt::print("refit per pair {:.2f} GiB/s = {:.2f} x memcpy", refit_rate / kGiB, refit_rate / b.memcpy_bytes_per_s);
+    if (b.ucp_get_bytes_per_s) fmt::print(", {:.2f} x ucp_get", refit_rate / *b.ucp_get_bytes_per_s);
+    fmt::print("\n");
+  }
+  if (!options.json_path.empty()) {
+    std::ofstream f(options.json_path);
+    f << out.dump(2) << "\n";
+    if (!f) throw Error(ErrorKind::kIo, fmt::format("cannot write --json file '{}'", options.json_path));
+  }
+  return exit_code;
+}
+
+}  // namespace refit::tools

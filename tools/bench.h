@@ -1,0 +1,28 @@
+// `refit bench`: N source and M destination processes on this host, K refits of a model,
+// every destination tensor checked bitwise against its source after every refit.
+#pragma once
+
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace refit::tools {
+
+struct BenchOptions {
+  std::string model;  // config.json, safetensors file or directory; empty: the default model
+  int sources = 1;
+  int destinations = 1;
+  int refits = 3;
+  std::string config_file;
+  std::vector<std::string> overrides;
+  std::string json_path;
+  bool baseline = false;
+  std::string kill;  // ROLE:RANK:REFIT:STEP, for failure tests
+};
+
+// Returns the process exit code: 0 only when every refit succeeded and verified.
+int run_bench(const BenchOptions& options);
+
+std::string default_model_path();
+
+}  // namespace refit::tools

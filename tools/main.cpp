@@ -1,0 +1,51 @@
+// The `refit` command: bench, plan, info.
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+
+#include "bench.h"
+#include "info.h"
+#include "plan_command.h"
+#include "refit/error.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"refit: move freshly trained LLM weights from training to inference processes"};
+  app.require_subcommand(1);
+
+  refit::tools::BenchOptions bench;
+  auto* bench_cmd = app.add_subcommand("bench", "Run refits between local source and destination processes and check every tensor");
+  bench_cmd->add_option("--model", bench.model, "config.json, safetensors file or directory (default: the embedded refit-tiny-moe)");
+  bench_cmd->add_option("--sources", bench.sources, "Source (policy) processes")->capture_default_str();
+  bench_cmd->add_option("--destinations", bench.destinations, "Destination (rollout) processes")->capture_default_str();
+  bench_cmd->add_option("--refits", bench.refits, "Refits to run")->capture_default_str();
+  bench_cmd->add_option("--config", bench.config_file, "YAML config file");
+  bench_cmd->add_option("--json", bench.json_path, "Write results as JSON to this file");
+  bench_cmd->add_flag("--baseline", bench.baseline, "Also measure ucx_perftest ucp_get and memcpy at the bucket size");
+  bench_cmd->add_option("--kill", bench.kill, "Failure test: ROLE:RANK:REFIT:STEP kills that worker at that point");
+  bench_cmd->add_option("overrides", bench.overrides, "Config overrides, key=value (e.g. refit_cfg.nixl.bucket_bytes=256MiB)");
+
+  refit::tools::PlanOptions plan;
+  auto* plan_cmd = app.add_subcommand("plan", "Show how a model is laid out in buckets, without moving bytes");
+  plan_cmd->add_option("--model", plan.model, "config.json, safetensors file or directory (default: refit-tiny-moe)");
+  plan_cmd->add_option("--sources", plan.sources, "Source processes")->capture_default_str();
+  plan_cmd->add_option("--destinations", plan.destinations, "Destination processes")->capture_default_str();
+  plan_cmd->add_option("--config", plan.config_file, "YAML config file");
+  plan_cmd->add_option("--json", plan.json_path, "Write the plan summary as JSON to this file");
+  plan_cmd->add_option("overrides", plan.overrides, "Config overrides, key=value");
+
+  auto* info_cmd = app.add_subcommand("info", "Show what refit detects on this machine (UCX, CUDA, memory)");
+
+  CLI11_PARSE(app, argc, argv);
+  try {
+    if (bench_cmd->parsed()) return refit::tools::run_bench(bench);
+    if (plan_cmd->parsed()) return refit::tools::run_plan(plan);
+    if (info_cmd->parsed()) return refit::tools::run_info();
+  } catch (const refit::Error& e) {
+    fmt::print(stderr, "refit: error ({}): {}\n", refit::to_string(e.kind()), e.what());
+    return 1;
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "refit: error: {}\n", e.what());
+    return 1;
+  }
+  return 0;
+}

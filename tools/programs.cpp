@@ -1,0 +1,187 @@
+#include "programs.h"
+
+#include <signal.h>
+#include <xxhash.h>
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cstring>
+#include <filesystem>
+#include <map>
+
+#include "core/fail.h"
+#include "refit/memory.h"
+#include "refit/safetensors.h"
+
+namespace refit::tools {
+namespace {
+
+using nlohmann::json;
+
+uint64_t splitmix64(uint64_t& state) {
+  uint64_t z = (state += 0x9E3779B97F4A7C15ull);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+std::string hex(uint64_t v) { return fmt::format("{:016x}", v); }
+
+[[noreturn]] void die_on_purpose() {
+  std::fflush(nullptr);
+  raise(SIGKILL);
+  _exit(137);
+}
+
+// Streams a list of views; kills the process at the kill point, if one is set for it.
+class ViewSource final : public WeightSource {
+ public:
+  ViewSource(const std::vector<TensorView>& views, std::optional<uint64_t> kill_at) : views_(views), kill_at_(kill_at) {}
+  bool next(TensorView* out) override {
+    if (kill_at_ && index_ == *kill_at_) die_on_purpose();
+    if (index_ == views_.size()) return false;
+    *out = views_[index_++];
+    return true;
+  }
+
+ private:
+  const std::vector<TensorView>& views_;
+  std::optional<uint64_t> kill_at_;
+  size_t index_ = 0;
+};
+
+class SourceProgram final : public WorkerProgram {
+ public:
+  SourceProgram(const BenchModel& model, std::optional<uint64_t> kill_refit, std::optional<uint64_t> kill_step)
+      : model_(model), kill_refit_(kill_refit), kill_step_(kill_step) {
+    if (!model.safetensors_path.empty()) {
+      load_files();
+    } else {
+      // One allocation for the whole model, refilled every refit.
+      storage_ = HostBuffer(std::max<uint64_t>(model.inventory.total_bytes(), 1));
+      uint64_t offset = 0;
+      for (const auto& t : model.inventory.tensors) {
+        views_.push_back({&t, storage_.data() + offset, MemoryKind::kHost});
+        offset += t.nbytes();
+      }
+    }
+  }
+
+  void stage(uint64_t index) override {
+    if (!synthetic() && !hashes_.empty()) return;  // file content does not change
+    hashes_.clear();
+    for (size_t i = 0; i < views_.size(); ++i) {
+      const auto& v = views_[i];
+      const uint64_t n = v.info->nbytes();
+      if (synthetic()) fill(const_cast<std::byte*>(v.data), n, index * 1000003 + i);
+      hashes_[v.info->name] = hex(XXH3_64bits(v.data, n));
+    }
+  }
+
+  std::unique_ptr<WeightSource> weights(uint64_t index) override {
+    std::optional<uint64_t> kill;
+    if (kill_refit_ && *kill_refit_ == index) kill = kill_step_;
+    return std::make_unique<ViewSource>(views_, kill);
+  }
+
+  BatchLoader loader(uint64_t) override { fail(ErrorKind::kInternal, "a source has no loader"); }
+
+  std::string report(uint64_t) override { return json{{"hashes", hashes_}}.dump(); }
+
+ private:
+  bool synthetic() const { return model_.safetensors_path.empty(); }
+
+  static void fill(std::byte* data, uint64_t n, uint64_t seed) {
+    uint64_t state = seed;
+    uint64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+      uint64_t v = splitmix64(state);
+      std::memcpy(data + i, &v, 8);
+    }
+    uint64_t v = splitmix64(state);
+    std::memcpy(data + i, &v, n - i);
+  }
+
+  void load_files() {
+    auto add = [&](const std::string& path) {
+      files_.push_back(std::make_unique<SafetensorsFile>(path));
+      const auto& f = *files_.back();
+      for (size_t i = 0; i < f.tensors().size(); ++i)
+        views_.push_back({&f.tensors()[i], f.data(i).data(), MemoryKind::kHost});
+    };
+    namespace fs = std::filesystem;
+    if (fs::is_directory(model_.safetensors_path)) {
+      std::vector<std::string> paths;
+      for (const auto& e : fs::directory_iterator(model_.safetensors_path))
+        if (e.path().extension() == ".safetensors") paths.push_back(e.path().string());
+      std::sort(paths.begin(), paths.end());
+      for (const auto& p : paths) add(p);
+    } else {
+      add(model_.safetensors_path);
+    }
+  }
+
+  const BenchModel& model_;
+  std::optional<uint64_t> kill_refit_, kill_step_;
+  HostBuffer storage_;
+  std::vector<std::unique_ptr<SafetensorsFile>> files_;
+  std::vector<TensorView> views_;
+  std::map<std::string, std::string> hashes_;
+};
+
+class DestinationProgram final : public WorkerProgram {
+ public:
+  DestinationProgram(std::optional<uint64_t> kill_refit, std::optional<uint64_t> kill_step)
+      : kill_refit_(kill_refit), kill_step_(kill_step) {}
+
+  std::unique_ptr<WeightSource> weights(uint64_t) override { fail(ErrorKind::kInternal, "a destination has no weights"); }
+
+  BatchLoader loader(uint64_t index) override {
+    hashes_.clear();
+    batches_ = 0;
+    return [this, index](LoadBatch batch) {
+      if (kill_refit_ && *kill_refit_ == index && kill_step_ && batches_ == *kill_step_) die_on_purpose();
+      ++batches_;
+      for (const auto& v : batch) hashes_[v.info->name] = hex(XXH3_64bits(v.data, v.info->nbytes()));
+    };
+  }
+
+  std::string report(uint64_t) override { return json{{"hashes", hashes_}}.dump(); }
+
+ private:
+  std::optional<uint64_t> kill_refit_, kill_step_;
+  uint64_t batches_ = 0;
+  std::map<std::string, std::string> hashes_;
+};
+
+}  // namespace
+
+KillPoint parse_kill_point(const std::string& text) {
+  KillPoint k;
+  char role[16] = {};
+  unsigned long long refit = 0, step = 0;
+  int rank = 0;
+  if (std::sscanf(text.c_str(), "%15[a-z]:%d:%llu:%llu", role, &rank, &refit, &step) != 4 ||
+      (std::strcmp(role, "source") != 0 && std::strcmp(role, "destination") != 0) || rank < 0)
+    fail(ErrorKind::kInvalidArgument, "--kill '{}': expected ROLE:RANK:REFIT:STEP, e.g. source:0:1:25", text);
+  k.source = std::strcmp(role, "source") == 0;
+  k.rank = rank;
+  k.refit = refit;
+  k.step = step;
+  return k;
+}
+
+WorkerProgramFactory bench_programs(const BenchModel& model, std::optional<KillPoint> kill) {
+  return [&model, kill](bool is_source, int rank) -> std::unique_ptr<WorkerProgram> {
+    std::optional<uint64_t> kill_refit, kill_step;
+    if (kill && kill->source == is_source && kill->rank == rank) {
+      kill_refit = kill->refit;
+      kill_step = kill->step;
+    }
+    if (is_source) return std::make_unique<SourceProgram>(model, kill_refit, kill_step);
+    return std::make_unique<DestinationProgram>(kill_refit, kill_step);
+  };
+}
+
+}  // namespace refit::tools

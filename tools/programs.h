@@ -1,0 +1,34 @@
+// The worker programs of `refit bench`: sources that stream a model's tensors (synthetic
+// content that changes every refit, or the bytes of safetensors files) and destinations that
+// hash what they receive, so the driver can check every tensor bitwise against its source.
+#pragma once
+
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "refit/local_group.h"
+#include "refit/model.h"
+
+namespace refit::tools {
+
+// Kill a worker on purpose, for failure tests: the worker SIGKILLs itself when it reaches
+// `step` in refit `refit` (a source: before yielding tensor `step`; a destination: before
+// loading batch `step`).
+struct KillPoint {
+  bool source = true;
+  int rank = 0;
+  uint64_t refit = 0;
+  uint64_t step = 0;
+};
+// "source:0:1:25" = role:rank:refit:step. Throws Error(kInvalidArgument).
+KillPoint parse_kill_point(const std::string& text);
+
+struct BenchModel {
+  ModelInventory inventory;
+  std::string safetensors_path;  // empty: synthetic content
+};
+
+WorkerProgramFactory bench_programs(const BenchModel& model, std::optional<KillPoint> kill);
+
+}  // namespace refit::tools

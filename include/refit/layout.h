@@ -1,0 +1,99 @@
+// Destination layouts: what a destination holds of each source tensor, and therefore what a
+// source sends it. For every source tensor a layout says one of
+//   whole             send the tensor as it is;
+//   narrow(dim, s, n) send rows [s, s+n) of dimension `dim` (row-major, made contiguous);
+//   drop              send nothing.
+// Lookup order for a name: its own entry; else dropped if it starts with one of
+// `drop_prefixes` (plain prefix match, so prefixes end with '.': "model.layers.1." never
+// matches "model.layers.10."); else `fallback`. Names outside the inventory (KV-cache scales,
+// draft weights) reach the source too and get the same rules.
+//
+// A destination builds its layout (layout_builders.h), encodes it into its metadata; the source
+// decodes it, validates it against its inventory, and applies `select` + `copy_slice` while
+// packing. Plain data: safe to share between threads once built.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "refit/model.h"
+#include "refit/tensor.h"
+
+namespace refit {
+
+struct Slice {
+  int32_t dim = 0;
+  int64_t start = 0;
+  int64_t length = 0;
+  bool operator==(const Slice&) const = default;
+};
+
+enum class Take : uint8_t { kWhole = 0, kSlice = 1, kDrop = 2 };
+
+std::string_view to_string(Take take);
+
+// What a destination wants of one tensor.
+struct Request {
+  Take take = Take::kWhole;
+  Slice slice;  // only for kSlice
+
+  static Request whole() { return {}; }
+  static Request drop() { return {Take::kDrop, {}}; }
+  static Request narrow(int32_t dim, int64_t start, int64_t length) { return {Take::kSlice, {dim, start, length}}; }
+  bool operator==(const Request&) const = default;
+};
+
+struct Layout {
+  std::map<std::string, Request, std::less<>> tensors;  // by source tensor name
+  std::vector<std::string> drop_prefixes;               // e.g. pipeline stages this destination lacks
+  Take fallback = Take::kWhole;                         // kWhole or kDrop
+
+  // The rule for `name` (its entry, a dropped prefix, or the fallback).
+  Request request_for(std::string_view name) const;
+  bool operator==(const Layout&) const = default;
+};
+
+// What the source sends for one tensor. `info` has the source's name and dtype and the shape
+// that is sent; for kDrop it is the source's info unchanged (nothing is sent). A slice that
+// covers its whole dimension is reported as kWhole, so the source sends it without a copy.
+struct Selection {
+  Take take = Take::kWhole;
+  Slice slice;
+  TensorInfo info;
+};
+
+// Throws Error(kLayout) if the tensor's entry does not fit its shape (validate_layout catches
+// this earlier for inventory tensors).
+Selection select(const Layout& layout, const TensorInfo& source);
+
+// Byte encoding for destination metadata. decode_layout rejects malformed input with
+// Error(kProtocol) naming `what` and the field; it never reads out of bounds and bounds every
+// count by the bytes present.
+std::vector<uint8_t> encode_layout(const Layout& layout);
+Layout decode_layout(std::span<const uint8_t> bytes, std::string_view what = "layout");
+
+// Checks a layout against the source's inventory: every listed name exists, slice dims and
+// bounds fit, no listed tensor is also under a dropped prefix, prefixes are non-empty and end
+// with '.'. Throws Error(kLayout) naming the tensor and `destination_rank`.
+void validate_layout(const Layout& layout, const ModelInventory& inventory, int destination_rank);
+
+struct LayoutSummary {
+  uint64_t tensors = 0;  // tensors sent (whole or sliced)
+  uint64_t sliced = 0;   // of which sliced
+  uint64_t dropped = 0;
+  uint64_t bytes = 0;  // bytes sent
+};
+LayoutSummary layout_bytes(const Layout& layout, const ModelInventory& inventory);
+
+// Row-major narrow of the contiguous tensor at `src` (described by `info`) into the contiguous
+// buffer `dst` (slice_bytes of the result). One memcpy when the slice is a single block (dim 0,
+// or all leading dims are 1), strided rows otherwise. Throws Error(kLayout) for a slice that does
+// not fit `info`.
+void copy_slice(const std::byte* src, const TensorInfo& info, const Slice& slice, std::byte* dst);
+
+}  // namespace refit

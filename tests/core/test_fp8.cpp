@@ -1,0 +1,253 @@
+#include "refit/fp8.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <bit>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+
+#include "refit/error.h"
+
+namespace refit {
+namespace {
+
+using ::testing::AllOf;
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+
+template <typename F>
+std::string error_of(ErrorKind kind, F&& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), kind) << e.what();
+    return e.what();
+  }
+  ADD_FAILURE() << "no error thrown";
+  return {};
+}
+
+// e4m3fn by definition: bias 7, subnormals at exponent 0, no infinities, S.1111.111 is NaN.
+double ref_decode(int code) {
+  int e = (code >> 3) & 15, m = code & 7;
+  double v = e == 0 ? std::ldexp(m, -9) : std::ldexp(1.0 + m / 8.0, e - 7);
+  return (code & 0x80) ? -v : v;
+}
+
+// Nearest finite code by exhaustive search, ties to the even code, saturating at 448.
+uint8_t ref_encode(float x) {
+  const uint8_t sign = std::signbit(x) ? 0x80 : 0;
+  if (std::isnan(x)) return sign | 0x7f;
+  const double a = std::fabs(static_cast<double>(x));
+  if (a >= 448.0) return sign | 0x7e;
+  int best = 0;
+  double best_err = std::numeric_limits<double>::infinity();
+  for (int c = 0; c <= 0x7e; ++c) {
+    double err = std::fabs(ref_decode(c) - a);
+    if (err < best_err || (err == best_err && (c & 1) == 0)) {
+      best = c;
+      best_err = err;
+    }
+  }
+  return sign | static_cast<uint8_t>(best);
+}
+
+TEST(Fp8, DecodeEveryCode) {
+  for (int c = 0; c < 256; ++c) {
+    float v = fp8_e4m3fn_to_float(static_cast<uint8_t>(c));
+    if ((c & 0x7f) == 0x7f) {
+      EXPECT_TRUE(std::isnan(v)) << c;
+      continue;
+    }
+    EXPECT_EQ(v, static_cast<float>(ref_decode(c))) << c;
+    EXPECT_EQ(fp8_e4m3fn_from_float(v), c) << c;  // round trip
+  }
+  EXPECT_EQ(fp8_e4m3fn_to_float(0x7e), 448.0f);
+  EXPECT_EQ(fp8_e4m3fn_to_float(0x01), std::ldexp(1.0f, -9));
+}
+
+TEST(Fp8, EncodeEveryBf16Value) {
+  for (uint32_t b = 0; b < 65536; ++b) {
+    float x = bf16_to_float(static_cast<uint16_t>(b));
+    ASSERT_EQ(fp8_e4m3fn_from_float(x), ref_encode(x)) << "bf16 bits " << b << " value " << x;
+  }
+}
+
+TEST(Fp8, EncodeRandomFloatsAndTies) {
+  std::mt19937 rng(5);
+  for (int i = 0; i < 200000; ++i) {
+    float x = std::bit_cast<float>(static_cast<uint32_t>(rng()));
+    if (i % 2) x = std::ldexp(static_cast<float>(rng()) / 4294967296.0f, static_cast<int>(rng() % 30) - 20);  // fp8 range
+    ASSERT_EQ(fp8_e4m3fn_from_float(x), ref_encode(x)) << x;
+  }
+  // Exact midpoints between neighbours go to the even code; one ulp either side does not tie.
+  for (int c = 0; c < 0x7e; ++c) {
+    float mid = static_cast<float>((ref_decode(c) + ref_decode(c + 1)) / 2);
+    ASSERT_EQ(static_cast<double>(mid), (ref_decode(c) + ref_decode(c + 1)) / 2);
+    EXPECT_EQ(fp8_e4m3fn_from_float(mid), (c & 1) ? c + 1 : c) << c;
+    EXPECT_EQ(fp8_e4m3fn_from_float(-mid), 0x80 | ((c & 1) ? c + 1 : c)) << c;
+    EXPECT_EQ(fp8_e4m3fn_from_float(std::nextafter(mid, 0.0f)), c) << c;
+    EXPECT_EQ(fp8_e4m3fn_from_float(std::nextafter(mid, 1000.0f)), c + 1) << c;
+  }
+}
+
+TEST(Fp8, SaturatesAndKeepsNan) {
+  EXPECT_EQ(fp8_e4m3fn_from_float(448.0f), 0x7e);
+  EXPECT_EQ(fp8_e4m3fn_from_float(464.0f), 0x7e);  // a tie with the NaN pattern's value 480
+  EXPECT_EQ(fp8_e4m3fn_from_float(1e30f), 0x7e);
+  EXPECT_EQ(fp8_e4m3fn_from_float(-std::numeric_limits<float>::infinity()), 0xfe);
+  EXPECT_EQ(fp8_e4m3fn_from_float(std::numeric_limits<float>::quiet_NaN()), 0x7f);
+  EXPECT_EQ(fp8_e4m3fn_from_float(-0.0f), 0x80);
+  EXPECT_EQ(fp8_e4m3fn_from_float(std::ldexp(1.0f, -10)), 0x00);            // tie between 0 and 2^-9: even
+  EXPECT_EQ(fp8_e4m3fn_from_float(std::ldexp(3.0f, -10)), 0x02);            // tie between 1 and 2 subnormal steps
+  EXPECT_EQ(fp8_e4m3fn_from_float(std::ldexp(15.0f, -10)), 0x08);           // rounds up into the smallest normal
+}
+
+TEST(Bf16, Conversions) {
+  EXPECT_EQ(bf16_to_float(0x3f80), 1.0f);
+  EXPECT_EQ(bf16_to_float(0xc000), -2.0f);
+  EXPECT_EQ(bf16_from_float(1.0f + std::ldexp(1.0f, -8)), 0x3f80);      // tie -> even
+  EXPECT_EQ(bf16_from_float(1.0f + 3 * std::ldexp(1.0f, -8)), 0x3f82);  // tie -> even
+  EXPECT_TRUE(std::isnan(bf16_to_float(bf16_from_float(std::numeric_limits<float>::quiet_NaN()))));
+  for (uint32_t b = 0; b < 65536; ++b) {
+    float x = bf16_to_float(static_cast<uint16_t>(b));
+    if (!std::isnan(x)) ASSERT_EQ(bf16_from_float(x), b);
+  }
+}
+
+// ---- tensor quantization vs a scalar reference ------------------------------------------------
+
+struct RefResult {
+  std::vector<uint8_t> q;
+  std::vector<float> scales;
+};
+
+// DeepGEMM's per_block_cast_to_fp8, one group at a time, written plainly.
+RefResult ref_quantize(const std::vector<float>& x, int64_t rows, int64_t cols, int64_t block) {
+  RefResult out;
+  out.q.resize(x.size());
+  for (int64_t r0 = 0; r0 < rows; r0 += block)
+    for (int64_t c0 = 0; c0 < cols; c0 += block) {
+      float amax = 0;
+      for (int64_t r = r0; r < std::min(rows, r0 + block); ++r)
+        for (int64_t c = c0; c < std::min(cols, c0 + block); ++c) amax = std::max(amax, std::fabs(x[r * cols + c]));
+      if (amax < 1e-4f) amax = 1e-4f;
+      float inv = 448.0f / amax;
+      for (int64_t r = r0; r < std::min(rows, r0 + block); ++r)
+        for (int64_t c = c0; c < std::min(cols, c0 + block); ++c) out.q[r * cols + c] = ref_encode(x[r * cols + c] * inv);
+      out.scales.push_back(amax / 448.0f);
+    }
+  return out;
+}
+
+std::vector<float> random_values(size_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 0.02f);
+  std::vector<float> v(n);
+  for (auto& x : v) x = normal(rng);
+  for (size_t i = 0; i < n; i += 997) v[i] *= 50.0f;  // outliers
+  return v;
+}
+
+TEST(Fp8Quantize, Bf16BlockAndPerTensorMatchTheReference) {
+  const int64_t rows = 300, cols = 200;  // partial edge blocks both ways
+  auto values = random_values(rows * cols, 1);
+  // A zero block and a tiny block exercise the 1e-4 clamp.
+  for (int64_t r = 128; r < 256; ++r)
+    for (int64_t c = 0; c < 128; ++c) values[r * cols + c] = 0.0f;
+  for (int64_t r = 256; r < 300; ++r)
+    for (int64_t c = 128; c < 200; ++c) values[r * cols + c] *= 1e-4f;
+  std::vector<uint16_t> bf16(values.size());
+  for (size_t i = 0; i < values.size(); ++i) {
+    bf16[i] = bf16_from_float(values[i]);
+    values[i] = bf16_to_float(bf16[i]);
+  }
+  TensorInfo info{"model.layers.0.mlp.down_proj.weight", DType::kBFloat16, {rows, cols}};
+  const auto* src = reinterpret_cast<const std::byte*>(bf16.data());
+
+  Fp8Tensor block = quantize_fp8(src, info, Fp8Scaling::kBlock128);
+  EXPECT_THAT(block.scale_shape, ElementsAre(3, 2));
+  RefResult ref = ref_quantize(values, rows, cols, 128);
+  ASSERT_EQ(block.data, ref.q);
+  ASSERT_EQ(block.scales, ref.scales);
+  EXPECT_EQ(block.scales[2], 1e-4f / 448.0f);  // the zero block
+  for (int64_t c = 0; c < 128; ++c) EXPECT_EQ(block.data[128 * cols + c], 0);
+
+  Fp8Tensor whole = quantize_fp8(src, info, Fp8Scaling::kPerTensor);
+  EXPECT_THAT(whole.scale_shape, ElementsAre(1));
+  ref = ref_quantize(values, 1, rows * cols, rows * cols);
+  ASSERT_EQ(whole.data, ref.q);
+  ASSERT_EQ(whole.scales, ref.scales);
+
+  // Dequantized values stay within e4m3's precision of the input.
+  for (size_t i = 0; i < values.size(); ++i) {
+    float back = fp8_e4m3fn_to_float(whole.data[i]) * whole.scales[0];
+    ASSERT_LE(std::fabs(back - values[i]), std::fabs(values[i]) / 16 + whole.scales[0] * std::ldexp(1.0f, -9)) << i;
+  }
+}
+
+TEST(Fp8Quantize, Fp32MatchesTheReference) {
+  const int64_t rows = 130, cols = 257;
+  auto values = random_values(rows * cols, 2);
+  TensorInfo info{"w", DType::kFloat32, {rows, cols}};
+  const auto* src = reinterpret_cast<const std::byte*>(values.data());
+  Fp8Tensor block = quantize_fp8(src, info, Fp8Scaling::kBlock128);
+  EXPECT_THAT(block.scale_shape, ElementsAre(2, 3));
+  RefResult ref = ref_quantize(values, rows, cols, 128);
+  EXPECT_EQ(block.data, ref.q);
+  EXPECT_EQ(block.scales, ref.scales);
+  // Per-tensor works for any rank.
+  TensorInfo flat{"w", DType::kFloat32, {rows * cols}};
+  ref = ref_quantize(values, 1, rows * cols, rows * cols);
+  Fp8Tensor whole = quantize_fp8(src, flat, Fp8Scaling::kPerTensor);
+  EXPECT_EQ(whole.data, ref.q);
+  EXPECT_EQ(whole.scales, ref.scales);
+}
+
+TEST(Fp8Quantize, Rejections) {
+  std::vector<float> v = {1.0f, std::numeric_limits<float>::infinity(), 2.0f, 3.0f};
+  const auto* src = reinterpret_cast<const std::byte*>(v.data());
+  EXPECT_THAT(error_of(ErrorKind::kInvalidArgument,
+                       [&] { quantize_fp8(src, {"lm_head.weight", DType::kFloat32, {2, 2}}, Fp8Scaling::kPerTensor); }),
+              AllOf(HasSubstr("lm_head.weight"), HasSubstr("element 1 is inf")));
+  v[1] = 0.0f;
+  EXPECT_THAT(error_of(ErrorKind::kInvalidArgument,
+                       [&] { quantize_fp8(src, {"n.weight", DType::kFloat32, {1, 2, 2}}, Fp8Scaling::kBlock128); }),
+              AllOf(HasSubstr("n.weight"), HasSubstr("2-D")));
+  EXPECT_THAT(error_of(ErrorKind::kInvalidArgument,
+                       [&] { quantize_fp8(src, {"i", DType::kInt32, {4}}, Fp8Scaling::kPerTensor); }),
+              AllOf(HasSubstr("'i'"), HasSubstr("int32")));
+}
+
+// ---- KV-cache scales ------------------------------------------------------------------------
+
+TEST(KvScales, NamesOrderAndDefaults) {
+  auto s = kv_scale_tensors(2, {{"model.layers.1.self_attn.k_scale", 0.5f}, {"not.a.scale", 3.0f}});
+  std::vector<std::string> names;
+  for (const auto& t : s.tensors) {
+    names.push_back(t.name);
+    EXPECT_EQ(t.dtype, DType::kFloat32);
+    EXPECT_EQ(t.shape, (std::vector<int64_t>{1}));
+    EXPECT_EQ(t.nbytes(), 4u);
+  }
+  EXPECT_THAT(names, ElementsAre("model.layers.0.self_attn.attn.q_scale", "model.layers.0.self_attn.k_scale",
+                                 "model.layers.0.self_attn.v_scale", "model.layers.1.self_attn.attn.q_scale",
+                                 "model.layers.1.self_attn.k_scale", "model.layers.1.self_attn.v_scale"));
+  EXPECT_THAT(s.values, ElementsAre(1.0f, 1.0f, 1.0f, 1.0f, 0.5f, 1.0f));
+  EXPECT_TRUE(kv_scale_tensors(0, {}).tensors.empty());
+  error_of(ErrorKind::kInvalidArgument, [] { kv_scale_tensors(-1, {}); });
+}
+
+TEST(Fp8, ShardedExpertsAreRejectedForFp8Models) {
+  EXPECT_THAT(error_of(ErrorKind::kUnsupported, [] { check_sharded_experts_not_fp8(true, true, 4); }),
+              AllOf(HasSubstr("Sharded NIXL expert refit is not supported for FP8 vLLM models"), HasSubstr("destination rank 4"),
+                    HasSubstr("shard_expert_weights=false")));
+  EXPECT_NO_THROW(check_sharded_experts_not_fp8(false, true, 4));
+  EXPECT_NO_THROW(check_sharded_experts_not_fp8(true, false, 4));
+}
+
+}  // namespace
+}  // namespace refit

@@ -1,0 +1,142 @@
+// Refits between real processes over UCX, driven through the `refit bench` command.
+#include <gtest/gtest.h>
+
+#include "cli_runner.h"
+#include "refit/model.h"
+#include "refit/safetensors.h"
+
+namespace refit {
+namespace {
+
+using testing::read_json;
+using testing::run_cli;
+using testing::TempDir;
+
+// A small MoE (about 9 MiB) with tensors that split over the 1 MiB buckets used here.
+const char* kSmallMoe = R"({
+  "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "torch_dtype": "bfloat16",
+  "hidden_size": 128, "intermediate_size": 256, "moe_intermediate_size": 64, "num_hidden_layers": 3,
+  "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 8000,
+  "num_experts": 8, "num_experts_per_tok": 2, "decoder_sparse_step": 1, "mlp_only_layers": [],
+  "rms_norm_eps": 1e-6, "tie_word_embeddings": false
+})";
+
+const std::string kShm = "refit_cfg.nixl.backend_init_params.tls=posix,sysv,cma,self";
+const std::string kTcp = "refit_cfg.nixl.backend_init_params.tls=tcp,self";
+
+struct Bench {
+  TempDir dir;
+  std::string model = dir.write("config.json", kSmallMoe);
+  std::string json = dir.file("result.json");
+
+  testing::CliResult run(int sources, int destinations, int refits, std::vector<std::string> extra = {},
+                         double timeout_s = 120) {
+    std::vector<std::string> args = {"bench", "--model", model, "--sources", std::to_string(sources),
+                                     "--destinations", std::to_string(destinations), "--refits", std::to_string(refits),
+                                     "--json", json, "refit_cfg.nixl.bucket_bytes=1MiB", "refit_cfg.nixl.timeout_s=20"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    return run_cli(args, timeout_s);
+  }
+};
+
+void expect_verified(const testing::CliResult& r, const nlohmann::json& j, int destinations, int refits, uint64_t model_bytes) {
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(j.at("verified").get<bool>());
+  ASSERT_EQ(j.at("refits").size(), static_cast<size_t>(refits));
+  for (const auto& refit : j.at("refits")) {
+    EXPECT_TRUE(refit.at("verified").get<bool>());
+    ASSERT_EQ(refit.at("bytes_received").size(), static_cast<size_t>(destinations));
+    for (const auto& d : refit.at("bytes_received")) EXPECT_EQ(d.at("bytes").get<uint64_t>(), model_bytes);
+  }
+  EXPECT_GT(j.at("median_throughput_bytes_per_s").get<double>(), 0);
+  EXPECT_EQ(j.at("bucket_bytes").get<uint64_t>(), 1u << 20);
+}
+
+TEST(RefitProcesses, OneToOneOverSharedMemory) {
+  Bench b;
+  auto r = b.run(1, 1, 2, {kShm});
+  auto model_bytes = inventory_from_hf_config(b.model).total_bytes();
+  expect_verified(r, read_json(b.json), 1, 2, model_bytes);
+  EXPECT_NE(r.output.find("[vLLM refit] Loaded"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("Using checkpoint-engine refit backend: nixl"), std::string::npos);
+  EXPECT_NE(r.output.find("[checkpoint engine] Bucket size: 1 MiB per buffer"), std::string::npos);
+}
+
+TEST(RefitProcesses, OneToOneOverTcp) {
+  Bench b;
+  auto r = b.run(1, 1, 2, {kTcp});
+  expect_verified(r, read_json(b.json), 1, 2, inventory_from_hf_config(b.model).total_bytes());
+}
+
+TEST(RefitProcesses, TwoToTwo) {
+  Bench b;
+  auto r = b.run(2, 2, 2, {kShm});
+  expect_verified(r, read_json(b.json), 2, 2, inventory_from_hf_config(b.model).total_bytes());
+}
+
+TEST(RefitProcesses, FourSourcesToThreeDestinationsLeavesOneSourceIdle) {
+  Bench b;
+  auto r = b.run(4, 3, 2, {kShm});
+  expect_verified(r, read_json(b.json), 3, 2, inventory_from_hf_config(b.model).total_bytes());
+}
+
+TEST(RefitProcesses, SeveralRefitsWithReleaseAfterRefit) {
+  Bench b;
+  auto r = b.run(1, 1, 3, {kShm, "refit_cfg.nixl.release_after_refit=true"});
+  expect_verified(r, read_json(b.json), 1, 3, inventory_from_hf_config(b.model).total_bytes());
+}
+
+TEST(RefitProcesses, SafetensorsDirectoryIsSentBitwise) {
+  Bench b;
+  std::vector<std::vector<std::byte>> storage;
+  std::vector<SafetensorsEntry> entries;
+  const std::vector<TensorInfo> infos = {{"a.weight", DType::kBFloat16, {1000, 700}},  // splits over 1 MiB buckets
+                                         {"b.bias", DType::kFloat32, {33}},
+                                         {"c.empty", DType::kFloat16, {0}},
+                                         {"d.ids", DType::kInt64, {5}}};
+  for (const auto& info : infos) {
+    storage.emplace_back(info.nbytes());
+    for (size_t i = 0; i < storage.back().size(); ++i) storage.back()[i] = static_cast<std::byte>(i * 131 + 7);
+    entries.push_back({info, storage.back()});
+  }
+  write_safetensors(b.dir.file("model-00001.safetensors"), entries);
+  b.model = b.dir.file("");
+  auto r = b.run(1, 1, 1, {kShm});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  auto j = read_json(b.json);
+  EXPECT_TRUE(j.at("verified").get<bool>());
+  EXPECT_EQ(j.at("tensors").get<int>(), 4);
+}
+
+// A killed peer: the survivor reports an error naming the lost peer and the phase within its
+// deadline; nothing hangs; the run fails and is never reported as verified.
+void expect_peer_failure(const testing::CliResult& r, const nlohmann::json& j, const std::string& survivor,
+                         const std::string& lost) {
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.exit_code, -1) << "the bench hung: " << r.output;
+  EXPECT_FALSE(j.at("verified").get<bool>());
+  const auto& last = j.at("refits").back();
+  EXPECT_FALSE(last.at("ok").get<bool>());
+  const std::string error = last.at("error");
+  EXPECT_NE(error.find(survivor), std::string::npos) << error;
+  EXPECT_NE(error.find(lost), std::string::npos) << error;
+  EXPECT_NE(error.find("phase"), std::string::npos) << error;
+}
+
+TEST(RefitProcesses, SourceKilledMidRefitIsReportedByItsDestination) {
+  Bench b;
+  auto r = b.run(1, 1, 3, {kShm, "--kill", "source:0:1:40"}, 90);
+  expect_peer_failure(r, read_json(b.json), "destination rank 0", "source rank 0");
+  EXPECT_LT(r.seconds, 60) << r.output;
+  EXPECT_EQ(read_json(b.json).at("refits").size(), 2u);  // refit 0 succeeded, refit 1 failed
+}
+
+TEST(RefitProcesses, DestinationKilledMidRefitIsReportedByItsSource) {
+  Bench b;
+  auto r = b.run(2, 2, 2, {kTcp, "--kill", "destination:1:0:2"}, 90);
+  expect_peer_failure(r, read_json(b.json), "source rank 1", "destination rank 1");
+  EXPECT_LT(r.seconds, 60) << r.output;
+}
+
+}  // namespace
+}  // namespace refit

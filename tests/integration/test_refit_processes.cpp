@@ -99,8 +99,9 @@ TEST(RefitProcesses, SafetensorsDirectoryIsSentBitwise) {
     for (size_t i = 0; i < storage.back().size(); ++i) storage.back()[i] = static_cast<std::byte>(i * 131 + 7);
     entries.push_back({info, storage.back()});
   }
-  write_safetensors(b.dir.file("model-00001.safetensors"), entries);
-  b.model = b.dir.file("");
+  std::filesystem::create_directories(b.dir.file("st"));
+  write_safetensors(b.dir.file("st/model-00001.safetensors"), entries);
+  b.model = b.dir.file("st");
   auto r = b.run(1, 1, 1, {kShm});
   ASSERT_EQ(r.exit_code, 0) << r.output;
   auto j = read_json(b.json);

@@ -49,8 +49,8 @@ UcxAddress decode_ucx_address(std::span<const uint8_t> blob, const std::string& 
   uint32_t length = 0;
   for (int i = 0; i < 4; ++i) length |= static_cast<uint32_t>(length_bytes[i]) << (8 * i);
   if (length == 0 || blob.size() - kHeaderBytes != length) {
-    fail(ErrorKind::kProtocol, "malformed UCX address for {}: worker address of {} bytes announced, {} present",
-         label, length, blob.size() - kHeaderBytes);
+    fail(ErrorKind::kProtocol, "malformed UCX address for {}: worker address of {} bytes announced, {} present", label,
+         length, blob.size() - kHeaderBytes);
   }
   address.worker_address.assign(blob.begin() + kHeaderBytes, blob.end());
   return address;

@@ -21,7 +21,8 @@ constexpr int kSleepMs = 1;
 
 ProgressThread::ProgressThread(ucp_worker_h worker) : worker_(worker) {
   ucs_status_t status = ucp_worker_get_efd(worker_, &event_fd_);
-  if (status != UCS_OK) fail(ErrorKind::kTransport, "cannot get the UCX worker's event fd: {}", ucs_status_string(status));
+  if (status != UCS_OK)
+    fail(ErrorKind::kTransport, "cannot get the UCX worker's event fd: {}", ucs_status_string(status));
   thread_ = std::thread([this] { run(); });
 }
 

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <deque>
 #include <mutex>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -25,25 +26,25 @@ constexpr auto kCloseTimeout = std::chrono::seconds(2);
 class UcxTransport;
 
 // One UCX request as seen by its waiter and its completion callback (both under the owner's
-// mutex). A waiter that times out abandons it: the callback then frees it, so UCX may finish late
-// without touching freed memory.
+// mutex). A waiter that times out hands it to the owner's `abandoned_` and the callback frees it:
+// UCX may finish late without touching freed memory.
 struct Operation {
   explicit Operation(UcxTransport* owner) : owner(owner) {}
   UcxTransport* owner;
   bool done = false;
-  bool abandoned = false;
   ucs_status_t status = UCS_OK;
-  Bytes payload;  // a send's own copy of the message, since UCX may still read it after an abandoned wait
+  void* request = nullptr;  // set once abandoned
+  Bytes payload;            // a send's copy of its message when an abandoned send may still read it
 };
 
 struct Peer {
   UcxTransport* owner = nullptr;
   std::string label;
   InstanceId id{};
-  ucp_ep_h ep = nullptr;
+  ucp_ep_h ep = nullptr;              // null once closed after a timeout
+  std::string timed_out;              // the operation whose timeout closed `ep`
   bool lost = false;                  // under owner's mutex: set by the endpoint error callback
   ucs_status_t lost_status = UCS_OK;  // under owner's mutex
-  bool abandoned_operations = false;  // a timed-out operation may still be running on `ep`
   std::map<Bytes, ucp_rkey_h> rkeys;  // unpacked remote keys by packed bytes
 };
 
@@ -101,14 +102,21 @@ class UcxTransport final : public Transport {
   void init_ucx();
   Peer& find_peer(PeerId peer, std::string_view doing);
   const Region& find_region(RegionId region, std::string_view doing) const;
-  void check_not_lost(const Peer& peer, std::string_view doing);
+  bool is_lost(const Peer& peer);
+  // Throws unless operations on `peer` can proceed; `what` says which ("reading 8 bytes from <label>").
+  void check_usable(const Peer& peer, std::string_view what);
+  [[noreturn]] static void fail_closed(const Peer& peer, std::string_view what);
   ucp_rkey_h remote_key(Peer& peer, const Bytes& packed);
-  // Waits for what ucp_*_nbx returned; throws naming `doing` and the peer on timeout or failure.
+  // Waits for what ucp_*_nbx returned. Returns the request's status, or nothing when the deadline
+  // passed: the operation is then abandoned to its callback.
+  std::optional<ucs_status_t> wait(ucs_status_ptr_t request, std::unique_ptr<Operation> operation, Deadline deadline);
+  // wait() for a read or send on `peer`; throws naming `what` on timeout or failure.
   void finish(Peer& peer, ucs_status_ptr_t request, std::unique_ptr<Operation> operation, Deadline deadline,
-              const std::string& doing);
+              const std::string& what);
   void complete_inbound(Inbound& message, ucs_status_t status);
-  // Closes the endpoint and drops its keys; returns false when the close is still running.
-  bool close(Peer& peer);
+  // Closes the endpoint (if still open) and drops its keys; returns false when the close is still
+  // running. Forcing cancels outstanding operations; UCX defines it only with peer error handling.
+  bool close(Peer& peer, bool force);
 
   UcxOptions options_;
   InstanceId id_;
@@ -116,7 +124,8 @@ class UcxTransport final : public Transport {
   // Declared before the worker: completion callbacks may still run while it is destroyed.
   std::mutex mutex_;
   std::condition_variable changed_;
-  std::map<InstanceId, std::deque<Inbound>> inbox_;  // by sender instance; under mutex_
+  std::map<InstanceId, std::deque<Inbound>> inbox_;             // by sender instance; under mutex_
+  std::map<Operation*, std::unique_ptr<Operation>> abandoned_;  // timed out, not completed yet; under mutex_
   std::map<PeerId, std::unique_ptr<Peer>> peers_;
   std::vector<std::unique_ptr<Peer>> closing_;  // disconnected peers whose endpoint close did not finish in time
 
@@ -129,9 +138,7 @@ class UcxTransport final : public Transport {
   PeerId next_peer_ = 1;
 };
 
-UcxTransport::UcxTransport(UcxOptions options) : options_(std::move(options)), id_(random_instance_id()) {
-  init_ucx();
-}
+UcxTransport::UcxTransport(UcxOptions options) : options_(std::move(options)), id_(random_instance_id()) { init_ucx(); }
 
 void UcxTransport::init_ucx() {
   UcpConfig config = make_ucp_config(options_);
@@ -143,7 +150,8 @@ void UcxTransport::init_ucx() {
   if (status != UCS_OK) {
     std::string selection;
     for (const UcxSetting& s : options_.settings) {
-      if (s.param == "tls" || s.param == "device_list") selection += fmt::format(" {}='{}'", ucx_param_name(s.param), s.value);
+      if (s.param == "tls" || s.param == "device_list")
+        selection += fmt::format(" {}='{}'", ucx_param_name(s.param), s.value);
     }
     if (status == UCS_ERR_NO_DEVICE && !selection.empty()) {
       fail(ErrorKind::kConfig, "UCX has no usable transport or device for{}: {}", selection, ucs_status_string(status));
@@ -151,15 +159,18 @@ void UcxTransport::init_ucx() {
     fail(ErrorKind::kTransport, "cannot initialize UCX (ucp_init): {}", ucs_status_string(status));
   }
   context_.reset(context);
-  check_ucx_settings_known(options_);
 
   ucp_worker_params_t worker_params{};
   worker_params.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
   worker_params.thread_mode = UCS_THREAD_MODE_MULTI;
   ucp_worker_h worker = nullptr;
-  status = ucp_worker_create(context_.get(), &worker_params, &worker);
-  if (status != UCS_OK) fail(ErrorKind::kTransport, "cannot create a UCX worker: {}", ucs_status_string(status));
-  worker_.reset(worker);
+  {
+    UnusedUcxSettings unused(options_);
+    status = ucp_worker_create(context_.get(), &worker_params, &worker);
+    if (status != UCS_OK) fail(ErrorKind::kTransport, "cannot create a UCX worker: {}", ucs_status_string(status));
+    worker_.reset(worker);
+    unused.check();
+  }
 
   ucp_worker_attr_t attr{};
   attr.field_mask = UCP_WORKER_ATTR_FIELD_THREAD_MODE | UCP_WORKER_ATTR_FIELD_ADDRESS;
@@ -173,32 +184,42 @@ void UcxTransport::init_ucx() {
   }
 
   ucp_am_handler_param_t handler{};
-  handler.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
-                       UCP_AM_HANDLER_PARAM_FIELD_ARG | UCP_AM_HANDLER_PARAM_FIELD_FLAGS;
+  handler.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG |
+                       UCP_AM_HANDLER_PARAM_FIELD_FLAGS;
   handler.id = kMessageAmId;
   handler.cb = on_message;
   handler.arg = this;
   handler.flags = UCP_AM_FLAG_WHOLE_MSG;
   status = ucp_worker_set_am_recv_handler(worker, &handler);
-  if (status != UCS_OK) fail(ErrorKind::kTransport, "cannot install the UCX message handler: {}", ucs_status_string(status));
+  if (status != UCS_OK)
+    fail(ErrorKind::kTransport, "cannot install the UCX message handler: {}", ucs_status_string(status));
 
   progress_ = std::make_unique<ProgressThread>(worker);
 }
 
 UcxTransport::~UcxTransport() {
-  for (auto& [id, peer] : peers_) close(*peer);
+  for (auto& [id, peer] : peers_) close(*peer, options_.error_mode == UCP_ERR_HANDLING_MODE_PEER && is_lost(*peer));
   for (auto& [id, region] : regions_) {
     if (region.memh != nullptr) ucp_mem_unmap(context_.get(), region.memh);
   }
   progress_.reset();
-  // Destroying the worker completes what is left (abandoned operations, unfinished closes).
+  // Operations that never completed (a peer that stopped without error handling) are released
+  // without callback; destroying the worker then purges them, and unfinished closes, while their
+  // buffers are still alive.
+  std::map<Operation*, std::unique_ptr<Operation>> abandoned;
+  {
+    std::lock_guard lock(mutex_);
+    abandoned.swap(abandoned_);
+  }
+  for (auto& [pointer, operation] : abandoned) ucp_request_free(operation->request);
   worker_.reset();
 }
 
 RegionId UcxTransport::register_memory(void* base, size_t bytes) {
   Region region{base, bytes, nullptr, {}};
   if (bytes > 0) {
-    if (base == nullptr) fail(ErrorKind::kInvalidArgument, "cannot register {} bytes at a null address with UCX", bytes);
+    if (base == nullptr)
+      fail(ErrorKind::kInvalidArgument, "cannot register {} bytes at a null address with UCX", bytes);
     ucp_mem_map_params_t params{};
     params.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
     params.address = base;
@@ -213,7 +234,8 @@ RegionId UcxTransport::register_memory(void* base, size_t bytes) {
     status = ucp_rkey_pack(context_.get(), region.memh, &packed, &packed_size);
     if (status != UCS_OK) {
       ucp_mem_unmap(context_.get(), region.memh);
-      fail(ErrorKind::kTransport, "cannot pack the UCX key of {} bytes at {}: {}", bytes, base, ucs_status_string(status));
+      fail(ErrorKind::kTransport, "cannot pack the UCX key of {} bytes at {}: {}", bytes, base,
+           ucs_status_string(status));
     }
     region.rkey.assign(static_cast<uint8_t*>(packed), static_cast<uint8_t*>(packed) + packed_size);
     ucp_rkey_buffer_release(packed);
@@ -239,7 +261,8 @@ void UcxTransport::deregister_memory(RegionId region) {
   if (r.memh != nullptr) {
     ucs_status_t status = ucp_mem_unmap(context_.get(), r.memh);
     if (status != UCS_OK) {
-      fail(ErrorKind::kTransport, "cannot deregister {} bytes at {} from UCX: {}", r.bytes, r.base, ucs_status_string(status));
+      fail(ErrorKind::kTransport, "cannot deregister {} bytes at {} from UCX: {}", r.bytes, r.base,
+           ucs_status_string(status));
     }
   }
   regions_.erase(region);
@@ -260,7 +283,8 @@ PeerId UcxTransport::connect(std::span<const uint8_t> peer_address, const std::s
   params.err_handler.cb = on_endpoint_error;
   params.err_handler.arg = peer.get();
   ucs_status_t status = ucp_ep_create(worker_.get(), &params, &peer->ep);
-  if (status != UCS_OK) fail(ErrorKind::kTransport, "cannot connect to {} (ucp_ep_create): {}", label, ucs_status_string(status));
+  if (status != UCS_OK)
+    fail(ErrorKind::kTransport, "cannot connect to {} (ucp_ep_create): {}", label, ucs_status_string(status));
 
   PeerId id = next_peer_++;
   peers_.emplace(id, std::move(peer));
@@ -272,21 +296,17 @@ void UcxTransport::disconnect(PeerId id) {
   if (it == peers_.end()) fail(ErrorKind::kInvalidArgument, "disconnecting: UCX peer {} is not connected", id);
   std::unique_ptr<Peer> peer = std::move(it->second);
   peers_.erase(it);
-  // The endpoint's error callback may still fire until its close finishes; keep its Peer alive.
-  if (!close(*peer)) closing_.push_back(std::move(peer));
+  // A failed endpoint cannot flush.
+  const bool force = options_.error_mode == UCP_ERR_HANDLING_MODE_PEER && is_lost(*peer);
+  // The endpoint's error callback may fire until its close finishes: keep its Peer alive.
+  if (!close(*peer, force)) closing_.push_back(std::move(peer));
 }
 
-bool UcxTransport::close(Peer& peer) {
+bool UcxTransport::close(Peer& peer, bool force) {
   for (auto& [packed, rkey] : peer.rkeys) ucp_rkey_destroy(rkey);
   peer.rkeys.clear();
+  if (peer.ep == nullptr) return true;
 
-  bool force;
-  {
-    std::lock_guard lock(mutex_);
-    // A failed endpoint cannot flush; a timed-out operation may never finish. Forcing is only
-    // defined when both sides handle peer errors.
-    force = options_.error_mode == UCP_ERR_HANDLING_MODE_PEER && (peer.lost || peer.abandoned_operations);
-  }
   auto operation = std::make_unique<Operation>(this);
   ucp_request_param_t param{};
   param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
@@ -295,15 +315,11 @@ bool UcxTransport::close(Peer& peer) {
   param.flags = force ? UCP_EP_CLOSE_FLAG_FORCE : 0;
   ucs_status_ptr_t request = ucp_ep_close_nbx(peer.ep, &param);
   peer.ep = nullptr;
-  try {
-    finish(peer, request, std::move(operation), deadline_after(kCloseTimeout), "closing the connection to");
-  } catch (const Error& e) {
-    // A close that fails or times out still releases the endpoint eventually (at the latest when
-    // the worker is destroyed); nothing is left for the caller to do about it.
-    spdlog::warn("{}", e.what());
-    return e.kind() != ErrorKind::kTimeout;
-  }
-  return true;
+  // A close that fails still releases the endpoint; one that does not finish in time is released
+  // with the worker.
+  if (wait(request, std::move(operation), deadline_after(kCloseTimeout))) return true;
+  spdlog::warn("closing the UCX connection to {} did not finish within {} s", peer.label, kCloseTimeout.count());
+  return false;
 }
 
 Peer& UcxTransport::find_peer(PeerId peer, std::string_view doing) {
@@ -312,9 +328,21 @@ Peer& UcxTransport::find_peer(PeerId peer, std::string_view doing) {
   return *it->second;
 }
 
-void UcxTransport::check_not_lost(const Peer& peer, std::string_view doing) {
+bool UcxTransport::is_lost(const Peer& peer) {
   std::lock_guard lock(mutex_);
-  if (peer.lost) fail(ErrorKind::kPeerLost, "lost {} ({}) before {}", peer.label, ucs_status_string(peer.lost_status), doing);
+  return peer.lost;
+}
+
+void UcxTransport::fail_closed(const Peer& peer, std::string_view what) {
+  fail(ErrorKind::kTransport, "{}: the connection to {} was closed when {} timed out; connect again", what, peer.label,
+       peer.timed_out);
+}
+
+void UcxTransport::check_usable(const Peer& peer, std::string_view what) {
+  if (peer.ep == nullptr) fail_closed(peer, what);
+  std::lock_guard lock(mutex_);
+  if (peer.lost)
+    fail(ErrorKind::kPeerLost, "lost {} ({}) before {}", peer.label, ucs_status_string(peer.lost_status), what);
 }
 
 ucp_rkey_h UcxTransport::remote_key(Peer& peer, const Bytes& packed) {
@@ -324,28 +352,29 @@ ucp_rkey_h UcxTransport::remote_key(Peer& peer, const Bytes& packed) {
   ucp_rkey_h rkey = nullptr;
   ucs_status_t status = ucp_ep_rkey_unpack(peer.ep, packed.data(), &rkey);
   if (status != UCS_OK) {
-    fail(ErrorKind::kProtocol, "cannot unpack the UCX access key of a region of {}: {}", peer.label, ucs_status_string(status));
+    fail(ErrorKind::kProtocol, "cannot unpack the UCX access key of a region of {}: {}", peer.label,
+         ucs_status_string(status));
   }
   peer.rkeys.emplace(packed, rkey);
   return rkey;
 }
 
-void UcxTransport::read(PeerId id, const RemoteRegion& remote, uint64_t remote_offset, void* local, RegionId local_region,
-                        uint64_t length, Deadline deadline) {
+void UcxTransport::read(PeerId id, const RemoteRegion& remote, uint64_t remote_offset, void* local,
+                        RegionId local_region, uint64_t length, Deadline deadline) {
   Peer& peer = find_peer(id, "reading");
-  const std::string doing = fmt::format("reading {} bytes at offset {} from", length, remote_offset);
-  const Region& region = find_region(local_region, doing + " " + peer.label);
+  const std::string what = fmt::format("reading {} bytes from {} (offset {})", length, peer.label, remote_offset);
+  const Region& region = find_region(local_region, what);
   const auto* target = static_cast<const std::byte*>(local);
   const auto* base = static_cast<const std::byte*>(region.base);
   if (target < base || length > region.bytes || target - base > static_cast<ptrdiff_t>(region.bytes - length)) {
-    fail(ErrorKind::kInvalidArgument, "{} {}: the local buffer {} lies outside local region {} ({} bytes at {})", doing,
-         peer.label, local, local_region, region.bytes, region.base);
+    fail(ErrorKind::kInvalidArgument, "{}: the local buffer {} lies outside local region {} ({} bytes at {})", what,
+         local, local_region, region.bytes, region.base);
   }
   if (remote_offset > remote.length || length > remote.length - remote_offset) {
-    fail(ErrorKind::kInvalidArgument, "{} {}: its region holds only {} bytes", doing, peer.label, remote.length);
+    fail(ErrorKind::kInvalidArgument, "{}: the remote region holds only {} bytes", what, remote.length);
   }
   if (length == 0) return;
-  check_not_lost(peer, doing + " " + peer.label);
+  check_usable(peer, what);
   ucp_rkey_h rkey = remote_key(peer, remote.key);
 
   auto operation = std::make_unique<Operation>(this);
@@ -356,16 +385,22 @@ void UcxTransport::read(PeerId id, const RemoteRegion& remote, uint64_t remote_o
   param.memh = region.memh;
   ProgressThread::Busy busy(*progress_);
   ucs_status_ptr_t request = ucp_get_nbx(peer.ep, local, length, remote.address + remote_offset, rkey, &param);
-  finish(peer, request, std::move(operation), deadline, doing);
+  finish(peer, request, std::move(operation), deadline, what);
 }
 
 void UcxTransport::send(PeerId id, std::span<const uint8_t> message, Deadline deadline) {
   Peer& peer = find_peer(id, "sending a message");
-  const std::string doing = fmt::format("sending a {}-byte message to", message.size());
-  check_not_lost(peer, doing + " " + peer.label);
+  const std::string what = fmt::format("sending a {}-byte message to {}", message.size(), peer.label);
+  check_usable(peer, what);
 
   auto operation = std::make_unique<Operation>(this);
-  operation->payload.assign(message.begin(), message.end());
+  std::span<const uint8_t> payload = message;
+  if (options_.error_mode != UCP_ERR_HANDLING_MODE_PEER) {
+    // Without peer error handling a timed-out send cannot be cancelled (see finish()) and may read
+    // its buffer after we return: give it a copy that lives as long as the request.
+    operation->payload.assign(message.begin(), message.end());
+    payload = operation->payload;
+  }
   ucp_request_param_t param{};
   param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_MEMORY_TYPE;
   param.cb.send = on_operation_done;
@@ -373,20 +408,22 @@ void UcxTransport::send(PeerId id, std::span<const uint8_t> message, Deadline de
   param.memory_type = UCS_MEMORY_TYPE_HOST;
   ProgressThread::Busy busy(*progress_);
   // The header names this transport, so that the receiver queues the message under its sender.
-  ucs_status_ptr_t request = ucp_am_send_nbx(peer.ep, kMessageAmId, id_.data(), id_.size(), operation->payload.data(),
-                                             operation->payload.size(), &param);
-  finish(peer, request, std::move(operation), deadline, doing);
+  ucs_status_ptr_t request =
+      ucp_am_send_nbx(peer.ep, kMessageAmId, id_.data(), id_.size(), payload.data(), payload.size(), &param);
+  finish(peer, request, std::move(operation), deadline, what);
 }
 
 Bytes UcxTransport::receive(PeerId id, Deadline deadline) {
   Peer& peer = find_peer(id, "receiving a message");
+  const bool closed = peer.ep == nullptr;
   std::unique_lock lock(mutex_);
   std::deque<Inbound>& queue = inbox_[peer.id];
-  auto ready = [&] { return (!queue.empty() && queue.front().complete) || peer.lost; };
+  auto ready = [&] { return (!queue.empty() && queue.front().complete) || peer.lost || closed; };
   if (!changed_.wait_until(lock, deadline, ready)) {
     fail(ErrorKind::kTimeout, "timed out waiting for a message from {}", peer.label);
   }
   if (queue.empty() || !queue.front().complete) {
+    if (closed) fail_closed(peer, "waiting for a message from " + peer.label);
     fail(ErrorKind::kPeerLost, "lost {} ({}) while waiting for a message from it", peer.label,
          ucs_status_string(peer.lost_status));
   }
@@ -399,40 +436,50 @@ Bytes UcxTransport::receive(PeerId id, Deadline deadline) {
   return std::move(message.data);
 }
 
+std::optional<ucs_status_t> UcxTransport::wait(ucs_status_ptr_t request, std::unique_ptr<Operation> operation,
+                                               Deadline deadline) {
+  if (!UCS_PTR_IS_PTR(request)) return UCS_PTR_STATUS(request);
+  std::unique_lock lock(mutex_);
+  if (!changed_.wait_until(lock, deadline, [&] { return operation->done; })) {
+    operation->request = request;
+    Operation* key = operation.get();
+    abandoned_.emplace(key, std::move(operation));
+    return std::nullopt;
+  }
+  const ucs_status_t status = operation->status;
+  lock.unlock();
+  ucp_request_free(request);
+  return status;
+}
+
 void UcxTransport::finish(Peer& peer, ucs_status_ptr_t request, std::unique_ptr<Operation> operation, Deadline deadline,
-                          const std::string& doing) {
-  ucs_status_t status = UCS_PTR_STATUS(request);
-  if (UCS_PTR_IS_PTR(request)) {
-    std::unique_lock lock(mutex_);
-    if (!changed_.wait_until(lock, deadline, [&] { return operation->done; })) {
-      // UCX cannot cancel RMA or sends: leave the request to complete on its own (or when the
-      // endpoint is closed) and let the callback free it.
-      operation->abandoned = true;
-      operation.release();
-      peer.abandoned_operations = true;
-      fail(ErrorKind::kTimeout, "timed out {} {}", doing, peer.label);
+                          const std::string& what) {
+  const std::optional<ucs_status_t> status = wait(request, std::move(operation), deadline);
+  if (!status) {
+    // UCX cannot cancel RMA or sends, and a late completion would land in (or read) buffers that
+    // the caller reuses or frees. Closing the endpoint by force completes them at once (canceled).
+    if (options_.error_mode == UCP_ERR_HANDLING_MODE_PEER) {
+      peer.timed_out = what;
+      close(peer, true);
+      fail(ErrorKind::kTimeout, "timed out {}; closed the connection so that it cannot complete late", what);
     }
-    status = operation->status;
-    lock.unlock();
-    ucp_request_free(request);
+    fail(ErrorKind::kTimeout, "timed out {} (without peer error handling it may still complete later)", what);
   }
-  if (status == UCS_OK) return;
-  bool lost;
-  {
-    std::lock_guard lock(mutex_);
-    lost = peer.lost || is_peer_failure(status);
+  if (*status == UCS_OK) return;
+  if (is_lost(peer) || is_peer_failure(*status)) {
+    fail(ErrorKind::kPeerLost, "lost {} while {}: {}", peer.label, what, ucs_status_string(*status));
   }
-  if (lost) fail(ErrorKind::kPeerLost, "lost {} while {} it: {}", peer.label, doing, ucs_status_string(status));
-  fail(ErrorKind::kTransport, "UCX failed {} {}: {}", doing, peer.label, ucs_status_string(status));
+  fail(ErrorKind::kTransport, "UCX failed {}: {}", what, ucs_status_string(*status));
 }
 
 void UcxTransport::on_operation_done(void* request, ucs_status_t status, void* user_data) {
   auto* operation = static_cast<Operation*>(user_data);
   UcxTransport* self = operation->owner;
   std::unique_lock lock(self->mutex_);
-  if (operation->abandoned) {
+  if (auto it = self->abandoned_.find(operation); it != self->abandoned_.end()) {
+    std::unique_ptr<Operation> abandoned = std::move(it->second);
+    self->abandoned_.erase(it);
     lock.unlock();
-    delete operation;
     ucp_request_free(request);
     return;
   }

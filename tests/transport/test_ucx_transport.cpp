@@ -1,0 +1,546 @@
+// The UCX transport between real processes. Each test forks its peer before either process
+// creates a UCX object; the two exchange address blobs and region descriptors over a socketpair.
+// Parameterized over the transports UCX may pick on one host (its default choice, tcp only,
+// shared memory only) and over error handling (peer, the default, and none).
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <functional>
+#include <iostream>
+#include <map>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "refit/error.h"
+#include "refit/memory.h"
+#include "refit/transport.h"
+
+namespace refit {
+namespace {
+
+using namespace std::chrono_literals;
+using Params = std::map<std::string, std::string>;
+
+// Length-prefixed blobs over one end of a socketpair.
+class Pipe {
+ public:
+  explicit Pipe(int fd) : fd_(fd) {}
+  ~Pipe() { ::close(fd_); }
+  Pipe(const Pipe&) = delete;
+  Pipe& operator=(const Pipe&) = delete;
+
+  void put(std::span<const uint8_t> bytes) {
+    uint64_t size = bytes.size();
+    write_all(&size, sizeof(size));
+    write_all(bytes.data(), bytes.size());
+  }
+  void put(const std::string& text) { put({reinterpret_cast<const uint8_t*>(text.data()), text.size()}); }
+
+  Bytes get() {
+    uint64_t size = 0;
+    read_all(&size, sizeof(size));
+    Bytes bytes(size);
+    read_all(bytes.data(), size);
+    return bytes;
+  }
+  std::string get_text() {
+    Bytes bytes = get();
+    return {bytes.begin(), bytes.end()};
+  }
+
+  void put_region(const RemoteRegion& region) {
+    Bytes bytes(16);
+    std::memcpy(bytes.data(), &region.address, 8);
+    std::memcpy(bytes.data() + 8, &region.length, 8);
+    bytes.insert(bytes.end(), region.key.begin(), region.key.end());
+    put(bytes);
+  }
+  RemoteRegion get_region() {
+    Bytes bytes = get();
+    RemoteRegion region;
+    std::memcpy(&region.address, bytes.data(), 8);
+    std::memcpy(&region.length, bytes.data() + 8, 8);
+    region.key.assign(bytes.begin() + 16, bytes.end());
+    return region;
+  }
+
+ private:
+  void write_all(const void* data, size_t size) {
+    const auto* p = static_cast<const uint8_t*>(data);
+    while (size > 0) {
+      ssize_t n = ::write(fd_, p, size);
+      if (n <= 0) throw std::runtime_error("pipe to the peer process closed");
+      p += n;
+      size -= static_cast<size_t>(n);
+    }
+  }
+  void read_all(void* data, size_t size) {
+    auto* p = static_cast<uint8_t*>(data);
+    while (size > 0) {
+      ssize_t n = ::read(fd_, p, size);
+      if (n <= 0) throw std::runtime_error("pipe from the peer process closed");
+      p += n;
+      size -= static_cast<size_t>(n);
+    }
+  }
+
+  int fd_;
+};
+
+// Throws in the child, where gtest assertions would not reach the parent.
+void require(bool condition, const std::string& what) {
+  if (!condition) throw std::runtime_error(what);
+}
+
+// A forked peer process running `body`; it exits 0 when `body` returns.
+class Child {
+ public:
+  explicit Child(const std::function<void(Pipe&)>& body) {
+    int fds[2];
+    if (socketpair(AF_UNIX, SOCK_STREAM, 0, fds) != 0) throw std::runtime_error("socketpair failed");
+    pid_ = fork();
+    if (pid_ < 0) throw std::runtime_error("fork failed");
+    if (pid_ == 0) {
+      ::close(fds[0]);
+      int status = 0;
+      try {
+        Pipe pipe(fds[1]);
+        body(pipe);
+      } catch (const std::exception& e) {
+        std::cerr << "child process failed: " << e.what() << std::endl;
+        status = 1;
+      }
+      _exit(status);  // skip gtest's and the parent's exit handlers
+    }
+    ::close(fds[1]);
+    pipe_ = std::make_unique<Pipe>(fds[0]);
+  }
+  ~Child() {
+    if (pid_ > 0) {
+      ::kill(pid_, SIGKILL);
+      waitpid(pid_, nullptr, 0);
+    }
+  }
+
+  Pipe& pipe() { return *pipe_; }
+
+  // The child's exit code, or -signal if a signal ended it.
+  int wait() {
+    int status = 0;
+    waitpid(pid_, &status, 0);
+    pid_ = -1;
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -WTERMSIG(status);
+  }
+  void kill() {
+    ::kill(pid_, SIGKILL);
+    wait();
+  }
+  // Returns once the child is stopped, not merely signalled.
+  void stop() {
+    ::kill(pid_, SIGSTOP);
+    int status = 0;
+    waitpid(pid_, &status, WUNTRACED);
+  }
+
+ private:
+  pid_t pid_ = -1;
+  std::unique_ptr<Pipe> pipe_;
+};
+
+// Position-dependent bytes, written a word at a time: sanitized builds are slow per byte.
+void fill_pattern(uint8_t* data, size_t size, uint64_t seed) {
+  for (size_t i = 0; i < size; i += 8) {
+    uint64_t word = (i / 8 + seed) * 0x9E3779B97F4A7C15ull;
+    std::memcpy(data + i, &word, std::min<size_t>(8, size - i));
+  }
+}
+
+Bytes message_payload(int sender, int index, size_t size) {
+  Bytes bytes(size);
+  fill_pattern(bytes.data(), size, static_cast<uint64_t>(sender) * 1000 + index);
+  return bytes;
+}
+
+// Message sizes cover empty, eager and rendezvous (8 MiB) deliveries.
+size_t message_size(int index) {
+  if (index % 10 == 0) return 0;
+  if (index == 25) return 8u << 20;
+  return static_cast<size_t>(index) * 613 % 20000;
+}
+
+template <typename F>
+ErrorKind error_kind_of(F&& f, std::string* message = nullptr) {
+  try {
+    f();
+  } catch (const Error& e) {
+    if (message != nullptr) *message = e.what();
+    return e.kind();
+  }
+  throw std::runtime_error("expected refit::Error, nothing was thrown");
+}
+
+struct Variant {
+  std::string name;
+  Params params;
+  bool detects_loss = true;  // error handling mode "peer": a dead peer is reported, not waited out
+};
+
+void PrintTo(const Variant& variant, std::ostream* os) { *os << variant.name; }
+
+class UcxProcesses : public ::testing::TestWithParam<Variant> {
+ protected:
+  std::unique_ptr<Transport> make() const { return create_transport("UCX", GetParam().params); }
+};
+
+TEST_P(UcxProcesses, ReadsRegisteredRegionsBitwise) {
+  constexpr size_t kRegionBytes = (64u << 20) + 4099;
+  // Filled before the fork: the child serves its copy, the parent compares against its own.
+  HostBuffer expected(kRegionBytes);
+  auto* source = reinterpret_cast<uint8_t*>(expected.data());
+  fill_pattern(source, kRegionBytes, 7);
+  Child child([&](Pipe& pipe) {
+    auto transport = make();
+    RegionId region = transport->register_memory(source, kRegionBytes);
+    pipe.put(transport->address());
+    pipe.put_region(transport->describe(region));
+    pipe.get();  // the parent's reads are done
+    transport->deregister_memory(region);
+  });
+  HostBuffer local_buffer(kRegionBytes + 1);
+  auto* local = reinterpret_cast<uint8_t*>(local_buffer.data());
+  auto transport = make();
+  RegionId local_region = transport->register_memory(local, local_buffer.size());
+  PeerId peer = transport->connect(child.pipe().get(), "reader's source");
+  RemoteRegion remote = child.pipe().get_region();
+  ASSERT_EQ(remote.length, kRegionBytes);
+
+  struct Case {
+    uint64_t remote_offset, local_offset, length;
+  };
+  for (Case c : {Case{0, 0, 0}, Case{3, 0, 1}, Case{12345, 1, 1000003}, Case{0, 0, 64u << 20}, Case{0, 1, kRegionBytes},
+                 Case{kRegionBytes - 1, 0, 1}}) {
+    SCOPED_TRACE(testing::Message() << "remote offset " << c.remote_offset << ", local offset " << c.local_offset
+                                    << ", length " << c.length);
+    std::memset(local, 0, local_buffer.size());
+    transport->read(peer, remote, c.remote_offset, local + c.local_offset, local_region, c.length, deadline_after(60s));
+    EXPECT_EQ(std::memcmp(local + c.local_offset, source + c.remote_offset, c.length), 0);
+    if (c.local_offset > 0) EXPECT_EQ(local[0], 0) << "read wrote before its target";
+    if (c.local_offset + c.length < local_buffer.size()) {
+      EXPECT_EQ(local[c.local_offset + c.length], 0) << "read wrote past its target";
+    }
+  }
+
+  std::string message;
+  EXPECT_EQ(
+      error_kind_of([&] { transport->read(peer, remote, 1, local, local_region, kRegionBytes, deadline_after(5s)); },
+                    &message),
+      ErrorKind::kInvalidArgument);
+  EXPECT_NE(message.find("reader's source"), std::string::npos) << message;
+  EXPECT_EQ(error_kind_of(
+                [&] { transport->read(peer, remote, 0, local + 2, local_region, kRegionBytes, deadline_after(5s)); }),
+            ErrorKind::kInvalidArgument);
+
+  child.pipe().put("done");
+  EXPECT_EQ(child.wait(), 0);
+  transport->disconnect(peer);
+  transport->deregister_memory(local_region);
+}
+
+TEST_P(UcxProcesses, DeliversMessagesInOrderBothWays) {
+  constexpr int kMessages = 60;
+  auto exchange = [](Transport& transport, PeerId peer, int self, int other) {
+    for (int i = 0; i < kMessages; ++i)
+      transport.send(peer, message_payload(self, i, message_size(i)), deadline_after(30s));
+    for (int i = 0; i < kMessages; ++i) {
+      Bytes got = transport.receive(peer, deadline_after(30s));
+      require(got == message_payload(other, i, message_size(i)),
+              "message " + std::to_string(i) + " from process " + std::to_string(other) + " is wrong or out of order");
+    }
+  };
+  Child child([&](Pipe& pipe) {
+    auto transport = make();
+    pipe.put(transport->address());
+    PeerId peer = transport->connect(pipe.get(), "parent");
+    exchange(*transport, peer, 1, 0);
+    pipe.put("received");
+    pipe.get();  // the parent received ours too
+    transport->disconnect(peer);
+  });
+  auto transport = make();
+  child.pipe().put(transport->address());
+  PeerId peer = transport->connect(child.pipe().get(), "child");
+  exchange(*transport, peer, 0, 1);
+  EXPECT_EQ(child.pipe().get_text(), "received");
+  child.pipe().put("done");
+  EXPECT_EQ(child.wait(), 0);
+  transport->disconnect(peer);
+}
+
+TEST_P(UcxProcesses, ReportsAKilledPeerNamingIt) {
+  Child child([&](Pipe& pipe) {
+    HostBuffer buffer(4096);
+    auto transport = make();
+    RegionId region = transport->register_memory(buffer.data(), buffer.size());
+    pipe.put(transport->address());
+    pipe.put_region(transport->describe(region));
+    PeerId peer = transport->connect(pipe.get(), "parent");
+    transport->send(peer, Bytes{1, 2, 3}, deadline_after(10s));
+    pause();  // until killed
+  });
+  HostBuffer local(4096);
+  auto transport = make();
+  RegionId local_region = transport->register_memory(local.data(), local.size());
+  PeerId peer = transport->connect(child.pipe().get(), "source rank 5");
+  RemoteRegion remote = child.pipe().get_region();
+  child.pipe().put(transport->address());
+  EXPECT_EQ(transport->receive(peer, deadline_after(10s)), (Bytes{1, 2, 3}));
+  transport->read(peer, remote, 0, local.data(), local_region, 4096, deadline_after(10s));
+
+  child.kill();
+  const auto killed = Clock::now();
+  const auto wait = GetParam().detects_loss ? 10s : 1s;
+  std::string message;
+  ErrorKind kind = error_kind_of([&] { transport->receive(peer, killed + wait); }, &message);
+  const double detect_s = std::chrono::duration<double>(Clock::now() - killed).count();
+  std::cout << "[ " << GetParam().name << " ] receive() from the killed peer threw after " << detect_s
+            << " s: " << message << std::endl;
+  EXPECT_TRUE(kind == ErrorKind::kPeerLost || kind == ErrorKind::kTimeout) << message;
+  EXPECT_NE(message.find("source rank 5"), std::string::npos) << message;
+  EXPECT_LT(detect_s, std::chrono::duration<double>(wait).count() + 0.5);
+  if (GetParam().detects_loss) EXPECT_EQ(kind, ErrorKind::kPeerLost) << message;
+
+  const auto before_read = Clock::now();
+  kind = error_kind_of(
+      [&] { transport->read(peer, remote, 0, local.data(), local_region, 4096, deadline_after(wait)); }, &message);
+  EXPECT_TRUE(kind == ErrorKind::kPeerLost || kind == ErrorKind::kTimeout) << message;
+  EXPECT_NE(message.find("source rank 5"), std::string::npos) << message;
+  EXPECT_LT(std::chrono::duration<double>(Clock::now() - before_read).count(),
+            std::chrono::duration<double>(wait).count() + 0.5);
+  if (GetParam().detects_loss) {
+    // Without error handling a send to a dead process may even succeed (into its shared memory).
+    EXPECT_EQ(error_kind_of([&] { transport->send(peer, Bytes{1}, deadline_after(wait)); }, &message),
+              ErrorKind::kPeerLost);
+    EXPECT_NE(message.find("source rank 5"), std::string::npos) << message;
+  }
+
+  const auto before_disconnect = Clock::now();
+  transport->disconnect(peer);
+  EXPECT_LT(std::chrono::duration<double>(Clock::now() - before_disconnect).count(), 3.0);
+  transport->deregister_memory(local_region);
+}
+
+// A stopped process holds its connections open but serves nothing: UCX 1.13 emulates reads of
+// memory it did not allocate with messages that the target must answer.
+TEST_P(UcxProcesses, TimesOutReadingFromAStoppedPeer) {
+  Child child([&](Pipe& pipe) {
+    HostBuffer buffer(1u << 20);
+    auto transport = make();
+    RegionId region = transport->register_memory(buffer.data(), buffer.size());
+    pipe.put(transport->address());
+    pipe.put_region(transport->describe(region));
+    pause();  // until killed
+  });
+  HostBuffer local(1u << 20);
+  auto transport = make();
+  RegionId local_region = transport->register_memory(local.data(), local.size());
+  PeerId peer = transport->connect(child.pipe().get(), "stopped source");
+  RemoteRegion remote = child.pipe().get_region();
+  transport->read(peer, remote, 0, local.data(), local_region, local.size(), deadline_after(10s));
+
+  child.stop();
+  const auto start = Clock::now();
+  std::string message;
+  EXPECT_EQ(
+      error_kind_of(
+          [&] { transport->read(peer, remote, 0, local.data(), local_region, local.size(), deadline_after(300ms)); },
+          &message),
+      ErrorKind::kTimeout);
+  EXPECT_LT(std::chrono::duration<double>(Clock::now() - start).count(), 2.0);
+  EXPECT_NE(message.find("reading 1048576 bytes from stopped source"), std::string::npos) << message;
+  if (GetParam().detects_loss) {
+    // The connection was closed so that the read cannot land later; the peer is unusable.
+    EXPECT_EQ(error_kind_of([&] { transport->send(peer, Bytes{1}, deadline_after(1s)); }, &message),
+              ErrorKind::kTransport);
+    EXPECT_NE(message.find("stopped source"), std::string::npos) << message;
+    EXPECT_EQ(error_kind_of([&] { transport->receive(peer, deadline_after(1s)); }), ErrorKind::kTransport);
+    transport->disconnect(peer);
+  }
+  child.kill();
+}
+
+TEST_P(UcxProcesses, FailsAReadWhosePeerDiesMidway) {
+  Child child([&](Pipe& pipe) {
+    HostBuffer buffer(1u << 20);
+    auto transport = make();
+    RegionId region = transport->register_memory(buffer.data(), buffer.size());
+    pipe.put(transport->address());
+    pipe.put_region(transport->describe(region));
+    pause();  // until killed
+  });
+  HostBuffer local(1u << 20);
+  auto transport = make();
+  RegionId local_region = transport->register_memory(local.data(), local.size());
+  PeerId peer = transport->connect(child.pipe().get(), "dying source");
+  RemoteRegion remote = child.pipe().get_region();
+  transport->read(peer, remote, 0, local.data(), local_region, local.size(), deadline_after(10s));
+
+  child.stop();  // the next read waits for it...
+  std::thread killer([&] {
+    std::this_thread::sleep_for(100ms);
+    child.kill();  // ...until it dies
+  });
+  const auto wait = GetParam().detects_loss ? 5s : 1s;
+  const auto start = Clock::now();
+  std::string message;
+  ErrorKind kind = error_kind_of(
+      [&] { transport->read(peer, remote, 0, local.data(), local_region, local.size(), deadline_after(wait)); },
+      &message);
+  killer.join();
+  EXPECT_EQ(kind, GetParam().detects_loss ? ErrorKind::kPeerLost : ErrorKind::kTimeout) << message;
+  EXPECT_NE(message.find("dying source"), std::string::npos) << message;
+  EXPECT_LT(std::chrono::duration<double>(Clock::now() - start).count(),
+            std::chrono::duration<double>(wait).count() + 0.5);
+}
+
+// Read bandwidth at 256 MiB, to compare with `ucx_perftest -t ucp_get -s 268435456`. Run with
+// --gtest_also_run_disabled_tests --gtest_filter='*ReadBandwidth*' on an optimized build.
+TEST_P(UcxProcesses, DISABLED_ReadBandwidth) {
+  constexpr size_t kBytes = 256u << 20;
+  constexpr int kReads = 10;
+  Child child([&](Pipe& pipe) {
+    HostBuffer buffer(kBytes);
+    std::memset(buffer.data(), 1, kBytes);
+    auto transport = make();
+    RegionId region = transport->register_memory(buffer.data(), buffer.size());
+    pipe.put(transport->address());
+    pipe.put_region(transport->describe(region));
+    pipe.get();
+  });
+  HostBuffer local(kBytes);
+  auto transport = make();
+  RegionId local_region = transport->register_memory(local.data(), local.size());
+  PeerId peer = transport->connect(child.pipe().get(), "source");
+  RemoteRegion remote = child.pipe().get_region();
+  transport->read(peer, remote, 0, local.data(), local_region, kBytes, deadline_after(60s));  // warm up
+  const auto start = Clock::now();
+  for (int i = 0; i < kReads; ++i)
+    transport->read(peer, remote, 0, local.data(), local_region, kBytes, deadline_after(60s));
+  const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  std::cout << "[ " << GetParam().name << " ] read of 256 MiB: " << kBytes * kReads / seconds / 1e6 << " MB/s"
+            << std::endl;
+  child.pipe().put("done");
+  EXPECT_EQ(child.wait(), 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Tls, UcxProcesses,
+                         ::testing::Values(Variant{"default", {}}, Variant{"tcp", {{"tls", "tcp"}}},
+                                           Variant{"shm", {{"tls", "posix,sysv,cma"}}},
+                                           Variant{"no_error_handling", {{"ucx_error_handling_mode", "none"}}, false}),
+                         [](const auto& info) { return info.param.name; });
+
+TEST(UcxTransport, QueuesMessagesFromASenderNotYetConnectedBack) {
+  Child child([](Pipe& pipe) {
+    auto transport = create_transport("UCX", {});
+    PeerId peer = transport->connect(pipe.get(), "parent");
+    for (uint8_t i = 0; i < 3; ++i) transport->send(peer, Bytes(i, i), deadline_after(10s));
+    pipe.put(transport->address());
+    pipe.get();
+  });
+  auto transport = create_transport("UCX", {});
+  child.pipe().put(transport->address());
+  Bytes child_address = child.pipe().get();  // sent after its messages completed
+  PeerId peer = transport->connect(child_address, "child");
+  for (uint8_t i = 0; i < 3; ++i) EXPECT_EQ(transport->receive(peer, deadline_after(10s)), Bytes(i, i));
+  child.pipe().put("done");
+  EXPECT_EQ(child.wait(), 0);
+}
+
+TEST(UcxTransport, ReceiveTimesOutPromptly) {
+  auto a = create_transport("UCX", {});
+  auto b = create_transport("UCX", {});
+  PeerId b_from_a = a->connect(b->address(), "quiet peer");
+  b->connect(a->address(), "a");
+  const auto start = Clock::now();
+  std::string message;
+  EXPECT_EQ(error_kind_of([&] { a->receive(b_from_a, deadline_after(200ms)); }, &message), ErrorKind::kTimeout);
+  const double waited_s = std::chrono::duration<double>(Clock::now() - start).count();
+  EXPECT_GE(waited_s, 0.19);
+  EXPECT_LT(waited_s, 1.0);
+  EXPECT_NE(message.find("quiet peer"), std::string::npos) << message;
+}
+
+TEST(UcxTransport, ConnectsToItself) {
+  auto transport = create_transport("ucx", {});
+  EXPECT_EQ(transport->name(), "UCX");
+  std::vector<uint8_t> source(100003), target(100003);
+  fill_pattern(source.data(), source.size(), 3);
+  RegionId source_region = transport->register_memory(source.data(), source.size());
+  RegionId target_region = transport->register_memory(target.data(), target.size());
+  RegionId empty_region = transport->register_memory(nullptr, 0);
+  EXPECT_EQ(transport->describe(empty_region).length, 0u);
+  PeerId self = transport->connect(transport->address(), "myself");
+  transport->read(self, transport->describe(source_region), 0, target.data(), target_region, target.size(),
+                  deadline_after(10s));
+  EXPECT_EQ(source, target);
+  transport->send(self, Bytes{4, 5}, deadline_after(10s));
+  EXPECT_EQ(transport->receive(self, deadline_after(10s)), (Bytes{4, 5}));
+  transport->disconnect(self);
+  EXPECT_EQ(error_kind_of([&] { transport->receive(self, deadline_after(1s)); }), ErrorKind::kInvalidArgument);
+  transport->deregister_memory(empty_region);
+  transport->deregister_memory(target_region);
+  transport->deregister_memory(source_region);
+  EXPECT_EQ(error_kind_of([&] { transport->describe(source_region); }), ErrorKind::kInvalidArgument);
+}
+
+TEST(UcxTransport, RejectsBadInitParamsNamingThem) {
+  struct Case {
+    Params params;
+    std::vector<std::string> expected;  // substrings of the error message
+  };
+  const std::string prefix = "refit_cfg.nixl.backend_init_params.";
+  for (const Case& c : std::vector<Case>{
+           {{{"ucx_eror_handling_mode", "peer"}}, {prefix + "ucx_eror_handling_mode", "peer"}},
+           {{{"ucx_error_handling_mode", "maybe"}}, {prefix + "ucx_error_handling_mode", "maybe"}},
+           {{{"tls", ""}}, {prefix + "tls"}},
+           {{{"tls", "carrier_pigeon"}}, {prefix + "tls", "carrier_pigeon"}},
+           {{{"engine_config", "KEEPALIVE_INTERVAL"}}, {prefix + "engine_config", "KEEPALIVE_INTERVAL"}},
+           {{{"engine_config", "KEEPALIVE_INTERVAL=soon"}}, {prefix + "engine_config", "KEEPALIVE_INTERVAL=soon"}},
+           {{{"engine_config", "NO_SUCH_UCX_SETTING=1"}}, {prefix + "engine_config", "NO_SUCH_UCX_SETTING=1"}},
+       }) {
+    std::string message;
+    EXPECT_EQ(error_kind_of([&] { create_transport("UCX", c.params); }, &message), ErrorKind::kConfig);
+    for (const std::string& expected : c.expected) EXPECT_NE(message.find(expected), std::string::npos) << message;
+  }
+}
+
+TEST(UcxTransport, AcceptsValidInitParams) {
+  auto transport = create_transport("UCX", {{"ucx_error_handling_mode", "none"},
+                                            {"tls", "tcp,self"},
+                                            {"device_list", "lo"},
+                                            {"engine_config", "UCX_KEEPALIVE_INTERVAL=2s; SNDBUF=1m;"}});
+  EXPECT_EQ(transport->name(), "UCX");
+}
+
+TEST(UcxTransport, RejectsMalformedAddressesNamingThePeer) {
+  auto transport = create_transport("UCX", {});
+  Bytes good = transport->address();
+  Bytes truncated(good.begin(), good.end() - 1);
+  Bytes bad_magic = good;
+  bad_magic[0] ^= 0xff;
+  for (const Bytes& blob : {Bytes{}, Bytes{1, 2, 3}, truncated, bad_magic}) {
+    std::string message;
+    EXPECT_EQ(error_kind_of([&] { transport->connect(blob, "source rank 3"); }, &message), ErrorKind::kProtocol);
+    EXPECT_NE(message.find("source rank 3"), std::string::npos) << message;
+  }
+}
+
+}  // namespace
+}  // namespace refit

@@ -1,6 +1,7 @@
 // The `refit` command: bench, plan, info.
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
+#include <spdlog/cfg/env.h>
 #include <spdlog/spdlog.h>
 
 #include "bench.h"
@@ -36,6 +37,7 @@ int main(int argc, char** argv) {
   auto* info_cmd = app.add_subcommand("info", "Show what refit detects on this machine (UCX, CUDA, memory)");
 
   CLI11_PARSE(app, argc, argv);
+  spdlog::cfg::load_env_levels();  // SPDLOG_LEVEL=debug shows per-bucket timings
   try {
     if (bench_cmd->parsed()) return refit::tools::run_bench(bench);
     if (plan_cmd->parsed()) return refit::tools::run_plan(plan);

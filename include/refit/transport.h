@@ -9,6 +9,10 @@
 // the peer went away, Error(kTransport) for other failures; messages name the peer's label.
 // A transport instance is used by one engine thread at a time; backends may run internal
 // progress threads.
+//
+// Transfer buffers come from allocate_memory(), so that each backend places them where its
+// peers read them fastest (UCX: shared memory that a local peer maps, making a read one copy);
+// register_memory() serves memory the caller already has (model parameters).
 #pragma once
 
 #include <cstddef>
@@ -45,6 +49,12 @@ class Transport {
   // Registers [base, base + bytes) for one-sided reads by peers and for local use as a read
   // target. The memory stays owned by the caller and must outlive the registration.
   virtual RegionId register_memory(void* base, size_t bytes) = 0;
+  // Allocates `bytes` of zero-filled host memory and registers it; deregister_memory frees it.
+  struct Allocation {
+    RegionId region = 0;
+    std::byte* base = nullptr;
+  };
+  virtual Allocation allocate_memory(size_t bytes) = 0;
   virtual RemoteRegion describe(RegionId region) const = 0;
   virtual void deregister_memory(RegionId region) = 0;
 

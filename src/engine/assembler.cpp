@@ -9,14 +9,13 @@ namespace refit {
 std::vector<TensorView> TensorAssembler::add_bucket(const protocol::BucketReady& bucket, const std::byte* data,
                                                     const std::string& who) {
   batch_infos_.clear();
-  batch_merged_.clear();
   std::vector<TensorView> out;
   for (const auto& e : bucket.entries) {
     const uint64_t nbytes = e.tensor.nbytes();
     const bool whole = e.tensor_offset == 0 && e.size == nbytes;
     if (merging_ && (whole || merging_->info.name != e.tensor.name))
       fail(ErrorKind::kProtocol, "bucket {} from {}: tensor '{}' arrived while '{}' had only {} of {} bytes", bucket.seq,
-           who, e.tensor.name, merging_->info.name, merging_->received, merging_->data.size());
+           who, e.tensor.name, merging_->info.name, merging_->received, merging_->info.nbytes());
     if (!merging_ && !whole && e.tensor_offset != 0)
       fail(ErrorKind::kProtocol, "bucket {} from {}: tensor '{}' starts at byte {}, not 0", bucket.seq, who,
            e.tensor.name, e.tensor_offset);
@@ -30,9 +29,9 @@ std::vector<TensorView> TensorAssembler::add_bucket(const protocol::BucketReady&
       continue;
     }
     if (!merging_) {
-      merging_.emplace();
-      merging_->info = e.tensor;
-      merging_->data.resize(nbytes);
+      HostBuffer& buffer = merge_buffers_[e.tensor.name];
+      if (buffer.size() != nbytes) buffer = HostBuffer(nbytes);
+      merging_ = Merge{e.tensor, &buffer, 0};
     } else if (merging_->info != e.tensor) {
       fail(ErrorKind::kProtocol, "bucket {} from {}: chunks of '{}' disagree on dtype or shape", bucket.seq, who,
            e.tensor.name);
@@ -40,13 +39,12 @@ std::vector<TensorView> TensorAssembler::add_bucket(const protocol::BucketReady&
     if (e.tensor_offset != merging_->received)
       fail(ErrorKind::kProtocol, "bucket {} from {}: chunk of '{}' at byte {}, expected byte {}", bucket.seq, who,
            e.tensor.name, e.tensor_offset, merging_->received);
-    std::memcpy(merging_->data.data() + e.tensor_offset, data + e.bucket_offset, e.size);
+    std::memcpy(merging_->buffer->data() + e.tensor_offset, data + e.bucket_offset, e.size);
     merging_->received += e.size;
     if (merging_->received == nbytes) {
       names_.insert(e.tensor.name);
       batch_infos_.push_back(std::move(merging_->info));
-      batch_merged_.push_back(std::move(merging_->data));
-      out.push_back({&batch_infos_.back(), batch_merged_.back().data(), MemoryKind::kHost});
+      out.push_back({&batch_infos_.back(), merging_->buffer->data(), MemoryKind::kHost});
       merging_.reset();
     }
   }
@@ -56,14 +54,18 @@ std::vector<TensorView> TensorAssembler::add_bucket(const protocol::BucketReady&
 void TensorAssembler::finish(const std::string& who) const {
   if (merging_)
     fail(ErrorKind::kProtocol, "refit from {} ended with tensor '{}' incomplete ({} of {} bytes)", who,
-         merging_->info.name, merging_->received, merging_->data.size());
+         merging_->info.name, merging_->received, merging_->info.nbytes());
 }
 
 void TensorAssembler::reset() {
   merging_.reset();
   names_.clear();
   batch_infos_.clear();
-  batch_merged_.clear();
+}
+
+void TensorAssembler::release() {
+  reset();
+  merge_buffers_.clear();
 }
 
 }  // namespace refit

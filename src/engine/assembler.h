@@ -2,16 +2,22 @@
 // as a zero-copy view into the transfer buffer; a tensor split over buckets is copied into an
 // owned buffer chunk by chunk and handed out when its last chunk arrives. Chunks of a split
 // tensor must arrive consecutively and in order, which is how every source packs them.
+//
+// Buffers for split tensors are kept from one refit to the next (a refit of the same model
+// splits the same tensors), so that only the first refit pays for allocating and faulting in
+// their pages; release() frees them.
 #pragma once
 
 #include <cstddef>
 #include <deque>
+#include <map>
 #include <optional>
 #include <string>
 #include <unordered_set>
 #include <vector>
 
 #include "engine/protocol.h"
+#include "refit/memory.h"
 #include "refit/tensor.h"
 
 namespace refit {
@@ -26,22 +32,23 @@ class TensorAssembler {
   // At the end of a refit: throws Error(kProtocol) if a split tensor is incomplete.
   void finish(const std::string& who) const;
 
-  // Forgets everything, for the next refit.
+  // Forgets the tensors of this refit, keeping the merge buffers for the next.
   void reset();
+  // Frees the merge buffers too.
+  void release();
 
   uint64_t tensors_completed() const { return names_.size(); }
 
  private:
   struct Merge {
     TensorInfo info;
-    std::vector<std::byte> data;
+    HostBuffer* buffer = nullptr;
     uint64_t received = 0;
   };
   std::optional<Merge> merging_;
   std::unordered_set<std::string> names_;  // tensors delivered this refit
-  // Storage behind the views of the latest batch.
-  std::deque<TensorInfo> batch_infos_;
-  std::vector<std::vector<std::byte>> batch_merged_;
+  std::map<std::string, HostBuffer> merge_buffers_;  // by tensor name, kept across refits
+  std::deque<TensorInfo> batch_infos_;  // storage behind the merged views of the latest batch
 };
 
 }  // namespace refit

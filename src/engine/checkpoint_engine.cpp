@@ -7,8 +7,8 @@
 
 #include "core/fail.h"
 #include "engine/assembler.h"
+#include "engine/bucket_fetcher.h"
 #include "engine/protocol.h"
-#include "refit/memory.h"
 #include "refit/plan.h"
 
 namespace refit {
@@ -78,8 +78,9 @@ class CheckpointEngine::Impl {
   Metadata prepare() {
     if (!prepared_) {
       for (int i = 0; i < kBufferCount; ++i) {
-        buffers_[i] = HostBuffer(options_.bucket_bytes);
-        regions_[i] = transport_->register_memory(buffers_[i].data(), buffers_[i].size());
+        auto allocation = transport_->allocate_memory(options_.bucket_bytes);
+        buffers_[i] = allocation.base;
+        regions_[i] = allocation.region;
       }
       prepared_ = true;
     }
@@ -175,7 +176,10 @@ class CheckpointEngine::Impl {
 
   void finalize() {
     disconnect();
-    if (options_.config.release_after_refit) release_buffers();
+    if (options_.config.release_after_refit) {
+      release_buffers();
+      assembler_.release();
+    }
   }
 
   bool stale() const { return is_destination_ && stale_; }
@@ -224,7 +228,7 @@ class CheckpointEngine::Impl {
     if (!prepared_) return;
     for (int i = 0; i < kBufferCount; ++i) {
       transport_->deregister_memory(regions_[i]);
-      buffers_[i] = HostBuffer();
+      buffers_[i] = nullptr;
     }
     prepared_ = false;
   }
@@ -286,7 +290,7 @@ class CheckpointEngine::Impl {
         fail(ErrorKind::kUnsupported, "tensor '{}' is in GPU memory, which this build cannot read", info.name);
       for (const ChunkPlacement& c : packer.place(info)) {
         if (c.starts_bucket) flush(false);
-        std::memcpy(buffers_[bucket.buffer].data() + c.bucket_offset, view.data + c.tensor_offset, c.size);
+        std::memcpy(buffers_[bucket.buffer] + c.bucket_offset, view.data + c.tensor_offset, c.size);
         bucket.entries.push_back({info, c.tensor_offset, c.size, c.bucket_offset});
         bucket.used_bytes = c.bucket_offset + c.size;
       }
@@ -299,29 +303,19 @@ class CheckpointEngine::Impl {
 
   void run_receive(const BatchLoader& loader, uint64_t refit, ReceiveStats& stats, std::string& phase) {
     assembler_.reset();
-    for (uint64_t seq = 0;; ++seq) {
-      phase = fmt::format("wait for bucket {}", seq);
-      auto msg = receive_message(fmt::format("bucket {}", seq));
-      if (msg.type != protocol::MessageType::kBucketReady || msg.ready.refit != refit || msg.ready.seq != seq)
-        fail(ErrorKind::kProtocol, "{} sent an unexpected message (type {}, refit {}, bucket {}) instead of bucket {} of refit {}",
-             peer_label_, static_cast<int>(msg.type), msg.ready.refit, msg.ready.seq, seq, refit);
-      const auto& bucket = msg.ready;
-      protocol::validate(bucket, options_.bucket_bytes, peer_label_);
-
-      phase = fmt::format("read bucket {}", seq);
-      const int local = static_cast<int>(seq % kBufferCount);
-      if (bucket.used_bytes > 0)
-        transport_->read(peer_, peer_metadata_.buffers[bucket.buffer], 0, buffers_[local].data(), regions_[local],
-                         bucket.used_bytes, next_deadline());
+    FetchContext context{transport_.get(), peer_, peer_label_, &peer_metadata_, {buffers_[0], buffers_[1]},
+                         {regions_[0], regions_[1]}, options_.bucket_bytes, refit, options_.config.timeout_s};
+    BucketFetcher fetcher(std::move(context));
+    while (true) {
+      auto fetched = fetcher.next(phase);
+      const auto& bucket = fetched.bucket;
       stats.wire_bytes += bucket.used_bytes;
       ++stats.buckets;
-      // The source may refill its buffer as soon as the bytes are here, while we load.
-      transport_->send(peer_, protocol::encode(protocol::BucketDone{refit, seq}), next_deadline());
 
-      phase = fmt::format("assemble bucket {}", seq);
-      auto batch = assembler_.add_bucket(bucket, buffers_[local].data(), peer_label_);
+      phase = fmt::format("assemble bucket {}", bucket.seq);
+      auto batch = assembler_.add_bucket(bucket, fetched.data, peer_label_);
       if (!batch.empty()) {
-        phase = fmt::format("load bucket {}", seq);
+        phase = fmt::format("load bucket {}", bucket.seq);
         const auto load_start = Clock::now();
         loader(batch);
         stats.load_seconds += seconds_since(load_start);
@@ -329,6 +323,7 @@ class CheckpointEngine::Impl {
         stats.tensors += batch.size();
         for (const auto& v : batch) stats.payload_bytes += v.info->nbytes();
       }
+      fetcher.release(bucket.seq);
       if (bucket.is_last) {
         assembler_.finish(peer_label_);
         return;
@@ -338,7 +333,7 @@ class CheckpointEngine::Impl {
 
   EngineOptions options_;
   std::shared_ptr<Transport> transport_;
-  HostBuffer buffers_[kBufferCount];
+  std::byte* buffers_[kBufferCount] = {};  // owned by the transport's allocations
   RegionId regions_[kBufferCount] = {};
   bool prepared_ = false;
 

@@ -7,12 +7,14 @@
 #include <mutex>
 
 #include "core/fail.h"
+#include "refit/memory.h"
 
 namespace refit {
 
 struct InProcRegion {
   std::byte* base = nullptr;
   size_t bytes = 0;
+  std::shared_ptr<HostBuffer> owned;  // set for allocate_memory()
 };
 
 struct InProcEndpoint {
@@ -62,8 +64,16 @@ class InProcTransport final : public Transport {
   RegionId register_memory(void* base, size_t bytes) override {
     std::lock_guard lock(fabric_->mutex);
     RegionId id = next_region_++;
-    self().regions[id] = {static_cast<std::byte*>(base), bytes};
+    self().regions[id] = {static_cast<std::byte*>(base), bytes, nullptr};
     return id;
+  }
+
+  Allocation allocate_memory(size_t bytes) override {
+    auto buffer = std::make_shared<HostBuffer>(bytes);
+    std::lock_guard lock(fabric_->mutex);
+    RegionId id = next_region_++;
+    self().regions[id] = {buffer->data(), bytes, buffer};
+    return {id, buffer->data()};
   }
 
   RemoteRegion describe(RegionId region) const override {

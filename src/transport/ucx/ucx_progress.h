@@ -20,7 +20,8 @@ class ProgressThread {
   ProgressThread(const ProgressThread&) = delete;
   ProgressThread& operator=(const ProgressThread&) = delete;
 
-  // Keeps the thread spinning while an operation is outstanding: construct before posting it.
+  // Keeps the thread spinning while an operation is outstanding: construct it when a post
+  // returned a request still in flight.
   class Busy {
    public:
     explicit Busy(ProgressThread& thread);

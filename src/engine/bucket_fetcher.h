@@ -1,0 +1,67 @@
+// The destination's reading side, on a thread of its own: it waits for each bucket's
+// announcement, validates it, reads the used bytes into one of the two local buffers and
+// acknowledges it, while the engine's thread reassembles and loads the previous bucket. So a
+// destination reads bucket k+1 while it loads bucket k, as the source packs k+1 while the
+// destination reads k.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <exception>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+
+#include "engine/protocol.h"
+#include "refit/transport.h"
+
+namespace refit {
+
+struct FetchContext {
+  Transport* transport = nullptr;
+  PeerId peer = 0;
+  std::string peer_label;
+  const protocol::EngineMetadata* peer_metadata = nullptr;
+  std::byte* buffers[2] = {};
+  RegionId regions[2] = {};
+  uint64_t bucket_bytes = 0;
+  uint64_t refit = 0;
+  double timeout_s = 0;
+};
+
+class BucketFetcher {
+ public:
+  struct Fetched {
+    protocol::BucketReady bucket;
+    const std::byte* data = nullptr;  // the used bytes, in a local buffer until release()
+  };
+
+  explicit BucketFetcher(FetchContext context);
+  ~BucketFetcher();  // stops the thread; never waits longer than one poll slice
+  BucketFetcher(const BucketFetcher&) = delete;
+  BucketFetcher& operator=(const BucketFetcher&) = delete;
+
+  // The next bucket, in order. Rethrows the thread's error, setting `phase` to where it failed.
+  Fetched next(std::string& phase);
+  // The engine is done with bucket `seq`: its buffer may take bucket seq + 2.
+  void release(uint64_t seq);
+
+ private:
+  void run();
+  // Fetches bucket `seq`; returns false after the last bucket or when stopped.
+  bool fetch(uint64_t seq, std::string& phase);
+
+  FetchContext context_;
+  std::mutex mutex_;
+  std::condition_variable changed_;
+  std::optional<Fetched> ready_;          // fetched, not yet taken by next()
+  std::optional<uint64_t> released_;      // highest bucket the engine is done with
+  std::exception_ptr error_;
+  std::string error_phase_;
+  bool stop_ = false;
+  bool finished_ = false;                 // the last bucket was fetched, or an error happened
+  std::thread thread_;
+};
+
+}  // namespace refit

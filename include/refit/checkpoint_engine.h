@@ -25,11 +25,13 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
 
 #include "refit/config.h"
+#include "refit/layout.h"
 #include "refit/tensor.h"
 #include "refit/transport.h"
 
@@ -49,6 +51,9 @@ struct EngineOptions {
   uint64_t model_fingerprint = 0;  // ModelInventory::fingerprint(); 0: not checked
   // The transport to use; null creates one from config.backend_name/backend_init_params.
   std::shared_ptr<Transport> transport;
+  // A destination's layout: what it holds of each source tensor (layout_builders.h). It travels
+  // in the destination's metadata and its source sends exactly that. Empty: every tensor whole.
+  std::optional<Layout> layout;
 };
 
 // The weights a source streams, one tensor at a time. next() fills `out` and returns true, or
@@ -65,7 +70,8 @@ using LoadBatch = std::span<const TensorView>;
 using BatchLoader = std::function<void(LoadBatch batch)>;
 
 struct SendStats {
-  uint64_t tensors = 0;
+  uint64_t tensors = 0;  // sent, whole or sliced
+  uint64_t dropped = 0;  // not held by the destination
   uint64_t buckets = 0;
   uint64_t payload_bytes = 0;
   double seconds = 0;
@@ -102,6 +108,8 @@ class CheckpointEngine {
 
   bool stale() const;
   uint64_t bucket_bytes() const;
+  // On a source: the layout its destination declared (null: whole tensors, or no destination).
+  const Layout* target_layout() const;
   const Transport& transport() const;
 
  private:

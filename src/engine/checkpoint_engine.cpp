@@ -4,6 +4,7 @@
 
 #include <cstring>
 #include <random>
+#include <set>
 
 #include "core/fail.h"
 #include "engine/assembler.h"
@@ -91,6 +92,7 @@ class CheckpointEngine::Impl {
     md.transport_name = transport_->name();
     md.transport_address = transport_->address();
     for (int i = 0; i < kBufferCount; ++i) md.buffers.push_back(transport_->describe(regions_[i]));
+    if (options_.layout) md.layout = encode_layout(*options_.layout);
     return protocol::encode(md);
   }
 
@@ -103,7 +105,11 @@ class CheckpointEngine::Impl {
       check_group(train, rollout, metadata);
       // Validate the whole pairing, so that every source agrees on it, then find our peer.
       for (int r = 0; r < rollout; ++r) source_rank_for_destination(r, train, rollout);
-      if (worker_rank < rollout) connect_peer(metadata, train + worker_rank, fmt::format("destination rank {}", worker_rank));
+      if (worker_rank < rollout) {
+        const std::string label = fmt::format("destination rank {}", worker_rank);
+        connect_peer(metadata, train + worker_rank, label);
+        if (!peer_metadata_.layout.empty()) target_layout_ = decode_layout(peer_metadata_.layout, "layout of " + label);
+      }
     });
     self_ = self;
   }
@@ -183,6 +189,7 @@ class CheckpointEngine::Impl {
   }
 
   bool stale() const { return is_destination_ && stale_; }
+  const Layout* target_layout() const { return target_layout_ ? &*target_layout_ : nullptr; }
   uint64_t bucket_bytes() const { return options_.bucket_bytes; }
   const Transport& transport() const { return *transport_; }
 
@@ -219,6 +226,7 @@ class CheckpointEngine::Impl {
   }
 
   void disconnect() {
+    target_layout_.reset();
     if (!has_peer_) return;
     has_peer_ = false;
     transport_->disconnect(peer_);
@@ -258,6 +266,22 @@ class CheckpointEngine::Impl {
            peer_label_, static_cast<int>(msg.type), msg.done.refit, msg.done.seq, seq);
   }
 
+  // The bytes of a slice: in place when the slice is one contiguous block of the tensor (a dim-0
+  // narrow, or leading dims of 1), else gathered into scratch memory kept for the next slice.
+  const std::byte* slice_of(const TensorInfo& info, const std::byte* data, const Selection& selection) {
+    const Slice& slice = selection.slice;
+    uint64_t outer = 1;
+    for (int d = 0; d < slice.dim; ++d) outer *= static_cast<uint64_t>(info.shape[d]);
+    if (outer == 1) {
+      uint64_t inner = dtype_size(info.dtype);
+      for (size_t d = slice.dim + 1; d < info.shape.size(); ++d) inner *= static_cast<uint64_t>(info.shape[d]);
+      return data + static_cast<uint64_t>(slice.start) * inner;
+    }
+    slice_scratch_.resize(selection.info.nbytes());
+    copy_slice(data, info, slice, slice_scratch_.data());
+    return slice_scratch_.data();
+  }
+
   void run_send(WeightSource& weights, uint64_t refit, SendStats& stats, std::string& phase) {
     BucketPacker packer(options_.bucket_bytes);
     protocol::BucketReady bucket;
@@ -277,6 +301,7 @@ class CheckpointEngine::Impl {
       bucket.used_bytes = 0;
     };
 
+    std::set<std::string, std::less<>> sent;  // names, to check the layout's requests were met
     TensorView view;
     while (true) {
       phase = fmt::format("pack bucket {}", bucket.seq);
@@ -288,14 +313,32 @@ class CheckpointEngine::Impl {
         fail(ErrorKind::kInvalidArgument, "tensor '{}' ({} bytes) has no data pointer", info.name, nbytes);
       if (view.memory != MemoryKind::kHost)
         fail(ErrorKind::kUnsupported, "tensor '{}' is in GPU memory, which this build cannot read", info.name);
-      for (const ChunkPlacement& c : packer.place(info)) {
+
+      // What the destination holds of this tensor: all of it, a slice, or nothing.
+      Selection selection{Take::kWhole, {}, info};
+      if (target_layout_) selection = select(*target_layout_, info);
+      if (selection.take == Take::kDrop) {
+        ++stats.dropped;
+        continue;
+      }
+      const std::byte* data = view.data;
+      if (selection.take == Take::kSlice) data = slice_of(info, view.data, selection);
+      for (const ChunkPlacement& c : packer.place(selection.info)) {
         if (c.starts_bucket) flush(false);
-        std::memcpy(buffers_[bucket.buffer] + c.bucket_offset, view.data + c.tensor_offset, c.size);
-        bucket.entries.push_back({info, c.tensor_offset, c.size, c.bucket_offset});
+        std::memcpy(buffers_[bucket.buffer] + c.bucket_offset, data + c.tensor_offset, c.size);
+        bucket.entries.push_back({selection.info, c.tensor_offset, c.size, c.bucket_offset});
         bucket.used_bytes = c.bucket_offset + c.size;
       }
+      sent.insert(info.name);
       ++stats.tensors;
-      stats.payload_bytes += nbytes;
+      stats.payload_bytes += selection.info.nbytes();
+    }
+    if (target_layout_) {
+      // A destination that declared a tensor must get it: a request the stream never met would
+      // otherwise leave that parameter stale with no word said.
+      for (const auto& [name, request] : target_layout_->tensors)
+        if (request.take != Take::kDrop && !sent.count(name))
+          fail(ErrorKind::kLayout, "{} holds '{}' but the weight stream never yielded it", peer_label_, name);
     }
     flush(true);
     wait_done(refit, *unacknowledged, phase);
@@ -346,6 +389,8 @@ class CheckpointEngine::Impl {
   uint64_t refit_count_ = 0;
   bool stale_ = true;
   TensorAssembler assembler_;
+  std::optional<Layout> target_layout_;    // on a source: what its destination holds
+  std::vector<std::byte> slice_scratch_;   // on a source: gathered non-contiguous slices
 };
 
 CheckpointEngine::CheckpointEngine(EngineOptions options) : impl_(std::make_unique<Impl>(std::move(options))) {}
@@ -365,5 +410,6 @@ void CheckpointEngine::finalize() { impl_->finalize(); }
 bool CheckpointEngine::stale() const { return impl_->stale(); }
 uint64_t CheckpointEngine::bucket_bytes() const { return impl_->bucket_bytes(); }
 const Transport& CheckpointEngine::transport() const { return impl_->transport(); }
+const Layout* CheckpointEngine::target_layout() const { return impl_->target_layout(); }
 
 }  // namespace refit

@@ -69,6 +69,7 @@ Bytes encode(const EngineMetadata& m) {
     w.put<uint64_t>(region.length);
     w.put_bytes(region.key);
   }
+  w.put_bytes(m.layout);
   return w.take();
 }
 
@@ -101,6 +102,8 @@ EngineMetadata decode_metadata(std::span<const uint8_t> blob, const std::string&
            region.length, m.bucket_bytes);
     m.buffers.push_back(std::move(region));
   }
+  auto layout = r.get_bytes("layout");
+  m.layout.assign(layout.begin(), layout.end());
   r.expect_end();
   return m;
 }

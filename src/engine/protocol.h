@@ -14,7 +14,7 @@
 
 namespace refit::protocol {
 
-inline constexpr uint32_t kVersion = 1;
+inline constexpr uint32_t kVersion = 2;
 
 struct EngineMetadata {
   uint32_t version = kVersion;
@@ -24,6 +24,7 @@ struct EngineMetadata {
   std::string transport_name;
   Bytes transport_address;
   std::vector<RemoteRegion> buffers;  // the two transfer buffers
+  Bytes layout;                       // a destination's encoded layout; empty: whole tensors
 };
 
 Bytes encode(const EngineMetadata& metadata);

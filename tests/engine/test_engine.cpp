@@ -1,5 +1,6 @@
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <future>
 #include <thread>
 
@@ -332,6 +333,98 @@ TEST(Engine, OutOfRangeChunkIsRejectedBeforeAnyRead) {
     EXPECT_EQ(e.kind(), ErrorKind::kProtocol);
     EXPECT_NE(std::string(e.what()).find("'w'"), std::string::npos) << e.what();
   }
+}
+
+}  // namespace
+}  // namespace refit
+
+namespace refit {
+namespace {
+
+using testing::inproc_options;
+using testing::make_tensor;
+using testing::OwnedTensor;
+using testing::Received;
+using testing::VectorSource;
+
+struct LayoutPair {
+  std::shared_ptr<InProcFabric> fabric = make_inproc_fabric();
+  SessionId session = new_session_id();
+  std::unique_ptr<CheckpointEngine> source, destination;
+
+  LayoutPair(uint64_t bucket, Layout layout) {
+    auto dop = inproc_options(fabric, bucket, session);
+    dop.layout = std::move(layout);
+    source = std::make_unique<CheckpointEngine>(inproc_options(fabric, bucket, session));
+    destination = std::make_unique<CheckpointEngine>(dop);
+    std::vector<Metadata> md = {source->prepare(), destination->prepare()};
+    source->init_source(0, 1, 1, md);
+    destination->init_destination(0, 1, 1, md);
+  }
+};
+
+TEST(EngineLayout, SourceSendsExactlyTheDeclaredSlices) {
+  std::vector<OwnedTensor> weights = {
+      make_tensor("model.layers.0.q_proj.weight", DType::kBFloat16, {8, 6}, 1),  // rows 4..7 (contiguous)
+      make_tensor("model.layers.0.o_proj.weight", DType::kFloat32, {5, 8}, 2),   // columns 2..5 (strided)
+      make_tensor("model.layers.0.norm.weight", DType::kFloat32, {8}, 3),        // whole (fallback)
+      make_tensor("model.layers.1.q_proj.weight", DType::kBFloat16, {8, 6}, 4),  // dropped by prefix
+      make_tensor("model.layers.0.other.weight", DType::kInt8, {3}, 5),          // dropped by entry
+  };
+  Layout layout;
+  layout.tensors["model.layers.0.q_proj.weight"] = Request::narrow(0, 4, 4);
+  layout.tensors["model.layers.0.o_proj.weight"] = Request::narrow(1, 2, 4);
+  layout.tensors["model.layers.0.other.weight"] = Request::drop();
+  layout.drop_prefixes = {"model.layers.1."};
+  LayoutPair p(40, layout);
+  ASSERT_NE(p.source->target_layout(), nullptr);
+  EXPECT_EQ(*p.source->target_layout(), layout);
+
+  auto sent = std::async(std::launch::async, [&] {
+    VectorSource src(weights);
+    return p.source->send(src);
+  });
+  Received got;
+  p.destination->receive(got.loader());
+  auto stats = sent.get();
+  EXPECT_EQ(stats.tensors, 3u);
+  EXPECT_EQ(stats.dropped, 2u);
+
+  ASSERT_EQ(got.tensors.size(), 3u);
+  for (const auto& [name, request] : layout.tensors) {
+    if (request.take != Take::kSlice) continue;
+    const auto& src = *std::find_if(weights.begin(), weights.end(), [&](const auto& t) { return t.info.name == name; });
+    auto sel = select(layout, src.info);
+    std::vector<std::byte> expected(sel.info.nbytes());
+    copy_slice(src.data.data(), src.info, sel.slice, expected.data());
+    ASSERT_TRUE(got.tensors.count(name)) << name;
+    EXPECT_EQ(got.tensors[name].info.shape, sel.info.shape) << name;
+    EXPECT_EQ(got.tensors[name].data, expected) << name;
+  }
+  EXPECT_EQ(got.tensors["model.layers.0.norm.weight"].data, weights[2].data);
+  EXPECT_FALSE(got.tensors.count("model.layers.1.q_proj.weight"));
+}
+
+TEST(EngineLayout, ARequestedTensorTheStreamNeverYieldsIsAnError) {
+  Layout layout;
+  layout.tensors["model.layers.0.missing.weight"] = Request::whole();
+  LayoutPair p(64, layout);
+  std::vector<OwnedTensor> weights = {make_tensor("model.layers.0.present.weight", DType::kFloat32, {4}, 1)};
+  auto sent = std::async(std::launch::async, [&] {
+    VectorSource src(weights);
+    return p.source->send(src);
+  });
+  Received got;
+  EXPECT_THROW(p.destination->receive(got.loader()), Error);
+  try {
+    sent.get();
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kLayout);
+    EXPECT_NE(std::string(e.what()).find("model.layers.0.missing.weight"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("destination rank 0"), std::string::npos) << e.what();
+  }
+  EXPECT_TRUE(p.destination->stale());
 }
 
 }  // namespace

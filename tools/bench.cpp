@@ -77,6 +77,7 @@ int run_bench(const BenchOptions& options) {
   if (is_safetensors(path)) model.safetensors_path = path;
   std::optional<KillPoint> kill;
   if (!options.kill.empty()) kill = parse_kill_point(options.kill);
+  const auto layouts = destination_layouts(path, model.inventory, config, options.parallel, options.destinations);
   if (options.refits < 1) throw Error(ErrorKind::kInvalidArgument, fmt::format("--refits must be >= 1, got {}", options.refits));
 
   fmt::print("refit bench: model {} ({} tensors, {:.2f} GiB{}), {} source(s) -> {} destination(s), {} refit(s)\n",
@@ -89,6 +90,14 @@ int run_bench(const BenchOptions& options) {
               {"destinations", options.destinations}, {"model", model.inventory.name},
               {"model_bytes", model.inventory.total_bytes()}, {"tensors", model.inventory.tensors.size()},
               {"release_after_refit", config.release_after_refit}, {"refits", json::array()}};
+  std::vector<uint64_t> expected_bytes;
+  for (const auto& layout : layouts) {
+    uint64_t bytes = 0;
+    for (const auto& t : selected_tensors(model.inventory, layout)) bytes += t.nbytes();
+    expected_bytes.push_back(bytes);
+  }
+  out["sharded"] = layouts.empty() ? false : layouts[0].has_value();
+  out["expected_bytes"] = expected_bytes;
   bool verified = true;
   int exit_code = 0;
   std::vector<double> throughputs;
@@ -99,7 +108,8 @@ int run_bench(const BenchOptions& options) {
     group_options.sources = options.sources;
     group_options.destinations = options.destinations;
     group_options.model_fingerprint = model.inventory.fingerprint();
-    group_options.program = bench_programs(model, kill);
+    group_options.program = bench_programs(model, layouts, kill);
+    group_options.destination_layouts = layouts;
     LocalProcessGroup group(group_options);
     WeightSynchronizer sync(config, group);
 
@@ -115,7 +125,11 @@ int run_bench(const BenchOptions& options) {
         for (const auto& w : report.workers) {
           if (w.is_source) continue;
           received += w.receive.payload_bytes;
-          per_destination.push_back({{"rank", w.rank}, {"bytes", w.receive.payload_bytes},
+          const uint64_t expected = expected_bytes.at(w.rank);
+          if (w.receive.payload_bytes != expected)
+            problems.push_back(fmt::format("destination rank {} received {} bytes, its layout holds {}", w.rank,
+                                           w.receive.payload_bytes, expected));
+          per_destination.push_back({{"rank", w.rank}, {"bytes", w.receive.payload_bytes}, {"expected_bytes", expected},
                                      {"wire_bytes", w.receive.wire_bytes}, {"tensors", w.receive.tensors},
                                      {"batches", w.receive.batches}, {"receive_seconds", w.receive.receive_seconds()},
                                      {"load_seconds", w.receive.load_seconds}});

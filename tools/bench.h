@@ -6,6 +6,8 @@
 #include <string>
 #include <vector>
 
+#include "parallel_options.h"
+
 namespace refit::tools {
 
 struct BenchOptions {
@@ -18,6 +20,7 @@ struct BenchOptions {
   std::string json_path;
   bool baseline = false;
   std::string kill;  // ROLE:RANK:REFIT:STEP, for failure tests
+  ParallelOptions parallel;
 };
 
 // Returns the process exit code: 0 only when every refit succeeded and verified.

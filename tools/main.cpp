@@ -23,6 +23,7 @@ int main(int argc, char** argv) {
   bench_cmd->add_option("--json", bench.json_path, "Write results as JSON to this file");
   bench_cmd->add_flag("--baseline", bench.baseline, "Also measure ucx_perftest ucp_get and memcpy at the bucket size");
   bench_cmd->add_option("--kill", bench.kill, "Failure test: ROLE:RANK:REFIT:STEP kills that worker at that point");
+  bench.parallel.add_to(*bench_cmd);
   bench_cmd->add_option("overrides", bench.overrides, "Config overrides, key=value (e.g. refit_cfg.nixl.bucket_bytes=256MiB)");
 
   refit::tools::PlanOptions plan;
@@ -32,6 +33,7 @@ int main(int argc, char** argv) {
   plan_cmd->add_option("--destinations", plan.destinations, "Destination processes")->capture_default_str();
   plan_cmd->add_option("--config", plan.config_file, "YAML config file");
   plan_cmd->add_option("--json", plan.json_path, "Write the plan summary as JSON to this file");
+  plan.parallel.add_to(*plan_cmd);
   plan_cmd->add_option("overrides", plan.overrides, "Config overrides, key=value");
 
   auto* info_cmd = app.add_subcommand("info", "Show what refit detects on this machine (UCX, CUDA, memory)");

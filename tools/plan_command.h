@@ -4,6 +4,8 @@
 #include <string>
 #include <vector>
 
+#include "parallel_options.h"
+
 namespace refit::tools {
 
 struct PlanOptions {
@@ -13,6 +15,7 @@ struct PlanOptions {
   std::string config_file;
   std::vector<std::string> overrides;
   std::string json_path;
+  ParallelOptions parallel;
 };
 
 int run_plan(const PlanOptions& options);

@@ -53,8 +53,9 @@ class ViewSource final : public WeightSource {
 
 class SourceProgram final : public WorkerProgram {
  public:
-  SourceProgram(const BenchModel& model, std::optional<uint64_t> kill_refit, std::optional<uint64_t> kill_step)
-      : model_(model), kill_refit_(kill_refit), kill_step_(kill_step) {
+  SourceProgram(const BenchModel& model, const std::optional<Layout>* layout, std::optional<uint64_t> kill_refit,
+                std::optional<uint64_t> kill_step)
+      : model_(model), layout_(layout), kill_refit_(kill_refit), kill_step_(kill_step) {
     if (!model.safetensors_path.empty()) {
       load_files();
     } else {
@@ -75,7 +76,7 @@ class SourceProgram final : public WorkerProgram {
       const auto& v = views_[i];
       const uint64_t n = v.info->nbytes();
       if (synthetic()) fill(const_cast<std::byte*>(v.data), n, index * 1000003 + i);
-      hashes_[v.info->name] = hex(XXH3_64bits(v.data, n));
+      hash_expected(v);
     }
   }
 
@@ -91,6 +92,23 @@ class SourceProgram final : public WorkerProgram {
 
  private:
   bool synthetic() const { return model_.safetensors_path.empty(); }
+
+  // The hash of what the paired destination should receive of this tensor.
+  void hash_expected(const TensorView& v) {
+    if (layout_ == nullptr || !*layout_) {
+      hashes_[v.info->name] = hex(XXH3_64bits(v.data, v.info->nbytes()));
+      return;
+    }
+    Selection s = select(**layout_, *v.info);
+    if (s.take == Take::kDrop) return;
+    if (s.take == Take::kWhole) {
+      hashes_[v.info->name] = hex(XXH3_64bits(v.data, v.info->nbytes()));
+      return;
+    }
+    scratch_.resize(s.info.nbytes());
+    copy_slice(v.data, *v.info, s.slice, scratch_.data());
+    hashes_[v.info->name] = hex(XXH3_64bits(scratch_.data(), scratch_.size()));
+  }
 
   static void fill(std::byte* data, uint64_t n, uint64_t seed) {
     uint64_t state = seed;
@@ -123,7 +141,9 @@ class SourceProgram final : public WorkerProgram {
   }
 
   const BenchModel& model_;
+  const std::optional<Layout>* layout_;  // null for a source without a destination
   std::optional<uint64_t> kill_refit_, kill_step_;
+  std::vector<std::byte> scratch_;
   HostBuffer storage_;
   std::vector<std::unique_ptr<SafetensorsFile>> files_;
   std::vector<TensorView> views_;
@@ -172,14 +192,16 @@ KillPoint parse_kill_point(const std::string& text) {
   return k;
 }
 
-WorkerProgramFactory bench_programs(const BenchModel& model, std::optional<KillPoint> kill) {
-  return [&model, kill](bool is_source, int rank) -> std::unique_ptr<WorkerProgram> {
+WorkerProgramFactory bench_programs(const BenchModel& model, const std::vector<std::optional<Layout>>& layouts,
+                                    std::optional<KillPoint> kill) {
+  return [&model, &layouts, kill](bool is_source, int rank) -> std::unique_ptr<WorkerProgram> {
     std::optional<uint64_t> kill_refit, kill_step;
     if (kill && kill->source == is_source && kill->rank == rank) {
       kill_refit = kill->refit;
       kill_step = kill->step;
     }
-    if (is_source) return std::make_unique<SourceProgram>(model, kill_refit, kill_step);
+    const std::optional<Layout>* layout = rank < static_cast<int>(layouts.size()) ? &layouts[rank] : nullptr;
+    if (is_source) return std::make_unique<SourceProgram>(model, layout, kill_refit, kill_step);
     return std::make_unique<DestinationProgram>(kill_refit, kill_step);
   };
 }

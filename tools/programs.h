@@ -6,8 +6,10 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "refit/local_group.h"
+#include "refit/layout.h"
 #include "refit/model.h"
 
 namespace refit::tools {
@@ -29,6 +31,8 @@ struct BenchModel {
   std::string safetensors_path;  // empty: synthetic content
 };
 
-WorkerProgramFactory bench_programs(const BenchModel& model, std::optional<KillPoint> kill);
+// `layouts[r]` is destination r's layout: source r hashes what that destination should get.
+WorkerProgramFactory bench_programs(const BenchModel& model, const std::vector<std::optional<Layout>>& layouts,
+                                    std::optional<KillPoint> kill);
 
 }  // namespace refit::tools

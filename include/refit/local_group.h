@@ -6,12 +6,14 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <sys/types.h>
 #include <vector>
 
 #include "refit/checkpoint_engine.h"
 #include "refit/config.h"
+#include "refit/layout.h"
 #include "refit/synchronizer.h"
 
 namespace refit {
@@ -37,6 +39,8 @@ struct LocalGroupOptions {
   int destinations = 1;
   uint64_t model_fingerprint = 0;
   WorkerProgramFactory program;
+  // Destination r's layout (layout.h); missing or empty entries mean every tensor whole.
+  std::vector<std::optional<Layout>> destination_layouts;
 };
 
 class LocalProcessGroup final : public WorkerGroup {

@@ -39,8 +39,31 @@ json binary(const Bytes& b) { return json::binary(std::vector<uint8_t>(b.begin()
 Bytes from_binary(const json& j) { return j.get_binary(); }
 
 json stats_json(const SendStats& s) {
-  return {{"tensors", s.tensors}, {"buckets", s.buckets}, {"payload_bytes", s.payload_bytes},
+  return {{"tensors", s.tensors}, {"dropped", s.dropped}, {"buckets", s.buckets}, {"payload_bytes", s.payload_bytes},
           {"seconds", s.seconds}, {"had_peer", s.had_peer}};
+}
+
+SendStats send_stats(const json& j) {
+  SendStats s;
+  s.tensors = j.at("tensors");
+  s.dropped = j.at("dropped");
+  s.buckets = j.at("buckets");
+  s.payload_bytes = j.at("payload_bytes");
+  s.seconds = j.at("seconds");
+  s.had_peer = j.at("had_peer");
+  return s;
+}
+
+ReceiveStats receive_stats(const json& j) {
+  ReceiveStats s;
+  s.tensors = j.at("tensors");
+  s.batches = j.at("batches");
+  s.buckets = j.at("buckets");
+  s.payload_bytes = j.at("payload_bytes");
+  s.wire_bytes = j.at("wire_bytes");
+  s.total_seconds = j.at("total_seconds");
+  s.load_seconds = j.at("load_seconds");
+  return s;
 }
 json stats_json(const ReceiveStats& s) {
   return {{"tensors", s.tensors},           {"batches", s.batches},
@@ -78,6 +101,8 @@ int run_worker(bool is_source, int rank, Channel& channel, const LocalGroupOptio
         auto session = cmd.at("session").get_binary();
         std::copy(session.begin(), session.end(), eo.session.begin());
         eo.model_fingerprint = options.model_fingerprint;
+        if (!is_source && rank < static_cast<int>(options.destination_layouts.size()))
+          eo.layout = options.destination_layouts[rank];
         engine = std::make_unique<CheckpointEngine>(std::move(eo));
         program = options.program(is_source, rank);
       } else if (name == "prepare") {
@@ -291,14 +316,10 @@ RefitReport LocalProcessGroup::refit(uint64_t index) {
     w.is_source = workers_[i]->is_source;
     w.rank = workers_[i]->rank;
     const auto& r = replies[i];
-    if (w.is_source) {
-      const auto& s = r.at("send");
-      w.send = {s.at("tensors"), s.at("buckets"), s.at("payload_bytes"), s.at("seconds"), s.at("had_peer")};
-    } else {
-      const auto& s = r.at("receive");
-      w.receive = {s.at("tensors"), s.at("batches"), s.at("buckets"), s.at("payload_bytes"),
-                   s.at("wire_bytes"), s.at("total_seconds"), s.at("load_seconds")};
-    }
+    if (w.is_source)
+      w.send = send_stats(r.at("send"));
+    else
+      w.receive = receive_stats(r.at("receive"));
     w.detail = r.value("detail", "{}");
     report.workers.push_back(std::move(w));
   }

@@ -109,6 +109,40 @@ TEST(RefitProcesses, SafetensorsDirectoryIsSentBitwise) {
   EXPECT_EQ(j.at("tensors").get<int>(), 4);
 }
 
+// Sharded destinations: each gets exactly its slices (checked bitwise against the source's
+// slices of the same tensors) and fewer bytes than the full model.
+void expect_sharded(const testing::CliResult& r, const nlohmann::json& j, uint64_t model_bytes) {
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(j.at("verified").get<bool>());
+  EXPECT_TRUE(j.at("sharded").get<bool>());
+  for (const auto& refit : j.at("refits")) {
+    for (const auto& d : refit.at("bytes_received")) {
+      EXPECT_EQ(d.at("bytes"), d.at("expected_bytes"));
+      EXPECT_LT(d.at("bytes").get<uint64_t>(), model_bytes);
+      EXPECT_GT(d.at("bytes").get<uint64_t>(), 0u);
+    }
+  }
+}
+
+TEST(RefitProcesses, ShardedTp2Pp2) {
+  Bench b;
+  auto r = b.run(4, 4, 2, {kShm, "--tp", "2", "--pp", "2", "refit_cfg.nixl.shard_expert_weights=true"});
+  expect_sharded(r, read_json(b.json), inventory_from_hf_config(b.model).total_bytes());
+}
+
+TEST(RefitProcesses, ShardedTp2Ep2WithDenseSlices) {
+  Bench b;
+  auto r = b.run(4, 4, 2, {kShm, "--tp", "2", "--ep", "2", "--shard-dense", "refit_cfg.nixl.shard_expert_weights=true"});
+  expect_sharded(r, read_json(b.json), inventory_from_hf_config(b.model).total_bytes());
+}
+
+TEST(RefitProcesses, ParallelFlagsWithoutShardingAreRefused) {
+  Bench b;
+  auto r = b.run(2, 2, 1, {"--tp", "2"});
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("shard_expert_weights"), std::string::npos) << r.output;
+}
+
 // A killed peer: the survivor reports an error naming the lost peer and the phase within its
 // deadline; nothing hangs; the run fails and is never reported as verified.
 void expect_peer_failure(const testing::CliResult& r, const nlohmann::json& j, const std::string& survivor,

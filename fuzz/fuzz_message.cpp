@@ -1,0 +1,88 @@
+// protocol::decode_message on arbitrary bytes, as the destination's fetch thread decodes what
+// its source sends; a BucketReady is then validated against several bucket sizes, as
+// BucketFetcher does before it reads anything.
+// Oracles: only Error(kProtocol) may come out; an accepted message re-encodes to the same bytes;
+// a manifest that validate() accepts really lies inside the bucket's used bytes and inside each
+// tensor (checked here in 128-bit arithmetic), and TensorInfo::nbytes() (unchecked, used by the
+// assembler) agrees with the exact size.
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+
+#include "engine/protocol.h"
+#include "fuzz_common.h"
+
+using namespace refit;
+using u128 = unsigned __int128;
+
+namespace {
+
+constexpr uint64_t kBucketSizes[] = {0, 1, 8, 64, 4096, uint64_t{1} << 20, uint64_t{1} << 32, UINT64_MAX};
+
+// dtype size x shape, or 0 with *overflow set when it exceeds 64 bits.
+u128 exact_nbytes(const TensorInfo& t, bool* overflow) {
+  u128 n = dtype_size(t.dtype);
+  *overflow = false;
+  for (int64_t d : t.shape) {
+    FUZZ_CHECK(d >= 0);
+    n *= static_cast<uint64_t>(d);
+    if (n > UINT64_MAX) {
+      *overflow = true;
+      n = UINT64_MAX;  // keeps the product bounded; a later 0 dimension is still "too big" for validate
+    }
+  }
+  return n;
+}
+
+void check_validated(const protocol::BucketReady& m, uint64_t bucket_bytes) {
+  FUZZ_CHECK(m.buffer <= 1);
+  FUZZ_CHECK(m.used_bytes <= bucket_bytes);
+  for (const auto& e : m.entries) {
+    bool overflow = false;
+    const u128 nbytes = exact_nbytes(e.tensor, &overflow);
+    FUZZ_CHECK(!overflow);
+    FUZZ_CHECK(e.tensor.nbytes() == static_cast<uint64_t>(nbytes));
+    FUZZ_CHECK(u128{e.tensor_offset} + e.size <= nbytes);
+    FUZZ_CHECK(u128{e.bucket_offset} + e.size <= m.used_bytes);
+  }
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  const std::span<const uint8_t> in(data, size);
+  protocol::Message msg;
+  try {
+    msg = protocol::decode_message(in, "source rank 0");
+  } catch (const Error& e) {
+    FUZZ_EXPECT_PROTOCOL_ERROR(e);
+    return 0;
+  }
+  Bytes again;
+  switch (msg.type) {
+    case protocol::MessageType::kBucketReady:
+      again = protocol::encode(msg.ready);
+      break;
+    case protocol::MessageType::kBucketDone:
+      again = protocol::encode(msg.done);
+      break;
+    case protocol::MessageType::kAbort:
+      again = protocol::encode(msg.abort);
+      break;
+    default:
+      FUZZ_CHECK(!"decode_message returned an unknown type");
+  }
+  FUZZ_CHECK(again.size() == size && std::equal(again.begin(), again.end(), in.begin()));
+  if (msg.type != protocol::MessageType::kBucketReady) return 0;
+  for (uint64_t bucket_bytes : kBucketSizes) {
+    try {
+      protocol::validate(msg.ready, bucket_bytes, "source rank 0");
+    } catch (const Error& e) {
+      FUZZ_EXPECT_PROTOCOL_ERROR(e);
+      continue;
+    }
+    check_validated(msg.ready, bucket_bytes);
+  }
+  return 0;
+}

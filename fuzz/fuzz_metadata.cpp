@@ -1,0 +1,39 @@
+// protocol::decode_metadata on arbitrary bytes, as init_source/init_destination decode every
+// peer's metadata blob; then decode_layout on the layout it carries, as a source does.
+// Oracles: only Error(kProtocol) may come out; an accepted blob re-encodes to the same bytes and
+// satisfies what decode_metadata promises (version, two buffers each holding a bucket).
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+
+#include "engine/protocol.h"
+#include "fuzz_common.h"
+#include "refit/layout.h"
+
+using namespace refit;
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  const std::span<const uint8_t> in(data, size);
+  protocol::EngineMetadata m;
+  try {
+    m = protocol::decode_metadata(in, "metadata of source rank 0");
+  } catch (const Error& e) {
+    FUZZ_EXPECT_PROTOCOL_ERROR(e);
+    return 0;
+  }
+  FUZZ_CHECK(m.version == protocol::kVersion);
+  FUZZ_CHECK(m.buffers.size() == 2);
+  for (const auto& b : m.buffers) FUZZ_CHECK(b.length >= m.bucket_bytes);
+  // The decoder is strict (exact sizes, no trailing bytes), so encoding is its inverse.
+  const Bytes again = protocol::encode(m);
+  FUZZ_CHECK(again.size() == size && std::equal(again.begin(), again.end(), in.begin()));
+  if (!m.layout.empty()) {
+    try {
+      decode_layout(m.layout, "layout of destination rank 0");
+    } catch (const Error& e) {
+      FUZZ_EXPECT_PROTOCOL_ERROR(e);
+    }
+  }
+  return 0;
+}

@@ -1,0 +1,39 @@
+// The destination parallelism the tools simulate (--tp, --ep, --pp, --shard-dense), turned into
+// one layout per destination rank. Destination rank r is (pp, ep, tp) = (r / (tp*ep),
+// (r / tp) % ep, r % tp): dense tensors are TP-sliced (with --shard-dense), routed experts are
+// owned by EP rank and TP-sliced within it (with shard_expert_weights), and each pipeline stage
+// drops the layers it does not hold.
+#pragma once
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "refit/config.h"
+#include "refit/layout.h"
+#include "refit/model.h"
+
+namespace CLI {
+class App;
+}
+
+namespace refit::tools {
+
+struct ParallelOptions {
+  int tp = 1;
+  int ep = 1;
+  int pp = 1;
+  bool shard_dense = false;
+  void add_to(CLI::App& command);
+};
+
+// One entry per destination; all empty when nothing is sharded (every tensor whole).
+// Throws Error(kTopology/kConfig) when the flags and the destination count disagree.
+std::vector<std::optional<Layout>> destination_layouts(const std::string& model_path, const ModelInventory& inventory,
+                                                       const RefitConfig& config, const ParallelOptions& parallel,
+                                                       int destinations);
+
+// The tensors a destination receives under `layout` (all of them, whole, when empty).
+std::vector<TensorInfo> selected_tensors(const ModelInventory& inventory, const std::optional<Layout>& layout);
+
+}  // namespace refit::tools

@@ -1,11 +1,11 @@
 // protocol::decode_message on arbitrary bytes, as the destination's fetch thread decodes what
 // its source sends; a BucketReady is then validated against several bucket sizes, as
 // BucketFetcher does before it reads anything.
-// Oracles: only Error(kProtocol) may come out; an accepted message re-encodes to the same bytes;
+// Oracles: only Error(kProtocol) may come out; an accepted message re-encodes to bytes that
+// decode to the same encoding;
 // a manifest that validate() accepts really lies inside the bucket's used bytes and inside each
 // tensor (checked here in 128-bit arithmetic), and TensorInfo::nbytes() (unchecked, used by the
 // assembler) agrees with the exact size.
-#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <span>
@@ -73,7 +73,15 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     default:
       FUZZ_CHECK(!"decode_message returned an unknown type");
   }
-  FUZZ_CHECK(again.size() == size && std::equal(again.begin(), again.end(), in.begin()));
+  FUZZ_CHECK(again.size() == size);  // every field has a fixed or length-prefixed size
+  try {
+    protocol::Message twice = protocol::decode_message(again, "re-encoded message");
+    FUZZ_CHECK(twice.type == msg.type);
+    if (msg.type == protocol::MessageType::kBucketReady) FUZZ_CHECK(protocol::encode(twice.ready) == again);
+  } catch (const Error& e) {
+    std::fprintf(stderr, "fuzz: a re-encoded message does not decode: %s\n", e.what());
+    std::abort();
+  }
   if (msg.type != protocol::MessageType::kBucketReady) return 0;
   for (uint64_t bucket_bytes : kBucketSizes) {
     try {

@@ -13,6 +13,7 @@
 //       shard_expert_weights: false
 //       bucket_bytes: null        # refit extension
 //       timeout_s: 300           # refit extension
+//       verify_checksums: false  # refit extension
 //
 // The keys may also sit under `policy.generation`, as in a NeMo RL config. Two layouts:
 //  * refit layout (no `policy` key at the root): the root holds only refit_transport and
@@ -72,6 +73,9 @@ struct RefitConfig {
   std::optional<uint64_t> bucket_bytes;
   // refit extension: the deadline, in seconds, of every wait of one refit phase.
   double timeout_s = 300.0;
+  // refit extension: the source sends an xxh3 checksum of every bucket and the destination
+  // checks it after reading, so corruption in flight fails the refit (kIntegrity).
+  bool verify_checksums = false;
 
   bool operator==(const RefitConfig&) const = default;
 };

@@ -20,9 +20,9 @@
 namespace refit {
 namespace {
 
-constexpr std::array<std::string_view, 8> kNixlKeys = {
+constexpr std::array<std::string_view, 9> kNixlKeys = {
     "update_weights_bucket_memory_ratio", "device", "backend_name", "backend_init_params",
-    "release_after_refit", "shard_expert_weights", "bucket_bytes", "timeout_s"};
+    "release_after_refit", "shard_expert_weights", "bucket_bytes", "timeout_s", "verify_checksums"};
 
 bool is_nixl_key(std::string_view key) {
   return std::find(kNixlKeys.begin(), kNixlKeys.end(), key) != kNixlKeys.end();
@@ -273,6 +273,8 @@ RefitConfig build(const Raw& raw) {
       config.release_after_refit = boolean(node, key);
     } else if (name == "shard_expert_weights") {
       config.shard_expert_weights = boolean(node, key);
+    } else if (name == "verify_checksums") {
+      config.verify_checksums = boolean(node, key);
     } else if (name == "bucket_bytes") {
       config.bucket_bytes = node.IsNull() ? std::nullopt : std::optional(byte_count(node, key));
     } else if (name == "timeout_s") {
@@ -366,6 +368,7 @@ std::string to_yaml(const RefitConfig& config) {
     out << YAML::Null;
   }
   out << YAML::Key << "timeout_s" << YAML::Value << fmt::format("{}", config.timeout_s);
+  out << YAML::Key << "verify_checksums" << YAML::Value << config.verify_checksums;
   out << YAML::EndMap << YAML::EndMap << YAML::EndMap;
   return std::string(out.c_str()) + "\n";
 }

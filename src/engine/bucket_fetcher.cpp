@@ -1,6 +1,7 @@
 #include "engine/bucket_fetcher.h"
 
 #include <spdlog/spdlog.h>
+#include <xxhash.h>
 
 #include "core/fail.h"
 
@@ -69,12 +70,15 @@ bool BucketFetcher::fetch(uint64_t seq, std::string& phase) {
   }
   auto msg = protocol::decode_message(bytes, context_.peer_label);
   if (msg.type == protocol::MessageType::kAbort)
-    fail(ErrorKind::kTransport, "{} aborted the refit while we waited for bucket {}: {}", context_.peer_label, seq,
-         msg.abort.reason);
+    protocol::raise_abort(msg.abort, context_.peer_label, fmt::format("bucket {}", seq));
   if (msg.type != protocol::MessageType::kBucketReady || msg.ready.refit != context_.refit || msg.ready.seq != seq)
     fail(ErrorKind::kProtocol, "{} sent an unexpected message (type {}, refit {}, bucket {}) instead of bucket {} of refit {}",
          context_.peer_label, static_cast<int>(msg.type), msg.ready.refit, msg.ready.seq, seq, context_.refit);
   protocol::validate(msg.ready, context_.bucket_bytes, context_.peer_label);
+
+  if (context_.verify_checksums != msg.ready.checksum.has_value())
+    fail(ErrorKind::kConfig, "verify_checksums differs between {} ({}) and this destination ({})", context_.peer_label,
+         msg.ready.checksum.has_value(), context_.verify_checksums);
 
   phase = fmt::format("read bucket {}", seq);
   const auto read_start = Clock::now();
@@ -82,6 +86,13 @@ bool BucketFetcher::fetch(uint64_t seq, std::string& phase) {
   if (bucket.used_bytes > 0)
     context_.transport->read(context_.peer, context_.peer_metadata->buffers[bucket.buffer], 0, context_.buffers[local],
                              context_.regions[local], bucket.used_bytes, deadline);
+  if (bucket.checksum) {
+    phase = fmt::format("verify bucket {}", seq);
+    const uint64_t actual = XXH3_64bits(context_.buffers[local], bucket.used_bytes);
+    if (actual != *bucket.checksum)
+      fail(ErrorKind::kIntegrity, "bucket {} from {} arrived corrupted: checksum {:016x}, sent {:016x} ({} bytes)", seq,
+           context_.peer_label, actual, *bucket.checksum, bucket.used_bytes);
+  }
   // The source may refill its buffer as soon as the bytes are here.
   context_.transport->send(context_.peer, protocol::encode(protocol::BucketDone{context_.refit, seq}), deadline);
   spdlog::debug("bucket {} from {}: {} bytes read in {:.4f}s", seq, context_.peer_label, bucket.used_bytes,

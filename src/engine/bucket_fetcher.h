@@ -28,6 +28,7 @@ struct FetchContext {
   uint64_t bucket_bytes = 0;
   uint64_t refit = 0;
   double timeout_s = 0;
+  bool verify_checksums = false;
 };
 
 class BucketFetcher {

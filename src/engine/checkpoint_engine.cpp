@@ -1,6 +1,7 @@
 #include "refit/checkpoint_engine.h"
 
 #include <spdlog/spdlog.h>
+#include <xxhash.h>
 
 #include <cstring>
 #include <random>
@@ -143,11 +144,11 @@ class CheckpointEngine::Impl {
     try {
       run_send(weights, refit, stats, phase);
     } catch (const Error& e) {
-      abort_peer(refit, e.what());
+      abort_peer(refit, e.kind(), e.what());
       throw Error(e.kind(), fmt::format("{}, refit {}, phase {}: {}", self_, refit, phase, e.what()));
     } catch (const std::exception& e) {
       // The weight iterator (caller code) failed.
-      abort_peer(refit, e.what());
+      abort_peer(refit, ErrorKind::kInvalidArgument, e.what());
       throw Error(ErrorKind::kInvalidArgument, fmt::format("{}, refit {}, phase {}: weight stream failed: {}", self_, refit, phase, e.what()));
     }
     stats.seconds = seconds_since(start);
@@ -166,9 +167,9 @@ class CheckpointEngine::Impl {
     try {
       run_receive(loader, refit, stats, phase);
     } catch (const std::exception& e) {
-      abort_peer(refit, e.what());
       ErrorKind kind = ErrorKind::kInvalidArgument;  // the loader (caller code) failed
       if (const auto* err = dynamic_cast<const Error*>(&e)) kind = err->kind();
+      abort_peer(refit, kind, e.what());
       spdlog::error("{} is stale: refit {} failed in phase {}: {}", self_, refit, phase, e.what());
       throw Error(kind, fmt::format("{}, refit {}, phase {}: {}", self_, refit, phase, e.what()));
     }
@@ -244,15 +245,14 @@ class CheckpointEngine::Impl {
   protocol::Message receive_message(const std::string& expecting) {
     Bytes bytes = transport_->receive(peer_, next_deadline());
     auto msg = protocol::decode_message(bytes, peer_label_);
-    if (msg.type == protocol::MessageType::kAbort)
-      fail(ErrorKind::kTransport, "{} aborted the refit while we waited for {}: {}", peer_label_, expecting, msg.abort.reason);
+    if (msg.type == protocol::MessageType::kAbort) protocol::raise_abort(msg.abort, peer_label_, expecting);
     return msg;
   }
 
-  void abort_peer(uint64_t refit, const std::string& reason) noexcept {
+  void abort_peer(uint64_t refit, ErrorKind kind, const std::string& reason) noexcept {
     if (!has_peer_) return;
     try {
-      transport_->send(peer_, protocol::encode(protocol::Abort{refit, reason}), deadline_after(kAbortTimeout));
+      transport_->send(peer_, protocol::encode(protocol::Abort{refit, kind, reason}), deadline_after(kAbortTimeout));
     } catch (const std::exception&) {
       // The peer may be the reason we are aborting.
     }
@@ -289,6 +289,7 @@ class CheckpointEngine::Impl {
     std::optional<uint64_t> unacknowledged;
 
     auto flush = [&](bool is_last) {
+      if (options_.config.verify_checksums) bucket.checksum = XXH3_64bits(buffers_[bucket.buffer], bucket.used_bytes);
       if (unacknowledged) wait_done(refit, *unacknowledged, phase);
       bucket.is_last = is_last;
       phase = fmt::format("announce bucket {}", bucket.seq);
@@ -347,7 +348,8 @@ class CheckpointEngine::Impl {
   void run_receive(const BatchLoader& loader, uint64_t refit, ReceiveStats& stats, std::string& phase) {
     assembler_.reset();
     FetchContext context{transport_.get(), peer_, peer_label_, &peer_metadata_, {buffers_[0], buffers_[1]},
-                         {regions_[0], regions_[1]}, options_.bucket_bytes, refit, options_.config.timeout_s};
+                         {regions_[0], regions_[1]}, options_.bucket_bytes, refit, options_.config.timeout_s,
+                         options_.config.verify_checksums};
     BucketFetcher fetcher(std::move(context));
     while (true) {
       auto fetched = fetcher.next(phase);

@@ -115,6 +115,8 @@ Bytes encode(const BucketReady& m) {
   w.put<uint8_t>(m.buffer);
   w.put<uint8_t>(m.is_last ? 1 : 0);
   w.put<uint64_t>(m.used_bytes);
+  w.put<uint8_t>(m.checksum ? 1 : 0);
+  w.put<uint64_t>(m.checksum.value_or(0));
   w.put<uint64_t>(m.entries.size());
   for (const auto& e : m.entries) {
     put_tensor(w, e.tensor);
@@ -135,6 +137,7 @@ Bytes encode(const BucketDone& m) {
 Bytes encode(const Abort& m) {
   ByteWriter w = message_writer(MessageType::kAbort);
   w.put<uint64_t>(m.refit);
+  w.put<uint8_t>(static_cast<uint8_t>(m.kind));
   w.put_string(m.reason);
   return w.take();
 }
@@ -157,6 +160,10 @@ Message decode_message(std::span<const uint8_t> bytes, const std::string& who) {
       if (last > 1) fail(ErrorKind::kProtocol, "garbled message from {}: is_last = {}", who, last);
       m.is_last = last == 1;
       m.used_bytes = r.get<uint64_t>("used bytes");
+      auto has_checksum = r.get<uint8_t>("has checksum");
+      if (has_checksum > 1) fail(ErrorKind::kProtocol, "garbled message from {}: has_checksum = {}", who, has_checksum);
+      auto checksum = r.get<uint64_t>("checksum");
+      if (has_checksum == 1) m.checksum = checksum;
       // Smallest entry: empty name, dtype, rank 0, three offsets.
       uint64_t n = r.get_count("entry count", 8 + 1 + 8 + 24);
       m.entries.reserve(n);
@@ -178,6 +185,12 @@ Message decode_message(std::span<const uint8_t> bytes, const std::string& who) {
     case MessageType::kAbort:
       msg.type = MessageType::kAbort;
       msg.abort.refit = r.get<uint64_t>("refit");
+      {
+        auto kind = r.get<uint8_t>("kind");
+        if (kind > static_cast<uint8_t>(ErrorKind::kInternal))
+          fail(ErrorKind::kProtocol, "garbled message from {}: error kind {}", who, kind);
+        msg.abort.kind = static_cast<ErrorKind>(kind);
+      }
       msg.abort.reason = r.get_string("reason");
       break;
     default:
@@ -185,6 +198,10 @@ Message decode_message(std::span<const uint8_t> bytes, const std::string& who) {
   }
   r.expect_end();
   return msg;
+}
+
+void raise_abort(const Abort& m, const std::string& who, const std::string& waiting_for) {
+  fail(m.kind, "{} aborted the refit while we waited for {}: {}", who, waiting_for, m.reason);
 }
 
 void validate(const BucketReady& m, uint64_t bucket_bytes, const std::string& who) {

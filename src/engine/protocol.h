@@ -4,11 +4,13 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
 
 #include "refit/checkpoint_engine.h"
+#include "refit/error.h"
 #include "refit/tensor.h"
 #include "refit/transport.h"
 
@@ -47,6 +49,7 @@ struct BucketReady {
   uint8_t buffer = 0;  // which of the source's two buffers holds it
   bool is_last = false;
   uint64_t used_bytes = 0;  // only this prefix of the buffer is read
+  std::optional<uint64_t> checksum;  // xxh3-64 of the used bytes, with verify_checksums
   std::vector<ManifestEntry> entries;
 };
 
@@ -57,6 +60,7 @@ struct BucketDone {
 
 struct Abort {
   uint64_t refit = 0;
+  ErrorKind kind = ErrorKind::kInternal;  // why the sender failed; the receiver fails with the same kind
   std::string reason;
 };
 
@@ -71,6 +75,9 @@ Bytes encode(const BucketReady& m);
 Bytes encode(const BucketDone& m);
 Bytes encode(const Abort& m);
 Message decode_message(std::span<const uint8_t> bytes, const std::string& who);
+
+// Throws the error a peer's Abort stands for: its kind, naming the peer and what we waited for.
+[[noreturn]] void raise_abort(const Abort& m, const std::string& who, const std::string& waiting_for);
 
 // Checks a bucket against the receiver's bucket size: buffer index, used bytes, and every
 // entry's ranges (inside the bucket, inside the tensor, sizes matching dtype x shape).

@@ -2,9 +2,11 @@
 
 #include <algorithm>
 #include <future>
+#include <optional>
 #include <thread>
 
 #include "engine/protocol.h"
+#include "transport/fault_injection.h"
 #include "engine_harness.h"
 #include "refit/error.h"
 
@@ -425,6 +427,96 @@ TEST(EngineLayout, ARequestedTensorTheStreamNeverYieldsIsAnError) {
     EXPECT_NE(std::string(e.what()).find("destination rank 0"), std::string::npos) << e.what();
   }
   EXPECT_TRUE(p.destination->stale());
+}
+
+}  // namespace
+}  // namespace refit
+
+namespace refit {
+namespace {
+
+using testing::inproc_options;
+using testing::make_tensor;
+using testing::OwnedTensor;
+using testing::Received;
+using testing::VectorSource;
+
+struct ChecksumPair {
+  std::shared_ptr<InProcFabric> fabric = make_inproc_fabric();
+  SessionId session = new_session_id();
+  std::unique_ptr<CheckpointEngine> source, destination;
+
+  ChecksumPair(bool source_checks, bool destination_checks, uint64_t flip_every) {
+    auto so = inproc_options(fabric, 100, session);
+    auto dop = inproc_options(fabric, 100, session);
+    so.config.verify_checksums = source_checks;
+    dop.config.verify_checksums = destination_checks;
+    if (flip_every > 0) dop.transport = flip_read_bytes(create_inproc_transport(fabric), flip_every);
+    source = std::make_unique<CheckpointEngine>(so);
+    destination = std::make_unique<CheckpointEngine>(dop);
+    std::vector<Metadata> md = {source->prepare(), destination->prepare()};
+    source->init_source(0, 1, 1, md);
+    destination->init_destination(0, 1, 1, md);
+  }
+
+  // Returns the destination's error kind, or nothing when the refit succeeded.
+  std::optional<ErrorKind> refit(const std::vector<OwnedTensor>& weights, Received& got) {
+    auto sent = std::async(std::launch::async, [&] {
+      VectorSource src(weights);
+      try {
+        source->send(src);
+      } catch (const Error&) {
+      }
+    });
+    std::optional<ErrorKind> kind;
+    try {
+      destination->receive(got.loader());
+    } catch (const Error& e) {
+      kind = e.kind();
+    }
+    sent.get();
+    return kind;
+  }
+};
+
+std::vector<OwnedTensor> checksum_model() {
+  return {make_tensor("a", DType::kBFloat16, {300}, 1), make_tensor("b", DType::kFloat32, {40}, 2),
+          make_tensor("c", DType::kInt8, {77}, 3)};
+}
+
+TEST(EngineChecksums, CleanRefitPassesWithChecksums) {
+  ChecksumPair p(true, true, 0);
+  Received got;
+  EXPECT_FALSE(p.refit(checksum_model(), got).has_value());
+  EXPECT_EQ(got.tensors.size(), 3u);
+}
+
+TEST(EngineChecksums, EveryFlippedByteIsCaught) {
+  // Flip a byte in the 1st, 2nd, ... read of a refit: each time the refit fails as corrupted.
+  for (uint64_t every = 1; every <= 8; ++every) {
+    ChecksumPair p(true, true, every);
+    Received got;
+    auto kind = p.refit(checksum_model(), got);
+    ASSERT_TRUE(kind.has_value()) << "corruption in read " << every << " went unnoticed";
+    EXPECT_EQ(*kind, ErrorKind::kIntegrity);
+    EXPECT_TRUE(p.destination->stale());
+  }
+}
+
+TEST(EngineChecksums, WithoutChecksumsCorruptionIsNotDetectedByTheEngine) {
+  // The control: the same corruption passes when checksums are off, which is why they exist.
+  ChecksumPair p(false, false, 1);
+  Received got;
+  EXPECT_FALSE(p.refit(checksum_model(), got).has_value());
+  EXPECT_NE(got.tensors["a"].data, checksum_model()[0].data);
+}
+
+TEST(EngineChecksums, DisagreeingSidesAreAConfigError) {
+  ChecksumPair p(false, true, 0);
+  Received got;
+  auto kind = p.refit(checksum_model(), got);
+  ASSERT_TRUE(kind.has_value());
+  EXPECT_EQ(*kind, ErrorKind::kConfig);
 }
 
 }  // namespace

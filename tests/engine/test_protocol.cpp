@@ -42,7 +42,7 @@ TEST(Protocol, BucketMessageRoundTrips) {
 }
 
 TEST(Protocol, EveryTruncationOfEveryMessageIsAProtocolError) {
-  std::vector<Bytes> messages = {encode(sample_bucket()), encode(BucketDone{1, 2}), encode(Abort{1, "why"})};
+  std::vector<Bytes> messages = {encode(sample_bucket()), encode(BucketDone{1, 2}), encode(Abort{1, ErrorKind::kIntegrity, "why"})};
   for (const auto& full : messages) {
     for (size_t n = 0; n < full.size(); ++n) {
       Bytes cut(full.begin(), full.begin() + n);

@@ -143,6 +143,27 @@ TEST(RefitProcesses, ParallelFlagsWithoutShardingAreRefused) {
   EXPECT_NE(r.output.find("shard_expert_weights"), std::string::npos) << r.output;
 }
 
+// Corruption in flight (the transport test hook flips a byte of every 3rd read): with checksums
+// the destination refuses the bucket; without them the bench's own bitwise check catches it.
+// Either way the refit is never reported as verified.
+TEST(RefitProcesses, CorruptionInFlightIsCaught) {
+  setenv("REFIT_TEST_FLIP_READ_BYTES", "3", 1);
+  Bench with, without;
+  auto r1 = with.run(1, 1, 2, {kShm, "refit_cfg.nixl.verify_checksums=true"});
+  auto r2 = without.run(1, 1, 2, {kShm});
+  unsetenv("REFIT_TEST_FLIP_READ_BYTES");
+
+  EXPECT_NE(r1.exit_code, 0) << r1.output;
+  auto j1 = read_json(with.json);
+  EXPECT_FALSE(j1.at("verified").get<bool>());
+  EXPECT_EQ(j1.at("refits").back().at("error_kind"), "integrity") << r1.output;
+
+  EXPECT_NE(r2.exit_code, 0) << r2.output;
+  auto j2 = read_json(without.json);
+  EXPECT_FALSE(j2.at("verified").get<bool>());
+  EXPECT_TRUE(j2.at("refits").back().contains("verification_errors")) << r2.output;
+}
+
 // A killed peer: the survivor reports an error naming the lost peer and the phase within its
 // deadline; nothing hangs; the run fails and is never reported as verified.
 void expect_peer_failure(const testing::CliResult& r, const nlohmann::json& j, const std::string& survivor,

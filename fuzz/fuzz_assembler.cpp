@@ -1,0 +1,137 @@
+// The destination's receive path on a stream of hostile control messages: decode_message,
+// validate against the bucket size, then TensorAssembler::add_bucket over a heap buffer of
+// exactly used_bytes (so AddressSanitizer flags any read outside the bucket), then every byte
+// of every tensor handed out is read, as a loader would. On is_last, finish() and reset() start
+// the next refit, as run_receive does; any error ends the refit the same way.
+//
+// Input: byte 0 picks the bucket size; then frames of [u16 little-endian length][message].
+// Oracles: errors are Error(kProtocol), or Error(kTransport) when a split tensor's merge
+// buffer cannot be allocated; a whole tensor's view lies inside the bucket; a merged tensor is
+// no larger than the chunks received for it and holds exactly their bytes.
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "engine/assembler.h"
+#include "engine/protocol.h"
+#include "fuzz_common.h"
+
+using namespace refit;
+
+namespace {
+
+constexpr uint64_t kBucketSizes[] = {1, 2, 8, 64, 256, 4096, 65536};
+const std::string kWho = "source rank 0";
+
+struct Chunk {
+  uint64_t tensor_offset;
+  std::vector<std::byte> bytes;
+};
+
+class Harness {
+ public:
+  explicit Harness(uint64_t bucket_bytes) : bucket_bytes_(bucket_bytes) {}
+
+  void frame(std::span<const uint8_t> bytes) {
+    try {
+      step(bytes);
+    } catch (const Error& e) {
+      if (e.kind() != ErrorKind::kTransport) FUZZ_EXPECT_PROTOCOL_ERROR(e);
+      new_refit();  // the refit failed; the next one starts afresh
+    }
+  }
+
+ private:
+  void new_refit() {
+    assembler_.reset();
+    pending_.clear();
+  }
+
+  void step(std::span<const uint8_t> bytes) {
+    protocol::Message msg = protocol::decode_message(bytes, kWho);
+    if (msg.type != protocol::MessageType::kBucketReady) {
+      new_refit();  // the fetch thread fails on anything but the bucket it waits for
+      return;
+    }
+    const protocol::BucketReady& bucket = msg.ready;
+    protocol::validate(bucket, bucket_bytes_, kWho);
+
+    // Exactly the used bytes, on the heap: one byte more or less read is an ASan report.
+    std::unique_ptr<std::byte[]> data(new std::byte[bucket.used_bytes]);
+    for (uint64_t i = 0; i < bucket.used_bytes; ++i) data[i] = static_cast<std::byte>(fill_++ * 131 + 7);
+    const std::byte* begin = data.get();
+    const std::byte* end = begin + bucket.used_bytes;
+
+    // What a merged tensor must hold: the bytes of the chunks of split tensors, as sent.
+    for (const auto& e : bucket.entries) {
+      if (e.tensor_offset == 0 && e.size == e.tensor.nbytes()) continue;
+      const std::byte* p = begin + e.bucket_offset;
+      pending_[e.tensor.name].push_back({e.tensor_offset, std::vector<std::byte>(p, p + e.size)});
+    }
+
+    auto views = assembler_.add_bucket(bucket, begin, kWho);
+    for (const TensorView& v : views) {
+      FUZZ_CHECK(v.info != nullptr);
+      const uint64_t n = v.info->nbytes();
+      const bool in_bucket = v.data >= begin && v.data <= end;
+      if (in_bucket) {
+        FUZZ_CHECK(n <= static_cast<uint64_t>(end - v.data));
+      } else {
+        check_merged(v, n);
+      }
+      read_all(v.data, n);
+    }
+    if (bucket.is_last) {
+      assembler_.finish(kWho);
+      new_refit();
+    }
+  }
+
+  void check_merged(const TensorView& v, uint64_t n) {
+    auto it = pending_.find(v.info->name);
+    FUZZ_CHECK(it != pending_.end());
+    uint64_t received = 0;
+    for (const auto& c : it->second) received += c.bytes.size();
+    FUZZ_CHECK(n <= received);  // bounded by what was fed, before anything is allocated for it
+    std::vector<std::byte> expected(n);
+    for (const auto& c : it->second) {
+      FUZZ_CHECK(c.tensor_offset <= n && c.bytes.size() <= n - c.tensor_offset);
+      if (!c.bytes.empty()) std::memcpy(expected.data() + c.tensor_offset, c.bytes.data(), c.bytes.size());
+    }
+    FUZZ_CHECK(n == 0 || std::memcmp(v.data, expected.data(), n) == 0);
+    pending_.erase(it);
+  }
+
+  void read_all(const std::byte* p, uint64_t n) {
+    uint64_t sum = 0;
+    for (uint64_t i = 0; i < n; ++i) sum += static_cast<uint8_t>(p[i]);
+    sink_ = sink_ + sum;
+  }
+
+  uint64_t bucket_bytes_;
+  TensorAssembler assembler_;
+  std::map<std::string, std::vector<Chunk>> pending_;
+  uint8_t fill_ = 0;
+  volatile uint64_t sink_ = 0;
+};
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  if (size < 1) return 0;
+  Harness h(kBucketSizes[data[0] % std::size(kBucketSizes)]);
+  size_t pos = 1;
+  while (pos + 2 <= size) {
+    size_t n = data[pos] | (size_t{data[pos + 1]} << 8);
+    pos += 2;
+    if (n > size - pos) n = size - pos;
+    h.frame({data + pos, n});
+    pos += n;
+  }
+  return 0;
+}

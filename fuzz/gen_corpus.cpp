@@ -1,0 +1,259 @@
+// Writes the seed corpus: small valid inputs for every fuzz target, made with refit's own
+// encoders and bucket packer, plus edge cases (empty, truncated, bad magic, odd sizes).
+// Deterministic: running it again rewrites the same files.
+// Usage: fuzz_seed_corpus DIR     (writes DIR/{metadata,message,layout,assembler}/NAME)
+#include <cstdint>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "engine/protocol.h"
+#include "refit/layout.h"
+#include "refit/plan.h"
+
+using namespace refit;
+namespace fs = std::filesystem;
+
+namespace {
+
+fs::path g_root;
+int g_files = 0;
+
+void write(const std::string& target, const std::string& name, const Bytes& bytes) {
+  fs::create_directories(g_root / target);
+  std::ofstream out(g_root / target / name, std::ios::binary | std::ios::trunc);
+  out.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
+  ++g_files;
+}
+
+Bytes truncated(Bytes b, size_t keep) {
+  b.resize(std::min(keep, b.size()));
+  return b;
+}
+
+Bytes flipped(Bytes b, size_t at) {
+  if (at < b.size()) b[at] ^= 0xff;
+  return b;
+}
+
+// --- metadata ----------------------------------------------------------------------------------
+
+Layout sample_layout() {
+  Layout l;
+  l.tensors["model.embed_tokens.weight"] = Request::narrow(0, 0, 64);
+  l.tensors["model.layers.0.self_attn.q_proj.weight"] = Request::narrow(0, 32, 32);
+  l.tensors["model.layers.0.mlp.experts.1.down_proj.weight"] = Request::drop();
+  l.tensors["lm_head.weight"] = Request::whole();
+  l.drop_prefixes = {"model.layers.1.", "model.layers.2."};
+  return l;
+}
+
+protocol::EngineMetadata sample_metadata(uint64_t bucket_bytes, bool with_layout) {
+  protocol::EngineMetadata m;
+  for (size_t i = 0; i < m.session.size(); ++i) m.session[i] = static_cast<uint8_t>(0xa0 + i);
+  m.model_fingerprint = 0x1234567890abcdefull;
+  m.bucket_bytes = bucket_bytes;
+  m.transport_name = "UCX";
+  for (int i = 0; i < 24; ++i) m.transport_address.push_back(static_cast<uint8_t>(i * 37));
+  for (int b = 0; b < 2; ++b) {
+    RemoteRegion r;
+    r.address = 0x7f0000000000ull + b * 0x100000;
+    r.length = bucket_bytes;
+    r.key = {1, 2, 3, 4, static_cast<uint8_t>(b)};
+    m.buffers.push_back(r);
+  }
+  if (with_layout) m.layout = encode_layout(sample_layout());
+  return m;
+}
+
+void metadata_seeds() {
+  write("metadata", "source", protocol::encode(sample_metadata(4096, false)));
+  write("metadata", "destination_with_layout", protocol::encode(sample_metadata(1 << 20, true)));
+  auto empty = sample_metadata(0, false);
+  empty.transport_name.clear();
+  empty.transport_address.clear();
+  for (auto& r : empty.buffers) r.key.clear();
+  write("metadata", "empty_fields", protocol::encode(empty));
+  auto bad_layout = sample_metadata(64, false);
+  bad_layout.layout = {0x52, 0x46, 0x4c, 0x59, 1, 0, 3};  // layout magic, then a bad fallback
+  write("metadata", "bad_layout", protocol::encode(bad_layout));
+  auto small_buffer = sample_metadata(4096, false);
+  small_buffer.buffers[1].length = 100;
+  write("metadata", "buffer_smaller_than_bucket", protocol::encode(small_buffer));
+  auto old = sample_metadata(4096, false);
+  old.version = 1;
+  write("metadata", "old_version", protocol::encode(old));
+  write("metadata", "truncated", truncated(protocol::encode(sample_metadata(4096, true)), 40));
+  write("metadata", "bad_magic", flipped(protocol::encode(sample_metadata(4096, false)), 0));
+  write("metadata", "empty", {});
+}
+
+// --- layouts -----------------------------------------------------------------------------------
+
+void layout_seeds() {
+  write("layout", "sample", encode_layout(sample_layout()));
+  write("layout", "empty", encode_layout(Layout{}));
+  Layout drop_all;
+  drop_all.fallback = Take::kDrop;
+  drop_all.tensors["model.norm.weight"] = Request::whole();
+  write("layout", "fallback_drop", encode_layout(drop_all));
+  Layout wide;
+  wide.tensors["w"] = Request::narrow(63, INT64_MAX - 1, 1);
+  write("layout", "extreme_slice", encode_layout(wide));
+  write("layout", "truncated", truncated(encode_layout(sample_layout()), 30));
+  write("layout", "bad_magic", flipped(encode_layout(sample_layout()), 1));
+}
+
+// --- messages ----------------------------------------------------------------------------------
+
+protocol::Abort abort_message(uint64_t refit, std::string reason) {
+  protocol::Abort a;
+  a.refit = refit;
+  a.reason = std::move(reason);
+  return a;
+}
+
+protocol::BucketDone done_message(uint64_t refit, uint64_t seq) {
+  protocol::BucketDone d;
+  d.refit = refit;
+  d.seq = seq;
+  return d;
+}
+
+TensorInfo tensor(std::string name, DType dtype, std::vector<int64_t> shape) { return {std::move(name), dtype, std::move(shape)}; }
+
+// A small model: whole tensors, one split over buckets, a zero-byte tensor, a scalar.
+std::vector<TensorInfo> sample_model() {
+  return {
+      tensor("model.embed_tokens.weight", DType::kBFloat16, {16, 8}),
+      tensor("model.layers.0.input_layernorm.weight", DType::kFloat32, {8}),
+      tensor("model.layers.0.mlp.experts.0.gate_proj.weight", DType::kFloat8E4M3FN, {40, 3}),
+      tensor("model.layers.0.mlp.empty", DType::kFloat16, {0, 4}),
+      tensor("model.layers.0.self_attn.scale", DType::kFloat64, {}),
+      tensor("lm_head.weight", DType::kInt32, {5, 7}),
+  };
+}
+
+// The BucketReady messages a source sends for `model`, as CheckpointEngine::run_send builds them.
+std::vector<protocol::BucketReady> buckets_for(const std::vector<TensorInfo>& model, uint64_t bucket_bytes,
+                                               uint64_t refit) {
+  std::vector<protocol::BucketReady> out;
+  BucketPacker packer(bucket_bytes);
+  protocol::BucketReady b;
+  b.refit = refit;
+  auto flush = [&](bool last) {
+    b.is_last = last;
+    out.push_back(b);
+    b.seq++;
+    b.buffer ^= 1;
+    b.entries.clear();
+    b.used_bytes = 0;
+  };
+  for (const auto& t : model) {
+    for (const ChunkPlacement& c : packer.place(t)) {
+      if (c.starts_bucket) flush(false);
+      b.entries.push_back({t, c.tensor_offset, c.size, c.bucket_offset});
+      b.used_bytes = c.bucket_offset + c.size;
+    }
+  }
+  flush(true);
+  return out;
+}
+
+void message_seeds() {
+  auto model = sample_model();
+  auto buckets = buckets_for(model, 64, 0);
+  for (size_t i = 0; i < buckets.size() && i < 6; ++i)
+    write("message", "ready_64_" + std::to_string(i), protocol::encode(buckets[i]));
+  auto whole = buckets_for(model, 4096, 3);
+  write("message", "ready_4096_all", protocol::encode(whole.front()));
+  protocol::BucketReady empty;
+  empty.is_last = true;
+  write("message", "ready_empty", protocol::encode(empty));
+  write("message", "done", protocol::encode(done_message(2, 17)));
+  write("message", "abort", protocol::encode(abort_message(1, "source rank 0 failed in phase pack bucket 3")));
+  write("message", "abort_empty", protocol::encode(abort_message(0, "")));
+
+  // Valid encodings that validate() must refuse.
+  protocol::BucketReady bad;
+  bad.buffer = 1;
+  bad.used_bytes = 64;
+  bad.entries = {{tensor("t", DType::kFloat32, {4}), 0, 16, 56}};
+  write("message", "chunk_past_used_bytes", protocol::encode(bad));
+  bad.entries[0] = {tensor("t", DType::kFloat32, {4}), 8, 16, 0};
+  write("message", "chunk_past_tensor", protocol::encode(bad));
+  bad.entries[0] = {tensor("t", DType::kFloat32, {INT64_MAX, 4, 0}), 0, 0, 0};
+  write("message", "overflowing_shape", protocol::encode(bad));
+  bad.entries[0] = {tensor("t", DType::kUInt8, {1, 1, 1, 1, 1, 1, 1, 1}), 0, 1, 0};
+  write("message", "rank_8", protocol::encode(bad));
+  bad.buffer = 2;
+  write("message", "buffer_2", protocol::encode(bad));
+  bad.buffer = 0;
+  bad.used_bytes = UINT64_MAX;
+  bad.entries[0] = {tensor("t", DType::kUInt8, {8}), 0, 8, UINT64_MAX - 4};
+  write("message", "offset_wraps", protocol::encode(bad));
+
+  write("message", "truncated", truncated(protocol::encode(buckets[0]), 50));
+  write("message", "bad_magic", flipped(protocol::encode(buckets[0]), 0));
+  write("message", "empty", {});
+}
+
+// --- assembler streams -------------------------------------------------------------------------
+
+// Must match kBucketSizes in fuzz_assembler.cpp: byte 0 of an input is an index into it.
+constexpr uint64_t kAssemblerBucketSizes[] = {1, 2, 8, 64, 256, 4096, 65536};
+
+void put_frame(Bytes& stream, const Bytes& message) {
+  stream.push_back(static_cast<uint8_t>(message.size() & 0xff));
+  stream.push_back(static_cast<uint8_t>(message.size() >> 8));
+  stream.insert(stream.end(), message.begin(), message.end());
+}
+
+void assembler_seeds() {
+  auto model = sample_model();
+  for (uint8_t index : {1, 2, 3, 4, 5}) {
+    const uint64_t bucket_bytes = kAssemblerBucketSizes[index];
+    Bytes stream{index};
+    // Two refits of the same model: merge buffers are reused by the second.
+    for (uint64_t refit = 0; refit < 2; ++refit)
+      for (const auto& b : buckets_for(model, bucket_bytes, refit)) put_frame(stream, protocol::encode(b));
+    if (stream.size() > 16384) continue;
+    write("assembler", "model_bucket_" + std::to_string(bucket_bytes), stream);
+  }
+  // A refit that ends with a split tensor half received, then a whole one.
+  {
+    Bytes stream{3};
+    auto b = buckets_for({tensor("split", DType::kFloat32, {6})}, 8, 0);
+    b[0].is_last = true;
+    put_frame(stream, protocol::encode(b[0]));
+    for (const auto& x : buckets_for(model, 8, 1)) put_frame(stream, protocol::encode(x));
+    write("assembler", "incomplete_then_whole", stream);
+  }
+  // An abort in the middle of a refit.
+  {
+    Bytes stream{4};
+    auto b = buckets_for(model, 64, 0);
+    put_frame(stream, protocol::encode(b[0]));
+    put_frame(stream, protocol::encode(abort_message(0, "stop")));
+    for (const auto& x : b) put_frame(stream, protocol::encode(x));
+    write("assembler", "abort_mid_refit", stream);
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc != 2) {
+    std::fprintf(stderr, "usage: %s CORPUS_DIR\n", argv[0]);
+    return 2;
+  }
+  g_root = argv[1];
+  metadata_seeds();
+  layout_seeds();
+  message_seeds();
+  assembler_seeds();
+  std::printf("wrote %d seed files under %s\n", g_files, g_root.c_str());
+  return 0;
+}

@@ -1,8 +1,37 @@
 #!/usr/bin/env bash
 # The whole test suite: set up, build, run every test (unit tests and multi-process tests over
-# UCX). Pass a preset (asan, tsan) to run it under a sanitizer instead.
+# UCX), then fuzz the decoders for a short budget, then run the suite again under
+# AddressSanitizer + UndefinedBehaviorSanitizer and under ThreadSanitizer. This is what CI runs.
+#
+# Usage: scripts/test.sh                 everything, in that order (stops at the first failure)
+#        scripts/test.sh release|asan|tsan   one suite: the plain build, or one sanitizer build
+#        scripts/test.sh fuzz [SECONDS]  only the fuzzers (scripts/fuzz.sh; default 20 s per target)
+# REFIT_FUZZ_SECONDS sets the fuzz budget per target of the full run (default 20).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-preset="${1:-release}"
-scripts/setup.sh "$preset"
-ctest --preset "$preset" -j 2
+
+suite() {
+  local preset="$1"
+  echo "=== test suite: $preset"
+  scripts/setup.sh "$preset"
+  ctest --preset "$preset" -j 2
+}
+
+what="${1:-all}"
+case "$what" in
+  all)
+    start=$SECONDS
+    suite release
+    echo "=== fuzzers"
+    scripts/fuzz.sh "${REFIT_FUZZ_SECONDS:-20}"
+    suite asan
+    suite tsan
+    echo "=== all suites and fuzzers passed in $((SECONDS - start)) s"
+    ;;
+  release | asan | tsan) suite "$what" ;;
+  fuzz) scripts/fuzz.sh "${2:-20}" ;;
+  *)
+    echo "usage: scripts/test.sh [release|asan|tsan|fuzz [SECONDS]]" >&2
+    exit 2
+    ;;
+esac

@@ -11,6 +11,7 @@
 
 #include "baseline.h"
 #include "programs.h"
+#include "verify.h"
 #include "refit/bucket_size.h"
 #include "refit/error.h"
 #include "refit/local_group.h"
@@ -31,28 +32,6 @@ bool is_safetensors(const std::string& path) {
   for (const auto& e : fs::directory_iterator(path))
     if (e.path().extension() == ".safetensors") return true;
   return false;
-}
-
-// Every destination must hold exactly the tensors its source sent, with the same bytes.
-std::vector<std::string> verify(const RefitReport& report) {
-  std::map<int, json> source_hashes, destination_hashes;
-  for (const auto& w : report.workers) {
-    auto hashes = json::parse(w.detail).value("hashes", json::object());
-    (w.is_source ? source_hashes : destination_hashes)[w.rank] = hashes;
-  }
-  std::vector<std::string> problems;
-  for (const auto& [rank, got] : destination_hashes) {
-    const json& want = source_hashes.at(rank);
-    for (const auto& [name, hash] : want.items()) {
-      if (!got.contains(name))
-        problems.push_back(fmt::format("destination rank {} never received '{}'", rank, name));
-      else if (got[name] != hash)
-        problems.push_back(fmt::format("destination rank {}: '{}' differs from source rank {}", rank, name, rank));
-    }
-    for (const auto& [name, hash] : got.items())
-      if (!want.contains(name)) problems.push_back(fmt::format("destination rank {} received unknown '{}'", rank, name));
-  }
-  return problems;
 }
 
 double median(std::vector<double> v) {

@@ -1,10 +1,11 @@
-// The `refit` command: bench, plan, info.
+// The `refit` command: bench, plan, demo, info.
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 #include <spdlog/cfg/env.h>
 #include <spdlog/spdlog.h>
 
 #include "bench.h"
+#include "demo.h"
 #include "info.h"
 #include "plan_command.h"
 #include "refit/error.h"
@@ -36,6 +37,16 @@ int main(int argc, char** argv) {
   plan.parallel.add_to(*plan_cmd);
   plan_cmd->add_option("overrides", plan.overrides, "Config overrides, key=value");
 
+  refit::tools::ElasticOptions elastic;
+  auto* demo_cmd = app.add_subcommand("demo", "Demonstrations of the refit lifecycle");
+  demo_cmd->require_subcommand(1);
+  auto* elastic_cmd = demo_cmd->add_subcommand("elastic", "Refit while the set of destinations changes (the reference's elastic demo)");
+  elastic_cmd->add_option("--sequence", elastic.sequence, "Destination count per phase")->capture_default_str();
+  elastic_cmd->add_option("--bucket-mb", elastic.bucket_mb, "Bucket size in MiB")->capture_default_str();
+  elastic_cmd->add_option("--tensor-mb", elastic.tensor_mb, "Size of the dense tensor in MiB")->capture_default_str();
+  elastic_cmd->add_option("--config", elastic.config_file, "YAML config file");
+  elastic_cmd->add_option("overrides", elastic.overrides, "Config overrides, key=value");
+
   auto* info_cmd = app.add_subcommand("info", "Show what refit detects on this machine (UCX, CUDA, memory)");
 
   CLI11_PARSE(app, argc, argv);
@@ -43,6 +54,7 @@ int main(int argc, char** argv) {
   try {
     if (bench_cmd->parsed()) return refit::tools::run_bench(bench);
     if (plan_cmd->parsed()) return refit::tools::run_plan(plan);
+    if (elastic_cmd->parsed()) return refit::tools::run_elastic_demo(elastic);
     if (info_cmd->parsed()) return refit::tools::run_info();
   } catch (const refit::Error& e) {
     fmt::print(stderr, "refit: error ({}): {}\n", refit::to_string(e.kind()), e.what());

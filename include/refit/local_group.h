@@ -62,11 +62,20 @@ class LocalProcessGroup final : public WorkerGroup {
   // Worker pids, sources first (for tests that kill a worker).
   std::vector<pid_t> pids() const;
 
+  // Elastic membership: stops destinations of rank >= `destinations` and starts new ones (with
+  // engines, if engines exist). Call between refits, after shutdown, then refit again: the
+  // synchronizer prepares and exchanges fresh metadata with the new set.
+  void set_destinations(int destinations);
+
   struct Worker;  // private to local_group.cpp
 
  private:
+  void spawn(bool is_source, int rank);
+  static void stop(Worker& worker, Deadline deadline);
+
   LocalGroupOptions options_;
-  std::vector<std::unique_ptr<Worker>> workers_;
+  std::vector<std::unique_ptr<Worker>> workers_;  // sources, then destinations, each by rank
+  std::optional<std::pair<uint64_t, SessionId>> engines_;  // bucket size and session, once created
 };
 
 }  // namespace refit

@@ -36,6 +36,10 @@ using Seconds = std::chrono::duration<double>;
 constexpr Seconds kDriverMargin{15.0};
 
 json binary(const Bytes& b) { return json::binary(std::vector<uint8_t>(b.begin(), b.end())); }
+
+json create_command(uint64_t bucket_bytes, const SessionId& session) {
+  return json{{"cmd", "create"}, {"bucket_bytes", bucket_bytes}, {"session", binary(Bytes(session.begin(), session.end()))}};
+}
 Bytes from_binary(const json& j) { return j.get_binary(); }
 
 json stats_json(const SendStats& s) {
@@ -110,10 +114,12 @@ int run_worker(bool is_source, int rank, Channel& channel, const LocalGroupOptio
       } else if (name == "init") {
         std::vector<Metadata> md;
         for (const auto& m : cmd.at("metadata")) md.push_back(from_binary(m));
+        // World sizes come with the command: destinations may have joined or left since the fork.
+        const int train = cmd.at("train").get<int>(), rollout = cmd.at("rollout").get<int>();
         if (is_source)
-          engine->init_source(rank, options.sources, options.destinations, md);
+          engine->init_source(rank, train, rollout, md);
         else
-          engine->init_destination(rank, options.sources, options.destinations, md);
+          engine->init_destination(rank, train, rollout, md);
       } else if (name == "stage") {
         program->stage(cmd.at("index").get<uint64_t>());
       } else if (name == "refit") {
@@ -163,44 +169,90 @@ LocalProcessGroup::LocalProcessGroup(LocalGroupOptions options) : options_(std::
     fail(ErrorKind::kTopology, "a local group needs at least one source and one destination, got {} and {}",
          options_.sources, options_.destinations);
   if (!options_.program) fail(ErrorKind::kInvalidArgument, "a local group needs a worker program");
+  for (int i = 0; i < options_.sources; ++i) spawn(true, i);
+  for (int i = 0; i < options_.destinations; ++i) spawn(false, i);
+}
+
+void LocalProcessGroup::spawn(bool is_source, int rank) {
   std::fflush(nullptr);
   spdlog::default_logger()->flush();
   const pid_t driver = getpid();
-  for (int i = 0; i < options_.sources + options_.destinations; ++i) {
-    auto w = std::make_unique<Worker>();
-    w->is_source = i < options_.sources;
-    w->rank = w->is_source ? i : i - options_.sources;
-    int fds[2];
-    if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, fds) != 0)
-      fail(ErrorKind::kIo, "socketpair for {}: {}", w->label(), std::strerror(errno));
-    pid_t pid = fork();
-    if (pid < 0) fail(ErrorKind::kIo, "fork for {}: {}", w->label(), std::strerror(errno));
-    if (pid == 0) {
-      // A worker must not outlive its driver.
-      prctl(PR_SET_PDEATHSIG, SIGKILL);
-      if (getppid() != driver) _exit(1);
-      ::close(fds[0]);
-      for (auto& other : workers_) other->channel.close();
-      spdlog::set_pattern(fmt::format("[%H:%M:%S.%e] [{}] %v", w->label()));
-      Channel channel(fds[1], "driver");
-      int code = 1;
-      try {
-        code = run_worker(w->is_source, w->rank, channel, options_);
-      } catch (const std::exception& e) {
-        spdlog::error("{}", e.what());
-      }
-      spdlog::default_logger()->flush();
-      std::fflush(nullptr);
-      _exit(code);
+  auto w = std::make_unique<Worker>();
+  w->is_source = is_source;
+  w->rank = rank;
+  int fds[2];
+  if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, fds) != 0)
+    fail(ErrorKind::kIo, "socketpair for {}: {}", w->label(), std::strerror(errno));
+  pid_t pid = fork();
+  if (pid < 0) fail(ErrorKind::kIo, "fork for {}: {}", w->label(), std::strerror(errno));
+  if (pid == 0) {
+    // A worker must not outlive its driver.
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (getppid() != driver) _exit(1);
+    ::close(fds[0]);
+    for (auto& other : workers_) other->channel.close();
+    spdlog::set_pattern(fmt::format("[%H:%M:%S.%e] [{}] %v", w->label()));
+    Channel channel(fds[1], "driver");
+    int code = 1;
+    try {
+      code = run_worker(w->is_source, w->rank, channel, options_);
+    } catch (const std::exception& e) {
+      spdlog::error("{}", e.what());
     }
-    ::close(fds[1]);
-    w->pid = pid;
-    w->channel = Channel(fds[0], w->label());
-    workers_.push_back(std::move(w));
+    spdlog::default_logger()->flush();
+    std::fflush(nullptr);
+    _exit(code);
+  }
+  ::close(fds[1]);
+  w->pid = pid;
+  w->channel = Channel(fds[0], w->label());
+  workers_.push_back(std::move(w));
+}
+
+void LocalProcessGroup::stop(Worker& w, Deadline deadline) {
+  try {
+    w.channel.send({{"cmd", "exit"}});
+  } catch (const Error&) {
+  }
+  int status;
+  while (waitpid(w.pid, &status, WNOHANG) == 0) {
+    if (expired(deadline)) {
+      kill(w.pid, SIGKILL);
+      waitpid(w.pid, &status, 0);
+      return;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+}
+
+void LocalProcessGroup::set_destinations(int destinations) {
+  if (destinations < 1) fail(ErrorKind::kTopology, "a local group needs at least one destination, got {}", destinations);
+  if (destinations > options_.sources)
+    fail(ErrorKind::kTopology, "{} destinations need as many sources, the group has {}", destinations, options_.sources);
+  for (auto it = workers_.begin(); it != workers_.end();) {
+    if (!(*it)->is_source && (*it)->rank >= destinations) {
+      stop(**it, deadline_after(Seconds(10)));
+      it = workers_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  const int first_new = options_.destinations;
+  options_.destinations = destinations;
+  for (int rank = first_new; rank < destinations; ++rank) {
+    spawn(false, rank);
+    if (engines_) {
+      auto& w = *workers_.back();
+      w.channel.send(create_command(engines_->first, engines_->second));
+      json reply = w.channel.receive(deadline_after(Seconds(options_.config.timeout_s)));
+      if (!reply.value("ok", false))
+        fail(ErrorKind::kTransport, "{} could not create its engine: {}", w.label(), reply.value("error", "?"));
+    }
   }
 }
 
 LocalProcessGroup::~LocalProcessGroup() {
+  // Ask all first, so that they exit in parallel, then reap each within one shared deadline.
   for (auto& w : workers_) {
     try {
       w->channel.send({{"cmd", "exit"}});
@@ -208,17 +260,7 @@ LocalProcessGroup::~LocalProcessGroup() {
     }
   }
   const auto deadline = deadline_after(Seconds(10));
-  for (auto& w : workers_) {
-    int status;
-    while (waitpid(w->pid, &status, WNOHANG) == 0) {
-      if (expired(deadline)) {
-        kill(w->pid, SIGKILL);
-        waitpid(w->pid, &status, 0);
-        break;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(5));
-    }
-  }
+  for (auto& w : workers_) stop(*w, deadline);
 }
 
 std::vector<pid_t> LocalProcessGroup::pids() const {
@@ -284,10 +326,9 @@ std::vector<uint64_t> LocalProcessGroup::total_memory_bytes() {
 }
 
 void LocalProcessGroup::create_engines(uint64_t bucket_bytes, const SessionId& session) {
-  Bytes sid(session.begin(), session.end());
-  broadcast(workers_, options_.config, "engine creation", [&](const Worker&) {
-    return json{{"cmd", "create"}, {"bucket_bytes", bucket_bytes}, {"session", binary(sid)}};
-  });
+  broadcast(workers_, options_.config, "engine creation",
+            [&](const Worker&) { return create_command(bucket_bytes, session); });
+  engines_ = {bucket_bytes, session};
 }
 
 std::vector<Metadata> LocalProcessGroup::prepare() {
@@ -300,7 +341,9 @@ std::vector<Metadata> LocalProcessGroup::prepare() {
 void LocalProcessGroup::init_process_groups(std::span<const Metadata> metadata) {
   json all = json::array();
   for (const auto& m : metadata) all.push_back(binary(m));
-  broadcast(workers_, options_.config, "init", [&](const Worker&) { return json{{"cmd", "init"}, {"metadata", all}}; });
+  broadcast(workers_, options_.config, "init", [&](const Worker&) {
+    return json{{"cmd", "init"}, {"metadata", all}, {"train", options_.sources}, {"rollout", options_.destinations}};
+  });
 }
 
 RefitReport LocalProcessGroup::refit(uint64_t index) {

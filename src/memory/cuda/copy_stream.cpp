@@ -1,0 +1,150 @@
+// CopyStream: host-to-host copies with memcpy at once; copies with a GPU side as
+// cudaMemcpyAsync on one non-blocking stream, created on first use.
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "core/fail.h"
+#include "memory/cuda/cuda_util.h"
+#include "refit/device.h"
+
+namespace refit {
+namespace {
+
+// What a copy issued inside copy() may wait for when it must order itself after GPU copies.
+constexpr auto kImplicitSyncTimeout = std::chrono::seconds(300);
+// How long the destructor waits for copies still in flight before it lets them go.
+constexpr auto kDestroyTimeout = std::chrono::seconds(60);
+// Beyond this many tracked ranges, they collapse into one bounding range (conservative).
+constexpr size_t kMaxRanges = 1024;
+
+struct Range {
+  uintptr_t begin = 0;
+  uintptr_t end = 0;
+  bool overlaps(const Range& other) const { return begin < other.end && other.begin < end; }
+};
+
+Range range_of(const void* p, size_t bytes) {
+  auto begin = reinterpret_cast<uintptr_t>(p);
+  return {begin, begin + bytes};
+}
+
+// Memory touched by GPU copies issued since the last synchronize().
+class RangeSet {
+ public:
+  void add(Range r) {
+    if (r.begin == r.end) return;
+    ranges_.push_back(r);
+    if (ranges_.size() > kMaxRanges) {
+      Range all = ranges_.front();
+      for (const Range& x : ranges_) {
+        all.begin = std::min(all.begin, x.begin);
+        all.end = std::max(all.end, x.end);
+      }
+      ranges_.assign(1, all);
+    }
+  }
+  bool overlaps(Range r) const {
+    if (r.begin == r.end) return false;
+    return std::any_of(ranges_.begin(), ranges_.end(), [&](const Range& x) { return x.overlaps(r); });
+  }
+  void clear() { ranges_.clear(); }
+
+ private:
+  std::vector<Range> ranges_;
+};
+
+}  // namespace
+
+struct CopyStream::Impl {
+  Device device;
+  RangeSet reads;   // sources of GPU copies in flight
+  RangeSet writes;  // destinations of GPU copies in flight
+  bool pending = false;
+#ifdef REFIT_HAVE_CUDA
+  int cuda_device = -1;
+  cudaStream_t stream = nullptr;
+
+  void create_stream() {
+    std::string reason;
+    if (cuda_device_count(&reason) == 0)
+      fail(ErrorKind::kUnsupported, "copying GPU memory needs CUDA, which is not available: {}", reason);
+    if (device.kind == Device::Kind::kCuda && device.index >= 0) {
+      check_device(device);
+      cuda_device = device.index;
+    } else {
+      cuda::check(cudaGetDevice(&cuda_device), "cudaGetDevice", "creating a copy stream");
+    }
+    cuda::DeviceGuard guard(cuda_device);
+    cuda::check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreateWithFlags",
+                fmt::format("creating a copy stream on cuda:{}", cuda_device));
+  }
+#endif
+};
+
+CopyStream::CopyStream(Device device) : impl_(std::make_unique<Impl>()) { impl_->device = device; }
+
+CopyStream::~CopyStream() {
+#ifdef REFIT_HAVE_CUDA
+  if (impl_->stream != nullptr) {
+    try {
+      if (impl_->pending) synchronize(deadline_after(kDestroyTimeout));
+    } catch (const std::exception&) {
+      // Destroying the stream below lets the driver finish (or drop) what is left.
+    }
+    cudaStreamDestroy(impl_->stream);
+    cudaGetLastError();
+  }
+#endif
+}
+
+bool CopyStream::pending() const { return impl_->pending; }
+
+void* CopyStream::cuda_stream() const {
+#ifdef REFIT_HAVE_CUDA
+  return impl_->stream;
+#else
+  return nullptr;
+#endif
+}
+
+void CopyStream::copy(void* dst, const void* src, size_t bytes, MemoryKind dst_kind, MemoryKind src_kind) {
+  if (bytes == 0) return;
+  if (dst == nullptr || src == nullptr)
+    fail(ErrorKind::kInvalidArgument, "copy of {} bytes with a null {} pointer", bytes, dst == nullptr ? "destination" : "source");
+  const Range d = range_of(dst, bytes);
+  const Range s = range_of(src, bytes);
+  if (dst_kind == MemoryKind::kHost && src_kind == MemoryKind::kHost) {
+    // Keep issue order with GPU copies in flight only where the memory overlaps.
+    if (impl_->pending && (impl_->writes.overlaps(d) || impl_->reads.overlaps(d) || impl_->writes.overlaps(s)))
+      synchronize(deadline_after(kImplicitSyncTimeout));
+    std::memcpy(dst, src, bytes);
+    return;
+  }
+#ifdef REFIT_HAVE_CUDA
+  if (impl_->stream == nullptr) impl_->create_stream();
+  cuda::DeviceGuard guard(impl_->cuda_device);
+  cuda::check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, impl_->stream), "cudaMemcpyAsync",
+              fmt::format("copying {} bytes from {} to {}", bytes, src, dst));
+  impl_->pending = true;
+  impl_->reads.add(s);
+  impl_->writes.add(d);
+#else
+  fail(ErrorKind::kUnsupported,
+       "copying GPU memory needs CUDA: this build has no CUDA support; rebuild with REFIT_WITH_CUDA=ON");
+#endif
+}
+
+void CopyStream::synchronize(Deadline deadline) {
+  if (!impl_->pending) return;
+#ifdef REFIT_HAVE_CUDA
+  cuda::DeviceGuard guard(impl_->cuda_device);
+  cuda::wait_stream(impl_->stream, deadline, "waiting for GPU copies of the copy stream");
+#endif
+  impl_->pending = false;
+  impl_->reads.clear();
+  impl_->writes.clear();
+}
+
+}  // namespace refit

@@ -1,10 +1,11 @@
-// The `refit` command: bench, plan, demo, info.
+// The `refit` command: bench, plan, demo, chaos, info.
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 #include <spdlog/cfg/env.h>
 #include <spdlog/spdlog.h>
 
 #include "bench.h"
+#include "chaos.h"
 #include "demo.h"
 #include "info.h"
 #include "plan_command.h"
@@ -47,6 +48,16 @@ int main(int argc, char** argv) {
   elastic_cmd->add_option("--config", elastic.config_file, "YAML config file");
   elastic_cmd->add_option("overrides", elastic.overrides, "Config overrides, key=value");
 
+  refit::tools::ChaosOptions chaos;
+  auto* chaos_cmd = app.add_subcommand("chaos", "Fault injection: kill workers at random points of refits and check detection and recovery");
+  chaos_cmd->add_option("--trials", chaos.trials, "Trials to run")->capture_default_str();
+  chaos_cmd->add_option("--seed", chaos.seed, "Random seed")->capture_default_str();
+  chaos_cmd->add_option("--sources", chaos.sources, "Source processes")->capture_default_str();
+  chaos_cmd->add_option("--destinations", chaos.destinations, "Destination processes")->capture_default_str();
+  chaos_cmd->add_option("--timeout", chaos.timeout_s, "Deadline of every wait, seconds")->capture_default_str();
+  chaos_cmd->add_option("--json", chaos.json_path, "Write every trial as JSON to this file");
+  chaos_cmd->add_option("overrides", chaos.overrides, "Config overrides, key=value");
+
   auto* info_cmd = app.add_subcommand("info", "Show what refit detects on this machine (UCX, CUDA, memory)");
 
   CLI11_PARSE(app, argc, argv);
@@ -55,6 +66,7 @@ int main(int argc, char** argv) {
     if (bench_cmd->parsed()) return refit::tools::run_bench(bench);
     if (plan_cmd->parsed()) return refit::tools::run_plan(plan);
     if (elastic_cmd->parsed()) return refit::tools::run_elastic_demo(elastic);
+    if (chaos_cmd->parsed()) return refit::tools::run_chaos(chaos);
     if (info_cmd->parsed()) return refit::tools::run_info();
   } catch (const refit::Error& e) {
     fmt::print(stderr, "refit: error ({}): {}\n", refit::to_string(e.kind()), e.what());

@@ -53,9 +53,8 @@ class ViewSource final : public WeightSource {
 
 class SourceProgram final : public WorkerProgram {
  public:
-  SourceProgram(const BenchModel& model, const std::optional<Layout>* layout, std::optional<uint64_t> kill_refit,
-                std::optional<uint64_t> kill_step)
-      : model_(model), layout_(layout), kill_refit_(kill_refit), kill_step_(kill_step) {
+  SourceProgram(const BenchModel& model, const std::optional<Layout>* layout, std::optional<KillPoint> kill)
+      : model_(model), layout_(layout), kill_(kill) {
     if (!model.safetensors_path.empty()) {
       load_files();
     } else {
@@ -82,7 +81,7 @@ class SourceProgram final : public WorkerProgram {
 
   std::unique_ptr<WeightSource> weights(uint64_t index) override {
     std::optional<uint64_t> kill;
-    if (kill_refit_ && *kill_refit_ == index) kill = kill_step_;
+    if (kill_ && kill_->refit == index) kill = kill_->step;
     return std::make_unique<ViewSource>(views_, kill);
   }
 
@@ -142,7 +141,7 @@ class SourceProgram final : public WorkerProgram {
 
   const BenchModel& model_;
   const std::optional<Layout>* layout_;  // null for a source without a destination
-  std::optional<uint64_t> kill_refit_, kill_step_;
+  std::optional<KillPoint> kill_;
   std::vector<std::byte> scratch_;
   HostBuffer storage_;
   std::vector<std::unique_ptr<SafetensorsFile>> files_;
@@ -152,8 +151,7 @@ class SourceProgram final : public WorkerProgram {
 
 class DestinationProgram final : public WorkerProgram {
  public:
-  DestinationProgram(std::optional<uint64_t> kill_refit, std::optional<uint64_t> kill_step)
-      : kill_refit_(kill_refit), kill_step_(kill_step) {}
+  explicit DestinationProgram(std::optional<KillPoint> kill) : kill_(kill) {}
 
   std::unique_ptr<WeightSource> weights(uint64_t) override { fail(ErrorKind::kInternal, "a destination has no weights"); }
 
@@ -161,16 +159,20 @@ class DestinationProgram final : public WorkerProgram {
     hashes_.clear();
     batches_ = 0;
     return [this, index](LoadBatch batch) {
-      if (kill_refit_ && *kill_refit_ == index && kill_step_ && batches_ == *kill_step_) die_on_purpose();
+      const bool kill_here = kill_ && kill_->refit == index && kill_->step == batches_;
       ++batches_;
-      for (const auto& v : batch) hashes_[v.info->name] = hex(XXH3_64bits(v.data, v.info->nbytes()));
+      for (size_t i = 0; i < batch.size(); ++i) {
+        if (kill_here && kill_->when == KillPoint::When::kLoad && i == batch.size() / 2) die_on_purpose();
+        hashes_[batch[i].info->name] = hex(XXH3_64bits(batch[i].data, batch[i].info->nbytes()));
+      }
+      if (kill_here) die_on_purpose();
     };
   }
 
   std::string report(uint64_t) override { return json{{"hashes", hashes_}}.dump(); }
 
  private:
-  std::optional<uint64_t> kill_refit_, kill_step_;
+  std::optional<KillPoint> kill_;
   uint64_t batches_ = 0;
   std::map<std::string, std::string> hashes_;
 };
@@ -179,30 +181,35 @@ class DestinationProgram final : public WorkerProgram {
 
 KillPoint parse_kill_point(const std::string& text) {
   KillPoint k;
-  char role[16] = {};
+  char role[16] = {}, when[16] = {};
   unsigned long long refit = 0, step = 0;
   int rank = 0;
-  if (std::sscanf(text.c_str(), "%15[a-z]:%d:%llu:%llu", role, &rank, &refit, &step) != 4 ||
-      (std::strcmp(role, "source") != 0 && std::strcmp(role, "destination") != 0) || rank < 0)
-    fail(ErrorKind::kInvalidArgument, "--kill '{}': expected ROLE:RANK:REFIT:STEP, e.g. source:0:1:25", text);
-  k.source = std::strcmp(role, "source") == 0;
+  const int fields = std::sscanf(text.c_str(), "%15[a-z]:%d:%llu:%llu:%15[a-z]", role, &rank, &refit, &step, when);
+  const std::string r = role, w = when;
+  const bool ok = (fields == 4 || fields == 5) && rank >= 0 &&
+                  ((r == "source" && (w.empty() || w == "pack")) ||
+                   (r == "destination" && (w.empty() || w == "load" || w == "after")));
+  if (!ok)
+    fail(ErrorKind::kInvalidArgument,
+         "--kill '{}': expected ROLE:RANK:REFIT:STEP[:WHEN], e.g. source:0:1:25 or destination:0:1:2:after "
+         "(WHEN: pack for a source; load or after for a destination)",
+         text);
+  k.source = r == "source";
   k.rank = rank;
   k.refit = refit;
   k.step = step;
+  k.when = k.source ? KillPoint::When::kPack : (w == "after" ? KillPoint::When::kAfterLoad : KillPoint::When::kLoad);
   return k;
 }
 
 WorkerProgramFactory bench_programs(const BenchModel& model, const std::vector<std::optional<Layout>>& layouts,
                                     std::optional<KillPoint> kill) {
   return [&model, &layouts, kill](bool is_source, int rank) -> std::unique_ptr<WorkerProgram> {
-    std::optional<uint64_t> kill_refit, kill_step;
-    if (kill && kill->source == is_source && kill->rank == rank) {
-      kill_refit = kill->refit;
-      kill_step = kill->step;
-    }
+    std::optional<KillPoint> mine;
+    if (kill && kill->source == is_source && kill->rank == rank) mine = kill;
     const std::optional<Layout>* layout = rank < static_cast<int>(layouts.size()) ? &layouts[rank] : nullptr;
-    if (is_source) return std::make_unique<SourceProgram>(model, layout, kill_refit, kill_step);
-    return std::make_unique<DestinationProgram>(kill_refit, kill_step);
+    if (is_source) return std::make_unique<SourceProgram>(model, layout, mine);
+    return std::make_unique<DestinationProgram>(mine);
   };
 }
 

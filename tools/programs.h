@@ -15,15 +15,19 @@
 namespace refit::tools {
 
 // Kill a worker on purpose, for failure tests: the worker SIGKILLs itself when it reaches
-// `step` in refit `refit` (a source: before yielding tensor `step`; a destination: before
-// loading batch `step`).
+// `step` in refit `refit`. A source dies before yielding tensor `step` (mid-bucket, while
+// packing); a destination dies halfway through loading batch `step` ("load") or right after
+// loading it, before the next bucket is read ("after").
 struct KillPoint {
+  enum class When { kPack, kLoad, kAfterLoad };
   bool source = true;
   int rank = 0;
   uint64_t refit = 0;
   uint64_t step = 0;
+  When when = When::kPack;
 };
-// "source:0:1:25" = role:rank:refit:step. Throws Error(kInvalidArgument).
+// "source:0:1:25", "destination:1:2:3:load", "destination:0:1:2:after" =
+// role:rank:refit:step[:when]. Throws Error(kInvalidArgument).
 KillPoint parse_kill_point(const std::string& text);
 
 struct BenchModel {

@@ -67,10 +67,16 @@ class LocalProcessGroup final : public WorkerGroup {
   // synchronizer prepares and exchanges fresh metadata with the new set.
   void set_destinations(int destinations);
 
+  // Starts a new process (with an engine, if engines exist) in place of every worker that has
+  // exited, with the same role and rank; returns their labels. Then shut the synchronizer down
+  // and refit again: survivors and replacements exchange fresh metadata.
+  std::vector<std::string> replace_lost_workers();
+
   struct Worker;  // private to local_group.cpp
 
  private:
-  void spawn(bool is_source, int rank);
+  std::unique_ptr<Worker> spawn(bool is_source, int rank);
+  void create_engine(Worker& worker);
   static void stop(Worker& worker, Deadline deadline);
 
   LocalGroupOptions options_;

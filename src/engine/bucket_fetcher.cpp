@@ -4,13 +4,12 @@
 #include <xxhash.h>
 
 #include "core/fail.h"
+#include "engine/peer_wait.h"
 
 namespace refit {
 namespace {
 
 using Seconds = std::chrono::duration<double>;
-// Waits are cut into slices so that a stopped fetcher notices within one slice.
-constexpr Seconds kSlice{0.05};
 
 }  // namespace
 
@@ -57,18 +56,13 @@ bool BucketFetcher::fetch(uint64_t seq, std::string& phase) {
   }
 
   phase = fmt::format("wait for bucket {}", seq);
-  Bytes bytes;
-  while (true) {
-    try {
-      bytes = context_.transport->receive(context_.peer, std::min(deadline, deadline_after(kSlice)));
-      break;
-    } catch (const Error& e) {
-      if (e.kind() != ErrorKind::kTimeout || expired(deadline)) throw;
-      std::lock_guard lock(mutex_);
-      if (stop_) return false;
-    }
-  }
-  auto msg = protocol::decode_message(bytes, context_.peer_label);
+  auto bytes = receive_watching(*context_.transport, context_.peer, context_.peer_label,
+                                context_.peer_metadata->process, deadline, [this] {
+                                  std::lock_guard lock(mutex_);
+                                  return stop_;
+                                });
+  if (!bytes) return false;
+  auto msg = protocol::decode_message(*bytes, context_.peer_label);
   if (msg.type == protocol::MessageType::kAbort)
     protocol::raise_abort(msg.abort, context_.peer_label, fmt::format("bucket {}", seq));
   if (msg.type != protocol::MessageType::kBucketReady || msg.ready.refit != context_.refit || msg.ready.seq != seq)

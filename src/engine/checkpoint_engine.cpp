@@ -10,6 +10,7 @@
 #include "core/fail.h"
 #include "engine/assembler.h"
 #include "engine/bucket_fetcher.h"
+#include "engine/peer_wait.h"
 #include "engine/protocol.h"
 #include "refit/plan.h"
 
@@ -94,6 +95,7 @@ class CheckpointEngine::Impl {
     md.transport_address = transport_->address();
     for (int i = 0; i < kBufferCount; ++i) md.buffers.push_back(transport_->describe(regions_[i]));
     if (options_.layout) md.layout = encode_layout(*options_.layout);
+    md.process = this_process();
     return protocol::encode(md);
   }
 
@@ -145,11 +147,11 @@ class CheckpointEngine::Impl {
       run_send(weights, refit, stats, phase);
     } catch (const Error& e) {
       abort_peer(refit, e.kind(), e.what());
-      throw Error(e.kind(), fmt::format("{}, refit {}, phase {}: {}", self_, refit, phase, e.what()));
+      throw Error(e.kind(), fmt::format("{}, refit {} of this connection, phase {}: {}", self_, refit, phase, e.what()));
     } catch (const std::exception& e) {
       // The weight iterator (caller code) failed.
       abort_peer(refit, ErrorKind::kInvalidArgument, e.what());
-      throw Error(ErrorKind::kInvalidArgument, fmt::format("{}, refit {}, phase {}: weight stream failed: {}", self_, refit, phase, e.what()));
+      throw Error(ErrorKind::kInvalidArgument, fmt::format("{}, refit {} of this connection, phase {}: weight stream failed: {}", self_, refit, phase, e.what()));
     }
     stats.seconds = seconds_since(start);
     return stats;
@@ -170,8 +172,8 @@ class CheckpointEngine::Impl {
       ErrorKind kind = ErrorKind::kInvalidArgument;  // the loader (caller code) failed
       if (const auto* err = dynamic_cast<const Error*>(&e)) kind = err->kind();
       abort_peer(refit, kind, e.what());
-      spdlog::error("{} is stale: refit {} failed in phase {}: {}", self_, refit, phase, e.what());
-      throw Error(kind, fmt::format("{}, refit {}, phase {}: {}", self_, refit, phase, e.what()));
+      spdlog::error("{} is stale: refit {} of this connection failed in phase {}: {}", self_, refit, phase, e.what());
+      throw Error(kind, fmt::format("{}, refit {} of this connection, phase {}: {}", self_, refit, phase, e.what()));
     }
     stats.total_seconds = seconds_since(start);
     stale_ = false;
@@ -243,8 +245,8 @@ class CheckpointEngine::Impl {
   }
 
   protocol::Message receive_message(const std::string& expecting) {
-    Bytes bytes = transport_->receive(peer_, next_deadline());
-    auto msg = protocol::decode_message(bytes, peer_label_);
+    auto bytes = receive_watching(*transport_, peer_, peer_label_, peer_metadata_.process, next_deadline());
+    auto msg = protocol::decode_message(*bytes, peer_label_);
     if (msg.type == protocol::MessageType::kAbort) protocol::raise_abort(msg.abort, peer_label_, expecting);
     return msg;
   }

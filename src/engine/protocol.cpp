@@ -70,6 +70,9 @@ Bytes encode(const EngineMetadata& m) {
     w.put_bytes(region.key);
   }
   w.put_bytes(m.layout);
+  w.put_string(m.process.boot_id);
+  w.put<int32_t>(m.process.pid);
+  w.put<uint64_t>(m.process.start_time);
   return w.take();
 }
 
@@ -104,6 +107,9 @@ EngineMetadata decode_metadata(std::span<const uint8_t> blob, const std::string&
   }
   auto layout = r.get_bytes("layout");
   m.layout.assign(layout.begin(), layout.end());
+  m.process.boot_id = r.get_string("boot id");
+  m.process.pid = r.get<int32_t>("pid");
+  m.process.start_time = r.get<uint64_t>("start time");
   r.expect_end();
   return m;
 }

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "core/process_identity.h"
 #include "refit/checkpoint_engine.h"
 #include "refit/error.h"
 #include "refit/tensor.h"
@@ -27,6 +28,7 @@ struct EngineMetadata {
   Bytes transport_address;
   std::vector<RemoteRegion> buffers;  // the two transfer buffers
   Bytes layout;                       // a destination's encoded layout; empty: whole tensors
+  ProcessIdentity process;            // lets a peer on the same host see at once that we are gone
 };
 
 Bytes encode(const EngineMetadata& metadata);

@@ -23,6 +23,7 @@ struct LocalProcessGroup::Worker {
   bool is_source = false;
   int rank = 0;
   pid_t pid = -1;
+  bool reaped = false;  // its exit was collected by waitpid
   Channel channel;
   std::string label() const { return fmt::format("{} rank {}", is_source ? "source" : "destination", rank); }
 };
@@ -109,6 +110,8 @@ int run_worker(bool is_source, int rank, Channel& channel, const LocalGroupOptio
           eo.layout = options.destination_layouts[rank];
         engine = std::make_unique<CheckpointEngine>(std::move(eo));
         program = options.program(is_source, rank);
+      } else if (!engine) {
+        fail(ErrorKind::kInvalidArgument, "{} got '{}' before its engine was created", self, name);
       } else if (name == "prepare") {
         reply["metadata"] = binary(engine->prepare());
       } else if (name == "init") {
@@ -148,12 +151,13 @@ int run_worker(bool is_source, int rank, Channel& channel, const LocalGroupOptio
   }
 }
 
-std::string exit_description(pid_t pid) {
+std::string exit_description(LocalProcessGroup::Worker& worker) {
   int status = 0;
   // The worker closed its channel; give it a moment to be reaped.
-  for (int i = 0; i < 100; ++i) {
-    pid_t r = waitpid(pid, &status, WNOHANG);
-    if (r == pid) {
+  for (int i = 0; i < 100 && !worker.reaped; ++i) {
+    pid_t r = waitpid(worker.pid, &status, WNOHANG);
+    if (r == worker.pid) {
+      worker.reaped = true;
       if (WIFSIGNALED(status)) return fmt::format("was killed by signal {} ({})", WTERMSIG(status), strsignal(WTERMSIG(status)));
       return fmt::format("exited with status {}", WEXITSTATUS(status));
     }
@@ -169,11 +173,11 @@ LocalProcessGroup::LocalProcessGroup(LocalGroupOptions options) : options_(std::
     fail(ErrorKind::kTopology, "a local group needs at least one source and one destination, got {} and {}",
          options_.sources, options_.destinations);
   if (!options_.program) fail(ErrorKind::kInvalidArgument, "a local group needs a worker program");
-  for (int i = 0; i < options_.sources; ++i) spawn(true, i);
-  for (int i = 0; i < options_.destinations; ++i) spawn(false, i);
+  for (int i = 0; i < options_.sources; ++i) workers_.push_back(spawn(true, i));
+  for (int i = 0; i < options_.destinations; ++i) workers_.push_back(spawn(false, i));
 }
 
-void LocalProcessGroup::spawn(bool is_source, int rank) {
+std::unique_ptr<LocalProcessGroup::Worker> LocalProcessGroup::spawn(bool is_source, int rank) {
   std::fflush(nullptr);
   spdlog::default_logger()->flush();
   const pid_t driver = getpid();
@@ -206,10 +210,11 @@ void LocalProcessGroup::spawn(bool is_source, int rank) {
   ::close(fds[1]);
   w->pid = pid;
   w->channel = Channel(fds[0], w->label());
-  workers_.push_back(std::move(w));
+  return w;
 }
 
 void LocalProcessGroup::stop(Worker& w, Deadline deadline) {
+  if (w.reaped) return;
   try {
     w.channel.send({{"cmd", "exit"}});
   } catch (const Error&) {
@@ -240,15 +245,29 @@ void LocalProcessGroup::set_destinations(int destinations) {
   const int first_new = options_.destinations;
   options_.destinations = destinations;
   for (int rank = first_new; rank < destinations; ++rank) {
-    spawn(false, rank);
-    if (engines_) {
-      auto& w = *workers_.back();
-      w.channel.send(create_command(engines_->first, engines_->second));
-      json reply = w.channel.receive(deadline_after(Seconds(options_.config.timeout_s)));
-      if (!reply.value("ok", false))
-        fail(ErrorKind::kTransport, "{} could not create its engine: {}", w.label(), reply.value("error", "?"));
-    }
+    workers_.push_back(spawn(false, rank));
+    create_engine(*workers_.back());
   }
+}
+
+void LocalProcessGroup::create_engine(Worker& w) {
+  if (!engines_) return;
+  w.channel.send(create_command(engines_->first, engines_->second));
+  json reply = w.channel.receive(deadline_after(Seconds(options_.config.timeout_s)));
+  if (!reply.value("ok", false))
+    fail(ErrorKind::kTransport, "{} could not create its engine: {}", w.label(), reply.value("error", "?"));
+}
+
+std::vector<std::string> LocalProcessGroup::replace_lost_workers() {
+  std::vector<std::string> replaced;
+  for (auto& w : workers_) {
+    int status;
+    if (!w->reaped && waitpid(w->pid, &status, WNOHANG) != w->pid) continue;
+    replaced.push_back(w->label());
+    w = spawn(w->is_source, w->rank);
+    create_engine(*w);
+  }
+  return replaced;
 }
 
 LocalProcessGroup::~LocalProcessGroup() {
@@ -283,7 +302,7 @@ std::vector<json> broadcast(std::vector<std::unique_ptr<LocalProcessGroup::Worke
       workers[i]->channel.send(command(*workers[i]));
       sent[i] = true;
     } catch (const Error& e) {
-      failures.push_back(fmt::format("{} {}", workers[i]->label(), exit_description(workers[i]->pid)));
+      failures.push_back(fmt::format("{} {}", workers[i]->label(), exit_description(*workers[i])));
       kind = ErrorKind::kPeerLost;
     }
   }
@@ -299,8 +318,8 @@ std::vector<json> broadcast(std::vector<std::unique_ptr<LocalProcessGroup::Worke
       }
     } catch (const Error& e) {
       if (e.kind() == ErrorKind::kPeerLost) {
-        failures.push_back(fmt::format("{} (pid {}) {} during {}", workers[i]->label(), workers[i]->pid,
-                                       exit_description(workers[i]->pid), phase));
+        failures.push_back(fmt::format("{} (pid {}) {} during phase {}", workers[i]->label(), workers[i]->pid,
+                                       exit_description(*workers[i]), phase));
         if (failures.size() == 1) kind = ErrorKind::kPeerLost;
       } else {
         failures.push_back(fmt::format("{}: {}", workers[i]->label(), e.what()));

@@ -142,6 +142,15 @@ class CopyStream {
   // throws Error(kTransport) naming the call.
   void copy(void* dst, const void* src, size_t bytes, MemoryKind dst_kind, MemoryKind src_kind);
 
+  // Copies `rows` rows of `row_bytes` bytes each: row r from src + r * src_pitch to
+  // dst + r * dst_pitch (cudaMemcpy2DAsync on the GPU). A strided slice such as
+  // narrow(dim, start, len) of a row-major tensor is one such copy: rows = the product of the
+  // dims before `dim`, row_bytes = len * (bytes of one index of `dim`), src_pitch = shape[dim] *
+  // (the same), dst_pitch = row_bytes. Same rules as copy(); Error(kInvalidArgument) when a
+  // pitch is smaller than row_bytes.
+  void copy_2d(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t row_bytes, size_t rows,
+               MemoryKind dst_kind, MemoryKind src_kind);
+
   // Returns once every copy issued so far is complete. Error(kTimeout) past the deadline (the
   // copies may still be running: keep the memory alive), Error(kTransport) when a copy failed.
   void synchronize(Deadline deadline);

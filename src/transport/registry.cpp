@@ -1,18 +1,50 @@
 #include <algorithm>
 
 #include "core/fail.h"
+#include "refit/config.h"
+#include "refit/device.h"
 #include "refit/transport.h"
+#include "transport/cuda_ipc/cuda_ipc_transport.h"
+#include "transport/device_buffers.h"
 #include "transport/fault_injection.h"
+#include "transport/nccl/nccl_transport.h"
 #include "transport/ucx/ucx_transport.h"
 
 namespace refit {
+namespace {
+
+// UCX takes the transfer-buffer device as init param `device` (the engine passes the config's
+// device to every backend); UCX itself does not know the key.
+std::unique_ptr<Transport> create_ucx_for_device(std::map<std::string, std::string> params) {
+  Device device;
+  if (auto it = params.find("device"); it != params.end()) {
+    device = parse_device(it->second, "refit_cfg.nixl.backend_init_params.device");
+    params.erase(it);
+  }
+  // Test fault injection (REFIT_TEST_FLIP_READ_BYTES) flips bytes with the CPU: host buffers only.
+  if (device.kind == Device::Kind::kCpu) return maybe_inject_faults(create_ucx_transport(params));
+  check_device(device);
+  if (!ucx_supports_cuda_memory(params)) {
+    fail(ErrorKind::kUnsupported,
+         "device {} with backend_name UCX: the UCX build here has no CUDA support (ucx_info -d shows no cuda "
+         "transports); use backend_name CUDA_IPC (same host) or NCCL, or device=cpu with UCX",
+         to_string(device));
+  }
+  return with_device_buffers(create_ucx_transport(params), device);
+}
+
+}  // namespace
 
 std::unique_ptr<Transport> create_transport(const std::string& backend_name,
                                             const std::map<std::string, std::string>& init_params) {
   std::string upper = backend_name;
   std::transform(upper.begin(), upper.end(), upper.begin(), [](unsigned char c) { return std::toupper(c); });
-  if (upper == "UCX") return maybe_inject_faults(create_ucx_transport(init_params));
-  fail(ErrorKind::kConfig, "refit_cfg.nixl.backend_name: unknown transport backend '{}' (expected 'UCX')", backend_name);
+  if (upper == "UCX") return create_ucx_for_device(init_params);
+  if (upper == "CUDA_IPC") return create_cuda_ipc_transport(init_params);
+  if (upper == "NCCL") return create_nccl_transport(init_params);
+  fail(ErrorKind::kConfig,
+       "refit_cfg.nixl.backend_name: unknown transport backend '{}' (expected 'UCX', 'CUDA_IPC' or 'NCCL')",
+       backend_name);
 }
 
 }  // namespace refit

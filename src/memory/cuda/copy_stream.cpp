@@ -136,6 +136,40 @@ void CopyStream::copy(void* dst, const void* src, size_t bytes, MemoryKind dst_k
 #endif
 }
 
+void CopyStream::copy_2d(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t row_bytes,
+                         size_t rows, MemoryKind dst_kind, MemoryKind src_kind) {
+  if (rows == 0 || row_bytes == 0) return;
+  if (rows == 1) return copy(dst, src, row_bytes, dst_kind, src_kind);
+  if (dst == nullptr || src == nullptr)
+    fail(ErrorKind::kInvalidArgument, "2-D copy of {} rows with a null {} pointer", rows, dst == nullptr ? "destination" : "source");
+  if (dst_pitch < row_bytes || src_pitch < row_bytes)
+    fail(ErrorKind::kInvalidArgument, "2-D copy of rows of {} bytes with pitches {} (destination) and {} (source)",
+         row_bytes, dst_pitch, src_pitch);
+  // The bounding ranges: conservative for the hazard checks.
+  const Range d = range_of(dst, (rows - 1) * dst_pitch + row_bytes);
+  const Range s = range_of(src, (rows - 1) * src_pitch + row_bytes);
+  if (dst_kind == MemoryKind::kHost && src_kind == MemoryKind::kHost) {
+    if (impl_->pending && (impl_->writes.overlaps(d) || impl_->reads.overlaps(d) || impl_->writes.overlaps(s)))
+      synchronize(deadline_after(kImplicitSyncTimeout));
+    auto* out = static_cast<std::byte*>(dst);
+    const auto* in = static_cast<const std::byte*>(src);
+    for (size_t r = 0; r < rows; ++r) std::memcpy(out + r * dst_pitch, in + r * src_pitch, row_bytes);
+    return;
+  }
+#ifdef REFIT_HAVE_CUDA
+  if (impl_->stream == nullptr) impl_->create_stream();
+  cuda::DeviceGuard guard(impl_->cuda_device);
+  cuda::check(cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, row_bytes, rows, cudaMemcpyDefault, impl_->stream),
+              "cudaMemcpy2DAsync", fmt::format("copying {} rows of {} bytes from {} to {}", rows, row_bytes, src, dst));
+  impl_->pending = true;
+  impl_->reads.add(s);
+  impl_->writes.add(d);
+#else
+  fail(ErrorKind::kUnsupported,
+       "copying GPU memory needs CUDA: this build has no CUDA support; rebuild with REFIT_WITH_CUDA=ON");
+#endif
+}
+
 void CopyStream::synchronize(Deadline deadline) {
   if (!impl_->pending) return;
 #ifdef REFIT_HAVE_CUDA

@@ -132,9 +132,8 @@ struct Inbound {
 
 struct Sender {
   std::map<uint8_t, std::deque<Bytes>> queues;
-  int open = 0;            // open connections from this sender
-  bool closed = false;     // its last connection closed and none is open
-  bool said_bye = false;   // ... after saying BYE
+  int open = 0;          // open connections from this sender
+  bool crashed = false;  // a connection from it ended without BYE: it is gone for good
 };
 
 }  // namespace
@@ -169,13 +168,14 @@ struct LocalSocketEndpoint::State {
   }
 
   // Why the link's peer is gone, or empty. Under mutex.
+  // A peer that disconnected on purpose (BYE) may connect again and is not lost; one whose
+  // connection to us ended without BYE is (only the kernel closes a socket that way: the process
+  // died), and so is one that closed our connection to it (it died, or destroyed its endpoint).
   std::string lost_reason(const Link& link) {
-    if (link.closed) return "its control connection closed (the process exited or was killed)";
+    if (link.closed) return "its control connection closed (the peer shut down, exited or was killed)";
     auto it = senders.find(link.peer);
-    if (it != senders.end() && it->second.closed) {
-      return it->second.said_bye ? "it closed its control connection (disconnected or shut down)"
-                                 : "its control connection closed (the process exited or was killed)";
-    }
+    if (it != senders.end() && it->second.crashed)
+      return "its control connection closed without a goodbye (the process exited or was killed)";
     return {};
   }
 
@@ -493,16 +493,23 @@ void LocalSocketEndpoint::State::run() {
     // Messages for handlers are delivered after the lock is released, in arrival order.
     std::vector<HandledMessage> handled;
     const size_t inbound_count = inbound.size();
+    bool link_event = false;
+    for (size_t i = 0; i < watched.size(); ++i) link_event |= fds[2 + inbound_count + i].revents != 0;
+    // A link that ends may mean its peer is gone: everything that peer sent before (on its own
+    // connection to us, perhaps not even accepted yet) is already here, and must be queued before
+    // the loss is, so that receive() delivers it first. So then accept and read everything.
+    const size_t accepted_from = inbound.size();
+    if (fds[1].revents != 0 || link_event) accept_all();
     std::vector<size_t> finished;
-    for (size_t i = 0; i < inbound_count; ++i) {
-      if (fds[2 + i].revents == 0) continue;
+    for (size_t i = 0; i < inbound.size(); ++i) {
+      const bool ready = i < inbound_count ? fds[2 + i].revents != 0 : i >= accepted_from;
+      if (!ready && !link_event) continue;
       if (!read_inbound(*inbound[i], handled)) finished.push_back(i);
     }
     for (auto it = finished.rbegin(); it != finished.rend(); ++it) inbound.erase(inbound.begin() + *it);
     for (size_t i = 0; i < watched.size(); ++i) {
       if (fds[2 + inbound_count + i].revents != 0) watch_link(watched[i]);
     }
-    if (fds[1].revents != 0) accept_all();
     for (HandledMessage& h : handled) {
       try {
         h.handler(h.sender, std::move(h.message));
@@ -549,10 +556,8 @@ void LocalSocketEndpoint::State::close_inbound(Inbound& in, const std::string& w
   {
     std::lock_guard lock(mutex);
     Sender& sender = senders[in.sender];
-    if (--sender.open == 0) {
-      sender.closed = true;
-      sender.said_bye = in.said_bye;
-    }
+    --sender.open;
+    if (!in.said_bye) sender.crashed = true;
   }
   changed.notify_all();
 }
@@ -611,10 +616,7 @@ bool LocalSocketEndpoint::State::read_inbound(Inbound& in,
       }
       in.introduced = true;
       std::lock_guard lock(mutex);
-      Sender& sender = senders[in.sender];
-      ++sender.open;
-      sender.closed = false;
-      sender.said_bye = false;
+      ++senders[in.sender].open;
       continue;
     }
     if (type == kBye) {

@@ -13,10 +13,13 @@
 // version, the sender id (16 bytes) and the id it expects to reach (16 bytes). DATA frames carry
 // a message; BYE says that the sender closes on purpose (disconnect or destruction).
 //
-// Peer loss: a connection to or from a peer that closes (its process exited or was killed: the
-// kernel closes its sockets) makes receive() on that peer fail with Error(kPeerLost) naming its
-// label at once, after the messages that arrived before; send() fails the same way. Every
-// blocking call takes a deadline (Error(kTimeout)).
+// Peer loss: when a peer's process exits or is killed the kernel closes its sockets; our link to
+// it and its connection to us end (the latter without BYE), and receive() on that peer fails with
+// Error(kPeerLost) naming its label at once, after the messages that arrived before; send() fails
+// the same way. So does a peer that destroys its endpoint. A peer that only disconnect()s says
+// BYE and may connect again: it is not lost. Every blocking call takes a deadline (kTimeout).
+// A process that forks after creating an endpoint hands copies of its sockets to the child, which
+// keeps them open: fork before creating endpoints (as the local launcher does).
 #pragma once
 
 #include <array>

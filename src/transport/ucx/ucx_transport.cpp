@@ -593,4 +593,19 @@ std::unique_ptr<Transport> create_ucx_transport(const std::map<std::string, std:
   return std::make_unique<UcxTransport>(parse_ucx_options(init_params));
 }
 
+bool ucx_supports_cuda_memory(const std::map<std::string, std::string>& init_params) {
+  UcpConfig config = make_ucp_config(parse_ucx_options(init_params));
+  ucp_params_t params{};
+  params.field_mask = UCP_PARAM_FIELD_FEATURES;
+  params.features = UCP_FEATURE_RMA | UCP_FEATURE_AM;
+  ucp_context_h context = nullptr;
+  if (ucp_init(&params, config.get(), &context) != UCS_OK) return false;
+  ucp_context_attr_t attr{};
+  attr.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES;
+  const bool cuda = ucp_context_query(context, &attr) == UCS_OK &&
+                    (attr.memory_types & UCS_BIT(UCS_MEMORY_TYPE_CUDA)) != 0;
+  ucp_cleanup(context);
+  return cuda;
+}
+
 }  // namespace refit

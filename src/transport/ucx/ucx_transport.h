@@ -18,4 +18,9 @@ namespace refit {
 // Throws Error(kConfig) naming the key for anything else.
 std::unique_ptr<Transport> create_ucx_transport(const std::map<std::string, std::string>& init_params);
 
+// Whether UCX, configured by these init params, can move GPU (CUDA) memory: its context lists
+// UCS_MEMORY_TYPE_CUDA among its memory types (a UCX built with CUDA, its cuda transports
+// selected, and a GPU driver present). Throws Error(kConfig) for bad params as above.
+bool ucx_supports_cuda_memory(const std::map<std::string, std::string>& init_params);
+
 }  // namespace refit

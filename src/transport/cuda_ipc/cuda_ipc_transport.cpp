@@ -1,0 +1,392 @@
+#include "transport/cuda_ipc/cuda_ipc_transport.h"
+
+#include "core/fail.h"
+#include "refit/device.h"
+
+#ifdef REFIT_HAVE_CUDA
+
+#include <cuda.h>  // driver types only: the driver is reached through cudart's entry points
+#include <spdlog/spdlog.h>
+
+#include <cstring>
+#include <mutex>
+
+#include "memory/cuda/cuda_util.h"
+#include "transport/local_socket/local_peer.h"
+#include "transport/local_socket/local_socket.h"
+
+namespace refit {
+namespace {
+
+constexpr std::string_view kAddressMagic = "RFCI";
+constexpr std::string_view kKeyMagic = "RCIK";
+constexpr uint8_t kKeyVersion = 1;
+constexpr std::string_view kSocketTag = "cuda-ipc";
+constexpr uint8_t kMessages = 0;
+
+Bytes handle_bytes(const cudaIpcMemHandle_t& handle) {
+  const auto* p = reinterpret_cast<const uint8_t*>(&handle);
+  return Bytes(p, p + sizeof(handle));
+}
+
+// The process-wide table of opened IPC handles: a handle may be opened once per process and
+// device, and several transports of one process (tests, a process both source and destination)
+// may read the same allocation.
+class IpcMappings {
+ public:
+  static IpcMappings& instance() {
+    static IpcMappings* mappings = new IpcMappings();  // never destroyed: used from destructors
+    return *mappings;
+  }
+
+  std::byte* open(const cudaIpcMemHandle_t& handle, int device, const std::string& label) {
+    std::lock_guard lock(mutex_);
+    auto key = std::make_pair(handle_bytes(handle), device);
+    auto it = open_.find(key);
+    if (it != open_.end()) {
+      ++it->second.references;
+      return it->second.base;
+    }
+    cuda::DeviceGuard guard(device);
+    void* base = nullptr;
+    cudaError_t status = cudaIpcOpenMemHandle(&base, handle, cudaIpcMemLazyEnablePeerAccess);
+    if (status != cudaSuccess) {
+      cudaGetLastError();
+      fail(ErrorKind::kTransport,
+           "cannot map a transfer buffer of {} on cuda:{} (cudaIpcOpenMemHandle: {}); CUDA IPC needs both processes on "
+           "one host with their GPUs visible to each other",
+           label, device, cuda::error_text(status));
+    }
+    open_.emplace(key, Mapping{static_cast<std::byte*>(base), 1});
+    return static_cast<std::byte*>(base);
+  }
+
+  void close(const Bytes& handle, int device) noexcept {
+    std::lock_guard lock(mutex_);
+    auto it = open_.find(std::make_pair(handle, device));
+    if (it == open_.end() || --it->second.references > 0) return;
+    int previous = -1;
+    const bool switched =
+        cudaGetDevice(&previous) == cudaSuccess && previous != device && cudaSetDevice(device) == cudaSuccess;
+    cudaError_t status = cudaIpcCloseMemHandle(it->second.base);
+    if (status != cudaSuccess) spdlog::warn("cudaIpcCloseMemHandle: {}", cuda::error_text(status));
+    if (switched) cudaSetDevice(previous);
+    cudaGetLastError();
+    open_.erase(it);
+  }
+
+ private:
+  struct Mapping {
+    std::byte* base = nullptr;
+    int references = 0;
+  };
+  std::mutex mutex_;
+  std::map<std::pair<Bytes, int>, Mapping> open_;
+};
+
+// What describe() packs into RemoteRegion::key.
+struct RegionKey {
+  bool exported = false;        // device memory with an IPC handle (false: host memory, or empty)
+  cudaIpcMemHandle_t handle{};  // of the whole allocation
+  uint64_t offset = 0;          // of the region inside that allocation
+  EndpointId owner{};           // the owner's control endpoint
+  EndpointId process{};         // the owner's process token
+  int device = -1;
+};
+
+Bytes encode_key(const RegionKey& key) {
+  BlobWriter w;
+  w.raw({reinterpret_cast<const uint8_t*>(kKeyMagic.data()), kKeyMagic.size()});
+  w.u8(kKeyVersion);
+  w.u8(key.exported ? 1 : 0);
+  w.raw(handle_bytes(key.handle));
+  w.u64(key.offset);
+  w.raw(key.owner);
+  w.raw(key.process);
+  w.i32(key.device);
+  return w.take();
+}
+
+RegionKey decode_key(std::span<const uint8_t> bytes, const std::string& label) {
+  BlobReader r(bytes, "CUDA IPC region key of " + label);
+  r.expect_magic(kKeyMagic);
+  if (uint8_t version = r.u8(); version != kKeyVersion)
+    fail(ErrorKind::kProtocol, "CUDA IPC region key of {} has version {}, this build speaks {}", label, version,
+         kKeyVersion);
+  RegionKey key;
+  key.exported = r.u8() != 0;
+  r.raw({reinterpret_cast<uint8_t*>(&key.handle), sizeof(key.handle)});
+  key.offset = r.u64();
+  r.raw(key.owner);
+  r.raw(key.process);
+  key.device = r.i32();
+  r.expect_end();
+  return key;
+}
+
+// The base and size of the cudaMalloc allocation holding `pointer`, through the driver's
+// cuMemGetAddressRange as cudart exposes it (no link against libcuda).
+std::pair<std::byte*, size_t> allocation_of(const void* pointer) {
+  using GetAddressRange = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
+  static GetAddressRange get_range = [] {
+    void* function = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    cudaError_t status =
+        cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &function, 12000, cudaEnableDefault, &found);
+    if (status != cudaSuccess || found != cudaDriverEntryPointSuccess) {
+      cudaGetLastError();
+      return static_cast<GetAddressRange>(nullptr);
+    }
+    return reinterpret_cast<GetAddressRange>(function);
+  }();
+  if (get_range == nullptr)
+    fail(ErrorKind::kUnsupported, "the CUDA driver does not offer cuMemGetAddressRange: cannot register GPU memory for IPC");
+  CUdeviceptr base = 0;
+  size_t size = 0;
+  CUresult result = get_range(&base, &size, reinterpret_cast<CUdeviceptr>(pointer));
+  if (result != CUDA_SUCCESS)
+    fail(ErrorKind::kTransport, "cuMemGetAddressRange({}) failed with CUDA driver error {}", pointer, static_cast<int>(result));
+  return {reinterpret_cast<std::byte*>(base), size};
+}
+
+struct Region {
+  std::byte* base = nullptr;
+  size_t bytes = 0;
+  DeviceBuffer owned;  // set by allocate_memory
+  RegionKey key;
+};
+
+struct Peer {
+  std::string label;
+  LocalSocketEndpoint::LinkId link = 0;
+  LocalPeerAddress address;
+  bool same_process = false;
+  std::map<Bytes, std::byte*> mapped;  // by IPC handle: the allocation's base in our address space
+};
+
+class CudaIpcTransport final : public Transport {
+ public:
+  CudaIpcTransport(Device device, double connect_timeout_s)
+      : device_(resolve_cuda_device(device)), connect_timeout_s_(connect_timeout_s), control_(kSocketTag) {
+    cuda::DeviceGuard guard(device_);
+    char bus[32] = {};
+    cuda::check(cudaDeviceGetPCIBusId(bus, sizeof(bus), device_), "cudaDeviceGetPCIBusId",
+                fmt::format("identifying cuda:{}", device_), ErrorKind::kUnsupported);
+    cuda::check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags",
+                fmt::format("creating the CUDA IPC copy stream on cuda:{}", device_), ErrorKind::kUnsupported);
+    LocalPeerAddress self;
+    self.endpoint = control_.id();
+    self.identity = local_identity();
+    self.device = device_;
+    self.bus_id = bus;
+    identity_ = self.identity;
+    address_ = encode_local_peer_address(kAddressMagic, self);
+  }
+
+  ~CudaIpcTransport() override {
+    for (auto& [id, peer] : peers_) release_mappings(*peer);
+    regions_.clear();
+    if (stream_ != nullptr) {
+      cuda::DeviceGuard guard(device_);
+      cudaStreamSynchronize(stream_);
+      cudaStreamDestroy(stream_);
+      cudaGetLastError();
+    }
+  }
+
+  std::string name() const override { return "CUDA_IPC"; }
+
+  RegionId register_memory(void* base, size_t bytes) override {
+    if (bytes > 0 && base == nullptr)
+      fail(ErrorKind::kInvalidArgument, "cannot register {} bytes at a null address with CUDA IPC", bytes);
+    Region region;
+    region.base = static_cast<std::byte*>(base);
+    region.bytes = bytes;
+    region.key = self_key();
+    if (bytes > 0 && memory_kind_of(base) == MemoryKind::kCuda) {
+      auto [allocation, allocation_size] = allocation_of(base);
+      region.key.offset = static_cast<uint64_t>(region.base - allocation);
+      if (region.key.offset + bytes > allocation_size)
+        fail(ErrorKind::kInvalidArgument, "cannot register {} bytes at {}: the GPU allocation there ends after {} bytes",
+             bytes, base, allocation_size - region.key.offset);
+      cuda::check(cudaIpcGetMemHandle(&region.key.handle, allocation), "cudaIpcGetMemHandle",
+                  fmt::format("exporting {} bytes at {} (memory from cudaMallocAsync pools or cuMemCreate cannot be "
+                              "shared with CUDA IPC)", bytes, base));
+      region.key.exported = true;
+    }
+    return add(std::move(region));
+  }
+
+  Allocation allocate_memory(size_t bytes) override {
+    Region region;
+    region.owned = DeviceBuffer(Device{Device::Kind::kCuda, device_}, bytes);
+    region.base = region.owned.data();
+    region.bytes = bytes;
+    region.key = self_key();
+    if (bytes > 0) {
+      cuda::check(cudaIpcGetMemHandle(&region.key.handle, region.base), "cudaIpcGetMemHandle",
+                  fmt::format("exporting a {}-byte transfer buffer on cuda:{}", bytes, device_));
+      region.key.exported = true;
+    }
+    std::byte* base = region.base;
+    RegionId id = add(std::move(region));
+    return {id, base};
+  }
+
+  RemoteRegion describe(RegionId id) const override {
+    const Region& r = find_region(id, "describing a region");
+    return {reinterpret_cast<uint64_t>(r.base), r.bytes, encode_key(r.key)};
+  }
+
+  void deregister_memory(RegionId id) override {
+    find_region(id, "deregistering a region");
+    regions_.erase(id);  // frees an allocation (DeviceBuffer)
+  }
+
+  Bytes address() const override { return address_; }
+
+  PeerId connect(std::span<const uint8_t> peer_address, const std::string& label) override {
+    LocalPeerAddress remote = decode_local_peer_address(kAddressMagic, "CUDA_IPC", peer_address, label);
+    if (remote.identity.host != identity_.host) {
+      fail(ErrorKind::kTransport,
+           "CUDA IPC needs both peers on one host: {} runs on host '{}', this process on '{}'; use backend_name NCCL "
+           "or UCX between hosts",
+           label, remote.identity.host, identity_.host);
+    }
+    auto peer = std::make_unique<Peer>();
+    peer->label = label;
+    peer->address = remote;
+    peer->same_process = remote.identity.process == identity_.process && remote.identity.pid == identity_.pid;
+    peer->link = control_.connect(remote.endpoint, kSocketTag, label,
+                                  deadline_after(std::chrono::duration<double>(connect_timeout_s_)));
+    PeerId id = next_peer_++;
+    peers_.emplace(id, std::move(peer));
+    return id;
+  }
+
+  void disconnect(PeerId id) override {
+    auto it = peers_.find(id);
+    if (it == peers_.end()) fail(ErrorKind::kInvalidArgument, "disconnecting: CUDA IPC peer {} is not connected", id);
+    std::unique_ptr<Peer> peer = std::move(it->second);
+    peers_.erase(it);
+    release_mappings(*peer);
+    control_.disconnect(peer->link);
+  }
+
+  void read(PeerId id, const RemoteRegion& remote, uint64_t remote_offset, void* local, RegionId local_region,
+            uint64_t length, Deadline deadline) override {
+    Peer& peer = find_peer(id, "reading");
+    const std::string what = fmt::format("reading {} bytes from {} (offset {})", length, peer.label, remote_offset);
+    const Region& region = find_region(local_region, what);
+    const auto* target = static_cast<const std::byte*>(local);
+    if (target < region.base || length > region.bytes ||
+        target - region.base > static_cast<ptrdiff_t>(region.bytes - length)) {
+      fail(ErrorKind::kInvalidArgument, "{}: the local buffer {} lies outside local region {} ({} bytes at {})", what,
+           local, local_region, region.bytes, static_cast<void*>(region.base));
+    }
+    if (remote_offset > remote.length || length > remote.length - remote_offset)
+      fail(ErrorKind::kInvalidArgument, "{}: the remote region holds only {} bytes", what, remote.length);
+    if (length == 0) return;
+    control_.check_alive(peer.link, what);
+    const std::byte* source = remote_base(peer, remote, what) + remote_offset;
+    cuda::DeviceGuard guard(device_);
+    cuda::check(cudaMemcpyAsync(local, source, length, cudaMemcpyDefault, stream_), "cudaMemcpyAsync", what);
+    cuda::wait_stream(stream_, deadline, what);
+  }
+
+  void send(PeerId id, std::span<const uint8_t> message, Deadline deadline) override {
+    control_.send(find_peer(id, "sending a message").link, kMessages, message, deadline);
+  }
+
+  Bytes receive(PeerId id, Deadline deadline) override {
+    return control_.receive(find_peer(id, "receiving a message").link, kMessages, deadline);
+  }
+
+ private:
+  RegionKey self_key() const {
+    RegionKey key;
+    key.owner = control_.id();
+    key.process = identity_.process;
+    key.device = device_;
+    return key;
+  }
+
+  RegionId add(Region region) {
+    RegionId id = next_region_++;
+    regions_.emplace(id, std::move(region));
+    return id;
+  }
+
+  const Region& find_region(RegionId id, std::string_view doing) const {
+    auto it = regions_.find(id);
+    if (it == regions_.end()) fail(ErrorKind::kInvalidArgument, "{}: CUDA IPC region {} is not registered", doing, id);
+    return it->second;
+  }
+
+  Peer& find_peer(PeerId id, std::string_view doing) {
+    auto it = peers_.find(id);
+    if (it == peers_.end()) fail(ErrorKind::kInvalidArgument, "{}: CUDA IPC peer {} is not connected", doing, id);
+    return *it->second;
+  }
+
+  // Where the remote region starts in our address space.
+  const std::byte* remote_base(Peer& peer, const RemoteRegion& remote, const std::string& what) {
+    RegionKey key = decode_key(remote.key, peer.label);
+    if (key.owner != peer.address.endpoint)
+      fail(ErrorKind::kProtocol, "{}: the region was described by another endpoint than {}", what, peer.label);
+    if (!key.exported) {
+      fail(ErrorKind::kUnsupported, "{}: the region lives in host memory of {}, which CUDA IPC cannot map; use device "
+                                    "memory (allocate_memory) or backend_name UCX", what, peer.label);
+    }
+    if (peer.same_process) return reinterpret_cast<const std::byte*>(remote.address);
+    Bytes handle = handle_bytes(key.handle);
+    auto it = peer.mapped.find(handle);
+    if (it == peer.mapped.end()) {
+      std::byte* base = IpcMappings::instance().open(key.handle, device_, peer.label);
+      it = peer.mapped.emplace(std::move(handle), base).first;
+    }
+    return it->second + key.offset;
+  }
+
+  void release_mappings(Peer& peer) noexcept {
+    for (auto& [handle, base] : peer.mapped) IpcMappings::instance().close(handle, device_);
+    peer.mapped.clear();
+  }
+
+  int device_;
+  double connect_timeout_s_;
+  LocalSocketEndpoint control_;
+  LocalIdentity identity_;
+  Bytes address_;
+  cudaStream_t stream_ = nullptr;
+  std::map<RegionId, Region> regions_;
+  RegionId next_region_ = 1;
+  std::map<PeerId, std::unique_ptr<Peer>> peers_;
+  PeerId next_peer_ = 1;
+};
+
+}  // namespace
+
+std::unique_ptr<Transport> create_cuda_ipc_transport(const std::map<std::string, std::string>& init_params) {
+  InitParams params("CUDA_IPC", init_params);
+  Device device = parse_gpu_device_param("CUDA_IPC", params.get("device", "cuda"));
+  double connect_timeout_s = params.seconds("connect_timeout_s", 30.0);
+  params.finish();
+  return std::make_unique<CudaIpcTransport>(device, connect_timeout_s);
+}
+
+}  // namespace refit
+
+#else  // no CUDA in this build
+
+namespace refit {
+
+std::unique_ptr<Transport> create_cuda_ipc_transport(const std::map<std::string, std::string>&) {
+  fail(ErrorKind::kUnsupported,
+       "backend_name CUDA_IPC needs CUDA, and this build has no CUDA support; rebuild with REFIT_WITH_CUDA=ON or use "
+       "backend_name UCX with device=cpu");
+}
+
+}  // namespace refit
+
+#endif  // REFIT_HAVE_CUDA

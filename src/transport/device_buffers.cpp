@@ -1,0 +1,73 @@
+#include "transport/device_buffers.h"
+
+#include <map>
+
+#include "core/fail.h"
+#include "refit/device.h"
+
+namespace refit {
+namespace {
+
+class DeviceBufferTransport final : public Transport {
+ public:
+  DeviceBufferTransport(std::unique_ptr<Transport> inner, const Device& device)
+      : inner_(std::move(inner)), device_(device) {}
+
+  ~DeviceBufferTransport() override {
+    // Deregister before the buffers go: the inner transport must not keep GPU memory mapped.
+    for (auto& [region, buffer] : owned_) {
+      try {
+        inner_->deregister_memory(region);
+      } catch (const std::exception&) {
+        // The inner transport releases its registrations with itself anyway.
+      }
+    }
+    inner_.reset();
+    owned_.clear();
+  }
+
+  std::string name() const override { return inner_->name(); }
+  RegionId register_memory(void* base, size_t bytes) override { return inner_->register_memory(base, bytes); }
+
+  Allocation allocate_memory(size_t bytes) override {
+    DeviceBuffer buffer(device_, bytes);
+    RegionId region = inner_->register_memory(buffer.data(), bytes);
+    std::byte* base = buffer.data();
+    owned_.emplace(region, std::move(buffer));
+    return {region, base};
+  }
+
+  RemoteRegion describe(RegionId region) const override { return inner_->describe(region); }
+
+  void deregister_memory(RegionId region) override {
+    inner_->deregister_memory(region);
+    owned_.erase(region);
+  }
+
+  Bytes address() const override { return inner_->address(); }
+  PeerId connect(std::span<const uint8_t> peer_address, const std::string& label) override {
+    return inner_->connect(peer_address, label);
+  }
+  void disconnect(PeerId peer) override { inner_->disconnect(peer); }
+  void read(PeerId peer, const RemoteRegion& remote, uint64_t remote_offset, void* local, RegionId local_region,
+            uint64_t length, Deadline deadline) override {
+    inner_->read(peer, remote, remote_offset, local, local_region, length, deadline);
+  }
+  void send(PeerId peer, std::span<const uint8_t> message, Deadline deadline) override {
+    inner_->send(peer, message, deadline);
+  }
+  Bytes receive(PeerId peer, Deadline deadline) override { return inner_->receive(peer, deadline); }
+
+ private:
+  std::unique_ptr<Transport> inner_;
+  Device device_;
+  std::map<RegionId, DeviceBuffer> owned_;
+};
+
+}  // namespace
+
+std::unique_ptr<Transport> with_device_buffers(std::unique_ptr<Transport> inner, const Device& device) {
+  return std::make_unique<DeviceBufferTransport>(std::move(inner), device);
+}
+
+}  // namespace refit

@@ -1,0 +1,85 @@
+#include "transport/local_socket/local_peer.h"
+
+#include <charconv>
+
+#include "core/fail.h"
+
+namespace refit {
+namespace {
+
+constexpr uint8_t kAddressVersion = 1;
+
+}  // namespace
+
+Bytes encode_local_peer_address(std::string_view magic, const LocalPeerAddress& address) {
+  BlobWriter w;
+  w.raw({reinterpret_cast<const uint8_t*>(magic.data()), magic.size()});
+  w.u8(kAddressVersion);
+  w.raw(address.endpoint);
+  w.raw(address.identity.process);
+  w.u32(address.identity.pid);
+  w.str(address.identity.host);
+  w.i32(address.device);
+  w.str(address.bus_id);
+  return w.take();
+}
+
+LocalPeerAddress decode_local_peer_address(std::string_view magic, std::string_view backend,
+                                           std::span<const uint8_t> blob, const std::string& label) {
+  BlobReader r(blob, fmt::format("{} address of {}", backend, label));
+  r.expect_magic(magic);
+  if (uint8_t version = r.u8(); version != kAddressVersion)
+    fail(ErrorKind::kProtocol, "{} address of {} has version {}, this build speaks {}", backend, label, version,
+         kAddressVersion);
+  LocalPeerAddress address;
+  r.raw(address.endpoint);
+  r.raw(address.identity.process);
+  address.identity.pid = r.u32();
+  address.identity.host = r.str();
+  address.device = r.i32();
+  address.bus_id = r.str();
+  r.expect_end();
+  return address;
+}
+
+std::string InitParams::get(const std::string& key, const std::string& fallback) {
+  known_[key] = true;
+  auto it = params_.find(key);
+  return it == params_.end() ? fallback : it->second;
+}
+
+double InitParams::seconds(const std::string& key, double fallback) {
+  known_[key] = true;
+  auto it = params_.find(key);
+  if (it == params_.end()) return fallback;
+  double value = 0;
+  const std::string& text = it->second;
+  auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
+  if (ec != std::errc() || end != text.data() + text.size() || !(value > 0))
+    fail(ErrorKind::kConfig, "refit_cfg.nixl.backend_init_params.{}: expected a positive number of seconds, got '{}'",
+         key, text);
+  return value;
+}
+
+void InitParams::finish() const {
+  for (const auto& [key, value] : params_) {
+    if (known_.count(key)) continue;
+    std::string accepted;
+    for (const auto& [k, unused] : known_) accepted += (accepted.empty() ? "" : ", ") + k;
+    fail(ErrorKind::kConfig, "refit_cfg.nixl.backend_init_params.{}: unknown parameter for backend {} (accepted: {})",
+         key, backend_, accepted);
+  }
+}
+
+Device parse_gpu_device_param(std::string_view backend, const std::string& text) {
+  Device device = parse_device(text, "refit_cfg.nixl.backend_init_params.device");
+  if (device.kind == Device::Kind::kCpu) {
+    fail(ErrorKind::kConfig,
+         "refit_cfg.nixl.backend_init_params.device: backend_name {} moves GPU memory and needs device cuda or cuda:N, "
+         "got '{}'; use backend_name UCX for device=cpu",
+         backend, text);
+  }
+  return device;
+}
+
+}  // namespace refit

@@ -1,0 +1,181 @@
+// refit_gpu_ceiling: the copy bandwidths of this machine's GPU path, the ceilings a GPU refit is
+// measured against. Times cudaMemcpyAsync on one non-blocking stream with CUDA events and prints
+// the median over several copies of the same size:
+//   d2d          device to device on one GPU (what a CUDA IPC read on one GPU does)
+//   h2d_pinned   pinned host to device (packing from host tensors into GPU buffers; PCIe)
+//   d2h_pinned   device to pinned host
+//   h2d_pageable, d2h_pageable   the same from ordinary host memory (for comparison)
+//   peer         GPU 0 to GPU 1 when there are two (a CUDA IPC read across GPUs; NVLink/PCIe)
+// GB/s are 1e9 bytes copied per second (a device-to-device copy also reads as many bytes as it
+// writes; the rate counts them once, as a refit's throughput does).
+//
+// Usage: refit_gpu_ceiling [--device N] [--bytes BYTES] [--iterations K] [--json FILE]
+// Exit status: 0, 2 when no GPU is usable, 1 on a CUDA error.
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "refit/device.h"
+#include "refit/memory.h"
+
+namespace {
+
+void check(cudaError_t status, const char* call) {
+  if (status != cudaSuccess)
+    throw std::runtime_error(std::string(call) + ": " + cudaGetErrorName(status) + ": " + cudaGetErrorString(status));
+}
+
+struct Result {
+  std::string name;
+  double median_gbps = 0;
+  double min_gbps = 0;
+  double max_gbps = 0;
+};
+
+// Times `copy` (which enqueues one copy of `bytes` on `stream`) `iterations` times after a warm-up.
+Result measure(const std::string& name, size_t bytes, int iterations, cudaStream_t stream,
+               const std::function<void()>& copy) {
+  cudaEvent_t start, stop;
+  check(cudaEventCreate(&start), "cudaEventCreate");
+  check(cudaEventCreate(&stop), "cudaEventCreate");
+  copy();  // warm-up: first-touch mappings, peer access set-up
+  check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+  std::vector<double> rates;
+  for (int i = 0; i < iterations; ++i) {
+    check(cudaEventRecord(start, stream), "cudaEventRecord");
+    copy();
+    check(cudaEventRecord(stop, stream), "cudaEventRecord");
+    check(cudaEventSynchronize(stop), "cudaEventSynchronize");
+    float ms = 0;
+    check(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime");
+    rates.push_back(static_cast<double>(bytes) / (ms / 1e3) / 1e9);
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  std::sort(rates.begin(), rates.end());
+  Result r{name, rates[rates.size() / 2], rates.front(), rates.back()};
+  std::printf("%-13s %8.1f GB/s  (min %.1f, max %.1f; %d copies of %.2f GiB)\n", name.c_str(), r.median_gbps,
+              r.min_gbps, r.max_gbps, iterations, static_cast<double>(bytes) / (1ull << 30));
+  std::fflush(stdout);
+  return r;
+}
+
+void usage() {
+  std::fprintf(stderr, "usage: refit_gpu_ceiling [--device N] [--bytes BYTES] [--iterations K] [--json FILE]\n");
+  std::exit(64);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int device = 0;
+  size_t bytes = size_t{1} << 30;
+  int iterations = 10;
+  std::string json_path;
+  for (int i = 1; i < argc; ++i) {
+    std::string arg = argv[i];
+    auto value = [&]() -> std::string {
+      if (i + 1 >= argc) usage();
+      return argv[++i];
+    };
+    if (arg == "--device") {
+      device = std::stoi(value());
+    } else if (arg == "--bytes") {
+      bytes = std::stoull(value());
+    } else if (arg == "--iterations") {
+      iterations = std::max(1, std::stoi(value()));
+    } else if (arg == "--json") {
+      json_path = value();
+    } else {
+      usage();
+    }
+  }
+
+  std::string reason;
+  const int count = refit::cuda_device_count(&reason);
+  if (count == 0) {
+    std::fprintf(stderr, "refit_gpu_ceiling: no usable GPU: %s\n", reason.c_str());
+    return 2;
+  }
+  try {
+    refit::Device gpu{refit::Device::Kind::kCuda, device};
+    refit::check_device(gpu);
+    cudaDeviceProp properties{};
+    check(cudaGetDeviceProperties(&properties, device), "cudaGetDeviceProperties");
+    std::printf("device cuda:%d %s, %.1f GiB, %d GPU(s) visible; copies of %zu bytes\n", device, properties.name,
+                static_cast<double>(properties.totalGlobalMem) / (1ull << 30), count, bytes);
+    check(cudaSetDevice(device), "cudaSetDevice");
+    cudaStream_t stream;
+    check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+
+    std::vector<Result> results;
+    {
+      refit::DeviceBuffer a(gpu, bytes), b(gpu, bytes);
+      results.push_back(measure("d2d", bytes, iterations, stream, [&] {
+        check(cudaMemcpyAsync(b.data(), a.data(), bytes, cudaMemcpyDeviceToDevice, stream), "cudaMemcpyAsync");
+      }));
+      refit::HostBuffer host(bytes);
+      std::memset(host.data(), 1, bytes);  // fault the pages in before timing
+      {
+        refit::HostPin pin = refit::HostPin::pin(host.data(), bytes);
+        if (!pin.pinned()) throw std::runtime_error("cannot pin host memory: " + pin.reason());
+        results.push_back(measure("h2d_pinned", bytes, iterations, stream, [&] {
+          check(cudaMemcpyAsync(a.data(), host.data(), bytes, cudaMemcpyHostToDevice, stream), "cudaMemcpyAsync");
+        }));
+        results.push_back(measure("d2h_pinned", bytes, iterations, stream, [&] {
+          check(cudaMemcpyAsync(host.data(), a.data(), bytes, cudaMemcpyDeviceToHost, stream), "cudaMemcpyAsync");
+        }));
+      }
+      const int pageable_iterations = std::max(1, iterations / 2);
+      results.push_back(measure("h2d_pageable", bytes, pageable_iterations, stream, [&] {
+        check(cudaMemcpyAsync(a.data(), host.data(), bytes, cudaMemcpyHostToDevice, stream), "cudaMemcpyAsync");
+      }));
+      results.push_back(measure("d2h_pageable", bytes, pageable_iterations, stream, [&] {
+        check(cudaMemcpyAsync(host.data(), a.data(), bytes, cudaMemcpyDeviceToHost, stream), "cudaMemcpyAsync");
+      }));
+      if (count >= 2) {
+        const int other = device == 0 ? 1 : 0;
+        int can_access = 0;
+        check(cudaDeviceCanAccessPeer(&can_access, device, other), "cudaDeviceCanAccessPeer");
+        if (can_access) {
+          cudaError_t status = cudaDeviceEnablePeerAccess(other, 0);
+          if (status != cudaErrorPeerAccessAlreadyEnabled) check(status, "cudaDeviceEnablePeerAccess");
+          cudaGetLastError();
+        }
+        refit::DeviceBuffer remote(refit::Device{refit::Device::Kind::kCuda, other}, bytes);
+        std::printf("peer: cuda:%d -> cuda:%d, peer access %s\n", other, device, can_access ? "on" : "off (staged)");
+        results.push_back(measure("peer", bytes, iterations, stream, [&] {
+          check(cudaMemcpyPeerAsync(a.data(), device, remote.data(), other, bytes, stream), "cudaMemcpyPeerAsync");
+        }));
+      }
+    }
+    cudaStreamDestroy(stream);
+
+    std::string json = "{\"device\": \"" + std::string(properties.name) + "\", \"bytes\": " + std::to_string(bytes) +
+                       ", \"iterations\": " + std::to_string(iterations);
+    for (const Result& r : results) {
+      char field[160];
+      std::snprintf(field, sizeof(field), ", \"%s_GBps\": %.2f", r.name.c_str(), r.median_gbps);
+      json += field;
+    }
+    json += "}";
+    std::printf("%s\n", json.c_str());
+    if (!json_path.empty()) {
+      FILE* f = std::fopen(json_path.c_str(), "w");
+      if (f == nullptr) throw std::runtime_error("cannot write " + json_path);
+      std::fprintf(f, "%s\n", json.c_str());
+      std::fclose(f);
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "refit_gpu_ceiling: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}

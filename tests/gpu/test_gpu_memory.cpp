@@ -1,0 +1,208 @@
+// The memory layer on a GPU: detection and bad device requests, capacity, DeviceBuffer,
+// pinning, and CopyStream in every direction, checked bitwise.
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "gpu_test_util.h"
+#include "refit/memory.h"
+
+namespace refit {
+namespace {
+
+using namespace gpu_test;
+using namespace std::chrono_literals;
+
+Device cuda(int index = -1) { return {Device::Kind::kCuda, index}; }
+
+TEST(GpuDetection, FindsTheGpus) {
+  REFIT_REQUIRE_GPUS(1);
+  EXPECT_TRUE(cuda_built());
+  std::string reason = "unchanged";
+  const int count = cuda_device_count(&reason);
+  EXPECT_GE(count, 1);
+  EXPECT_TRUE(reason.empty()) << reason;
+  EXPECT_NO_THROW(check_device(cuda()));
+  for (int i = 0; i < count; ++i) EXPECT_NO_THROW(check_device(cuda(i)));
+  EXPECT_EQ(resolve_cuda_device(cuda(0)), 0);
+}
+
+TEST(GpuDetection, AnOutOfRangeIndexIsAConfigErrorNamingTheRange) {
+  REFIT_REQUIRE_GPUS(1);
+  const int count = cuda_device_count();
+  std::string message;
+  EXPECT_EQ(error_kind_of([&] { check_device(cuda(count)); }, &message), ErrorKind::kConfig);
+  const std::string expected = "device cuda:" + std::to_string(count) + " requested but this machine has " +
+                               std::to_string(count) + (count == 1 ? " GPU" : " GPUs") + " (indices 0.." +
+                               std::to_string(count - 1) + ")";
+  EXPECT_NE(message.find(expected), std::string::npos) << message;
+  EXPECT_EQ(error_kind_of([&] { DeviceBuffer buffer(cuda(count + 7), 1024); }), ErrorKind::kConfig);
+  EXPECT_EQ(error_kind_of([&] { total_device_memory_bytes(cuda(count)); }), ErrorKind::kConfig);
+  EXPECT_EQ(error_kind_of([&] { create_transport("CUDA_IPC", {{"device", "cuda:" + std::to_string(count)}}); }),
+            ErrorKind::kConfig);
+}
+
+TEST(GpuDetection, TotalMemoryIsTheGpusCapacity) {
+  REFIT_REQUIRE_GPUS(1);
+  size_t free_bytes = 0, total_bytes = 0;
+  cuda_ok(cudaSetDevice(0), "cudaSetDevice");
+  cuda_ok(cudaMemGetInfo(&free_bytes, &total_bytes), "cudaMemGetInfo");
+  const uint64_t total = total_device_memory_bytes(cuda(0));
+  EXPECT_GE(total, uint64_t{1} << 30);
+  // cudaMemGetInfo's total may leave out memory the driver reserves; the two agree within 5%.
+  EXPECT_GE(total, total_bytes);
+  EXPECT_LE(total, total_bytes + total_bytes / 20);
+  EXPECT_EQ(total_device_memory_bytes(cuda()), total_device_memory_bytes(cuda(resolve_cuda_device(cuda()))));
+}
+
+TEST(GpuDetection, TwoBuffersThatDoNotFitAreRefusedBeforeAllocating) {
+  REFIT_REQUIRE_GPUS(1);
+  const uint64_t total = total_device_memory_bytes(cuda(0));
+  std::string message;
+  EXPECT_EQ(error_kind_of([&] { check_buffers_fit(cuda(0), total / 2 + (1 << 20), 2); }, &message),
+            ErrorKind::kConfig);
+  EXPECT_NE(message.find("device cuda:0 has"), std::string::npos) << message;
+  EXPECT_NE(message.find("2 transfer buffers"), std::string::npos) << message;
+  EXPECT_NE(message.find("lower update_weights_bucket_memory_ratio or set bucket_bytes"), std::string::npos) << message;
+  EXPECT_NO_THROW(check_buffers_fit(cuda(0), 64 << 20, 2));
+}
+
+TEST(DeviceBuffer, IsOneZeroedDeviceAllocation) {
+  REFIT_REQUIRE_GPUS(1);
+  const size_t size = (64 << 20) + 3;
+  DeviceBuffer buffer(cuda(0), size);
+  ASSERT_NE(buffer.data(), nullptr);
+  EXPECT_EQ(buffer.size(), size);
+  EXPECT_EQ(buffer.device_index(), 0);
+  EXPECT_EQ(memory_kind_of(buffer.data()), MemoryKind::kCuda);
+  std::vector<uint8_t> back = read_device(buffer.data(), size);
+  EXPECT_TRUE(std::all_of(back.begin(), back.end(), [](uint8_t b) { return b == 0; }));
+  fill_device(buffer.data(), size, 5);
+  DeviceBuffer moved = std::move(buffer);
+  EXPECT_EQ(buffer.data(), nullptr);
+  EXPECT_EQ(read_device(moved.data(), size), pattern(size, 5));
+  DeviceBuffer empty(cuda(0), 0);
+  EXPECT_EQ(empty.data(), nullptr);
+}
+
+TEST(DeviceBuffer, TooLargeAnAllocationIsAClearError) {
+  REFIT_REQUIRE_GPUS(1);
+  const uint64_t total = total_device_memory_bytes(cuda(0));
+  std::string message;
+  EXPECT_EQ(error_kind_of([&] { DeviceBuffer buffer(cuda(0), total * 2); }, &message), ErrorKind::kTransport);
+  EXPECT_NE(message.find("cannot allocate"), std::string::npos) << message;
+  EXPECT_NE(message.find("on cuda:0"), std::string::npos) << message;
+  EXPECT_NE(message.find("cudaMalloc"), std::string::npos) << message;
+  // The failure is not sticky: the next allocation works.
+  DeviceBuffer after(cuda(0), 1 << 20);
+  EXPECT_NE(after.data(), nullptr);
+}
+
+TEST(HostPin, PinsAndUnpinsHostMemory) {
+  REFIT_REQUIRE_GPUS(1);
+  HostBuffer host(32 << 20);
+  {
+    HostPin pin = HostPin::pin(host.data(), host.size());
+    ASSERT_TRUE(pin.pinned()) << pin.reason();
+    unsigned int flags = 0;
+    EXPECT_EQ(cudaHostGetFlags(&flags, host.data()), cudaSuccess);
+    HostPin moved = std::move(pin);
+    EXPECT_TRUE(moved.pinned());
+    EXPECT_FALSE(pin.pinned());
+  }
+  // Unpinned again: pinning twice works.
+  HostPin again = HostPin::pin(host.data(), host.size());
+  EXPECT_TRUE(again.pinned());
+  std::string message;
+  EXPECT_EQ(error_kind_of([&] { pin_host_memory(host.data(), host.size()); }, &message), ErrorKind::kTransport);
+  EXPECT_NE(message.find("cudaHostRegister"), std::string::npos) << message;
+}
+
+class CopyStreamDirections : public ::testing::TestWithParam<bool> {};  // param: pinned host memory
+
+TEST_P(CopyStreamDirections, CopiesEveryDirectionBitwise) {
+  REFIT_REQUIRE_GPUS(1);
+  const size_t size = (48 << 20) + 5;
+  HostBuffer source(size), back(size);
+  std::vector<uint8_t> expected = pattern(size, 11);
+  std::memcpy(source.data(), expected.data(), size);
+  HostPin pin_source, pin_back;
+  if (GetParam()) {
+    pin_source = HostPin::pin(source.data(), size);
+    pin_back = HostPin::pin(back.data(), size);
+    ASSERT_TRUE(pin_source.pinned() && pin_back.pinned());
+  }
+  DeviceBuffer a(cuda(0), size), b(cuda(0), size);
+  CopyStream stream(cuda(0));
+  // In chunks, as packing does: host -> device, device -> device, device -> host.
+  const size_t chunk = 7 << 20;
+  for (size_t off = 0; off < size; off += chunk) {
+    size_t n = std::min(chunk, size - off);
+    stream.copy(a.data() + off, source.data() + off, n, MemoryKind::kCuda, MemoryKind::kHost);
+  }
+  EXPECT_TRUE(stream.pending());
+  EXPECT_NE(stream.cuda_stream(), nullptr);
+  stream.copy(b.data(), a.data(), size, MemoryKind::kCuda, MemoryKind::kCuda);
+  stream.copy(back.data(), b.data(), size, MemoryKind::kHost, MemoryKind::kCuda);
+  stream.synchronize(deadline_after(60s));
+  EXPECT_FALSE(stream.pending());
+  EXPECT_EQ(std::memcmp(back.data(), expected.data(), size), 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Host, CopyStreamDirections, ::testing::Values(false, true),
+                         [](const auto& info) { return info.param ? "Pinned" : "Pageable"; });
+
+TEST(CopyStream, AHostCopyWaitsForGpuCopiesOfItsMemory) {
+  REFIT_REQUIRE_GPUS(1);
+  const size_t size = 64 << 20;
+  HostBuffer a(size), b(size), c(size);
+  HostPin pa = HostPin::pin(a.data(), size), pb = HostPin::pin(b.data(), size);
+  std::vector<uint8_t> expected = pattern(size, 3);
+  std::memcpy(a.data(), expected.data(), size);
+  DeviceBuffer d(cuda(0), size);
+  CopyStream stream(cuda(0));
+  stream.copy(d.data(), a.data(), size, MemoryKind::kCuda, MemoryKind::kHost);
+  stream.copy(b.data(), d.data(), size, MemoryKind::kHost, MemoryKind::kCuda);
+  // Reads b, which the GPU copy above writes: it must see the finished bytes.
+  stream.copy(c.data(), b.data(), size, MemoryKind::kHost, MemoryKind::kHost);
+  EXPECT_EQ(std::memcmp(c.data(), expected.data(), size), 0);
+  stream.synchronize(deadline_after(60s));
+}
+
+TEST(CopyStream, GathersAStridedSliceFromGpuMemory) {
+  REFIT_REQUIRE_GPUS(1);
+  // narrow(dim=1, start=3, len=5) of a [64, 16, 1000] uint8 tensor on the GPU, into a host buffer.
+  const size_t outer = 64, dim = 16, inner = 1000, start = 3, len = 5;
+  const size_t size = outer * dim * inner;
+  DeviceBuffer tensor(cuda(0), size);
+  fill_device(tensor.data(), size, 17);
+  std::vector<uint8_t> all = pattern(size, 17);
+  std::vector<uint8_t> expected;
+  for (size_t a = 0; a < outer; ++a)
+    expected.insert(expected.end(), all.begin() + static_cast<std::ptrdiff_t>((a * dim + start) * inner),
+                    all.begin() + static_cast<std::ptrdiff_t>((a * dim + start + len) * inner));
+  std::vector<uint8_t> host(expected.size());
+  DeviceBuffer device_slice(cuda(0), expected.size());
+  CopyStream stream(cuda(0));
+  stream.copy_2d(host.data(), len * inner, tensor.data() + start * inner, dim * inner, len * inner, outer,
+                 MemoryKind::kHost, MemoryKind::kCuda);
+  stream.copy_2d(device_slice.data(), len * inner, tensor.data() + start * inner, dim * inner, len * inner, outer,
+                 MemoryKind::kCuda, MemoryKind::kCuda);
+  stream.synchronize(deadline_after(60s));
+  EXPECT_EQ(host, expected);
+  EXPECT_EQ(read_device(device_slice.data(), expected.size()), expected);
+}
+
+TEST(CopyStream, CopiesAcrossGpus) {
+  REFIT_REQUIRE_GPUS(2);
+  const size_t size = 32 << 20;
+  DeviceBuffer a(cuda(0), size), b(cuda(1), size);
+  fill_device(a.data(), size, 21);
+  CopyStream stream(cuda(1));
+  stream.copy(b.data(), a.data(), size, MemoryKind::kCuda, MemoryKind::kCuda);
+  stream.synchronize(deadline_after(60s));
+  EXPECT_EQ(read_device(b.data(), size), pattern(size, 21));
+}
+
+}  // namespace
+}  // namespace refit

@@ -10,6 +10,7 @@
 #include <map>
 #include <set>
 
+#include "core/error_of.h"
 #include "refit/error.h"
 #include "refit/layout.h"
 
@@ -20,17 +21,7 @@ using ::testing::AllOf;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 
-template <typename F>
-std::string error_of(ErrorKind kind, F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    EXPECT_EQ(e.kind(), kind) << e.what();
-    return e.what();
-  }
-  ADD_FAILURE() << "no error thrown";
-  return {};
-}
+using testing::error_of;
 
 constexpr int64_t kH = 6, kI = 8, kE = 4, kLayers = 2;
 const char* const kProj[] = {"gate_proj", "up_proj", "down_proj"};

@@ -9,6 +9,7 @@
 #include <limits>
 #include <random>
 
+#include "core/error_of.h"
 #include "refit/error.h"
 
 namespace refit {
@@ -18,17 +19,7 @@ using ::testing::AllOf;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 
-template <typename F>
-std::string error_of(ErrorKind kind, F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    EXPECT_EQ(e.kind(), kind) << e.what();
-    return e.what();
-  }
-  ADD_FAILURE() << "no error thrown";
-  return {};
-}
+using testing::error_of;
 
 // e4m3fn by definition: bias 7, subnormals at exponent 0, no infinities, S.1111.111 is NaN.
 double ref_decode(int code) {

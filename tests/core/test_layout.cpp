@@ -7,6 +7,7 @@
 #include <cstring>
 #include <random>
 
+#include "core/error_of.h"
 #include "refit/error.h"
 
 namespace refit {
@@ -18,17 +19,7 @@ using ::testing::HasSubstr;
 TensorInfo t(std::string name, DType dtype, std::vector<int64_t> shape) { return {std::move(name), dtype, std::move(shape)}; }
 
 // Runs `f`, expects Error of `kind`, returns its message.
-template <typename F>
-std::string error_of(ErrorKind kind, F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    EXPECT_EQ(e.kind(), kind) << e.what();
-    return e.what();
-  }
-  ADD_FAILURE() << "no error thrown";
-  return {};
-}
+using testing::error_of;
 
 ModelInventory small_model() {
   ModelInventory inv;

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <map>
 
+#include "core/error_of.h"
 #include "refit/error.h"
 #include "refit/fp8.h"
 
@@ -19,17 +20,7 @@ using ::testing::HasSubstr;
 
 std::string model_dir(const std::string& name) { return std::string(REFIT_DATA_DIR) + "/models/" + name; }
 
-template <typename F>
-std::string error_of(ErrorKind kind, F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    EXPECT_EQ(e.kind(), kind) << e.what();
-    return e.what();
-  }
-  ADD_FAILURE() << "no error thrown";
-  return {};
-}
+using testing::error_of;
 
 const TensorInfo& find(const ModelInventory& inv, const std::string& name) {
   for (const auto& t : inv.tensors)

@@ -276,24 +276,35 @@ TEST(Engine, ReceiveBeforeInitIsAnError) {
   EXPECT_THROW(d.receive(got.loader()), Error);
 }
 
+// A hand-made source: valid metadata, then whatever messages a test sends.
+struct RogueSource {
+  std::shared_ptr<InProcFabric> fabric = make_inproc_fabric();
+  SessionId session = new_session_id();
+  std::unique_ptr<Transport> transport = create_inproc_transport(fabric);
+  std::vector<std::byte> memory = std::vector<std::byte>(64);
+  CheckpointEngine destination{inproc_options(fabric, 64, session)};
+  PeerId to_destination = 0;
+
+  RogueSource() {
+    auto region = transport->register_memory(memory.data(), memory.size());
+    protocol::EngineMetadata fake;
+    fake.session = session;
+    fake.bucket_bytes = 64;
+    fake.transport_name = transport->name();
+    fake.transport_address = transport->address();
+    fake.buffers = {transport->describe(region), transport->describe(region)};
+    std::vector<Metadata> md = {protocol::encode(fake), destination.prepare()};
+    destination.init_destination(0, 1, 1, md);
+    to_destination = transport->connect(protocol::decode_metadata(md[1], "d").transport_address, "destination");
+  }
+  void send(const Bytes& message) { transport->send(to_destination, message, deadline_after(std::chrono::seconds(1))); }
+};
+
 TEST(Engine, GarbledControlMessageIsAProtocolError) {
-  auto fabric = make_inproc_fabric();
-  auto session = new_session_id();
-  auto rogue = create_inproc_transport(fabric);
-  std::vector<std::byte> mem(64);
-  auto region = rogue->register_memory(mem.data(), mem.size());
-  protocol::EngineMetadata fake;
-  fake.session = session;
-  fake.bucket_bytes = 64;
-  fake.transport_name = rogue->name();
-  fake.transport_address = rogue->address();
-  fake.buffers = {rogue->describe(region), rogue->describe(region)};
-  CheckpointEngine d(inproc_options(fabric, 64, session));
-  std::vector<Metadata> md = {protocol::encode(fake), d.prepare()};
-  d.init_destination(0, 1, 1, md);
-  auto to_dest = rogue->connect(protocol::decode_metadata(md[1], "d").transport_address, "destination");
+  RogueSource rogue;
+  auto& d = rogue.destination;
   Bytes garbage = {0x52, 0x4d, 0x53, 0x47, 1, 0, 0, 0, 1, 9, 9};
-  rogue->send(to_dest, garbage, deadline_after(std::chrono::seconds(1)));
+  rogue.send(garbage);
   try {
     Received got;
     d.receive(got.loader());
@@ -306,27 +317,14 @@ TEST(Engine, GarbledControlMessageIsAProtocolError) {
 }
 
 TEST(Engine, OutOfRangeChunkIsRejectedBeforeAnyRead) {
-  auto fabric = make_inproc_fabric();
-  auto session = new_session_id();
-  auto rogue = create_inproc_transport(fabric);
-  std::vector<std::byte> mem(64);
-  auto region = rogue->register_memory(mem.data(), mem.size());
-  protocol::EngineMetadata fake;
-  fake.session = session;
-  fake.bucket_bytes = 64;
-  fake.transport_name = rogue->name();
-  fake.transport_address = rogue->address();
-  fake.buffers = {rogue->describe(region), rogue->describe(region)};
-  CheckpointEngine d(inproc_options(fabric, 64, session));
-  std::vector<Metadata> md = {protocol::encode(fake), d.prepare()};
-  d.init_destination(0, 1, 1, md);
-  auto to_dest = rogue->connect(protocol::decode_metadata(md[1], "d").transport_address, "destination");
+  RogueSource rogue;
+  auto& d = rogue.destination;
   protocol::BucketReady bad;
   bad.refit = 1;
   bad.is_last = true;
   bad.used_bytes = 32;
   bad.entries.push_back({{"w", DType::kFloat32, {4}}, 0, 16, 24});  // ends at 40 > 32 used
-  rogue->send(to_dest, protocol::encode(bad), deadline_after(std::chrono::seconds(1)));
+  rogue.send(protocol::encode(bad));
   try {
     Received got;
     d.receive(got.loader());

@@ -335,18 +335,6 @@ TEST(Engine, OutOfRangeChunkIsRejectedBeforeAnyRead) {
   }
 }
 
-}  // namespace
-}  // namespace refit
-
-namespace refit {
-namespace {
-
-using testing::inproc_options;
-using testing::make_tensor;
-using testing::OwnedTensor;
-using testing::Received;
-using testing::VectorSource;
-
 struct LayoutPair {
   std::shared_ptr<InProcFabric> fabric = make_inproc_fabric();
   SessionId session = new_session_id();
@@ -426,18 +414,6 @@ TEST(EngineLayout, ARequestedTensorTheStreamNeverYieldsIsAnError) {
   }
   EXPECT_TRUE(p.destination->stale());
 }
-
-}  // namespace
-}  // namespace refit
-
-namespace refit {
-namespace {
-
-using testing::inproc_options;
-using testing::make_tensor;
-using testing::OwnedTensor;
-using testing::Received;
-using testing::VectorSource;
 
 struct ChecksumPair {
   std::shared_ptr<InProcFabric> fabric = make_inproc_fabric();

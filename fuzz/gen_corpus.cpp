@@ -1,13 +1,15 @@
 // Writes the seed corpus: small valid inputs for every fuzz target, made with refit's own
 // encoders and bucket packer, plus edge cases (empty, truncated, bad magic, odd sizes).
 // Deterministic: running it again rewrites the same files.
-// Usage: fuzz_seed_corpus DIR     (writes DIR/{metadata,message,layout,assembler}/NAME)
+// Usage: fuzz_seed_corpus DIR     (writes DIR/{metadata,message,layout,assembler,channel}/NAME)
 #include <cstdint>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <string>
 #include <vector>
+
+#include <nlohmann/json.hpp>
 
 #include "engine/protocol.h"
 #include "refit/layout.h"
@@ -65,6 +67,9 @@ protocol::EngineMetadata sample_metadata(uint64_t bucket_bytes, bool with_layout
     m.buffers.push_back(r);
   }
   if (with_layout) m.layout = encode_layout(sample_layout());
+  m.process.boot_id = "6d3b6a0e-8f1c-4b8e-9d7a-2f6c1e0b9a54";
+  m.process.pid = 4242;
+  m.process.start_time = 987654321;
   return m;
 }
 
@@ -242,6 +247,34 @@ void assembler_seeds() {
   }
 }
 
+// --- driver <-> worker channel frames ------------------------------------------------------------
+
+void put_channel_frame(Bytes& stream, const nlohmann::json& message) {
+  const auto body = nlohmann::json::to_cbor(message);
+  const uint64_t size = body.size();
+  for (int i = 0; i < 8; ++i) stream.push_back(static_cast<uint8_t>(size >> (8 * i)));
+  stream.insert(stream.end(), body.begin(), body.end());
+}
+
+void channel_seeds() {
+  using nlohmann::json;
+  Bytes commands;
+  put_channel_frame(commands, json{{"cmd", "memory"}});
+  put_channel_frame(commands, json{{"cmd", "create"}, {"bucket_bytes", 4096},
+                                   {"session", json::binary({1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16})}});
+  put_channel_frame(commands, json{{"cmd", "prepare"}});
+  put_channel_frame(commands, json{{"cmd", "init"}, {"metadata", json::array({json::binary({1, 2}), json::binary({3})})},
+                                   {"train", 1}, {"rollout", 1}});
+  put_channel_frame(commands, json{{"cmd", "exit"}});
+  write("channel", "commands", commands);
+  Bytes reply;
+  put_channel_frame(reply, json{{"ok", false}, {"error", "destination rank 0 is stale"}, {"kind", "timeout"},
+                                {"receive", {{"seconds", 0.25}, {"tensors", 459}}}});
+  write("channel", "reply", reply);
+  write("channel", "truncated", truncated(commands, 20));
+  write("channel", "empty", {});
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -254,6 +287,7 @@ int main(int argc, char** argv) {
   layout_seeds();
   message_seeds();
   assembler_seeds();
+  channel_seeds();
   std::printf("wrote %d seed files under %s\n", g_files, g_root.c_str());
   return 0;
 }

@@ -11,10 +11,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 suite() {
-  local preset="$1"
+  local preset="$1" t0=$SECONDS
   echo "=== test suite: $preset"
   scripts/setup.sh "$preset"
   ctest --preset "$preset" -j 2
+  echo "=== test suite $preset: $((SECONDS - t0)) s (build and tests)"
 }
 
 what="${1:-all}"
@@ -23,7 +24,9 @@ case "$what" in
     start=$SECONDS
     suite release
     echo "=== fuzzers"
+    t0=$SECONDS
     scripts/fuzz.sh "${REFIT_FUZZ_SECONDS:-20}"
+    echo "=== fuzzers: $((SECONDS - t0)) s (build and runs)"
     suite asan
     suite tsan
     echo "=== all suites and fuzzers passed in $((SECONDS - start)) s"

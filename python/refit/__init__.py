@@ -1,0 +1,72 @@
+"""refit: moves LLM weights from RL training processes (sources, the policy) to inference
+processes (destinations, the rollout engines) over UCX, with the lifecycle and API of NeMo RL's
+checkpoint-engine refit. The C++ engine is inside (refit._refit); see docs/PYTHON.md.
+
+Workers::
+
+    engine = refit.create_checkpoint_engine("nixl", bucket_size_bytes, engine_kwargs)
+    metadata = engine.prepare()                                   # bytes, picklable
+    engine.init_policy_process_group(rank, T, R, all_metadata)    # or init_rollout_process_group
+    engine.send_weights(model.named_parameters())                 # a source, every refit
+    for batch in engine.receive_weight_batches():                 # a destination, every refit
+        model.load_weights(batch)                                 # views valid until the next batch
+    engine.finalize()
+
+Driver::
+
+    sync = refit.WeightSynchronizer(config, worker_group)        # any refit.WorkerGroup
+    sync.sync_weights()                                           # raises when a refit failed
+"""
+
+from ._refit import (  # noqa: F401  (re-exported)
+    BatchIterator,
+    BucketSize,
+    ConfigError,
+    IntegrityError,
+    InternalError,
+    InvalidArgumentError,
+    Layout,
+    LayoutError,
+    ModelError,
+    ModelInventory,
+    PeerLostError,
+    ProtocolError,
+    RefitConfig,
+    RefitError,
+    RefitIOError,
+    RefitTimeoutError,
+    TensorInfo,
+    TopologyError,
+    TransportError,
+    UnsupportedError,
+    bucket_size_line,
+    canonical_dtype,
+    cuda_built,
+    cuda_device_count,
+    dtype_size,
+    fill_synthetic,
+    load_config,
+    load_model_inventory,
+    log,
+    new_session_id,
+    parse_config,
+    resolve_bucket_size,
+    set_log_level,
+    source_rank_for_destination,
+    tensor_info,
+    total_device_memory_bytes,
+    total_host_memory_bytes,
+    xxh3_64,
+)
+from ._refit import __version__  # noqa: F401
+from .engine import (  # noqa: F401
+    CheckpointEngine,
+    as_config,
+    create_checkpoint_engine,
+    engine_kwargs_from_config,
+    resolve_framework,
+)
+from .synchronizer import RefitReport, WeightSynchronizer, WorkerGroup  # noqa: F401
+from .worker import EngineWorker, WorkerProgram  # noqa: F401
+
+__all__ = [name for name in dir() if not name.startswith("_")]

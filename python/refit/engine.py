@@ -1,0 +1,297 @@
+"""The checkpoint engine with the reference's API (NeMo RL's NIXL checkpoint engine).
+
+One engine per worker process, on either side of a refit::
+
+    engine = refit.create_checkpoint_engine("nixl", bucket_size_bytes, engine_kwargs)
+    metadata = engine.prepare()                       # bytes: picklable, send it to the driver
+    # the driver gathers every worker's metadata, sources (policy ranks) first
+    engine.init_policy_process_group(worker_rank, T, R, all_metadata)     # a source
+    engine.init_rollout_process_group(rollout_rank, T, R, all_metadata)   # a destination
+    engine.send_weights((name, tensor) for ...)                           # a source, every refit
+    for batch in engine.receive_weight_batches():                         # a destination
+        model.load_weights(batch)                                         # list of (name, tensor)
+    engine.finalize()
+
+Lifetime of received tensors: a tensor that fitted one bucket is a zero-copy view into a
+transfer buffer, valid until the next batch is requested (the next ``next()`` on the iterator,
+or the end of the ``for`` body); copy what must live longer. A tensor split over several buckets
+("merged") is owned by its Python object and stays valid as long as you keep it. Stopping the
+iteration early (``break``, ``close()``, dropping the iterator) fails the refit: the destination
+stays stale, the source gets an error.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import os
+from typing import Any, Iterable, Iterator, Mapping, Optional, Tuple, Union
+
+from . import _refit
+from ._refit import Layout, RefitConfig
+
+#: The keys of the reference's refit_cfg.nixl scope, plus refit's extensions, that configure an engine.
+CONFIG_KEYS = (
+    "update_weights_bucket_memory_ratio",
+    "device",
+    "backend_name",
+    "backend_init_params",
+    "release_after_refit",
+    "shard_expert_weights",
+    "bucket_bytes",
+    "timeout_s",
+    "verify_checksums",
+)
+#: engine_kwargs keys that are not configuration: the driver's session id, the model fingerprint,
+#: the destination layout, and the framework received tensors are handed out as.
+ENGINE_KEYS = ("session", "model_fingerprint", "layout", "framework")
+
+_FRAMEWORKS = ("auto", "numpy", "torch", "cupy", "dlpack")
+_torch_available: Optional[bool] = None
+
+
+def resolve_framework(framework: Optional[str]) -> str:
+    """"auto" (or None): "torch" when PyTorch is installed, else "numpy"."""
+    global _torch_available
+    if framework is None or framework == "auto":
+        if _torch_available is None:
+            _torch_available = importlib.util.find_spec("torch") is not None
+        return "torch" if _torch_available else "numpy"
+    if framework not in _FRAMEWORKS:
+        raise _refit.InvalidArgumentError(
+            f"framework must be one of {', '.join(repr(f) for f in _FRAMEWORKS)}, got {framework!r}"
+        )
+    return framework
+
+
+def as_config(config: Union[None, RefitConfig, Mapping[str, Any], str, os.PathLike] = None,
+              overrides: Iterable[str] = ()) -> RefitConfig:
+    """A RefitConfig from what a caller has at hand.
+
+    - None: the defaults (plus ``overrides``);
+    - a RefitConfig: itself (overrides applied on top);
+    - a mapping: either a whole document (``{"refit_transport": ..., "refit_cfg": {"nixl": {...}}}``
+      or a NeMo RL config with ``policy.generation``) or just the nixl scope's keys
+      (``{"device": "cpu", "timeout_s": 60}``), as in the reference's engine_kwargs;
+    - a path to a YAML file, or YAML text.
+    Raises ConfigError with the C++ parser's message, naming the key.
+    """
+    overrides = list(overrides)
+    if config is None:
+        return _refit.parse_config("", overrides)
+    if isinstance(config, RefitConfig):
+        return _refit.parse_config(config.to_yaml(), overrides) if overrides else config
+    if isinstance(config, Mapping):
+        doc = dict(config)
+        if not ({"refit_transport", "refit_cfg", "policy"} & doc.keys()):
+            doc = {"refit_cfg": {"nixl": _scope(doc)}}
+        # JSON is YAML: strings stay quoted (so "true" stays a string, as the reference's types say).
+        return _refit.parse_config(json.dumps(doc, default=_json_default), overrides)
+    if isinstance(config, (str, os.PathLike)):
+        text = os.fspath(config)
+        if "\n" not in text and (text.endswith((".yaml", ".yml")) or os.path.isfile(text)):
+            return _refit.load_config(text, overrides)
+        return _refit.parse_config(text, overrides)
+    raise _refit.ConfigError(f"cannot make a refit configuration from a {type(config).__name__}")
+
+
+def _scope(kwargs: Mapping[str, Any]) -> dict:
+    scope = dict(kwargs)
+    params = scope.get("backend_init_params")
+    if isinstance(params, Mapping):
+        # The reference passes every value through str() (8 -> "8").
+        scope["backend_init_params"] = {str(k): (v if isinstance(v, str) else str(v)) for k, v in params.items()}
+    return scope
+
+
+def _json_default(value: Any) -> Any:
+    if hasattr(value, "item"):  # NumPy scalars
+        return value.item()
+    raise TypeError(f"{type(value).__name__} is not a configuration value")
+
+
+def engine_kwargs_from_config(config: RefitConfig) -> dict:
+    """The reference's engine_kwargs scope (``{key: value}``) for ``config``: what a driver sends
+    to its workers' ``create_checkpoint_engine(backend, bucket_size_bytes, engine_kwargs)``."""
+    out = {
+        "device": config.device,
+        "backend_name": config.backend_name,
+        "backend_init_params": dict(config.backend_init_params) or None,
+        "release_after_refit": config.release_after_refit,
+        "shard_expert_weights": config.shard_expert_weights,
+        "timeout_s": config.timeout_s,
+        "verify_checksums": config.verify_checksums,
+    }
+    return out
+
+
+def split_engine_kwargs(backend: str, engine_kwargs: Union[None, RefitConfig, Mapping[str, Any]]
+                        ) -> Tuple[RefitConfig, dict]:
+    """(configuration, engine options) from engine_kwargs in either shape the reference uses:
+    the scope itself (``{"device": ...}``) or keyed by backend (``{"nixl": {"device": ...}}``).
+    Engine options are the ENGINE_KEYS; everything else is configuration."""
+    if engine_kwargs is None:
+        return as_config(None), {}
+    if isinstance(engine_kwargs, RefitConfig):
+        return engine_kwargs, {}
+    kwargs = dict(engine_kwargs)
+    if backend in kwargs and isinstance(kwargs[backend], (Mapping, RefitConfig)):
+        inner = kwargs.pop(backend)
+        options = {k: kwargs.pop(k) for k in ENGINE_KEYS if k in kwargs}
+        if kwargs:
+            raise _refit.ConfigError(
+                f"engine_kwargs: unknown key(s) {', '.join(sorted(kwargs))} next to '{backend}' "
+                f"(expected only {', '.join(ENGINE_KEYS)})")
+        if isinstance(inner, RefitConfig):
+            return inner, options
+        kwargs = dict(inner)
+        options.update({k: kwargs.pop(k) for k in ENGINE_KEYS if k in kwargs})
+        return as_config(kwargs), options
+    options = {k: kwargs.pop(k) for k in ENGINE_KEYS if k in kwargs}
+    return as_config(kwargs), options
+
+
+class CheckpointEngine:
+    """A checkpoint engine (a source or a destination) with the reference's method names.
+
+    Not thread-safe: one thread drives an engine (a receive iterator runs its transfer on a
+    thread of its own, which it manages). The GIL is released during every transfer and wait.
+    """
+
+    def __init__(self, bucket_size_bytes: int, config: Union[None, RefitConfig, Mapping[str, Any], str] = None, *,
+                 session: Optional[bytes] = None, model_fingerprint: int = 0, layout: Optional[Layout] = None,
+                 framework: str = "auto"):
+        self._config = as_config(config)
+        self._framework = framework
+        resolve_framework(framework)  # validate early
+        self._engine = _refit.CheckpointEngine(int(bucket_size_bytes), self._config, session,
+                                               int(model_fingerprint), layout)
+        self.last_send_stats: Optional[dict] = None
+
+    # ---- the reference's API ----
+
+    def prepare(self) -> bytes:
+        """Allocates and registers the two transfer buffers (if not already) and returns this
+        engine's metadata: bytes, picklable, to be gathered by the driver."""
+        return self._engine.prepare()
+
+    def init_policy_process_group(self, worker_rank: int, train_world_size: int, rollout_world_size: int,
+                                  metadata) -> None:
+        """A source (policy rank ``worker_rank``): validates the pairing and everyone's metadata
+        (sources first, then destinations), connects to destination ``worker_rank`` if it exists."""
+        self._engine.init_source(worker_rank, train_world_size, rollout_world_size, list(metadata))
+
+    def init_rollout_process_group(self, rollout_rank: int, train_world_size: int, rollout_world_size: int,
+                                   metadata) -> None:
+        """A destination (rollout rank ``rollout_rank``): connects to source ``rollout_rank``."""
+        self._engine.init_destination(rollout_rank, train_world_size, rollout_world_size, list(metadata))
+
+    def send_weights(self, weights: Iterable[Tuple[str, Any]]) -> dict:
+        """One refit from a source: pulls (name, tensor) pairs on demand and returns when the
+        destination has read the last bucket. Tensors: anything with ``__dlpack__`` or the buffer
+        protocol (NumPy, PyTorch CPU/CUDA, CuPy); each is kept alive until the next one is pulled.
+        Non-contiguous tensors are made contiguous (a copy). A source without a destination drains
+        the iterator. Returns send statistics; raises the refit's error (its message names the
+        peer and the phase)."""
+        self.last_send_stats = self._engine.send(weights)
+        return self.last_send_stats
+
+    def receive_weight_batches(self, framework: Optional[str] = None, copy_merged: bool = True
+                               ) -> "_refit.BatchIterator":
+        """One refit at a destination: an iterator over batches (lists of (name, tensor)), one
+        per bucket that completes a tensor. ``framework``: "torch", "numpy", "cupy", "dlpack" or
+        "auto" (the engine's default: torch when installed). Zero-copy views are valid until the
+        next batch is requested; merged tensors are owned (``copy_merged=False`` hands them out
+        as views too, valid until the next batch, saving a copy). Stopping early fails the refit.
+        After the loop, the iterator's ``stats`` has the receive statistics."""
+        fw = resolve_framework(framework if framework is not None else self._framework)
+        return self._engine.receive(fw, copy_merged)
+
+    def get_target_weight_layout(self) -> Optional[Layout]:
+        """On a source: the layout its destination declared (None: whole tensors, or no destination)."""
+        return self._engine.target_layout()
+
+    def finalize(self) -> None:
+        """Disconnects; with release_after_refit also frees the buffers (prepare() must then run
+        again, with a fresh metadata exchange). Cancels a receive that is still running."""
+        self._engine.finalize()
+
+    # ---- refit's additions ----
+
+    @property
+    def stale(self) -> bool:
+        """A destination is stale from the start of a receive until a refit completes."""
+        return self._engine.stale
+
+    @property
+    def bucket_size(self) -> int:
+        return self._engine.bucket_bytes
+
+    @property
+    def config(self) -> RefitConfig:
+        return self._config
+
+    @property
+    def transport_name(self) -> str:
+        return self._engine.transport_name()
+
+    def receive_weights(self, load, framework: Optional[str] = None, copy_merged: bool = True) -> dict:
+        """One refit at a destination with a callback: ``load(batch)`` is called for every batch
+        (a list of (name, tensor)); returns the receive statistics. The same lifetime rules as
+        receive_weight_batches() (views are valid until ``load`` returns; merged tensors are owned),
+        without its hand-off between threads: the transfer runs on the calling thread and each
+        call of ``load`` takes the GIL. An exception raised by ``load`` fails the refit (both
+        sides) and is the ``__cause__`` of the error raised here."""
+        fw = resolve_framework(framework if framework is not None else self._framework)
+        return self._engine.receive_into(load, fw, copy_merged)
+
+    def close(self) -> None:
+        """Frees the engine (buffers, transport) now, instead of at garbage collection. Views
+        handed out earlier must not be used afterwards."""
+        self._engine.close()
+
+    def __enter__(self) -> "CheckpointEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def create_checkpoint_engine(backend: str, bucket_size_bytes: int,
+                             engine_kwargs: Union[None, RefitConfig, Mapping[str, Any]] = None, **kwargs: Any):
+    """The reference's factory. ``backend``: "nixl" (refit's engine) or "module:ClassName" (a
+    plugin class, called as ``cls(bucket_size=bucket_size_bytes, **engine_kwargs)``).
+
+    ``engine_kwargs``: the refit_cfg.nixl keys (device, backend_name, backend_init_params,
+    release_after_refit, shard_expert_weights, timeout_s, verify_checksums), either directly or
+    keyed by backend (``{"nixl": {...}}``), plus refit's engine options: ``session`` (bytes from
+    refit.new_session_id(), the same for every engine of a group), ``model_fingerprint``,
+    ``layout`` (a destination's refit.Layout) and ``framework`` (default for received tensors).
+    Extra keyword arguments are merged into engine_kwargs. Raises ConfigError naming a bad key.
+    """
+    if backend != "nixl":
+        if ":" not in backend:
+            raise _refit.ConfigError(
+                f"Unknown checkpoint-engine backend '{backend}': expected 'nixl' or a 'module:ClassName' path")
+        module_name, _, class_name = backend.partition(":")
+        cls = getattr(importlib.import_module(module_name), class_name)
+        scope = dict(engine_kwargs or {})
+        if backend in scope and isinstance(scope[backend], Mapping):
+            scope = dict(scope[backend])
+        scope.update(kwargs)
+        return cls(bucket_size=bucket_size_bytes, **scope)
+    config, options = split_engine_kwargs(backend, engine_kwargs)
+    # Keyword arguments: engine options, or configuration keys applied as overrides.
+    options.update({k: kwargs.pop(k) for k in ENGINE_KEYS if k in kwargs})
+    if kwargs:
+        config = as_config(config, [f"{k}={json.dumps(_scope({k: v})[k], default=_json_default)}"
+                                    for k, v in kwargs.items()])
+    return CheckpointEngine(bucket_size_bytes, config, **options)
+
+
+def iter_weights(weights: Union[Mapping[str, Any], Iterable[Tuple[str, Any]]]) -> Iterator[Tuple[str, Any]]:
+    """(name, tensor) pairs from a state dict or an iterable of pairs."""
+    if isinstance(weights, Mapping):
+        return iter(weights.items())
+    return iter(weights)

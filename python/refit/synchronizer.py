@@ -1,0 +1,201 @@
+"""The driver side of refit: a WeightSynchronizer runs the reference's lifecycle over any group of
+workers that implements the small WorkerGroup protocol, so Ray actors, multiprocessing workers,
+MPI ranks or anything else can drive refits.
+
+    first sync_weights():  memory query -> bucket size (once), create engines (once),
+                           prepare -> metadata -> init process groups        ("ready")
+    every sync_weights():  one refit; a failed refit raises, and the next sync_weights()
+                           prepares again (workers whose refit failed replace their engine);
+                           with release_after_refit, shutdown() afterwards (also after a failure)
+    shutdown():            finalize every worker; the next sync prepares again with fresh metadata
+
+This mirrors the C++ refit::WeightSynchronizer (include/refit/synchronizer.h) and NeMo RL's
+CheckpointEngineWeightSynchronizer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, List, Mapping, Optional, Protocol, Sequence, Union, runtime_checkable
+
+from . import _refit
+from ._refit import BucketSize, RefitConfig
+from .engine import as_config, engine_kwargs_from_config
+
+
+@runtime_checkable
+class WorkerGroup(Protocol):
+    """The workers as the driver sees them: ``train_world_size`` sources (policy ranks) and
+    ``rollout_world_size`` destinations (rollout ranks). Each method acts on every worker and
+    returns when all have answered; when any worker fails, the call raises (ideally the worker's
+    own exception, naming it, with the other failures attached as notes).
+
+    What a worker does for each call (refit.worker.EngineWorker implements it):
+
+    - ``total_memory_bytes(device)``: ``refit.total_device_memory_bytes(device)`` of every worker,
+      sources first;
+    - ``create_engines(backend, bucket_size_bytes, engine_kwargs)``:
+      ``refit.create_checkpoint_engine(backend, bucket_size_bytes, engine_kwargs)`` on every
+      worker, once (a worker that has an engine keeps it); engine_kwargs carries the session id;
+    - ``prepare()``: every worker's ``engine.prepare()``, sources first then destinations, each by
+      rank (metadata are bytes);
+    - ``init_process_groups(metadata)``: sources ``init_policy_process_group(rank, T, R, metadata)``,
+      destinations ``init_rollout_process_group(rank, T, R, metadata)``;
+    - ``refit(index)``: one refit on every worker at once (sources ``send_weights``, destinations
+      iterate ``receive_weight_batches``); returns one result per worker, sources first. A
+      destination whose result is False failed (the reference's convention);
+    - ``finalize()``: every worker's ``engine.finalize()``.
+
+    Optional: ``last_refit_seconds``, the wall time of the last refit without what the group did
+    before it (e.g. making synthetic weights); RefitReport.seconds uses it when present.
+    """
+
+    @property
+    def train_world_size(self) -> int: ...
+
+    @property
+    def rollout_world_size(self) -> int: ...
+
+    def total_memory_bytes(self, device: str) -> List[int]: ...
+
+    def create_engines(self, backend: str, bucket_size_bytes: int, engine_kwargs: Mapping[str, Any]) -> None: ...
+
+    def prepare(self) -> List[bytes]: ...
+
+    def init_process_groups(self, metadata: Sequence[bytes]) -> None: ...
+
+    def refit(self, index: int) -> List[Any]: ...
+
+    def finalize(self) -> None: ...
+
+
+@dataclasses.dataclass
+class RefitReport:
+    """What one refit did: its index, the driver's wall time, and each worker's result (sources
+    first, then destinations, by rank)."""
+
+    index: int
+    seconds: float
+    results: List[Any]
+    train_world_size: int
+    rollout_world_size: int
+
+    @property
+    def source_results(self) -> List[Any]:
+        return self.results[: self.train_world_size]
+
+    @property
+    def destination_results(self) -> List[Any]:
+        return self.results[self.train_world_size:]
+
+
+def _log(message: str) -> None:
+    _refit.log("info", message)
+
+
+class WeightSynchronizer:
+    """Drives refits over a WorkerGroup.
+
+    ``config``: a RefitConfig, a mapping of refit_cfg.nixl keys, a YAML path or text, or None
+    (defaults). ``backend``: the checkpoint-engine backend the workers create ("nixl").
+    ``model_fingerprint``: passed to every engine (refit.load_model_inventory(path).fingerprint),
+    so that workers with another model refuse each other's metadata; 0 disables the check.
+    """
+
+    def __init__(self, config: Union[None, RefitConfig, Mapping[str, Any], str], workers: WorkerGroup, *,
+                 backend: str = "nixl", model_fingerprint: int = 0):
+        self.config: RefitConfig = as_config(config)
+        self.workers = workers
+        self.backend = backend
+        self.model_fingerprint = int(model_fingerprint)
+        self._bucket_size: Optional[BucketSize] = None
+        self._engines_created = False
+        self._ready = False
+        self._stale = True
+        self._refits = 0
+
+    @property
+    def stale(self) -> bool:
+        """True until a refit succeeds, and again from the start of every refit until it succeeds."""
+        return self._stale
+
+    @property
+    def ready(self) -> bool:
+        return self._ready
+
+    @property
+    def bucket_size(self) -> BucketSize:
+        """Resolved on first use from every worker's total memory, then fixed (as in the reference)."""
+        if self._bucket_size is None:
+            memory = [int(m) for m in self.workers.total_memory_bytes(self.config.device)]
+            self._bucket_size = _refit.resolve_bucket_size(self.config, memory)
+            _log(_refit.bucket_size_line(self._bucket_size, self.config))
+        return self._bucket_size
+
+    def engine_kwargs(self, session: bytes) -> dict:
+        """The engine_kwargs every worker gets: the configuration scope keyed by backend, and the
+        group's session id and model fingerprint."""
+        return {
+            self.backend: engine_kwargs_from_config(self.config),
+            "session": session,
+            "model_fingerprint": self.model_fingerprint,
+        }
+
+    def ensure_ready(self) -> None:
+        """Creates engines (once), prepares, exchanges metadata and connects (once per ready epoch)."""
+        if self._ready:
+            return
+        if not self._engines_created:
+            size = self.bucket_size.bytes
+            self.workers.create_engines(self.backend, size, self.engine_kwargs(_refit.new_session_id()))
+            self._engines_created = True
+            _log(f"Using checkpoint-engine refit backend: {self.config.refit_transport}")
+        metadata = [bytes(m) for m in self.workers.prepare()]
+        expected = self.workers.train_world_size + self.workers.rollout_world_size
+        if len(metadata) != expected:
+            raise _refit.TopologyError(
+                f"the worker group returned {len(metadata)} metadata entries for train_world_size="
+                f"{self.workers.train_world_size} + rollout_world_size={self.workers.rollout_world_size}")
+        self.workers.init_process_groups(metadata)
+        self._ready = True
+
+    def sync_weights(self) -> RefitReport:
+        """One refit. Raises when any worker failed (the synchronizer then stays stale); with
+        release_after_refit the workers are finalized afterwards either way (a failure of that
+        is logged, never reported in place of the refit's own error)."""
+        self._stale = True
+        failed = True
+        try:
+            self.ensure_ready()
+            index = self._refits
+            self._refits += 1
+            start = time.perf_counter()
+            results = list(self.workers.refit(index))
+            seconds = time.perf_counter() - start
+            # A group that prepares its workers' weights inside refit() (untimed) reports the
+            # transfer's own wall time.
+            seconds = getattr(self.workers, "last_refit_seconds", None) or seconds
+            report = RefitReport(index, seconds, results, self.workers.train_world_size,
+                                 self.workers.rollout_world_size)
+            if any(r is False for r in report.destination_results):
+                raise _refit.RefitError(f"Weight transfer failed during {self.backend} checkpoint-engine sync.")
+            self._stale = False
+            failed = False
+            return report
+        finally:
+            if self.config.release_after_refit or failed:
+                # After a failure, the next sync exchanges fresh metadata (beyond the reference,
+                # which keeps the broken connections).
+                try:
+                    self.shutdown()
+                except Exception as e:  # the refit's own error (if any) is the one to report
+                    _refit.log("warning", f"{'release after refit' if not failed else 'shutdown after a failed refit'}"
+                                          f" failed: {e}")
+
+    def shutdown(self) -> None:
+        """Finalizes every worker (engines and bucket size are kept); the next sync prepares again."""
+        if not self._ready:
+            return
+        self._ready = False
+        self.workers.finalize()

@@ -1,0 +1,133 @@
+"""The worker side of a WorkerGroup: what each call of the driver runs inside a worker process.
+
+A worker owns one checkpoint engine and a *program*, which says what this worker sends or does
+with what it receives:
+
+    class MyPolicyProgram:
+        def stage(self, index): ...               # before refit `index` (not timed): get ready
+        def weights(self, index): ...             # a source: iterable of (name, tensor)
+        def load(self, index, batch): ...         # a destination: one batch, a list of (name, tensor)
+        def report(self, index): ...              # anything picklable, returned to the driver
+
+Ray actors, multiprocessing workers and the like subclass (or wrap) EngineWorker and forward the
+driver's calls to it; refit.multiprocessing_group and python/examples/ray_refit.py do exactly that.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, List, Mapping, Optional, Protocol, Sequence, Tuple
+
+from . import _refit
+from .engine import CheckpointEngine, create_checkpoint_engine
+
+
+class WorkerProgram(Protocol):
+    def stage(self, index: int) -> None: ...
+
+    def weights(self, index: int) -> Iterable[Tuple[str, Any]]: ...
+
+    def load(self, index: int, batch: List[Tuple[str, Any]]) -> None: ...
+
+    def report(self, index: int) -> Any: ...
+
+
+class EngineWorker:
+    """One worker: role "policy" (a source) or "rollout" (a destination), its rank, its program.
+
+    ``framework`` is how a destination receives tensors ("numpy", "torch", ... or "auto");
+    ``copy_merged`` whether tensors split over buckets are owned (see
+    CheckpointEngine.receive_weight_batches); ``receive`` how a destination drives a refit:
+    "callback" (CheckpointEngine.receive_weights, no thread hand-off) or "iterator"
+    (receive_weight_batches, the reference's generator)."""
+
+    def __init__(self, role: str, rank: int, program: Optional[WorkerProgram] = None, *,
+                 framework: str = "auto", copy_merged: bool = True, receive: str = "callback"):
+        if receive not in ("callback", "iterator"):
+            raise _refit.InvalidArgumentError(f"receive must be 'callback' or 'iterator', got {receive!r}")
+        self.receive = receive
+        if role not in ("policy", "rollout"):
+            raise _refit.InvalidArgumentError(f"role must be 'policy' or 'rollout', got {role!r}")
+        self.role = role
+        self.rank = int(rank)
+        self.program = program
+        self.framework = framework
+        self.copy_merged = copy_merged
+        self.engine: Optional[CheckpointEngine] = None
+        self._engine_args: Optional[tuple] = None
+        self._failed = False  # the last refit failed: replace the engine at the next prepare()
+
+    @property
+    def is_source(self) -> bool:
+        return self.role == "policy"
+
+    @property
+    def label(self) -> str:
+        return f"{'source' if self.is_source else 'destination'} rank {self.rank}"
+
+    def total_memory_bytes(self, device: str) -> int:
+        """Total memory of this worker's transfer device (capacity, not what is free)."""
+        return _refit.total_device_memory_bytes(device)
+
+    def create_engine(self, backend: str, bucket_size_bytes: int, engine_kwargs: Mapping[str, Any]) -> None:
+        """Creates the engine once; a worker that already has one keeps it (as in the reference)."""
+        if self.engine is None:
+            kwargs = dict(engine_kwargs)
+            kwargs.setdefault("framework", self.framework)
+            self._engine_args = (backend, bucket_size_bytes, kwargs)
+            self.engine = create_checkpoint_engine(backend, bucket_size_bytes, kwargs)
+
+    def prepare(self) -> bytes:
+        """The engine's metadata. After a failed refit the engine is replaced first: messages of
+        the failed refit may still be in flight to the old one, and a fresh engine (a fresh
+        transport endpoint) never sees them."""
+        if self._failed and self._engine_args is not None:
+            self._engine().close()
+            self.engine = create_checkpoint_engine(*self._engine_args)
+            self._failed = False
+        return self._engine().prepare()
+
+    def init_process_group(self, train_world_size: int, rollout_world_size: int, metadata: Sequence[bytes]) -> None:
+        if self.is_source:
+            self._engine().init_policy_process_group(self.rank, train_world_size, rollout_world_size, metadata)
+        else:
+            self._engine().init_rollout_process_group(self.rank, train_world_size, rollout_world_size, metadata)
+
+    def stage(self, index: int) -> None:
+        if self.program is not None and hasattr(self.program, "stage"):
+            self.program.stage(index)
+
+    def refit(self, index: int) -> dict:
+        """One refit; returns {"role", "rank", "stats", "report"}; raises the refit's error."""
+        engine = self._engine()
+        try:
+            if self.is_source:
+                stats = engine.send_weights(self.program.weights(index))
+            elif self.receive == "callback":
+                program = self.program
+                stats = engine.receive_weights(lambda batch: program.load(index, batch), self.framework,
+                                               self.copy_merged)
+            else:
+                it = engine.receive_weight_batches(self.framework, self.copy_merged)
+                with it:
+                    for batch in it:
+                        self.program.load(index, batch)
+                stats = it.stats
+        except BaseException:
+            self._failed = True
+            raise
+        report = self.program.report(index) if hasattr(self.program, "report") else None
+        return {"role": self.role, "rank": self.rank, "stats": stats, "report": report}
+
+    def finalize(self) -> None:
+        if self.engine is not None:
+            self.engine.finalize()
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+
+    def _engine(self) -> CheckpointEngine:
+        if self.engine is None:
+            raise _refit.InvalidArgumentError(f"{self.label}: create_engine() has not run")
+        return self.engine

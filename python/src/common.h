@@ -1,0 +1,94 @@
+// Shared declarations of the refit Python extension (`refit._refit`).
+//
+// The extension is a thin layer over the C++ library: it converts arguments, releases the GIL
+// around every transfer and wait, moves tensors in and out through DLPack, and turns
+// refit::Error into the Python exception class of its kind with the same message.
+#pragma once
+
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/string.h>
+#include <fmt/format.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "refit/config.h"
+#include "refit/error.h"
+#include "refit/tensor.h"
+
+namespace nb = nanobind;
+
+namespace refit::py {
+
+// Whether the interpreter is shutting down (then the GIL must not be released).
+inline bool interpreter_finalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsFinalizing();
+#else
+  return _Py_IsFinalizing();
+#endif
+}
+
+// ---- errors (errors.cpp) ---------------------------------------------------------------------
+
+// Creates RefitError and one subclass per ErrorKind in `m`, and registers the translator that
+// turns a refit::Error escaping any binding into the class of its kind (message unchanged).
+void register_errors(nb::module_& m);
+
+// The Python exception class for `kind`.
+nb::handle error_type(ErrorKind kind);
+
+// Raises `e` as its Python class with `cause` (if any) as __cause__: sets the Python error and
+// throws nb::python_error. Needs the GIL.
+[[noreturn]] void raise_error(const Error& e, nb::handle cause = nb::handle());
+
+// ---- tensors (tensors.cpp) -------------------------------------------------------------------
+
+// How received tensors are handed to Python.
+enum class Framework { kNumpy, kTorch, kCupy, kDlpack };
+Framework parse_framework(std::string_view name);
+
+// A tensor read from a Python object (anything with __dlpack__ or the buffer protocol): its
+// metadata, where its bytes are, and the objects that keep those bytes alive.
+struct ImportedTensor {
+  TensorInfo info;
+  const std::byte* data = nullptr;
+  MemoryKind memory = MemoryKind::kHost;
+  nb::object keep;                  // the (possibly converted) Python object
+  nb::ndarray<nb::ro> array;        // the DLPack view of it
+};
+
+// Reads `obj` as a contiguous tensor named `name`. Needs the GIL. Torch tensors that require
+// grad are detached; non-contiguous tensors are made contiguous (torch: .contiguous(), NumPy:
+// ascontiguousarray); NumPy arrays of ml_dtypes (bfloat16, float8_*) are read as their bits;
+// GPU tensors are staged through host memory (.cpu() / .get()) unless `device_ok`.
+// Throws Error(kInvalidArgument / kUnsupported) naming the tensor.
+ImportedTensor import_tensor(nb::handle obj, const std::string& name, bool device_ok);
+
+// The same for a tensor refit writes into (host memory only, writable).
+struct WritableTensor {
+  std::byte* data = nullptr;
+  uint64_t nbytes = 0;
+  nb::ndarray<> array;
+};
+WritableTensor import_writable(nb::handle obj);
+
+// A Python tensor (of `framework`) viewing `data`, which `owner` keeps alive. Needs the GIL.
+nb::object export_tensor(const TensorInfo& info, const std::byte* data, MemoryKind memory, int device_id,
+                         nb::handle owner, Framework framework);
+
+// ---- bindings (one register function per file) ------------------------------------------------
+
+void register_tensors(nb::module_& m);
+void register_config(nb::module_& m);
+void register_engine(nb::module_& m);
+
+// Bytes of a bytes-like object (bytes, bytearray, memoryview). Needs the GIL.
+std::vector<uint8_t> bytes_of(nb::handle obj, std::string_view what);
+
+}  // namespace refit::py

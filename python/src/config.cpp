@@ -1,0 +1,234 @@
+// Configuration, bucket sizing, memory and GPU queries, model inventories, layouts and logging.
+#include <nanobind/stl/map.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+#include <spdlog/spdlog.h>
+
+#include "common.h"
+#include "refit/bucket_size.h"
+#include "refit/checkpoint_engine.h"
+#include "refit/device.h"
+#include "refit/dtype.h"
+#include "refit/layout.h"
+#include "refit/memory.h"
+#include "refit/model.h"
+
+namespace refit::py {
+namespace {
+
+nb::tuple request_tuple(const Request& r) {
+  switch (r.take) {
+    case Take::kWhole: return nb::make_tuple("whole");
+    case Take::kDrop: return nb::make_tuple("drop");
+    case Take::kSlice: return nb::make_tuple("narrow", r.slice.dim, r.slice.start, r.slice.length);
+  }
+  return nb::make_tuple("whole");
+}
+
+Take parse_take(const std::string& s, std::string_view what) {
+  if (s == "whole") return Take::kWhole;
+  if (s == "drop") return Take::kDrop;
+  if (s == "narrow") return Take::kSlice;
+  throw Error(ErrorKind::kInvalidArgument, fmt::format("{}: expected 'whole', 'drop' or 'narrow', got '{}'", what, s));
+}
+
+// "whole" | "drop" | ("whole",) | ("drop",) | ("narrow", dim, start, length)
+Request parse_request(nb::handle obj, const std::string& name) {
+  const std::string what = fmt::format("layout entry '{}'", name);
+  if (nb::isinstance<nb::str>(obj)) {
+    Take t = parse_take(nb::cast<std::string>(obj), what);
+    if (t == Take::kSlice) throw Error(ErrorKind::kInvalidArgument, what + ": 'narrow' needs (\"narrow\", dim, start, length)");
+    return t == Take::kDrop ? Request::drop() : Request::whole();
+  }
+  nb::tuple t = nb::tuple(obj);
+  if (t.size() == 0) throw Error(ErrorKind::kInvalidArgument, what + ": empty request");
+  Take take = parse_take(nb::cast<std::string>(t[0]), what);
+  if (take != Take::kSlice) return take == Take::kDrop ? Request::drop() : Request::whole();
+  if (t.size() != 4) throw Error(ErrorKind::kInvalidArgument, what + ": expected (\"narrow\", dim, start, length)");
+  return Request::narrow(nb::cast<int32_t>(t[1]), nb::cast<int64_t>(t[2]), nb::cast<int64_t>(t[3]));
+}
+
+Layout make_layout(nb::handle tensors, std::vector<std::string> drop_prefixes, const std::string& fallback) {
+  Layout layout;
+  if (tensors.is_valid() && !tensors.is_none()) {
+    for (auto [k, v] : nb::borrow<nb::dict>(tensors)) {
+      std::string name = nb::cast<std::string>(k);
+      layout.tensors.emplace(name, parse_request(v, name));
+    }
+  }
+  layout.drop_prefixes = std::move(drop_prefixes);
+  Take fb = parse_take(fallback, "layout fallback");
+  if (fb == Take::kSlice) throw Error(ErrorKind::kInvalidArgument, "layout fallback must be 'whole' or 'drop'");
+  layout.fallback = fb;
+  return layout;
+}
+
+nb::bytes to_bytes(const std::vector<uint8_t>& v) { return nb::bytes(reinterpret_cast<const char*>(v.data()), v.size()); }
+
+}  // namespace
+
+void register_config(nb::module_& m) {
+  // ---- configuration ----
+  nb::class_<RefitConfig>(m, "RefitConfig",
+                          "The refit configuration (the reference's refit_cfg.nixl keys plus refit's extensions). Build "
+                          "it with parse_config() or load_config(); it is read-only and picklable.")
+      .def(nb::init<>())
+      .def_ro("refit_transport", &RefitConfig::refit_transport)
+      .def_ro("update_weights_bucket_memory_ratio", &RefitConfig::update_weights_bucket_memory_ratio)
+      .def_prop_ro("device", [](const RefitConfig& c) { return to_string(c.device); })
+      .def_ro("backend_name", &RefitConfig::backend_name)
+      .def_ro("backend_init_params", &RefitConfig::backend_init_params)
+      .def_ro("release_after_refit", &RefitConfig::release_after_refit)
+      .def_ro("shard_expert_weights", &RefitConfig::shard_expert_weights)
+      .def_ro("bucket_bytes", &RefitConfig::bucket_bytes)
+      .def_ro("timeout_s", &RefitConfig::timeout_s)
+      .def_ro("verify_checksums", &RefitConfig::verify_checksums)
+      .def("to_yaml", [](const RefitConfig& c) { return to_yaml(c); }, "YAML that parse_config() reads back.")
+      .def("__eq__", [](const RefitConfig& a, const RefitConfig& b) { return a == b; })
+      .def("__repr__", [](const RefitConfig& c) {
+        return fmt::format("RefitConfig(device='{}', backend_name='{}', ratio={}, bucket_bytes={}, release_after_refit={}, "
+                           "timeout_s={})",
+                           to_string(c.device), c.backend_name, c.update_weights_bucket_memory_ratio,
+                           c.bucket_bytes ? std::to_string(*c.bucket_bytes) : "None",
+                           c.release_after_refit ? "True" : "False", c.timeout_s);
+      })
+      .def("__getstate__", [](const RefitConfig& c) { return to_yaml(c); })
+      .def("__setstate__", [](RefitConfig& c, const std::string& yaml) { new (&c) RefitConfig(parse_config(yaml)); });
+
+  m.def(
+      "parse_config",
+      [](const std::string& text, const std::vector<std::string>& overrides) { return parse_config(text, overrides); },
+      nb::arg("yaml_text") = "", nb::arg("overrides") = std::vector<std::string>{},
+      "Parses refit YAML (or a NeMo RL config) and applies dotted key=value overrides. Raises ConfigError naming the key.");
+  m.def(
+      "load_config",
+      [](const std::string& path, const std::vector<std::string>& overrides) { return load_config(path, overrides); },
+      nb::arg("path") = "", nb::arg("overrides") = std::vector<std::string>{},
+      "Reads a YAML file (empty path: defaults) and applies overrides.");
+
+  // ---- bucket sizing ----
+  nb::class_<BucketSize>(m, "BucketSize", "A resolved bucket size (bytes per transfer buffer).")
+      .def_ro("bytes", &BucketSize::bytes)
+      .def_ro("min_total_memory", &BucketSize::min_total_memory)
+      .def_ro("ratio", &BucketSize::ratio)
+      .def("__repr__", [](const BucketSize& b) {
+        return fmt::format("BucketSize(bytes={}, min_total_memory={}, ratio={})", b.bytes, b.min_total_memory, b.ratio);
+      });
+  m.def(
+      "resolve_bucket_size",
+      [](const RefitConfig& config, const std::vector<uint64_t>& memory) { return resolve_bucket_size(config, memory); },
+      nb::arg("config"), nb::arg("worker_total_memory"),
+      "min(worker_total_memory) * ratio floored to whole MiB (or config.bucket_bytes); raises ConfigError below 1 MiB.");
+  m.def(
+      "bucket_size_line", [](const BucketSize& size, const RefitConfig& config) { return bucket_size_line(size, config.device); },
+      nb::arg("size"), nb::arg("config"), "The reference's '[checkpoint engine] Bucket size: ...' log line.");
+
+  // ---- machine ----
+  m.def("total_host_memory_bytes", &total_host_memory_bytes, "Total physical memory of this host.");
+  m.def(
+      "total_device_memory_bytes",
+      [](const std::string& device) {
+        Device d = parse_device(device);
+        nb::gil_scoped_release nogil;
+        return total_device_memory_bytes(d);
+      },
+      nb::arg("device") = "cpu",
+      "Total memory of a transfer device ('cpu': host RAM; 'cuda', 'cuda:N': the GPU's), for bucket sizing.");
+  m.def("cuda_built", &cuda_built, "Whether this build of refit has the CUDA data path.");
+  m.def(
+      "cuda_device_count",
+      []() {
+        std::string reason;
+        int n = cuda_device_count(&reason);
+        return nb::make_tuple(n, reason);
+      },
+      "(number of usable GPUs, reason when 0).");
+
+  // ---- sessions and topology ----
+  m.def(
+      "new_session_id",
+      []() {
+        SessionId id = new_session_id();
+        return nb::bytes(reinterpret_cast<const char*>(id.data()), id.size());
+      },
+      "16 random bytes: give the same one to every engine of a refit group.");
+  m.def("source_rank_for_destination", &source_rank_for_destination, nb::arg("rollout_rank"),
+        nb::arg("train_world_size"), nb::arg("rollout_world_size"),
+        "The source rank that feeds a destination (the reference's pairing); raises TopologyError.");
+
+  // ---- dtypes and models ----
+  m.def("dtype_size", [](const std::string& name) { return dtype_size(parse_dtype(name)); }, nb::arg("dtype"));
+  m.def("canonical_dtype", [](const std::string& name) { return std::string(dtype_name(parse_dtype(name))); },
+        nb::arg("dtype"), "PyTorch's name of a dtype ('BF16' -> 'bfloat16').");
+
+  nb::class_<TensorInfo>(m, "TensorInfo", "A tensor's name, dtype and shape.")
+      .def_ro("name", &TensorInfo::name)
+      .def_prop_ro("dtype", [](const TensorInfo& t) { return std::string(dtype_name(t.dtype)); })
+      .def_prop_ro("shape", [](const TensorInfo& t) {
+        nb::list l;
+        for (int64_t d : t.shape) l.append(d);
+        return nb::tuple(l);
+      })
+      .def_prop_ro("nbytes", &TensorInfo::nbytes)
+      .def_prop_ro("numel", &TensorInfo::numel)
+      .def("__repr__", [](const TensorInfo& t) {
+        return fmt::format("TensorInfo('{}', {}, {})", t.name, dtype_name(t.dtype), shape_string(t.shape));
+      });
+
+  nb::class_<ModelInventory>(m, "ModelInventory", "The tensors of a model, in the order a policy streams them.")
+      .def_ro("name", &ModelInventory::name)
+      .def_ro("tensors", &ModelInventory::tensors)
+      .def_prop_ro("total_bytes", &ModelInventory::total_bytes)
+      .def_prop_ro("fingerprint", &ModelInventory::fingerprint)
+      .def("__len__", [](const ModelInventory& m) { return m.tensors.size(); });
+  m.def("load_model_inventory", &load_model_inventory, nb::arg("path"),
+        "Tensors of a model from a config.json (or its directory) or safetensors files; raises ModelError.");
+
+  // ---- layouts ----
+  nb::class_<Layout>(m, "Layout",
+                     "What a destination holds of each source tensor: 'whole', 'drop' or ('narrow', dim, start, "
+                     "length), by name; names under drop_prefixes are dropped; the rest get `fallback`.")
+      .def("__init__",
+           [](Layout* self, nb::handle tensors, std::vector<std::string> drop_prefixes, const std::string& fallback) {
+             new (self) Layout(make_layout(tensors, std::move(drop_prefixes), fallback));
+           },
+           nb::arg("tensors") = nb::none(), nb::arg("drop_prefixes") = std::vector<std::string>{},
+           nb::arg("fallback") = "whole")
+      .def_prop_ro("tensors",
+                   [](const Layout& l) {
+                     nb::dict d;
+                     for (const auto& [name, r] : l.tensors) d[nb::str(name.c_str())] = request_tuple(r);
+                     return d;
+                   })
+      .def_ro("drop_prefixes", &Layout::drop_prefixes)
+      .def_prop_ro("fallback", [](const Layout& l) { return std::string(l.fallback == Take::kDrop ? "drop" : "whole"); })
+      .def("request_for", [](const Layout& l, const std::string& name) { return request_tuple(l.request_for(name)); },
+           nb::arg("name"), "The rule for one tensor name.")
+      .def("to_bytes", [](const Layout& l) { return to_bytes(encode_layout(l)); })
+      .def_static("from_bytes", [](nb::handle b) { return decode_layout(bytes_of(b, "layout"), "layout"); })
+      .def("__eq__", [](const Layout& a, const Layout& b) { return a == b; })
+      .def("__getstate__", [](const Layout& l) { return to_bytes(encode_layout(l)); })
+      .def("__setstate__", [](Layout& l, nb::handle b) { new (&l) Layout(decode_layout(bytes_of(b, "layout"), "layout")); });
+
+  // ---- logging ----
+  m.def(
+      "set_log_level",
+      [](const std::string& level) {
+        auto l = spdlog::level::from_str(level);
+        if (l == spdlog::level::off && level != "off")
+          throw Error(ErrorKind::kInvalidArgument,
+                      fmt::format("log level must be trace, debug, info, warning, error, critical or off, got '{}'", level));
+        spdlog::set_level(l);
+      },
+      nb::arg("level"), "Level of refit's C++ log (spdlog, on stderr).");
+  m.def(
+      "log",
+      [](const std::string& level, const std::string& message) {
+        auto l = spdlog::level::from_str(level);
+        spdlog::log(l, "{}", message);
+      },
+      nb::arg("level"), nb::arg("message"), "Writes a line to refit's log, in the same format as the C++ lines.");
+}
+
+}  // namespace refit::py

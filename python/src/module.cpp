@@ -1,0 +1,13 @@
+// refit._refit: the C++ extension module of the `refit` Python package.
+#include "common.h"
+
+NB_MODULE(_refit, m) {
+  m.doc() = "refit's C++ engine (checkpoint engine, configuration, bucket sizing) for Python. Use the `refit` package.";
+  refit::py::register_errors(m);
+  refit::py::register_config(m);
+  refit::py::register_tensors(m);
+  refit::py::register_engine(m);
+#ifdef REFIT_PYTHON_VERSION
+  m.attr("__version__") = REFIT_PYTHON_VERSION;
+#endif
+}

@@ -1,0 +1,110 @@
+"""Helpers for the refit Python tests: a source/destination pair of engines in one process (each
+side on its own thread), and worker functions that run in spawned processes."""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import numpy as np
+
+import refit
+
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+TINY_MOE = os.path.join(REPO, "data", "models", "refit-tiny-moe")
+
+
+def config(**overrides: Any) -> refit.RefitConfig:
+    kwargs = {"timeout_s": 20}
+    kwargs.update(overrides)
+    return refit.as_config(kwargs)
+
+
+class Pair:
+    """A connected source and destination engine in this process."""
+
+    def __init__(self, bucket_bytes: int, cfg: Optional[refit.RefitConfig] = None, *,
+                 framework: str = "numpy", layout: Optional[refit.Layout] = None):
+        cfg = cfg or config()
+        self.session = session = refit.new_session_id()
+        self.source = refit.CheckpointEngine(bucket_bytes, cfg, session=session)
+        self.destination = refit.CheckpointEngine(bucket_bytes, cfg, session=session, framework=framework,
+                                                  layout=layout)
+        self.connect()
+
+    def connect(self) -> None:
+        md = [self.source.prepare(), self.destination.prepare()]
+        self.source.init_policy_process_group(0, 1, 1, md)
+        self.destination.init_rollout_process_group(0, 1, 1, md)
+
+    def start_send(self, weights) -> "Sender":
+        return Sender(self.source, weights)
+
+    def refit(self, weights, load: Callable[[List[Tuple[str, Any]]], None] = None,
+              **receive_kwargs: Any) -> Tuple[dict, dict]:
+        sender = self.start_send(weights)
+        it = self.destination.receive_weight_batches(**receive_kwargs)
+        for batch in it:
+            if load:
+                load(batch)
+        return sender.join(), it.stats
+
+    def close(self) -> None:
+        self.destination.close()
+        self.source.close()
+
+
+class Sender(threading.Thread):
+    """Runs send_weights on a thread; join() returns its stats or raises its error."""
+
+    def __init__(self, engine: refit.CheckpointEngine, weights) -> None:
+        super().__init__(daemon=True)
+        self.engine = engine
+        self.weights = weights
+        self.stats: Optional[dict] = None
+        self.error: Optional[BaseException] = None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            self.stats = self.engine.send_weights(self.weights)
+        except BaseException as e:  # noqa: BLE001
+            self.error = e
+
+    def join(self, timeout: Optional[float] = 60) -> dict:  # type: ignore[override]
+        super().join(timeout)
+        if self.is_alive():
+            raise AssertionError("send_weights did not return")
+        if self.error is not None:
+            raise self.error
+        return self.stats
+
+
+def hashes(weights) -> Dict[str, int]:
+    return {name: refit.xxh3_64(np.ascontiguousarray(t) if isinstance(t, np.ndarray) else t) for name, t in weights}
+
+
+# ---- code that runs in spawned processes ----------------------------------------------------------
+
+def destination_process(conn, bucket_bytes: int, session: bytes, cfg_yaml: str, refits: int) -> None:
+    """A destination in its own process: prepare, send metadata, get everyone's, receive `refits`
+    refits, hashing every tensor, then finalize; reports over `conn`."""
+    try:
+        engine = refit.create_checkpoint_engine("nixl", bucket_bytes, {"nixl": refit.parse_config(cfg_yaml),
+                                                                       "session": session, "framework": "numpy"})
+        conn.send(engine.prepare())
+        metadata = conn.recv()
+        engine.init_rollout_process_group(0, 1, 1, metadata)
+        for _ in range(refits):
+            got = {}
+            it = engine.receive_weight_batches()
+            for batch in it:
+                for name, tensor in batch:
+                    got[name] = (refit.xxh3_64(tensor), tensor.dtype.name, tuple(tensor.shape))
+            conn.send(("refit", got, it.stats, engine.stale))
+        engine.finalize()
+        conn.send(("done", engine.stale))
+        engine.close()
+    except BaseException as e:  # noqa: BLE001
+        conn.send(("error", e))

@@ -1,0 +1,180 @@
+"""The engine API's lifecycle, between two processes over UCX and within one process."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import pickle
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import refit
+
+from helpers import Pair, config, destination_process
+
+MiB = 1 << 20
+
+
+def make_weights(seed: int):
+    rng = np.random.default_rng(seed)
+    return [
+        ("model.embed_tokens.weight", rng.standard_normal((700, 1024), dtype=np.float32)),  # 2.7 MiB: split
+        ("model.norm.weight", rng.standard_normal(1024).astype(ml_dtypes.bfloat16)),
+        ("model.layers.0.mask", rng.integers(0, 2, (13, 7)).astype(np.bool_)),
+        ("model.layers.0.empty", np.zeros((0, 5), np.float16)),  # zero bytes: still delivered
+        ("model.layers.0.scalar", np.array(3.5, np.float64)),
+        ("model.layers.0.ids", rng.integers(-(1 << 40), 1 << 40, 333, dtype=np.int64)),
+        ("model.layers.0.strided", rng.standard_normal((64, 64)).astype(np.float16)[:, ::2]),  # made contiguous
+        ("model.layers.0.i8", rng.integers(-128, 127, 4096, dtype=np.int8)),
+        ("model.layers.0.fp8", rng.standard_normal(100).astype(ml_dtypes.float8_e4m3fn)),
+    ]
+
+
+def expected(weights):
+    return {name: (refit.xxh3_64(np.ascontiguousarray(t)), t.dtype.name, t.shape) for name, t in weights}
+
+
+def test_lifecycle_between_two_processes():
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    session = refit.new_session_id()
+    cfg = config(timeout_s=60)
+    proc = ctx.Process(target=destination_process, args=(child, MiB, session, cfg.to_yaml(), 2), daemon=True)
+    proc.start()
+    try:
+        source = refit.create_checkpoint_engine("nixl", MiB, {"nixl": {"timeout_s": 60}, "session": session})
+        md_source = source.prepare()
+        assert isinstance(md_source, bytes)
+        md_destination = parent.recv()
+        if isinstance(md_destination, tuple):
+            raise md_destination[1]
+        metadata = pickle.loads(pickle.dumps([md_source, md_destination]))  # metadata crosses by pickle
+        parent.send(metadata)
+        source.init_policy_process_group(0, 1, 1, metadata)
+        assert source.get_target_weight_layout() is None
+        for seed in (1, 2):
+            weights = make_weights(seed)
+            stats = source.send_weights(weights)
+            assert stats["tensors"] == len(weights) and stats["had_peer"]
+            kind, got, rstats, stale = parent.recv()
+            assert kind == "refit", got
+            assert not stale
+            assert got == expected(weights)
+            assert rstats["tensors"] == len(weights)
+            assert rstats["payload_bytes"] == sum(np.asarray(t).nbytes for _, t in weights)
+        assert parent.recv() == ("done", False)
+        source.finalize()
+        source.close()
+    finally:
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+    assert proc.exitcode == 0
+
+
+def test_release_after_refit_prepares_again():
+    pair = Pair(MiB, config(release_after_refit=True))
+    try:
+        for seed in (1, 2):
+            weights = make_weights(seed)
+            got = {}
+            pair.refit(weights, lambda b: got.update({n: refit.xxh3_64(t) for n, t in b}))
+            assert got == {n: h for n, (h, _, _) in expected(weights).items()}
+            pair.source.finalize()
+            pair.destination.finalize()
+            with pytest.raises(refit.InvalidArgumentError, match="prepare"):
+                pair.source.init_policy_process_group(0, 1, 1, [b"", b""])
+            pair.connect()  # buffers were freed: prepare + a fresh metadata exchange
+    finally:
+        pair.close()
+
+
+def test_source_without_destination_drains_its_weights():
+    session = refit.new_session_id()
+    cfg = config()
+    engines = [refit.CheckpointEngine(MiB, cfg, session=session) for _ in range(3)]  # 2 sources, 1 destination
+    try:
+        md = [e.prepare() for e in engines]
+        engines[0].init_policy_process_group(0, 2, 1, md)
+        engines[1].init_policy_process_group(1, 2, 1, md)
+        engines[2].init_rollout_process_group(0, 2, 1, md)
+        pulled = []
+
+        def stream():
+            for name, t in make_weights(3):
+                pulled.append(name)
+                yield name, t
+
+        stats = engines[1].send_weights(stream())
+        assert not stats["had_peer"] and len(pulled) == len(make_weights(3))
+    finally:
+        for e in engines:
+            e.close()
+
+
+def test_topology_and_session_are_checked():
+    session = refit.new_session_id()
+    a = refit.CheckpointEngine(MiB, config(), session=session)
+    b = refit.CheckpointEngine(MiB, config(), session=refit.new_session_id())
+    try:
+        md = [a.prepare(), b.prepare()]
+        with pytest.raises(refit.TopologyError, match="paired refit needs train_world_size >= rollout_world_size"):
+            a.init_policy_process_group(0, 1, 2, md + [md[1]])
+        with pytest.raises(refit.ProtocolError, match="another refit session"):
+            a.init_policy_process_group(0, 1, 1, md)
+        with pytest.raises(refit.TopologyError):
+            refit.source_rank_for_destination(3, 2, 2)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_receive_before_init_raises_the_reference_error_kind():
+    e = refit.CheckpointEngine(MiB, config())
+    try:
+        e.prepare()
+        with pytest.raises(refit.TopologyError, match="not connected to a source"):
+            for _ in e.receive_weight_batches():
+                pass
+    finally:
+        e.close()
+
+
+def test_create_checkpoint_engine_shapes_of_engine_kwargs():
+    e1 = refit.create_checkpoint_engine("nixl", 4 * MiB, {"device": "cpu", "timeout_s": 7})
+    e2 = refit.create_checkpoint_engine("nixl", 4 * MiB, {"nixl": {"backend_init_params": {"ucx_error_handling_mode": "peer"}}})
+    e3 = refit.create_checkpoint_engine("nixl", 4 * MiB, refit.parse_config("", ["timeout_s=9"]), framework="numpy")
+    try:
+        assert e1.config.timeout_s == 7 and e1.bucket_size == 4 * MiB
+        assert e2.config.backend_init_params == {"ucx_error_handling_mode": "peer"}
+        assert e3.config.timeout_s == 9
+    finally:
+        for e in (e1, e2, e3):
+            e.close()
+    with pytest.raises(refit.ConfigError, match="Unknown checkpoint-engine backend 'nccl'"):
+        refit.create_checkpoint_engine("nccl", MiB, {})
+
+
+def test_plugin_backend_is_constructed_like_the_reference():
+    engine = refit.create_checkpoint_engine("collections:OrderedDict", 123, {"release_after_refit": True})
+    assert engine == {"bucket_size": 123, "release_after_refit": True}
+
+
+def test_lifecycle_misuse_is_reported():
+    pair = Pair(MiB)
+    try:
+        it = pair.destination.receive_weight_batches()
+        sender = pair.start_send(make_weights(5))
+        first = next(it)
+        assert first
+        with pytest.raises(refit.InvalidArgumentError, match="still running"):
+            pair.destination.prepare()
+        for _ in it:
+            pass
+        sender.join()
+        pair.destination.prepare()  # fine once the iteration ended
+    finally:
+        pair.close()
+    with pytest.raises(refit.InvalidArgumentError, match="closed"):
+        pair.destination.prepare()

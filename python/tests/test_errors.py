@@ -1,0 +1,148 @@
+"""C++ errors arrive as Python exceptions of their kind, with the C++ message unchanged."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import re
+import signal
+import time
+
+import numpy as np
+import pytest
+
+import refit
+
+from helpers import Pair
+
+MiB = 1 << 20
+
+
+def test_bad_config_raises_config_error_with_the_cpp_message():
+    with pytest.raises(refit.ConfigError) as err:
+        refit.parse_config("", ["device=gpu"])
+    # The message of refit::parse_device (src/core/config.cpp), unchanged.
+    assert str(err.value) == "refit_cfg.nixl.device must be cpu, cuda or cuda:N (N >= 0), got 'gpu'"
+    assert err.value.kind == "config"
+    assert isinstance(err.value, ValueError) and isinstance(err.value, refit.RefitError)
+
+    with pytest.raises(refit.ConfigError, match=re.escape(
+            "refit_cfg.nixl.update_weights_bucket_memory_ratio must be > 0 and < 0.5")):
+        refit.create_checkpoint_engine("nixl", MiB, {"update_weights_bucket_memory_ratio": 0.7})
+    with pytest.raises(refit.ConfigError, match="unknown key refit_cfg.nixl.bucket_size"):
+        refit.as_config({"bucket_size": 5})
+
+
+def test_every_kind_has_its_class():
+    kinds = {
+        refit.ConfigError: "config", refit.InvalidArgumentError: "invalid_argument", refit.ModelError: "model",
+        refit.TopologyError: "topology", refit.LayoutError: "layout", refit.TransportError: "transport",
+        refit.RefitTimeoutError: "timeout", refit.PeerLostError: "peer_lost", refit.IntegrityError: "integrity",
+        refit.ProtocolError: "protocol", refit.RefitIOError: "io", refit.UnsupportedError: "unsupported",
+        refit.InternalError: "internal",
+    }
+    for cls, kind in kinds.items():
+        assert issubclass(cls, refit.RefitError) and cls.kind == kind
+        e = pickle.loads(pickle.dumps(cls("a message")))  # crosses process boundaries (multiprocessing, Ray)
+        assert type(e) is cls and str(e) == "a message"
+    assert issubclass(refit.RefitTimeoutError, TimeoutError)
+    assert issubclass(refit.PeerLostError, ConnectionError)
+
+
+def test_model_and_topology_errors():
+    with pytest.raises(refit.ModelError, match="no-such-model"):
+        refit.load_model_inventory("/no-such-model/config.json")
+    with pytest.raises(refit.TopologyError, match=re.escape("rollout_rank must be in [0, 2), got 2")):
+        refit.source_rank_for_destination(2, 2, 2)
+
+
+def test_a_failing_weight_iterator_fails_both_sides_with_its_cause():
+    pair = Pair(MiB)
+    try:
+        def weights():
+            yield "a", np.ones(1000, np.float32)
+            raise ZeroDivisionError("the policy crashed")
+
+        sender = pair.start_send(weights())
+        start = time.monotonic()
+        with pytest.raises(refit.RefitError) as received:
+            for _ in pair.destination.receive_weight_batches():
+                pass
+        with pytest.raises(refit.InvalidArgumentError) as sent:
+            sender.join()
+        assert time.monotonic() - start < 5  # the source's abort reaches the destination at once
+        assert "the weight iterator raised ZeroDivisionError: the policy crashed" in str(sent.value)
+        assert str(sent.value).startswith("source rank 0, refit 1 of this connection, phase pack bucket 0")
+        assert isinstance(sent.value.__cause__, ZeroDivisionError)
+        assert "source rank 0" in str(received.value)
+        assert pair.destination.stale
+    finally:
+        pair.close()
+
+
+@pytest.mark.parametrize("item,message", [
+    (("w", np.zeros(4, np.uint16)), "tensor 'w' has dtype uint16, which refit does not move"),
+    (("w", "not a tensor"), "tensor 'w': cannot read a str as a tensor"),
+    (("w",), "item 0 of the weight iterator is a tuple, expected a (name, tensor) pair"),
+    ((7, np.zeros(4)), "item 0 of the weight iterator: the name must be a str, got int"),
+])
+def test_bad_items_name_the_tensor(item, message):
+    pair = Pair(MiB)
+    try:
+        sender = pair.start_send([item])
+        with pytest.raises(refit.RefitError):
+            for _ in pair.destination.receive_weight_batches():
+                pass
+        with pytest.raises(refit.RefitError) as err:
+            sender.join()
+        assert message in str(err.value)
+    finally:
+        pair.close()
+
+
+def test_a_repeated_name_is_refused():
+    pair = Pair(MiB)
+    try:
+        sender = pair.start_send([("w", np.zeros(4)), ("w", np.zeros(4))])
+        with pytest.raises(refit.RefitError):
+            for _ in pair.destination.receive_weight_batches():
+                pass
+        with pytest.raises(refit.InvalidArgumentError, match="tensor 'w' appears twice in one refit"):
+            sender.join()
+    finally:
+        pair.close()
+
+
+def _killed_destination(conn, session: bytes) -> None:
+    engine = refit.create_checkpoint_engine("nixl", MiB, {"timeout_s": 60, "session": session, "framework": "numpy"})
+    conn.send(engine.prepare())
+    engine.init_rollout_process_group(0, 1, 1, conn.recv())
+    for batch in engine.receive_weight_batches():
+        os.kill(os.getpid(), signal.SIGKILL)  # dies holding the first batch
+
+
+def test_a_killed_peer_surfaces_as_peer_lost_error_with_the_cpp_message():
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    session = refit.new_session_id()
+    proc = ctx.Process(target=_killed_destination, args=(child, session), daemon=True)
+    proc.start()
+    source = refit.create_checkpoint_engine("nixl", MiB, {"timeout_s": 60, "session": session})
+    try:
+        md = [source.prepare(), parent.recv()]
+        parent.send(md)
+        source.init_policy_process_group(0, 1, 1, md)
+        weights = [(f"w{i}", np.full(MiB // 4, i, np.float32)) for i in range(8)]
+        start = time.monotonic()
+        with pytest.raises(refit.PeerLostError) as err:
+            source.send_weights(weights)
+        assert time.monotonic() - start < 20
+        # The C++ engine's message: who failed, where, and which peer died.
+        assert re.fullmatch(
+            rf"source rank 0, refit 1 of this connection, phase wait for destination rank 0 to read bucket \d+: "
+            rf"lost destination rank 0: its process \(pid {proc.pid}\) is gone", str(err.value)), str(err.value)
+    finally:
+        source.close()
+        proc.join(10)
+    assert proc.exitcode == -signal.SIGKILL

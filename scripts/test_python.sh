@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# The Python package's test suite: installs what it needs (Debian build packages if missing, then
+# the Python build and test dependencies with pip), builds and installs the package
+# (`pip install .`, incremental: the CMake build folder build/py/ is kept), and runs pytest on
+# python/tests. Exits with pytest's status; "no tests collected" (pytest's 5) is a failure.
+#
+# Usage: scripts/test_python.sh [pytest arguments]     e.g. scripts/test_python.sh -k ray -x
+# Environment: PYTHON (default python3), REFIT_TEST_TORCH=1 also installs PyTorch from PyPI
+# (large: its default wheels bring CUDA libraries) so that the torch tests run instead of skipping.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-python3}"
+export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
+start=$SECONDS
+
+# C++ build dependencies (the same packages scripts/setup.sh installs), only those missing.
+packages=(build-essential cmake ninja-build pkg-config libucx-dev libyaml-cpp-dev nlohmann-json3-dev
+          libcli11-dev libspdlog-dev libfmt-dev libxxhash-dev)
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "test_python: installing ${missing[*]}"
+  sudo_cmd=""
+  [ "$(id -u)" -ne 0 ] && sudo_cmd="sudo"
+  $sudo_cmd apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq "${missing[@]}"
+fi
+
+# Python build and test dependencies (pip leaves those already satisfied alone).
+deps=("scikit-build-core>=0.10" "nanobind>=2.4" "pytest" "numpy" "ml-dtypes" "ray")
+[ "${REFIT_TEST_TORCH:-0}" = "1" ] && deps+=("torch")
+echo "=== test_python: pip install ${deps[*]}"
+"$PYTHON" -m pip install -q "${deps[@]}"
+
+# Build and install the package. --no-build-isolation reuses the build dependencies above and the
+# persistent CMake folder build/py/<wheel tag>, so a rebuild compiles only what changed.
+echo "=== test_python: pip install . (build log: build/py/pip-install.log)"
+mkdir -p build/py
+if ! "$PYTHON" -m pip install --no-build-isolation -v . >build/py/pip-install.log 2>&1; then
+  tail -n 60 build/py/pip-install.log
+  echo "test_python: building the package failed (full log: build/py/pip-install.log)" >&2
+  exit 1
+fi
+echo "=== test_python: built and installed in $((SECONDS - start)) s"
+
+# The tests import the installed package (python/tests has no refit/ beside it).
+set +e
+"$PYTHON" -m pytest -p no:cacheprovider -ra python/tests "$@"
+status=$?
+set -e
+if [ "$status" -eq 5 ]; then
+  echo "test_python: pytest collected no tests" >&2
+  exit 1
+fi
+echo "=== test_python: pytest exited with $status after $((SECONDS - start)) s"
+exit "$status"

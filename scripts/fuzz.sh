@@ -16,7 +16,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-all_targets=(metadata message layout assembler)
+all_targets=(metadata message layout assembler channel)
 # Built too, run only when named: fuzz_channel finds faults in src/sync/channel.cpp not fixed yet.
 extra_targets=(channel)
 mode=run

@@ -328,7 +328,7 @@ class CheckpointEngine::Impl {
       if (selection.take == Take::kSlice) data = slice_of(info, view.data, selection);
       for (const ChunkPlacement& c : packer.place(selection.info)) {
         if (c.starts_bucket) flush(false);
-        std::memcpy(buffers_[bucket.buffer] + c.bucket_offset, data + c.tensor_offset, c.size);
+        if (c.size > 0) std::memcpy(buffers_[bucket.buffer] + c.bucket_offset, data + c.tensor_offset, c.size);
         bucket.entries.push_back({selection.info, c.tensor_offset, c.size, c.bucket_offset});
         bucket.used_bytes = c.bucket_offset + c.size;
       }

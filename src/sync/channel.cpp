@@ -6,6 +6,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <algorithm>
 #include <utility>
 
 #include "core/fail.h"
@@ -13,8 +14,38 @@
 namespace refit {
 
 namespace {
-constexpr uint64_t kMaxFrame = 1ull << 32;  // metadata of thousands of workers still fits
-}
+
+constexpr uint64_t kMaxFrame = 1ull << 30;  // metadata of thousands of workers still fits
+// The body is read in pieces, so a peer that announces a huge frame and sends little of it
+// costs no more memory than it sent.
+constexpr uint64_t kReadPiece = 16ull << 20;
+// nlohmann's CBOR reader recurses per nesting level; deeper input is refused before parsing.
+constexpr int kMaxDepth = 64;
+
+// A SAX pass that accepts anything but nesting deeper than kMaxDepth.
+struct DepthCheck : nlohmann::json_sax<nlohmann::json> {
+  int depth = 0;
+  bool too_deep = false;
+  bool open() {
+    too_deep = ++depth > kMaxDepth;
+    return !too_deep;
+  }
+  bool null() override { return true; }
+  bool boolean(bool) override { return true; }
+  bool number_integer(number_integer_t) override { return true; }
+  bool number_unsigned(number_unsigned_t) override { return true; }
+  bool number_float(number_float_t, const string_t&) override { return true; }
+  bool string(string_t&) override { return true; }
+  bool binary(binary_t&) override { return true; }
+  bool start_object(std::size_t) override { return open(); }
+  bool key(string_t&) override { return true; }
+  bool end_object() override { return --depth, true; }
+  bool start_array(std::size_t) override { return open(); }
+  bool end_array() override { return --depth, true; }
+  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception&) override { return false; }
+};
+
+}  // namespace
 
 Channel::~Channel() { close(); }
 
@@ -77,8 +108,16 @@ nlohmann::json Channel::receive_frame(Deadline deadline, bool forever) {
   if (!read_exact(&size, sizeof(size), deadline, forever))
     fail(ErrorKind::kTimeout, "no answer from {} before the deadline", peer_);
   if (size > kMaxFrame) fail(ErrorKind::kProtocol, "{} sent a frame of {} bytes", peer_, size);
-  std::vector<uint8_t> body(size);
-  if (!read_exact(body.data(), size, deadline, forever)) fail(ErrorKind::kTimeout, "{} stopped mid-message", peer_);
+  std::vector<uint8_t> body;
+  while (body.size() < size) {
+    const size_t have = body.size();
+    body.resize(have + std::min(kReadPiece, size - have));
+    if (!read_exact(body.data() + have, body.size() - have, deadline, forever))
+      fail(ErrorKind::kTimeout, "{} stopped mid-message", peer_);
+  }
+  DepthCheck check;
+  if (!nlohmann::json::sax_parse(body, &check, nlohmann::json::input_format_t::cbor, false) && check.too_deep)
+    fail(ErrorKind::kProtocol, "garbled message from {}: nested deeper than {} levels", peer_, kMaxDepth);
   try {
     return nlohmann::json::from_cbor(body);
   } catch (const nlohmann::json::exception& e) {

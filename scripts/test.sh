@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The whole test suite: set up, build, run every test (unit tests and multi-process tests over
-# UCX), then fuzz the decoders for a short budget, then run the suite again under
+# UCX), then the Python package's tests (pytest, with real Ray), then fuzz the decoders for a short budget, then run the suite again under
 # AddressSanitizer + UndefinedBehaviorSanitizer and under ThreadSanitizer. This is what CI runs.
 #
 # Usage: scripts/test.sh                 everything, in that order (stops at the first failure)
 #        scripts/test.sh release|asan|tsan   one suite: the plain build, or one sanitizer build
+#        scripts/test.sh python          only the Python package (pip install ., pytest)
 #        scripts/test.sh fuzz [SECONDS]  only the fuzzers (scripts/fuzz.sh; default 20 s per target)
 # REFIT_FUZZ_SECONDS sets the fuzz budget per target of the full run (default 20).
 set -euo pipefail
@@ -23,6 +24,10 @@ case "$what" in
   all)
     start=$SECONDS
     suite release
+    echo "=== python package"
+    t0=$SECONDS
+    scripts/test_python.sh
+    echo "=== python package: $((SECONDS - t0)) s (build and tests)"
     echo "=== fuzzers"
     t0=$SECONDS
     scripts/fuzz.sh "${REFIT_FUZZ_SECONDS:-20}"
@@ -33,8 +38,9 @@ case "$what" in
     ;;
   release | asan | tsan) suite "$what" ;;
   fuzz) scripts/fuzz.sh "${2:-20}" ;;
+  python) scripts/test_python.sh ;;
   *)
-    echo "usage: scripts/test.sh [release|asan|tsan|fuzz [SECONDS]]" >&2
+    echo "usage: scripts/test.sh [release|asan|tsan|python|fuzz [SECONDS]]" >&2
     exit 2
     ;;
 esac

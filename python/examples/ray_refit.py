@@ -148,8 +148,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.address:
         ray.init(address=args.address)
     else:
-        ray.init(include_dashboard=False, num_cpus=max(2, os.cpu_count() or 2), object_store_memory=256 << 20,
-                 logging_level="WARNING")
+        # address="local": always a fresh local instance, never one left over from an earlier run.
+        ray.init(address="local", include_dashboard=False, num_cpus=max(2, os.cpu_count() or 2),
+                 object_store_memory=256 << 20, logging_level="WARNING")
     try:
         gpus = 0.0
         if args.device != "cpu":

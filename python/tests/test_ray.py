@@ -18,6 +18,7 @@ EXAMPLE = os.path.join(REPO, "python", "examples", "ray_refit.py")
 
 def test_ray_example_runs_three_verified_refits():
     env = dict(os.environ, RAY_DEDUP_LOGS="0", RAY_USAGE_STATS_ENABLED="0")
+    env.pop("RAY_ADDRESS", None)  # a local Ray of the test's own
     proc = subprocess.run([sys.executable, EXAMPLE, "--policy", "2", "--rollout", "2", "--refits", "3",
                            "timeout_s=120"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=420)

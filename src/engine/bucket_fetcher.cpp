@@ -56,18 +56,23 @@ bool BucketFetcher::fetch(uint64_t seq, std::string& phase) {
   }
 
   phase = fmt::format("wait for bucket {}", seq);
-  auto bytes = receive_watching(*context_.transport, context_.peer, context_.peer_label,
-                                context_.peer_metadata->process, deadline, [this] {
-                                  std::lock_guard lock(mutex_);
-                                  return stop_;
-                                });
-  if (!bytes) return false;
-  auto msg = protocol::decode_message(*bytes, context_.peer_label);
+  protocol::Message msg;
+  while (true) {
+    auto bytes = receive_watching(*context_.transport, context_.peer, context_.peer_label,
+                                  context_.peer_metadata->process, deadline, [this] {
+                                    std::lock_guard lock(mutex_);
+                                    return stop_;
+                                  });
+    if (!bytes) return false;
+    msg = protocol::decode_message(*bytes, context_.peer_label);
+    if (msg.refit() == context_.refit) break;
+    spdlog::debug("discarding a message of an earlier refit from {}", context_.peer_label);  // left by a failure
+  }
   if (msg.type == protocol::MessageType::kAbort)
     protocol::raise_abort(msg.abort, context_.peer_label, fmt::format("bucket {}", seq));
-  if (msg.type != protocol::MessageType::kBucketReady || msg.ready.refit != context_.refit || msg.ready.seq != seq)
-    fail(ErrorKind::kProtocol, "{} sent an unexpected message (type {}, refit {}, bucket {}) instead of bucket {} of refit {}",
-         context_.peer_label, static_cast<int>(msg.type), msg.ready.refit, msg.ready.seq, seq, context_.refit);
+  if (msg.type != protocol::MessageType::kBucketReady || msg.ready.seq != seq)
+    fail(ErrorKind::kProtocol, "{} sent an unexpected message (type {}, bucket {}) instead of bucket {}",
+         context_.peer_label, static_cast<int>(msg.type), msg.ready.seq, seq);
   protocol::validate(msg.ready, context_.bucket_bytes, context_.peer_label);
 
   if (context_.verify_checksums != msg.ready.checksum.has_value())

@@ -37,6 +37,11 @@ auto in_phase(const std::string& context, F&& body) {
 
 }  // namespace
 
+uint64_t random_u64() {
+  std::random_device rd;
+  return (uint64_t{rd()} << 32) ^ rd();
+}
+
 SessionId new_session_id() {
   std::random_device rd;
   SessionId id;
@@ -96,6 +101,8 @@ class CheckpointEngine::Impl {
     for (int i = 0; i < kBufferCount; ++i) md.buffers.push_back(transport_->describe(regions_[i]));
     if (options_.layout) md.layout = encode_layout(*options_.layout);
     md.process = this_process();
+    generation_ = random_u64();
+    md.generation = generation_;
     return protocol::encode(md);
   }
 
@@ -111,6 +118,7 @@ class CheckpointEngine::Impl {
       if (worker_rank < rollout) {
         const std::string label = fmt::format("destination rank {}", worker_rank);
         connect_peer(metadata, train + worker_rank, label);
+        first_refit_ = protocol::first_refit(generation_, peer_metadata_.generation);
         if (!peer_metadata_.layout.empty()) target_layout_ = decode_layout(peer_metadata_.layout, "layout of " + label);
       }
     });
@@ -124,6 +132,7 @@ class CheckpointEngine::Impl {
       check_group(train, rollout, metadata);
       int source = source_rank_for_destination(rollout_rank, train, rollout);
       connect_peer(metadata, source, fmt::format("source rank {}", source));
+      first_refit_ = protocol::first_refit(peer_metadata_.generation, generation_);
     });
     self_ = self;
     is_destination_ = true;
@@ -132,7 +141,7 @@ class CheckpointEngine::Impl {
   SendStats send(WeightSource& weights) {
     SendStats stats;
     const auto start = Clock::now();
-    const uint64_t refit = ++refit_count_;
+    const uint64_t refit = first_refit_ + ++refits_;
     if (!has_peer_) {
       // A source without a destination still drains its stream: real weight iterators run
       // collectives that every rank must enter.
@@ -147,11 +156,11 @@ class CheckpointEngine::Impl {
       run_send(weights, refit, stats, phase);
     } catch (const Error& e) {
       abort_peer(refit, e.kind(), e.what());
-      throw Error(e.kind(), fmt::format("{}, refit {} of this connection, phase {}: {}", self_, refit, phase, e.what()));
+      throw Error(e.kind(), fmt::format("{}, refit {} of this connection, phase {}: {}", self_, refits_, phase, e.what()));
     } catch (const std::exception& e) {
       // The weight iterator (caller code) failed.
       abort_peer(refit, ErrorKind::kInvalidArgument, e.what());
-      throw Error(ErrorKind::kInvalidArgument, fmt::format("{}, refit {} of this connection, phase {}: weight stream failed: {}", self_, refit, phase, e.what()));
+      throw Error(ErrorKind::kInvalidArgument, fmt::format("{}, refit {} of this connection, phase {}: weight stream failed: {}", self_, refits_, phase, e.what()));
     }
     stats.seconds = seconds_since(start);
     return stats;
@@ -161,7 +170,7 @@ class CheckpointEngine::Impl {
     stale_ = true;
     ReceiveStats stats;
     const auto start = Clock::now();
-    const uint64_t refit = ++refit_count_;
+    const uint64_t refit = first_refit_ + ++refits_;
     if (!has_peer_)
       fail(ErrorKind::kTopology, "{}: receive() before init_destination(): the destination is not connected to a source",
            self_.empty() ? "destination" : self_);
@@ -172,8 +181,8 @@ class CheckpointEngine::Impl {
       ErrorKind kind = ErrorKind::kInvalidArgument;  // the loader (caller code) failed
       if (const auto* err = dynamic_cast<const Error*>(&e)) kind = err->kind();
       abort_peer(refit, kind, e.what());
-      spdlog::error("{} is stale: refit {} of this connection failed in phase {}: {}", self_, refit, phase, e.what());
-      throw Error(kind, fmt::format("{}, refit {} of this connection, phase {}: {}", self_, refit, phase, e.what()));
+      spdlog::error("{} is stale: refit {} of this connection failed in phase {}: {}", self_, refits_, phase, e.what());
+      throw Error(kind, fmt::format("{}, refit {} of this connection, phase {}: {}", self_, refits_, phase, e.what()));
     }
     stats.total_seconds = seconds_since(start);
     stale_ = false;
@@ -225,7 +234,7 @@ class CheckpointEngine::Impl {
     peer_metadata_ = std::move(md);
     peer_label_ = label;
     has_peer_ = true;
-    refit_count_ = 0;
+    refits_ = 0;
   }
 
   void disconnect() {
@@ -244,11 +253,20 @@ class CheckpointEngine::Impl {
     prepared_ = false;
   }
 
-  protocol::Message receive_message(const std::string& expecting) {
-    auto bytes = receive_watching(*transport_, peer_, peer_label_, peer_metadata_.process, next_deadline());
-    auto msg = protocol::decode_message(*bytes, peer_label_);
-    if (msg.type == protocol::MessageType::kAbort) protocol::raise_abort(msg.abort, peer_label_, expecting);
-    return msg;
+  // The next message of refit `refit`; messages of earlier refits or connections (left queued by
+  // a failure) are discarded.
+  protocol::Message receive_message(uint64_t refit, const std::string& expecting) {
+    const Deadline deadline = next_deadline();
+    while (true) {
+      auto bytes = receive_watching(*transport_, peer_, peer_label_, peer_metadata_.process, deadline);
+      auto msg = protocol::decode_message(*bytes, peer_label_);
+      if (msg.refit() != refit) {
+        spdlog::debug("{}: discarding a message of an earlier refit from {}", self_, peer_label_);
+        continue;
+      }
+      if (msg.type == protocol::MessageType::kAbort) protocol::raise_abort(msg.abort, peer_label_, expecting);
+      return msg;
+    }
   }
 
   void abort_peer(uint64_t refit, ErrorKind kind, const std::string& reason) noexcept {
@@ -262,8 +280,8 @@ class CheckpointEngine::Impl {
 
   void wait_done(uint64_t refit, uint64_t seq, std::string& phase) {
     phase = fmt::format("wait for {} to read bucket {}", peer_label_, seq);
-    auto msg = receive_message(fmt::format("bucket {} done", seq));
-    if (msg.type != protocol::MessageType::kBucketDone || msg.done.refit != refit || msg.done.seq != seq)
+    auto msg = receive_message(refit, fmt::format("bucket {} done", seq));
+    if (msg.type != protocol::MessageType::kBucketDone || msg.done.seq != seq)
       fail(ErrorKind::kProtocol, "{} sent an unexpected message (type {}, refit {}, bucket {}) instead of 'bucket {} done'",
            peer_label_, static_cast<int>(msg.type), msg.done.refit, msg.done.seq, seq);
   }
@@ -390,7 +408,9 @@ class CheckpointEngine::Impl {
   PeerId peer_ = 0;
   std::string peer_label_;
   protocol::EngineMetadata peer_metadata_;
-  uint64_t refit_count_ = 0;
+  uint64_t refits_ = 0;       // since connect; names refits in errors
+  uint64_t first_refit_ = 0;  // protocol::first_refit() of this connection; refit k is first_refit_ + k on the wire
+  uint64_t generation_ = 0;   // of this engine's latest metadata
   bool stale_ = true;
   TensorAssembler assembler_;
   std::optional<Layout> target_layout_;    // on a source: what its destination holds

@@ -73,6 +73,7 @@ Bytes encode(const EngineMetadata& m) {
   w.put_string(m.process.boot_id);
   w.put<int32_t>(m.process.pid);
   w.put<uint64_t>(m.process.start_time);
+  w.put<uint64_t>(m.generation);
   return w.take();
 }
 
@@ -110,6 +111,7 @@ EngineMetadata decode_metadata(std::span<const uint8_t> blob, const std::string&
   m.process.boot_id = r.get_string("boot id");
   m.process.pid = r.get<int32_t>("pid");
   m.process.start_time = r.get<uint64_t>("start time");
+  m.generation = r.get<uint64_t>("generation");
   r.expect_end();
   return m;
 }
@@ -204,6 +206,23 @@ Message decode_message(std::span<const uint8_t> bytes, const std::string& who) {
   }
   r.expect_end();
   return msg;
+}
+
+uint64_t first_refit(uint64_t source_generation, uint64_t destination_generation) {
+  // splitmix64 finalizer over both: any change in either gives an unrelated number.
+  uint64_t z = source_generation * 0x9E3779B97F4A7C15ull ^ destination_generation;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+uint64_t Message::refit() const {
+  switch (type) {
+    case MessageType::kBucketReady: return ready.refit;
+    case MessageType::kBucketDone: return done.refit;
+    case MessageType::kAbort: return abort.refit;
+  }
+  return 0;
 }
 
 void raise_abort(const Abort& m, const std::string& who, const std::string& waiting_for) {

@@ -29,7 +29,13 @@ struct EngineMetadata {
   std::vector<RemoteRegion> buffers;  // the two transfer buffers
   Bytes layout;                       // a destination's encoded layout; empty: whole tensors
   ProcessIdentity process;            // lets a peer on the same host see at once that we are gone
+  uint64_t generation = 0;            // random per prepare(): tells one connection from the next
 };
+
+// The refit number before the first refit of a connection, the same on both sides: derived from
+// both peers' metadata generations, so that messages left over from an earlier connection (or a
+// failed refit) never match a refit of this one and are discarded.
+uint64_t first_refit(uint64_t source_generation, uint64_t destination_generation);
 
 Bytes encode(const EngineMetadata& metadata);
 // `who` names the blob's owner in errors ("metadata of source rank 1").
@@ -46,7 +52,7 @@ struct ManifestEntry {
 enum class MessageType : uint8_t { kBucketReady = 1, kBucketDone = 2, kAbort = 3 };
 
 struct BucketReady {
-  uint64_t refit = 0;  // refit sequence number since connect
+  uint64_t refit = 0;  // refit number: first_refit() of the connection, plus one per refit
   uint64_t seq = 0;    // bucket number within the refit
   uint8_t buffer = 0;  // which of the source's two buffers holds it
   bool is_last = false;
@@ -71,6 +77,7 @@ struct Message {
   BucketReady ready;
   BucketDone done;
   Abort abort;
+  uint64_t refit() const;  // the refit the message belongs to, whatever its type
 };
 
 Bytes encode(const BucketReady& m);

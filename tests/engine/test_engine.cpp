@@ -185,6 +185,34 @@ TEST(Engine, LoaderFailureAbortsTheSourceAndLeavesDestinationStale) {
   }
 }
 
+// A failed refit leaves messages queued (the source's next bucket, an abort); neither the next
+// refit on the same connection nor one after reconnecting may mistake them for its own.
+TEST(Engine, RefitAfterAFailureIgnoresItsLeftovers) {
+  Pair p(64);
+  p.connect();
+  auto weights = mixed_model(7);
+  auto failed = std::async(std::launch::async, [&] {
+    VectorSource src(weights);
+    try {
+      p.source->send(src);
+    } catch (const Error&) {
+    }
+  });
+  EXPECT_THROW(p.destination->receive([](LoadBatch) { throw std::runtime_error("loader failed"); }), Error);
+  failed.get();
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    if (attempt == 1) {
+      p.source->finalize();
+      p.destination->finalize();
+      p.connect();
+    }
+    Received got;
+    p.refit(weights, got);
+    expect_same(weights, got);
+    EXPECT_FALSE(p.destination->stale());
+  }
+}
+
 TEST(Engine, SilentSourceTimesOutNamingPeerAndPhase) {
   Pair p(64, false, 0.3);
   p.connect();
@@ -284,6 +312,7 @@ struct RogueSource {
   std::vector<std::byte> memory = std::vector<std::byte>(64);
   CheckpointEngine destination{inproc_options(fabric, 64, session)};
   PeerId to_destination = 0;
+  uint64_t first_refit = 0;  // refit k of this connection is first_refit + k on the wire
 
   RogueSource() {
     auto region = transport->register_memory(memory.data(), memory.size());
@@ -295,6 +324,7 @@ struct RogueSource {
     fake.buffers = {transport->describe(region), transport->describe(region)};
     std::vector<Metadata> md = {protocol::encode(fake), destination.prepare()};
     destination.init_destination(0, 1, 1, md);
+    first_refit = protocol::first_refit(fake.generation, protocol::decode_metadata(md[1], "d").generation);
     to_destination = transport->connect(protocol::decode_metadata(md[1], "d").transport_address, "destination");
   }
   void send(const Bytes& message) { transport->send(to_destination, message, deadline_after(std::chrono::seconds(1))); }
@@ -320,7 +350,7 @@ TEST(Engine, OutOfRangeChunkIsRejectedBeforeAnyRead) {
   RogueSource rogue;
   auto& d = rogue.destination;
   protocol::BucketReady bad;
-  bad.refit = 1;
+  bad.refit = rogue.first_refit + 1;
   bad.is_last = true;
   bad.used_bytes = 32;
   bad.entries.push_back({{"w", DType::kFloat32, {4}}, 0, 16, 24});  // ends at 40 > 32 used

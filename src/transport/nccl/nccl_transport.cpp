@@ -326,18 +326,7 @@ class NcclTransport final : public Transport {
         if (state == ncclSuccess) posted = true;
         else if (state != ncclInProgress) abort_comm(*peer, what, ErrorKind::kTransport, nccl_text(state, peer->comm));
       }
-      if (posted) {
-        cudaError_t status = cudaStreamQuery(recv_stream_);
-        if (status == cudaSuccess) break;
-        if (status != cudaErrorNotReady) {
-          cudaGetLastError();
-          abort_comm(*peer, what, ErrorKind::kTransport, "cudaStreamQuery: " + cuda::error_text(status));
-        }
-        ncclResult_t state = ncclSuccess;
-        ncclCommGetAsyncError(peer->comm, &state);
-        if (state != ncclSuccess && state != ncclInProgress)
-          abort_comm(*peer, what, ErrorKind::kTransport, nccl_text(state, peer->comm));
-      }
+      if (posted && stream_finished(*peer, recv_stream_, what)) break;
       std::optional<Bytes> reply;
       try {
         reply = control_.try_receive(peer->link, kReply);
@@ -395,6 +384,21 @@ class NcclTransport final : public Transport {
 
   // Aborts the pair's communicator (an operation in flight can only be cancelled that way) and
   // throws. Under the peer's comm_mutex.
+  // True once `stream` has finished; aborts the communicator when the stream or NCCL failed.
+  bool stream_finished(Peer& peer, cudaStream_t stream, std::string_view what) {
+    const cudaError_t status = cudaStreamQuery(stream);
+    if (status == cudaSuccess) return true;
+    if (status != cudaErrorNotReady) {
+      cudaGetLastError();
+      abort_comm(peer, what, ErrorKind::kTransport, "cudaStreamQuery: " + cuda::error_text(status));
+    }
+    ncclResult_t state = ncclSuccess;
+    ncclCommGetAsyncError(peer.comm, &state);
+    if (state != ncclSuccess && state != ncclInProgress)
+      abort_comm(peer, what, ErrorKind::kTransport, nccl_text(state, peer.comm));
+    return false;
+  }
+
   [[noreturn]] void abort_comm(Peer& peer, std::string_view what, ErrorKind kind, const std::string& why) {
     if (peer.comm != nullptr) {
       ncclCommAbort(peer.comm);
@@ -501,16 +505,7 @@ class NcclTransport final : public Transport {
         wait_ready(*peer, deadline, what);
         uint64_t spins = 0;
         while (true) {
-          cudaError_t status = cudaStreamQuery(send_stream_);
-          if (status == cudaSuccess) break;
-          if (status != cudaErrorNotReady) {
-            cudaGetLastError();
-            abort_comm(*peer, what, ErrorKind::kTransport, "cudaStreamQuery: " + cuda::error_text(status));
-          }
-          ncclResult_t state = ncclSuccess;
-          ncclCommGetAsyncError(peer->comm, &state);
-          if (state != ncclSuccess && state != ncclInProgress)
-            abort_comm(*peer, what, ErrorKind::kTransport, nccl_text(state, peer->comm));
+          if (stream_finished(*peer, send_stream_, what)) break;
           if (!control_.alive(peer->link)) abort_comm(*peer, what, ErrorKind::kPeerLost, "the reader went away");
           if (stopping_) abort_comm(*peer, what, ErrorKind::kTransport, "the transport is shutting down");
           if (expired(deadline)) abort_comm(*peer, what, ErrorKind::kTimeout, "the transfer did not finish before the deadline");

@@ -74,7 +74,7 @@ class Harness {
       pending_[e.tensor.name].push_back({e.tensor_offset, std::vector<std::byte>(p, p + e.size)});
     }
 
-    auto views = assembler_.add_bucket(bucket, begin, kWho);
+    auto views = assembler_.add_bucket(bucket, begin, kWho, deadline_after(std::chrono::seconds(10)));
     for (const TensorView& v : views) {
       FUZZ_CHECK(v.info != nullptr);
       const uint64_t n = v.info->nbytes();

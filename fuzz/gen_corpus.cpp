@@ -59,13 +59,9 @@ protocol::EngineMetadata sample_metadata(uint64_t bucket_bytes, bool with_layout
   m.bucket_bytes = bucket_bytes;
   m.transport_name = "UCX";
   for (int i = 0; i < 24; ++i) m.transport_address.push_back(static_cast<uint8_t>(i * 37));
-  for (int b = 0; b < 2; ++b) {
-    RemoteRegion r;
-    r.address = 0x7f0000000000ull + b * 0x100000;
-    r.length = bucket_bytes;
-    r.key = {1, 2, 3, 4, static_cast<uint8_t>(b)};
-    m.buffers.push_back(r);
-  }
+  m.buffers.address = 0x7f0000000000ull;
+  m.buffers.length = 2 * bucket_bytes;
+  m.buffers.key = {1, 2, 3, 4, 5};
   if (with_layout) m.layout = encode_layout(sample_layout());
   m.process.boot_id = "6d3b6a0e-8f1c-4b8e-9d7a-2f6c1e0b9a54";
   m.process.pid = 4242;
@@ -79,13 +75,13 @@ void metadata_seeds() {
   auto empty = sample_metadata(0, false);
   empty.transport_name.clear();
   empty.transport_address.clear();
-  for (auto& r : empty.buffers) r.key.clear();
+  empty.buffers.key.clear();
   write("metadata", "empty_fields", protocol::encode(empty));
   auto bad_layout = sample_metadata(64, false);
   bad_layout.layout = {0x52, 0x46, 0x4c, 0x59, 1, 0, 3};  // layout magic, then a bad fallback
   write("metadata", "bad_layout", protocol::encode(bad_layout));
   auto small_buffer = sample_metadata(4096, false);
-  small_buffer.buffers[1].length = 100;
+  small_buffer.buffers.length = 4096 + 100;
   write("metadata", "buffer_smaller_than_bucket", protocol::encode(small_buffer));
   auto old = sample_metadata(4096, false);
   old.version = 1;

@@ -45,6 +45,10 @@ void check_device(const Device& device);
 // for a plain "cuda". Throws as check_device(), and Error(kInvalidArgument) for cpu.
 int resolve_cuda_device(const Device& device);
 
+// Makes cuda:N the calling thread's current GPU (cudaSetDevice), where allocations on plain
+// "cuda" go; cpu and plain "cuda" do nothing. Throws as check_device().
+void set_current_device(const Device& device);
+
 // Total memory of `device` in bytes (capacity, not what is free, so that the bucket size does not
 // change between refits): the GPU's total global memory, or this host's RAM for cpu. Throws as
 // check_device(). Does not create a CUDA context.

@@ -6,8 +6,16 @@
 
 namespace refit {
 
+void TensorAssembler::set_memory(MemoryKind kind, const Device& device) {
+  if (kind == kind_ && device == device_) return;
+  release();
+  kind_ = kind;
+  device_ = device;
+  stream_ = std::make_unique<CopyStream>(device);
+}
+
 std::vector<TensorView> TensorAssembler::add_bucket(const protocol::BucketReady& bucket, const std::byte* data,
-                                                    const std::string& who) {
+                                                    const std::string& who, Deadline deadline) {
   batch_infos_.clear();
   std::vector<TensorView> out;
   for (const auto& e : bucket.entries) {
@@ -25,12 +33,18 @@ std::vector<TensorView> TensorAssembler::add_bucket(const protocol::BucketReady&
 
     if (whole) {
       names_.insert(e.tensor.name);
-      out.push_back({&e.tensor, data + e.bucket_offset, MemoryKind::kHost});
+      out.push_back({&e.tensor, data + e.bucket_offset, kind_});
       continue;
     }
     if (!merging_) {
-      HostBuffer& buffer = merge_buffers_[e.tensor.name];
-      if (buffer.size() != nbytes) buffer = HostBuffer(nbytes);
+      MergeBuffer& buffer = merge_buffers_[e.tensor.name];
+      if (buffer.size() != nbytes) {
+        buffer = MergeBuffer{};
+        if (kind_ == MemoryKind::kCuda)
+          buffer.device = DeviceBuffer(device_, nbytes);
+        else
+          buffer.host = HostBuffer(nbytes);
+      }
       merging_ = Merge{e.tensor, &buffer, 0};
     } else if (merging_->info != e.tensor) {
       fail(ErrorKind::kProtocol, "bucket {} from {}: chunks of '{}' disagree on dtype or shape", bucket.seq, who,
@@ -39,15 +53,17 @@ std::vector<TensorView> TensorAssembler::add_bucket(const protocol::BucketReady&
     if (e.tensor_offset != merging_->received)
       fail(ErrorKind::kProtocol, "bucket {} from {}: chunk of '{}' at byte {}, expected byte {}", bucket.seq, who,
            e.tensor.name, e.tensor_offset, merging_->received);
-    std::memcpy(merging_->buffer->data() + e.tensor_offset, data + e.bucket_offset, e.size);
+    stream_->copy(merging_->buffer->data() + e.tensor_offset, data + e.bucket_offset, e.size, kind_, kind_);
     merging_->received += e.size;
     if (merging_->received == nbytes) {
       names_.insert(e.tensor.name);
       batch_infos_.push_back(std::move(merging_->info));
-      out.push_back({&batch_infos_.back(), merging_->buffer->data(), MemoryKind::kHost});
+      out.push_back({&batch_infos_.back(), merging_->buffer->data(), kind_});
       merging_.reset();
     }
   }
+  // The loader reads merged tensors, and the fetcher refills this bucket's buffer, after we return.
+  if (stream_->pending()) stream_->synchronize(deadline);
   return out;
 }
 

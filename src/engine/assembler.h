@@ -5,18 +5,23 @@
 //
 // Buffers for split tensors are kept from one refit to the next (a refit of the same model
 // splits the same tensors), so that only the first refit pays for allocating and faulting in
-// their pages; release() frees them.
+// their pages; release() frees them. They live where the transfer buffers live (host memory or
+// the GPU), and chunks are copied into them on a CopyStream that is synchronized before
+// add_bucket() returns.
 #pragma once
 
 #include <cstddef>
 #include <deque>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <unordered_set>
 #include <vector>
 
 #include "engine/protocol.h"
+#include "refit/deadline.h"
+#include "refit/device.h"
 #include "refit/memory.h"
 #include "refit/tensor.h"
 
@@ -24,10 +29,14 @@ namespace refit {
 
 class TensorAssembler {
  public:
+  // Where transfer buffers (and so merge buffers) live; host memory until set. Call before the
+  // first add_bucket(); changing it frees the merge buffers.
+  void set_memory(MemoryKind kind, const Device& device);
+
   // Returns the tensors completed by this bucket, in bucket order. Views stay valid until the
   // next add_bucket() or reset(). `bucket` holds the bucket's used bytes.
   std::vector<TensorView> add_bucket(const protocol::BucketReady& bucket, const std::byte* data,
-                                     const std::string& who);
+                                     const std::string& who, Deadline deadline);
 
   // At the end of a refit: throws Error(kProtocol) if a split tensor is incomplete.
   void finish(const std::string& who) const;
@@ -40,14 +49,24 @@ class TensorAssembler {
   uint64_t tensors_completed() const { return names_.size(); }
 
  private:
+  // Host or device memory for one split tensor.
+  struct MergeBuffer {
+    HostBuffer host;
+    DeviceBuffer device;
+    std::byte* data() const { return device.data() ? device.data() : host.data(); }
+    size_t size() const { return device.data() ? device.size() : host.size(); }
+  };
   struct Merge {
     TensorInfo info;
-    HostBuffer* buffer = nullptr;
+    MergeBuffer* buffer = nullptr;
     uint64_t received = 0;
   };
+  MemoryKind kind_ = MemoryKind::kHost;
+  Device device_;
+  std::unique_ptr<CopyStream> stream_ = std::make_unique<CopyStream>();
   std::optional<Merge> merging_;
   std::unordered_set<std::string> names_;  // tensors delivered this refit
-  std::map<std::string, HostBuffer> merge_buffers_;  // by tensor name, kept across refits
+  std::map<std::string, MergeBuffer> merge_buffers_;  // by tensor name, kept across refits
   std::deque<TensorInfo> batch_infos_;  // storage behind the merged views of the latest batch
 };
 

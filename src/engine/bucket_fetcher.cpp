@@ -83,8 +83,8 @@ bool BucketFetcher::fetch(uint64_t seq, std::string& phase) {
   const auto read_start = Clock::now();
   const auto& bucket = msg.ready;
   if (bucket.used_bytes > 0)
-    context_.transport->read(context_.peer, context_.peer_metadata->buffers[bucket.buffer], 0, context_.buffers[local],
-                             context_.regions[local], bucket.used_bytes, deadline);
+    context_.transport->read(context_.peer, context_.peer_metadata->buffers, bucket.buffer * context_.bucket_bytes,
+                             context_.buffers[local], context_.region, bucket.used_bytes, deadline);
   if (bucket.checksum) {
     phase = fmt::format("verify bucket {}", seq);
     const uint64_t actual = XXH3_64bits(context_.buffers[local], bucket.used_bytes);

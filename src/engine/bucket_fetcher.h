@@ -23,8 +23,8 @@ struct FetchContext {
   PeerId peer = 0;
   std::string peer_label;
   const protocol::EngineMetadata* peer_metadata = nullptr;
-  std::byte* buffers[2] = {};
-  RegionId regions[2] = {};
+  std::byte* buffers[2] = {};  // both inside `region`
+  RegionId region = 0;
   uint64_t bucket_bytes = 0;
   uint64_t refit = 0;
   double timeout_s = 0;

@@ -12,6 +12,7 @@
 #include "engine/bucket_fetcher.h"
 #include "engine/peer_wait.h"
 #include "engine/protocol.h"
+#include "refit/device.h"
 #include "refit/plan.h"
 
 namespace refit {
@@ -65,13 +66,21 @@ class CheckpointEngine::Impl {
  public:
   explicit Impl(EngineOptions options) : options_(std::move(options)) {
     if (options_.bucket_bytes == 0) fail(ErrorKind::kConfig, "bucket size must be at least 1 byte");
-    if (options_.config.device.kind != Device::Kind::kCpu)
-      fail(ErrorKind::kUnsupported,
-           "refit_cfg.nixl.device: '{}' needs the CUDA data path, which this build does not have; use device=cpu",
-           to_string(options_.config.device));
-    transport_ = options_.transport ? options_.transport
-                                    : std::shared_ptr<Transport>(create_transport(options_.config.backend_name,
-                                                                                  options_.config.backend_init_params));
+    const Device& device = options_.config.device;
+    in_phase("refit_cfg.nixl.device", [&] { check_device(device); });
+    if (device.kind == Device::Kind::kCuda && options_.config.verify_checksums)
+      fail(ErrorKind::kConfig,
+           "refit_cfg.nixl.verify_checksums: checksums are computed on the CPU and need host transfer buffers "
+           "(device: cpu); with device {} set verify_checksums=false",
+           to_string(device));
+    if (options_.transport) {
+      transport_ = options_.transport;
+    } else {
+      // Every backend learns the transfer-buffer device from its init params.
+      auto params = options_.config.backend_init_params;
+      params.emplace("device", to_string(device));
+      transport_ = create_transport(options_.config.backend_name, params);
+    }
   }
 
   ~Impl() {
@@ -84,21 +93,14 @@ class CheckpointEngine::Impl {
   }
 
   Metadata prepare() {
-    if (!prepared_) {
-      for (int i = 0; i < kBufferCount; ++i) {
-        auto allocation = transport_->allocate_memory(options_.bucket_bytes);
-        buffers_[i] = allocation.base;
-        regions_[i] = allocation.region;
-      }
-      prepared_ = true;
-    }
+    if (!prepared_) allocate_buffers();
     protocol::EngineMetadata md;
     md.session = options_.session;
     md.model_fingerprint = options_.model_fingerprint;
     md.bucket_bytes = options_.bucket_bytes;
     md.transport_name = transport_->name();
     md.transport_address = transport_->address();
-    for (int i = 0; i < kBufferCount; ++i) md.buffers.push_back(transport_->describe(regions_[i]));
+    md.buffers = transport_->describe(region_);
     if (options_.layout) md.layout = encode_layout(*options_.layout);
     md.process = this_process();
     generation_ = random_u64();
@@ -244,12 +246,38 @@ class CheckpointEngine::Impl {
     transport_->disconnect(peer_);
   }
 
+  // Both transfer buffers come from one allocation of the transport, on the configured device.
+  void allocate_buffers() {
+    const Device& device = options_.config.device;
+    const uint64_t bytes = kBufferCount * options_.bucket_bytes;
+    if (options_.bucket_bytes > UINT64_MAX / kBufferCount)
+      fail(ErrorKind::kConfig, "bucket size of {} bytes is too large for two buffers", options_.bucket_bytes);
+    check_buffers_fit(device, options_.bucket_bytes, kBufferCount);
+    auto allocation = transport_->allocate_memory(bytes);
+    region_ = allocation.region;
+    buffers_[0] = allocation.base;
+    buffers_[1] = allocation.base + options_.bucket_bytes;
+    buffer_kind_ = memory_kind_of(allocation.base);
+    prepared_ = true;
+    const auto wanted = device.kind == Device::Kind::kCuda ? MemoryKind::kCuda : MemoryKind::kHost;
+    if (buffer_kind_ != wanted) {
+      release_buffers();
+      fail(ErrorKind::kConfig, "refit_cfg.nixl.device is {} but backend {} allocated its transfer buffers in {} memory",
+           to_string(device), transport_->name(), wanted == MemoryKind::kCuda ? "host" : "GPU");
+    }
+    // Host buffers are page-locked when a GPU is usable, so that copies to and from GPU tensors
+    // run at PCIe speed and asynchronously; without one this does nothing.
+    if (buffer_kind_ == MemoryKind::kHost) pin_ = HostPin::pin(allocation.base, bytes);
+    pack_stream_ = std::make_unique<CopyStream>(device);
+    assembler_.set_memory(buffer_kind_, device);
+  }
+
   void release_buffers() {
     if (!prepared_) return;
-    for (int i = 0; i < kBufferCount; ++i) {
-      transport_->deregister_memory(regions_[i]);
-      buffers_[i] = nullptr;
-    }
+    if (pack_stream_ && pack_stream_->pending()) pack_stream_->synchronize(next_deadline());
+    pin_ = HostPin();
+    transport_->deregister_memory(region_);
+    buffers_[0] = buffers_[1] = nullptr;
     prepared_ = false;
   }
 
@@ -287,19 +315,31 @@ class CheckpointEngine::Impl {
   }
 
   // The bytes of a slice: in place when the slice is one contiguous block of the tensor (a dim-0
-  // narrow, or leading dims of 1), else gathered into scratch memory kept for the next slice.
-  const std::byte* slice_of(const TensorInfo& info, const std::byte* data, const Selection& selection) {
+  // narrow, or leading dims of 1), else gathered (one 2-D copy, on the GPU for a GPU tensor) into
+  // scratch memory of the tensor's kind, kept for the next slice.
+  const std::byte* slice_of(const TensorView& view, const Selection& selection) {
+    const TensorInfo& info = *view.info;
     const Slice& slice = selection.slice;
-    uint64_t outer = 1;
+    uint64_t outer = 1, inner = dtype_size(info.dtype);
     for (int d = 0; d < slice.dim; ++d) outer *= static_cast<uint64_t>(info.shape[d]);
-    if (outer == 1) {
-      uint64_t inner = dtype_size(info.dtype);
-      for (size_t d = slice.dim + 1; d < info.shape.size(); ++d) inner *= static_cast<uint64_t>(info.shape[d]);
-      return data + static_cast<uint64_t>(slice.start) * inner;
+    for (size_t d = slice.dim + 1; d < info.shape.size(); ++d) inner *= static_cast<uint64_t>(info.shape[d]);
+    if (outer == 1) return view.data + static_cast<uint64_t>(slice.start) * inner;
+    // Copies from the scratch issued for the previous slice may still be running.
+    if (pack_stream_->pending()) pack_stream_->synchronize(next_deadline());
+    std::byte* scratch = nullptr;
+    if (view.memory == MemoryKind::kCuda) {
+      if (slice_scratch_device_.size() < selection.info.nbytes())
+        slice_scratch_device_ = DeviceBuffer(Device{Device::Kind::kCuda, -1}, selection.info.nbytes());  // the current GPU
+      scratch = slice_scratch_device_.data();
+    } else {
+      slice_scratch_.resize(selection.info.nbytes());
+      scratch = slice_scratch_.data();
     }
-    slice_scratch_.resize(selection.info.nbytes());
-    copy_slice(data, info, slice, slice_scratch_.data());
-    return slice_scratch_.data();
+    const uint64_t row = static_cast<uint64_t>(slice.length) * inner;
+    const uint64_t pitch = static_cast<uint64_t>(info.shape[slice.dim]) * inner;
+    pack_stream_->copy_2d(scratch, row, view.data + static_cast<uint64_t>(slice.start) * inner, pitch, row, outer,
+                          view.memory, view.memory);
+    return scratch;
   }
 
   void run_send(WeightSource& weights, uint64_t refit, SendStats& stats, std::string& phase) {
@@ -309,6 +349,11 @@ class CheckpointEngine::Impl {
     std::optional<uint64_t> unacknowledged;
 
     auto flush = [&](bool is_last) {
+      // Every copy into this buffer must be complete before the destination may read it.
+      if (pack_stream_->pending()) {
+        phase = fmt::format("copy into bucket {}", bucket.seq);
+        pack_stream_->synchronize(next_deadline());
+      }
       if (options_.config.verify_checksums) bucket.checksum = XXH3_64bits(buffers_[bucket.buffer], bucket.used_bytes);
       if (unacknowledged) wait_done(refit, *unacknowledged, phase);
       bucket.is_last = is_last;
@@ -332,8 +377,6 @@ class CheckpointEngine::Impl {
       const uint64_t nbytes = info.nbytes();
       if (nbytes > 0 && view.data == nullptr)
         fail(ErrorKind::kInvalidArgument, "tensor '{}' ({} bytes) has no data pointer", info.name, nbytes);
-      if (view.memory != MemoryKind::kHost)
-        fail(ErrorKind::kUnsupported, "tensor '{}' is in GPU memory, which this build cannot read", info.name);
 
       // What the destination holds of this tensor: all of it, a slice, or nothing.
       Selection selection{Take::kWhole, {}, info};
@@ -343,10 +386,15 @@ class CheckpointEngine::Impl {
         continue;
       }
       const std::byte* data = view.data;
-      if (selection.take == Take::kSlice) data = slice_of(info, view.data, selection);
+      MemoryKind data_kind = view.memory;
+      if (selection.take == Take::kSlice) data = in_phase(fmt::format("gathering a slice of '{}'", info.name), [&] {
+        return slice_of(view, selection);
+      });
       for (const ChunkPlacement& c : packer.place(selection.info)) {
         if (c.starts_bucket) flush(false);
-        if (c.size > 0) std::memcpy(buffers_[bucket.buffer] + c.bucket_offset, data + c.tensor_offset, c.size);
+        if (c.size > 0)
+          pack_stream_->copy(buffers_[bucket.buffer] + c.bucket_offset, data + c.tensor_offset, c.size, buffer_kind_,
+                             data_kind);
         bucket.entries.push_back({selection.info, c.tensor_offset, c.size, c.bucket_offset});
         bucket.used_bytes = c.bucket_offset + c.size;
       }
@@ -368,7 +416,7 @@ class CheckpointEngine::Impl {
   void run_receive(const BatchLoader& loader, uint64_t refit, ReceiveStats& stats, std::string& phase) {
     assembler_.reset();
     FetchContext context{transport_.get(), peer_, peer_label_, &peer_metadata_, {buffers_[0], buffers_[1]},
-                         {regions_[0], regions_[1]}, options_.bucket_bytes, refit, options_.config.timeout_s,
+                         region_, options_.bucket_bytes, refit, options_.config.timeout_s,
                          options_.config.verify_checksums};
     BucketFetcher fetcher(std::move(context));
     while (true) {
@@ -378,7 +426,7 @@ class CheckpointEngine::Impl {
       ++stats.buckets;
 
       phase = fmt::format("assemble bucket {}", bucket.seq);
-      auto batch = assembler_.add_bucket(bucket, fetched.data, peer_label_);
+      auto batch = assembler_.add_bucket(bucket, fetched.data, peer_label_, next_deadline());
       if (!batch.empty()) {
         phase = fmt::format("load bucket {}", bucket.seq);
         const auto load_start = Clock::now();
@@ -398,8 +446,11 @@ class CheckpointEngine::Impl {
 
   EngineOptions options_;
   std::shared_ptr<Transport> transport_;
-  std::byte* buffers_[kBufferCount] = {};  // owned by the transport's allocations
-  RegionId regions_[kBufferCount] = {};
+  RegionId region_ = 0;                    // one allocation of the transport holds both buffers
+  std::byte* buffers_[kBufferCount] = {};  // buffer b at b * bucket_bytes of it
+  MemoryKind buffer_kind_ = MemoryKind::kHost;
+  HostPin pin_;                            // host buffers, page-locked when a GPU is usable
+  std::unique_ptr<CopyStream> pack_stream_;  // on a source: copies into the transfer buffers
   bool prepared_ = false;
 
   std::string self_;
@@ -414,7 +465,8 @@ class CheckpointEngine::Impl {
   bool stale_ = true;
   TensorAssembler assembler_;
   std::optional<Layout> target_layout_;    // on a source: what its destination holds
-  std::vector<std::byte> slice_scratch_;   // on a source: gathered non-contiguous slices
+  std::vector<std::byte> slice_scratch_;   // on a source: gathered non-contiguous slices of host tensors
+  DeviceBuffer slice_scratch_device_;      // ... and of GPU tensors
 };
 
 CheckpointEngine::CheckpointEngine(EngineOptions options) : impl_(std::make_unique<Impl>(std::move(options))) {}

@@ -63,12 +63,9 @@ Bytes encode(const EngineMetadata& m) {
   w.put<uint64_t>(m.bucket_bytes);
   w.put_string(m.transport_name);
   w.put_bytes(m.transport_address);
-  w.put<uint64_t>(m.buffers.size());
-  for (const auto& region : m.buffers) {
-    w.put<uint64_t>(region.address);
-    w.put<uint64_t>(region.length);
-    w.put_bytes(region.key);
-  }
+  w.put<uint64_t>(m.buffers.address);
+  w.put<uint64_t>(m.buffers.length);
+  w.put_bytes(m.buffers.key);
   w.put_bytes(m.layout);
   w.put_string(m.process.boot_id);
   w.put<int32_t>(m.process.pid);
@@ -93,19 +90,13 @@ EngineMetadata decode_metadata(std::span<const uint8_t> blob, const std::string&
   m.transport_name = r.get_string("transport name");
   auto address = r.get_bytes("transport address");
   m.transport_address.assign(address.begin(), address.end());
-  uint64_t regions = r.get_count("buffer count", 3 * sizeof(uint64_t));
-  if (regions != 2) fail(ErrorKind::kProtocol, "malformed {}: {} transfer buffers, expected 2", who, regions);
-  for (uint64_t i = 0; i < regions; ++i) {
-    RemoteRegion region;
-    region.address = r.get<uint64_t>("buffer address");
-    region.length = r.get<uint64_t>("buffer length");
-    auto key = r.get_bytes("buffer key");
-    region.key.assign(key.begin(), key.end());
-    if (region.length < m.bucket_bytes)
-      fail(ErrorKind::kProtocol, "malformed {}: buffer {} holds {} bytes, less than the bucket size {}", who, i,
-           region.length, m.bucket_bytes);
-    m.buffers.push_back(std::move(region));
-  }
+  m.buffers.address = r.get<uint64_t>("buffer address");
+  m.buffers.length = r.get<uint64_t>("buffer length");
+  auto key = r.get_bytes("buffer key");
+  m.buffers.key.assign(key.begin(), key.end());
+  if (m.bucket_bytes > UINT64_MAX / 2 || m.buffers.length < 2 * m.bucket_bytes)
+    fail(ErrorKind::kProtocol, "malformed {}: the transfer buffers hold {} bytes, less than two buckets of {}", who,
+         m.buffers.length, m.bucket_bytes);
   auto layout = r.get_bytes("layout");
   m.layout.assign(layout.begin(), layout.end());
   m.process.boot_id = r.get_string("boot id");

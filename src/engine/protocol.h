@@ -17,7 +17,7 @@
 
 namespace refit::protocol {
 
-inline constexpr uint32_t kVersion = 2;
+inline constexpr uint32_t kVersion = 3;
 
 struct EngineMetadata {
   uint32_t version = kVersion;
@@ -26,7 +26,8 @@ struct EngineMetadata {
   uint64_t bucket_bytes = 0;
   std::string transport_name;
   Bytes transport_address;
-  std::vector<RemoteRegion> buffers;  // the two transfer buffers
+  // Both transfer buffers, from one allocation: buffer b is the bucket_bytes at b * bucket_bytes.
+  RemoteRegion buffers;
   Bytes layout;                       // a destination's encoded layout; empty: whole tensors
   ProcessIdentity process;            // lets a peer on the same host see at once that we are gone
   uint64_t generation = 0;            // random per prepare(): tells one connection from the next
@@ -54,7 +55,7 @@ enum class MessageType : uint8_t { kBucketReady = 1, kBucketDone = 2, kAbort = 3
 struct BucketReady {
   uint64_t refit = 0;  // refit number: first_refit() of the connection, plus one per refit
   uint64_t seq = 0;    // bucket number within the refit
-  uint8_t buffer = 0;  // which of the source's two buffers holds it
+  uint8_t buffer = 0;  // which of the source's two buffers holds it (0 or 1)
   bool is_last = false;
   uint64_t used_bytes = 0;  // only this prefix of the buffer is read
   std::optional<uint64_t> checksum;  // xxh3-64 of the used bytes, with verify_checksums

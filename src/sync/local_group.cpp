@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "core/fail.h"
+#include "refit/device.h"
 #include "refit/memory.h"
 #include "sync/channel.h"
 
@@ -77,6 +78,15 @@ json stats_json(const ReceiveStats& s) {
           {"load_seconds", s.load_seconds}};
 }
 
+// The device of a worker: the configured one, except that a plain "cuda" deals the workers
+// (sources first, then destinations) round-robin over the visible GPUs.
+Device worker_device(const Device& configured, bool is_source, int rank, const LocalGroupOptions& options) {
+  if (configured.kind == Device::Kind::kCpu || configured.index >= 0) return configured;
+  check_device(configured);
+  const int index = is_source ? rank : options.sources + rank;
+  return Device{Device::Kind::kCuda, index % cuda_device_count()};
+}
+
 // The command loop of a worker process. Returns the process exit code.
 int run_worker(bool is_source, int rank, Channel& channel, const LocalGroupOptions& options) {
   std::unique_ptr<WorkerProgram> program;
@@ -98,10 +108,14 @@ int run_worker(bool is_source, int rank, Channel& channel, const LocalGroupOptio
         channel.send(reply);
         return 0;
       } else if (name == "memory") {
-        reply["bytes"] = total_host_memory_bytes();
+        // Bucket sizing takes the minimum over every worker of its transfer-buffer device's memory.
+        reply["bytes"] = total_device_memory_bytes(worker_device(options.config.device, is_source, rank, options));
       } else if (name == "create") {
         EngineOptions eo;
         eo.config = options.config;
+        eo.config.device = worker_device(options.config.device, is_source, rank, options);
+        // The worker program allocates its tensors on the current GPU.
+        set_current_device(eo.config.device);
         eo.bucket_bytes = cmd.at("bucket_bytes").get<uint64_t>();
         auto session = cmd.at("session").get_binary();
         std::copy(session.begin(), session.end(), eo.session.begin());

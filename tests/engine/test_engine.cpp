@@ -309,7 +309,7 @@ struct RogueSource {
   std::shared_ptr<InProcFabric> fabric = make_inproc_fabric();
   SessionId session = new_session_id();
   std::unique_ptr<Transport> transport = create_inproc_transport(fabric);
-  std::vector<std::byte> memory = std::vector<std::byte>(64);
+  std::vector<std::byte> memory = std::vector<std::byte>(128);
   CheckpointEngine destination{inproc_options(fabric, 64, session)};
   PeerId to_destination = 0;
   uint64_t first_refit = 0;  // refit k of this connection is first_refit + k on the wire
@@ -321,7 +321,7 @@ struct RogueSource {
     fake.bucket_bytes = 64;
     fake.transport_name = transport->name();
     fake.transport_address = transport->address();
-    fake.buffers = {transport->describe(region), transport->describe(region)};
+    fake.buffers = transport->describe(region);
     std::vector<Metadata> md = {protocol::encode(fake), destination.prepare()};
     destination.init_destination(0, 1, 1, md);
     first_refit = protocol::first_refit(fake.generation, protocol::decode_metadata(md[1], "d").generation);

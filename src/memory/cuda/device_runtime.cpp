@@ -120,6 +120,12 @@ int resolve_cuda_device(const Device& device) {
   return current;
 }
 
+void set_current_device(const Device& device) {
+  if (device.kind == Device::Kind::kCpu || device.index < 0) return;
+  check_device(device);
+  cuda::check(cudaSetDevice(device.index), "cudaSetDevice", fmt::format("selecting {}", to_string(device)));
+}
+
 uint64_t total_device_memory_bytes(const Device& device) {
   if (device.kind == Device::Kind::kCpu) return total_host_memory_bytes();
   const int index = resolve_cuda_device(device);
@@ -188,6 +194,8 @@ int resolve_cuda_device(const Device& device) {
   check_device(device);
   return -1;  // not reached
 }
+
+void set_current_device(const Device& device) { check_device(device); }
 
 uint64_t total_device_memory_bytes(const Device& device) {
   check_device(device);

@@ -68,7 +68,7 @@ echo "== build"
 if [ "${GPU_TEST_ALL:-0}" = "1" ]; then
   cmake --build "$build" -j "$jobs"
 else
-  cmake --build "$build" -j "$jobs" --target refit_gpu_tests refit_gpu_ceiling refit_transport_tests
+  cmake --build "$build" -j "$jobs" --target refit_cli refit_gpu_tests refit_gpu_ceiling refit_transport_tests
 fi
 
 status=0

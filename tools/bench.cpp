@@ -7,12 +7,15 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <nlohmann/json.hpp>
 
 #include "baseline.h"
 #include "programs.h"
 #include "verify.h"
 #include "refit/bucket_size.h"
+#include "refit/config.h"
+#include "refit/tensor.h"
 #include "refit/error.h"
 #include "refit/local_group.h"
 #include "refit/model.h"
@@ -48,9 +51,36 @@ std::string default_model_path() {
   return fmt::format("{}/models/refit-tiny-moe", dir ? dir : REFIT_DATA_DIR);
 }
 
+// The config of a bench run: the file and overrides, then --device. A GPU device without a
+// backend named anywhere gets CUDA_IPC, the backend that moves GPU memory between local processes.
+RefitConfig bench_config(const BenchOptions& options) {
+  std::vector<std::string> overrides = options.overrides;
+  if (options.device.empty()) return load_config(options.config_file, overrides);
+  overrides.push_back("refit_cfg.nixl.device=" + options.device);
+  RefitConfig config = load_config(options.config_file, overrides);
+  bool backend_given = std::any_of(overrides.begin(), overrides.end(),
+                                   [](const std::string& o) { return o.find("backend_name") != std::string::npos; });
+  if (!options.config_file.empty()) {
+    std::ifstream f(options.config_file);
+    std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    backend_given = backend_given || text.find("backend_name") != std::string::npos;
+  }
+  if (config.device.kind == Device::Kind::kCuda && !backend_given) config.backend_name = "CUDA_IPC";
+  return config;
+}
+
+MemoryKind bench_tensors(const BenchOptions& options, const RefitConfig& config) {
+  if (options.tensors.empty())
+    return config.device.kind == Device::Kind::kCuda ? MemoryKind::kCuda : MemoryKind::kHost;
+  if (options.tensors == "cpu") return MemoryKind::kHost;
+  if (options.tensors == "cuda") return MemoryKind::kCuda;
+  throw Error(ErrorKind::kInvalidArgument, fmt::format("--tensors '{}': expected cpu or cuda", options.tensors));
+}
+
 int run_bench(const BenchOptions& options) {
-  const RefitConfig config = load_config(options.config_file, options.overrides);
+  const RefitConfig config = bench_config(options);
   BenchModel model;
+  model.tensors = bench_tensors(options, config);
   const std::string path = options.model.empty() ? default_model_path() : options.model;
   model.inventory = load_model_inventory(path);
   if (is_safetensors(path)) model.safetensors_path = path;
@@ -59,13 +89,16 @@ int run_bench(const BenchOptions& options) {
   const auto layouts = destination_layouts(path, model.inventory, config, options.parallel, options.destinations);
   if (options.refits < 1) throw Error(ErrorKind::kInvalidArgument, fmt::format("--refits must be >= 1, got {}", options.refits));
 
-  fmt::print("refit bench: model {} ({} tensors, {:.2f} GiB{}), {} source(s) -> {} destination(s), {} refit(s)\n",
+  fmt::print("refit bench: model {} ({} tensors, {:.2f} GiB{}), {} source(s) -> {} destination(s), {} refit(s); "
+             "transfer buffers on {} ({}), tensors in {} memory\n",
              model.inventory.name, model.inventory.tensors.size(), model.inventory.total_bytes() / kGiB,
              model.safetensors_path.empty() ? ", synthetic content" : ", safetensors", options.sources,
-             options.destinations, options.refits);
+             options.destinations, options.refits, to_string(config.device), config.backend_name,
+             model.tensors == MemoryKind::kCuda ? "GPU" : "host");
 
   json out = {{"transport", config.backend_name}, {"refit_transport", config.refit_transport},
-              {"device", to_string(config.device)}, {"sources", options.sources},
+              {"device", to_string(config.device)}, {"tensors", model.tensors == MemoryKind::kCuda ? "cuda" : "cpu"},
+              {"sources", options.sources},
               {"destinations", options.destinations}, {"model", model.inventory.name},
               {"model_bytes", model.inventory.total_bytes()}, {"tensors", model.inventory.tensors.size()},
               {"release_after_refit", config.release_after_refit}, {"refits", json::array()}};

@@ -20,6 +20,12 @@ struct BenchOptions {
   std::string json_path;
   bool baseline = false;
   std::string kill;  // ROLE:RANK:REFIT:STEP, for failure tests
+  // Transfer-buffer device (refit_cfg.nixl.device); with cuda and no backend_name given, the
+  // backend is CUDA_IPC. Empty: the config's.
+  std::string device;
+  // Where source weights and destination parameters live: cpu or cuda; empty: where the
+  // transfer buffers are.
+  std::string tensors;
   ParallelOptions parallel;
 };
 

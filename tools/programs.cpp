@@ -11,6 +11,8 @@
 #include <map>
 
 #include "core/fail.h"
+#include "device_kernels.h"
+#include "refit/device.h"
 #include "refit/memory.h"
 #include "refit/safetensors.h"
 
@@ -27,6 +29,26 @@ uint64_t splitmix64(uint64_t& state) {
 }
 
 std::string hex(uint64_t v) { return fmt::format("{:016x}", v); }
+
+// GPU copies and hashes of one refit finish well within this.
+constexpr auto kGpuWait = std::chrono::seconds(300);
+constexpr uint64_t kTensorAlignment = 256;
+
+uint64_t aligned(uint64_t n) { return (n + kTensorAlignment - 1) / kTensorAlignment * kTensorAlignment; }
+
+// Tensor storage in host memory or on the current GPU.
+struct Storage {
+  HostBuffer host;
+  DeviceBuffer device;
+  Storage() = default;
+  Storage(MemoryKind kind, uint64_t bytes) {
+    if (kind == MemoryKind::kCuda)
+      device = DeviceBuffer(Device{Device::Kind::kCuda, -1}, bytes);
+    else
+      host = HostBuffer(bytes);
+  }
+  std::byte* data() const { return device.data() ? device.data() : host.data(); }
+};
 
 [[noreturn]] void die_on_purpose() {
   std::fflush(nullptr);
@@ -54,23 +76,35 @@ class ViewSource final : public WeightSource {
 class SourceProgram final : public WorkerProgram {
  public:
   SourceProgram(const BenchModel& model, const std::optional<Layout>* layout, std::optional<KillPoint> kill)
-      : model_(model), layout_(layout), kill_(kill) {
-    if (!model.safetensors_path.empty()) {
-      load_files();
-    } else {
-      // One allocation for the whole model, refilled every refit.
-      storage_ = HostBuffer(std::max<uint64_t>(model.inventory.total_bytes(), 1));
+      : model_(model), layout_(layout), kill_(kill), kind_(model.tensors) {
+    if (!model.safetensors_path.empty()) load_files();
+    if (synthetic() || kind_ == MemoryKind::kCuda) {
+      // One allocation for the whole model: synthetic content is refilled every refit, file
+      // content is copied to the GPU once.
+      std::vector<const TensorInfo*> infos;
+      if (synthetic())
+        for (const auto& t : model.inventory.tensors) infos.push_back(&t);
+      else
+        for (const auto& v : views_) infos.push_back(v.info);
+      uint64_t total = 0;
+      for (const auto* t : infos) total += aligned(t->nbytes());
+      storage_ = Storage(kind_, std::max<uint64_t>(total, 1));
+      std::vector<TensorView> placed;
       uint64_t offset = 0;
-      for (const auto& t : model.inventory.tensors) {
-        views_.push_back({&t, storage_.data() + offset, MemoryKind::kHost});
-        offset += t.nbytes();
+      for (size_t i = 0; i < infos.size(); ++i) {
+        placed.push_back({infos[i], storage_.data() + offset, kind_});
+        if (!synthetic()) copies_.copy(storage_.data() + offset, views_[i].data, infos[i]->nbytes(), kind_, views_[i].memory);
+        offset += aligned(infos[i]->nbytes());
       }
+      copies_.synchronize(deadline_after(kGpuWait));
+      views_ = std::move(placed);
     }
   }
 
   void stage(uint64_t index) override {
     if (!synthetic() && !hashes_.empty()) return;  // file content does not change
     hashes_.clear();
+    if (kind_ == MemoryKind::kCuda) return stage_on_gpu(index);
     for (size_t i = 0; i < views_.size(); ++i) {
       const auto& v = views_[i];
       const uint64_t n = v.info->nbytes();
@@ -91,6 +125,40 @@ class SourceProgram final : public WorkerProgram {
 
  private:
   bool synthetic() const { return model_.safetensors_path.empty(); }
+
+  // GPU tensors: filled by a kernel; what the destination should hold is hashed on the GPU
+  // (slices are gathered first, one at a time).
+  void stage_on_gpu(uint64_t index) {
+    std::vector<DeviceRange> whole;
+    std::vector<std::string> names;
+    std::vector<std::pair<const TensorView*, Selection>> slices;
+    for (size_t i = 0; i < views_.size(); ++i) {
+      const auto& v = views_[i];
+      if (synthetic()) fill_device_pattern(const_cast<std::byte*>(v.data), v.info->nbytes(), index * 1000003 + i, nullptr);
+      Selection s{Take::kWhole, {}, *v.info};
+      if (layout_ != nullptr && *layout_) s = select(**layout_, *v.info);
+      if (s.take == Take::kWhole) {
+        whole.push_back({v.data, v.info->nbytes()});
+        names.push_back(v.info->name);
+      } else if (s.take == Take::kSlice) {
+        slices.emplace_back(&v, s);
+      }
+    }
+    const auto sums = hash_device_ranges(whole, nullptr);  // on the fills' stream: waits for them
+    for (size_t i = 0; i < whole.size(); ++i) hashes_[names[i]] = hex(sums[i]);
+    for (const auto& [v, s] : slices) {
+      if (gpu_scratch_.size() < s.info.nbytes()) gpu_scratch_ = DeviceBuffer(Device{Device::Kind::kCuda, -1}, s.info.nbytes());
+      uint64_t outer = 1, inner = dtype_size(v->info->dtype);
+      for (int d = 0; d < s.slice.dim; ++d) outer *= static_cast<uint64_t>(v->info->shape[d]);
+      for (size_t d = s.slice.dim + 1; d < v->info->shape.size(); ++d) inner *= static_cast<uint64_t>(v->info->shape[d]);
+      const uint64_t row = static_cast<uint64_t>(s.slice.length) * inner;
+      copies_.copy_2d(gpu_scratch_.data(), row, v->data + static_cast<uint64_t>(s.slice.start) * inner,
+                      static_cast<uint64_t>(v->info->shape[s.slice.dim]) * inner, row, outer, MemoryKind::kCuda,
+                      MemoryKind::kCuda);
+      copies_.synchronize(deadline_after(kGpuWait));
+      hashes_[v->info->name] = hex(hash_device_ranges({{gpu_scratch_.data(), s.info.nbytes()}}, nullptr).at(0));
+    }
+  }
 
   // The hash of what the paired destination should receive of this tensor.
   void hash_expected(const TensorView& v) {
@@ -142,8 +210,11 @@ class SourceProgram final : public WorkerProgram {
   const BenchModel& model_;
   const std::optional<Layout>* layout_;  // null for a source without a destination
   std::optional<KillPoint> kill_;
+  MemoryKind kind_;
   std::vector<std::byte> scratch_;
-  HostBuffer storage_;
+  DeviceBuffer gpu_scratch_;
+  CopyStream copies_;
+  Storage storage_;
   std::vector<std::unique_ptr<SafetensorsFile>> files_;
   std::vector<TensorView> views_;
   std::map<std::string, std::string> hashes_;
@@ -151,30 +222,75 @@ class SourceProgram final : public WorkerProgram {
 
 class DestinationProgram final : public WorkerProgram {
  public:
-  explicit DestinationProgram(std::optional<KillPoint> kill) : kill_(kill) {}
+  DestinationProgram(std::optional<KillPoint> kill, MemoryKind kind) : kill_(kill), kind_(kind) {}
 
   std::unique_ptr<WeightSource> weights(uint64_t) override { fail(ErrorKind::kInternal, "a destination has no weights"); }
 
   BatchLoader loader(uint64_t index) override {
     hashes_.clear();
+    received_.clear();
     batches_ = 0;
     return [this, index](LoadBatch batch) {
       const bool kill_here = kill_ && kill_->refit == index && kill_->step == batches_;
       ++batches_;
       for (size_t i = 0; i < batch.size(); ++i) {
         if (kill_here && kill_->when == KillPoint::When::kLoad && i == batch.size() / 2) die_on_purpose();
-        hashes_[batch[i].info->name] = hex(XXH3_64bits(batch[i].data, batch[i].info->nbytes()));
+        const TensorView& v = batch[i];
+        if (kind_ == MemoryKind::kCuda) {
+          // Load into this worker's own GPU parameter, as an inference engine does; hashed in report().
+          loads_.copy(parameter(*v.info), v.data, v.info->nbytes(), MemoryKind::kCuda, v.memory);
+          received_.push_back(v.info->name);
+        } else {
+          hashes_[v.info->name] = hex(XXH3_64bits(v.data, v.info->nbytes()));
+        }
       }
+      // The views are valid only during this call.
+      if (loads_.pending()) loads_.synchronize(deadline_after(kGpuWait));
       if (kill_here) die_on_purpose();
     };
   }
 
-  std::string report(uint64_t) override { return json{{"hashes", hashes_}}.dump(); }
+  std::string report(uint64_t) override {
+    if (kind_ == MemoryKind::kCuda) {
+      std::vector<DeviceRange> ranges;
+      for (const auto& name : received_) ranges.push_back({parameters_.at(name).data, parameters_.at(name).bytes});
+      const auto sums = hash_device_ranges(ranges, nullptr);
+      for (size_t i = 0; i < ranges.size(); ++i) hashes_[received_[i]] = hex(sums[i]);
+    }
+    return json{{"hashes", hashes_}}.dump();
+  }
 
  private:
+  struct Parameter {
+    std::byte* data = nullptr;
+    uint64_t bytes = 0;
+  };
+
+  // The GPU parameter for `info`, carved from large allocations on first use and kept.
+  std::byte* parameter(const TensorInfo& info) {
+    const uint64_t n = info.nbytes();
+    auto it = parameters_.find(info.name);
+    if (it != parameters_.end() && it->second.bytes == n) return it->second.data;
+    constexpr uint64_t kSlab = 1ull << 30;
+    if (slabs_.empty() || slab_used_ + aligned(n) > slabs_.back().size()) {
+      slabs_.emplace_back(Device{Device::Kind::kCuda, -1}, std::max(kSlab, aligned(n)));
+      slab_used_ = 0;
+    }
+    Parameter p{slabs_.back().data() + slab_used_, n};
+    slab_used_ += aligned(n);
+    parameters_[info.name] = p;
+    return p.data;
+  }
+
   std::optional<KillPoint> kill_;
+  MemoryKind kind_;
   uint64_t batches_ = 0;
   std::map<std::string, std::string> hashes_;
+  std::vector<std::string> received_;  // GPU tensors loaded this refit, in order
+  std::map<std::string, Parameter> parameters_;
+  std::vector<DeviceBuffer> slabs_;
+  uint64_t slab_used_ = 0;
+  CopyStream loads_;
 };
 
 }  // namespace
@@ -209,7 +325,7 @@ WorkerProgramFactory bench_programs(const BenchModel& model, const std::vector<s
     if (kill && kill->source == is_source && kill->rank == rank) mine = kill;
     const std::optional<Layout>* layout = rank < static_cast<int>(layouts.size()) ? &layouts[rank] : nullptr;
     if (is_source) return std::make_unique<SourceProgram>(model, layout, mine);
-    return std::make_unique<DestinationProgram>(mine);
+    return std::make_unique<DestinationProgram>(mine, model.tensors);
   };
 }
 

@@ -1,6 +1,8 @@
 // The worker programs of `refit bench`: sources that stream a model's tensors (synthetic
 // content that changes every refit, or the bytes of safetensors files) and destinations that
-// hash what they receive, so the driver can check every tensor bitwise against its source.
+// load what they receive and hash it, so the driver can check every tensor bitwise against its
+// source. With GPU tensors, a destination copies each received tensor into its own GPU
+// parameter (the load a real inference engine does) and hashes the parameters after the refit.
 #pragma once
 
 #include <memory>
@@ -33,6 +35,9 @@ KillPoint parse_kill_point(const std::string& text);
 struct BenchModel {
   ModelInventory inventory;
   std::string safetensors_path;  // empty: synthetic content
+  // Where the sources' weights and the destinations' parameters live: host memory (hashed with
+  // xxh3 on the CPU) or the worker's current GPU (filled and hashed by GPU kernels).
+  MemoryKind tensors = MemoryKind::kHost;
 };
 
 // `layouts[r]` is destination r's layout: source r hashes what that destination should get.

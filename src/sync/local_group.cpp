@@ -81,8 +81,13 @@ json stats_json(const ReceiveStats& s) {
 // The device of a worker: the configured one, except that a plain "cuda" deals the workers
 // (sources first, then destinations) round-robin over the visible GPUs.
 Device worker_device(const Device& configured, bool is_source, int rank, const LocalGroupOptions& options) {
-  if (configured.kind == Device::Kind::kCpu || configured.index >= 0) return configured;
-  check_device(configured);
+  if (configured.kind == Device::Kind::kCpu) return configured;
+  try {
+    check_device(configured);
+  } catch (const Error& e) {
+    throw Error(e.kind(), fmt::format("refit_cfg.nixl.device: {}", e.what()));
+  }
+  if (configured.index >= 0) return configured;
   const int index = is_source ? rank : options.sources + rank;
   return Device{Device::Kind::kCuda, index % cuda_device_count()};
 }

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# The GPU refit figures of docs/GPU.md, on a machine with a GPU: the copy ceilings of this GPU
+# (refit_gpu_ceiling), then `refit bench` between one source and one destination process with
+# GPU-resident tensors, RUNS times per transfer-buffer device, each run REFITS refits checked
+# bitwise; prints each run's median and the median over runs as a ratio to its ceiling:
+#   device cuda (CUDA IPC, three device-to-device copies)  against the device-to-device copy;
+#   device cpu  (UCX, pinned host buffers)                 against the slower pinned copy direction.
+# Build first (scripts/gpu_test.sh builds $BUILD_DIR).
+#
+# Usage: scripts/gpu_bench.sh [MODEL] [RUNS] [REFITS] [BUCKET] [DEVICES]
+#   defaults: data/models/qwen3-14b (27.5 GiB), 3 runs, 5 refits, 1GiB buckets, "cuda cpu"
+# Writes JSON to $BUILD_DIR/gpu_bench/.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+build="${BUILD_DIR:-build/gpu}"
+model="${1:-data/models/qwen3-14b}"
+runs="${2:-3}"
+refits="${3:-5}"
+bucket="${4:-1GiB}"
+devices="${5:-cuda cpu}"
+out="$build/gpu_bench"
+mkdir -p "$out"
+bucket_bytes=$(python3 -c "import sys; s=sys.argv[1]; u={'KiB':10,'MiB':20,'GiB':30}; print(int(s[:-3])<<u[s[-3:]] if s[-3:] in u else int(s))" "$bucket")
+
+echo "== ceilings (copies of $bucket)"
+"$build/tests/gpu/refit_gpu_ceiling" --bytes "$bucket_bytes" --iterations 10 --json "$out/ceiling.json"
+
+for device in $devices; do
+  for run in $(seq 1 "$runs"); do
+    echo "== device $device, run $run"
+    "$build/refit" bench --model "$model" --device "$device" --tensors cuda --refits "$refits" \
+      --json "$out/$device-$run.json" "refit_cfg.nixl.bucket_bytes=$bucket" 2>&1 | grep -v "vLLM refit"
+  done
+done
+
+python3 - "$out" "$runs" "$devices" <<'PY'
+import json, statistics, sys
+out, runs, devices = sys.argv[1], int(sys.argv[2]), sys.argv[3].split()
+ceiling = json.load(open(f"{out}/ceiling.json"))
+ceilings = {"cuda": ("device-to-device copy", ceiling["d2d_GBps"]),
+            "cpu": ("pinned host copy (slower direction)", min(ceiling["h2d_pinned_GBps"], ceiling["d2h_pinned_GBps"]))}
+print(f"ceilings on {ceiling['device']}: d2d {ceiling['d2d_GBps']:.1f} GB/s, pinned h2d {ceiling['h2d_pinned_GBps']:.1f}"
+      f" / d2h {ceiling['d2h_pinned_GBps']:.1f} GB/s")
+for device in devices:
+    medians = []
+    for run in range(1, runs + 1):
+        r = json.load(open(f"{out}/{device}-{run}.json"))
+        if not r["verified"]:
+            print(f"device {device} run {run}: NOT verified"); continue
+        rates = [x["throughput_bytes_per_s"] / 1e9 for x in r["refits"]]
+        medians.append(statistics.median(rates))
+        print(f"device {device} run {run}: {r['model_bytes']/2**30:.2f} GiB, refits GB/s "
+              + " ".join(f"{x:.1f}" for x in rates) + f", median {medians[-1]:.1f}")
+    if medians:
+        name, c = ceilings[device]
+        m = statistics.median(medians)
+        print(f"device {device}: median {m:.1f} GB/s = {m / c:.3f} of the {name} ({c:.1f} GB/s), {len(medians)} runs")
+PY

@@ -3,12 +3,16 @@
 # (refit_gpu_ceiling), then `refit bench` between one source and one destination process with
 # GPU-resident tensors, RUNS times per transfer-buffer device, each run REFITS refits checked
 # bitwise; prints each run's median and the median over runs as a ratio to its ceiling:
-#   device cuda (CUDA IPC, three device-to-device copies)  against the device-to-device copy;
-#   device cpu  (UCX, pinned host buffers)                 against the slower pinned copy direction.
+#   device cuda (CUDA IPC)              against the device-to-device copy;
+#   device cpu  (UCX, pinned host buffers) against the slower pinned copy direction.
+# A device named with "+staged" (cuda+staged, cpu+staged) sets map_source_buffers=false: the
+# destination reads every bucket into its own buffer before loading it (three copies per byte)
+# instead of loading straight from the source's mapped buffer (two).
 # Build first (scripts/gpu_test.sh builds $BUILD_DIR).
 #
 # Usage: scripts/gpu_bench.sh [MODEL] [RUNS] [REFITS] [BUCKET] [DEVICES]
-#   defaults: data/models/qwen3-14b (27.5 GiB), 3 runs, 5 refits, 1GiB buckets, "cuda cpu"
+#   defaults: data/models/qwen3-14b (27.5 GiB), 3 runs, 5 refits, 1GiB buckets,
+#   "cuda cuda+staged cpu cpu+staged"
 # Writes JSON to $BUILD_DIR/gpu_bench/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,7 +21,7 @@ model="${1:-data/models/qwen3-14b}"
 runs="${2:-3}"
 refits="${3:-5}"
 bucket="${4:-1GiB}"
-devices="${5:-cuda cpu}"
+devices="${5:-cuda cuda+staged cpu cpu+staged}"
 out="$build/gpu_bench"
 mkdir -p "$out"
 bucket_bytes=$(python3 -c "import sys; s=sys.argv[1]; u={'KiB':10,'MiB':20,'GiB':30}; print(int(s[:-3])<<u[s[-3:]] if s[-3:] in u else int(s))" "$bucket")
@@ -28,8 +32,11 @@ echo "== ceilings (copies of $bucket)"
 for device in $devices; do
   for run in $(seq 1 "$runs"); do
     echo "== device $device, run $run"
-    "$build/refit" bench --model "$model" --device "$device" --tensors cuda --refits "$refits" \
-      --json "$out/$device-$run.json" "refit_cfg.nixl.bucket_bytes=$bucket" 2>&1 | grep -v "vLLM refit"
+    map=true
+    [ "${device%+staged}" != "$device" ] && map=false
+    "$build/refit" bench --model "$model" --device "${device%+staged}" --tensors cuda --refits "$refits" \
+      --json "$out/$device-$run.json" "refit_cfg.nixl.bucket_bytes=$bucket" \
+      "refit_cfg.nixl.map_source_buffers=$map" 2>&1 | grep -v "vLLM refit"
   done
 done
 
@@ -52,7 +59,7 @@ for device in devices:
         print(f"device {device} run {run}: {r['model_bytes']/2**30:.2f} GiB, refits GB/s "
               + " ".join(f"{x:.1f}" for x in rates) + f", median {medians[-1]:.1f}")
     if medians:
-        name, c = ceilings[device]
+        name, c = ceilings[device.split("+")[0]]
         m = statistics.median(medians)
         print(f"device {device}: median {m:.1f} GB/s = {m / c:.3f} of the {name} ({c:.1f} GB/s), {len(medians)} runs")
 PY

@@ -97,7 +97,7 @@ int run_bench(const BenchOptions& options) {
              model.tensors == MemoryKind::kCuda ? "GPU" : "host");
 
   json out = {{"transport", config.backend_name}, {"refit_transport", config.refit_transport},
-              {"device", to_string(config.device)}, {"tensors", model.tensors == MemoryKind::kCuda ? "cuda" : "cpu"},
+              {"device", to_string(config.device)}, {"tensor_memory", model.tensors == MemoryKind::kCuda ? "cuda" : "cpu"},
               {"sources", options.sources},
               {"destinations", options.destinations}, {"model", model.inventory.name},
               {"model_bytes", model.inventory.total_bytes()}, {"tensors", model.inventory.tensors.size()},

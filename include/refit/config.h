@@ -14,6 +14,7 @@
 //       bucket_bytes: null        # refit extension
 //       timeout_s: 300           # refit extension
 //       verify_checksums: false  # refit extension
+//       map_source_buffers: true # refit extension
 //
 // The keys may also sit under `policy.generation`, as in a NeMo RL config. Two layouts:
 //  * refit layout (no `policy` key at the root): the root holds only refit_transport and
@@ -76,6 +77,11 @@ struct RefitConfig {
   // refit extension: the source sends an xxh3 checksum of every bucket and the destination
   // checks it after reading, so corruption in flight fails the refit (kIntegrity).
   bool verify_checksums = false;
+  // refit extension: a destination whose transport can map its source's transfer buffers (shared
+  // memory or CUDA IPC on one host) loads straight from them, one copy fewer per byte; the source
+  // then refills a buffer only once the destination has loaded it. false: every bucket is read
+  // into the destination's own buffer first (the staged path).
+  bool map_source_buffers = true;
 
   bool operator==(const RefitConfig&) const = default;
 };

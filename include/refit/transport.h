@@ -70,6 +70,11 @@ class Transport {
   virtual void read(PeerId peer, const RemoteRegion& remote, uint64_t remote_offset, void* local,
                     RegionId local_region, uint64_t length, Deadline deadline) = 0;
 
+  // The peer's region as memory this process can read directly (shared memory of a peer on this
+  // host, a CUDA IPC mapping), or null when only read() reaches it. Lets a destination load
+  // straight from its source's buffer, one copy fewer. Valid until disconnect(peer).
+  virtual const std::byte* map(PeerId peer, const RemoteRegion& remote) { return nullptr; }
+
   // Sends one control message; messages from one endpoint to another arrive in order, whole.
   virtual void send(PeerId peer, std::span<const uint8_t> message, Deadline deadline) = 0;
 

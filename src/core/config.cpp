@@ -20,9 +20,9 @@
 namespace refit {
 namespace {
 
-constexpr std::array<std::string_view, 9> kNixlKeys = {
+constexpr std::array<std::string_view, 10> kNixlKeys = {
     "update_weights_bucket_memory_ratio", "device", "backend_name", "backend_init_params",
-    "release_after_refit", "shard_expert_weights", "bucket_bytes", "timeout_s", "verify_checksums"};
+    "release_after_refit", "shard_expert_weights", "bucket_bytes", "timeout_s", "verify_checksums", "map_source_buffers"};
 
 bool is_nixl_key(std::string_view key) {
   return std::find(kNixlKeys.begin(), kNixlKeys.end(), key) != kNixlKeys.end();
@@ -275,6 +275,8 @@ RefitConfig build(const Raw& raw) {
       config.shard_expert_weights = boolean(node, key);
     } else if (name == "verify_checksums") {
       config.verify_checksums = boolean(node, key);
+    } else if (name == "map_source_buffers") {
+      config.map_source_buffers = boolean(node, key);
     } else if (name == "bucket_bytes") {
       config.bucket_bytes = node.IsNull() ? std::nullopt : std::optional(byte_count(node, key));
     } else if (name == "timeout_s") {
@@ -369,6 +371,7 @@ std::string to_yaml(const RefitConfig& config) {
   }
   out << YAML::Key << "timeout_s" << YAML::Value << fmt::format("{}", config.timeout_s);
   out << YAML::Key << "verify_checksums" << YAML::Value << config.verify_checksums;
+  out << YAML::Key << "map_source_buffers" << YAML::Value << config.map_source_buffers;
   out << YAML::EndMap << YAML::EndMap << YAML::EndMap;
   return std::string(out.c_str()) + "\n";
 }

@@ -42,17 +42,32 @@ void BucketFetcher::run() {
   changed_.notify_all();
 }
 
+bool BucketFetcher::wait_released(std::optional<uint64_t> seq, Deadline deadline) {
+  std::unique_lock lock(mutex_);
+  auto done = [&] { return stop_ || (!ready_ && (!seq || (released_ && *released_ >= *seq))); };
+  if (!changed_.wait_until(lock, deadline, done))
+    fail(ErrorKind::kTimeout, "the loader kept bucket {} for more than {} s", seq.value_or(0), context_.timeout_s);
+  return !stop_;
+}
+
+void BucketFetcher::acknowledge(uint64_t seq, Deadline deadline) {
+  context_.transport->send(context_.peer, protocol::encode(protocol::BucketDone{context_.refit, seq}), deadline);
+}
+
 bool BucketFetcher::fetch(uint64_t seq, std::string& phase) {
   const auto deadline = deadline_after(Seconds(context_.timeout_s));
   const int local = static_cast<int>(seq % 2);
-  // Wait until the engine has loaded bucket seq - 2 (its buffer is ours again) and taken seq - 1.
-  phase = fmt::format("wait for the loader to finish bucket {}", seq >= 2 ? seq - 2 : 0);
-  {
-    std::unique_lock lock(mutex_);
-    auto free = [&] { return stop_ || (!ready_ && (seq < 2 || (released_ && *released_ + 2 >= seq))); };
-    if (!changed_.wait_until(lock, deadline, free))
-      fail(ErrorKind::kTimeout, "the loader kept bucket {} for more than {} s", seq - 2, context_.timeout_s);
-    if (stop_) return false;
+  const bool mapped = context_.mapped != nullptr;
+  // Staged: wait until the engine has loaded bucket seq - 2 (its buffer is ours again) and taken
+  // seq - 1. Mapped: wait until it has loaded seq - 1, then let the source refill that buffer.
+  // Either way the engine must have taken the previous bucket.
+  const uint64_t lag = mapped ? 1 : 2;
+  const std::optional<uint64_t> loaded = seq >= lag ? std::optional(seq - lag) : std::nullopt;
+  phase = fmt::format("wait for the loader to finish bucket {}", loaded.value_or(0));
+  if (!wait_released(loaded, deadline)) return false;
+  if (mapped && loaded) {
+    phase = fmt::format("acknowledge bucket {}", *loaded);
+    acknowledge(*loaded, deadline);
   }
 
   phase = fmt::format("wait for bucket {}", seq);
@@ -79,30 +94,43 @@ bool BucketFetcher::fetch(uint64_t seq, std::string& phase) {
     fail(ErrorKind::kConfig, "verify_checksums differs between {} ({}) and this destination ({})", context_.peer_label,
          msg.ready.checksum.has_value(), context_.verify_checksums);
 
-  phase = fmt::format("read bucket {}", seq);
   const auto read_start = Clock::now();
   const auto& bucket = msg.ready;
-  if (bucket.used_bytes > 0)
+  const std::byte* data = context_.buffers[local];
+  if (mapped) {
+    data = context_.mapped + bucket.buffer * context_.bucket_bytes;
+  } else if (bucket.used_bytes > 0) {
+    phase = fmt::format("read bucket {}", seq);
     context_.transport->read(context_.peer, context_.peer_metadata->buffers, bucket.buffer * context_.bucket_bytes,
                              context_.buffers[local], context_.region, bucket.used_bytes, deadline);
+  }
   if (bucket.checksum) {
     phase = fmt::format("verify bucket {}", seq);
-    const uint64_t actual = XXH3_64bits(context_.buffers[local], bucket.used_bytes);
+    const uint64_t actual = XXH3_64bits(data, bucket.used_bytes);
     if (actual != *bucket.checksum)
       fail(ErrorKind::kIntegrity, "bucket {} from {} arrived corrupted: checksum {:016x}, sent {:016x} ({} bytes)", seq,
            context_.peer_label, actual, *bucket.checksum, bucket.used_bytes);
   }
-  // The source may refill its buffer as soon as the bytes are here.
-  context_.transport->send(context_.peer, protocol::encode(protocol::BucketDone{context_.refit, seq}), deadline);
-  spdlog::debug("bucket {} from {}: {} bytes read in {:.4f}s", seq, context_.peer_label, bucket.used_bytes,
-                Seconds(Clock::now() - read_start).count());
-  const bool more = !bucket.is_last;
+  if (!mapped) {
+    // The source may refill its buffer as soon as the bytes are here.
+    acknowledge(seq, deadline);
+    spdlog::debug("bucket {} from {}: {} bytes read in {:.4f}s", seq, context_.peer_label, bucket.used_bytes,
+                  Seconds(Clock::now() - read_start).count());
+  }
+  const bool last = bucket.is_last;
   {
     std::lock_guard lock(mutex_);
-    ready_ = Fetched{std::move(msg.ready), context_.buffers[local]};
+    ready_ = Fetched{std::move(msg.ready), data};
   }
   changed_.notify_all();
-  return more;
+  if (last && mapped) {
+    // The source waits for the last bucket's acknowledgement before its refit ends.
+    phase = fmt::format("wait for the loader to finish bucket {}", seq);
+    if (!wait_released(seq, deadline)) return false;
+    phase = fmt::format("acknowledge bucket {}", seq);
+    acknowledge(seq, deadline);
+  }
+  return !last;
 }
 
 BucketFetcher::Fetched BucketFetcher::next(std::string& phase) {
@@ -123,6 +151,17 @@ BucketFetcher::Fetched BucketFetcher::next(std::string& phase) {
     std::rethrow_exception(error_);
   }
   fail(ErrorKind::kInternal, "the fetch thread for {} stopped early", context_.peer_label);
+}
+
+void BucketFetcher::finish(std::string& phase) {
+  const auto deadline = deadline_after(Seconds(context_.timeout_s + 1));
+  std::unique_lock lock(mutex_);
+  if (!changed_.wait_until(lock, deadline, [&] { return finished_; }))
+    fail(ErrorKind::kTimeout, "the fetch thread for {} did not finish in time", context_.peer_label);
+  if (error_) {
+    phase = error_phase_;
+    std::rethrow_exception(error_);
+  }
 }
 
 void BucketFetcher::release(uint64_t seq) {

@@ -1,8 +1,12 @@
 // The destination's reading side, on a thread of its own: it waits for each bucket's
-// announcement, validates it, reads the used bytes into one of the two local buffers and
-// acknowledges it, while the engine's thread reassembles and loads the previous bucket. So a
-// destination reads bucket k+1 while it loads bucket k, as the source packs k+1 while the
-// destination reads k.
+// announcement, validates it and hands the bucket's bytes to the engine's thread, which
+// reassembles and loads them. Two ways:
+//   - staged: the used bytes are read into one of the two local buffers and the bucket is
+//     acknowledged at once, so the destination reads bucket k+1 while it loads bucket k, and the
+//     source packs k+2 meanwhile;
+//   - mapped (`mapped` is the source's buffers, mapped here by the transport): the engine loads
+//     straight from the source's buffer, and the bucket is acknowledged once the engine released
+//     it; the source packs k+1 while the destination loads k. One copy fewer per byte.
 #pragma once
 
 #include <condition_variable>
@@ -25,6 +29,7 @@ struct FetchContext {
   const protocol::EngineMetadata* peer_metadata = nullptr;
   std::byte* buffers[2] = {};  // both inside `region`
   RegionId region = 0;
+  const std::byte* mapped = nullptr;  // the source's two buffers, mapped; null: staged reads
   uint64_t bucket_bytes = 0;
   uint64_t refit = 0;
   double timeout_s = 0;
@@ -45,13 +50,20 @@ class BucketFetcher {
 
   // The next bucket, in order. Rethrows the thread's error, setting `phase` to where it failed.
   Fetched next(std::string& phase);
-  // The engine is done with bucket `seq`: its buffer may take bucket seq + 2.
+  // The engine is done with bucket `seq`: its buffer may be refilled.
   void release(uint64_t seq);
+  // After release() of the last bucket: waits until the thread has acknowledged everything and
+  // stopped; rethrows its error.
+  void finish(std::string& phase);
 
  private:
   void run();
   // Fetches bucket `seq`; returns false after the last bucket or when stopped.
   bool fetch(uint64_t seq, std::string& phase);
+  // Waits until the engine has taken the bucket handed out last and released bucket `seq` (if
+  // given); false when stopped.
+  bool wait_released(std::optional<uint64_t> seq, Deadline deadline);
+  void acknowledge(uint64_t seq, Deadline deadline);
 
   FetchContext context_;
   std::mutex mutex_;

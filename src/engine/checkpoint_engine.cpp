@@ -129,12 +129,14 @@ class CheckpointEngine::Impl {
 
   void init_destination(int rollout_rank, int train, int rollout, std::span<const Metadata> metadata) {
     std::string self = fmt::format("destination rank {}", rollout_rank);
+    self_ = self;
     in_phase(self + ", init", [&] {
       disconnect();
       check_group(train, rollout, metadata);
       int source = source_rank_for_destination(rollout_rank, train, rollout);
       connect_peer(metadata, source, fmt::format("source rank {}", source));
       first_refit_ = protocol::first_refit(peer_metadata_.generation, generation_);
+      if (options_.config.map_source_buffers) map_source_buffers();
     });
     self_ = self;
     is_destination_ = true;
@@ -239,8 +241,20 @@ class CheckpointEngine::Impl {
     refits_ = 0;
   }
 
+  // Maps the source's transfer buffers when the transport can (same host); host memory is then
+  // page-locked here too, so that loads from it into GPU tensors run at PCIe speed.
+  void map_source_buffers() {
+    mapped_source_ = transport_->map(peer_, peer_metadata_.buffers);
+    if (mapped_source_ == nullptr) return;
+    if (buffer_kind_ == MemoryKind::kHost)
+      mapped_pin_ = HostPin::pin(const_cast<std::byte*>(mapped_source_), kBufferCount * options_.bucket_bytes);
+    spdlog::debug("{} loads straight from the mapped buffers of {}", self_.empty() ? "destination" : self_, peer_label_);
+  }
+
   void disconnect() {
     target_layout_.reset();
+    mapped_pin_ = HostPin();
+    mapped_source_ = nullptr;
     if (!has_peer_) return;
     has_peer_ = false;
     transport_->disconnect(peer_);
@@ -416,7 +430,7 @@ class CheckpointEngine::Impl {
   void run_receive(const BatchLoader& loader, uint64_t refit, ReceiveStats& stats, std::string& phase) {
     assembler_.reset();
     FetchContext context{transport_.get(), peer_, peer_label_, &peer_metadata_, {buffers_[0], buffers_[1]},
-                         region_, options_.bucket_bytes, refit, options_.config.timeout_s,
+                         region_, mapped_source_, options_.bucket_bytes, refit, options_.config.timeout_s,
                          options_.config.verify_checksums};
     BucketFetcher fetcher(std::move(context));
     while (true) {
@@ -439,6 +453,7 @@ class CheckpointEngine::Impl {
       fetcher.release(bucket.seq);
       if (bucket.is_last) {
         assembler_.finish(peer_label_);
+        fetcher.finish(phase);
         return;
       }
     }
@@ -450,6 +465,8 @@ class CheckpointEngine::Impl {
   std::byte* buffers_[kBufferCount] = {};  // buffer b at b * bucket_bytes of it
   MemoryKind buffer_kind_ = MemoryKind::kHost;
   HostPin pin_;                            // host buffers, page-locked when a GPU is usable
+  const std::byte* mapped_source_ = nullptr;  // on a destination: its source's buffers, mapped (or null)
+  HostPin mapped_pin_;
   std::unique_ptr<CopyStream> pack_stream_;  // on a source: copies into the transfer buffers
   bool prepared_ = false;
 

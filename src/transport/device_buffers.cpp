@@ -53,6 +53,7 @@ class DeviceBufferTransport final : public Transport {
             uint64_t length, Deadline deadline) override {
     inner_->read(peer, remote, remote_offset, local, local_region, length, deadline);
   }
+  const std::byte* map(PeerId peer, const RemoteRegion& remote) override { return inner_->map(peer, remote); }
   void send(PeerId peer, std::span<const uint8_t> message, Deadline deadline) override {
     inner_->send(peer, message, deadline);
   }

@@ -41,6 +41,11 @@ TEST(GpuBench, CudaIpcRefitsGpuTensorsBitwise) {
   expect_verified(refit_cli("bench --device cuda --refits 3"));
 }
 
+TEST(GpuBench, StagedReadsIntoTheDestinationsBuffersToo) {
+  REFIT_REQUIRE_GPUS(1);
+  expect_verified(refit_cli("bench --device cuda --refits 2 refit_cfg.nixl.map_source_buffers=false"));
+}
+
 TEST(GpuBench, TensorsSplitOverBucketsAreMergedOnTheGpu) {
   REFIT_REQUIRE_GPUS(1);
   // 8 MiB buckets split the 62.5 MiB embedding and LM head over many buckets.
@@ -58,6 +63,8 @@ TEST(GpuBench, ShardedDestinationsGetTheirGpuSlices) {
 TEST(GpuBench, PinnedHostBuffersMoveGpuTensors) {
   REFIT_REQUIRE_GPUS(1);
   expect_verified(refit_cli("bench --device cpu --tensors cuda --refits 2 refit_cfg.nixl.bucket_bytes=16MiB"));
+  expect_verified(refit_cli("bench --device cpu --tensors cuda --refits 2 refit_cfg.nixl.bucket_bytes=16MiB "
+                            "refit_cfg.nixl.map_source_buffers=false"));
 }
 
 TEST(GpuBench, AnOutOfRangeDeviceFailsBeforeAnyTransfer) {

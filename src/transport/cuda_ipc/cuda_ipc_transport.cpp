@@ -294,6 +294,11 @@ class CudaIpcTransport final : public Transport {
     cuda::wait_stream(stream_, deadline, what);
   }
 
+  const std::byte* map(PeerId id, const RemoteRegion& remote) override {
+    Peer& peer = find_peer(id, "mapping a region");
+    return remote_base(peer, remote, fmt::format("mapping a region of {}", peer.label));
+  }
+
   void send(PeerId id, std::span<const uint8_t> message, Deadline deadline) override {
     control_.send(find_peer(id, "sending a message").link, kMessages, message, deadline);
   }

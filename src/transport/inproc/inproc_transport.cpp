@@ -117,6 +117,12 @@ class InProcTransport final : public Transport {
     std::memcpy(dst, region.base + remote_offset, length);
   }
 
+  const std::byte* map(PeerId peer, const RemoteRegion& remote) override {
+    std::lock_guard lock(fabric_->mutex);
+    auto& target = live_peer(peer, "map");
+    return region_of(target, id_from(remote.key, "region key"), label(peer)).base;
+  }
+
   void send(PeerId peer, std::span<const uint8_t> message, Deadline) override {
     std::lock_guard lock(fabric_->mutex);
     live_peer(peer, "send").inbox[id_].emplace_back(message.begin(), message.end());

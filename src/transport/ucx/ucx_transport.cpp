@@ -90,6 +90,7 @@ class UcxTransport final : public Transport {
   void disconnect(PeerId peer) override;
   void read(PeerId peer, const RemoteRegion& remote, uint64_t remote_offset, void* local, RegionId local_region,
             uint64_t length, Deadline deadline) override;
+  const std::byte* map(PeerId peer, const RemoteRegion& remote) override;
   void send(PeerId peer, std::span<const uint8_t> message, Deadline deadline) override;
   Bytes receive(PeerId peer, Deadline deadline) override;
 
@@ -387,6 +388,19 @@ ucp_rkey_h UcxTransport::remote_key(Peer& peer, const Bytes& packed) {
   }
   peer.rkeys.emplace(packed, rkey);
   return rkey;
+}
+
+const std::byte* UcxTransport::map(PeerId id, const RemoteRegion& remote) {
+  Peer& peer = find_peer(id, "mapping a region");
+  check_usable(peer, fmt::format("mapping a region of {}", peer.label));
+  void* local = nullptr;
+  // Succeeds when UCX reaches the region through shared memory (a peer on this host).
+  ucs_status_t status = ucp_rkey_ptr(remote_key(peer, remote.key), remote.address, &local);
+  if (status != UCS_OK) {
+    spdlog::debug("UCX cannot map the region of {} ({}); reads copy it", peer.label, ucs_status_string(status));
+    return nullptr;
+  }
+  return static_cast<const std::byte*>(local);
 }
 
 void UcxTransport::read(PeerId id, const RemoteRegion& remote, uint64_t remote_offset, void* local,

@@ -13,7 +13,7 @@
 # Usage: scripts/gpu_bench.sh [MODEL] [RUNS] [REFITS] [BUCKET] [DEVICES]
 #   defaults: data/models/qwen3-14b (27.5 GiB), 3 runs, 5 refits, 1GiB buckets,
 #   "cuda cuda+staged cpu cpu+staged"
-# Writes JSON to $BUILD_DIR/gpu_bench/.
+# Writes JSON to $GPU_BENCH_OUT (default $BUILD_DIR/gpu_bench/).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build="${BUILD_DIR:-build/gpu}"
@@ -22,7 +22,7 @@ runs="${2:-3}"
 refits="${3:-5}"
 bucket="${4:-1GiB}"
 devices="${5:-cuda cuda+staged cpu cpu+staged}"
-out="$build/gpu_bench"
+out="${GPU_BENCH_OUT:-$build/gpu_bench}"
 mkdir -p "$out"
 bucket_bytes=$(python3 -c "import sys; s=sys.argv[1]; u={'KiB':10,'MiB':20,'GiB':30}; print(int(s[:-3])<<u[s[-3:]] if s[-3:] in u else int(s))" "$bucket")
 
@@ -56,8 +56,10 @@ for device in devices:
             print(f"device {device} run {run}: NOT verified"); continue
         rates = [x["throughput_bytes_per_s"] / 1e9 for x in r["refits"]]
         medians.append(statistics.median(rates))
-        print(f"device {device} run {run}: {r['model_bytes']/2**30:.2f} GiB, refits GB/s "
-              + " ".join(f"{x:.1f}" for x in rates) + f", median {medians[-1]:.1f}")
+        last = r["refits"][-1]["bytes_received"][0]
+        print(f"device {device} run {run}: {r['model_bytes']/2**30:.2f} GiB, {r['bucket_bytes']/2**20:.0f} MiB buckets, "
+              f"refits GB/s " + " ".join(f"{x:.1f}" for x in rates) + f", median {medians[-1]:.1f} "
+              f"(last refit: destination receive {last['receive_seconds']*1e3:.1f} ms, load {last['load_seconds']*1e3:.1f} ms)")
     if medians:
         name, c = ceilings[device.split("+")[0]]
         m = statistics.median(medians)

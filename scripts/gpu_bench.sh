@@ -11,7 +11,8 @@
 # Build first (scripts/gpu_test.sh builds $BUILD_DIR).
 #
 # Usage: scripts/gpu_bench.sh [MODEL] [RUNS] [REFITS] [BUCKET] [DEVICES]
-#   defaults: data/models/qwen3-14b (27.5 GiB), 3 runs, 5 refits, 1GiB buckets,
+#   defaults: data/models/qwen3-14b (27.5 GiB), 3 runs, 5 refits, BUCKET "default" (the engine's
+#   own sizing: update_weights_bucket_memory_ratio of the smallest worker's device memory),
 #   "cuda cuda+staged cpu cpu+staged"
 # Writes JSON to $GPU_BENCH_OUT (default $BUILD_DIR/gpu_bench/).
 set -euo pipefail
@@ -20,14 +21,19 @@ build="${BUILD_DIR:-build/gpu}"
 model="${1:-data/models/qwen3-14b}"
 runs="${2:-3}"
 refits="${3:-5}"
-bucket="${4:-1GiB}"
+bucket="${4:-default}"
 devices="${5:-cuda cuda+staged cpu cpu+staged}"
 out="${GPU_BENCH_OUT:-$build/gpu_bench}"
 mkdir -p "$out"
-bucket_bytes=$(python3 -c "import sys; s=sys.argv[1]; u={'KiB':10,'MiB':20,'GiB':30}; print(int(s[:-3])<<u[s[-3:]] if s[-3:] in u else int(s))" "$bucket")
+bucket_override=()
+ceiling_bytes=$((1 << 30))
+if [ "$bucket" != "default" ]; then
+  bucket_override=("refit_cfg.nixl.bucket_bytes=$bucket")
+  ceiling_bytes=$(python3 -c "import sys; s=sys.argv[1]; u={'KiB':10,'MiB':20,'GiB':30}; print(int(s[:-3])<<u[s[-3:]] if s[-3:] in u else int(s))" "$bucket")
+fi
 
-echo "== ceilings (copies of $bucket)"
-"$build/tests/gpu/refit_gpu_ceiling" --bytes "$bucket_bytes" --iterations 10 --json "$out/ceiling.json"
+echo "== ceilings (copies of $ceiling_bytes bytes)"
+"$build/tests/gpu/refit_gpu_ceiling" --bytes "$ceiling_bytes" --iterations 10 --json "$out/ceiling.json"
 
 for device in $devices; do
   for run in $(seq 1 "$runs"); do
@@ -35,8 +41,7 @@ for device in $devices; do
     map=true
     [ "${device%+staged}" != "$device" ] && map=false
     "$build/refit" bench --model "$model" --device "${device%+staged}" --tensors cuda --refits "$refits" \
-      --json "$out/$device-$run.json" "refit_cfg.nixl.bucket_bytes=$bucket" \
-      "refit_cfg.nixl.map_source_buffers=$map" 2>&1 | grep -v "vLLM refit"
+      --json "$out/$device-$run.json" "${bucket_override[@]}" "refit_cfg.nixl.map_source_buffers=$map" 2>&1 | grep -v "vLLM refit"
   done
 done
 

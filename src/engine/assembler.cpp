@@ -40,10 +40,12 @@ std::vector<TensorView> TensorAssembler::add_bucket(const protocol::BucketReady&
       MergeBuffer& buffer = merge_buffers_[e.tensor.name];
       if (buffer.size() != nbytes) {
         buffer = MergeBuffer{};
-        if (kind_ == MemoryKind::kCuda)
+        if (kind_ == MemoryKind::kCuda) {
           buffer.device = DeviceBuffer(device_, nbytes);
-        else
+        } else {
           buffer.host = HostBuffer(nbytes);
+          buffer.pin = HostPin::pin(buffer.host.data(), nbytes);
+        }
       }
       merging_ = Merge{e.tensor, &buffer, 0};
     } else if (merging_->info != e.tensor) {

@@ -49,9 +49,11 @@ class TensorAssembler {
   uint64_t tensors_completed() const { return names_.size(); }
 
  private:
-  // Host or device memory for one split tensor.
+  // Host or device memory for one split tensor. Host memory is page-locked when a GPU is usable,
+  // so that a loader copies merged tensors to the GPU at PCIe speed.
   struct MergeBuffer {
     HostBuffer host;
+    HostPin pin;  // after `host`: unpinned before it is freed
     DeviceBuffer device;
     std::byte* data() const { return device.data() ? device.data() : host.data(); }
     size_t size() const { return device.data() ? device.size() : host.size(); }

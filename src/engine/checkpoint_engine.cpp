@@ -362,6 +362,7 @@ class CheckpointEngine::Impl {
     bucket.refit = refit;
     std::optional<uint64_t> unacknowledged;
 
+    auto bucket_start = Clock::now();
     auto flush = [&](bool is_last) {
       // Every copy into this buffer must be complete before the destination may read it.
       if (pack_stream_->pending()) {
@@ -369,7 +370,12 @@ class CheckpointEngine::Impl {
         pack_stream_->synchronize(next_deadline());
       }
       if (options_.config.verify_checksums) bucket.checksum = XXH3_64bits(buffers_[bucket.buffer], bucket.used_bytes);
+      const auto packed = Clock::now();
       if (unacknowledged) wait_done(refit, *unacknowledged, phase);
+      spdlog::debug("{}: bucket {} ({} bytes) packed in {:.2f} ms, then {:.2f} ms waiting for {}", self_, bucket.seq,
+                    bucket.used_bytes, Seconds(packed - bucket_start).count() * 1e3,
+                    Seconds(Clock::now() - packed).count() * 1e3, peer_label_);
+      bucket_start = Clock::now();
       bucket.is_last = is_last;
       phase = fmt::format("announce bucket {}", bucket.seq);
       transport_->send(peer_, protocol::encode(bucket), next_deadline());
@@ -446,6 +452,8 @@ class CheckpointEngine::Impl {
         const auto load_start = Clock::now();
         loader(batch);
         stats.load_seconds += seconds_since(load_start);
+        spdlog::debug("{}: bucket {} ({} bytes) loaded in {:.2f} ms", self_, bucket.seq, bucket.used_bytes,
+                      seconds_since(load_start) * 1e3);
         ++stats.batches;
         stats.tensors += batch.size();
         for (const auto& v : batch) stats.payload_bytes += v.info->nbytes();

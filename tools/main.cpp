@@ -39,7 +39,6 @@ int main(int argc, char** argv) {
   plan_cmd->add_option("--config", plan.config_file, "YAML config file");
   plan_cmd->add_option("--json", plan.json_path, "Write the plan summary as JSON to this file");
   plan.parallel.add_to(*plan_cmd);
-  plan_cmd->add_flag("--flat", plan.flat, "Full buckets from the first on (the reference's layout), without the engine's ramp-up");
   plan_cmd->add_option("overrides", plan.overrides, "Config overrides, key=value");
 
   refit::tools::ElasticOptions elastic;

@@ -33,7 +33,7 @@ int run_plan(const PlanOptions& options) {
   for (int r = 0; r < options.destinations; ++r) {
     const int source = source_rank_for_destination(r, options.sources, options.destinations);
     const auto tensors = selected_tensors(inventory, layouts[r]);
-    const BucketPlan plan = plan_buckets(tensors, size.bytes, options.flat ? Ramp::kNone : Ramp::kUp);
+    const BucketPlan plan = plan_buckets(tensors, size.bytes);
     const double reduction = plan.payload_bytes > 0 ? full_bytes / plan.payload_bytes : 0;
     fmt::print("{:>12} {:>7} {:>9} {:>12.3f} {:>12.3f} {:>8} {:>9.2f}x\n", r, source, tensors.size(),
                plan.payload_bytes / double(1ull << 30), plan.transferred_bytes / double(1ull << 30), plan.buckets.size(),

@@ -16,7 +16,6 @@ struct PlanOptions {
   std::vector<std::string> overrides;
   std::string json_path;
   ParallelOptions parallel;
-  bool flat = false;  // buckets without the engine's ramp-up (the reference's layout)
 };
 
 int run_plan(const PlanOptions& options);

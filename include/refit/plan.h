@@ -7,11 +7,7 @@
 //  - a chunk's offset inside its bucket is aligned to its element size, so the receiver can view
 //    it as typed memory;
 //  - a zero-byte tensor gets a zero-byte chunk, so its name is delivered;
-//  - a name seen twice in one refit is an error, not an overwrite;
-//  - ramp-up (what the engine does): the first buckets close early, at the first tensor boundary
-//    past 1/8, 1/4 and 1/2 of the bucket size, so that the destination starts loading after a
-//    small first bucket instead of waiting for a whole one (the pipeline fills sooner). It only
-//    moves bucket boundaries: no tensor is split because of it.
+//  - a name seen twice in one refit is an error, not an overwrite.
 // The packer is incremental so that a source can pack while it iterates; plan_buckets runs the
 // same packer over a whole list (for `refit plan` and tests). Same input, same plan: a refit of
 // the same model replays the same manifests.
@@ -34,12 +30,9 @@ struct ChunkPlacement {
   bool starts_bucket = false;  // the bucket before this chunk must be flushed first
 };
 
-enum class Ramp { kNone, kUp };
-
 class BucketPacker {
  public:
-  // Throws Error(kInvalidArgument) for 0 bytes.
-  explicit BucketPacker(uint64_t bucket_bytes, Ramp ramp = Ramp::kUp);
+  explicit BucketPacker(uint64_t bucket_bytes);  // throws Error(kInvalidArgument) for 0
 
   // Places the next tensor; throws Error(kInvalidArgument) for a repeated name.
   std::vector<ChunkPlacement> place(const TensorInfo& tensor);
@@ -47,12 +40,7 @@ class BucketPacker {
   uint64_t bucket_bytes() const { return bucket_bytes_; }
 
  private:
-  // Where the current bucket closes at a tensor boundary (bucket_bytes_ once ramped up).
-  uint64_t soft_limit() const;
-
   uint64_t bucket_bytes_;
-  Ramp ramp_;
-  uint64_t bucket_index_ = 0;
   uint64_t offset_ = 0;
   bool bucket_has_chunks_ = false;
   std::unordered_set<std::string> names_;
@@ -75,6 +63,6 @@ struct BucketPlan {
   uint64_t transferred_bytes = 0;      // sum of used bucket bytes (padding included)
 };
 
-BucketPlan plan_buckets(std::span<const TensorInfo> tensors, uint64_t bucket_bytes, Ramp ramp = Ramp::kUp);
+BucketPlan plan_buckets(std::span<const TensorInfo> tensors, uint64_t bucket_bytes);
 
 }  // namespace refit

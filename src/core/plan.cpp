@@ -11,18 +11,8 @@ uint64_t align_up(uint64_t value, uint64_t alignment) { return (value + alignmen
 
 }  // namespace
 
-namespace {
-// Buckets 0, 1, 2 close past 1/8, 1/4, 1/2 of the bucket size.
-constexpr uint64_t kRampSteps = 3;
-}  // namespace
-
-BucketPacker::BucketPacker(uint64_t bucket_bytes, Ramp ramp) : bucket_bytes_(bucket_bytes), ramp_(ramp) {
+BucketPacker::BucketPacker(uint64_t bucket_bytes) : bucket_bytes_(bucket_bytes) {
   if (bucket_bytes == 0) fail(ErrorKind::kInvalidArgument, "bucket size must be at least 1 byte");
-}
-
-uint64_t BucketPacker::soft_limit() const {
-  if (ramp_ == Ramp::kNone || bucket_index_ >= kRampSteps) return bucket_bytes_;
-  return std::max<uint64_t>(1, bucket_bytes_ >> (kRampSteps - bucket_index_));
 }
 
 std::vector<ChunkPlacement> BucketPacker::place(const TensorInfo& tensor) {
@@ -36,16 +26,12 @@ std::vector<ChunkPlacement> BucketPacker::place(const TensorInfo& tensor) {
 
   std::vector<ChunkPlacement> out;
   uint64_t tensor_offset = 0;
-  // A ramping bucket past its soft limit closes before this tensor.
-  bool close_bucket = bucket_has_chunks_ && offset_ >= soft_limit();
   do {
     const uint64_t size = std::min(chunk_limit, total - tensor_offset);
     ChunkPlacement chunk{tensor_offset, size, align_up(offset_, element), false};
-    if (close_bucket || chunk.bucket_offset + size > bucket_bytes_) {
+    if (chunk.bucket_offset + size > bucket_bytes_) {
       chunk.bucket_offset = 0;
       chunk.starts_bucket = bucket_has_chunks_;
-      if (chunk.starts_bucket) ++bucket_index_;
-      close_bucket = false;
     }
     offset_ = chunk.bucket_offset + size;
     bucket_has_chunks_ = true;
@@ -55,8 +41,8 @@ std::vector<ChunkPlacement> BucketPacker::place(const TensorInfo& tensor) {
   return out;
 }
 
-BucketPlan plan_buckets(std::span<const TensorInfo> tensors, uint64_t bucket_bytes, Ramp ramp) {
-  BucketPacker packer(bucket_bytes, ramp);
+BucketPlan plan_buckets(std::span<const TensorInfo> tensors, uint64_t bucket_bytes) {
+  BucketPacker packer(bucket_bytes);
   BucketPlan plan;
   plan.bucket_bytes = bucket_bytes;
   plan.buckets.emplace_back();

@@ -97,22 +97,6 @@ TEST(Plan, RepeatedNameIsAnError) {
   }
 }
 
-TEST(Plan, FirstBucketsRampUpAtTensorBoundaries) {
-  // 64-byte buckets close past 8, 16 and 32 bytes, then fill; no tensor is split for it.
-  std::vector<TensorInfo> ts;
-  for (int i = 0; i < 20; ++i) ts.push_back(t("w" + std::to_string(i), DType::kFloat32, {3}));  // 12 bytes each
-  auto ramped = plan_buckets(ts, 64);
-  std::vector<uint64_t> used;
-  for (const auto& b : ramped.buckets) used.push_back(b.used_bytes);
-  EXPECT_EQ(used, (std::vector<uint64_t>{12, 24, 36, 60, 60, 48}));
-  for (const auto& b : ramped.buckets)
-    for (const auto& c : b.chunks) EXPECT_EQ(c.placement.size, 12u);
-  auto flat = plan_buckets(ts, 64, Ramp::kNone);
-  used.clear();
-  for (const auto& b : flat.buckets) used.push_back(b.used_bytes);
-  EXPECT_EQ(used, (std::vector<uint64_t>{60, 60, 60, 60}));
-}
-
 TEST(Plan, ZeroBucketIsRejected) { EXPECT_THROW(BucketPacker(0), Error); }
 
 TEST(Plan, SamePlanForSameInput) {

@@ -83,7 +83,8 @@ struct ReceiveStats {
   uint64_t batches = 0;
   uint64_t buckets = 0;
   uint64_t payload_bytes = 0;  // tensor bytes delivered to the loader
-  uint64_t wire_bytes = 0;     // bytes read over the transport
+  uint64_t wire_bytes = 0;     // bytes read over the transport (or loaded from the mapped source buffers)
+  bool mapped = false;         // loaded straight from the source's mapped buffers (map_source_buffers)
   double total_seconds = 0;
   double load_seconds = 0;
   double receive_seconds() const { return total_seconds > load_seconds ? total_seconds - load_seconds : 0; }

@@ -286,6 +286,7 @@ nb::dict receive_stats(const ReceiveStats& s) {
   d["buckets"] = s.buckets;
   d["payload_bytes"] = s.payload_bytes;
   d["wire_bytes"] = s.wire_bytes;
+  d["mapped"] = s.mapped;
   d["total_seconds"] = s.total_seconds;
   d["load_seconds"] = s.load_seconds;
   d["receive_seconds"] = s.receive_seconds();

@@ -438,6 +438,7 @@ class CheckpointEngine::Impl {
     FetchContext context{transport_.get(), peer_, peer_label_, &peer_metadata_, {buffers_[0], buffers_[1]},
                          region_, mapped_source_, options_.bucket_bytes, refit, options_.config.timeout_s,
                          options_.config.verify_checksums};
+    stats.mapped = mapped_source_ != nullptr;
     BucketFetcher fetcher(std::move(context));
     while (true) {
       auto fetched = fetcher.next(phase);

@@ -69,13 +69,14 @@ ReceiveStats receive_stats(const json& j) {
   s.wire_bytes = j.at("wire_bytes");
   s.total_seconds = j.at("total_seconds");
   s.load_seconds = j.at("load_seconds");
+  s.mapped = j.at("mapped");
   return s;
 }
 json stats_json(const ReceiveStats& s) {
   return {{"tensors", s.tensors},           {"batches", s.batches},
           {"buckets", s.buckets},           {"payload_bytes", s.payload_bytes},
           {"wire_bytes", s.wire_bytes},     {"total_seconds", s.total_seconds},
-          {"load_seconds", s.load_seconds}};
+          {"load_seconds", s.load_seconds}, {"mapped", s.mapped}};
 }
 
 // The device of a worker: the configured one, except that a plain "cuda" deals the workers

@@ -56,6 +56,8 @@ TEST(Config, DefaultsFromEmptyText) {
     EXPECT_FALSE(c.shard_expert_weights);
     EXPECT_FALSE(c.bucket_bytes.has_value());
     EXPECT_DOUBLE_EQ(c.timeout_s, 300.0);
+    EXPECT_FALSE(c.verify_checksums);
+    EXPECT_TRUE(c.map_source_buffers);
   }
   EXPECT_EQ(load_config(""), RefitConfig{});
   EXPECT_EQ(parse_config("refit_cfg: null"), RefitConfig{});
@@ -250,7 +252,8 @@ TEST(Config, Bools) {
   EXPECT_TRUE(parse_config(nixl("release_after_refit: True")).release_after_refit);
   EXPECT_FALSE(parse_config(nixl("release_after_refit: false")).release_after_refit);
   EXPECT_TRUE(parse_config(nixl("shard_expert_weights: true")).shard_expert_weights);
-  for (const char* key : {"release_after_refit", "shard_expert_weights"}) {
+  EXPECT_FALSE(parse_config(nixl("map_source_buffers: false")).map_source_buffers);
+  for (const char* key : {"release_after_refit", "shard_expert_weights", "verify_checksums", "map_source_buffers"}) {
     for (const char* bad : {"maybe", "'true'", "1", "null", "[true]"}) {
       EXPECT_CONFIG_ERROR(config_error(nixl(std::string(key) + ": " + bad)), std::string("refit_cfg.nixl.") + key,
                           "true or false");
@@ -303,6 +306,8 @@ TEST(Config, OverridesOfEveryKey) {
       "bucket_bytes=1GiB",
       "timeout_s=30",
       "refit_transport=nixl",
+      "verify_checksums=true",
+      "refit_cfg.nixl.map_source_buffers=false",
   };
   RefitConfig c = parse_config("", overrides);
   EXPECT_DOUBLE_EQ(c.update_weights_bucket_memory_ratio, 0.2);
@@ -314,6 +319,8 @@ TEST(Config, OverridesOfEveryKey) {
   EXPECT_TRUE(c.shard_expert_weights);
   EXPECT_EQ(c.bucket_bytes, 1u << 30);
   EXPECT_DOUBLE_EQ(c.timeout_s, 30.0);
+  EXPECT_TRUE(c.verify_checksums);
+  EXPECT_FALSE(c.map_source_buffers);
 }
 
 TEST(Config, OverridesReplaceFileValues) {
@@ -365,6 +372,8 @@ TEST(Config, RoundTrip) {
   c.shard_expert_weights = true;
   c.bucket_bytes = 17;
   c.timeout_s = 0.1;
+  c.verify_checksums = true;
+  c.map_source_buffers = false;
   const std::string yaml = to_yaml(c);
   EXPECT_EQ(parse_config(yaml), c) << yaml;
   EXPECT_EQ(parse_config(to_yaml(RefitConfig{})), RefitConfig{});

@@ -46,10 +46,11 @@ struct Pair {
   std::unique_ptr<CheckpointEngine> source, destination;
   std::vector<Metadata> metadata;
 
-  explicit Pair(uint64_t bucket, bool release = false, double timeout_s = 10.0) {
+  explicit Pair(uint64_t bucket, bool release = false, double timeout_s = 10.0, bool map = true) {
     auto so = inproc_options(fabric, bucket, session, timeout_s);
     auto dop = inproc_options(fabric, bucket, session, timeout_s);
     so.config.release_after_refit = dop.config.release_after_refit = release;
+    dop.config.map_source_buffers = map;
     source = std::make_unique<CheckpointEngine>(so);
     destination = std::make_unique<CheckpointEngine>(dop);
   }
@@ -89,6 +90,22 @@ TEST(Engine, DeliversEveryTensorBitwiseWithSplitsAlignmentAndEmptyTensors) {
   for (const auto& t : weights) payload += t.info.nbytes();
   EXPECT_EQ(stats.payload_bytes, payload);
   EXPECT_LT(stats.wire_bytes, payload + 64);
+}
+
+TEST(Engine, StagedAndMappedDestinationsGetTheSameBytesOverManyBuckets) {
+  // 40-byte buckets: many buckets in flight, split tensors; both ways of reading, three refits.
+  for (bool map : {false, true}) {
+    Pair p(40, false, 10.0, map);
+    p.connect();
+    for (uint32_t r = 0; r < 3; ++r) {
+      auto weights = mixed_model(100 * r + 7);
+      Received got;
+      auto stats = p.refit(weights, got);
+      expect_same(weights, got);
+      EXPECT_EQ(stats.mapped, map);
+      EXPECT_GT(stats.buckets, 50u);
+    }
+  }
 }
 
 TEST(Engine, OddBucketSizeOf17Bytes) {

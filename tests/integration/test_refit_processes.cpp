@@ -60,12 +60,25 @@ TEST(RefitProcesses, OneToOneOverSharedMemory) {
   EXPECT_NE(r.output.find("[vLLM refit] Loaded"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("Using checkpoint-engine refit backend: nixl"), std::string::npos);
   EXPECT_NE(r.output.find("[checkpoint engine] Bucket size: 1 MiB per buffer"), std::string::npos);
+  // The destination loaded straight from the source's shared-memory buffers.
+  for (const auto& refit : read_json(b.json).at("refits"))
+    EXPECT_TRUE(refit.at("bytes_received").at(0).at("mapped").get<bool>());
+}
+
+TEST(RefitProcesses, OneToOneStagedOverSharedMemory) {
+  Bench b;
+  auto r = b.run(1, 1, 2, {kShm, "refit_cfg.nixl.map_source_buffers=false"});
+  expect_verified(r, read_json(b.json), 1, 2, inventory_from_hf_config(b.model).total_bytes());
+  for (const auto& refit : read_json(b.json).at("refits"))
+    EXPECT_FALSE(refit.at("bytes_received").at(0).at("mapped").get<bool>());
 }
 
 TEST(RefitProcesses, OneToOneOverTcp) {
   Bench b;
   auto r = b.run(1, 1, 2, {kTcp});
   expect_verified(r, read_json(b.json), 1, 2, inventory_from_hf_config(b.model).total_bytes());
+  for (const auto& refit : read_json(b.json).at("refits"))
+    EXPECT_FALSE(refit.at("bytes_received").at(0).at("mapped").get<bool>());  // tcp cannot map
 }
 
 TEST(RefitProcesses, TwoToTwo) {

@@ -435,6 +435,13 @@ TEST_P(UcxProcesses, ReadsFromAllocatedMemory) {
   RemoteRegion remote = child.pipe().get_region();
   transport->read(peer, remote, 0, local.base, local.region, kBytes, deadline_after(30s));
   for (size_t i = 0; i < kBytes; ++i) ASSERT_EQ(local.base[i], static_cast<std::byte>(i * 7 + 1)) << i;
+  // Shared memory is mapped here as well, so a destination can load from it without a copy; tcp
+  // has no mapping.
+  const std::byte* mapped = transport->map(peer, remote);
+  if (GetParam().name == "shm") EXPECT_NE(mapped, nullptr);
+  if (GetParam().name == "tcp") EXPECT_EQ(mapped, nullptr);
+  if (mapped != nullptr)
+    for (size_t i = 0; i < kBytes; ++i) ASSERT_EQ(mapped[i], static_cast<std::byte>(i * 7 + 1)) << i;
   child.pipe().put("done");
   EXPECT_EQ(child.wait(), 0);
 }

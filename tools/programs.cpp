@@ -148,13 +148,9 @@ class SourceProgram final : public WorkerProgram {
     for (size_t i = 0; i < whole.size(); ++i) hashes_[names[i]] = hex(sums[i]);
     for (const auto& [v, s] : slices) {
       if (gpu_scratch_.size() < s.info.nbytes()) gpu_scratch_ = DeviceBuffer(Device{Device::Kind::kCuda, -1}, s.info.nbytes());
-      uint64_t outer = 1, inner = dtype_size(v->info->dtype);
-      for (int d = 0; d < s.slice.dim; ++d) outer *= static_cast<uint64_t>(v->info->shape[d]);
-      for (size_t d = s.slice.dim + 1; d < v->info->shape.size(); ++d) inner *= static_cast<uint64_t>(v->info->shape[d]);
-      const uint64_t row = static_cast<uint64_t>(s.slice.length) * inner;
-      copies_.copy_2d(gpu_scratch_.data(), row, v->data + static_cast<uint64_t>(s.slice.start) * inner,
-                      static_cast<uint64_t>(v->info->shape[s.slice.dim]) * inner, row, outer, MemoryKind::kCuda,
-                      MemoryKind::kCuda);
+      const SliceRows rows = slice_rows(*v->info, s.slice);
+      copies_.copy_2d(gpu_scratch_.data(), rows.row_bytes, v->data + rows.offset, rows.pitch, rows.row_bytes, rows.rows,
+                      MemoryKind::kCuda, MemoryKind::kCuda);
       copies_.synchronize(deadline_after(kGpuWait));
       hashes_[v->info->name] = hex(hash_device_ranges({{gpu_scratch_.data(), s.info.nbytes()}}, nullptr).at(0));
     }
@@ -324,6 +320,13 @@ WorkerProgramFactory bench_programs(const BenchModel& model, const std::vector<s
     std::optional<KillPoint> mine;
     if (kill && kill->source == is_source && kill->rank == rank) mine = kill;
     const std::optional<Layout>* layout = rank < static_cast<int>(layouts.size()) ? &layouts[rank] : nullptr;
+    if (model.tensors == MemoryKind::kCuda) {
+      try {
+        check_device(Device{Device::Kind::kCuda, -1});
+      } catch (const Error& e) {
+        throw Error(e.kind(), fmt::format("GPU-resident bench tensors (--tensors cuda): {}", e.what()));
+      }
+    }
     if (is_source) return std::make_unique<SourceProgram>(model, layout, mine);
     return std::make_unique<DestinationProgram>(mine, model.tensors);
   };

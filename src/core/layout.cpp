@@ -193,23 +193,28 @@ LayoutSummary layout_bytes(const Layout& layout, const ModelInventory& inventory
   return s;
 }
 
-void copy_slice(const std::byte* src, const TensorInfo& info, const Slice& slice, std::byte* dst) {
+SliceRows slice_rows(const TensorInfo& info, const Slice& slice) {
   if (auto problem = slice_problem(info, slice); !problem.empty())
-    fail(ErrorKind::kLayout, "copy_slice of tensor '{}': {}", info.name, problem);
+    fail(ErrorKind::kLayout, "slice of tensor '{}': {}", info.name, problem);
   uint64_t outer = 1;
   for (int32_t d = 0; d < slice.dim; ++d) outer *= static_cast<uint64_t>(info.shape[d]);
   uint64_t inner = dtype_size(info.dtype);  // bytes of one index step along `dim`
   for (size_t d = slice.dim + 1; d < info.shape.size(); ++d) inner *= static_cast<uint64_t>(info.shape[d]);
-  const uint64_t size = static_cast<uint64_t>(info.shape[slice.dim]);
-  const uint64_t row = static_cast<uint64_t>(slice.length) * inner;  // bytes per outer index
-  if (row == 0 || outer == 0) return;
-  const std::byte* from = src + static_cast<uint64_t>(slice.start) * inner;
-  if (outer == 1 || static_cast<uint64_t>(slice.length) == size) {
-    std::memcpy(dst, from, outer * row);
-    return;
+  const uint64_t pitch = static_cast<uint64_t>(info.shape[slice.dim]) * inner;
+  SliceRows r{outer, static_cast<uint64_t>(slice.length) * inner, pitch, static_cast<uint64_t>(slice.start) * inner};
+  // A slice over the whole of `dim` (or with one outer row) is one block.
+  if (r.rows > 1 && r.row_bytes == pitch) {
+    r.row_bytes *= r.rows;
+    r.pitch = r.row_bytes;
+    r.rows = 1;
   }
-  const uint64_t stride = size * inner;
-  for (uint64_t o = 0; o < outer; ++o) std::memcpy(dst + o * row, from + o * stride, row);
+  return r;
+}
+
+void copy_slice(const std::byte* src, const TensorInfo& info, const Slice& slice, std::byte* dst) {
+  const SliceRows r = slice_rows(info, slice);
+  for (uint64_t o = 0; o < r.rows && r.row_bytes > 0; ++o)
+    std::memcpy(dst + o * r.row_bytes, src + r.offset + o * r.pitch, r.row_bytes);
 }
 
 }  // namespace refit

@@ -332,12 +332,8 @@ class CheckpointEngine::Impl {
   // narrow, or leading dims of 1), else gathered (one 2-D copy, on the GPU for a GPU tensor) into
   // scratch memory of the tensor's kind, kept for the next slice.
   const std::byte* slice_of(const TensorView& view, const Selection& selection) {
-    const TensorInfo& info = *view.info;
-    const Slice& slice = selection.slice;
-    uint64_t outer = 1, inner = dtype_size(info.dtype);
-    for (int d = 0; d < slice.dim; ++d) outer *= static_cast<uint64_t>(info.shape[d]);
-    for (size_t d = slice.dim + 1; d < info.shape.size(); ++d) inner *= static_cast<uint64_t>(info.shape[d]);
-    if (outer == 1) return view.data + static_cast<uint64_t>(slice.start) * inner;
+    const SliceRows rows = slice_rows(*view.info, selection.slice);
+    if (rows.rows <= 1) return view.data + rows.offset;
     // Copies from the scratch issued for the previous slice may still be running.
     if (pack_stream_->pending()) pack_stream_->synchronize(next_deadline());
     std::byte* scratch = nullptr;
@@ -349,9 +345,7 @@ class CheckpointEngine::Impl {
       slice_scratch_.resize(selection.info.nbytes());
       scratch = slice_scratch_.data();
     }
-    const uint64_t row = static_cast<uint64_t>(slice.length) * inner;
-    const uint64_t pitch = static_cast<uint64_t>(info.shape[slice.dim]) * inner;
-    pack_stream_->copy_2d(scratch, row, view.data + static_cast<uint64_t>(slice.start) * inner, pitch, row, outer,
+    pack_stream_->copy_2d(scratch, rows.row_bytes, view.data + rows.offset, rows.pitch, rows.row_bytes, rows.rows,
                           view.memory, view.memory);
     return scratch;
   }

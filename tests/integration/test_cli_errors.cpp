@@ -4,6 +4,7 @@
 #include <filesystem>
 
 #include "cli_runner.h"
+#include "refit/device.h"
 #include "refit/safetensors.h"
 
 namespace refit {
@@ -36,6 +37,13 @@ TEST(CliErrors, RatioOutOfRange) {
 TEST(CliErrors, UnknownTransport) { expect_error({"bench", "refit_transport=carrier_pigeon"}, {"carrier_pigeon"}); }
 
 TEST(CliErrors, BadDevice) { expect_error({"bench", "refit_cfg.nixl.device=tpu"}, {"device", "tpu"}); }
+
+TEST(CliErrors, GpuDeviceWithoutAGpuFailsBeforeAnyTransfer) {
+  if (cuda_device_count() > 0) GTEST_SKIP() << "this machine has a GPU (tests/gpu covers it)";
+  expect_error({"bench", "--device", "cuda"}, {"refit_cfg.nixl.device: device cuda requested but"});
+  expect_error({"bench", "--tensors", "cuda"}, {"GPU"});
+  expect_error({"bench", "--tensors", "tpu"}, {"--tensors 'tpu'"});
+}
 
 TEST(CliErrors, ModelPathDoesNotExist) { expect_error({"bench", "--model", "/no/such/model"}, {"/no/such/model"}); }
 

@@ -61,7 +61,8 @@ TEST(RefitProcesses, OneToOneOverSharedMemory) {
   EXPECT_NE(r.output.find("Using checkpoint-engine refit backend: nixl"), std::string::npos);
   EXPECT_NE(r.output.find("[checkpoint engine] Bucket size: 1 MiB per buffer"), std::string::npos);
   // The destination loaded straight from the source's shared-memory buffers.
-  for (const auto& refit : read_json(b.json).at("refits"))
+  const auto result = read_json(b.json);
+  for (const auto& refit : result.at("refits"))
     EXPECT_TRUE(refit.at("bytes_received").at(0).at("mapped").get<bool>());
 }
 
@@ -69,7 +70,8 @@ TEST(RefitProcesses, OneToOneStagedOverSharedMemory) {
   Bench b;
   auto r = b.run(1, 1, 2, {kShm, "refit_cfg.nixl.map_source_buffers=false"});
   expect_verified(r, read_json(b.json), 1, 2, inventory_from_hf_config(b.model).total_bytes());
-  for (const auto& refit : read_json(b.json).at("refits"))
+  const auto result = read_json(b.json);
+  for (const auto& refit : result.at("refits"))
     EXPECT_FALSE(refit.at("bytes_received").at(0).at("mapped").get<bool>());
 }
 
@@ -77,7 +79,8 @@ TEST(RefitProcesses, OneToOneOverTcp) {
   Bench b;
   auto r = b.run(1, 1, 2, {kTcp});
   expect_verified(r, read_json(b.json), 1, 2, inventory_from_hf_config(b.model).total_bytes());
-  for (const auto& refit : read_json(b.json).at("refits"))
+  const auto result = read_json(b.json);
+  for (const auto& refit : result.at("refits"))
     EXPECT_FALSE(refit.at("bytes_received").at(0).at("mapped").get<bool>());  // tcp cannot map
 }
 

@@ -198,6 +198,9 @@ void UcxTransport::init_ucx() {
   if (status != UCS_OK)
     fail(ErrorKind::kTransport, "cannot install the UCX message handler: {}", ucs_status_string(status));
 
+  // spdlog's registry is created on first use inside its shared library, where TSan cannot see
+  // the once-initialization: create it here, before the progress thread may log.
+  spdlog::default_logger_raw();
   progress_ = std::make_unique<ProgressThread>(worker);
 }
 

@@ -6,6 +6,8 @@
 //   d2h_pinned   device to pinned host
 //   h2d_pageable, d2h_pageable   the same from ordinary host memory (for comparison)
 //   peer         GPU 0 to GPU 1 when there are two (a CUDA IPC read across GPUs; NVLink/PCIe)
+//   nccl_p2p     ncclSend on GPU 1 / ncclRecv on GPU 0 when there are two and NCCL is built (the
+//                NCCL transport's data path; one process, one 2-rank communicator per GPU)
 // GB/s are 1e9 bytes copied per second (a device-to-device copy also reads as many bytes as it
 // writes; the rate counts them once, as a refit's throughput does).
 //
@@ -21,6 +23,10 @@
 #include <stdexcept>
 #include <string>
 #include <vector>
+
+#ifdef REFIT_HAVE_NCCL
+#include <nccl.h>
+#endif
 
 #include "refit/device.h"
 #include "refit/memory.h"
@@ -66,6 +72,42 @@ Result measure(const std::string& name, size_t bytes, int iterations, cudaStream
   std::fflush(stdout);
   return r;
 }
+
+#ifdef REFIT_HAVE_NCCL
+void check_nccl(ncclResult_t result, const char* call) {
+  if (result != ncclSuccess) throw std::runtime_error(std::string(call) + ": " + ncclGetErrorString(result));
+}
+
+// Point-to-point NCCL bandwidth from GPU `from` to GPU `to`, timed on the receiver's stream.
+Result measure_nccl(size_t bytes, int iterations, int to, int from) {
+  int devices[2] = {to, from};
+  ncclComm_t comms[2];
+  check_nccl(ncclCommInitAll(comms, 2, devices), "ncclCommInitAll");
+  cudaStream_t streams[2];
+  refit::DeviceBuffer recv_buffer(refit::Device{refit::Device::Kind::kCuda, to}, bytes);
+  refit::DeviceBuffer send_buffer(refit::Device{refit::Device::Kind::kCuda, from}, bytes);
+  for (int i = 0; i < 2; ++i) {
+    check(cudaSetDevice(devices[i]), "cudaSetDevice");
+    check(cudaStreamCreateWithFlags(&streams[i], cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+  }
+  auto transfer = [&] {
+    check_nccl(ncclGroupStart(), "ncclGroupStart");
+    check_nccl(ncclRecv(recv_buffer.data(), bytes, ncclInt8, 1, comms[0], streams[0]), "ncclRecv");
+    check_nccl(ncclSend(send_buffer.data(), bytes, ncclInt8, 0, comms[1], streams[1]), "ncclSend");
+    check_nccl(ncclGroupEnd(), "ncclGroupEnd");
+  };
+  check(cudaSetDevice(to), "cudaSetDevice");
+  Result r = measure("nccl_p2p", bytes, iterations, streams[0], transfer);
+  for (int i = 0; i < 2; ++i) {
+    check(cudaSetDevice(devices[i]), "cudaSetDevice");
+    check(cudaStreamSynchronize(streams[i]), "cudaStreamSynchronize");
+    cudaStreamDestroy(streams[i]);
+    ncclCommDestroy(comms[i]);
+  }
+  check(cudaSetDevice(to), "cudaSetDevice");
+  return r;
+}
+#endif
 
 void usage() {
   std::fprintf(stderr, "usage: refit_gpu_ceiling [--device N] [--bytes BYTES] [--iterations K] [--json FILE]\n");
@@ -154,6 +196,9 @@ int main(int argc, char** argv) {
         results.push_back(measure("peer", bytes, iterations, stream, [&] {
           check(cudaMemcpyPeerAsync(a.data(), device, remote.data(), other, bytes, stream), "cudaMemcpyPeerAsync");
         }));
+#ifdef REFIT_HAVE_NCCL
+        results.push_back(measure_nccl(bytes, iterations, device, other));
+#endif
       }
     }
     cudaStreamDestroy(stream);

@@ -17,6 +17,7 @@
 # Writes JSON to $GPU_BENCH_OUT (default $BUILD_DIR/gpu_bench/).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/gpu_common.sh
 build="${BUILD_DIR:-build/gpu}"
 model="${1:-data/models/qwen3-14b}"
 runs="${2:-3}"
@@ -29,7 +30,7 @@ bucket_override=()
 ceiling_bytes=$((1 << 30))
 if [ "$bucket" != "default" ]; then
   bucket_override=("refit_cfg.nixl.bucket_bytes=$bucket")
-  ceiling_bytes=$(python3 -c "import sys; s=sys.argv[1]; u={'KiB':10,'MiB':20,'GiB':30}; print(int(s[:-3])<<u[s[-3:]] if s[-3:] in u else int(s))" "$bucket")
+  ceiling_bytes=$(size_bytes "$bucket")
 fi
 
 echo "== ceilings (copies of $ceiling_bytes bytes)"

@@ -12,6 +12,7 @@
 #   defaults: data/models/qwen3-14b (27.5 GiB), 3 runs, 5 refits, 1GiB
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/gpu_common.sh
 build="${BUILD_DIR:-build/gpu}"
 model="${1:-data/models/qwen3-14b}"
 runs="${2:-3}"
@@ -25,7 +26,7 @@ if [ "$gpus" -lt 2 ]; then
   echo "multi_gpu_bench: needs at least 2 GPUs, this machine has $gpus" >&2
   exit 2
 fi
-bucket_bytes=$(python3 -c "import sys; s=sys.argv[1]; u={'KiB':10,'MiB':20,'GiB':30}; print(int(s[:-3])<<u[s[-3:]] if s[-3:] in u else int(s))" "$bucket")
+bucket_bytes=$(size_bytes "$bucket")
 
 echo "== ceilings between GPU 1 and GPU 0 (copies of $bucket)"
 "$build/tests/gpu/refit_gpu_ceiling" --device 0 --bytes "$bucket_bytes" --iterations 10 --json "$out/ceiling.json"

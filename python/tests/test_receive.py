@@ -197,7 +197,11 @@ def test_receive_statistics_and_batches():
 
 def test_ctrl_c_while_waiting_cancels_the_refit():
     import _thread
+    import signal
 
+    # interrupt_main() does nothing when SIGINT is ignored or left to the OS, which an earlier test
+    # (Ray's driver) may have done: make Ctrl-C raise KeyboardInterrupt, as in a plain interpreter.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     pair = Pair(MiB, config(timeout_s=30))
     try:
         def late_weights():
@@ -216,6 +220,7 @@ def test_ctrl_c_while_waiting_cancels_the_refit():
             sender.join()
     finally:
         pair.close()
+        signal.signal(signal.SIGINT, previous)
 
 
 @pytest.mark.parametrize("move", ["1", "0"], ids=["pages-moved", "copied"])

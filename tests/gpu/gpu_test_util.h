@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "core/error_of.h"
 #include "refit/device.h"
 #include "refit/error.h"
 #include "refit/transport.h"
@@ -40,16 +41,7 @@ bool gpu_required();
 // Throws std::runtime_error naming the call unless it succeeded (for test set-up code).
 void cuda_ok(cudaError_t status, const char* call);
 
-template <typename F>
-ErrorKind error_kind_of(F&& f, std::string* message = nullptr) {
-  try {
-    f();
-  } catch (const Error& e) {
-    if (message != nullptr) *message = e.what();
-    return e.kind();
-  }
-  throw std::runtime_error("expected refit::Error, nothing was thrown");
-}
+using ::refit::testing::error_kind_of;
 
 // Position-dependent bytes; `seed` makes buffers differ.
 std::vector<uint8_t> pattern(size_t size, uint64_t seed);

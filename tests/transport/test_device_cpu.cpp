@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "core/error_of.h"
 #include "refit/device.h"
 #include "refit/error.h"
 #include "refit/memory.h"
@@ -17,16 +18,7 @@
 namespace refit {
 namespace {
 
-template <typename F>
-ErrorKind error_kind_of(F&& f, std::string* message = nullptr) {
-  try {
-    f();
-  } catch (const Error& e) {
-    if (message != nullptr) *message = e.what();
-    return e.kind();
-  }
-  throw std::runtime_error("expected refit::Error, nothing was thrown");
-}
+using testing::error_kind_of;
 
 bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
 

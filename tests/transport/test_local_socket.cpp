@@ -21,6 +21,7 @@
 #include <thread>
 #include <vector>
 
+#include "core/error_of.h"
 #include "refit/error.h"
 #include "transport/local_socket/local_peer.h"
 #include "transport/local_socket/local_socket.h"
@@ -32,16 +33,7 @@ using namespace std::chrono_literals;
 using LinkId = LocalSocketEndpoint::LinkId;
 constexpr std::string_view kTag = "test";
 
-template <typename F>
-ErrorKind error_kind_of(F&& f, std::string* message = nullptr) {
-  try {
-    f();
-  } catch (const Error& e) {
-    if (message != nullptr) *message = e.what();
-    return e.kind();
-  }
-  throw std::runtime_error("expected refit::Error, nothing was thrown");
-}
+using testing::error_kind_of;
 
 Bytes pattern(size_t size, uint64_t seed) {
   Bytes bytes(size);

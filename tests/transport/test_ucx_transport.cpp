@@ -19,6 +19,7 @@
 #include <thread>
 #include <vector>
 
+#include "core/error_of.h"
 #include "refit/error.h"
 #include "refit/memory.h"
 #include "refit/transport.h"
@@ -176,16 +177,7 @@ size_t message_size(int index) {
   return static_cast<size_t>(index) * 613 % 20000;
 }
 
-template <typename F>
-ErrorKind error_kind_of(F&& f, std::string* message = nullptr) {
-  try {
-    f();
-  } catch (const Error& e) {
-    if (message != nullptr) *message = e.what();
-    return e.kind();
-  }
-  throw std::runtime_error("expected refit::Error, nothing was thrown");
-}
+using testing::error_kind_of;
 
 struct Variant {
   std::string name;
@@ -227,7 +219,7 @@ TEST_P(UcxProcesses, ReadsRegisteredRegionsBitwise) {
   };
   for (Case c : {Case{0, 0, 0}, Case{3, 0, 1}, Case{12345, 1, 1000003}, Case{0, 0, 64u << 20}, Case{0, 1, kRegionBytes},
                  Case{kRegionBytes - 1, 0, 1}}) {
-    SCOPED_TRACE(testing::Message() << "remote offset " << c.remote_offset << ", local offset " << c.local_offset
+    SCOPED_TRACE(::testing::Message() << "remote offset " << c.remote_offset << ", local offset " << c.local_offset
                                     << ", length " << c.length);
     std::memset(local, 0, local_buffer.size());
     transport->read(peer, remote, c.remote_offset, local + c.local_offset, local_region, c.length, deadline_after(60s));

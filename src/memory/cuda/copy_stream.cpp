@@ -81,6 +81,42 @@ struct CopyStream::Impl {
                 fmt::format("creating a copy stream on cuda:{}", cuda_device));
   }
 #endif
+
+  void synchronize(Deadline deadline) {
+    if (!pending) return;
+#ifdef REFIT_HAVE_CUDA
+    cuda::DeviceGuard guard(cuda_device);
+    cuda::wait_stream(stream, deadline, "waiting for GPU copies of the copy stream");
+#endif
+    pending = false;
+    reads.clear();
+    writes.clear();
+  }
+
+  // A host-to-host copy runs at once; it must wait for GPU copies in flight that touch its memory.
+  void order_host_copy(Range dst, Range src) {
+    if (pending && (writes.overlaps(dst) || reads.overlaps(dst) || writes.overlaps(src)))
+      synchronize(deadline_after(kImplicitSyncTimeout));
+  }
+
+#ifdef REFIT_HAVE_CUDA
+  // Enqueues a GPU copy: `issue(stream)` returns the cudaMemcpy*Async status; `call` and `what`
+  // name it in errors.
+  template <typename Issue>
+  void enqueue(Range dst, Range src, std::string_view call, const std::string& what, Issue&& issue) {
+    if (stream == nullptr) create_stream();
+    cuda::DeviceGuard guard(cuda_device);
+    cuda::check(issue(stream), call, what);
+    pending = true;
+    reads.add(src);
+    writes.add(dst);
+  }
+#else
+  [[noreturn]] static void no_cuda() {
+    fail(ErrorKind::kUnsupported,
+         "copying GPU memory needs CUDA: this build has no CUDA support; rebuild with REFIT_WITH_CUDA=ON");
+  }
+#endif
 };
 
 CopyStream::CopyStream(Device device) : impl_(std::make_unique<Impl>()) { impl_->device = device; }
@@ -116,23 +152,15 @@ void CopyStream::copy(void* dst, const void* src, size_t bytes, MemoryKind dst_k
   const Range d = range_of(dst, bytes);
   const Range s = range_of(src, bytes);
   if (dst_kind == MemoryKind::kHost && src_kind == MemoryKind::kHost) {
-    // Keep issue order with GPU copies in flight only where the memory overlaps.
-    if (impl_->pending && (impl_->writes.overlaps(d) || impl_->reads.overlaps(d) || impl_->writes.overlaps(s)))
-      synchronize(deadline_after(kImplicitSyncTimeout));
+    impl_->order_host_copy(d, s);
     std::memcpy(dst, src, bytes);
     return;
   }
 #ifdef REFIT_HAVE_CUDA
-  if (impl_->stream == nullptr) impl_->create_stream();
-  cuda::DeviceGuard guard(impl_->cuda_device);
-  cuda::check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, impl_->stream), "cudaMemcpyAsync",
-              fmt::format("copying {} bytes from {} to {}", bytes, src, dst));
-  impl_->pending = true;
-  impl_->reads.add(s);
-  impl_->writes.add(d);
+  impl_->enqueue(d, s, "cudaMemcpyAsync", fmt::format("copying {} bytes from {} to {}", bytes, src, dst),
+                 [&](cudaStream_t stream) { return cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream); });
 #else
-  fail(ErrorKind::kUnsupported,
-       "copying GPU memory needs CUDA: this build has no CUDA support; rebuild with REFIT_WITH_CUDA=ON");
+  Impl::no_cuda();
 #endif
 }
 
@@ -149,36 +177,23 @@ void CopyStream::copy_2d(void* dst, size_t dst_pitch, const void* src, size_t sr
   const Range d = range_of(dst, (rows - 1) * dst_pitch + row_bytes);
   const Range s = range_of(src, (rows - 1) * src_pitch + row_bytes);
   if (dst_kind == MemoryKind::kHost && src_kind == MemoryKind::kHost) {
-    if (impl_->pending && (impl_->writes.overlaps(d) || impl_->reads.overlaps(d) || impl_->writes.overlaps(s)))
-      synchronize(deadline_after(kImplicitSyncTimeout));
+    impl_->order_host_copy(d, s);
     auto* out = static_cast<std::byte*>(dst);
     const auto* in = static_cast<const std::byte*>(src);
     for (size_t r = 0; r < rows; ++r) std::memcpy(out + r * dst_pitch, in + r * src_pitch, row_bytes);
     return;
   }
 #ifdef REFIT_HAVE_CUDA
-  if (impl_->stream == nullptr) impl_->create_stream();
-  cuda::DeviceGuard guard(impl_->cuda_device);
-  cuda::check(cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, row_bytes, rows, cudaMemcpyDefault, impl_->stream),
-              "cudaMemcpy2DAsync", fmt::format("copying {} rows of {} bytes from {} to {}", rows, row_bytes, src, dst));
-  impl_->pending = true;
-  impl_->reads.add(s);
-  impl_->writes.add(d);
+  impl_->enqueue(d, s, "cudaMemcpy2DAsync",
+                 fmt::format("copying {} rows of {} bytes from {} to {}", rows, row_bytes, src, dst),
+                 [&](cudaStream_t stream) {
+                   return cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, row_bytes, rows, cudaMemcpyDefault, stream);
+                 });
 #else
-  fail(ErrorKind::kUnsupported,
-       "copying GPU memory needs CUDA: this build has no CUDA support; rebuild with REFIT_WITH_CUDA=ON");
+  Impl::no_cuda();
 #endif
 }
 
-void CopyStream::synchronize(Deadline deadline) {
-  if (!impl_->pending) return;
-#ifdef REFIT_HAVE_CUDA
-  cuda::DeviceGuard guard(impl_->cuda_device);
-  cuda::wait_stream(impl_->stream, deadline, "waiting for GPU copies of the copy stream");
-#endif
-  impl_->pending = false;
-  impl_->reads.clear();
-  impl_->writes.clear();
-}
+void CopyStream::synchronize(Deadline deadline) { impl_->synchronize(deadline); }
 
 }  // namespace refit

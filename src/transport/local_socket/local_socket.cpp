@@ -167,6 +167,15 @@ struct LocalSocketEndpoint::State {
     return it->second;
   }
 
+  // The next queued message from `link`'s peer on `channel`, if any; under `mutex`.
+  std::optional<Bytes> pop(const Link& link, uint8_t channel) {
+    auto& queue = senders[link.peer].queues[channel];
+    if (queue.empty()) return std::nullopt;
+    Bytes message = std::move(queue.front());
+    queue.pop_front();
+    return message;
+  }
+
   // Why the link's peer is gone, or empty. Under mutex.
   // A peer that disconnected on purpose (BYE) may connect again and is not lost; one whose
   // connection to us ended without BYE is (only the kernel closes a socket that way: the process
@@ -412,12 +421,7 @@ Bytes LocalSocketEndpoint::receive(LinkId id, uint8_t channel, Deadline deadline
   std::shared_ptr<Link> link = s.find(id, "receiving a control message");
   std::unique_lock lock(s.mutex);
   while (true) {
-    auto& queue = s.senders[link->peer].queues[channel];
-    if (!queue.empty()) {
-      Bytes message = std::move(queue.front());
-      queue.pop_front();
-      return message;
-    }
+    if (auto message = s.pop(*link, channel)) return std::move(*message);
     if (std::string why = s.lost_reason(*link); !why.empty())
       fail(ErrorKind::kPeerLost, "lost {} while waiting for a message from it: {}", link->label, why);
     if (expired(deadline)) fail(ErrorKind::kTimeout, "timed out waiting for a message from {}", link->label);
@@ -429,12 +433,7 @@ std::optional<Bytes> LocalSocketEndpoint::try_receive(LinkId id, uint8_t channel
   State& s = *state_;
   std::shared_ptr<Link> link = s.find(id, "receiving a control message");
   std::lock_guard lock(s.mutex);
-  auto& queue = s.senders[link->peer].queues[channel];
-  if (!queue.empty()) {
-    Bytes message = std::move(queue.front());
-    queue.pop_front();
-    return message;
-  }
+  if (auto message = s.pop(*link, channel)) return message;
   if (std::string why = s.lost_reason(*link); !why.empty())
     fail(ErrorKind::kPeerLost, "lost {}: {}", link->label, why);
   return std::nullopt;

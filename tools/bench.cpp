@@ -144,7 +144,8 @@ int run_bench(const BenchOptions& options) {
           per_destination.push_back({{"rank", w.rank}, {"bytes", w.receive.payload_bytes}, {"expected_bytes", expected},
                                      {"wire_bytes", w.receive.wire_bytes}, {"tensors", w.receive.tensors},
                                      {"batches", w.receive.batches}, {"receive_seconds", w.receive.receive_seconds()},
-                                     {"load_seconds", w.receive.load_seconds}, {"mapped", w.receive.mapped}});
+                                     {"load_seconds", w.receive.load_seconds}, {"mapped", w.receive.mapped},
+                                     {"buffer_bytes", w.receive.buffer_bytes}});
         }
         const double rate = received / report.seconds;
         throughputs.push_back(rate);

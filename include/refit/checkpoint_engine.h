@@ -54,6 +54,11 @@ struct EngineOptions {
   // A destination's layout: what it holds of each source tensor (layout_builders.h). It travels
   // in the destination's metadata and its source sends exactly that. Empty: every tensor whole.
   std::optional<Layout> layout;
+  // This engine will only be a destination: prepare() allocates nothing, and init_destination()
+  // allocates the two transfer buffers only if it cannot load from its source's mapped buffers
+  // (map_source_buffers), saving 2 x bucket_bytes of (GPU) memory per destination.
+  // init_source() on such an engine is an error.
+  bool receives_only = false;
 };
 
 // The weights a source streams, one tensor at a time. next() fills `out` and returns true, or
@@ -85,6 +90,7 @@ struct ReceiveStats {
   uint64_t payload_bytes = 0;  // tensor bytes delivered to the loader
   uint64_t wire_bytes = 0;     // bytes read over the transport (or loaded from the mapped source buffers)
   bool mapped = false;         // loaded straight from the source's mapped buffers (map_source_buffers)
+  uint64_t buffer_bytes = 0;   // transfer-buffer memory this engine holds (0: receives_only and mapped)
   double total_seconds = 0;
   double load_seconds = 0;
   double receive_seconds() const { return total_seconds > load_seconds ? total_seconds - load_seconds : 0; }

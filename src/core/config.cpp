@@ -305,23 +305,6 @@ RefitConfig parse(std::string_view text, std::string_view source, std::span<cons
 
 }  // namespace
 
-Device parse_device(std::string_view text, std::string_view key) {
-  if (text == "cpu") return {Device::Kind::kCpu, -1};
-  if (text == "cuda") return {Device::Kind::kCuda, -1};
-  std::string_view rest = text;
-  int index = -1;
-  if (strip_prefix(rest, "cuda:") && !rest.empty() && std::isdigit(static_cast<unsigned char>(rest[0]))) {
-    auto [end, ec] = std::from_chars(rest.data(), rest.data() + rest.size(), index);
-    if (ec == std::errc() && end == rest.data() + rest.size()) return {Device::Kind::kCuda, index};
-  }
-  fail(ErrorKind::kConfig, "{} must be cpu, cuda or cuda:N (N >= 0), got '{}'", key, text);
-}
-
-std::string to_string(const Device& device) {
-  if (device.kind == Device::Kind::kCpu) return "cpu";
-  return device.index < 0 ? "cuda" : fmt::format("cuda:{}", device.index);
-}
-
 RefitConfig parse_config(std::string_view yaml_text, std::span<const std::string> overrides) {
   return parse(yaml_text, "<config text>", overrides);
 }

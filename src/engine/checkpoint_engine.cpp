@@ -93,14 +93,15 @@ class CheckpointEngine::Impl {
   }
 
   Metadata prepare() {
-    if (!prepared_) allocate_buffers();
+    if (!has_buffers_ && !options_.receives_only) allocate_buffers();
+    prepared_ = true;
     protocol::EngineMetadata md;
     md.session = options_.session;
     md.model_fingerprint = options_.model_fingerprint;
     md.bucket_bytes = options_.bucket_bytes;
     md.transport_name = transport_->name();
     md.transport_address = transport_->address();
-    md.buffers = transport_->describe(region_);
+    if (has_buffers_) md.buffers = transport_->describe(region_);
     if (options_.layout) md.layout = encode_layout(*options_.layout);
     md.process = this_process();
     generation_ = random_u64();
@@ -115,6 +116,9 @@ class CheckpointEngine::Impl {
       if (worker_rank < 0 || worker_rank >= train)
         fail(ErrorKind::kTopology, "worker_rank must be in [0, {}), got {}", train, worker_rank);
       check_group(train, rollout, metadata);
+      if (!has_buffers_)
+        fail(ErrorKind::kInvalidArgument, "this engine was created to receive only (receives_only) and has no transfer "
+                                          "buffers to send from");
       // Validate the whole pairing, so that every source agrees on it, then find our peer.
       for (int r = 0; r < rollout; ++r) source_rank_for_destination(r, train, rollout);
       if (worker_rank < rollout) {
@@ -136,7 +140,10 @@ class CheckpointEngine::Impl {
       int source = source_rank_for_destination(rollout_rank, train, rollout);
       connect_peer(metadata, source, fmt::format("source rank {}", source));
       first_refit_ = protocol::first_refit(peer_metadata_.generation, generation_);
+      if (peer_metadata_.buffers.length == 0)
+        fail(ErrorKind::kProtocol, "{} published no transfer buffers (it was created to receive only)", peer_label_);
       if (options_.config.map_source_buffers) map_source_buffers();
+      if (!mapped_source_ && !has_buffers_) allocate_buffers();
     });
     self_ = self;
     is_destination_ = true;
@@ -246,6 +253,11 @@ class CheckpointEngine::Impl {
   void map_source_buffers() {
     mapped_source_ = transport_->map(peer_, peer_metadata_.buffers);
     if (mapped_source_ == nullptr) return;
+    if (!has_buffers_) {
+      // Without buffers of our own, views and merge buffers take the configured device.
+      buffer_kind_ = options_.config.device.kind == Device::Kind::kCuda ? MemoryKind::kCuda : MemoryKind::kHost;
+      assembler_.set_memory(buffer_kind_, options_.config.device);
+    }
     if (buffer_kind_ == MemoryKind::kHost)
       mapped_pin_ = HostPin::pin(const_cast<std::byte*>(mapped_source_), kBufferCount * options_.bucket_bytes);
     spdlog::debug("{} loads straight from the mapped buffers of {}", self_.empty() ? "destination" : self_, peer_label_);
@@ -272,7 +284,7 @@ class CheckpointEngine::Impl {
     buffers_[0] = allocation.base;
     buffers_[1] = allocation.base + options_.bucket_bytes;
     buffer_kind_ = memory_kind_of(allocation.base);
-    prepared_ = true;
+    has_buffers_ = true;
     const auto wanted = device.kind == Device::Kind::kCuda ? MemoryKind::kCuda : MemoryKind::kHost;
     if (buffer_kind_ != wanted) {
       release_buffers();
@@ -287,12 +299,13 @@ class CheckpointEngine::Impl {
   }
 
   void release_buffers() {
-    if (!prepared_) return;
+    prepared_ = false;  // metadata describing the buffers is stale from here on
+    if (!has_buffers_) return;
     if (pack_stream_ && pack_stream_->pending()) pack_stream_->synchronize(next_deadline());
     pin_ = HostPin();
     transport_->deregister_memory(region_);
     buffers_[0] = buffers_[1] = nullptr;
-    prepared_ = false;
+    has_buffers_ = false;
   }
 
   // The next message of refit `refit`; messages of earlier refits or connections (left queued by
@@ -433,6 +446,7 @@ class CheckpointEngine::Impl {
                          region_, mapped_source_, options_.bucket_bytes, refit, options_.config.timeout_s,
                          options_.config.verify_checksums};
     stats.mapped = mapped_source_ != nullptr;
+    stats.buffer_bytes = has_buffers_ ? kBufferCount * options_.bucket_bytes : 0;
     BucketFetcher fetcher(std::move(context));
     while (true) {
       auto fetched = fetcher.next(phase);
@@ -467,11 +481,12 @@ class CheckpointEngine::Impl {
   RegionId region_ = 0;                    // one allocation of the transport holds both buffers
   std::byte* buffers_[kBufferCount] = {};  // buffer b at b * bucket_bytes of it
   MemoryKind buffer_kind_ = MemoryKind::kHost;
+  bool has_buffers_ = false;
   HostPin pin_;                            // host buffers, page-locked when a GPU is usable
   const std::byte* mapped_source_ = nullptr;  // on a destination: its source's buffers, mapped (or null)
   HostPin mapped_pin_;
   std::unique_ptr<CopyStream> pack_stream_;  // on a source: copies into the transfer buffers
-  bool prepared_ = false;
+  bool prepared_ = false;  // prepare() ran since the buffers were last released
 
   std::string self_;
   bool is_destination_ = false;

@@ -94,7 +94,7 @@ EngineMetadata decode_metadata(std::span<const uint8_t> blob, const std::string&
   m.buffers.length = r.get<uint64_t>("buffer length");
   auto key = r.get_bytes("buffer key");
   m.buffers.key.assign(key.begin(), key.end());
-  if (m.bucket_bytes > UINT64_MAX / 2 || m.buffers.length < 2 * m.bucket_bytes)
+  if (m.buffers.length != 0 && (m.bucket_bytes > UINT64_MAX / 2 || m.buffers.length < 2 * m.bucket_bytes))
     fail(ErrorKind::kProtocol, "malformed {}: the transfer buffers hold {} bytes, less than two buckets of {}", who,
          m.buffers.length, m.bucket_bytes);
   auto layout = r.get_bytes("layout");

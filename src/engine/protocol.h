@@ -27,6 +27,7 @@ struct EngineMetadata {
   std::string transport_name;
   Bytes transport_address;
   // Both transfer buffers, from one allocation: buffer b is the bucket_bytes at b * bucket_bytes.
+  // Empty (length 0) for an engine that only receives and has none.
   RemoteRegion buffers;
   Bytes layout;                       // a destination's encoded layout; empty: whole tensors
   ProcessIdentity process;            // lets a peer on the same host see at once that we are gone

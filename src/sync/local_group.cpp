@@ -70,13 +70,14 @@ ReceiveStats receive_stats(const json& j) {
   s.total_seconds = j.at("total_seconds");
   s.load_seconds = j.at("load_seconds");
   s.mapped = j.at("mapped");
+  s.buffer_bytes = j.at("buffer_bytes");
   return s;
 }
 json stats_json(const ReceiveStats& s) {
   return {{"tensors", s.tensors},           {"batches", s.batches},
           {"buckets", s.buckets},           {"payload_bytes", s.payload_bytes},
           {"wire_bytes", s.wire_bytes},     {"total_seconds", s.total_seconds},
-          {"load_seconds", s.load_seconds}, {"mapped", s.mapped}};
+          {"load_seconds", s.load_seconds}, {"mapped", s.mapped}, {"buffer_bytes", s.buffer_bytes}};
 }
 
 // The device of a worker: the configured one, except that a plain "cuda" deals the workers
@@ -128,6 +129,7 @@ int run_worker(bool is_source, int rank, Channel& channel, const LocalGroupOptio
         eo.model_fingerprint = options.model_fingerprint;
         if (!is_source && rank < static_cast<int>(options.destination_layouts.size()))
           eo.layout = options.destination_layouts[rank];
+        eo.receives_only = !is_source;
         engine = std::make_unique<CheckpointEngine>(std::move(eo));
         program = options.program(is_source, rank);
       } else if (!engine) {

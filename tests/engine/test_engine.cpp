@@ -5,6 +5,7 @@
 #include <optional>
 #include <thread>
 
+#include "core/error_of.h"
 #include "engine/protocol.h"
 #include "transport/fault_injection.h"
 #include "engine_harness.h"
@@ -46,11 +47,13 @@ struct Pair {
   std::unique_ptr<CheckpointEngine> source, destination;
   std::vector<Metadata> metadata;
 
-  explicit Pair(uint64_t bucket, bool release = false, double timeout_s = 10.0, bool map = true) {
+  explicit Pair(uint64_t bucket, bool release = false, double timeout_s = 10.0, bool map = true,
+                bool receives_only = false) {
     auto so = inproc_options(fabric, bucket, session, timeout_s);
     auto dop = inproc_options(fabric, bucket, session, timeout_s);
     so.config.release_after_refit = dop.config.release_after_refit = release;
     dop.config.map_source_buffers = map;
+    dop.receives_only = receives_only;
     source = std::make_unique<CheckpointEngine>(so);
     destination = std::make_unique<CheckpointEngine>(dop);
   }
@@ -106,6 +109,40 @@ TEST(Engine, StagedAndMappedDestinationsGetTheSameBytesOverManyBuckets) {
       EXPECT_GT(stats.buckets, 50u);
     }
   }
+}
+
+TEST(Engine, AReceiveOnlyDestinationAllocatesBuffersOnlyWhenItCannotMapItsSource) {
+  for (bool map : {true, false}) {
+    for (bool release : {false, true}) {
+      Pair p(64, release, 10.0, map, /*receives_only=*/true);
+      for (uint32_t r = 0; r < 2; ++r) {
+        if (release || r == 0) p.connect();
+        auto weights = mixed_model(3 * r + 1);
+        Received got;
+        auto stats = p.refit(weights, got);
+        expect_same(weights, got);
+        EXPECT_EQ(stats.mapped, map);
+        EXPECT_EQ(stats.buffer_bytes, map ? 0u : 128u) << "map " << map;
+        if (release) {
+          p.source->finalize();
+          p.destination->finalize();
+        }
+      }
+    }
+  }
+}
+
+TEST(Engine, AReceiveOnlyEngineCannotSendNorFeedADestination) {
+  auto fabric = make_inproc_fabric();
+  SessionId session = new_session_id();
+  auto a_options = inproc_options(fabric, 64, session), b_options = inproc_options(fabric, 64, session);
+  a_options.receives_only = b_options.receives_only = true;
+  CheckpointEngine a(a_options), b(b_options);
+  std::vector<Metadata> md = {a.prepare(), b.prepare()};
+  std::string message = testing::error_of(ErrorKind::kInvalidArgument, [&] { a.init_source(0, 1, 1, md); });
+  EXPECT_NE(message.find("receive only"), std::string::npos) << message;
+  message = testing::error_of(ErrorKind::kProtocol, [&] { b.init_destination(0, 1, 1, md); });
+  EXPECT_NE(message.find("source rank 0 published no transfer buffers"), std::string::npos) << message;
 }
 
 TEST(Engine, OddBucketSizeOf17Bytes) {

@@ -60,10 +60,13 @@ TEST(RefitProcesses, OneToOneOverSharedMemory) {
   EXPECT_NE(r.output.find("[vLLM refit] Loaded"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("Using checkpoint-engine refit backend: nixl"), std::string::npos);
   EXPECT_NE(r.output.find("[checkpoint engine] Bucket size: 1 MiB per buffer"), std::string::npos);
-  // The destination loaded straight from the source's shared-memory buffers.
+  // The destination loaded straight from the source's shared-memory buffers, and so holds no
+  // transfer buffers of its own.
   const auto result = read_json(b.json);
-  for (const auto& refit : result.at("refits"))
+  for (const auto& refit : result.at("refits")) {
     EXPECT_TRUE(refit.at("bytes_received").at(0).at("mapped").get<bool>());
+    EXPECT_EQ(refit.at("bytes_received").at(0).at("buffer_bytes").get<uint64_t>(), 0u);
+  }
 }
 
 TEST(RefitProcesses, OneToOneStagedOverSharedMemory) {
@@ -71,8 +74,10 @@ TEST(RefitProcesses, OneToOneStagedOverSharedMemory) {
   auto r = b.run(1, 1, 2, {kShm, "refit_cfg.nixl.map_source_buffers=false"});
   expect_verified(r, read_json(b.json), 1, 2, inventory_from_hf_config(b.model).total_bytes());
   const auto result = read_json(b.json);
-  for (const auto& refit : result.at("refits"))
+  for (const auto& refit : result.at("refits")) {
     EXPECT_FALSE(refit.at("bytes_received").at(0).at("mapped").get<bool>());
+    EXPECT_EQ(refit.at("bytes_received").at(0).at("buffer_bytes").get<uint64_t>(), 2u << 20);  // 2 x 1 MiB
+  }
 }
 
 TEST(RefitProcesses, OneToOneOverTcp) {

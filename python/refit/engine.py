@@ -42,10 +42,12 @@ CONFIG_KEYS = (
     "bucket_bytes",
     "timeout_s",
     "verify_checksums",
+    "map_source_buffers",
 )
 #: engine_kwargs keys that are not configuration: the driver's session id, the model fingerprint,
-#: the destination layout, and the framework received tensors are handed out as.
-ENGINE_KEYS = ("session", "model_fingerprint", "layout", "framework")
+#: the destination layout, the framework received tensors are handed out as, and whether the
+#: engine only receives (then it holds transfer buffers only when it cannot map its source's).
+ENGINE_KEYS = ("session", "model_fingerprint", "layout", "framework", "receives_only")
 
 _FRAMEWORKS = ("auto", "numpy", "torch", "cupy", "dlpack")
 _torch_available: Optional[bool] = None
@@ -161,12 +163,12 @@ class CheckpointEngine:
 
     def __init__(self, bucket_size_bytes: int, config: Union[None, RefitConfig, Mapping[str, Any], str] = None, *,
                  session: Optional[bytes] = None, model_fingerprint: int = 0, layout: Optional[Layout] = None,
-                 framework: str = "auto"):
+                 framework: str = "auto", receives_only: bool = False):
         self._config = as_config(config)
         self._framework = framework
         resolve_framework(framework)  # validate early
         self._engine = _refit.CheckpointEngine(int(bucket_size_bytes), self._config, session,
-                                               int(model_fingerprint), layout)
+                                               int(model_fingerprint), layout, bool(receives_only))
         self.last_send_stats: Optional[dict] = None
 
     # ---- the reference's API ----
@@ -267,7 +269,9 @@ def create_checkpoint_engine(backend: str, bucket_size_bytes: int,
     release_after_refit, shard_expert_weights, timeout_s, verify_checksums), either directly or
     keyed by backend (``{"nixl": {...}}``), plus refit's engine options: ``session`` (bytes from
     refit.new_session_id(), the same for every engine of a group), ``model_fingerprint``,
-    ``layout`` (a destination's refit.Layout) and ``framework`` (default for received tensors).
+    ``layout`` (a destination's refit.Layout), ``framework`` (default for received tensors) and
+    ``receives_only`` (a destination that allocates transfer buffers only when it cannot map its
+    source's; init_source() on it is an error).
     Extra keyword arguments are merged into engine_kwargs. Raises ConfigError naming a bad key.
     """
     if backend != "nixl":

@@ -561,7 +561,7 @@ class BatchIterator {
 class PyEngine {
  public:
   PyEngine(uint64_t bucket_bytes, const RefitConfig& config, nb::handle session, uint64_t model_fingerprint,
-           std::optional<Layout> layout)
+           std::optional<Layout> layout, bool receives_only)
       : config_(config),
         bucket_bytes_(bucket_bytes),
         pool_(std::make_shared<BlockPool>()),
@@ -571,6 +571,7 @@ class PyEngine {
     options.bucket_bytes = bucket_bytes;
     options.model_fingerprint = model_fingerprint;
     options.layout = std::move(layout);
+    options.receives_only = receives_only;
     if (session.is_valid() && !session.is_none()) {
       auto bytes = bytes_of(session, "session");
       if (bytes.size() != options.session.size())
@@ -920,9 +921,9 @@ void register_engine(nb::module_& m) {
   nb::class_<PyEngine>(m, "CheckpointEngine",
                        "The C++ checkpoint engine. Use refit.create_checkpoint_engine(), which wraps it with the "
                        "reference's method names.")
-      .def(nb::init<uint64_t, const RefitConfig&, nb::handle, uint64_t, std::optional<Layout>>(),
+      .def(nb::init<uint64_t, const RefitConfig&, nb::handle, uint64_t, std::optional<Layout>, bool>(),
            nb::arg("bucket_bytes"), nb::arg("config"), nb::arg("session").none() = nb::none(),
-           nb::arg("model_fingerprint") = 0, nb::arg("layout").none() = nb::none())
+           nb::arg("model_fingerprint") = 0, nb::arg("layout").none() = nb::none(), nb::arg("receives_only") = false)
       .def("prepare", &PyEngine::prepare)
       .def(
           "init_source",

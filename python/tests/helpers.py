@@ -25,12 +25,12 @@ class Pair:
     """A connected source and destination engine in this process."""
 
     def __init__(self, bucket_bytes: int, cfg: Optional[refit.RefitConfig] = None, *,
-                 framework: str = "numpy", layout: Optional[refit.Layout] = None):
+                 framework: str = "numpy", layout: Optional[refit.Layout] = None, receives_only: bool = False):
         cfg = cfg or config()
         self.session = session = refit.new_session_id()
         self.source = refit.CheckpointEngine(bucket_bytes, cfg, session=session)
         self.destination = refit.CheckpointEngine(bucket_bytes, cfg, session=session, framework=framework,
-                                                  layout=layout)
+                                                  layout=layout, receives_only=receives_only)
         self.connect()
 
     def connect(self) -> None:

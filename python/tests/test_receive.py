@@ -299,3 +299,21 @@ def test_the_engine_cannot_be_closed_from_its_own_load_callback():
             sender.join()
     finally:
         pair.close()
+
+
+@pytest.mark.parametrize("mapped", [True, False], ids=["mapped", "staged"])
+def test_a_receive_only_destination_holds_buffers_only_when_it_cannot_map(mapped):
+    pair = Pair(MiB, config(map_source_buffers=mapped), receives_only=True)
+    try:
+        for index in (1, 2):
+            got = {}
+            _, stats = pair.refit(distinct_weights(index), lambda b: got.update(b))
+            assert sorted(got) == sorted(name for name, _ in distinct_weights(index))
+            # In one process UCX may or may not map its own shared memory; the buffers follow it.
+            assert stats["buffer_bytes"] == (0 if stats["mapped"] else 2 * MiB)
+            if not mapped:
+                assert not stats["mapped"]
+        with pytest.raises(refit.RefitError, match="receive only"):
+            pair.destination.init_policy_process_group(0, 1, 1, [pair.source.prepare(), pair.destination.prepare()])
+    finally:
+        pair.close()

@@ -116,9 +116,9 @@ class CheckpointEngine::Impl {
       if (worker_rank < 0 || worker_rank >= train)
         fail(ErrorKind::kTopology, "worker_rank must be in [0, {}), got {}", train, worker_rank);
       check_group(train, rollout, metadata);
-      if (!has_buffers_)
-        fail(ErrorKind::kInvalidArgument, "this engine was created to receive only (receives_only) and has no transfer "
-                                          "buffers to send from");
+      if (options_.receives_only)
+        fail(ErrorKind::kInvalidArgument, "this engine was created to receive only (receives_only): it cannot be a "
+                                          "source");
       // Validate the whole pairing, so that every source agrees on it, then find our peer.
       for (int r = 0; r < rollout; ++r) source_rank_for_destination(r, train, rollout);
       if (worker_rank < rollout) {

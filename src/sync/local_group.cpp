@@ -29,6 +29,11 @@ struct LocalProcessGroup::Worker {
   std::string label() const { return fmt::format("{} rank {}", is_source ? "source" : "destination", rank); }
 };
 
+// Engine statistics cross the worker channel as JSON objects keyed by field name.
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(SendStats, tensors, dropped, buckets, payload_bytes, seconds, had_peer)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(ReceiveStats, tensors, batches, buckets, payload_bytes, wire_bytes, total_seconds,
+                                   load_seconds, mapped, buffer_bytes)
+
 namespace {
 
 using Seconds = std::chrono::duration<double>;
@@ -44,41 +49,6 @@ json create_command(uint64_t bucket_bytes, const SessionId& session) {
 }
 Bytes from_binary(const json& j) { return j.get_binary(); }
 
-json stats_json(const SendStats& s) {
-  return {{"tensors", s.tensors}, {"dropped", s.dropped}, {"buckets", s.buckets}, {"payload_bytes", s.payload_bytes},
-          {"seconds", s.seconds}, {"had_peer", s.had_peer}};
-}
-
-SendStats send_stats(const json& j) {
-  SendStats s;
-  s.tensors = j.at("tensors");
-  s.dropped = j.at("dropped");
-  s.buckets = j.at("buckets");
-  s.payload_bytes = j.at("payload_bytes");
-  s.seconds = j.at("seconds");
-  s.had_peer = j.at("had_peer");
-  return s;
-}
-
-ReceiveStats receive_stats(const json& j) {
-  ReceiveStats s;
-  s.tensors = j.at("tensors");
-  s.batches = j.at("batches");
-  s.buckets = j.at("buckets");
-  s.payload_bytes = j.at("payload_bytes");
-  s.wire_bytes = j.at("wire_bytes");
-  s.total_seconds = j.at("total_seconds");
-  s.load_seconds = j.at("load_seconds");
-  s.mapped = j.at("mapped");
-  s.buffer_bytes = j.at("buffer_bytes");
-  return s;
-}
-json stats_json(const ReceiveStats& s) {
-  return {{"tensors", s.tensors},           {"batches", s.batches},
-          {"buckets", s.buckets},           {"payload_bytes", s.payload_bytes},
-          {"wire_bytes", s.wire_bytes},     {"total_seconds", s.total_seconds},
-          {"load_seconds", s.load_seconds}, {"mapped", s.mapped}, {"buffer_bytes", s.buffer_bytes}};
-}
 
 // The device of a worker: the configured one, except that a plain "cuda" deals the workers
 // (sources first, then destinations) round-robin over the visible GPUs.
@@ -151,9 +121,9 @@ int run_worker(bool is_source, int rank, Channel& channel, const LocalGroupOptio
         uint64_t index = cmd.at("index").get<uint64_t>();
         if (is_source) {
           auto weights = program->weights(index);
-          reply["send"] = stats_json(engine->send(*weights));
+          reply["send"] = engine->send(*weights);
         } else {
-          reply["receive"] = stats_json(engine->receive(program->loader(index)));
+          reply["receive"] = engine->receive(program->loader(index));
         }
       } else if (name == "report") {
         reply["detail"] = program->report(cmd.at("index").get<uint64_t>());
@@ -405,9 +375,9 @@ RefitReport LocalProcessGroup::refit(uint64_t index) {
     w.rank = workers_[i]->rank;
     const auto& r = replies[i];
     if (w.is_source)
-      w.send = send_stats(r.at("send"));
+      w.send = r.at("send").get<SendStats>();
     else
-      w.receive = receive_stats(r.at("receive"));
+      w.receive = r.at("receive").get<ReceiveStats>();
     w.detail = details[i].value("detail", "{}");
     report.workers.push_back(std::move(w));
   }

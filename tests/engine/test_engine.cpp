@@ -331,6 +331,26 @@ TEST(Engine, MetadataOfAnotherModelIsRefused) {
   }
 }
 
+TEST(Engine, PeersWithAnotherBucketSizeOrTransportAreRefusedBeforeAnyTransfer) {
+  auto fabric = make_inproc_fabric();
+  auto session = new_session_id();
+  CheckpointEngine s(inproc_options(fabric, 64, session)), d(inproc_options(fabric, 128, session));
+  std::vector<Metadata> md = {s.prepare(), d.prepare()};
+  std::string message = testing::error_of(ErrorKind::kProtocol, [&] { d.init_destination(0, 1, 1, md); });
+  EXPECT_NE(message.find("source rank 0 uses 64-byte buckets, this engine 128"), std::string::npos) << message;
+  message = testing::error_of(ErrorKind::kProtocol, [&] { s.init_source(0, 1, 1, md); });
+  EXPECT_NE(message.find("destination rank 0 uses 128-byte buckets, this engine 64"), std::string::npos) << message;
+
+  // The same bucket size, but metadata that says another backend published it.
+  CheckpointEngine s2(inproc_options(fabric, 64, session)), d2(inproc_options(fabric, 64, session));
+  std::vector<Metadata> md2 = {s2.prepare(), d2.prepare()};
+  auto forged = protocol::decode_metadata(md2[0], "source");
+  forged.transport_name = "UCX";
+  md2[0] = protocol::encode(forged);
+  message = testing::error_of(ErrorKind::kProtocol, [&] { d2.init_destination(0, 1, 1, md2); });
+  EXPECT_NE(message.find("source rank 0 uses transport 'UCX', this engine 'INPROC'"), std::string::npos) << message;
+}
+
 TEST(Engine, TopologyIsValidated) {
   auto fabric = make_inproc_fabric();
   auto session = new_session_id();

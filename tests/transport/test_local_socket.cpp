@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "core/error_of.h"
+#include "process_harness.h"
 #include "refit/error.h"
 #include "transport/local_socket/local_peer.h"
 #include "transport/local_socket/local_socket.h"
@@ -50,112 +51,18 @@ size_t message_size(int index) {
   return static_cast<size_t>(index) * 613 % 20000;
 }
 
-void require(bool condition, const std::string& what) {
-  if (!condition) throw std::runtime_error(what);
+using testing::Child;
+using testing::Pipe;
+using testing::require;
+
+void put_id(Pipe& pipe, const EndpointId& id) { pipe.put(std::span<const uint8_t>(id.data(), id.size())); }
+EndpointId get_id(Pipe& pipe) {
+  Bytes bytes = pipe.get();
+  EndpointId id;
+  require(bytes.size() == id.size(), "expected an endpoint id from the peer process");
+  std::copy(bytes.begin(), bytes.end(), id.begin());
+  return id;
 }
-
-// Fixed-size records over a pipe between the test and its forked peer.
-class Pipe {
- public:
-  Pipe() {
-    int fds[2];
-    if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, fds) != 0) throw std::runtime_error("socketpair failed");
-    a_ = fds[0];
-    b_ = fds[1];
-  }
-  ~Pipe() {
-    if (a_ >= 0) ::close(a_);
-    if (b_ >= 0) ::close(b_);
-  }
-  // After fork: the parent keeps end a, the child end b.
-  void keep(bool parent) {
-    ::close(parent ? b_ : a_);
-    (parent ? b_ : a_) = -1;
-  }
-  int fd() const { return a_ >= 0 ? a_ : b_; }
-
-  void put_id(const EndpointId& id) { write_all(id.data(), id.size()); }
-  EndpointId get_id() {
-    EndpointId id;
-    read_all(id.data(), id.size());
-    return id;
-  }
-  void put_byte(uint8_t b) { write_all(&b, 1); }
-  uint8_t get_byte() {
-    uint8_t b = 0;
-    read_all(&b, 1);
-    return b;
-  }
-
- private:
-  void write_all(const void* data, size_t size) {
-    const auto* p = static_cast<const uint8_t*>(data);
-    while (size > 0) {
-      ssize_t n = ::write(fd(), p, size);
-      if (n <= 0) throw std::runtime_error("pipe closed");
-      p += n;
-      size -= static_cast<size_t>(n);
-    }
-  }
-  void read_all(void* data, size_t size) {
-    auto* p = static_cast<uint8_t*>(data);
-    while (size > 0) {
-      ssize_t n = ::read(fd(), p, size);
-      if (n <= 0) throw std::runtime_error("pipe closed");
-      p += n;
-      size -= static_cast<size_t>(n);
-    }
-  }
-  int a_ = -1;
-  int b_ = -1;
-};
-
-// A forked peer running `body`; exits 0 when it returns.
-class Child {
- public:
-  explicit Child(const std::function<void(Pipe&)>& body) {
-    pid_ = fork();
-    if (pid_ < 0) throw std::runtime_error("fork failed");
-    if (pid_ == 0) {
-      pipe_.keep(false);
-      int status = 0;
-      try {
-        body(pipe_);
-      } catch (const std::exception& e) {
-        std::cerr << "child process failed: " << e.what() << std::endl;
-        status = 1;
-      }
-      _exit(status);
-    }
-    pipe_.keep(true);
-  }
-  ~Child() {
-    if (pid_ > 0) {
-      ::kill(pid_, SIGKILL);
-      waitpid(pid_, nullptr, 0);
-    }
-  }
-  Pipe& pipe() { return pipe_; }
-  int wait() {
-    int status = 0;
-    waitpid(pid_, &status, 0);
-    pid_ = -1;
-    return WIFEXITED(status) ? WEXITSTATUS(status) : -WTERMSIG(status);
-  }
-  void kill() {
-    ::kill(pid_, SIGKILL);
-    wait();
-  }
-  void stop() {
-    ::kill(pid_, SIGSTOP);
-    int status = 0;
-    waitpid(pid_, &status, WUNTRACED);
-  }
-
- private:
-  Pipe pipe_;
-  pid_t pid_ = -1;
-};
 
 double seconds_since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
 
@@ -322,14 +229,14 @@ struct PeerProcess {
   explicit PeerProcess(const std::function<void(LocalSocketEndpoint&, LinkId, Pipe&)>& script)
       : child([script](Pipe& pipe) {
           LocalSocketEndpoint endpoint(kTag);
-          pipe.put_id(endpoint.id());
-          EndpointId parent = pipe.get_id();
+          put_id(pipe, endpoint.id());
+          EndpointId parent = get_id(pipe);
           LinkId link = endpoint.connect(parent, kTag, "the test process", deadline_after(10s));
           require(pipe.get_byte() == 7, "the test process did not connect");  // before the script may exit
           script(endpoint, link, pipe);
         }) {
-    EndpointId peer = child.pipe().get_id();
-    child.pipe().put_id(self.id());
+    EndpointId peer = get_id(child.pipe());
+    put_id(child.pipe(), self.id());
     link = self.connect(peer, kTag, "source rank 1", deadline_after(10s));
     child.pipe().put_byte(7);
   }

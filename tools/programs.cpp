@@ -12,6 +12,7 @@
 
 #include "core/fail.h"
 #include "device_kernels.h"
+#include "memory/tensor_memory.h"
 #include "refit/device.h"
 #include "refit/memory.h"
 #include "refit/safetensors.h"
@@ -36,19 +37,6 @@ constexpr uint64_t kTensorAlignment = 256;
 
 uint64_t aligned(uint64_t n) { return (n + kTensorAlignment - 1) / kTensorAlignment * kTensorAlignment; }
 
-// Tensor storage in host memory or on the current GPU.
-struct Storage {
-  HostBuffer host;
-  DeviceBuffer device;
-  Storage() = default;
-  Storage(MemoryKind kind, uint64_t bytes) {
-    if (kind == MemoryKind::kCuda)
-      device = DeviceBuffer(Device{Device::Kind::kCuda, -1}, bytes);
-    else
-      host = HostBuffer(bytes);
-  }
-  std::byte* data() const { return device.data() ? device.data() : host.data(); }
-};
 
 [[noreturn]] void die_on_purpose() {
   std::fflush(nullptr);
@@ -88,7 +76,7 @@ class SourceProgram final : public WorkerProgram {
         for (const auto& v : views_) infos.push_back(v.info);
       uint64_t total = 0;
       for (const auto* t : infos) total += aligned(t->nbytes());
-      storage_ = Storage(kind_, std::max<uint64_t>(total, 1));
+      storage_ = TensorMemory(kind_, Device{Device::Kind::kCuda, -1}, std::max<uint64_t>(total, 1));
       std::vector<TensorView> placed;
       uint64_t offset = 0;
       for (size_t i = 0; i < infos.size(); ++i) {
@@ -210,7 +198,7 @@ class SourceProgram final : public WorkerProgram {
   std::vector<std::byte> scratch_;
   DeviceBuffer gpu_scratch_;
   CopyStream copies_;
-  Storage storage_;
+  TensorMemory storage_;
   std::vector<std::unique_ptr<SafetensorsFile>> files_;
   std::vector<TensorView> views_;
   std::map<std::string, std::string> hashes_;

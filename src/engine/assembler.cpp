@@ -37,15 +37,10 @@ std::vector<TensorView> TensorAssembler::add_bucket(const protocol::BucketReady&
       continue;
     }
     if (!merging_) {
-      MergeBuffer& buffer = merge_buffers_[e.tensor.name];
+      TensorMemory& buffer = merge_buffers_[e.tensor.name];
       if (buffer.size() != nbytes) {
-        buffer = MergeBuffer{};
-        if (kind_ == MemoryKind::kCuda) {
-          buffer.device = DeviceBuffer(device_, nbytes);
-        } else {
-          buffer.host = HostBuffer(nbytes);
-          buffer.pin = HostPin::pin(buffer.host.data(), nbytes);
-        }
+        buffer = TensorMemory();  // the old one goes before the new one is allocated
+        buffer = TensorMemory(kind_, device_, nbytes, /*pin=*/true);
       }
       merging_ = Merge{e.tensor, &buffer, 0};
     } else if (merging_->info != e.tensor) {

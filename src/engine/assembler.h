@@ -22,6 +22,7 @@
 #include "engine/protocol.h"
 #include "refit/deadline.h"
 #include "refit/device.h"
+#include "memory/tensor_memory.h"
 #include "refit/memory.h"
 #include "refit/tensor.h"
 
@@ -49,18 +50,9 @@ class TensorAssembler {
   uint64_t tensors_completed() const { return names_.size(); }
 
  private:
-  // Host or device memory for one split tensor. Host memory is page-locked when a GPU is usable,
-  // so that a loader copies merged tensors to the GPU at PCIe speed.
-  struct MergeBuffer {
-    HostBuffer host;
-    HostPin pin;  // after `host`: unpinned before it is freed
-    DeviceBuffer device;
-    std::byte* data() const { return device.data() ? device.data() : host.data(); }
-    size_t size() const { return device.data() ? device.size() : host.size(); }
-  };
   struct Merge {
     TensorInfo info;
-    MergeBuffer* buffer = nullptr;
+    TensorMemory* buffer = nullptr;
     uint64_t received = 0;
   };
   MemoryKind kind_ = MemoryKind::kHost;
@@ -68,7 +60,9 @@ class TensorAssembler {
   std::unique_ptr<CopyStream> stream_ = std::make_unique<CopyStream>();
   std::optional<Merge> merging_;
   std::unordered_set<std::string> names_;  // tensors delivered this refit
-  std::map<std::string, MergeBuffer> merge_buffers_;  // by tensor name, kept across refits
+  // By tensor name, kept across refits; host memory is page-locked when a GPU is usable, so that a
+  // loader copies merged tensors to the GPU at PCIe speed.
+  std::map<std::string, TensorMemory> merge_buffers_;
   std::deque<TensorInfo> batch_infos_;  // storage behind the merged views of the latest batch
 };
 

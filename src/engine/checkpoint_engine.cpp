@@ -81,6 +81,9 @@ class CheckpointEngine::Impl {
       params.emplace("device", to_string(device));
       transport_ = create_transport(options_.config.backend_name, params);
     }
+    // Views, merge buffers and copies take the configured device, whether the bytes are in our
+    // buffers or in the source's, mapped.
+    assembler_.set_memory(buffer_kind_, device);
   }
 
   ~Impl() {
@@ -145,7 +148,6 @@ class CheckpointEngine::Impl {
       if (options_.config.map_source_buffers) map_source_buffers();
       if (!mapped_source_ && !has_buffers_) allocate_buffers();
     });
-    self_ = self;
     is_destination_ = true;
   }
 
@@ -253,11 +255,6 @@ class CheckpointEngine::Impl {
   void map_source_buffers() {
     mapped_source_ = transport_->map(peer_, peer_metadata_.buffers);
     if (mapped_source_ == nullptr) return;
-    if (!has_buffers_) {
-      // Without buffers of our own, views and merge buffers take the configured device.
-      buffer_kind_ = options_.config.device.kind == Device::Kind::kCuda ? MemoryKind::kCuda : MemoryKind::kHost;
-      assembler_.set_memory(buffer_kind_, options_.config.device);
-    }
     if (buffer_kind_ == MemoryKind::kHost)
       mapped_pin_ = HostPin::pin(const_cast<std::byte*>(mapped_source_), kBufferCount * options_.bucket_bytes);
     spdlog::debug("{} loads straight from the mapped buffers of {}", self_.empty() ? "destination" : self_, peer_label_);
@@ -283,19 +280,16 @@ class CheckpointEngine::Impl {
     region_ = allocation.region;
     buffers_[0] = allocation.base;
     buffers_[1] = allocation.base + options_.bucket_bytes;
-    buffer_kind_ = memory_kind_of(allocation.base);
     has_buffers_ = true;
-    const auto wanted = device.kind == Device::Kind::kCuda ? MemoryKind::kCuda : MemoryKind::kHost;
-    if (buffer_kind_ != wanted) {
+    if (memory_kind_of(allocation.base) != buffer_kind_) {
       release_buffers();
       fail(ErrorKind::kConfig, "refit_cfg.nixl.device is {} but backend {} allocated its transfer buffers in {} memory",
-           to_string(device), transport_->name(), wanted == MemoryKind::kCuda ? "host" : "GPU");
+           to_string(device), transport_->name(), buffer_kind_ == MemoryKind::kCuda ? "host" : "GPU");
     }
     // Host buffers are page-locked when a GPU is usable, so that copies to and from GPU tensors
     // run at PCIe speed and asynchronously; without one this does nothing.
     if (buffer_kind_ == MemoryKind::kHost) pin_ = HostPin::pin(allocation.base, bytes);
     pack_stream_ = std::make_unique<CopyStream>(device);
-    assembler_.set_memory(buffer_kind_, device);
   }
 
   void release_buffers() {
@@ -480,7 +474,9 @@ class CheckpointEngine::Impl {
   std::shared_ptr<Transport> transport_;
   RegionId region_ = 0;                    // one allocation of the transport holds both buffers
   std::byte* buffers_[kBufferCount] = {};  // buffer b at b * bucket_bytes of it
-  MemoryKind buffer_kind_ = MemoryKind::kHost;
+  // Where transfer buffers (ours, or the source's mapped) live: the configured device's kind.
+  const MemoryKind buffer_kind_ =
+      options_.config.device.kind == Device::Kind::kCuda ? MemoryKind::kCuda : MemoryKind::kHost;
   bool has_buffers_ = false;
   HostPin pin_;                            // host buffers, page-locked when a GPU is usable
   const std::byte* mapped_source_ = nullptr;  // on a destination: its source's buffers, mapped (or null)

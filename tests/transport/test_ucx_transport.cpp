@@ -71,6 +71,37 @@ class UcxProcesses : public ::testing::TestWithParam<Variant> {
   std::unique_ptr<Transport> make() const { return create_transport("UCX", GetParam().params); }
 };
 
+// A forked peer that serves a registered 1 MiB region until killed, connected as `label`, with
+// one read of it done: for tests of what happens when that peer stops or dies.
+struct ServingPeer {
+  ServingPeer(const std::function<std::unique_ptr<Transport>()>& make, const std::string& label)
+      : child([&](Pipe& pipe) {
+          HostBuffer buffer(1u << 20);
+          auto transport = make();
+          RegionId region = transport->register_memory(buffer.data(), buffer.size());
+          pipe.put(transport->address());
+          pipe.put_region(transport->describe(region));
+          pause();  // until killed
+        }),
+        transport(make()),
+        local(1u << 20),
+        local_region(transport->register_memory(local.data(), local.size())),
+        peer(transport->connect(child.pipe().get(), label)),
+        remote(child.pipe().get_region()) {
+    read(deadline_after(10s));
+  }
+  void read(Deadline deadline) {
+    transport->read(peer, remote, 0, local.data(), local_region, local.size(), deadline);
+  }
+
+  Child child;
+  std::unique_ptr<Transport> transport;
+  HostBuffer local;
+  RegionId local_region;
+  PeerId peer;
+  RemoteRegion remote;
+};
+
 TEST_P(UcxProcesses, ReadsRegisteredRegionsBitwise) {
   constexpr size_t kRegionBytes = (64u << 20) + 4099;
   // Filled before the fork: the child serves its copy, the parent compares against its own.
@@ -211,29 +242,14 @@ TEST_P(UcxProcesses, ReportsAKilledPeerNamingIt) {
 // A stopped process holds its connections open but serves nothing: UCX 1.13 emulates reads of
 // memory it did not allocate with messages that the target must answer.
 TEST_P(UcxProcesses, TimesOutReadingFromAStoppedPeer) {
-  Child child([&](Pipe& pipe) {
-    HostBuffer buffer(1u << 20);
-    auto transport = make();
-    RegionId region = transport->register_memory(buffer.data(), buffer.size());
-    pipe.put(transport->address());
-    pipe.put_region(transport->describe(region));
-    pause();  // until killed
-  });
-  HostBuffer local(1u << 20);
-  auto transport = make();
-  RegionId local_region = transport->register_memory(local.data(), local.size());
-  PeerId peer = transport->connect(child.pipe().get(), "stopped source");
-  RemoteRegion remote = child.pipe().get_region();
-  transport->read(peer, remote, 0, local.data(), local_region, local.size(), deadline_after(10s));
+  ServingPeer s([this] { return make(); }, "stopped source");
+  auto& transport = s.transport;
+  const PeerId peer = s.peer;
 
-  child.stop();
+  s.child.stop();
   const auto start = Clock::now();
   std::string message;
-  EXPECT_EQ(
-      error_kind_of(
-          [&] { transport->read(peer, remote, 0, local.data(), local_region, local.size(), deadline_after(300ms)); },
-          &message),
-      ErrorKind::kTimeout);
+  EXPECT_EQ(error_kind_of([&] { s.read(deadline_after(300ms)); }, &message), ErrorKind::kTimeout);
   EXPECT_LT(std::chrono::duration<double>(Clock::now() - start).count(), 2.0);
   EXPECT_NE(message.find("reading 1048576 bytes from stopped source"), std::string::npos) << message;
   if (GetParam().detects_loss) {
@@ -244,36 +260,21 @@ TEST_P(UcxProcesses, TimesOutReadingFromAStoppedPeer) {
     EXPECT_EQ(error_kind_of([&] { transport->receive(peer, deadline_after(1s)); }), ErrorKind::kTransport);
     transport->disconnect(peer);
   }
-  child.kill();
+  s.child.kill();
 }
 
 TEST_P(UcxProcesses, FailsAReadWhosePeerDiesMidway) {
-  Child child([&](Pipe& pipe) {
-    HostBuffer buffer(1u << 20);
-    auto transport = make();
-    RegionId region = transport->register_memory(buffer.data(), buffer.size());
-    pipe.put(transport->address());
-    pipe.put_region(transport->describe(region));
-    pause();  // until killed
-  });
-  HostBuffer local(1u << 20);
-  auto transport = make();
-  RegionId local_region = transport->register_memory(local.data(), local.size());
-  PeerId peer = transport->connect(child.pipe().get(), "dying source");
-  RemoteRegion remote = child.pipe().get_region();
-  transport->read(peer, remote, 0, local.data(), local_region, local.size(), deadline_after(10s));
+  ServingPeer s([this] { return make(); }, "dying source");
 
-  child.stop();  // the next read waits for it...
+  s.child.stop();  // the next read waits for it...
   std::thread killer([&] {
     std::this_thread::sleep_for(100ms);
-    child.kill();  // ...until it dies
+    s.child.kill();  // ...until it dies
   });
   const auto wait = GetParam().detects_loss ? 5s : 1s;
   const auto start = Clock::now();
   std::string message;
-  ErrorKind kind = error_kind_of(
-      [&] { transport->read(peer, remote, 0, local.data(), local_region, local.size(), deadline_after(wait)); },
-      &message);
+  ErrorKind kind = error_kind_of([&] { s.read(deadline_after(wait)); }, &message);
   killer.join();
   EXPECT_EQ(kind, GetParam().detects_loss ? ErrorKind::kPeerLost : ErrorKind::kTimeout) << message;
   EXPECT_NE(message.find("dying source"), std::string::npos) << message;

@@ -25,6 +25,17 @@ std::string format_gib(uint64_t bytes) { return fmt::format("{:.1f} GiB", static
   return visible != nullptr ? fmt::format(" (CUDA_VISIBLE_DEVICES={})", visible) : std::string();
 }
 
+// `count` transfer buffers of `bytes` (`needed` in all) against this host's memory.
+void check_host_fit(uint64_t bytes, int count, uint64_t needed) {
+  const uint64_t total = total_host_memory_bytes();
+  if (needed > total) {
+    fail(ErrorKind::kConfig,
+         "this host has {} of memory; {} transfer buffers of {} need {}: lower "
+         "update_weights_bucket_memory_ratio or set bucket_bytes",
+         format_gib(total), count, format_gib(bytes), format_gib(needed));
+  }
+}
+
 }  // namespace
 
 #ifdef REFIT_HAVE_CUDA
@@ -139,16 +150,7 @@ void check_buffers_fit(const Device& device, uint64_t bytes, int count) {
   uint64_t needed = 0;
   if (count < 0 || __builtin_mul_overflow(bytes, static_cast<uint64_t>(count), &needed))
     fail(ErrorKind::kConfig, "{} transfer buffers of {} bytes do not fit in any memory", count, bytes);
-  if (device.kind == Device::Kind::kCpu) {
-    const uint64_t total = total_host_memory_bytes();
-    if (needed > total) {
-      fail(ErrorKind::kConfig,
-           "this host has {} of memory; {} transfer buffers of {} need {}: lower "
-           "update_weights_bucket_memory_ratio or set bucket_bytes",
-           format_gib(total), count, format_gib(bytes), format_gib(needed));
-    }
-    return;
-  }
+  if (device.kind == Device::Kind::kCpu) return check_host_fit(bytes, count, needed);
   const int index = resolve_cuda_device(device);
   cuda::DeviceGuard guard(index);
   size_t free_bytes = 0, total_bytes = 0;
@@ -207,13 +209,7 @@ void check_buffers_fit(const Device& device, uint64_t bytes, int count) {
   uint64_t needed = 0;
   if (count < 0 || __builtin_mul_overflow(bytes, static_cast<uint64_t>(count), &needed))
     fail(ErrorKind::kConfig, "{} transfer buffers of {} bytes do not fit in any memory", count, bytes);
-  const uint64_t total = total_host_memory_bytes();
-  if (needed > total) {
-    fail(ErrorKind::kConfig,
-         "this host has {} of memory; {} transfer buffers of {} need {}: lower "
-         "update_weights_bucket_memory_ratio or set bucket_bytes",
-         format_gib(total), count, format_gib(bytes), format_gib(needed));
-  }
+  check_host_fit(bytes, count, needed);
 }
 
 MemoryKind memory_kind_of(const void*) { return MemoryKind::kHost; }

@@ -251,6 +251,22 @@ LocalSocketEndpoint::LocalSocketEndpoint(std::string_view tag) : state_(std::mak
   s.thread = std::thread([&s] { s.run(); });
 }
 
+namespace {
+
+// Tells the peer we are leaving on purpose (a BYE frame), best effort within kByeTimeout; the
+// caller holds the link's send lock.
+void say_bye(const Link& link) {
+  uint8_t frame[6];
+  put_u32(frame, 2);
+  frame[4] = kBye;
+  frame[5] = 0;
+  size_t written = 0;
+  int error = 0;
+  write_all(link.fd, {iovec{frame, sizeof(frame)}}, deadline_after(kByeTimeout), &written, &error);
+}
+
+}  // namespace
+
 LocalSocketEndpoint::~LocalSocketEndpoint() {
   State& s = *state_;
   s.stopping = true;
@@ -264,13 +280,7 @@ LocalSocketEndpoint::~LocalSocketEndpoint() {
   for (auto& [id, link] : links) {
     std::lock_guard send_lock(link->send_mutex);
     if (link->closed || !link->broken.empty()) continue;
-    uint8_t frame[6];
-    put_u32(frame, 2);
-    frame[4] = kBye;
-    frame[5] = 0;
-    size_t written = 0;
-    int error = 0;
-    write_all(link->fd, {iovec{frame, sizeof(frame)}}, deadline_after(kByeTimeout), &written, &error);
+    say_bye(*link);
   }
   links.clear();
   s.inbound.clear();
@@ -357,13 +367,7 @@ void LocalSocketEndpoint::disconnect(LinkId id) {
       usable = !link->closed && link->broken.empty();
     }
     if (usable) {
-      uint8_t frame[6];
-      put_u32(frame, 2);
-      frame[4] = kBye;
-      frame[5] = 0;
-      size_t written = 0;
-      int error = 0;
-      write_all(link->fd, {iovec{frame, sizeof(frame)}}, deadline_after(kByeTimeout), &written, &error);
+      say_bye(*link);
     }
     // The peer sees BYE then end of stream now; the descriptor closes once the thread lets go of it.
     ::shutdown(link->fd, SHUT_RDWR);

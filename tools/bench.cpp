@@ -7,7 +7,6 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
-#include <iterator>
 #include <nlohmann/json.hpp>
 
 #include "baseline.h"
@@ -51,22 +50,18 @@ std::string default_model_path() {
   return fmt::format("{}/models/refit-tiny-moe", dir ? dir : REFIT_DATA_DIR);
 }
 
-// The config of a bench run: the file and overrides, then --device. A GPU device without a
-// backend named anywhere gets CUDA_IPC, the backend that moves GPU memory between local processes.
+// The config of a bench run: the file, then --device as overrides (a GPU device also picks
+// CUDA_IPC, the backend that moves GPU memory between local processes), then the command line's
+// own overrides, which win.
 RefitConfig bench_config(const BenchOptions& options) {
-  std::vector<std::string> overrides = options.overrides;
-  if (options.device.empty()) return load_config(options.config_file, overrides);
-  overrides.push_back("refit_cfg.nixl.device=" + options.device);
-  RefitConfig config = load_config(options.config_file, overrides);
-  bool backend_given = std::any_of(overrides.begin(), overrides.end(),
-                                   [](const std::string& o) { return o.find("backend_name") != std::string::npos; });
-  if (!options.config_file.empty()) {
-    std::ifstream f(options.config_file);
-    std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-    backend_given = backend_given || text.find("backend_name") != std::string::npos;
+  std::vector<std::string> overrides;
+  if (!options.device.empty()) {
+    overrides.push_back("refit_cfg.nixl.device=" + options.device);
+    if (parse_device(options.device, "--device").kind == Device::Kind::kCuda)
+      overrides.push_back("refit_cfg.nixl.backend_name=CUDA_IPC");
   }
-  if (config.device.kind == Device::Kind::kCuda && !backend_given) config.backend_name = "CUDA_IPC";
-  return config;
+  overrides.insert(overrides.end(), options.overrides.begin(), options.overrides.end());
+  return load_config(options.config_file, overrides);
 }
 
 MemoryKind bench_tensors(const BenchOptions& options, const RefitConfig& config) {

@@ -20,8 +20,8 @@ struct BenchOptions {
   std::string json_path;
   bool baseline = false;
   std::string kill;  // ROLE:RANK:REFIT:STEP, for failure tests
-  // Transfer-buffer device (refit_cfg.nixl.device); with cuda and no backend_name given, the
-  // backend is CUDA_IPC. Empty: the config's.
+  // Transfer-buffer device (refit_cfg.nixl.device); cuda also sets backend_name CUDA_IPC. Both
+  // apply after the config file and before the command line's overrides. Empty: the config's.
   std::string device;
   // Where source weights and destination parameters live: cpu or cuda; empty: where the
   // transfer buffers are.

@@ -26,7 +26,7 @@ int main(int argc, char** argv) {
   bench_cmd->add_flag("--baseline", bench.baseline, "Also measure ucx_perftest ucp_get and memcpy at the bucket size");
   bench_cmd->add_option("--kill", bench.kill, "Failure test: ROLE:RANK:REFIT:STEP kills that worker at that point");
   bench_cmd->add_option("--device", bench.device,
-                        "Transfer buffers: cpu, cuda or cuda:N (refit_cfg.nixl.device; with cuda the backend defaults to CUDA_IPC)");
+                        "Transfer buffers: cpu, cuda or cuda:N (refit_cfg.nixl.device; cuda also sets backend_name=CUDA_IPC, which an override may change)");
   bench_cmd->add_option("--tensors", bench.tensors, "Where weights and parameters live: cpu or cuda (default: as --device)");
   bench.parallel.add_to(*bench_cmd);
   bench_cmd->add_option("overrides", bench.overrides, "Config overrides, key=value (e.g. refit_cfg.nixl.bucket_bytes=256MiB)");

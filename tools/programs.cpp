@@ -114,6 +114,12 @@ class SourceProgram final : public WorkerProgram {
  private:
   bool synthetic() const { return model_.safetensors_path.empty(); }
 
+  // What the paired destination holds of `info`: all of it without a layout.
+  Selection expected(const TensorInfo& info) const {
+    if (layout_ == nullptr || !*layout_) return {Take::kWhole, {}, info};
+    return select(**layout_, info);
+  }
+
   // GPU tensors: filled by a kernel; what the destination should hold is hashed on the GPU
   // (slices are gathered first, one at a time).
   void stage_on_gpu(uint64_t index) {
@@ -123,8 +129,7 @@ class SourceProgram final : public WorkerProgram {
     for (size_t i = 0; i < views_.size(); ++i) {
       const auto& v = views_[i];
       if (synthetic()) fill_device_pattern(const_cast<std::byte*>(v.data), v.info->nbytes(), index * 1000003 + i, nullptr);
-      Selection s{Take::kWhole, {}, *v.info};
-      if (layout_ != nullptr && *layout_) s = select(**layout_, *v.info);
+      const Selection s = expected(*v.info);
       if (s.take == Take::kWhole) {
         whole.push_back({v.data, v.info->nbytes()});
         names.push_back(v.info->name);
@@ -146,11 +151,7 @@ class SourceProgram final : public WorkerProgram {
 
   // The hash of what the paired destination should receive of this tensor.
   void hash_expected(const TensorView& v) {
-    if (layout_ == nullptr || !*layout_) {
-      hashes_[v.info->name] = hex(XXH3_64bits(v.data, v.info->nbytes()));
-      return;
-    }
-    Selection s = select(**layout_, *v.info);
+    const Selection s = expected(*v.info);
     if (s.take == Take::kDrop) return;
     if (s.take == Take::kWhole) {
       hashes_[v.info->name] = hex(XXH3_64bits(v.data, v.info->nbytes()));

@@ -126,9 +126,10 @@ bool BucketFetcher::fetch(uint64_t seq, std::string& phase) {
   if (last && mapped) {
     // The source waits for the last bucket's acknowledgement before its refit ends.
     phase = fmt::format("wait for the loader to finish bucket {}", seq);
-    if (!wait_released(seq, deadline)) return false;
+    const auto load_deadline = deadline_after(Seconds(context_.timeout_s));  // a phase of its own
+    if (!wait_released(seq, load_deadline)) return false;
     phase = fmt::format("acknowledge bucket {}", seq);
-    acknowledge(seq, deadline);
+    acknowledge(seq, load_deadline);
   }
   return !last;
 }
@@ -146,10 +147,7 @@ BucketFetcher::Fetched BucketFetcher::next(std::string& phase) {
     changed_.notify_all();
     return out;
   }
-  if (error_) {
-    phase = error_phase_;
-    std::rethrow_exception(error_);
-  }
+  rethrow_error(phase);
   fail(ErrorKind::kInternal, "the fetch thread for {} stopped early", context_.peer_label);
 }
 
@@ -158,10 +156,13 @@ void BucketFetcher::finish(std::string& phase) {
   std::unique_lock lock(mutex_);
   if (!changed_.wait_until(lock, deadline, [&] { return finished_; }))
     fail(ErrorKind::kTimeout, "the fetch thread for {} did not finish in time", context_.peer_label);
-  if (error_) {
-    phase = error_phase_;
-    std::rethrow_exception(error_);
-  }
+  rethrow_error(phase);
+}
+
+void BucketFetcher::rethrow_error(std::string& phase) const {
+  if (!error_) return;
+  phase = error_phase_;
+  std::rethrow_exception(error_);
 }
 
 void BucketFetcher::release(uint64_t seq) {

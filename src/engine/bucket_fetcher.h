@@ -64,6 +64,8 @@ class BucketFetcher {
   // given); false when stopped.
   bool wait_released(std::optional<uint64_t> seq, Deadline deadline);
   void acknowledge(uint64_t seq, Deadline deadline);
+  // Under mutex_: rethrows the thread's error, if any, setting `phase` to where it failed.
+  void rethrow_error(std::string& phase) const;
 
   FetchContext context_;
   std::mutex mutex_;

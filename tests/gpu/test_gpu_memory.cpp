@@ -1,5 +1,7 @@
 // The memory layer on a GPU: detection and bad device requests, capacity, DeviceBuffer,
 // pinning, and CopyStream in every direction, checked bitwise.
+#include <sys/mman.h>
+
 #include <cstring>
 #include <string>
 #include <vector>
@@ -113,9 +115,14 @@ TEST(HostPin, PinsAndUnpinsHostMemory) {
   // Unpinned again: pinning twice works.
   HostPin again = HostPin::pin(host.data(), host.size());
   EXPECT_TRUE(again.pinned());
+  // Memory the driver cannot page-lock (no access) is an error naming the call.
+  void* no_access = mmap(nullptr, 1 << 20, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  ASSERT_NE(no_access, MAP_FAILED);
   std::string message;
-  EXPECT_EQ(error_kind_of([&] { pin_host_memory(host.data(), host.size()); }, &message), ErrorKind::kTransport);
+  EXPECT_EQ(error_kind_of([&] { pin_host_memory(no_access, 1 << 20); }, &message), ErrorKind::kTransport);
   EXPECT_NE(message.find("cudaHostRegister"), std::string::npos) << message;
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+  munmap(no_access, 1 << 20);
 }
 
 class CopyStreamDirections : public ::testing::TestWithParam<bool> {};  // param: pinned host memory

@@ -1,5 +1,7 @@
 // DeviceBuffer (one cudaMalloc) and HostPin (cudaHostRegister), with the fallbacks of a build
-// without CUDA: no device buffers, and pinning that does nothing.
+// without CUDA: no device buffers, and pinning that does nothing. A HostPin unregisters only what
+// it registered itself: memory that was page-locked already (by another HostPin over the same
+// buffer, by UCX, by cudaMallocHost) is accepted as it is and left registered.
 #include <utility>
 
 #include "core/fail.h"
@@ -63,6 +65,22 @@ void DeviceBuffer::release() noexcept {
   size_ = 0;
 }
 
+namespace {
+
+// Whether CUDA knows `pointer` as page-locked host memory (cudaHostRegister, cuMemHostRegister,
+// cudaMallocHost), whoever made it so.
+bool page_locked(const void* pointer) {
+  cudaPointerAttributes attributes{};
+  cudaError_t status = cudaPointerGetAttributes(&attributes, pointer);
+  if (status != cudaSuccess) {
+    cudaGetLastError();  // not a pointer CUDA knows: pageable
+    return false;
+  }
+  return attributes.type == cudaMemoryTypeHost;
+}
+
+}  // namespace
+
 bool pin_host_memory(void* base, size_t bytes, std::string* reason) {
   std::string why;
   if (cuda_device_count(&why) == 0) {
@@ -73,8 +91,26 @@ bool pin_host_memory(void* base, size_t bytes, std::string* reason) {
     if (reason != nullptr) *reason = "nothing to pin";
     return false;
   }
-  cuda::check(cudaHostRegister(base, bytes, cudaHostRegisterPortable), "cudaHostRegister",
-              fmt::format("pinning {} of host memory at {}", cuda::gib(bytes), base));
+  // Someone may have page-locked (part of) it first: another pin of ours over the same buffer,
+  // UCX's CUDA memory domain, cudaMallocHost (which cudaHostRegister refuses as an invalid value,
+  // not as registered). That registration stays theirs to undo, so this pins nothing; the memory
+  // is as page-locked as they made it.
+  const auto* first = static_cast<const std::byte*>(base);
+  const bool first_locked = page_locked(first), last_locked = page_locked(first + bytes - 1);
+  cudaError_t status = cudaErrorHostMemoryAlreadyRegistered;
+  if (!first_locked && !last_locked) status = cudaHostRegister(base, bytes, cudaHostRegisterPortable);
+  if (status == cudaErrorHostMemoryAlreadyRegistered) {
+    cudaGetLastError();
+    if (reason != nullptr) {
+      *reason = first_locked && last_locked
+                    ? fmt::format("{} of host memory at {} is page-locked already (registered by someone else, who "
+                                  "unregisters it)", cuda::gib(bytes), base)
+                    : fmt::format("part of {} of host memory at {} is page-locked already by another registration; "
+                                  "the rest stays pageable (the driver stages copies of it)", cuda::gib(bytes), base);
+    }
+    return false;
+  }
+  cuda::check(status, "cudaHostRegister", fmt::format("pinning {} of host memory at {}", cuda::gib(bytes), base));
   if (reason != nullptr) reason->clear();
   return true;
 }

@@ -123,6 +123,34 @@ TEST(CudaIpc, RefusesPeersOnAnotherHostAndForeignAddresses) {
   EXPECT_EQ(error_kind_of([&] { create_transport("CUDA_IPC", {{"device", "cpu"}}); }), ErrorKind::kConfig);
 }
 
+// The driver looks an address range up in the current GPU's context only: registering memory of
+// another GPU than the current one must still find its allocation (it failed with
+// "cuMemGetAddressRange(...) failed with CUDA driver error 500" before).
+TEST(CudaIpc, RegistersMemoryOfAGpuThatIsNotCurrent) {
+  REFIT_REQUIRE_GPUS(2);
+  for (int memory_gpu : {0, 1}) {
+    const int other = 1 - memory_gpu;
+    cuda_ok(cudaSetDevice(other), "cudaSetDevice");
+    DeviceBuffer big(Device{Device::Kind::kCuda, memory_gpu}, 8 << 20);
+    fill_device(big.data() + kInteriorOffset, kInteriorBytes, 5);
+    for (int transport_gpu : {memory_gpu, other}) {
+      auto source = ipc_on(transport_gpu);
+      auto destination = ipc_on(other);
+      RegionId interior = source->register_memory(big.data() + kInteriorOffset, kInteriorBytes);
+      int current = -1;
+      cuda_ok(cudaGetDevice(&current), "cudaGetDevice");
+      EXPECT_EQ(current, other);  // the caller's GPU is restored
+      auto local = destination->allocate_memory(kInteriorBytes);
+      PeerId peer = destination->connect(source->address(), "source rank 0");
+      destination->read(peer, source->describe(interior), 0, local.base, local.region, kInteriorBytes,
+                        deadline_after(30s));
+      EXPECT_EQ(read_device(local.base, kInteriorBytes), pattern(kInteriorBytes, 5));
+      destination->disconnect(peer);
+    }
+  }
+  cuda_ok(cudaSetDevice(0), "cudaSetDevice");
+}
+
 // ---- two processes ----
 
 // Publishes two allocated buffers and one region registered inside a larger allocation, then

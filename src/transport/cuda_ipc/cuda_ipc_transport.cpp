@@ -124,8 +124,20 @@ RegionKey decode_key(std::span<const uint8_t> bytes, const std::string& label) {
   return key;
 }
 
+// The GPU that device memory at `pointer` lives on.
+int device_of(const void* pointer) {
+  cudaPointerAttributes attributes{};
+  cuda::check(cudaPointerGetAttributes(&attributes, pointer), "cudaPointerGetAttributes",
+              fmt::format("finding the GPU of the memory at {}", pointer));
+  if (attributes.device < 0)
+    fail(ErrorKind::kTransport, "cudaPointerGetAttributes names no GPU for the device memory at {}", pointer);
+  return attributes.device;
+}
+
 // The base and size of the cudaMalloc allocation holding `pointer`, through the driver's
-// cuMemGetAddressRange as cudart exposes it (no link against libcuda).
+// cuMemGetAddressRange as cudart exposes it (no link against libcuda). The driver looks the
+// pointer up in the calling thread's current context only (another GPU's memory is
+// CUDA_ERROR_NOT_FOUND, 500): the caller makes the pointer's GPU current first.
 std::pair<std::byte*, size_t> allocation_of(const void* pointer) {
   using GetAddressRange = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
   static GetAddressRange get_range = [] {
@@ -145,7 +157,8 @@ std::pair<std::byte*, size_t> allocation_of(const void* pointer) {
   size_t size = 0;
   CUresult result = get_range(&base, &size, reinterpret_cast<CUdeviceptr>(pointer));
   if (result != CUDA_SUCCESS)
-    fail(ErrorKind::kTransport, "cuMemGetAddressRange({}) failed with CUDA driver error {}", pointer, static_cast<int>(result));
+    fail(ErrorKind::kTransport, "cuMemGetAddressRange({}) failed with CUDA driver error {}{}", pointer,
+         static_cast<int>(result), result == CUDA_ERROR_NOT_FOUND ? " (not an allocation of the current GPU)" : "");
   return {reinterpret_cast<std::byte*>(base), size};
 }
 
@@ -204,6 +217,14 @@ class CudaIpcTransport final : public Transport {
     region.bytes = bytes;
     region.key = self_key();
     if (bytes > 0 && memory_kind_of(base) == MemoryKind::kCuda) {
+      // The memory's own GPU, which need not be this transport's nor the current one: the
+      // address range and the IPC handle are looked up in its context.
+      region.key.device = device_of(base);
+      cuda::DeviceGuard guard(region.key.device);  // restores the caller's GPU afterwards
+      // Even when it is current already: cudaSetDevice binds its primary context to this thread,
+      // which the driver call below needs.
+      cuda::check(cudaSetDevice(region.key.device), "cudaSetDevice",
+                  fmt::format("selecting cuda:{}, the GPU of the memory at {}", region.key.device, base));
       auto [allocation, allocation_size] = allocation_of(base);
       region.key.offset = static_cast<uint64_t>(region.base - allocation);
       if (region.key.offset + bytes > allocation_size)
@@ -224,6 +245,7 @@ class CudaIpcTransport final : public Transport {
     region.bytes = bytes;
     region.key = self_key();
     if (bytes > 0) {
+      cuda::DeviceGuard guard(device_);
       cuda::check(cudaIpcGetMemHandle(&region.key.handle, region.base), "cudaIpcGetMemHandle",
                   fmt::format("exporting a {}-byte transfer buffer on cuda:{}", bytes, device_));
       region.key.exported = true;

@@ -1,25 +1,33 @@
 #!/usr/bin/env bash
-# The GPU tests, on a machine with a GPU: configures refit with the CUDA data path
-# (REFIT_WITH_CUDA=ON), builds, runs tests/gpu (ctest label "gpu") and the CPU tests of the GPU
-# layer, then the bandwidth ceiling probe. Needs no network: the dependencies must be installed
-# already (scripts/setup.sh lists them; nvcc, libcudart, NCCL with its headers).
+# The whole test suite on a machine with a GPU: configures refit with the CUDA data path
+# (REFIT_WITH_CUDA=ON), builds everything, runs the GPU tests (tests/gpu, ctest label "gpu"),
+# then every other test (the CPU suite, which on a GPU machine also takes the GPU-aware paths:
+# pinned host buffers, engine tests over the in-process transport), then the bandwidth ceiling
+# probe. Needs no network: the dependencies must be installed already (scripts/setup.sh lists
+# them; nvcc, libcudart, NCCL with its headers), or unpacked by scripts/device_deps.sh.
 #
 # Usage: scripts/gpu_test.sh [extra cmake args...]
 #   e.g. scripts/gpu_test.sh -DREFIT_WITH_NCCL=ON
 # Environment:
 #   BUILD_DIR         build directory (default build/gpu)
 #   JOBS              parallel build jobs (default: all cores)
+#   TEST_JOBS         parallel CPU tests (default: half the cores, at most 8)
 #   CMAKE_PREFIX_PATH, PKG_CONFIG_PATH   honoured as usual (e.g. UCX headers from an unpacked .deb)
 #   CUDA_HOME         CUDA toolkit (default /usr/local/cuda when nvcc is not on PATH)
-#   GPU_TEST_ALL=1    run the whole ctest suite, not only the GPU layer's tests
+#   GPU_TEST_ALL=0    only the GPU layer's tests (tests/gpu and the CPU tests of the GPU layer),
+#                     building only what they need; the default (1) runs the whole suite
 #   CEILING_ARGS      arguments of refit_gpu_ceiling (default: 1 GiB copies, 10 each)
-# Writes its log to $BUILD_DIR/gpu_test.log and the probe's JSON to $BUILD_DIR/gpu_ceiling.json.
+# Writes its log to $BUILD_DIR/gpu_test.log, ctest's JUnit reports to $BUILD_DIR/gpu_tests.xml and
+# $BUILD_DIR/cpu_tests.xml, and the probe's JSON to $BUILD_DIR/gpu_ceiling.json.
 # Exit status: non-zero when the build or any test fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build="${BUILD_DIR:-build/gpu}"
 jobs="${JOBS:-$(nproc)}"
+test_jobs="${TEST_JOBS:-$(( $(nproc) / 2 > 8 ? 8 : ($(nproc) + 1) / 2 ))}"
+all="${GPU_TEST_ALL:-1}"
 mkdir -p "$build"
+build_abs="$(cd "$build" && pwd)"
 log="$build/gpu_test.log"
 exec > >(tee "$log") 2>&1
 
@@ -65,7 +73,7 @@ cmake -S . -B "$build" "${generator[@]}" \
   "$@"
 
 echo "== build"
-if [ "${GPU_TEST_ALL:-0}" = "1" ]; then
+if [ "$all" = "1" ]; then
   cmake --build "$build" -j "$jobs"
 else
   cmake --build "$build" -j "$jobs" --target refit_cli refit_gpu_tests refit_gpu_ceiling refit_transport_tests
@@ -74,14 +82,17 @@ fi
 status=0
 echo "== GPU tests (tests/gpu)"
 # A GPU test fails, rather than skips, when no GPU is usable at all.
-REFIT_REQUIRE_GPU=1 ctest --test-dir "$build" -L gpu --output-on-failure --timeout 600 || status=1
+REFIT_REQUIRE_GPU=1 ctest --test-dir "$build" -L gpu --output-on-failure --timeout 600 \
+  --output-junit "$build_abs/gpu_tests.xml" || status=1
 
-echo "== CPU tests of the GPU layer (device checks, registry, local control channel)"
-if [ "${GPU_TEST_ALL:-0}" = "1" ]; then
-  ctest --test-dir "$build" -LE gpu --output-on-failure -j 4 || status=1
+if [ "$all" = "1" ]; then
+  echo "== CPU tests (the rest of the suite, on a machine with a GPU)"
+  ctest --test-dir "$build" -LE gpu --output-on-failure --timeout 600 -j "$test_jobs" \
+    --output-junit "$build_abs/cpu_tests.xml" || status=1
 else
+  echo "== CPU tests of the GPU layer (device checks, registry, local control channel)"
   ctest --test-dir "$build" -R '^(LocalSocket|LocalSocketProcesses|LocalPeerAddress|LocalIdentity|InitParams|DeviceDetection|DeviceMemory|CopyStream|TransportRegistry)\.' \
-    -LE gpu --output-on-failure || status=1
+    -LE gpu --output-on-failure --output-junit "$build_abs/cpu_tests.xml" || status=1
 fi
 
 echo "== bandwidth ceilings (refit_gpu_ceiling)"

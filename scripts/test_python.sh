@@ -1,21 +1,26 @@
 #!/usr/bin/env bash
-# The Python package's test suite: installs what it needs (Debian build packages if missing, then
-# the Python build and test dependencies with pip), builds and installs the package
+# The Python package's test suite: installs what it needs (Debian build packages if missing), makes
+# its own virtual environment build/venv (Debian's system Python refuses pip installs, PEP 668),
+# installs the Python build and test dependencies there with pip, builds and installs the package
 # (`pip install .`, incremental: the CMake build folder build/py/ is kept), and runs pytest on
 # python/tests. Exits with pytest's status; "no tests collected" (pytest's 5) is a failure.
 #
 # Usage: scripts/test_python.sh [pytest arguments]     e.g. scripts/test_python.sh -k ray -x
-# Environment: PYTHON (default python3), REFIT_TEST_TORCH=1 also installs PyTorch from PyPI
-# (large: its default wheels bring CUDA libraries) so that the torch tests run instead of skipping.
+# Environment: PYTHON (default python3) makes the virtual environment; REFIT_VENV (default
+# build/venv) is where it lives; REFIT_TEST_TORCH=1 also installs PyTorch from PyPI (large: its
+# default wheels bring CUDA libraries) so that the torch tests run instead of skipping.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHON="${PYTHON:-python3}"
+BASE_PYTHON="${PYTHON:-python3}"
+VENV="${REFIT_VENV:-build/venv}"
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
 start=$SECONDS
 
 # C++ build dependencies (the same packages scripts/setup.sh installs), only those missing.
+# python3-venv and python3-dev: Debian's Python makes no virtual environment and builds no
+# extension without them.
 packages=(build-essential cmake ninja-build pkg-config libucx-dev libyaml-cpp-dev nlohmann-json3-dev
-          libcli11-dev libspdlog-dev libfmt-dev libxxhash-dev)
+          libcli11-dev libspdlog-dev libfmt-dev libxxhash-dev python3-venv python3-dev)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -27,6 +32,14 @@ if [ ${#missing[@]} -gt 0 ]; then
   $sudo_cmd apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq "${missing[@]}"
 fi
+
+# The virtual environment, made once (a broken one, e.g. left by an interrupted run, is made anew).
+if ! "$VENV/bin/python" -c 'import sys; sys.exit(sys.prefix == sys.base_prefix)' 2>/dev/null; then
+  echo "=== test_python: making the virtual environment $VENV ($BASE_PYTHON)"
+  rm -rf "$VENV"
+  "$BASE_PYTHON" -m venv "$VENV"
+fi
+PYTHON="$VENV/bin/python"
 
 # Python build and test dependencies (pip leaves those already satisfied alone).
 deps=("scikit-build-core>=0.10" "nanobind>=2.4" "pytest" "numpy" "ml-dtypes" "ray")

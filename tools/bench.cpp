@@ -17,6 +17,7 @@
 #include "refit/tensor.h"
 #include "refit/error.h"
 #include "refit/local_group.h"
+#include "refit/rank_group.h"
 #include "refit/model.h"
 #include "refit/synchronizer.h"
 
@@ -45,11 +46,6 @@ double median(std::vector<double> v) {
 
 }  // namespace
 
-std::string default_model_path() {
-  const char* dir = std::getenv("REFIT_DATA_DIR");
-  return fmt::format("{}/models/refit-tiny-moe", dir ? dir : REFIT_DATA_DIR);
-}
-
 // The config of a bench run: the file, then --device as overrides (a GPU device also picks
 // CUDA_IPC, the backend that moves GPU memory between local processes), then the command line's
 // own overrides, which win.
@@ -76,13 +72,32 @@ int run_bench(const BenchOptions& options) {
   const RefitConfig config = bench_config(options);
   BenchModel model;
   model.tensors = bench_tensors(options, config);
-  const std::string path = options.model.empty() ? default_model_path() : options.model;
+  const std::string path = options.model.empty() ? std::string(kDefaultModel) : options.model;
   model.inventory = load_model_inventory(path);
   if (is_safetensors(path)) model.safetensors_path = path;
   std::optional<KillPoint> kill;
   if (!options.kill.empty()) kill = parse_kill_point(options.kill);
   const auto layouts = destination_layouts(path, model.inventory, config, options.parallel, options.destinations);
   if (options.refits < 1) throw Error(ErrorKind::kInvalidArgument, fmt::format("--refits must be >= 1, got {}", options.refits));
+
+  GroupOptions group_options;
+  group_options.config = config;
+  group_options.sources = options.sources;
+  group_options.destinations = options.destinations;
+  group_options.model_fingerprint = model.inventory.fingerprint();
+  group_options.program = bench_programs(model, layouts, kill);
+  group_options.destination_layouts = layouts;
+  // Under a launcher, every rank runs this same command: rank 0 drives and reports, the others
+  // serve their worker.
+  std::optional<RankEnvironment> ranks;
+  if (options.launcher == "env") {
+    ranks = rank_environment(options.rendezvous);
+    if (ranks->rank != 0) return serve_rank(group_options, *ranks);
+  } else if (options.launcher != "local") {
+    throw Error(ErrorKind::kInvalidArgument, fmt::format("--launcher '{}': expected local or env", options.launcher));
+  } else if (!options.rendezvous.empty()) {
+    throw Error(ErrorKind::kInvalidArgument, "--rendezvous needs --launcher env");
+  }
 
   fmt::print("refit bench: model {} ({} tensors, {:.2f} GiB{}), {} source(s) -> {} destination(s), {} refit(s); "
              "transfer buffers on {} ({}), tensors in {} memory\n",
@@ -94,7 +109,7 @@ int run_bench(const BenchOptions& options) {
   json out = {{"transport", config.backend_name}, {"refit_transport", config.refit_transport},
               {"device", to_string(config.device)}, {"tensor_memory", model.tensors == MemoryKind::kCuda ? "cuda" : "cpu"},
               {"sources", options.sources},
-              {"destinations", options.destinations}, {"model", model.inventory.name},
+              {"destinations", options.destinations}, {"launcher", options.launcher}, {"model", model.inventory.name},
               {"model_bytes", model.inventory.total_bytes()}, {"tensors", model.inventory.tensors.size()},
               {"release_after_refit", config.release_after_refit}, {"refits", json::array()}};
   std::vector<uint64_t> expected_bytes;
@@ -110,15 +125,15 @@ int run_bench(const BenchOptions& options) {
   std::vector<double> throughputs;
   uint64_t bucket_bytes = 0;
   {
-    LocalGroupOptions group_options;
-    group_options.config = config;
-    group_options.sources = options.sources;
-    group_options.destinations = options.destinations;
-    group_options.model_fingerprint = model.inventory.fingerprint();
-    group_options.program = bench_programs(model, layouts, kill);
-    group_options.destination_layouts = layouts;
-    LocalProcessGroup group(group_options);
-    WeightSynchronizer sync(config, group);
+    std::unique_ptr<WorkerGroup> group;
+    if (ranks) {
+      auto rank_group = std::make_unique<RankGroup>(group_options, *ranks);
+      out["hosts"] = rank_group->hosts();
+      group = std::move(rank_group);
+    } else {
+      group = std::make_unique<LocalProcessGroup>(group_options);
+    }
+    WeightSynchronizer sync(config, *group);
 
     fmt::print("{:>6} {:>10} {:>12} {:>14} {:>9}\n", "refit", "seconds", "GiB/dest", "GiB/s (all)", "verified");
     for (int k = 0; k < options.refits; ++k) {
@@ -140,7 +155,7 @@ int run_bench(const BenchOptions& options) {
                                      {"wire_bytes", w.receive.wire_bytes}, {"tensors", w.receive.tensors},
                                      {"batches", w.receive.batches}, {"receive_seconds", w.receive.receive_seconds()},
                                      {"load_seconds", w.receive.load_seconds}, {"mapped", w.receive.mapped},
-                                     {"buffer_bytes", w.receive.buffer_bytes}});
+                                     {"buffer_bytes", w.receive.buffer_bytes}, {"route", w.receive.route}});
         }
         const double rate = received / report.seconds;
         throughputs.push_back(rate);
@@ -154,6 +169,7 @@ int run_bench(const BenchOptions& options) {
         }
         fmt::print("{:>6} {:>10.3f} {:>12.3f} {:>14.2f} {:>9}\n", k, report.seconds,
                    received / kGiB / options.destinations, rate / kGiB, problems.empty() ? "yes" : "NO");
+        std::fflush(stdout);  // a row per refit as it ends, also into a pipe or a file
       } catch (const Error& e) {
         verified = false;
         exit_code = 2;

@@ -1,5 +1,6 @@
-// `refit bench`: N source and M destination processes on this host, K refits of a model,
-// every destination tensor checked bitwise against its source after every refit.
+// `refit bench`: N source and M destination processes (forked on this host, or ranks started by a
+// launcher on several hosts), K refits of a model, every destination tensor checked bitwise
+// against its source after every refit.
 #pragma once
 
 #include <optional>
@@ -27,11 +28,14 @@ struct BenchOptions {
   // transfer buffers are.
   std::string tensors;
   ParallelOptions parallel;
+  // local: fork every worker on this host; env: this process is one rank of a job started by a
+  // launcher (rank_group.h), meeting the others at `rendezvous` (or MASTER_ADDR:MASTER_PORT).
+  std::string launcher = "local";
+  std::string rendezvous;
 };
 
 // Returns the process exit code: 0 only when every refit succeeded and verified.
 int run_bench(const BenchOptions& options);
 
-std::string default_model_path();
 
 }  // namespace refit::tools

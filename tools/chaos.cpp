@@ -91,7 +91,7 @@ int run_chaos(const ChaosOptions& options) {
     json trial = {{"trial", t}, {"point", point_name(point)}, {"victim", victim}, {"step", kill.step}};
     std::vector<std::string> problems;
 
-    LocalGroupOptions group_options;
+    GroupOptions group_options;
     group_options.config = config;
     group_options.sources = options.sources;
     group_options.destinations = options.destinations;

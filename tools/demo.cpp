@@ -55,7 +55,7 @@ int run_elastic_demo(const ElasticOptions& options) {
   const int sources = *std::max_element(sequence.begin(), sequence.end());
   const std::vector<std::optional<Layout>> no_layouts;
 
-  LocalGroupOptions group_options;
+  GroupOptions group_options;
   group_options.config = config;
   group_options.sources = sources;
   group_options.destinations = sequence.front();

@@ -17,7 +17,7 @@ int main(int argc, char** argv) {
 
   refit::tools::BenchOptions bench;
   auto* bench_cmd = app.add_subcommand("bench", "Run refits between local source and destination processes and check every tensor");
-  bench_cmd->add_option("--model", bench.model, "config.json, safetensors file or directory (default: the embedded refit-tiny-moe)");
+  bench_cmd->add_option("--model", bench.model, "config.json, safetensors file or directory, or builtin:refit-tiny-moe (the default, compiled in)");
   bench_cmd->add_option("--sources", bench.sources, "Source (policy) processes")->capture_default_str();
   bench_cmd->add_option("--destinations", bench.destinations, "Destination (rollout) processes")->capture_default_str();
   bench_cmd->add_option("--refits", bench.refits, "Refits to run")->capture_default_str();
@@ -28,12 +28,19 @@ int main(int argc, char** argv) {
   bench_cmd->add_option("--device", bench.device,
                         "Transfer buffers: cpu, cuda or cuda:N (refit_cfg.nixl.device; cuda also sets backend_name=CUDA_IPC, which an override may change)");
   bench_cmd->add_option("--tensors", bench.tensors, "Where weights and parameters live: cpu or cuda (default: as --device)");
+  bench_cmd->add_option("--launcher", bench.launcher,
+                        "local: fork the workers here; env: this process is one rank of a job started by mpirun, srun, "
+                        "torchrun or a command per host (RANK/WORLD_SIZE or the launcher's own; rank 0 drives)")
+      ->capture_default_str();
+  bench_cmd->add_option("--rendezvous", bench.rendezvous,
+                        "With --launcher env: HOST:PORT where rank 0 listens (default REFIT_RENDEZVOUS, else "
+                        "MASTER_ADDR:MASTER_PORT)");
   bench.parallel.add_to(*bench_cmd);
   bench_cmd->add_option("overrides", bench.overrides, "Config overrides, key=value (e.g. refit_cfg.nixl.bucket_bytes=256MiB)");
 
   refit::tools::PlanOptions plan;
   auto* plan_cmd = app.add_subcommand("plan", "Show how a model is laid out in buckets, without moving bytes");
-  plan_cmd->add_option("--model", plan.model, "config.json, safetensors file or directory (default: refit-tiny-moe)");
+  plan_cmd->add_option("--model", plan.model, "config.json, safetensors file or directory, or builtin:refit-tiny-moe (the default, compiled in)");
   plan_cmd->add_option("--sources", plan.sources, "Source processes")->capture_default_str();
   plan_cmd->add_option("--destinations", plan.destinations, "Destination processes")->capture_default_str();
   plan_cmd->add_option("--config", plan.config_file, "YAML config file");

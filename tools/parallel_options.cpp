@@ -37,7 +37,7 @@ std::vector<std::optional<Layout>> destination_layouts(const std::string& model_
   namespace fs = std::filesystem;
   std::string config_json = model_path;
   if (fs::is_directory(model_path)) config_json = (fs::path(model_path) / "config.json").string();
-  if (!fs::exists(config_json) || fs::path(config_json).extension() != ".json")
+  if (!model_path.starts_with("builtin:") && (!fs::exists(config_json) || fs::path(config_json).extension() != ".json"))
     fail(ErrorKind::kModel, "sharded layouts need the model's config.json (head counts), not found for '{}'", model_path);
   const ModelDims dims = model_dims_from_hf_config(config_json);
   for (int r = 0; r < destinations; ++r) {

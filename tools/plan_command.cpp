@@ -17,7 +17,7 @@ namespace refit::tools {
 
 int run_plan(const PlanOptions& options) {
   const RefitConfig config = load_config(options.config_file, options.overrides);
-  const std::string path = options.model.empty() ? default_model_path() : options.model;
+  const std::string path = options.model.empty() ? std::string(kDefaultModel) : options.model;
   const auto inventory = load_model_inventory(path);
   // Every worker of a local run shares this host's memory.
   std::vector<uint64_t> totals(options.sources + options.destinations, total_host_memory_bytes());

@@ -91,6 +91,7 @@ struct ReceiveStats {
   uint64_t wire_bytes = 0;     // bytes read over the transport (or loaded from the mapped source buffers)
   bool mapped = false;         // loaded straight from the source's mapped buffers (map_source_buffers)
   uint64_t buffer_bytes = 0;   // transfer-buffer memory this engine holds (0: receives_only and mapped)
+  std::string route;           // what carried the bytes: "UCX mapped", "UCX tcp/eth0" (Transport::route)
   double total_seconds = 0;
   double load_seconds = 0;
   double receive_seconds() const { return total_seconds > load_seconds ? total_seconds - load_seconds : 0; }

@@ -11,6 +11,11 @@
 
 namespace refit {
 
+// The default model of `refit bench` and `refit plan`: a scaled-down Qwen3-MoE (365 MiB of bf16,
+// 459 tensors) whose config.json is compiled into the library, so that an installed refit needs
+// no data folder. Every function below that takes a path also takes "builtin:<name>".
+inline constexpr const char* kDefaultModel = "builtin:refit-tiny-moe";
+
 struct ModelInventory {
   std::string name;                // model_type or the directory name
   std::vector<TensorInfo> tensors;  // in the order a policy would stream them

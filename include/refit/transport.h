@@ -75,6 +75,10 @@ class Transport {
   // straight from its source's buffer, one copy fewer. Valid until disconnect(peer).
   virtual const std::byte* map(PeerId peer, const RemoteRegion& remote) { return nullptr; }
 
+  // What carries this process's traffic to `peer`, for reports: "UCX posix/memory, tcp/eth0",
+  // "CUDA_IPC". Meaningful once something has been exchanged with the peer.
+  virtual std::string route(PeerId peer) { return name(); }
+
   // Sends one control message; messages from one endpoint to another arrive in order, whole.
   virtual void send(PeerId peer, std::span<const uint8_t> message, Deadline deadline) = 0;
 

@@ -10,7 +10,6 @@ that every destination tensor matches its source bitwise (XXH3-64 per tensor, as
 
 from __future__ import annotations
 
-import os
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
@@ -38,17 +37,8 @@ def numpy_dtype(name: str):
 
 
 def default_model_path() -> str:
-    """data/models/refit-tiny-moe of this repository (or $REFIT_DATA_DIR/models/refit-tiny-moe)."""
-    data = os.environ.get("REFIT_DATA_DIR")
-    if not data:
-        here = os.path.dirname(os.path.abspath(__file__))
-        for candidate in (os.path.join(here, "..", "..", "data"), os.path.join(os.getcwd(), "data")):
-            if os.path.isdir(os.path.join(candidate, "models")):
-                data = candidate
-                break
-        else:
-            data = "data"
-    return os.path.normpath(os.path.join(data, "models", "refit-tiny-moe"))
+    """The built-in default model (a scaled-down Qwen3-MoE compiled into the package)."""
+    return _refit.DEFAULT_MODEL
 
 
 class SyntheticSource:

@@ -184,7 +184,9 @@ void register_config(nb::module_& m) {
       .def_prop_ro("fingerprint", &ModelInventory::fingerprint)
       .def("__len__", [](const ModelInventory& m) { return m.tensors.size(); });
   m.def("load_model_inventory", &load_model_inventory, nb::arg("path"),
-        "Tensors of a model from a config.json (or its directory) or safetensors files; raises ModelError.");
+        "Tensors of a model from a config.json (or its directory), safetensors files, or a built-in model "
+        "('builtin:refit-tiny-moe'); raises ModelError.");
+  m.attr("DEFAULT_MODEL") = kDefaultModel;
 
   // ---- layouts ----
   nb::class_<Layout>(m, "Layout",

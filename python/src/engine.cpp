@@ -288,6 +288,7 @@ nb::dict receive_stats(const ReceiveStats& s) {
   d["wire_bytes"] = s.wire_bytes;
   d["mapped"] = s.mapped;
   d["buffer_bytes"] = s.buffer_bytes;
+  d["route"] = s.route;
   d["total_seconds"] = s.total_seconds;
   d["load_seconds"] = s.load_seconds;
   d["receive_seconds"] = s.receive_seconds();

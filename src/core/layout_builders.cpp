@@ -2,12 +2,10 @@
 
 #include <algorithm>
 #include <charconv>
-#include <filesystem>
-#include <fstream>
 #include <nlohmann/json.hpp>
-#include <sstream>
 
 #include "core/fail.h"
+#include "core/hf_config.h"
 
 namespace refit {
 namespace {
@@ -125,22 +123,6 @@ void put_dense(Layout& layout, const TensorInfo& t, const ModelDims& dims, const
       int64_t start = std::min<int64_t>(per * r, v);
       return put_slice(layout, t, 0, start, std::min(per, v - start));
     }
-  }
-}
-
-nlohmann::json read_config(const std::string& path, std::string& file) {
-  std::error_code ec;
-  file = std::filesystem::is_directory(path, ec) ? (std::filesystem::path(path) / "config.json").string() : path;
-  std::ifstream in(file);
-  if (!in) fail(ErrorKind::kModel, "config '{}': cannot open (missing or unreadable)", file);
-  std::stringstream text;
-  text << in.rdbuf();
-  try {
-    auto json = nlohmann::json::parse(text.str());
-    if (!json.is_object()) fail(ErrorKind::kModel, "config '{}': not a JSON object", file);
-    return json;
-  } catch (const nlohmann::json::exception& e) {
-    fail(ErrorKind::kModel, "config '{}': bad JSON: {}", file, e.what());
   }
 }
 
@@ -300,8 +282,9 @@ std::vector<std::string> pp_missing_prefixes(const ModelInventory& inventory, in
 }
 
 ModelDims model_dims_from_hf_config(const std::string& path) {
-  std::string file;
-  nlohmann::json json = read_config(path, file);
+  const HfConfig config = read_hf_config(path);
+  const std::string& file = config.origin;
+  const nlohmann::json& json = config.json;
   auto get = [&](const char* key, bool required) -> int64_t {
     auto it = json.find(key);
     if (it == json.end() || it->is_null()) {

@@ -4,14 +4,13 @@
 
 #include <algorithm>
 #include <filesystem>
-#include <fstream>
 #include <functional>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <set>
-#include <sstream>
 
 #include "core/fail.h"
+#include "core/hf_config.h"
 #include "refit/safetensors.h"
 
 namespace refit {
@@ -272,18 +271,6 @@ void deepseek_v3_family(Builder& b, const Config& c) {
   });
 }
 
-nlohmann::json read_json(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) fail(ErrorKind::kModel, "config '{}': cannot open (missing or unreadable)", path);
-  std::stringstream text;
-  text << in.rdbuf();
-  try {
-    return nlohmann::json::parse(text.str());
-  } catch (const nlohmann::json::exception& e) {
-    fail(ErrorKind::kModel, "config '{}': bad JSON: {}", path, e.what());
-  }
-}
-
 // The name to give an inventory read from `p`: a directory's name, or a file's stem.
 std::string name_of(const fs::path& p, bool is_dir) {
   fs::path clean = p.lexically_normal();
@@ -294,11 +281,9 @@ std::string name_of(const fs::path& p, bool is_dir) {
 }  // namespace
 
 ModelInventory inventory_from_hf_config(const std::string& path) {
-  std::error_code ec;
-  std::string file = fs::is_directory(path, ec) ? (fs::path(path) / "config.json").string() : path;
-  nlohmann::json json = read_json(file);
-  if (!json.is_object()) fail(ErrorKind::kModel, "config '{}': not a JSON object", file);
-  Config c(file, std::move(json));
+  HfConfig config = read_hf_config(path);
+  const std::string& file = config.origin;
+  Config c(file, std::move(config.json));
 
   auto type = c.opt_string("model_type");
   if (!type) fail(ErrorKind::kModel, "config '{}': missing key 'model_type'", file);
@@ -375,6 +360,7 @@ ModelInventory inventory_from_safetensors(const std::string& path) {
 }
 
 ModelInventory load_model_inventory(const std::string& path) {
+  if (is_builtin_model(path)) return inventory_from_hf_config(path);
   std::error_code ec;
   auto status = fs::status(path, ec);
   if (!fs::exists(status)) fail(ErrorKind::kModel, "model path '{}' does not exist", path);

@@ -2,6 +2,9 @@
 
 #include <unistd.h>
 
+#include <xxhash.h>
+
+#include <climits>
 #include <fstream>
 #include <sstream>
 
@@ -13,6 +16,25 @@ std::string read_boot_id() {
   std::string id;
   std::getline(f, id);
   return id;
+}
+
+// The namespaces that separate hosts sharing a kernel, as one hash of their ids ("pid:[4026531836]").
+uint64_t read_namespaces() {
+  std::string ids;
+  for (const char* ns : {"pid", "ipc", "mnt", "net", "uts"}) {
+    char target[128];
+    const std::string link = std::string("/proc/self/ns/") + ns;
+    ssize_t n = readlink(link.c_str(), target, sizeof target - 1);
+    ids += n > 0 ? std::string(target, static_cast<size_t>(n)) : std::string(ns) + ":?";
+    ids += ';';
+  }
+  return XXH3_64bits(ids.data(), ids.size());
+}
+
+std::string read_hostname() {
+  char name[HOST_NAME_MAX + 1] = {};
+  if (gethostname(name, sizeof name - 1) != 0) return "?";
+  return name;
 }
 
 // 0 when the process does not exist, has exited but was not reaped yet (a zombie), or /proc is
@@ -36,15 +58,18 @@ uint64_t start_time_of(int32_t pid) {
 }  // namespace
 
 ProcessIdentity this_process() {
-  static const ProcessIdentity self{read_boot_id(), static_cast<int32_t>(getpid()), start_time_of(getpid())};
-  ProcessIdentity id = self;
-  // After a fork the cached pid is the parent's.
-  if (id.pid != getpid()) id = {id.boot_id, static_cast<int32_t>(getpid()), start_time_of(getpid())};
-  return id;
+  // Read on every call: cheap next to what callers do with it, and right after a fork or a
+  // setns() (a cached identity would then be the parent's, or the old namespaces').
+  return {read_boot_id(), read_namespaces(), read_hostname(), static_cast<int32_t>(getpid()), start_time_of(getpid())};
+}
+
+bool same_host(const ProcessIdentity& peer) {
+  const ProcessIdentity self = this_process();
+  return !peer.boot_id.empty() && peer.boot_id == self.boot_id && peer.namespaces == self.namespaces;
 }
 
 bool process_is_gone(const ProcessIdentity& peer) {
-  if (peer.boot_id.empty() || peer.pid <= 0 || peer.boot_id != this_process().boot_id) return false;
+  if (peer.pid <= 0 || !same_host(peer)) return false;
   return start_time_of(peer.pid) != peer.start_time;
 }
 

@@ -243,9 +243,11 @@ class CheckpointEngine::Impl {
       fail(ErrorKind::kProtocol, "{} uses {}-byte buckets, this engine {}", label, md.bucket_bytes, options_.bucket_bytes);
     if (md.transport_name != transport_->name())
       fail(ErrorKind::kProtocol, "{} uses transport '{}', this engine '{}'", label, md.transport_name, transport_->name());
-    peer_ = transport_->connect(md.transport_address, label);
+    // Errors name the peer's host too: across hosts that is what an operator looks for first.
+    const std::string where = same_host(md.process) ? label : fmt::format("{} on host {}", label, md.process.hostname);
+    peer_ = transport_->connect(md.transport_address, where);
     peer_metadata_ = std::move(md);
-    peer_label_ = label;
+    peer_label_ = where;
     has_peer_ = true;
     refits_ = 0;
   }
@@ -253,6 +255,12 @@ class CheckpointEngine::Impl {
   // Maps the source's transfer buffers when the transport can (same host); host memory is then
   // page-locked here too, so that loads from it into GPU tensors run at PCIe speed.
   void map_source_buffers() {
+    // A peer in other namespaces shares this kernel but not its /dev/shm, /proc or pids: it is
+    // remote, whatever the transport might believe.
+    if (!same_host(peer_metadata_.process)) {
+      spdlog::debug("{}: on another host, so the staged path", peer_label_);
+      return;
+    }
     mapped_source_ = transport_->map(peer_, peer_metadata_.buffers);
     if (mapped_source_ == nullptr) return;
     if (buffer_kind_ == MemoryKind::kHost)
@@ -465,6 +473,7 @@ class CheckpointEngine::Impl {
       if (bucket.is_last) {
         assembler_.finish(peer_label_);
         fetcher.finish(phase);
+        stats.route = mapped_source_ ? transport_->name() + " mapped" : transport_->route(peer_);
         return;
       }
     }

@@ -68,6 +68,8 @@ Bytes encode(const EngineMetadata& m) {
   w.put_bytes(m.buffers.key);
   w.put_bytes(m.layout);
   w.put_string(m.process.boot_id);
+  w.put<uint64_t>(m.process.namespaces);
+  w.put_string(m.process.hostname);
   w.put<int32_t>(m.process.pid);
   w.put<uint64_t>(m.process.start_time);
   w.put<uint64_t>(m.generation);
@@ -100,6 +102,8 @@ EngineMetadata decode_metadata(std::span<const uint8_t> blob, const std::string&
   auto layout = r.get_bytes("layout");
   m.layout.assign(layout.begin(), layout.end());
   m.process.boot_id = r.get_string("boot id");
+  m.process.namespaces = r.get<uint64_t>("namespaces");
+  m.process.hostname = r.get_string("hostname");
   m.process.pid = r.get<int32_t>("pid");
   m.process.start_time = r.get<uint64_t>("start time");
   m.generation = r.get<uint64_t>("generation");

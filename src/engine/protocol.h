@@ -17,7 +17,7 @@
 
 namespace refit::protocol {
 
-inline constexpr uint32_t kVersion = 3;
+inline constexpr uint32_t kVersion = 4;
 
 struct EngineMetadata {
   uint32_t version = kVersion;

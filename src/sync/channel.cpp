@@ -65,7 +65,7 @@ void Channel::close() {
   fd_ = -1;
 }
 
-void Channel::send(const nlohmann::json& message) {
+void Channel::send(const nlohmann::json& message, Deadline deadline) {
   auto body = nlohmann::json::to_cbor(message);
   uint64_t size = body.size();
   std::vector<uint8_t> frame(sizeof(size) + body.size());
@@ -73,8 +73,16 @@ void Channel::send(const nlohmann::json& message) {
   std::memcpy(frame.data() + sizeof(size), body.data(), body.size());
   size_t sent = 0;
   while (sent < frame.size()) {
-    ssize_t n = ::send(fd_, frame.data() + sent, frame.size() - sent, MSG_NOSIGNAL);
+    ssize_t n = ::send(fd_, frame.data() + sent, frame.size() - sent, MSG_NOSIGNAL | MSG_DONTWAIT);
     if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      // The other end does not read (or its host is unreachable): wait for room, not forever.
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+      if (left <= 0) fail(ErrorKind::kTimeout, "sending to {}: it took nothing for too long (deadline passed)", peer_);
+      pollfd p{fd_, POLLOUT, 0};
+      ::poll(&p, 1, static_cast<int>(std::min<long long>(left, 100)));
+      continue;
+    }
     if (n < 0) fail(ErrorKind::kPeerLost, "cannot send to {}: {}", peer_, std::strerror(errno));
     sent += static_cast<size_t>(n);
   }

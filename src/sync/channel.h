@@ -1,5 +1,5 @@
-// A framed message channel over a stream socket between the local driver and one worker
-// process: 8-byte length, then a CBOR-encoded JSON value. Every receive has a deadline; a
+// A framed message channel over a stream socket (a socket pair, or TCP across hosts) between the
+// driver and one worker process: 8-byte length, then a CBOR-encoded JSON value. Every receive has a deadline; a
 // closed peer is reported as such, so a dead worker is noticed at once.
 #pragma once
 
@@ -19,7 +19,9 @@ class Channel {
   Channel(Channel&& other) noexcept;
   Channel& operator=(Channel&& other) noexcept;
 
-  void send(const nlohmann::json& message);
+  // Throws Error(kTimeout) when the other end takes nothing until the deadline, Error(kPeerLost)
+  // when it closed.
+  void send(const nlohmann::json& message, Deadline deadline = deadline_after(std::chrono::seconds(30)));
   // Throws Error(kTimeout) past the deadline and Error(kPeerLost) when the other end closed.
   nlohmann::json receive(Deadline deadline);
   // Like receive(), with no deadline: for a worker idling between commands, whose only way out
@@ -28,6 +30,8 @@ class Channel {
 
   int fd() const { return fd_; }
   const std::string& peer() const { return peer_; }
+  // Names the other end in errors (once it has said who it is).
+  void set_peer(std::string peer) { peer_ = std::move(peer); }
   void close();
 
  private:

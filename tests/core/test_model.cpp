@@ -1,4 +1,5 @@
 #include "refit/model.h"
+#include "refit/layout_builders.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -8,6 +9,7 @@
 #include <fstream>
 #include <map>
 
+#include "core/error_of.h"
 #include "refit/error.h"
 #include "refit/safetensors.h"
 
@@ -177,6 +179,17 @@ TEST(ModelConfig, DeepSeekV3) {
   EXPECT_EQ(bias->shape, (std::vector<int64_t>{256}));
   EXPECT_EQ(bias->dtype, DType::kFloat32);
   EXPECT_EQ(find(inv, "model.layers.60.mlp.gate_proj.weight"), nullptr);
+}
+
+// The built-in default model is the shipped data/models/refit-tiny-moe, tensor for tensor.
+TEST(ModelConfig, BuiltinDefaultModelIsTheShippedTinyMoe) {
+  const auto builtin = load_model_inventory(kDefaultModel);
+  const auto shipped = load("refit-tiny-moe");
+  EXPECT_EQ(builtin.fingerprint(), shipped.fingerprint());
+  EXPECT_EQ(builtin.tensors.size(), 459u);
+  EXPECT_EQ(model_dims_from_hf_config(kDefaultModel).num_attention_heads, 8);
+  EXPECT_NE(testing::error_of(ErrorKind::kModel, [] { load_model_inventory("builtin:no-such-model"); }).find("builtin:no-such-model"),
+            std::string::npos);
 }
 
 // The scaled models refit ships (sizes listed in data/models/README.md).

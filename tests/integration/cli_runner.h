@@ -25,7 +25,8 @@ struct CliResult {
   double seconds = 0;
 };
 
-inline CliResult run_cli(const std::vector<std::string>& args, double timeout_s = 120) {
+// Runs `program` (the built `refit` unless named) with `args`.
+inline CliResult run_program(const std::string& program, const std::vector<std::string>& args, double timeout_s) {
   int out[2];
   if (pipe(out) != 0) std::abort();
   const auto start = std::chrono::steady_clock::now();
@@ -35,7 +36,7 @@ inline CliResult run_cli(const std::vector<std::string>& args, double timeout_s 
     dup2(out[1], 2);
     close(out[0]);
     std::vector<char*> argv;
-    std::string cli = REFIT_CLI_PATH;
+    std::string cli = program;
     argv.push_back(cli.data());
     std::vector<std::string> copy = args;
     for (auto& a : copy) argv.push_back(a.data());
@@ -66,6 +67,10 @@ inline CliResult run_cli(const std::vector<std::string>& args, double timeout_s 
   r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   r.exit_code = killed ? -1 : (WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status));
   return r;
+}
+
+inline CliResult run_cli(const std::vector<std::string>& args, double timeout_s = 120) {
+  return run_program(REFIT_CLI_PATH, args, timeout_s);
 }
 
 // A fresh directory under the system temp dir, removed by the destructor.

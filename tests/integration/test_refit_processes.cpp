@@ -69,6 +69,23 @@ TEST(RefitProcesses, OneToOneOverSharedMemory) {
   }
 }
 
+// The default model is compiled in: a copy of the binary, run away from the source tree, still
+// refits it (an installed refit has no data folder).
+TEST(RefitProcesses, ACopiedBinaryRefitsTheBuiltinDefaultModel) {
+  TempDir dir;
+  const std::string copy = dir.file("refit");
+  std::filesystem::copy_file(REFIT_CLI_PATH, copy);
+  std::filesystem::permissions(copy, std::filesystem::perms::owner_exec, std::filesystem::perm_options::add);
+  const std::string json = dir.file("result.json");
+  auto r = testing::run_program(copy, {"bench", "--refits", "1", "--json", json, "refit_cfg.nixl.bucket_bytes=64MiB",
+                                       "refit_cfg.nixl.timeout_s=60", kShm}, 180);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto result = read_json(json);
+  EXPECT_TRUE(result.at("verified").get<bool>());
+  EXPECT_EQ(result.at("model").get<std::string>(), "qwen3_moe");
+  EXPECT_EQ(result.at("model_bytes").get<uint64_t>(), load_model_inventory(kDefaultModel).total_bytes());
+}
+
 TEST(RefitProcesses, OneToOneStagedOverSharedMemory) {
   Bench b;
   auto r = b.run(1, 1, 2, {kShm, "refit_cfg.nixl.map_source_buffers=false"});

@@ -3,11 +3,15 @@
 #include <spdlog/spdlog.h>
 #include <ucp/api/ucp.h>
 
+#include <algorithm>
 #include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <mutex>
 #include <optional>
+#include <sstream>
 #include <type_traits>
 #include <vector>
 
@@ -91,6 +95,7 @@ class UcxTransport final : public Transport {
   void read(PeerId peer, const RemoteRegion& remote, uint64_t remote_offset, void* local, RegionId local_region,
             uint64_t length, Deadline deadline) override;
   const std::byte* map(PeerId peer, const RemoteRegion& remote) override;
+  std::string route(PeerId peer) override;
   void send(PeerId peer, std::span<const uint8_t> message, Deadline deadline) override;
   Bytes receive(PeerId peer, Deadline deadline) override;
 
@@ -404,6 +409,36 @@ const std::byte* UcxTransport::map(PeerId id, const RemoteRegion& remote) {
     return nullptr;
   }
   return static_cast<const std::byte*>(local);
+}
+
+std::string UcxTransport::route(PeerId id) {
+  Peer& peer = find_peer(id, "describing the route");
+  // ucp_ep_print_info lists the endpoint's lanes ("lane[0]:  3:tcp/eth0.0 md[1] ... am ...");
+  // UCX has no structured query for them before 1.14. Collect each lane's transport/device once.
+  char* text = nullptr;
+  size_t size = 0;
+  FILE* out = open_memstream(&text, &size);
+  if (out == nullptr) return "UCX";
+  ucp_ep_print_info(peer.ep, out);
+  std::fclose(out);
+  std::vector<std::string> lanes;
+  std::istringstream lines(std::string(text, size));
+  std::free(text);
+  for (std::string line; std::getline(lines, line);) {
+    const auto lane = line.find("lane[");
+    const auto colon = line.find(':', line.find(']', lane == std::string::npos ? 0 : lane) + 1);
+    if (lane == std::string::npos || colon == std::string::npos) continue;
+    // After "lane[i]:", an optional resource index and ':', then "tl/device" up to a blank.
+    std::istringstream fields(line.substr(colon + 1));
+    std::string resource;
+    fields >> resource;
+    if (auto inner = resource.find(':'); inner != std::string::npos) resource = resource.substr(inner + 1);
+    if (auto dot = resource.rfind('.'); dot != std::string::npos && resource.find('/') < dot) resource.resize(dot);
+    if (!resource.empty() && std::find(lanes.begin(), lanes.end(), resource) == lanes.end()) lanes.push_back(resource);
+  }
+  std::string route = "UCX";
+  for (size_t i = 0; i < lanes.size(); ++i) route += (i == 0 ? " " : ", ") + lanes[i];
+  return route;
 }
 
 void UcxTransport::read(PeerId id, const RemoteRegion& remote, uint64_t remote_offset, void* local,

@@ -271,6 +271,20 @@ case "$command" in
     [ $# -eq 3 ] && [[ "$3" =~ ^(up|down)$ ]] || die "usage: simhosts.sh link TAG I up|down"
     valid_host "$1" "$2"
     ip -n "$(switch_ns "$1")" link set "rs$1$2" "$3"
+    if [ "$3" = up ]; then
+      # Back only once the host's end carries traffic again (programs that start now, UCX among
+      # them, skip an interface without carrier).
+      for _ in $(seq 1 100); do
+        ip -n "$(host_ns "$1" "$2")" link show eth0 | grep -q "state UP" && break
+        sleep 0.05
+      done
+      # Addresses that failed to resolve while the link was down stay FAILED in the other
+      # hosts' neighbour tables for a while (connect() then says "no route to host"): forget them,
+      # as a switch port coming back announces itself.
+      for i in $(seq 1 "$(cat "$(state "$1")/count")"); do
+        ip -n "$(host_ns "$1" "$i")" neigh flush all 2>/dev/null || true
+      done
+    fi
     ;;
   kill) [ $# -eq 2 ] || die "usage: simhosts.sh kill TAG I"; valid_host "$1" "$2"; kill_host "$1" "$2" ;;
   restart) [ $# -eq 2 ] || die "usage: simhosts.sh restart TAG I"; valid_host "$1" "$2"; kill_host "$1" "$2"; start_host "$1" "$2" ;;

@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# Refit across simulated hosts with shaped links, against the links' own limit. Four hosts
+# (scripts/simhosts.sh), each link shaped to RATE both ways; 2 sources on hosts 1-2 feed 2
+# destinations on hosts 3-4 (`refit bench --launcher env`, one rank per host). For each model and
+# bucket size it prints the median refit time against:
+#   - the link bound: the bytes each destination receives / RATE (what the link allows at best);
+#   - ucx_perftest ucp_get between two of the same hosts, at the bucket size (the ceiling measured
+#     in the same run, on the same shaped links).
+# A benchmark, not a test: it prints ratios and never fails on them.
+#
+# Usage: scripts/hosts_bench.sh [RATE] [REFITS]     (default 2gbit, 3 refits; needs root)
+# Environment: BUILD_DIR (default build/release), MODELS (default: small builtin 2g),
+#              BUCKETS (default "16MiB 64MiB").
+set -euo pipefail
+cd "$(dirname "$0")/.."
+RATE="${1:-2gbit}"
+REFITS="${2:-3}"
+BUILD_DIR="${BUILD_DIR:-build/release}"
+MODELS="${MODELS:-small builtin 2g}"
+BUCKETS="${BUCKETS:-16MiB 64MiB}"
+REFIT="$PWD/$BUILD_DIR/refit"
+[ -x "$REFIT" ] || { echo "hosts_bench: build first (scripts/setup.sh release): $REFIT is missing" >&2; exit 1; }
+scripts/simhosts.sh check >/dev/null || { scripts/simhosts.sh check; exit 1; }
+
+if [ -z "${SIMHOSTS_TAG:-}" ]; then
+  exec scripts/simhosts.sh with 4 --rate "$RATE" -- "$0" "$@"
+fi
+
+work="$PWD/$BUILD_DIR/hosts-bench"
+rm -rf "$work" && mkdir -p "$work"
+# A 26 MiB MoE, for the small end.
+cat >"$work/small.json" <<'EOF'
+{"model_type": "qwen3_moe", "torch_dtype": "bfloat16", "hidden_size": 256, "intermediate_size": 512,
+ "moe_intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+ "head_dim": 64, "vocab_size": 16000, "num_experts": 16, "num_experts_per_tok": 2, "decoder_sparse_step": 1,
+ "mlp_only_layers": [], "rms_norm_eps": 1e-6, "tie_word_embeddings": false}
+EOF
+model_path() {
+  case "$1" in
+    small) echo "$work/small.json" ;;
+    builtin) echo "builtin:refit-tiny-moe" ;;
+    2g) echo "$PWD/data/models/refit-bench-2g" ;;
+    *) echo "$1" ;;
+  esac
+}
+H() { scripts/simhosts.sh "$1" "$SIMHOSTS_TAG" "${@:2}"; }
+master=$(H addr 1)
+bits=$(python3 -c '
+import re, sys
+m = re.fullmatch(r"([0-9.]+)([kmg]?)bit", sys.argv[1].lower())
+print(int(float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)]))' "$RATE")
+
+# The ceiling: ucp_get between hosts 1 and 3 over the shaped links, at a bucket size.
+ceiling() {
+  local bytes="$1" port=$((13000 + RANDOM % 1000))
+  H exec 1 timeout 60 ucx_perftest -p "$port" >/dev/null 2>&1 &
+  local server=$!
+  sleep 1
+  local line
+  line=$(H exec 3 timeout 60 ucx_perftest "$master" -p "$port" -t ucp_get -s "$bytes" -n 8 -w 2 2>/dev/null | grep Final || true)
+  wait "$server" 2>/dev/null || true
+  # Final: iterations, latency typ/avg/overall, bandwidth avg (MB/s), overall (MB/s), ...
+  echo "$line" | awk '{print $7 * 1048576}'
+}
+
+printf '%-8s %-7s %12s %10s %10s %9s %12s %9s\n' model bucket "MiB/dest" "bound s" "refit s" "x bound" "ucp_get MB/s" "x ucp_get"
+for model in $MODELS; do
+  for bucket in $BUCKETS; do
+    port=$((29000 + RANDOM % 1000))
+    json="$work/$model-$bucket.json"
+    pids=()
+    for r in 1 2 3; do
+      H exec $((r + 1)) env RANK=$r WORLD_SIZE=4 MASTER_ADDR="$master" MASTER_PORT="$port" "$REFIT" bench --launcher env \
+        --model "$(model_path "$model")" --sources 2 --destinations 2 --refits "$REFITS" \
+        "refit_cfg.nixl.bucket_bytes=$bucket" >"$work/$model-$bucket.rank$r.log" 2>&1 &
+      pids+=($!)
+    done
+    H exec 1 env RANK=0 WORLD_SIZE=4 MASTER_ADDR="$master" MASTER_PORT="$port" "$REFIT" bench --launcher env \
+      --model "$(model_path "$model")" --sources 2 --destinations 2 --refits "$REFITS" --json "$json" \
+      "refit_cfg.nixl.bucket_bytes=$bucket" >"$work/$model-$bucket.rank0.log" 2>&1 || {
+      echo "hosts_bench: $model $bucket failed:"; tail -n 20 "$work/$model-$bucket.rank0.log"; exit 1; }
+    wait "${pids[@]}" || true
+    bucket_bytes=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["bucket_bytes"])' "$json")
+    get=$(ceiling "$bucket_bytes")
+    python3 - "$json" "$bits" "$model" "$bucket" "${get:-0}" <<'EOF'
+import json, statistics, sys
+result, bits, model, bucket, get = json.load(open(sys.argv[1])), float(sys.argv[2]), sys.argv[3], sys.argv[4], float(sys.argv[5])
+assert result["verified"], "not verified"
+per_dest = max(d["bytes"] for r in result["refits"] for d in r["bytes_received"])
+routes = sorted({d["route"] for r in result["refits"] for d in r["bytes_received"]})
+seconds = statistics.median(r["seconds"] for r in result["refits"])
+bound = per_dest / (bits / 8)
+line = f"{model:<8} {bucket:<7} {per_dest / 2**20:12.1f} {bound:10.3f} {seconds:10.3f} {seconds / bound:9.3f}"
+if get > 0:
+    line += f" {get / 1e6:12.1f} {(per_dest / seconds) / get:9.3f}"
+print(line + f"   ({', '.join(routes)})")
+EOF
+  done
+done
+echo "rate $RATE per host link (tbf, both directions); refit s: median of $REFITS refits, every one verified bitwise;"
+echo "x bound = refit time / (bytes per destination / rate); x ucp_get = refit throughput per destination / ucp_get"

@@ -5,8 +5,11 @@ MPI ranks or anything else can drive refits.
     first sync_weights():  memory query -> bucket size (once), create engines (once),
                            prepare -> metadata -> init process groups        ("ready")
     every sync_weights():  one refit; a failed refit raises, and the next sync_weights()
-                           prepares again (workers whose refit failed replace their engine);
-                           with release_after_refit, shutdown() afterwards (also after a failure)
+                           creates engines again (a worker that has one keeps it: only a worker
+                           put in place of a lost one gets a new engine, with the same session and
+                           bucket size) and prepares again (workers whose refit failed replace
+                           their engine); with release_after_refit, shutdown() afterwards (also
+                           after a failure)
     shutdown():            finalize every worker; the next sync prepares again with fresh metadata
 
 This mirrors the C++ refit::WeightSynchronizer (include/refit/synchronizer.h) and NeMo RL's
@@ -110,6 +113,7 @@ class WeightSynchronizer:
         self.backend = backend
         self.model_fingerprint = int(model_fingerprint)
         self._bucket_size: Optional[BucketSize] = None
+        self._session: Optional[bytes] = None
         self._engines_created = False
         self._ready = False
         self._stale = True
@@ -143,14 +147,24 @@ class WeightSynchronizer:
         }
 
     def ensure_ready(self) -> None:
-        """Creates engines (once), prepares, exchanges metadata and connects (once per ready epoch)."""
+        """Creates engines (once, and again after a failed refit), prepares, exchanges metadata and
+        connects (once per ready epoch).
+
+        After a failed refit, create_engines() runs again with the same session and bucket size:
+        workers that have an engine keep it (the WorkerGroup contract), and a worker the group put
+        in place of a lost one (a new actor on a restarted host) gets its engine. The log line
+        comes once."""
         if self._ready:
             return
         if not self._engines_created:
             size = self.bucket_size.bytes
-            self.workers.create_engines(self.backend, size, self.engine_kwargs(_refit.new_session_id()))
+            first = self._session is None
+            if first:
+                self._session = _refit.new_session_id()
+            self.workers.create_engines(self.backend, size, self.engine_kwargs(self._session))
             self._engines_created = True
-            _log(f"Using checkpoint-engine refit backend: {self.config.refit_transport}")
+            if first:
+                _log(f"Using checkpoint-engine refit backend: {self.config.refit_transport}")
         metadata = [bytes(m) for m in self.workers.prepare()]
         expected = self.workers.train_world_size + self.workers.rollout_world_size
         if len(metadata) != expected:
@@ -184,6 +198,10 @@ class WeightSynchronizer:
             failed = False
             return report
         finally:
+            if failed:
+                # A worker may be replaced before the next sync (a lost host): give every worker
+                # an engine again then (those that have one keep it).
+                self._engines_created = False
             if self.config.release_after_refit or failed:
                 # After a failure, the next sync exchanges fresh metadata (beyond the reference,
                 # which keeps the broken connections).

@@ -1,6 +1,18 @@
-// `refit info`: what refit finds on this machine, in the spirit of `ucx_info`.
+// `refit info`: what refit finds on this machine and in this build (version, GPUs, each transport
+// backend and why one is unavailable, UCX's transports and memory types), and the configuration
+// that a run with the same config file and overrides would use.
 #pragma once
 
+#include <string>
+#include <vector>
+
 namespace refit::tools {
-int run_info();
-}
+
+struct InfoOptions {
+  std::string config_file;
+  std::vector<std::string> overrides;
+};
+
+int run_info(const InfoOptions& options);
+
+}  // namespace refit::tools

@@ -10,9 +10,11 @@
 #include "info.h"
 #include "plan_command.h"
 #include "refit/error.h"
+#include "refit/version.h"
 
 int main(int argc, char** argv) {
   CLI::App app{"refit: move freshly trained LLM weights from training to inference processes"};
+  app.set_version_flag("--version", std::string("refit ") + refit::kVersionString);
   app.require_subcommand(1);
 
   refit::tools::BenchOptions bench;
@@ -68,7 +70,11 @@ int main(int argc, char** argv) {
   chaos_cmd->add_option("--json", chaos.json_path, "Write every trial as JSON to this file");
   chaos_cmd->add_option("overrides", chaos.overrides, "Config overrides, key=value");
 
-  auto* info_cmd = app.add_subcommand("info", "Show what refit detects on this machine (UCX, CUDA, memory)");
+  refit::tools::InfoOptions info;
+  auto* info_cmd = app.add_subcommand(
+      "info", "Show what refit detects (version, GPUs, transports and why one is unavailable) and the effective config");
+  info_cmd->add_option("--config", info.config_file, "YAML config file");
+  info_cmd->add_option("overrides", info.overrides, "Config overrides, key=value");
 
   CLI11_PARSE(app, argc, argv);
   spdlog::cfg::load_env_levels();  // SPDLOG_LEVEL=debug shows per-bucket timings
@@ -77,7 +83,7 @@ int main(int argc, char** argv) {
     if (plan_cmd->parsed()) return refit::tools::run_plan(plan);
     if (elastic_cmd->parsed()) return refit::tools::run_elastic_demo(elastic);
     if (chaos_cmd->parsed()) return refit::tools::run_chaos(chaos);
-    if (info_cmd->parsed()) return refit::tools::run_info();
+    if (info_cmd->parsed()) return refit::tools::run_info(info);
   } catch (const refit::Error& e) {
     fmt::print(stderr, "refit: error ({}): {}\n", refit::to_string(e.kind()), e.what());
     return 1;

@@ -1,4 +1,4 @@
-// The interface every transport backend implements (UCX, in-process; CUDA IPC and NCCL later).
+// The interface every transport backend implements (UCX, CUDA IPC, NCCL; in-process for tests).
 // A transport moves bytes between processes and nothing else: it knows no models, layouts or
 // buckets. The engine above it uses three services:
 //   - memory: register a buffer so that peers can read it one-sided;
@@ -85,6 +85,15 @@ class Transport {
   // Waits for the next control message from `peer`.
   virtual Bytes receive(PeerId peer, Deadline deadline) = 0;
 };
+
+// What each backend offers on this machine and in this build, or why it is unavailable (for
+// `refit info` and for users choosing a backend).
+struct TransportBackendInfo {
+  std::string name;  // a backend_name: "UCX", "CUDA_IPC", "NCCL"
+  bool available = false;
+  std::string detail;  // what it offers here (UCX: version, transports, memory types), or why not
+};
+std::vector<TransportBackendInfo> transport_backends();
 
 // Backend selection by `backend_name` with its `backend_init_params`. Throws Error(kConfig) for
 // an unknown name or parameter.

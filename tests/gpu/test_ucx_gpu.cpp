@@ -14,7 +14,7 @@ using namespace std::chrono_literals;
 
 TEST(UcxGpu, GpuBuffersNeedAUcxWithCuda) {
   REFIT_REQUIRE_GPUS(1);
-  if (!ucx_supports_cuda_memory({})) {
+  if (!ucx_capabilities({}).cuda) {
     std::string message;
     EXPECT_EQ(error_kind_of([&] { create_transport("UCX", {{"device", "cuda:0"}}); }, &message),
               ErrorKind::kUnsupported);

@@ -645,19 +645,44 @@ std::unique_ptr<Transport> create_ucx_transport(const std::map<std::string, std:
   return std::make_unique<UcxTransport>(parse_ucx_options(init_params));
 }
 
-bool ucx_supports_cuda_memory(const std::map<std::string, std::string>& init_params) {
+UcxCapabilities ucx_capabilities(const std::map<std::string, std::string>& init_params) {
+  UcxCapabilities caps;
+  unsigned major = 0, minor = 0, release = 0;
+  ucp_get_version(&major, &minor, &release);
+  caps.version = fmt::format("{}.{}.{}", major, minor, release);
   UcpConfig config = make_ucp_config(parse_ucx_options(init_params));
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES;
   params.features = UCP_FEATURE_RMA | UCP_FEATURE_AM;
   ucp_context_h context = nullptr;
-  if (ucp_init(&params, config.get(), &context) != UCS_OK) return false;
+  if (ucs_status_t status = ucp_init(&params, config.get(), &context); status != UCS_OK) {
+    caps.error = fmt::format("ucp_init: {}", ucs_status_string(status));
+    return caps;
+  }
   ucp_context_attr_t attr{};
   attr.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES;
-  const bool cuda = ucp_context_query(context, &attr) == UCS_OK &&
-                    (attr.memory_types & UCS_BIT(UCS_MEMORY_TYPE_CUDA)) != 0;
+  if (ucp_context_query(context, &attr) == UCS_OK) {
+    for (int t = 0; t < UCS_MEMORY_TYPE_LAST; ++t)
+      if (attr.memory_types & UCS_BIT(t)) caps.memory_types.push_back(ucs_memory_type_names[t]);
+    caps.cuda = (attr.memory_types & UCS_BIT(UCS_MEMORY_TYPE_CUDA)) != 0;
+  }
+  // The resources as ucp_context_print_info lists them ("#      resource 1  :  md 1  dev 1  flags -- tcp/eth0");
+  // UCX has no structured query for them.
+  char* text = nullptr;
+  size_t size = 0;
+  if (FILE* out = open_memstream(&text, &size)) {
+    ucp_context_print_info(context, out);
+    std::fclose(out);
+    std::istringstream lines(std::string(text, size));
+    std::free(text);
+    for (std::string line; std::getline(lines, line);) {
+      const auto marker = line.find("-- ");
+      if (line.find("resource") == std::string::npos || marker == std::string::npos) continue;
+      caps.transports.push_back(line.substr(marker + 3));
+    }
+  }
   ucp_cleanup(context);
-  return cuda;
+  return caps;
 }
 
 }  // namespace refit

@@ -5,6 +5,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "refit/transport.h"
 
@@ -18,9 +19,17 @@ namespace refit {
 // Throws Error(kConfig) naming the key for anything else.
 std::unique_ptr<Transport> create_ucx_transport(const std::map<std::string, std::string>& init_params);
 
-// Whether UCX, configured by these init params, can move GPU (CUDA) memory: its context lists
-// UCS_MEMORY_TYPE_CUDA among its memory types (a UCX built with CUDA, its cuda transports
-// selected, and a GPU driver present). Throws Error(kConfig) for bad params as above.
-bool ucx_supports_cuda_memory(const std::map<std::string, std::string>& init_params);
+// What UCX, configured by these init params, offers here: its version, its transports
+// ("tcp/eth0", "posix/memory"), the memory types it moves, and whether CUDA memory is among them
+// (a UCX built with CUDA, its cuda transports selected, and a GPU driver present). Throws
+// Error(kConfig) for bad params as above; `error` says why a context could not be made.
+struct UcxCapabilities {
+  std::string version;
+  std::vector<std::string> transports;
+  std::vector<std::string> memory_types;
+  bool cuda = false;
+  std::string error;
+};
+UcxCapabilities ucx_capabilities(const std::map<std::string, std::string>& init_params);
 
 }  // namespace refit

@@ -4,6 +4,7 @@
 #include <xxhash.h>
 
 #include <cstring>
+#include <deque>
 #include <random>
 #include <set>
 
@@ -369,7 +370,10 @@ class CheckpointEngine::Impl {
     BucketPacker packer(options_.bucket_bytes);
     protocol::BucketReady bucket;
     bucket.refit = refit;
-    std::optional<uint64_t> unacknowledged;
+    // Announced buckets the destination is not done with: at most one per buffer. A bucket is
+    // announced as soon as it is packed, while the destination still reads the one before, so
+    // that its reads follow each other with no round trip between them.
+    std::deque<uint64_t> unacknowledged;
 
     auto bucket_start = Clock::now();
     auto flush = [&](bool is_last) {
@@ -380,20 +384,26 @@ class CheckpointEngine::Impl {
       }
       if (options_.config.verify_checksums) bucket.checksum = XXH3_64bits(buffers_[bucket.buffer], bucket.used_bytes);
       const auto packed = Clock::now();
-      if (unacknowledged) wait_done(refit, *unacknowledged, phase);
-      spdlog::debug("{}: bucket {} ({} bytes) packed in {:.2f} ms, then {:.2f} ms waiting for {}", self_, bucket.seq,
-                    bucket.used_bytes, Seconds(packed - bucket_start).count() * 1e3,
-                    Seconds(Clock::now() - packed).count() * 1e3, peer_label_);
-      bucket_start = Clock::now();
       bucket.is_last = is_last;
       phase = fmt::format("announce bucket {}", bucket.seq);
       transport_->send(peer_, protocol::encode(bucket), next_deadline());
-      unacknowledged = bucket.seq;
+      unacknowledged.push_back(bucket.seq);
       ++stats.buckets;
+      const uint64_t announced = bucket.seq;
       bucket.seq++;
       bucket.buffer ^= 1;
       bucket.entries.clear();
       bucket.used_bytes = 0;
+      // The next bucket goes into the other buffer: the destination must be done with the bucket
+      // that buffer holds.
+      if (unacknowledged.size() == static_cast<size_t>(kBufferCount)) {
+        wait_done(refit, unacknowledged.front(), phase);
+        unacknowledged.pop_front();
+      }
+      spdlog::debug("{}: bucket {} packed and announced in {:.2f} ms, then {:.2f} ms waiting for {} to free a buffer",
+                    self_, announced, Seconds(packed - bucket_start).count() * 1e3,
+                    Seconds(Clock::now() - packed).count() * 1e3, peer_label_);
+      bucket_start = Clock::now();
     };
 
     std::set<std::string, std::less<>> sent;  // names, to check the layout's requests were met
@@ -439,7 +449,7 @@ class CheckpointEngine::Impl {
           fail(ErrorKind::kLayout, "{} holds '{}' but the weight stream never yielded it", peer_label_, name);
     }
     flush(true);
-    wait_done(refit, *unacknowledged, phase);
+    for (; !unacknowledged.empty(); unacknowledged.pop_front()) wait_done(refit, unacknowledged.front(), phase);
   }
 
   void run_receive(const BatchLoader& loader, uint64_t refit, ReceiveStats& stats, std::string& phase) {

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from typing import Any, List, Optional, Sequence
 
 import ray
@@ -58,7 +57,7 @@ def _cause(error: BaseException) -> BaseException:
     return cause if isinstance(cause, BaseException) else error
 
 
-class RayWorkerGroup:
+class RayWorkerGroup(refit.BroadcastWorkerGroup):
     """A refit.WorkerGroup over Ray actors: sources first, then destinations, each by rank.
     Every call runs on all actors at once and gathers every answer; the first failure is raised
     (the worker's own exception) with the others attached as notes."""
@@ -66,7 +65,6 @@ class RayWorkerGroup:
     def __init__(self, policy: Sequence[Any], rollout: Sequence[Any]):
         self.policy = list(policy)
         self.rollout = list(rollout)
-        self.last_refit_seconds: Optional[float] = None
 
     @property
     def train_world_size(self) -> int:
@@ -80,7 +78,7 @@ class RayWorkerGroup:
         return [f"source rank {i}" for i in range(len(self.policy))] + \
                [f"destination rank {i}" for i in range(len(self.rollout))]
 
-    def _all(self, method: str, *args: Any) -> List[Any]:
+    def call_all(self, method: str, *args: Any) -> List[Any]:
         actors = self.policy + self.rollout
         refs = [getattr(a, method).remote(*args) for a in actors]
         results, failures = [], []
@@ -97,30 +95,6 @@ class RayWorkerGroup:
                     first.add_note(f"also {label} failed: {type(e).__name__}: {e}")
             raise first
         return results
-
-    # refit.WorkerGroup
-    def total_memory_bytes(self, device: str) -> List[int]:
-        return self._all("total_memory_bytes", device)
-
-    def create_engines(self, backend: str, bucket_size_bytes: int, engine_kwargs) -> None:
-        self._all("create_engine", backend, bucket_size_bytes, dict(engine_kwargs))
-
-    def prepare(self) -> List[bytes]:
-        return self._all("prepare")
-
-    def init_process_groups(self, metadata) -> None:
-        self._all("init_process_group", self.train_world_size, self.rollout_world_size, list(metadata))
-
-    def refit(self, index: int) -> List[Any]:
-        self._all("stage", index)  # make this refit's weights (not timed)
-        start = time.perf_counter()
-        try:
-            return self._all("refit", index)
-        finally:
-            self.last_refit_seconds = time.perf_counter() - start
-
-    def finalize(self) -> None:
-        self._all("finalize")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -67,6 +67,6 @@ from .engine import (  # noqa: F401
     resolve_framework,
 )
 from .synchronizer import RefitReport, WeightSynchronizer, WorkerGroup  # noqa: F401
-from .worker import EngineWorker, WorkerProgram  # noqa: F401
+from .worker import BroadcastWorkerGroup, EngineWorker, WorkerProgram  # noqa: F401
 
 __all__ = [name for name in dir() if not name.startswith("_")]

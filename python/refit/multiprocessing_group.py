@@ -20,10 +20,10 @@ import multiprocessing as mp
 import multiprocessing.connection
 import signal
 import time
-from typing import Any, Callable, List, Mapping, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
 from . import _refit
-from .worker import EngineWorker
+from .worker import BroadcastWorkerGroup, EngineWorker
 
 ProgramFactory = Callable[[str, int], Any]
 
@@ -85,7 +85,7 @@ def _attach_notes(error: BaseException, notes: Sequence[str]) -> BaseException:
     return error
 
 
-class ProcessWorkerGroup:
+class ProcessWorkerGroup(BroadcastWorkerGroup):
     """``sources`` policy workers and ``destinations`` rollout workers, each its own process.
 
     ``program``: a picklable callable ``program(role, rank)`` run inside each worker, returning
@@ -114,7 +114,6 @@ class ProcessWorkerGroup:
             raise
         self._sources = sources
         self._destinations = destinations
-        self.last_refit_seconds: Optional[float] = None
 
     # ---- WorkerGroup ----
 
@@ -125,31 +124,6 @@ class ProcessWorkerGroup:
     @property
     def rollout_world_size(self) -> int:
         return self._destinations
-
-    def total_memory_bytes(self, device: str) -> List[int]:
-        return self._call("total_memory_bytes", device)
-
-    def create_engines(self, backend: str, bucket_size_bytes: int, engine_kwargs: Mapping[str, Any]) -> None:
-        self._call("create_engine", backend, bucket_size_bytes, dict(engine_kwargs))
-
-    def prepare(self) -> List[bytes]:
-        return self._call("prepare")
-
-    def init_process_groups(self, metadata: Sequence[bytes]) -> None:
-        self._call("init_process_group", self._sources, self._destinations, list(metadata))
-
-    def refit(self, index: int) -> List[Any]:
-        """Stages every program for refit `index` (not timed), then runs the refit;
-        ``last_refit_seconds`` is the refit's wall time seen from here."""
-        self._call("stage", index)
-        start = time.perf_counter()
-        try:
-            return self._call("refit", index)
-        finally:
-            self.last_refit_seconds = time.perf_counter() - start
-
-    def finalize(self) -> None:
-        self._call("finalize")
 
     # ---- beyond the protocol ----
 
@@ -162,9 +136,9 @@ class ProcessWorkerGroup:
         """Worker pids, sources first."""
         return [w.process.pid for w in self._workers]
 
-    def call(self, command: str, *args: Any) -> List[Any]:
-        """Runs EngineWorker.<command>(*args) on every worker."""
-        return self._call(command, *args)
+    def call_all(self, method: str, *args: Any) -> List[Any]:
+        """Runs EngineWorker.<method>(*args) on every worker."""
+        return self._call(method, *args)
 
     def close(self) -> None:
         """Asks every worker to exit, then terminates what is left (bounded)."""

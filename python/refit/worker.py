@@ -15,6 +15,7 @@ driver's calls to it; refit.multiprocessing_group and python/examples/ray_refit.
 
 from __future__ import annotations
 
+import time
 from typing import Any, Iterable, List, Mapping, Optional, Protocol, Sequence, Tuple
 
 from . import _refit
@@ -131,3 +132,38 @@ class EngineWorker:
         if self.engine is None:
             raise _refit.InvalidArgumentError(f"{self.label}: create_engine() has not run")
         return self.engine
+
+
+class BroadcastWorkerGroup:
+    """The WorkerGroup calls, each made on every worker at once (sources first, then
+    destinations, each by rank) through ``call_all``, which a subclass provides: over Ray actors,
+    threads, processes. ``call_all(method, *args)`` calls the EngineWorker method of that name on
+    every worker and returns their answers in order, or raises the first failure."""
+
+    last_refit_seconds: Optional[float] = None
+
+    def call_all(self, method: str, *args: Any) -> List[Any]:
+        raise NotImplementedError
+
+    def total_memory_bytes(self, device: str) -> List[int]:
+        return self.call_all("total_memory_bytes", device)
+
+    def create_engines(self, backend: str, bucket_size_bytes: int, engine_kwargs: Mapping[str, Any]) -> None:
+        self.call_all("create_engine", backend, bucket_size_bytes, dict(engine_kwargs))
+
+    def prepare(self) -> List[bytes]:
+        return self.call_all("prepare")
+
+    def init_process_groups(self, metadata: Sequence[bytes]) -> None:
+        self.call_all("init_process_group", self.train_world_size, self.rollout_world_size, list(metadata))
+
+    def refit(self, index: int) -> List[Any]:
+        self.call_all("stage", index)  # this refit's weights (not timed)
+        start = time.perf_counter()
+        try:
+            return self.call_all("refit", index)
+        finally:
+            self.last_refit_seconds = time.perf_counter() - start
+
+    def finalize(self) -> None:
+        self.call_all("finalize")

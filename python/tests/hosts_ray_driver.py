@@ -103,7 +103,7 @@ def _cause(error: BaseException) -> BaseException:
     return cause if isinstance(cause, BaseException) else error
 
 
-class HostsRayWorkerGroup:
+class HostsRayWorkerGroup(refit.BroadcastWorkerGroup):
     """A refit.WorkerGroup over Ray actors on several hosts: sources first, then destinations.
 
     Every call runs on all actors at once and gathers the answers as they come. After the first
@@ -121,7 +121,6 @@ class HostsRayWorkerGroup:
         self.grace_s = float(grace_s)
         self.call_timeout_s = float(call_timeout_s)
         self.lost: Dict[int, str] = {}  # index in policy + rollout -> why
-        self.last_refit_seconds: Optional[float] = None
 
     @property
     def train_world_size(self) -> int:
@@ -149,7 +148,9 @@ class HostsRayWorkerGroup:
             self.rollout[rank] = actor
             self.lost.pop(len(self.policy) + rank, None)
 
-    def _all(self, method: str, *args: Any, timeout_s: Optional[float] = None) -> List[Any]:
+    def call_all(self, method: str, *args: Any, timeout_s: Optional[float] = None) -> List[Any]:
+        if timeout_s is None and method == "refit":
+            timeout_s = self.timeout_s + self.grace_s  # the engines' own deadline, then the grace
         actors = self.actors
         results: List[Any] = [None] * len(actors)
         failures: List[tuple] = []
@@ -194,32 +195,8 @@ class HostsRayWorkerGroup:
             raise first
         return results
 
-    # refit.WorkerGroup
-    def total_memory_bytes(self, device: str) -> List[int]:
-        return self._all("total_memory_bytes", device)
-
-    def create_engines(self, backend: str, bucket_size_bytes: int, engine_kwargs) -> None:
-        self._all("create_engine", backend, bucket_size_bytes, dict(engine_kwargs))
-
-    def prepare(self) -> List[bytes]:
-        return self._all("prepare")
-
-    def init_process_groups(self, metadata) -> None:
-        self._all("init_process_group", self.train_world_size, self.rollout_world_size, list(metadata))
-
-    def refit(self, index: int) -> List[Any]:
-        self._all("stage", index)  # this refit's weights (not timed)
-        start = time.perf_counter()
-        try:
-            return self._all("refit", index, timeout_s=self.timeout_s + self.grace_s)
-        finally:
-            self.last_refit_seconds = time.perf_counter() - start
-
-    def finalize(self) -> None:
-        self._all("finalize")
-
     def where(self) -> List[Dict[str, Any]]:
-        return self._all("where", timeout_s=15)
+        return self.call_all("where", timeout_s=15)
 
 
 def _options(host: int) -> Dict[str, Any]:

@@ -20,7 +20,7 @@ from helpers import TINY_MOE
 LIMIT = 60  # the first 60 tensors of refit-tiny-moe
 
 
-class ThreadWorkerGroup:
+class ThreadWorkerGroup(refit.BroadcastWorkerGroup):
     """A refit.WorkerGroup over EngineWorkers of this process; replace() swaps one."""
 
     def __init__(self, sources: int, destinations: int):
@@ -42,7 +42,7 @@ class ThreadWorkerGroup:
     def rollout_world_size(self) -> int:
         return len(self.workers) - self.sources
 
-    def _all(self, method: str, *args: Any) -> List[Any]:
+    def call_all(self, method: str, *args: Any) -> List[Any]:
         self.calls.append(method)
         results: List[Any] = [None] * len(self.workers)
         errors: List[Any] = [None] * len(self.workers)
@@ -63,25 +63,6 @@ class ThreadWorkerGroup:
             if e is not None:
                 raise e
         return results
-
-    def total_memory_bytes(self, device: str) -> List[int]:
-        return self._all("total_memory_bytes", device)
-
-    def create_engines(self, backend, bucket_size_bytes, engine_kwargs) -> None:
-        self._all("create_engine", backend, bucket_size_bytes, dict(engine_kwargs))
-
-    def prepare(self) -> List[bytes]:
-        return self._all("prepare")
-
-    def init_process_groups(self, metadata) -> None:
-        self._all("init_process_group", self.train_world_size, self.rollout_world_size, list(metadata))
-
-    def refit(self, index: int) -> List[Any]:
-        self._all("stage", index)
-        return self._all("refit", index)
-
-    def finalize(self) -> None:
-        self._all("finalize")
 
     def close(self) -> None:
         for w in self.workers:

@@ -113,18 +113,17 @@ def _json_default(value: Any) -> Any:
     raise TypeError(f"{type(value).__name__} is not a configuration value")
 
 
+#: Bucket sizing is the driver's: it sends the size itself (bucket_size_bytes), not these keys.
+_SIZING_KEYS = ("update_weights_bucket_memory_ratio", "bucket_bytes")
+
+
 def engine_kwargs_from_config(config: RefitConfig) -> dict:
     """The reference's engine_kwargs scope (``{key: value}``) for ``config``: what a driver sends
-    to its workers' ``create_checkpoint_engine(backend, bucket_size_bytes, engine_kwargs)``."""
-    out = {
-        "device": config.device,
-        "backend_name": config.backend_name,
-        "backend_init_params": dict(config.backend_init_params) or None,
-        "release_after_refit": config.release_after_refit,
-        "shard_expert_weights": config.shard_expert_weights,
-        "timeout_s": config.timeout_s,
-        "verify_checksums": config.verify_checksums,
-    }
+    to its workers' ``create_checkpoint_engine(backend, bucket_size_bytes, engine_kwargs)``. Every
+    configuration key but the sizing ones (CONFIG_KEYS), so that workers run what the driver was
+    configured with."""
+    out = {key: getattr(config, key) for key in CONFIG_KEYS if key not in _SIZING_KEYS}
+    out["backend_init_params"] = dict(config.backend_init_params) or None
     return out
 
 

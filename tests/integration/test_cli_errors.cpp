@@ -57,10 +57,12 @@ TEST(CliErrors, TruncatedSafetensors) {
   expect_error({"bench", "--model", path}, {"m.safetensors"});
 }
 
-TEST(CliErrors, TooFewSources) {
-  TempDir d;
-  expect_error({"bench", "--sources", "1", "--destinations", "2", "refit_cfg.nixl.bucket_bytes=1MiB"},
-               {"train_world_size >= rollout_world_size"});
+TEST(CliErrors, TooFewSourcesIsRefusedBeforeAnyProcessStarts) {
+  auto r = run_cli({"bench", "--sources", "1", "--destinations", "2", "refit_cfg.nixl.bucket_bytes=1MiB"}, 60);
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("train_world_size >= rollout_world_size"), std::string::npos) << r.output;
+  // Bucket sizing asks every worker for its memory: its line would mean workers were started.
+  EXPECT_EQ(r.output.find("Bucket size"), std::string::npos) << r.output;
 }
 
 TEST(CliErrors, BadKillSpec) { expect_error({"bench", "--kill", "nobody"}, {"--kill"}); }

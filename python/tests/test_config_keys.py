@@ -1,0 +1,44 @@
+"""Every configuration key a driver is given reaches its workers' engines unchanged."""
+
+import re
+
+import refit
+from refit.engine import CONFIG_KEYS, engine_kwargs_from_config, split_engine_kwargs
+
+# A value other than the default for every key a worker's engine uses.
+NON_DEFAULT = {
+    "device": "cpu",
+    "backend_name": "UCX",
+    "backend_init_params": {"tls": "tcp,self", "ucx_error_handling_mode": "none"},
+    "release_after_refit": True,
+    "shard_expert_weights": True,
+    "timeout_s": 42.5,
+    "verify_checksums": True,
+    "map_source_buffers": False,
+}
+SIZING = {"update_weights_bucket_memory_ratio", "bucket_bytes"}
+
+
+def test_config_keys_are_every_key_of_the_cpp_configuration():
+    # to_yaml() writes every key of the refit_cfg.nixl scope that the C++ parser knows.
+    yaml = refit.as_config(None).to_yaml()
+    scope = yaml[yaml.index("nixl:"):]
+    cpp_keys = set(re.findall(r"^\s{4}([a-z_0-9]+):", scope, flags=re.M))
+    assert cpp_keys == set(CONFIG_KEYS)
+
+
+def test_every_key_reaches_the_workers():
+    assert set(NON_DEFAULT) == set(CONFIG_KEYS) - SIZING
+    config = refit.as_config(NON_DEFAULT)
+    kwargs = engine_kwargs_from_config(config)
+    assert set(kwargs) == set(CONFIG_KEYS) - SIZING
+    worker_config, options = split_engine_kwargs("nixl", kwargs)
+    assert options == {}
+    for key, value in NON_DEFAULT.items():
+        got = getattr(worker_config, key)
+        assert (dict(got) if key == "backend_init_params" else got) == value, key
+    # Defaults differ from every value above, so the check could fail.
+    defaults = refit.as_config(None)
+    for key in NON_DEFAULT:
+        if key not in ("device", "backend_name"):
+            assert getattr(defaults, key) != getattr(worker_config, key), key

@@ -4,7 +4,8 @@
 # AddressSanitizer + UndefinedBehaviorSanitizer and under ThreadSanitizer. This is what CI runs.
 #
 # Usage: scripts/test.sh                 everything, in that order (stops at the first failure)
-#        scripts/test.sh release|asan|tsan   one suite: the plain build, or one sanitizer build
+#        scripts/test.sh release|asan|tsan   one suite: the plain build (and the installed package,
+#                                        built into tests/package), or one sanitizer build
 #        scripts/test.sh python          only the Python package (pip install ., pytest)
 #        scripts/test.sh fuzz [SECONDS]  only the fuzzers (scripts/fuzz.sh; default 20 s per target)
 # REFIT_FUZZ_SECONDS sets the fuzz budget per target of the full run (default 20).
@@ -19,11 +20,24 @@ suite() {
   echo "=== test suite $preset: $((SECONDS - t0)) s (build and tests)"
 }
 
+# The installed package, used by a project outside refit (tests/package) as another project would.
+package() {
+  local t0=$SECONDS prefix="$PWD/build/release/install"
+  echo "=== package: install, then build and run tests/package against it"
+  rm -rf "$prefix" build/package
+  cmake --install build/release --prefix "$prefix" >/dev/null
+  cmake -S tests/package -B build/package -G Ninja -DCMAKE_PREFIX_PATH="$prefix" >/dev/null
+  cmake --build build/package
+  build/package/refit_consumer
+  echo "=== package: $((SECONDS - t0)) s"
+}
+
 what="${1:-all}"
 case "$what" in
   all)
     start=$SECONDS
     suite release
+    package
     echo "=== python package"
     t0=$SECONDS
     scripts/test_python.sh
@@ -36,7 +50,8 @@ case "$what" in
     suite tsan
     echo "=== all suites and fuzzers passed in $((SECONDS - start)) s"
     ;;
-  release | asan | tsan) suite "$what" ;;
+  release) suite release && package ;;
+  asan | tsan) suite "$what" ;;
   fuzz) scripts/fuzz.sh "${2:-20}" ;;
   python) scripts/test_python.sh ;;
   *)

@@ -47,6 +47,9 @@ int main(int argc, char** argv) {
   plan_cmd->add_option("--destinations", plan.destinations, "Destination processes")->capture_default_str();
   plan_cmd->add_option("--config", plan.config_file, "YAML config file");
   plan_cmd->add_option("--json", plan.json_path, "Write the plan summary as JSON to this file");
+  plan_cmd->add_option("--target-memory", plan.target_memory,
+                       "Total memory of each worker's transfer device on the target (e.g. 141GiB for an H200 with "
+                       "refit_cfg.nixl.device=cuda); default: this host's memory");
   plan.parallel.add_to(*plan_cmd);
   plan_cmd->add_option("overrides", plan.overrides, "Config overrides, key=value");
 

@@ -16,6 +16,8 @@ void ParallelOptions::add_to(CLI::App& command) {
   command.add_flag("--shard-dense", shard_dense, "Send each destination only its TP slice of dense tensors");
 }
 
+ParallelRank parallel_rank(const ParallelOptions& p, int r) { return {r % p.tp, (r / p.tp) % p.ep, r / (p.tp * p.ep)}; }
+
 std::vector<std::optional<Layout>> destination_layouts(const std::string& model_path, const ModelInventory& inventory,
                                                        const RefitConfig& config, const ParallelOptions& p,
                                                        int destinations) {
@@ -41,16 +43,17 @@ std::vector<std::optional<Layout>> destination_layouts(const std::string& model_
     fail(ErrorKind::kModel, "sharded layouts need the model's config.json (head counts), not found for '{}'", model_path);
   const ModelDims dims = model_dims_from_hf_config(config_json);
   for (int r = 0; r < destinations; ++r) {
+    const ParallelRank rank = parallel_rank(p, r);
     ModelParallel mp;
     mp.destination_rank = r;
     mp.tp_size = p.tp;
-    mp.tp_rank = r % p.tp;
+    mp.tp_rank = rank.tp;
     mp.ep_size = p.ep;
-    mp.ep_rank = (r / p.tp) % p.ep;
+    mp.ep_rank = rank.ep;
     mp.expert_tp_size = p.tp;  // experts are TP-sliced within their EP group
-    mp.expert_tp_rank = mp.tp_rank;
+    mp.expert_tp_rank = rank.tp;
     mp.pp_size = p.pp;
-    mp.pp_rank = r / (p.tp * p.ep);
+    mp.pp_rank = rank.pp;
     mp.shard_experts = config.shard_expert_weights;
     mp.shard_dense = p.shard_dense;
     out[r] = build_layout(inventory, dims, mp);

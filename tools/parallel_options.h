@@ -27,6 +27,14 @@ struct ParallelOptions {
   void add_to(CLI::App& command);
 };
 
+// Destination rank r's place in the parallelism: (tp, ep, pp) ranks, as the header says.
+struct ParallelRank {
+  int tp = 0;
+  int ep = 0;
+  int pp = 0;
+};
+ParallelRank parallel_rank(const ParallelOptions& parallel, int destination_rank);
+
 // One entry per destination; all empty when nothing is sharded (every tensor whole).
 // Throws Error(kTopology/kConfig) when the flags and the destination count disagree.
 std::vector<std::optional<Layout>> destination_layouts(const std::string& model_path, const ModelInventory& inventory,

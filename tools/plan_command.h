@@ -15,6 +15,9 @@ struct PlanOptions {
   std::string config_file;
   std::vector<std::string> overrides;
   std::string json_path;
+  // Total memory of each worker's transfer device on the target cluster ("80GiB"); empty: this
+  // host's memory.
+  std::string target_memory;
   ParallelOptions parallel;
 };
 

@@ -99,4 +99,8 @@ RefitConfig load_config(const std::string& yaml_path, std::span<const std::strin
 // YAML that parse_config reads back to the same config.
 std::string to_yaml(const RefitConfig& config);
 
+// "268435456", "256MiB", "256 MiB", "1GiB": a positive integer with an optional binary (IEC)
+// suffix. Throws Error(kConfig) naming `key`.
+uint64_t parse_byte_count(std::string_view text, std::string_view key);
+
 }  // namespace refit

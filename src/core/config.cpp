@@ -214,24 +214,12 @@ bool boolean(const YAML::Node& node, const std::string& key) {
   return value;
 }
 
-// "268435456", "256MiB", "256 MiB", "1GiB": an integer with an optional binary (IEC) suffix.
 uint64_t byte_count(const YAML::Node& node, const std::string& key) {
-  auto bad = [&]() {
+  if (!node.IsScalar())
     fail(ErrorKind::kConfig,
          "{} must be null or a positive byte count such as 268435456, 64KiB, 256MiB or 1GiB, got {}", key,
          describe(node));
-  };
-  if (!node.IsScalar()) bad();
-  std::string_view text = trim(node.Scalar());
-  uint64_t count = 0;
-  auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), count);
-  if (ec != std::errc() || end == text.data()) bad();
-  std::string_view suffix = trim(std::string_view(end, text.data() + text.size() - end));
-  constexpr std::array<std::pair<std::string_view, int>, 6> kSuffixes = {
-      {{"", 0}, {"B", 0}, {"KiB", 10}, {"MiB", 20}, {"GiB", 30}, {"TiB", 40}}};
-  auto it = std::find_if(kSuffixes.begin(), kSuffixes.end(), [&](auto& s) { return s.first == suffix; });
-  if (it == kSuffixes.end() || count == 0 || count > (UINT64_MAX >> it->second)) bad();
-  return count << it->second;
+  return parse_byte_count(node.Scalar(), key);
 }
 
 std::string string_value(const YAML::Node& node, const std::string& key) {
@@ -304,6 +292,23 @@ RefitConfig parse(std::string_view text, std::string_view source, std::span<cons
 }
 
 }  // namespace
+
+uint64_t parse_byte_count(std::string_view text, std::string_view key) {
+  auto bad = [&]() {
+    fail(ErrorKind::kConfig, "{} must be a positive byte count such as 268435456, 64KiB, 256MiB or 1GiB, got '{}'", key,
+         text);
+  };
+  std::string_view digits = trim(text);
+  uint64_t count = 0;
+  auto [end, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), count);
+  if (ec != std::errc() || end == digits.data()) bad();
+  std::string_view suffix = trim(std::string_view(end, digits.data() + digits.size() - end));
+  constexpr std::array<std::pair<std::string_view, int>, 6> kSuffixes = {
+      {{"", 0}, {"B", 0}, {"KiB", 10}, {"MiB", 20}, {"GiB", 30}, {"TiB", 40}}};
+  auto it = std::find_if(kSuffixes.begin(), kSuffixes.end(), [&](auto& s) { return s.first == suffix; });
+  if (it == kSuffixes.end() || count == 0 || count > (UINT64_MAX >> it->second)) bad();
+  return count << it->second;
+}
 
 RefitConfig parse_config(std::string_view yaml_text, std::span<const std::string> overrides) {
   return parse(yaml_text, "<config text>", overrides);

@@ -11,29 +11,20 @@
 #include <sys/types.h>
 #include <vector>
 
+#include "refit/process_group.h"
 #include "refit/synchronizer.h"
 #include "refit/worker_program.h"
 
 namespace refit {
 
-struct WorkerLink;   // private to src/sync
-class WorkerLinks;
+struct WorkerLink;  // private to src/sync
 
-class LocalProcessGroup final : public WorkerGroup {
+class LocalProcessGroup final : public ProcessGroup {
  public:
   // Forks the workers. Throws Error(kTopology) for non-positive counts.
   explicit LocalProcessGroup(GroupOptions options);
   // Asks every worker to exit, then kills whatever is left; never waits without a deadline.
   ~LocalProcessGroup() override;
-
-  int train_world_size() const override { return options_.sources; }
-  int rollout_world_size() const override { return options_.destinations; }
-  std::vector<uint64_t> total_memory_bytes() override;
-  void create_engines(uint64_t bucket_bytes, const SessionId& session) override;
-  std::vector<Metadata> prepare() override;
-  void init_process_groups(std::span<const Metadata> metadata) override;
-  RefitReport refit(uint64_t index) override;
-  void finalize() override;
 
   // Worker pids, sources first (for tests that kill a worker).
   std::vector<pid_t> pids() const;
@@ -48,13 +39,9 @@ class LocalProcessGroup final : public WorkerGroup {
   // and refit again: survivors and replacements exchange fresh metadata.
   std::vector<std::string> replace_lost_workers();
 
-
  private:
   std::unique_ptr<WorkerLink> spawn(bool is_source, int rank);
   static void stop(WorkerLink& worker, Deadline deadline);
-
-  GroupOptions options_;
-  std::unique_ptr<WorkerLinks> links_;  // refers to options_
 };
 
 }  // namespace refit

@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "refit/process_group.h"
 #include "refit/synchronizer.h"
 #include "refit/worker_program.h"
 
@@ -35,9 +36,8 @@ struct RankEnvironment {
 RankEnvironment rank_environment(const std::string& rendezvous = "");
 
 struct WorkerLink;  // private to src/sync
-class WorkerLinks;
 
-class RankGroup final : public WorkerGroup {
+class RankGroup final : public ProcessGroup {
  public:
   // On rank 0: listens at the rendezvous address, starts this rank's own worker, and waits until
   // every rank has joined (deadline: config.timeout_s, at least 60 s). Throws Error(kTopology) when the world
@@ -47,23 +47,12 @@ class RankGroup final : public WorkerGroup {
   // Tells every worker to exit; waits for none longer than a few seconds.
   ~RankGroup() override;
 
-  int train_world_size() const override { return options_.sources; }
-  int rollout_world_size() const override { return options_.destinations; }
-  std::vector<uint64_t> total_memory_bytes() override;
-  void create_engines(uint64_t bucket_bytes, const SessionId& session) override;
-  std::vector<Metadata> prepare() override;
-  void init_process_groups(std::span<const Metadata> metadata) override;
-  RefitReport refit(uint64_t index) override;
-  void finalize() override;
-
   // The host each worker runs on, sources first then destinations (as each reported it).
   std::vector<std::string> hosts() const;
 
  private:
-  GroupOptions options_;
   RankEnvironment env_;
   int own_worker_ = -1;  // pid of this rank's worker process
-  std::unique_ptr<WorkerLinks> links_;  // refers to options_
 };
 
 // On any rank but 0: joins the rendezvous (retrying until config.timeout_s, at least 60 s: rank 0

@@ -20,7 +20,7 @@ using Seconds = std::chrono::duration<double>;
 }  // namespace
 
 LocalProcessGroup::LocalProcessGroup(GroupOptions options)
-    : options_(std::move(options)), links_(std::make_unique<WorkerLinks>(options_)) {
+    : ProcessGroup(std::move(options)) {
   if (options_.sources < 1 || options_.destinations < 1)
     fail(ErrorKind::kTopology, "a local group needs at least one source and one destination, got {} and {}",
          options_.sources, options_.destinations);
@@ -129,13 +129,5 @@ std::vector<pid_t> LocalProcessGroup::pids() const {
   return out;
 }
 
-std::vector<uint64_t> LocalProcessGroup::total_memory_bytes() { return links_->total_memory_bytes(); }
-void LocalProcessGroup::create_engines(uint64_t bucket_bytes, const SessionId& session) {
-  links_->create_engines(bucket_bytes, session);
-}
-std::vector<Metadata> LocalProcessGroup::prepare() { return links_->prepare(); }
-void LocalProcessGroup::init_process_groups(std::span<const Metadata> metadata) { links_->init_process_groups(metadata); }
-RefitReport LocalProcessGroup::refit(uint64_t index) { return links_->refit(index); }
-void LocalProcessGroup::finalize() { links_->finalize(); }
 
 }  // namespace refit

@@ -116,7 +116,7 @@ RankEnvironment rank_environment(const std::string& rendezvous) {
 }
 
 RankGroup::RankGroup(GroupOptions options, RankEnvironment env)
-    : options_(std::move(options)), env_(std::move(env)), links_(std::make_unique<WorkerLinks>(options_)) {
+    : ProcessGroup(std::move(options)), env_(std::move(env)) {
   check_world(options_, env_);
   if (env_.rank != 0) fail(ErrorKind::kTopology, "rank {} is not rank 0: only rank 0 drives the group (serve_rank)", env_.rank);
   if (!options_.program) fail(ErrorKind::kInvalidArgument, "a rank group needs a worker program");
@@ -235,14 +235,6 @@ std::vector<std::string> RankGroup::hosts() const {
   return out;
 }
 
-std::vector<uint64_t> RankGroup::total_memory_bytes() { return links_->total_memory_bytes(); }
-void RankGroup::create_engines(uint64_t bucket_bytes, const SessionId& session) {
-  links_->create_engines(bucket_bytes, session);
-}
-std::vector<Metadata> RankGroup::prepare() { return links_->prepare(); }
-void RankGroup::init_process_groups(std::span<const Metadata> metadata) { links_->init_process_groups(metadata); }
-RefitReport RankGroup::refit(uint64_t index) { return links_->refit(index); }
-void RankGroup::finalize() { links_->finalize(); }
 
 int serve_rank(const GroupOptions& options, const RankEnvironment& env) {
   check_world(options, env);

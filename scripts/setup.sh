@@ -8,7 +8,8 @@ preset="${1:-release}"
 
 packages=(build-essential cmake ninja-build pkg-config libucx-dev ucx-utils libyaml-cpp-dev
           nlohmann-json3-dev libcli11-dev libspdlog-dev libfmt-dev libxxhash-dev libgtest-dev
-          libgmock-dev libbenchmark-dev)
+          libgmock-dev libbenchmark-dev
+          iproute2 procps python3)  # the simulated hosts of the tests (scripts/simhosts.sh)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

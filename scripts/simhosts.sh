@@ -6,7 +6,7 @@
 # and UTS (hostname) namespaces. The switch is a bridge in a namespace of its own, so nothing is
 # added to this machine's own network; hosts get 10.213.<net>.<i>/24 and reach only each other.
 # Each host's link can be shaped with tc's token bucket (tbf), both directions, and taken down.
-# Needs root, iproute2 and util-linux (nsenter, unshare) and python3 (each host's init).
+# Needs root, iproute2, util-linux (nsenter, unshare), procps (pgrep) and python3 (each host's init).
 #
 # Usage:
 #   simhosts.sh up TAG N [--rate RATE]   make hosts TAG-h1 .. TAG-hN (RATE as tc: 2gbit, 500mbit)
@@ -33,8 +33,8 @@ die() { echo "simhosts: $*" >&2; exit 1; }
 check() {
   [ "$(id -u)" -eq 0 ] || { echo "simhosts: needs root (namespaces, veth links)"; return 1; }
   local tool
-  for tool in ip tc nsenter unshare python3; do
-    command -v "$tool" >/dev/null 2>&1 || { echo "simhosts: '$tool' is missing (apt-get install iproute2 util-linux python3)"; return 1; }
+  for tool in ip tc nsenter unshare pgrep python3; do
+    command -v "$tool" >/dev/null 2>&1 || { echo "simhosts: '$tool' is missing (apt-get install iproute2 util-linux procps python3)"; return 1; }
   done
   local probe="refitprobe$$"
   if ! ip netns add "$probe" 2>/dev/null; then

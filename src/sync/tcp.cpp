@@ -53,6 +53,8 @@ void tune(int fd, double timeout_s) {
   setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &user_timeout_ms, sizeof user_timeout_ms);
 }
 
+constexpr std::chrono::seconds kAttempt{2};
+
 int milliseconds_left(Deadline deadline) {
   auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
   return static_cast<int>(std::clamp<long long>(left, 0, 200));
@@ -102,8 +104,11 @@ int tcp_connect(const std::string& host, int port, Deadline deadline, double tim
       if (fd < 0) continue;
       int rc = ::connect(fd, a->ai_addr, a->ai_addrlen);
       if (rc != 0 && errno == EINPROGRESS) {
+        // One attempt lasts at most kAttempt: a SYN lost while a link was down is otherwise
+        // retried by the kernel only after 1, 3, 7, 15, 31 s, long after the link came back.
+        const Deadline attempt = std::min(deadline, deadline_after(kAttempt));
         pollfd p{fd, POLLOUT, 0};
-        while ((rc = ::poll(&p, 1, milliseconds_left(deadline))) == 0 && !expired(deadline)) {
+        while ((rc = ::poll(&p, 1, milliseconds_left(attempt))) == 0 && !expired(attempt)) {
         }
         int error = rc > 0 ? 0 : ETIMEDOUT;
         socklen_t length = sizeof error;

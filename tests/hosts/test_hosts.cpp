@@ -57,6 +57,14 @@ class Hosts : public ::testing::Test {
     std::vector<std::string> rank_outputs;  // every rank's, rank 0 first
     std::vector<int> rank_status;
     json result;               // rank 0's --json
+
+    // Every rank's exit status and output, for a failure message.
+    std::string all_outputs() const {
+      std::string out;
+      for (size_t r = 0; r < rank_outputs.size(); ++r)
+        out += "--- rank " + std::to_string(r) + " (exit " + std::to_string(rank_status[r]) + ")\n" + rank_outputs[r];
+      return out;
+    }
   };
 
   // Starts `sources + destinations` ranks, rank r on hosts[r], and lets them run; `during`, if
@@ -213,7 +221,7 @@ double trial(Hosts* test, SimHosts& hosts, Fault fault, uint32_t seed, double ti
                            hosts.link(victim_host, false);
                        });
   EXPECT_NE(job.status, -1) << "rank 0 hung: " << job.output;
-  EXPECT_EQ(job.status, 2) << job.output;
+  EXPECT_EQ(job.status, 2) << "seed " << seed << ", victim rank " << victim_rank << "\n" << job.all_outputs();
   for (int r = 1; r < 4; ++r)
     if (r != victim_rank || fault == Fault::kLinkDown) EXPECT_NE(job.rank_status[r], -1) << "rank " << r << " hung";
   const std::string victim = victim_rank < 2 ? "source rank " + std::to_string(victim_rank)

@@ -51,6 +51,7 @@ int main(int argc, char** argv) {
                        "Total memory of each worker's transfer device on the target (e.g. 141GiB for an H200 with "
                        "refit_cfg.nixl.device=cuda); default: this host's memory");
   plan.parallel.add_to(*plan_cmd);
+  plan.source_parallel.add_to(*plan_cmd);
   plan_cmd->add_option("overrides", plan.overrides, "Config overrides, key=value");
 
   refit::tools::ElasticOptions elastic;

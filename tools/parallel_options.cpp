@@ -16,6 +16,53 @@ void ParallelOptions::add_to(CLI::App& command) {
   command.add_flag("--shard-dense", shard_dense, "Send each destination only its TP slice of dense tensors");
 }
 
+void SourceParallelOptions::add_to(CLI::App& command) {
+  command.add_option("--src-tp", tp, "Sources hold Megatron tensor-parallel shards of this size (resharding)");
+  command.add_option("--src-pp", pp, "Sources are split into this many Megatron pipeline stages");
+  command.add_option("--src-dp", dp, "Data-parallel replicas among the sources");
+  command.add_option("--src-ep", ep, "Sources split routed experts over this many expert-parallel ranks per stage");
+  command.add_option("--src-etp", etp, "Expert tensor-parallel size of the sources (default: --src-tp)");
+  command.add_option("--src-fsdp", fsdp, "Sources hold FSDP2 shards (Shard(0) of every tensor) over this many ranks");
+}
+
+namespace {
+
+std::string config_json_of(const std::string& model_path) {
+  namespace fs = std::filesystem;
+  std::string config_json = model_path;
+  if (fs::is_directory(model_path)) config_json = (fs::path(model_path) / "config.json").string();
+  if (!model_path.starts_with("builtin:") && (!fs::exists(config_json) || fs::path(config_json).extension() != ".json"))
+    fail(ErrorKind::kModel, "sharded layouts need the model's config.json (head counts), not found for '{}'", model_path);
+  return config_json;
+}
+
+}  // namespace
+
+std::vector<Layout> source_layouts(const std::string& model_path, const ModelInventory& inventory,
+                                   const SourceParallelOptions& p, int sources) {
+  if (!p.given()) return {};
+  if (p.fsdp) {
+    if (p.tp || p.pp || p.dp || p.ep || p.etp)
+      fail(ErrorKind::kConfig, "--src-fsdp describes the sources alone: leave out --src-tp/--src-pp/--src-dp/--src-ep");
+    if (p.fsdp != sources)
+      fail(ErrorKind::kTopology, "--src-fsdp {} describes {} sources, but --sources is {}", p.fsdp, p.fsdp, sources);
+    std::vector<Layout> out;
+    for (int r = 0; r < sources; ++r) out.push_back(fsdp_source_layout(inventory, sources, r));
+    return out;
+  }
+  TrainingParallel t;
+  t.tp_size = std::max(1, p.tp);
+  t.pp_size = std::max(1, p.pp);
+  t.dp_size = std::max(1, p.dp);
+  t.ep_size = std::max(1, p.ep);
+  if (p.etp) t.expert_tp_size = p.etp;
+  const int world = t.tp_size * t.pp_size * t.dp_size;
+  if (world != sources)
+    fail(ErrorKind::kTopology, "--src-tp {} x --src-dp {} x --src-pp {} = {} source ranks, but --sources is {}", t.tp_size,
+         t.dp_size, t.pp_size, world, sources);
+  return megatron_source_layouts(inventory, model_dims_from_hf_config(config_json_of(model_path)), t);
+}
+
 ParallelRank parallel_rank(const ParallelOptions& p, int r) { return {r % p.tp, (r / p.tp) % p.ep, r / (p.tp * p.ep)}; }
 
 std::vector<std::optional<Layout>> destination_layouts(const std::string& model_path, const ModelInventory& inventory,
@@ -36,12 +83,7 @@ std::vector<std::optional<Layout>> destination_layouts(const std::string& model_
   if (p.tp * p.ep * p.pp != destinations)
     fail(ErrorKind::kTopology, "--tp {} x --ep {} x --pp {} = {} destination ranks, but --destinations is {}", p.tp, p.ep,
          p.pp, p.tp * p.ep * p.pp, destinations);
-  namespace fs = std::filesystem;
-  std::string config_json = model_path;
-  if (fs::is_directory(model_path)) config_json = (fs::path(model_path) / "config.json").string();
-  if (!model_path.starts_with("builtin:") && (!fs::exists(config_json) || fs::path(config_json).extension() != ".json"))
-    fail(ErrorKind::kModel, "sharded layouts need the model's config.json (head counts), not found for '{}'", model_path);
-  const ModelDims dims = model_dims_from_hf_config(config_json);
+  const ModelDims dims = model_dims_from_hf_config(config_json_of(model_path));
   for (int r = 0; r < destinations; ++r) {
     const ParallelRank rank = parallel_rank(p, r);
     ModelParallel mp;
@@ -57,7 +99,7 @@ std::vector<std::optional<Layout>> destination_layouts(const std::string& model_
     mp.shard_experts = config.shard_expert_weights;
     mp.shard_dense = p.shard_dense;
     out[r] = build_layout(inventory, dims, mp);
-    validate_layout(*out[r], inventory, r);
+    validate_layout(*out[r], inventory, fmt::format("destination rank {}", r));
   }
   return out;
 }

@@ -41,6 +41,21 @@ std::vector<std::optional<Layout>> destination_layouts(const std::string& model_
                                                        const RefitConfig& config, const ParallelOptions& parallel,
                                                        int destinations);
 
+// The training side (--src-tp, --src-pp, --src-dp, --src-ep, --src-etp, or --src-fsdp): what each
+// source holds. Unset: every source holds the whole model and feeds its paired destination (the
+// reference's topology).
+struct SourceParallelOptions {
+  int tp = 0, pp = 0, dp = 0, ep = 0, etp = 0;  // 0: not given
+  int fsdp = 0;                                 // FSDP2 over this many ranks
+  void add_to(CLI::App& command);
+  bool given() const { return tp || pp || dp || ep || etp || fsdp; }
+};
+
+// One layout per source rank (Megatron order, layout_builders.h), or none when not given().
+// Throws Error(kTopology) when the source count the flags describe is not `sources`.
+std::vector<Layout> source_layouts(const std::string& model_path, const ModelInventory& inventory,
+                                   const SourceParallelOptions& parallel, int sources);
+
 // The tensors a destination receives under `layout` (all of them, whole, when empty).
 std::vector<TensorInfo> selected_tensors(const ModelInventory& inventory, const std::optional<Layout>& layout);
 

@@ -2,7 +2,10 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <chrono>
 #include <fstream>
+#include <numeric>
 #include <nlohmann/json.hpp>
 
 #include "bench.h"
@@ -13,6 +16,7 @@
 #include "refit/memory.h"
 #include "refit/model.h"
 #include "refit/plan.h"
+#include "refit/transfer_plan.h"
 
 namespace refit::tools {
 
@@ -21,6 +25,57 @@ namespace {
 constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 
 std::string span_of(int first, int last) { return first == last ? std::to_string(first) : fmt::format("{}-{}", first, last); }
+
+// Resharding: the transfer plan from the sources' shards to the destinations, and what each side
+// moves.
+void print_transfer_plan(const PlanOptions& options, const ModelInventory& inventory,
+                         const std::vector<Layout>& sources, const std::vector<std::optional<Layout>>& destinations,
+                         nlohmann::json& out) {
+  std::vector<Layout> needs;
+  for (const auto& d : destinations) needs.push_back(d.value_or(Layout{}));
+  const auto start = std::chrono::steady_clock::now();
+  const TransferPlan plan = plan_transfers(inventory, sources, needs);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  size_t links = 0;
+  for (uint32_t d = 0; d < plan.destination_count(); ++d) links += plan.sources_of(d).size();
+  fmt::print("transfer plan: {} sources -> {} destinations, {} pieces over {} links, planned in {:.3f} s\n",
+             sources.size(), destinations.size(), plan.pieces().size(), links, seconds);
+  const double full = static_cast<double>(inventory.total_bytes());
+  fmt::print("{:>12} {:>14} {:>12} {:>10}\n", "destination", "reads from", "ingress GiB", "reduction");
+  out["transfer_plan"] = {{"pieces", plan.pieces().size()}, {"links", links}, {"plan_seconds", seconds},
+                          {"destinations", nlohmann::json::array()}, {"sources", nlohmann::json::array()}};
+  // Rows with the same numbers collapse into one.
+  auto print_rows = [&](uint32_t count, auto numbers, auto print) {
+    for (uint32_t first = 0; first < count;) {
+      uint32_t last = first;
+      while (last + 1 < count && numbers(last + 1) == numbers(first)) ++last;
+      print(span_of(first, last), first);
+      first = last + 1;
+    }
+  };
+  print_rows(
+      plan.destination_count(), [&](uint32_t d) { return std::pair(plan.sources_of(d).size(), plan.ingress()[d]); },
+      [&](const std::string& span, uint32_t d) {
+        fmt::print("{:>12} {:>14} {:>12.3f} {:>9.2f}x\n", span, fmt::format("{} sources", plan.sources_of(d).size()),
+                   plan.ingress()[d] / kGiB, plan.ingress()[d] ? full / plan.ingress()[d] : 0);
+      });
+  for (uint32_t d = 0; d < plan.destination_count(); ++d)
+    out["transfer_plan"]["destinations"].push_back(
+        {{"rank", d}, {"sources", plan.sources_of(d)}, {"ingress_bytes", plan.ingress()[d]}});
+  fmt::print("{:>12} {:>14} {:>12}\n", "source", "serves", "egress GiB");
+  print_rows(
+      plan.source_count(), [&](uint32_t s) { return std::pair(plan.destinations_of(s).size(), plan.egress()[s]); },
+      [&](const std::string& span, uint32_t s) {
+        fmt::print("{:>12} {:>14} {:>12.3f}\n", span, fmt::format("{} destinations", plan.destinations_of(s).size()),
+                   plan.egress()[s] / kGiB);
+      });
+  for (uint32_t s = 0; s < plan.source_count(); ++s)
+    out["transfer_plan"]["sources"].push_back(
+        {{"rank", s}, {"destinations", plan.destinations_of(s)}, {"egress_bytes", plan.egress()[s]}});
+  const auto [lo, hi] = std::minmax_element(plan.egress().begin(), plan.egress().end());
+  fmt::print("egress per source: {:.3f} .. {:.3f} GiB; ingress total {:.3f} GiB\n", *lo / kGiB, *hi / kGiB,
+             std::accumulate(plan.ingress().begin(), plan.ingress().end(), 0.0) / kGiB);
+}
 
 }  // namespace
 
@@ -36,6 +91,7 @@ int run_plan(const PlanOptions& options) {
   const BucketSize size = resolve_bucket_size(config, totals);
   fmt::print("{}\n", bucket_size_line(size, config.device));
   const auto layouts = destination_layouts(path, inventory, config, options.parallel, options.destinations);
+  const auto sources = source_layouts(path, inventory, options.source_parallel, options.sources);
   const double full_bytes = static_cast<double>(inventory.total_bytes());
 
   nlohmann::json out = {{"model", inventory.name}, {"bucket_bytes", size.bytes}, {"full_bytes", inventory.total_bytes()},
@@ -52,7 +108,7 @@ int run_plan(const PlanOptions& options) {
   std::vector<Row> rows;
   Row total;
   for (int r = 0; r < options.destinations; ++r) {
-    const int source = source_rank_for_destination(r, options.sources, options.destinations);
+    const int source = sources.empty() ? source_rank_for_destination(r, options.sources, options.destinations) : -1;
     const ParallelRank rank = parallel_rank(options.parallel, r);
     const auto tensors = selected_tensors(inventory, layouts[r]);
     const BucketPlan plan = plan_buckets(tensors, size.bytes);
@@ -81,11 +137,12 @@ int run_plan(const PlanOptions& options) {
     const auto r = [](const ParallelRank& p) { return fmt::format("{}/{}/{}", p.tp, p.ep, p.pp); };
     const std::string rank = row.first == row.last ? r(row.first_rank) : r(row.first_rank) + ".." + r(row.last_rank);
     fmt::print("{:>12} {:>9} {:>20} {:>9} {:>12.3f} {:>12.3f} {:>8} {:>9.2f}x\n", span_of(row.first, row.last),
-               span_of(row.first_source, row.last_source), rank, row.tensors, row.payload / kGiB, row.wire / kGiB,
+               row.first_source < 0 ? std::string("(plan)") : span_of(row.first_source, row.last_source), rank, row.tensors, row.payload / kGiB, row.wire / kGiB,
                row.buckets, row.payload > 0 ? full_bytes / row.payload : 0);
   }
   fmt::print("{:>12} {:>9} {:>20} {:>9} {:>12.3f} {:>12.3f} {:>8} {:>10}\n", "total", "", "", total.tensors,
              total.payload / kGiB, total.wire / kGiB, total.buckets, "");
+  if (!sources.empty()) print_transfer_plan(options, inventory, sources, layouts, out);
   out["total"] = {{"tensors", total.tensors}, {"payload_bytes", total.payload}, {"wire_bytes", total.wire},
                   {"buckets", total.buckets}};
   if (!options.json_path.empty()) {

@@ -19,6 +19,7 @@ struct PlanOptions {
   // host's memory.
   std::string target_memory;
   ParallelOptions parallel;
+  SourceParallelOptions source_parallel;
 };
 
 int run_plan(const PlanOptions& options);

@@ -13,6 +13,7 @@
 // packing. Plain data: safe to share between threads once built.
 #pragma once
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <map>
@@ -48,6 +49,33 @@ struct Request {
   bool operator==(const Request&) const = default;
 };
 
+// A block of a tensor: the tensor narrowed along at most two distinct dimensions, which is what
+// one layout's slice intersected with another's can be (a source's shard of dim 0 and a
+// destination's slice of dim 1). Cuts are kept in ascending dim order.
+struct Box {
+  static constexpr int kMaxCuts = 2;
+  std::array<Slice, kMaxCuts> cuts{};
+  uint8_t count = 0;
+
+  static Box whole() { return {}; }
+  // The block a request names (whole for kWhole; kDrop has none).
+  static Box of(const Request& request);
+  // This box narrowed further by `slice` (the intersection; possibly empty). Throws
+  // Error(kLayout) when that would need a third cut.
+  Box narrowed(const Slice& slice) const;
+  // The range this box covers along `dim` of a tensor of `shape`.
+  Slice along(int32_t dim, std::span<const int64_t> shape) const;
+  // The box's shape within a tensor of `shape`.
+  std::vector<int64_t> shape_in(std::span<const int64_t> shape) const;
+  // The same block in the coordinates of `origin`, a slice of the tensor that contains it.
+  Box relative_to(const Slice& origin) const;
+  bool is_whole() const { return count == 0; }
+  bool operator==(const Box&) const = default;
+};
+
+// "whole", "dim 0 [0, 64)", "dim 0 [0, 64) x dim 1 [128, 256)".
+std::string to_string(const Box& box);
+
 struct Layout {
   std::map<std::string, Request, std::less<>> tensors;  // by source tensor name
   std::vector<std::string> drop_prefixes;               // e.g. pipeline stages this destination lacks
@@ -77,10 +105,10 @@ Selection select(const Layout& layout, const TensorInfo& source);
 std::vector<uint8_t> encode_layout(const Layout& layout);
 Layout decode_layout(std::span<const uint8_t> bytes, std::string_view what = "layout");
 
-// Checks a layout against the source's inventory: every listed name exists, slice dims and
+// Checks a layout against the model's inventory: every listed name exists, slice dims and
 // bounds fit, no listed tensor is also under a dropped prefix, prefixes are non-empty and end
-// with '.'. Throws Error(kLayout) naming the tensor and `destination_rank`.
-void validate_layout(const Layout& layout, const ModelInventory& inventory, int destination_rank);
+// with '.'. Throws Error(kLayout) naming the tensor and `owner` ("destination rank 3").
+void validate_layout(const Layout& layout, const ModelInventory& inventory, std::string_view owner);
 
 struct LayoutSummary {
   uint64_t tensors = 0;  // tensors sent (whole or sliced)

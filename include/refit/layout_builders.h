@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <map>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -142,5 +143,45 @@ struct ModelParallel {
 Layout build_layout(const ModelInventory& inventory, const ModelDims& dims, const ModelParallel& parallel);
 // Reads both from a config.json (file or directory).
 Layout build_layout(const std::string& config_path, const ModelParallel& parallel);
+
+// ---- the training side: source layouts -------------------------------------------------------
+// A source's layout says what it holds (transfer_plan.h). These give every training rank's.
+
+// Megatron-style parallelism: world = tp x dp x pp ranks, rank = tp_rank + tp * (dp_rank + dp *
+// pp_rank) (Megatron's default order, tp fastest). Dense tensors split as build_layout splits them
+// (column/row/vocabulary parallel; the vocabulary padded to a multiple of 128 x tp, as Megatron's
+// make-vocab-size-divisible-by does); layers split over stages by pp_layer_range. Routed experts
+// are split within a stage over its tp x dp ranks: expert-tp rank fastest, then the ep rank
+// (contiguous blocks of experts, linear_expert_ids), the rest expert-data-parallel replicas. Ranks
+// that differ only in dp_rank (and in the expert replica) hold identical slices: replicas.
+struct TrainingParallel {
+  int tp_size = 1;
+  int pp_size = 1;
+  int dp_size = 1;
+  int ep_size = 1;
+  std::optional<int> expert_tp_size;  // default: tp_size (Megatron's expert-tensor-parallel default)
+};
+// One layout per rank, by rank. Throws Error(kLayout) for sizes < 1, tp x dp not divisible by
+// expert_tp x ep, or splits the model does not allow.
+std::vector<Layout> megatron_source_layouts(const ModelInventory& inventory, const ModelDims& dims,
+                                            const TrainingParallel& parallel);
+
+// torch.distributed.tensor placements, one per device-mesh dim.
+struct Placement {
+  bool shard = false;  // Shard(dim); otherwise Replicate()
+  int32_t dim = 0;
+  static Placement replicate() { return {}; }
+  static Placement shard_dim(int32_t dim) { return {true, dim}; }
+};
+// What the rank at `coordinate` of a mesh of `mesh_shape` holds of a tensor of `shape` placed
+// with `placements`, as DTensor shards: each Shard(d), in mesh-dim order, splits the part held so
+// far into mesh-size chunks of ceil(n / size) elements (the last ones smaller, possibly empty).
+// Throws Error(kLayout) naming `tensor` for mismatched sizes or Shard of two different dims
+// (a layout narrows one dim per tensor).
+Request dtensor_request(std::string_view tensor, std::span<const int64_t> shape, std::span<const Placement> placements,
+                        std::span<const int> mesh_shape, std::span<const int> coordinate);
+
+// FSDP2 (fully_shard) over `world` ranks: every tensor Shard(0). The layout of `rank`.
+Layout fsdp_source_layout(const ModelInventory& inventory, int world, int rank);
 
 }  // namespace refit

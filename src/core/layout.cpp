@@ -1,8 +1,10 @@
 #include "refit/layout.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "core/fail.h"
+#include "core/layout_resolver.h"
 #include "core/wire.h"
 
 namespace refit {
@@ -17,18 +19,6 @@ constexpr uint64_t kMaxPrefixes = uint64_t{1} << 16;
 constexpr size_t kMaxNameBytes = 4096;
 constexpr int32_t kMaxDims = 64;
 
-// Empty string if `slice` fits `info`, else what is wrong.
-std::string slice_problem(const TensorInfo& info, const Slice& s) {
-  const auto ndim = static_cast<int64_t>(info.shape.size());
-  if (s.dim < 0 || s.dim >= ndim)
-    return fmt::format("slice dim {} is out of range for a {}-D tensor of shape {}", s.dim, ndim, shape_string(info.shape));
-  const int64_t size = info.shape[s.dim];
-  if (s.start < 0 || s.length < 0 || s.start > size || s.length > size - s.start)
-    return fmt::format("slice [{}, {}+{}) of dim {} is outside its size {} (shape {})", s.start, s.start, s.length, s.dim,
-                       size, shape_string(info.shape));
-  return {};
-}
-
 bool covers_dim(const TensorInfo& info, const Slice& s) { return s.start == 0 && s.length == info.shape[s.dim]; }
 
 void check_name(const ByteReader& r, std::string_view name, const char* field) {
@@ -39,6 +29,17 @@ void check_name(const ByteReader& r, std::string_view name, const char* field) {
 }
 
 }  // namespace
+
+std::string slice_problem(const TensorInfo& info, const Slice& s) {
+  const auto ndim = static_cast<int64_t>(info.shape.size());
+  if (s.dim < 0 || s.dim >= ndim)
+    return fmt::format("slice dim {} is out of range for a {}-D tensor of shape {}", s.dim, ndim, shape_string(info.shape));
+  const int64_t size = info.shape[s.dim];
+  if (s.start < 0 || s.length < 0 || s.start > size || s.length > size - s.start)
+    return fmt::format("slice [{}, {}+{}) of dim {} is outside its size {} (shape {})", s.start, s.start, s.length, s.dim,
+                       size, shape_string(info.shape));
+  return {};
+}
 
 std::string_view to_string(Take take) {
   switch (take) {
@@ -71,6 +72,62 @@ Selection select(const Layout& layout, const TensorInfo& source) {
     return out;
   }
   out.info.shape[req.slice.dim] = req.slice.length;
+  return out;
+}
+
+Box Box::of(const Request& request) {
+  Box box;
+  if (request.take == Take::kSlice) {
+    box.cuts[0] = request.slice;
+    box.count = 1;
+  }
+  return box;
+}
+
+Box Box::narrowed(const Slice& slice) const {
+  Box out = *this;
+  for (int i = 0; i < out.count; ++i) {
+    Slice& cut = out.cuts[i];
+    if (cut.dim != slice.dim) continue;
+    const int64_t start = std::max(cut.start, slice.start);
+    const int64_t end = std::min(cut.start + cut.length, slice.start + slice.length);
+    cut.start = start;
+    cut.length = std::max<int64_t>(0, end - start);
+    return out;
+  }
+  if (out.count == kMaxCuts)
+    fail(ErrorKind::kLayout, "a block cut along dims {} and {} cannot be cut along dim {} too", out.cuts[0].dim,
+         out.cuts[1].dim, slice.dim);
+  out.cuts[out.count++] = slice;
+  if (out.count == 2 && out.cuts[1].dim < out.cuts[0].dim) std::swap(out.cuts[0], out.cuts[1]);
+  return out;
+}
+
+Slice Box::along(int32_t dim, std::span<const int64_t> shape) const {
+  for (int i = 0; i < count; ++i)
+    if (cuts[i].dim == dim) return cuts[i];
+  return {dim, 0, shape[dim]};
+}
+
+std::vector<int64_t> Box::shape_in(std::span<const int64_t> shape) const {
+  std::vector<int64_t> out(shape.begin(), shape.end());
+  for (int i = 0; i < count; ++i) out[cuts[i].dim] = cuts[i].length;
+  return out;
+}
+
+Box Box::relative_to(const Slice& origin) const {
+  Box out = *this;
+  for (int i = 0; i < out.count; ++i)
+    if (out.cuts[i].dim == origin.dim) out.cuts[i].start -= origin.start;
+  return out;
+}
+
+std::string to_string(const Box& box) {
+  if (box.is_whole()) return "whole";
+  std::string out;
+  for (int i = 0; i < box.count; ++i)
+    out += fmt::format("{}dim {} [{}, {})", i ? " x " : "", box.cuts[i].dim, box.cuts[i].start,
+                       box.cuts[i].start + box.cuts[i].length);
   return out;
 }
 
@@ -148,34 +205,9 @@ Layout decode_layout(std::span<const uint8_t> bytes, std::string_view what) {
   return layout;
 }
 
-void validate_layout(const Layout& layout, const ModelInventory& inventory, int destination_rank) {
-  if (layout.fallback == Take::kSlice)
-    fail(ErrorKind::kLayout, "layout of destination rank {}: the fallback must be whole or drop, not slice",
-         destination_rank);
-  for (const auto& p : layout.drop_prefixes) {
-    // "model.layers.1" would also drop model.layers.10..19.
-    if (p.empty() || p.back() != '.')
-      fail(ErrorKind::kLayout, "layout of destination rank {}: dropped prefix '{}' must be non-empty and end with '.'",
-           destination_rank, p);
-  }
-  std::map<std::string_view, const TensorInfo*> by_name;
-  for (const auto& t : inventory.tensors) by_name.emplace(t.name, &t);
-  for (const auto& [name, req] : layout.tensors) {
-    auto it = by_name.find(name);
-    if (it == by_name.end())
-      fail(ErrorKind::kLayout, "layout of destination rank {} lists tensor '{}', which model '{}' does not have",
-           destination_rank, name, inventory.name);
-    if (req.take == Take::kSlice) {
-      if (auto problem = slice_problem(*it->second, req.slice); !problem.empty())
-        fail(ErrorKind::kLayout, "layout of destination rank {}: tensor '{}': {}", destination_rank, name, problem);
-    }
-    if (req.take != Take::kDrop) {
-      for (const auto& p : layout.drop_prefixes)
-        if (name.starts_with(p))
-          fail(ErrorKind::kLayout, "layout of destination rank {} asks for tensor '{}' ({}) but also drops its prefix '{}'",
-               destination_rank, name, to_string(req.take), p);
-    }
-  }
+void validate_layout(const Layout& layout, const ModelInventory& inventory, std::string_view owner) {
+  std::vector<Request> requests;
+  LayoutResolver(inventory).resolve(layout, owner, requests);
 }
 
 LayoutSummary layout_bytes(const Layout& layout, const ModelInventory& inventory) {

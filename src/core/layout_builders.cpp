@@ -6,6 +6,7 @@
 
 #include "core/fail.h"
 #include "core/hf_config.h"
+#include "core/prefix_set.h"
 
 namespace refit {
 namespace {
@@ -19,10 +20,6 @@ std::pair<std::string_view, std::string_view> split_last(std::string_view s) {
   auto dot = s.rfind('.');
   if (dot == std::string_view::npos) return {{}, s};
   return {s.substr(0, dot), s.substr(dot + 1)};
-}
-
-bool under_prefix(std::string_view name, const std::vector<std::string>& prefixes) {
-  return std::any_of(prefixes.begin(), prefixes.end(), [&](const std::string& p) { return name.starts_with(p); });
 }
 
 void check_rank(const char* what, int size, int rank, int destination_rank) {
@@ -176,8 +173,9 @@ Layout layout_from_compact(const CompactLayout& compact, const ModelInventory& i
   }
   Layout layout;
   layout.drop_prefixes = compact.missing_weight_prefixes;
+  const PrefixSet dropped(layout.drop_prefixes);
   for (const auto& t : inventory.tensors) {
-    if (under_prefix(t.name, layout.drop_prefixes)) continue;
+    if (dropped.matches(t.name)) continue;
     auto expert = parse_hf_expert_name(t.name);
     if (!expert) continue;
     auto it = compact.expert_params.find(expert->param_name());
@@ -319,6 +317,7 @@ Layout build_layout(const ModelInventory& inventory, const ModelDims& dims, cons
     if (std::find(prefixes.begin(), prefixes.end(), extra) == prefixes.end()) prefixes.push_back(extra);
 
   Layout layout;
+  const PrefixSet dropped(prefixes);
   if (p.shard_experts) {
     int64_t num_experts = 0;
     for (const auto& t : inventory.tensors)
@@ -343,7 +342,7 @@ Layout build_layout(const ModelInventory& inventory, const ModelDims& dims, cons
     CompactLayout compact;
     compact.missing_weight_prefixes = prefixes;
     for (const auto& t : inventory.tensors) {
-      if (under_prefix(t.name, prefixes)) continue;
+      if (dropped.matches(t.name)) continue;
       if (auto name = parse_hf_expert_name(t.name)) compact.expert_params.emplace(name->param_name(), e);
     }
     layout = layout_from_compact(compact, inventory, dest);
@@ -353,7 +352,7 @@ Layout build_layout(const ModelInventory& inventory, const ModelDims& dims, cons
 
   if (p.shard_dense && p.tp_size > 1) {
     for (const auto& t : inventory.tensors) {
-      if (under_prefix(t.name, prefixes) || parse_hf_expert_name(t.name)) continue;
+      if (dropped.matches(t.name) || parse_hf_expert_name(t.name)) continue;
       put_dense(layout, t, dims, p);
     }
   }
@@ -362,6 +361,81 @@ Layout build_layout(const ModelInventory& inventory, const ModelDims& dims, cons
 
 Layout build_layout(const std::string& config_path, const ModelParallel& parallel) {
   return build_layout(inventory_from_hf_config(config_path), model_dims_from_hf_config(config_path), parallel);
+}
+
+std::vector<Layout> megatron_source_layouts(const ModelInventory& inventory, const ModelDims& dims,
+                                            const TrainingParallel& p) {
+  const int etp = p.expert_tp_size.value_or(p.tp_size);
+  if (p.tp_size < 1 || p.pp_size < 1 || p.dp_size < 1 || p.ep_size < 1 || etp < 1)
+    fail(ErrorKind::kLayout, "training parallelism: tp {}, pp {}, dp {}, ep {}, expert tp {} must all be >= 1", p.tp_size,
+         p.pp_size, p.dp_size, p.ep_size, etp);
+  const int stage_ranks = p.tp_size * p.dp_size;
+  if (stage_ranks % (etp * p.ep_size) != 0)
+    fail(ErrorKind::kLayout,
+         "training parallelism: the tp x dp = {} ranks of a stage cannot be split into expert tp {} x ep {} groups",
+         stage_ranks, etp, p.ep_size);
+  std::vector<Layout> out;
+  const int world = stage_ranks * p.pp_size;
+  out.reserve(world);
+  for (int rank = 0; rank < world; ++rank) {
+    const int local = rank % stage_ranks;
+    ModelParallel m;
+    m.destination_rank = rank;
+    m.tp_size = p.tp_size;
+    m.tp_rank = rank % p.tp_size;
+    m.pp_size = p.pp_size;
+    m.pp_rank = rank / stage_ranks;
+    m.ep_size = p.ep_size;
+    m.ep_rank = (local / etp) % p.ep_size;
+    m.expert_tp_size = etp;
+    m.expert_tp_rank = local % etp;
+    m.shard_experts = true;
+    m.shard_dense = p.tp_size > 1;
+    m.vocab_padding = 128 * static_cast<int64_t>(p.tp_size);
+    out.push_back(build_layout(inventory, dims, m));
+  }
+  return out;
+}
+
+Request dtensor_request(std::string_view tensor, std::span<const int64_t> shape, std::span<const Placement> placements,
+                        std::span<const int> mesh_shape, std::span<const int> coordinate) {
+  if (placements.size() != mesh_shape.size() || coordinate.size() != mesh_shape.size())
+    fail(ErrorKind::kLayout, "tensor '{}': {} placements and a {}-D coordinate for a {}-D device mesh", tensor,
+         placements.size(), coordinate.size(), mesh_shape.size());
+  std::optional<Slice> held;
+  for (size_t m = 0; m < mesh_shape.size(); ++m) {
+    if (mesh_shape[m] < 1 || coordinate[m] < 0 || coordinate[m] >= mesh_shape[m])
+      fail(ErrorKind::kLayout, "tensor '{}': mesh coordinate {} is outside mesh dim {} of size {}", tensor, coordinate[m],
+           m, mesh_shape[m]);
+    if (!placements[m].shard) continue;
+    const int32_t dim = placements[m].dim;
+    if (dim < 0 || dim >= static_cast<int32_t>(shape.size()))
+      fail(ErrorKind::kLayout, "tensor '{}' of {} dims cannot be Shard({})", tensor, shape.size(), dim);
+    if (held && held->dim != dim)
+      fail(ErrorKind::kLayout,
+           "tensor '{}' is sharded along dims {} and {}: a layout narrows one dim per tensor (shard it along one)", tensor,
+           held->dim, dim);
+    const Slice current = held.value_or(Slice{dim, 0, shape[dim]});
+    const int64_t chunk = (current.length + mesh_shape[m] - 1) / mesh_shape[m];
+    const int64_t start = std::min(current.length, chunk * coordinate[m]);
+    held = Slice{dim, current.start + start, std::min(chunk, current.length - start)};
+  }
+  if (!held || (held->start == 0 && held->length == shape[held->dim])) return Request::whole();
+  return Request::narrow(held->dim, held->start, held->length);
+}
+
+Layout fsdp_source_layout(const ModelInventory& inventory, int world, int rank) {
+  if (world < 1 || rank < 0 || rank >= world)
+    fail(ErrorKind::kLayout, "FSDP: rank {} is not in [0, world {})", rank, world);
+  const Placement shard0 = Placement::shard_dim(0);
+  const int mesh[] = {world}, at[] = {rank};
+  Layout layout;
+  for (const auto& t : inventory.tensors) {
+    if (t.shape.empty()) continue;  // a scalar is replicated
+    Request r = dtensor_request(t.name, t.shape, {&shard0, 1}, mesh, at);
+    if (r.take != Take::kWhole) layout.tensors[t.name] = r;
+  }
+  return layout;
 }
 
 }  // namespace refit

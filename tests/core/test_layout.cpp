@@ -67,7 +67,7 @@ TEST(Layout, PrefixLayers1DoesNotDropLayers10) {
   auto inv = small_model();
   EXPECT_EQ(select(l, inv.tensors[3]).take, Take::kDrop);   // model.layers.1.mlp...
   EXPECT_EQ(select(l, inv.tensors[4]).take, Take::kWhole);  // model.layers.10.mlp...
-  validate_layout(l, inv, 0);
+  validate_layout(l, inv, "destination rank 0");
 }
 
 TEST(Layout, SliceCoveringItsDimensionIsWhole) {
@@ -97,7 +97,7 @@ TEST(Layout, SelectRejectsASliceThatDoesNotFit) {
 }
 
 TEST(Layout, ValidateAcceptsAGoodLayout) {
-  validate_layout(sample_layout(), small_model(), 3);
+  validate_layout(sample_layout(), small_model(), "destination rank 3");
   auto sum = layout_bytes(sample_layout(), small_model());
   EXPECT_EQ(sum.tensors, 4u);  // embed (slice), q_proj (slice), layernorm, layers.10 down
   EXPECT_EQ(sum.sliced, 2u);
@@ -109,34 +109,34 @@ TEST(Layout, ValidateRejectionsNameTensorAndRank) {
   auto inv = small_model();
   Layout l;
   l.tensors["model.layers.99.foo.weight"] = Request::whole();
-  EXPECT_THAT(error_of(ErrorKind::kLayout, [&] { validate_layout(l, inv, 3); }),
+  EXPECT_THAT(error_of(ErrorKind::kLayout, [&] { validate_layout(l, inv, "destination rank 3"); }),
               AllOf(HasSubstr("model.layers.99.foo.weight"), HasSubstr("destination rank 3"), HasSubstr("does not have")));
 
   l = {};
   l.tensors["lm_head.weight"] = Request::narrow(2, 0, 1);
-  EXPECT_THAT(error_of(ErrorKind::kLayout, [&] { validate_layout(l, inv, 3); }),
+  EXPECT_THAT(error_of(ErrorKind::kLayout, [&] { validate_layout(l, inv, "destination rank 3"); }),
               AllOf(HasSubstr("lm_head.weight"), HasSubstr("destination rank 3"), HasSubstr("dim 2 is out of range")));
 
   l.tensors["lm_head.weight"] = Request::narrow(0, 90, 11);
-  EXPECT_THAT(error_of(ErrorKind::kLayout, [&] { validate_layout(l, inv, 3); }),
+  EXPECT_THAT(error_of(ErrorKind::kLayout, [&] { validate_layout(l, inv, "destination rank 3"); }),
               AllOf(HasSubstr("lm_head.weight"), HasSubstr("outside its size 100")));
 
   l = {};
   l.drop_prefixes = {"model.layers.1"};
-  EXPECT_THAT(error_of(ErrorKind::kLayout, [&] { validate_layout(l, inv, 3); }),
+  EXPECT_THAT(error_of(ErrorKind::kLayout, [&] { validate_layout(l, inv, "destination rank 3"); }),
               AllOf(HasSubstr("'model.layers.1'"), HasSubstr("end with '.'"), HasSubstr("destination rank 3")));
   l.drop_prefixes = {""};
-  error_of(ErrorKind::kLayout, [&] { validate_layout(l, inv, 3); });
+  error_of(ErrorKind::kLayout, [&] { validate_layout(l, inv, "destination rank 3"); });
 
   l = {};
   l.drop_prefixes = {"model.layers.1."};
   l.tensors["model.layers.1.mlp.down_proj.weight"] = Request::narrow(1, 0, 8);
-  EXPECT_THAT(error_of(ErrorKind::kLayout, [&] { validate_layout(l, inv, 3); }),
+  EXPECT_THAT(error_of(ErrorKind::kLayout, [&] { validate_layout(l, inv, "destination rank 3"); }),
               AllOf(HasSubstr("model.layers.1.mlp.down_proj.weight"), HasSubstr("also drops its prefix")));
 
   l = {};
   l.fallback = Take::kSlice;
-  error_of(ErrorKind::kLayout, [&] { validate_layout(l, inv, 3); });
+  error_of(ErrorKind::kLayout, [&] { validate_layout(l, inv, "destination rank 3"); });
 }
 
 // ---- encoding -------------------------------------------------------------------------------

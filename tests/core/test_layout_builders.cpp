@@ -171,7 +171,7 @@ TEST(Pipeline, Layer1IsNotDroppedByLayer10sPrefix) {
   EXPECT_EQ(select(l, inv.tensors[1]).take, Take::kDrop);
   EXPECT_EQ(select(l, inv.tensors[10]).take, Take::kWhole);
   EXPECT_EQ(select(l, inv.tensors[11]).take, Take::kWhole);
-  validate_layout(l, inv, 5);
+  validate_layout(l, inv, "destination rank 5");
 }
 
 TEST(Pipeline, KvScalesOfMissingLayersAreDropped) {
@@ -200,7 +200,7 @@ TEST(CompactLayout, SelectsAsTheReference) {
   c.expert_params["model.layers.1.mlp.experts.routed_experts.w13_weight"] = {0, 1, std::nullopt};
   c.expert_params["model.layers.1.mlp.experts.routed_experts.w2_weight"] = {0, 1, std::nullopt};
   Layout l = layout_from_compact(c, inv, 0);
-  validate_layout(l, inv, 0);
+  validate_layout(l, inv, "destination rank 0");
 
   auto sel = [&](const std::string& name) { return select(l, find(inv, name)); };
   Selection s = sel("model.layers.0.mlp.experts.1.gate_proj.weight");
@@ -242,7 +242,7 @@ TEST(BuildLayout, ShardedExpertsTpOnly) {
   p.tp_rank = 2;
   p.shard_experts = true;
   Layout l = build_layout(inv, {}, p);
-  validate_layout(l, inv, 0);
+  validate_layout(l, inv, "destination rank 0");
   EXPECT_EQ(select(l, find(inv, "model.layers.5.mlp.experts.9.up_proj.weight")).slice, (Slice{0, 128, 64}));
   EXPECT_EQ(select(l, find(inv, "model.layers.5.mlp.experts.9.down_proj.weight")).slice, (Slice{1, 128, 64}));
   // Dense tensors go whole without shard_dense.
@@ -299,7 +299,7 @@ TEST(BuildLayout, ShardedMixtralExperts) {
   p.ep_size = 1;
   p.shard_experts = true;
   Layout l = build_layout(inv, {}, p);
-  validate_layout(l, inv, 0);
+  validate_layout(l, inv, "destination rank 0");
   EXPECT_EQ(select(l, find(inv, "model.layers.31.block_sparse_moe.experts.7.w1.weight")).slice, (Slice{0, 7168, 7168}));
   EXPECT_EQ(select(l, find(inv, "model.layers.31.block_sparse_moe.experts.7.w3.weight")).slice, (Slice{0, 7168, 7168}));
   EXPECT_EQ(select(l, find(inv, "model.layers.31.block_sparse_moe.experts.7.w2.weight")).slice, (Slice{1, 7168, 7168}));
@@ -390,7 +390,7 @@ std::vector<Layout> tp_layouts(const ModelInventory& inv, const ModelDims& dims,
     p.destination_rank = r;
     p.shard_dense = true;
     out.push_back(build_layout(inv, dims, p));
-    validate_layout(out.back(), inv, r);
+    validate_layout(out.back(), inv, fmt::format("destination rank {}", r));
   }
   return out;
 }
@@ -550,7 +550,7 @@ TEST(BuildLayout, EverythingTogetherValidatesAndRoundTrips) {
   p.shard_experts = true;
   p.shard_dense = true;
   Layout l = build_layout(model_dir("deepseek-v3-mini"), p);
-  validate_layout(l, inv, 1);
+  validate_layout(l, inv, "destination rank 1");
   EXPECT_EQ(decode_layout(encode_layout(l)), l);
   auto sum = layout_bytes(l, inv);
   EXPECT_GT(sum.dropped, 0u);

@@ -1,0 +1,66 @@
+// The transfer plan: from what every source holds and what every destination needs, which bytes
+// each destination reads from which source. Sources and destinations both declare layouts
+// (layout.h) over the same model: a source's layout says which slice of each tensor it holds (its
+// shard; dropped: not held), a destination's which slice it needs. The plan is a pure function
+// of the layouts, so every peer that computes it gets the same one.
+//
+// Rules:
+//  - every byte a destination needs comes from exactly one source, as a piece: a box of one
+//    tensor (the source's slice intersected with the destination's, at most two cut dims);
+//  - the sources holding a tensor must hold identical slices (replicas: data parallelism) or
+//    disjoint ones (shards); a partial overlap is an error naming both sources;
+//  - replicas share the work: each piece goes to the replica that has sent the fewest bytes so
+//    far (ties go round-robin by destination), which balances every source's egress;
+//  - a needed range that no source holds is an error naming the tensor, the range and the
+//    destination; all of this before any transfer;
+//  - a zero-byte need (an empty tensor, a vocabulary slice past the end) still gets a piece, so
+//    its name is delivered.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "refit/layout.h"
+#include "refit/model.h"
+
+namespace refit {
+
+struct TransferPiece {
+  uint32_t tensor = 0;       // index into the model inventory
+  uint32_t source = 0;       // source index
+  uint32_t destination = 0;  // destination index
+  Box box;                   // in the coordinates of the whole tensor
+  uint64_t bytes = 0;
+};
+
+class TransferPlan {
+ public:
+  // Pieces ordered by destination, then source, then tensor.
+  const std::vector<TransferPiece>& pieces() const { return pieces_; }
+  // What `source` sends `destination`, in tensor order (empty when nothing).
+  std::span<const TransferPiece> link(uint32_t source, uint32_t destination) const;
+  // The sources a destination reads from, and the destinations a source serves, ascending.
+  std::vector<uint32_t> sources_of(uint32_t destination) const;
+  std::vector<uint32_t> destinations_of(uint32_t source) const;
+
+  uint32_t source_count() const { return sources_; }
+  uint32_t destination_count() const { return destinations_; }
+  const std::vector<uint64_t>& egress() const { return egress_; }    // bytes each source sends
+  const std::vector<uint64_t>& ingress() const { return ingress_; }  // bytes each destination receives
+
+ private:
+  friend TransferPlan plan_transfers(const ModelInventory&, std::span<const Layout>, std::span<const Layout>);
+  uint32_t sources_ = 0, destinations_ = 0;
+  std::vector<TransferPiece> pieces_;
+  std::vector<uint64_t> link_begin_;  // [destination * sources + source] -> first piece; one past the end last
+  std::vector<uint64_t> egress_, ingress_;
+};
+
+// Throws Error(kLayout) for an invalid layout (validate_layout, naming "source rank s" or
+// "destination rank d"), partially overlapping source slices, and needed bytes no source holds;
+// Error(kInvalidArgument) for no sources or no destinations.
+TransferPlan plan_transfers(const ModelInventory& model, std::span<const Layout> sources,
+                            std::span<const Layout> destinations);
+
+}  // namespace refit

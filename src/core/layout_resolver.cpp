@@ -1,0 +1,70 @@
+#include "core/layout_resolver.h"
+
+#include <algorithm>
+
+#include "core/fail.h"
+
+namespace refit {
+
+LayoutResolver::LayoutResolver(const ModelInventory& inventory) : inventory_(inventory) {
+  index_.reserve(inventory.tensors.size());
+  for (uint32_t i = 0; i < inventory.tensors.size(); ++i) index_.emplace(inventory.tensors[i].name, i);
+}
+
+const std::vector<uint32_t>& LayoutResolver::sorted() const {
+  std::call_once(sorted_once_, [&] {
+    const auto& tensors = inventory_.tensors;
+    sorted_.resize(tensors.size());
+    for (uint32_t i = 0; i < tensors.size(); ++i) sorted_[i] = i;
+    std::sort(sorted_.begin(), sorted_.end(), [&](uint32_t a, uint32_t b) { return tensors[a].name < tensors[b].name; });
+  });
+  return sorted_;
+}
+
+void LayoutResolver::resolve(const Layout& layout, std::string_view owner, std::vector<Request>& out) const {
+  const auto& tensors = inventory_.tensors;
+  if (layout.fallback == Take::kSlice)
+    fail(ErrorKind::kLayout, "layout of {}: the fallback must be whole or drop, not slice", owner);
+  out.assign(tensors.size(), layout.fallback == Take::kDrop ? Request::drop() : Request::whole());
+  std::vector<const std::string*> dropped_by;  // the prefix that drops each tensor
+  if (!layout.drop_prefixes.empty()) dropped_by.assign(tensors.size(), nullptr);
+  for (const auto& p : layout.drop_prefixes) {
+    // "model.layers.1" would also drop model.layers.10..19.
+    if (p.empty() || p.back() != '.')
+      fail(ErrorKind::kLayout, "layout of {}: dropped prefix '{}' must be non-empty and end with '.'", owner, p);
+    // The names starting with p form one range of the sorted order: from p up to p with its
+    // final '.' raised to '/'. Marking it by index reads no names (they are scattered in memory).
+    auto before = [&](uint32_t i, const std::string& key) { return tensors[i].name < key; };
+    std::string end_key = p;
+    end_key.back() = '.' + 1;
+    const auto& order = sorted();
+    auto first = std::lower_bound(order.begin(), order.end(), p, before);
+    auto last = std::lower_bound(first, order.end(), end_key, before);
+    for (auto it = first; it != last; ++it) {
+      out[*it] = Request::drop();
+      dropped_by[*it] = &p;
+    }
+  }
+  for (const auto& [name, request] : layout.tensors) {
+    auto it = index_.find(name);
+    if (it == index_.end())
+      fail(ErrorKind::kLayout, "layout of {} lists tensor '{}', which model '{}' does not have", owner, name,
+           inventory_.name);
+    const TensorInfo& info = tensors[it->second];
+    Request r = request;
+    if (r.take == Take::kSlice) {
+      const Slice& c = r.slice;
+      const bool fits = c.dim >= 0 && c.dim < static_cast<int32_t>(info.shape.size()) && c.start >= 0 && c.length >= 0 &&
+                        c.start <= info.shape[c.dim] && c.length <= info.shape[c.dim] - c.start;
+      if (auto problem = fits ? std::string() : slice_problem(info, r.slice); !problem.empty())
+        fail(ErrorKind::kLayout, "layout of {}: tensor '{}': {}", owner, name, problem);
+      if (r.slice.start == 0 && r.slice.length == info.shape[r.slice.dim]) r = Request::whole();
+    }
+    if (r.take != Take::kDrop && !dropped_by.empty() && dropped_by[it->second])
+      fail(ErrorKind::kLayout, "layout of {} asks for tensor '{}' ({}) but also drops its prefix '{}'", owner, name,
+           to_string(request.take), *dropped_by[it->second]);
+    out[it->second] = r;
+  }
+}
+
+}  // namespace refit

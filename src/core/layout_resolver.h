@@ -1,0 +1,42 @@
+// A model's tensor names indexed so that a layout resolves to one request per tensor in
+// O(tensors + entries + prefixes · log tensors): plan_transfers resolves hundreds of layouts of
+// models with tens of thousands of tensors, where request_for per tensor would scan every
+// dropped prefix each time.
+#pragma once
+
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+#include "refit/layout.h"
+#include "refit/model.h"
+
+namespace refit {
+
+// Empty if `slice` fits `info`, else what is wrong (for error messages).
+std::string slice_problem(const TensorInfo& info, const Slice& slice);
+
+// resolve() may run on several threads at once.
+class LayoutResolver {
+ public:
+  explicit LayoutResolver(const ModelInventory& inventory);  // keeps a reference
+
+  // The request for every inventory tensor, by index, as Layout::request_for gives it; a slice
+  // that covers its whole dimension comes back as whole. Checks what validate_layout checks and
+  // throws Error(kLayout) naming `owner` ("source rank 2").
+  // `out` is reused: resolving hundreds of layouts then allocates once.
+  void resolve(const Layout& layout, std::string_view owner, std::vector<Request>& out) const;
+
+ private:
+  const std::vector<uint32_t>& sorted() const;
+
+  const ModelInventory& inventory_;
+  std::unordered_map<std::string_view, uint32_t> index_;  // name -> inventory index
+  // Inventory indices in name order, sorted when a layout first drops prefixes.
+  mutable std::once_flag sorted_once_;
+  mutable std::vector<uint32_t> sorted_;
+};
+
+}  // namespace refit

@@ -1,0 +1,243 @@
+#include "refit/transfer_plan.h"
+
+#include <algorithm>
+#include <atomic>
+#include <exception>
+#include <thread>
+
+#include "core/fail.h"
+#include "core/layout_resolver.h"
+
+namespace refit {
+namespace {
+
+// The sources holding one tensor, grouped: identical slices are replicas of one group; groups
+// are disjoint ranges of one dim, in order. dim < 0: every holder has the whole tensor (one group).
+struct Holdings {
+  struct Group {
+    int64_t start = 0, length = 0;
+    std::vector<uint32_t> sources;
+  };
+  int32_t dim = -1;
+  std::vector<Group> groups;
+  uint32_t any_source = 0;  // some holder, for a zero-byte need
+  bool empty = true;
+};
+
+struct Holder {
+  uint32_t source;
+  Request request;
+};
+
+uint64_t box_bytes(const Box& box, const TensorInfo& info) {
+  uint64_t n = dtype_size(info.dtype);
+  for (size_t d = 0; d < info.shape.size(); ++d) n *= static_cast<uint64_t>(box.along(static_cast<int32_t>(d), info.shape).length);
+  return n;
+}
+
+Holdings group_holders(const TensorInfo& info, std::vector<Holder>& holders) {
+  Holdings h;
+  if (holders.empty()) return h;
+  h.empty = false;
+  h.any_source = holders.front().source;
+  auto describe = [&](const Holder& x) {
+    return x.request.take == Take::kWhole ? std::string("all of it") : "its " + to_string(Box::of(x.request));
+  };
+  auto overlap = [&](const Holder& a, const Holder& b) {
+    fail(ErrorKind::kLayout,
+         "source layouts overlap on tensor '{}' (shape {}): source rank {} holds {} and source rank {} holds {}; sources "
+         "must hold identical slices (replicas) or disjoint ones (shards)",
+         info.name, shape_string(info.shape), a.source, describe(a), b.source, describe(b));
+  };
+  // Zero-length slices hold nothing.
+  std::vector<Holder> live;
+  for (const auto& x : holders)
+    if (x.request.take == Take::kWhole || x.request.slice.length > 0) live.push_back(x);
+  if (live.empty()) return h;
+  const Holder* whole = nullptr;
+  const Holder* sliced = nullptr;
+  for (const auto& x : live) {
+    if (x.request.take == Take::kWhole && !whole) whole = &x;
+    if (x.request.take == Take::kSlice && !sliced) sliced = &x;
+  }
+  if (whole && sliced) overlap(*whole, *sliced);
+  if (whole) {
+    h.groups.push_back({0, 0, {}});
+    for (const auto& x : live) h.groups.back().sources.push_back(x.source);
+    return h;
+  }
+  h.dim = live.front().request.slice.dim;
+  for (const auto& x : live)
+    if (x.request.slice.dim != h.dim) overlap(live.front(), x);  // slices of two dims always intersect
+  std::stable_sort(live.begin(), live.end(), [](const Holder& a, const Holder& b) {
+    return std::pair(a.request.slice.start, a.request.slice.length) < std::pair(b.request.slice.start, b.request.slice.length);
+  });
+  const Holder* previous = nullptr;
+  for (const auto& x : live) {
+    const Slice& s = x.request.slice;
+    if (previous && previous->request.slice == s) {
+      h.groups.back().sources.push_back(x.source);
+      continue;
+    }
+    if (previous && s.start < previous->request.slice.start + previous->request.slice.length) overlap(*previous, x);
+    h.groups.push_back({s.start, s.length, {x.source}});
+    previous = &x;
+  }
+  return h;
+}
+
+// Resolves layouts[first, first + count) on all cores (each resolve is independent and reads
+// tens of thousands of scattered names); out[k] gets layouts[first + k]'s requests. The first
+// failing layout's error (in layout order) is rethrown, so errors do not depend on timing.
+void resolve_batch(const LayoutResolver& resolver, std::span<const Layout> layouts, size_t first, size_t count,
+                   const char* role, std::vector<std::vector<Request>>& out) {
+  out.resize(std::max(out.size(), count));
+  std::vector<std::exception_ptr> errors(count);
+  std::atomic<size_t> next{0};
+  auto work = [&] {
+    for (size_t k; (k = next++) < count;) {
+      try {
+        resolver.resolve(layouts[first + k], fmt::format("{} rank {}", role, first + k), out[k]);
+      } catch (...) {
+        errors[k] = std::current_exception();
+      }
+    }
+  };
+  const size_t threads = std::min<size_t>(count, std::max(1u, std::thread::hardware_concurrency()));
+  std::vector<std::thread> pool;
+  for (size_t t = 1; t < threads; ++t) pool.emplace_back(work);
+  work();
+  for (auto& t : pool) t.join();
+  for (auto& e : errors)
+    if (e) std::rethrow_exception(e);
+}
+
+// Layouts resolved per batch: enough to keep every core busy, few enough that the resolved
+// requests (one per tensor each) stay small.
+size_t batch_size() { return 4 * std::max(1u, std::thread::hardware_concurrency()); }
+
+}  // namespace
+
+std::span<const TransferPiece> TransferPlan::link(uint32_t source, uint32_t destination) const {
+  if (source >= sources_ || destination >= destinations_) return {};
+  const size_t k = static_cast<size_t>(destination) * sources_ + source;
+  return {pieces_.data() + link_begin_[k], pieces_.data() + link_begin_[k + 1]};
+}
+
+std::vector<uint32_t> TransferPlan::sources_of(uint32_t destination) const {
+  std::vector<uint32_t> out;
+  for (uint32_t s = 0; s < sources_; ++s)
+    if (!link(s, destination).empty()) out.push_back(s);
+  return out;
+}
+
+std::vector<uint32_t> TransferPlan::destinations_of(uint32_t source) const {
+  std::vector<uint32_t> out;
+  for (uint32_t d = 0; d < destinations_; ++d)
+    if (!link(source, d).empty()) out.push_back(d);
+  return out;
+}
+
+TransferPlan plan_transfers(const ModelInventory& model, std::span<const Layout> sources,
+                            std::span<const Layout> destinations) {
+  if (sources.empty() || destinations.empty())
+    fail(ErrorKind::kInvalidArgument, "a transfer plan needs at least one source and one destination (got {} and {})",
+         sources.size(), destinations.size());
+  const auto& tensors = model.tensors;
+  const uint32_t S = static_cast<uint32_t>(sources.size()), D = static_cast<uint32_t>(destinations.size());
+  const LayoutResolver resolver(model);
+  std::vector<std::vector<Request>> resolved;
+
+  std::vector<std::vector<Holder>> holders(tensors.size());
+  for (uint32_t first = 0; first < S; first += batch_size()) {
+    const uint32_t count = std::min<uint32_t>(batch_size(), S - first);
+    resolve_batch(resolver, sources, first, count, "source", resolved);
+    for (uint32_t k = 0; k < count; ++k)
+      for (uint32_t i = 0; i < resolved[k].size(); ++i)
+        if (resolved[k][i].take != Take::kDrop) holders[i].push_back({first + k, resolved[k][i]});
+  }
+  std::vector<Holdings> held(tensors.size());
+  std::vector<bool> grouped(tensors.size(), false);
+
+  TransferPlan plan;
+  plan.sources_ = S;
+  plan.destinations_ = D;
+  plan.egress_.assign(S, 0);
+  plan.ingress_.assign(D, 0);
+  std::vector<TransferPiece> pieces;  // of one destination, in tensor order
+  plan.link_begin_.assign(static_cast<size_t>(D) * S + 1, 0);
+  // The replica that has sent least so far; among equals, round-robin by destination.
+  auto pick = [&](const std::vector<uint32_t>& replicas, uint32_t d) {
+    const size_t n = replicas.size();
+    uint32_t best = replicas[d % n];
+    for (size_t k = 1; k < n; ++k) {
+      const uint32_t s = replicas[(d + k) % n];
+      if (plan.egress_[s] < plan.egress_[best]) best = s;
+    }
+    return best;
+  };
+  auto emit = [&](uint32_t i, uint32_t s, uint32_t d, const Box& box) {
+    const uint64_t bytes = box_bytes(box, tensors[i]);
+    pieces.push_back({i, s, d, box, bytes});
+    plan.egress_[s] += bytes;
+    plan.ingress_[d] += bytes;
+  };
+
+  for (uint32_t d = 0; d < D; ++d) {
+    if (d % batch_size() == 0) resolve_batch(resolver, destinations, d, std::min<size_t>(batch_size(), D - d), "destination", resolved);
+    const std::vector<Request>& requests = resolved[d % batch_size()];
+    pieces.clear();
+    for (uint32_t i = 0; i < requests.size(); ++i) {
+      if (requests[i].take == Take::kDrop) continue;
+      const TensorInfo& info = tensors[i];
+      if (!grouped[i]) {
+        held[i] = group_holders(info, holders[i]);
+        grouped[i] = true;
+      }
+      const Holdings& h = held[i];
+      const Box need = Box::of(requests[i]);
+      if (h.empty)
+        fail(ErrorKind::kLayout, "destination rank {} needs {} of tensor '{}' (shape {}), but no source holds any of it",
+             d, to_string(need), info.name, shape_string(info.shape));
+      if (box_bytes(need, info) == 0) {
+        emit(i, h.groups.empty() ? h.any_source : pick(h.groups.front().sources, d), d, need);
+        continue;
+      }
+      if (h.dim < 0) {
+        emit(i, pick(h.groups.front().sources, d), d, need);
+        continue;
+      }
+      const Slice range = need.along(h.dim, info.shape);
+      int64_t cursor = range.start;
+      const int64_t end = range.start + range.length;
+      auto missing = [&](int64_t from, int64_t to) {
+        fail(ErrorKind::kLayout,
+             "destination rank {} needs {} of tensor '{}' (shape {}), but no source holds dim {} [{}, {}) of it", d,
+             to_string(need), info.name, shape_string(info.shape), h.dim, from, to);
+      };
+      auto g = std::partition_point(h.groups.begin(), h.groups.end(),
+                                    [&](const Holdings::Group& x) { return x.start + x.length <= cursor; });
+      for (; g != h.groups.end() && g->start < end; ++g) {
+        if (g->start > cursor) missing(cursor, g->start);
+        const int64_t hi = std::min(end, g->start + g->length);
+        emit(i, pick(g->sources, d), d, need.narrowed({h.dim, cursor, hi - cursor}));
+        cursor = hi;
+      }
+      if (cursor < end) missing(cursor, end);
+    }
+    // Appended by source (a stable counting sort), tensor order within each link.
+    const size_t base = static_cast<size_t>(d) * S, offset = plan.pieces_.size();
+    std::vector<uint64_t> count(S + 1, 0);
+    for (const auto& p : pieces) ++count[p.source + 1];
+    for (uint32_t s = 0; s < S; ++s) {
+      count[s + 1] += count[s];
+      plan.link_begin_[base + s] = offset + count[s];
+    }
+    plan.pieces_.resize(offset + pieces.size());
+    for (const auto& p : pieces) plan.pieces_[offset + count[p.source]++] = p;
+  }
+  plan.link_begin_.back() = plan.pieces_.size();
+  return plan;
+}
+
+}  // namespace refit

@@ -36,14 +36,26 @@ u128 exact_nbytes(const TensorInfo& t, bool* overflow) {
 }
 
 void check_validated(const protocol::BucketReady& m, uint64_t bucket_bytes) {
-  FUZZ_CHECK(m.buffer <= 1);
+  FUZZ_CHECK(u128{m.offset} + m.used_bytes <= 2 * u128{bucket_bytes});
   FUZZ_CHECK(m.used_bytes <= bucket_bytes);
   for (const auto& e : m.entries) {
     bool overflow = false;
     const u128 nbytes = exact_nbytes(e.tensor, &overflow);
     FUZZ_CHECK(!overflow);
     FUZZ_CHECK(e.tensor.nbytes() == static_cast<uint64_t>(nbytes));
-    FUZZ_CHECK(u128{e.tensor_offset} + e.size <= nbytes);
+    // The chunk lies in its piece, a box inside the tensor.
+    u128 piece = dtype_size(e.tensor.dtype);
+    for (int64_t d : e.box.shape_in(e.tensor.shape)) {
+      FUZZ_CHECK(d >= 0);
+      piece *= static_cast<uint64_t>(d);
+    }
+    for (int c = 0; c < e.box.count; ++c) {
+      const Slice& cut = e.box.cuts[c];
+      FUZZ_CHECK(cut.dim >= 0 && cut.dim < static_cast<int32_t>(e.tensor.shape.size()));
+      FUZZ_CHECK(cut.start >= 0 && cut.length >= 0 && cut.start + cut.length <= e.tensor.shape[cut.dim]);
+    }
+    FUZZ_CHECK(piece <= nbytes);
+    FUZZ_CHECK(u128{e.tensor_offset} + e.size <= piece);
     FUZZ_CHECK(u128{e.bucket_offset} + e.size <= m.used_bytes);
   }
 }
@@ -85,7 +97,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (msg.type != protocol::MessageType::kBucketReady) return 0;
   for (uint64_t bucket_bytes : kBucketSizes) {
     try {
-      protocol::validate(msg.ready, bucket_bytes, "source rank 0");
+      protocol::validate(msg.ready, bucket_bytes, 2 * bucket_bytes, "source rank 0");
     } catch (const Error& e) {
       FUZZ_EXPECT_PROTOCOL_ERROR(e);
       continue;

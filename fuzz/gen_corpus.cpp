@@ -148,14 +148,14 @@ std::vector<protocol::BucketReady> buckets_for(const std::vector<TensorInfo>& mo
     b.is_last = last;
     out.push_back(b);
     b.seq++;
-    b.buffer ^= 1;
+    b.offset = b.offset == 0 ? bucket_bytes : 0;
     b.entries.clear();
     b.used_bytes = 0;
   };
   for (const auto& t : model) {
     for (const ChunkPlacement& c : packer.place(t)) {
       if (c.starts_bucket) flush(false);
-      b.entries.push_back({t, c.tensor_offset, c.size, c.bucket_offset});
+      b.entries.push_back({t, Box::whole(), c.tensor_offset, c.size, c.bucket_offset});
       b.used_bytes = c.bucket_offset + c.size;
     }
   }

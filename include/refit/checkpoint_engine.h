@@ -10,13 +10,21 @@
 //                        one refit; repeat as often as needed;
 //   finalize()           disconnect; with release_after_refit also free the buffers, after
 //                        which prepare() must run again (with a fresh metadata exchange).
-// Source rank i sends to destination rank i; sources without a destination drain their
-// weights and return. The caller moves metadata between processes however it likes.
+// Two topologies, chosen by what the sources declare (every peer reaches the same choice):
+//  - paired (the reference's): sources hold the whole model; source rank i sends to destination
+//    rank i what its layout needs; sources without a destination drain their weights and return;
+//  - resharding: sources declare what they hold (EngineOptions::holds: their shards, no gather
+//    on the training side); every engine computes the same transfer plan (transfer_plan.h) from
+//    all layouts, and each destination reads its pieces from every source that has them, all at
+//    once, while each source serves every destination that needs its bytes.
+// The caller moves metadata between processes however it likes.
 //
-// Double buffering: the source packs bucket k+1 into one buffer while the destination reads
-// bucket k from the other with a one-sided read; the destination tells the source when a
-// buffer may be reused. Every wait has a deadline (config.timeout_s). A destination whose
-// refit failed stays stale() until a later refit succeeds.
+// Double buffering per link: the source packs bucket k+1 into one buffer while the destination
+// reads bucket k from the other with a one-sided read; the destination tells the source when a
+// buffer may be reused. An engine's transfer memory is two buckets whatever its links: with n
+// links each gets buffers of bucket_bytes / n (the larger n of the link's two ends). Every wait
+// has a deadline (config.timeout_s). A destination whose refit failed stays stale() until a later
+// refit succeeds.
 //
 // Not thread-safe: one thread drives an engine.
 #pragma once
@@ -52,8 +60,14 @@ struct EngineOptions {
   // The transport to use; null creates one from config.backend_name/backend_init_params.
   std::shared_ptr<Transport> transport;
   // A destination's layout: what it holds of each source tensor (layout_builders.h). It travels
-  // in the destination's metadata and its source sends exactly that. Empty: every tensor whole.
+  // in the destination's metadata and its sources send exactly that. Empty: every tensor whole.
   std::optional<Layout> layout;
+  // A source's shards: what it holds of each tensor (megatron_source_layouts, fsdp_source_layout).
+  // When any source of a group declares one, the group reshards (see above) and the weight
+  // stream yields the shards themselves; a source that declares none holds everything.
+  std::optional<Layout> holds;
+  // The model's full inventory; resharding needs it (tensor shapes for the plan).
+  std::shared_ptr<const ModelInventory> model;
   // This engine will only be a destination: prepare() allocates nothing, and init_destination()
   // allocates the two transfer buffers only if it cannot load from its source's mapped buffers
   // (map_source_buffers), saving 2 x bucket_bytes of (GPU) memory per destination.
@@ -75,12 +89,13 @@ using LoadBatch = std::span<const TensorView>;
 using BatchLoader = std::function<void(LoadBatch batch)>;
 
 struct SendStats {
-  uint64_t tensors = 0;  // sent, whole or sliced
+  uint64_t tensors = 0;  // sent (whole, sliced, or as pieces to several destinations)
   uint64_t dropped = 0;  // not held by the destination
   uint64_t buckets = 0;
   uint64_t payload_bytes = 0;
   double seconds = 0;
   bool had_peer = false;
+  uint32_t destinations = 0;  // destinations served
 };
 
 struct ReceiveStats {
@@ -92,6 +107,7 @@ struct ReceiveStats {
   bool mapped = false;         // loaded straight from the source's mapped buffers (map_source_buffers)
   uint64_t buffer_bytes = 0;   // transfer-buffer memory this engine holds (0: receives_only and mapped)
   std::string route;           // what carried the bytes: "UCX mapped", "UCX tcp/eth0" (Transport::route)
+  uint32_t sources = 0;        // sources read from
   double total_seconds = 0;
   double load_seconds = 0;
   double receive_seconds() const { return total_seconds > load_seconds ? total_seconds - load_seconds : 0; }
@@ -116,7 +132,8 @@ class CheckpointEngine {
 
   bool stale() const;
   uint64_t bucket_bytes() const;
-  // On a source: the layout its destination declared (null: whole tensors, or no destination).
+  // On a paired source: the layout its destination declared (null: whole tensors, no
+  // destination, or resharding).
   const Layout* target_layout() const;
   const Transport& transport() const;
 

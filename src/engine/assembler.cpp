@@ -2,6 +2,7 @@
 
 #include <cstring>
 
+#include "core/box_copy.h"
 #include "core/fail.h"
 
 namespace refit {
@@ -20,43 +21,44 @@ std::vector<TensorView> TensorAssembler::add_bucket(const protocol::BucketReady&
   std::vector<TensorView> out;
   for (const auto& e : bucket.entries) {
     const uint64_t nbytes = e.tensor.nbytes();
-    const bool whole = e.tensor_offset == 0 && e.size == nbytes;
-    if (merging_ && (whole || merging_->info.name != e.tensor.name))
-      fail(ErrorKind::kProtocol, "bucket {} from {}: tensor '{}' arrived while '{}' had only {} of {} bytes", bucket.seq,
-           who, e.tensor.name, merging_->info.name, merging_->received, merging_->info.nbytes());
-    if (!merging_ && !whole && e.tensor_offset != 0)
-      fail(ErrorKind::kProtocol, "bucket {} from {}: tensor '{}' starts at byte {}, not 0", bucket.seq, who,
-           e.tensor.name, e.tensor_offset);
-    if (!merging_ && names_.count(e.tensor.name))
+    const bool whole = e.box.is_whole() && e.tensor_offset == 0 && e.size == nbytes;
+    auto merge = merging_.find(e.tensor.name);
+    if (names_.count(e.tensor.name) || (whole && merge != merging_.end()))
       fail(ErrorKind::kProtocol, "bucket {} from {}: tensor '{}' delivered twice in one refit", bucket.seq, who,
            e.tensor.name);
-
     if (whole) {
       names_.insert(e.tensor.name);
       out.push_back({&e.tensor, data + e.bucket_offset, kind_});
       continue;
     }
-    if (!merging_) {
+    if (merge == merging_.end()) {
       TensorMemory& buffer = merge_buffers_[e.tensor.name];
       if (buffer.size() != nbytes) {
         buffer = TensorMemory();  // the old one goes before the new one is allocated
         buffer = TensorMemory(kind_, device_, nbytes, /*pin=*/true);
       }
-      merging_ = Merge{e.tensor, &buffer, 0};
-    } else if (merging_->info != e.tensor) {
+      merge = merging_.emplace(e.tensor.name, Merge{e.tensor, &buffer, 0}).first;
+    } else if (merge->second.info != e.tensor) {
       fail(ErrorKind::kProtocol, "bucket {} from {}: chunks of '{}' disagree on dtype or shape", bucket.seq, who,
            e.tensor.name);
     }
-    if (e.tensor_offset != merging_->received)
-      fail(ErrorKind::kProtocol, "bucket {} from {}: chunk of '{}' at byte {}, expected byte {}", bucket.seq, who,
-           e.tensor.name, e.tensor_offset, merging_->received);
-    stream_->copy(merging_->buffer->data() + e.tensor_offset, data + e.bucket_offset, e.size, kind_, kind_);
-    merging_->received += e.size;
-    if (merging_->received == nbytes) {
+    Merge& m = merge->second;
+    if (e.size > nbytes - m.received)
+      fail(ErrorKind::kProtocol, "bucket {} from {}: a chunk of {} bytes of '{}' exceeds its {} bytes ({} here already)",
+           bucket.seq, who, e.size, e.tensor.name, nbytes, m.received);
+    const std::byte* chunk = data + e.bucket_offset;
+    for_each_box_block(e.tensor.shape, dtype_size(e.tensor.dtype), e.box, e.tensor_offset, e.size,
+                       [&](const BoxBlock& b) {
+                         stream_->copy_2d(m.buffer->data() + b.tensor_offset, b.pitch,
+                                          chunk + (b.packed_offset - e.tensor_offset), b.row_bytes, b.row_bytes, b.rows,
+                                          kind_, kind_);
+                       });
+    m.received += e.size;
+    if (m.received == nbytes) {
       names_.insert(e.tensor.name);
-      batch_infos_.push_back(std::move(merging_->info));
-      out.push_back({&batch_infos_.back(), merging_->buffer->data(), kind_});
-      merging_.reset();
+      batch_infos_.push_back(std::move(m.info));
+      out.push_back({&batch_infos_.back(), m.buffer->data(), kind_});
+      merging_.erase(merge);
     }
   }
   // The loader reads merged tensors, and the fetcher refills this bucket's buffer, after we return.
@@ -65,13 +67,15 @@ std::vector<TensorView> TensorAssembler::add_bucket(const protocol::BucketReady&
 }
 
 void TensorAssembler::finish(const std::string& who) const {
-  if (merging_)
-    fail(ErrorKind::kProtocol, "refit from {} ended with tensor '{}' incomplete ({} of {} bytes)", who,
-         merging_->info.name, merging_->received, merging_->info.nbytes());
+  if (!merging_.empty()) {
+    const Merge& m = merging_.begin()->second;
+    fail(ErrorKind::kProtocol, "refit from {} ended with {} tensor(s) incomplete, among them '{}' ({} of {} bytes)", who,
+         merging_.size(), m.info.name, m.received, m.info.nbytes());
+  }
 }
 
 void TensorAssembler::reset() {
-  merging_.reset();
+  merging_.clear();
   names_.clear();
   batch_infos_.clear();
 }

@@ -1,7 +1,8 @@
-// Turns received buckets back into whole tensors. A tensor that fits one chunk is handed out
-// as a zero-copy view into the transfer buffer; a tensor split over buckets is copied into an
-// owned buffer chunk by chunk and handed out when its last chunk arrives. Chunks of a split
-// tensor must arrive consecutively and in order, which is how every source packs them.
+// Turns received buckets back into whole tensors. A tensor that arrives as one chunk is handed
+// out as a zero-copy view into the transfer buffer; any other is copied into an owned buffer
+// chunk by chunk (each chunk to where its piece lies in the tensor, box_copy.h) and handed out
+// when all its bytes are there. Chunks may come in any order and interleaved with other
+// tensors' (pieces of one tensor come from several sources at once); every byte arrives once.
 //
 // Buffers for split tensors are kept from one refit to the next (a refit of the same model
 // splits the same tensors), so that only the first refit pays for allocating and faulting in
@@ -39,7 +40,7 @@ class TensorAssembler {
   std::vector<TensorView> add_bucket(const protocol::BucketReady& bucket, const std::byte* data,
                                      const std::string& who, Deadline deadline);
 
-  // At the end of a refit: throws Error(kProtocol) if a split tensor is incomplete.
+  // At the end of a refit: throws Error(kProtocol) naming the first incomplete tensor.
   void finish(const std::string& who) const;
 
   // Forgets the tensors of this refit, keeping the merge buffers for the next.
@@ -58,7 +59,7 @@ class TensorAssembler {
   MemoryKind kind_ = MemoryKind::kHost;
   Device device_;
   std::unique_ptr<CopyStream> stream_ = std::make_unique<CopyStream>();
-  std::optional<Merge> merging_;
+  std::map<std::string, Merge, std::less<>> merging_;  // tensors with some, not all, bytes here
   std::unordered_set<std::string> names_;  // tensors delivered this refit
   // By tensor name, kept across refits; host memory is page-locked when a GPU is usable, so that a
   // loader copies merged tensors to the GPU at PCIe speed.

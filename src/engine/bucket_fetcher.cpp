@@ -39,7 +39,12 @@ void BucketFetcher::run() {
     error_phase_ = phase;
     finished_ = true;
   }
+  notify();
+}
+
+void BucketFetcher::notify() {
   changed_.notify_all();
+  if (context_.signal) context_.signal->notify();
 }
 
 bool BucketFetcher::wait_released(std::optional<uint64_t> seq, Deadline deadline) {
@@ -57,6 +62,7 @@ void BucketFetcher::acknowledge(uint64_t seq, Deadline deadline) {
 bool BucketFetcher::fetch(uint64_t seq, std::string& phase) {
   const auto deadline = deadline_after(Seconds(context_.timeout_s));
   const int local = static_cast<int>(seq % 2);
+  const uint64_t region_bytes = context_.peer_metadata->buffers.length;
   const bool mapped = context_.mapped != nullptr;
   // Staged: wait until the engine has loaded bucket seq - 2 (its buffer is ours again) and taken
   // seq - 1. Mapped: wait until it has loaded seq - 1, then let the source refill that buffer.
@@ -88,7 +94,7 @@ bool BucketFetcher::fetch(uint64_t seq, std::string& phase) {
   if (msg.type != protocol::MessageType::kBucketReady || msg.ready.seq != seq)
     fail(ErrorKind::kProtocol, "{} sent an unexpected message (type {}, bucket {}) instead of bucket {}",
          context_.peer_label, static_cast<int>(msg.type), msg.ready.seq, seq);
-  protocol::validate(msg.ready, context_.bucket_bytes, context_.peer_label);
+  protocol::validate(msg.ready, context_.bucket_bytes, region_bytes, context_.peer_label);
 
   if (context_.verify_checksums != msg.ready.checksum.has_value())
     fail(ErrorKind::kConfig, "verify_checksums differs between {} ({}) and this destination ({})", context_.peer_label,
@@ -98,10 +104,10 @@ bool BucketFetcher::fetch(uint64_t seq, std::string& phase) {
   const auto& bucket = msg.ready;
   const std::byte* data = context_.buffers[local];
   if (mapped) {
-    data = context_.mapped + bucket.buffer * context_.bucket_bytes;
+    data = context_.mapped + bucket.offset;
   } else if (bucket.used_bytes > 0) {
     phase = fmt::format("read bucket {}", seq);
-    context_.transport->read(context_.peer, context_.peer_metadata->buffers, bucket.buffer * context_.bucket_bytes,
+    context_.transport->read(context_.peer, context_.peer_metadata->buffers, bucket.offset,
                              context_.buffers[local], context_.region, bucket.used_bytes, deadline);
   }
   if (bucket.checksum) {
@@ -122,7 +128,7 @@ bool BucketFetcher::fetch(uint64_t seq, std::string& phase) {
     std::lock_guard lock(mutex_);
     ready_ = Fetched{std::move(msg.ready), data};
   }
-  changed_.notify_all();
+  notify();
   if (last && mapped) {
     // The source waits for the last bucket's acknowledgement before its refit ends.
     phase = fmt::format("wait for the loader to finish bucket {}", seq);
@@ -134,12 +140,8 @@ bool BucketFetcher::fetch(uint64_t seq, std::string& phase) {
   return !last;
 }
 
-BucketFetcher::Fetched BucketFetcher::next(std::string& phase) {
-  // The fetch thread ends each of its waits by its own deadline; this one only backs it up.
-  const auto deadline = deadline_after(Seconds(2 * context_.timeout_s + 1));
+std::optional<BucketFetcher::Fetched> BucketFetcher::try_next(std::string& phase) {
   std::unique_lock lock(mutex_);
-  if (!changed_.wait_until(lock, deadline, [&] { return ready_ || error_ || finished_; }))
-    fail(ErrorKind::kTimeout, "the fetch thread for {} gave no bucket in time", context_.peer_label);
   if (ready_) {
     Fetched out = std::move(*ready_);
     ready_.reset();
@@ -148,7 +150,7 @@ BucketFetcher::Fetched BucketFetcher::next(std::string& phase) {
     return out;
   }
   rethrow_error(phase);
-  fail(ErrorKind::kInternal, "the fetch thread for {} stopped early", context_.peer_label);
+  return std::nullopt;
 }
 
 void BucketFetcher::finish(std::string& phase) {
@@ -170,7 +172,7 @@ void BucketFetcher::release(uint64_t seq) {
     std::lock_guard lock(mutex_);
     released_ = seq;
   }
-  changed_.notify_all();
+  notify();
 }
 
 }  // namespace refit

@@ -1,6 +1,8 @@
-// The destination's reading side, on a thread of its own: it waits for each bucket's
-// announcement, validates it and hands the bucket's bytes to the engine's thread, which
-// reassembles and loads them. Two ways:
+// The destination's reading side of one link (one source), on a thread of its own: it waits for
+// each bucket's announcement, validates it and hands the bucket's bytes to the engine's thread,
+// which reassembles and loads them. A destination reading from several sources runs one fetcher
+// per source, all reading at once; every fetcher wakes the same FetchSignal, so the engine's
+// thread takes buckets from whichever link has one. Two ways:
 //   - staged: the used bytes are read into one of the two local buffers and the bucket is
 //     acknowledged at once, so the destination reads bucket k+1 while it loads bucket k, and the
 //     source packs k+2 meanwhile;
@@ -22,6 +24,32 @@
 
 namespace refit {
 
+// Wakes the engine's thread when any of its fetchers has news (a bucket, an error, the end).
+class FetchSignal {
+ public:
+  void notify() {
+    {
+      std::lock_guard lock(mutex_);
+      ++version_;
+    }
+    changed_.notify_all();
+  }
+  uint64_t version() {
+    std::lock_guard lock(mutex_);
+    return version_;
+  }
+  // Waits until the version moves past `seen` or the deadline passes.
+  void wait(uint64_t seen, Deadline deadline) {
+    std::unique_lock lock(mutex_);
+    changed_.wait_until(lock, deadline, [&] { return version_ != seen; });
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable changed_;
+  uint64_t version_ = 0;
+};
+
 struct FetchContext {
   Transport* transport = nullptr;
   PeerId peer = 0;
@@ -29,11 +57,12 @@ struct FetchContext {
   const protocol::EngineMetadata* peer_metadata = nullptr;
   std::byte* buffers[2] = {};  // both inside `region`
   RegionId region = 0;
-  const std::byte* mapped = nullptr;  // the source's two buffers, mapped; null: staged reads
-  uint64_t bucket_bytes = 0;
+  const std::byte* mapped = nullptr;  // the source's transfer region, mapped; null: staged reads
+  uint64_t bucket_bytes = 0;          // of this link (both sides derive it)
   uint64_t refit = 0;
   double timeout_s = 0;
   bool verify_checksums = false;
+  FetchSignal* signal = nullptr;
 };
 
 class BucketFetcher {
@@ -48,13 +77,15 @@ class BucketFetcher {
   BucketFetcher(const BucketFetcher&) = delete;
   BucketFetcher& operator=(const BucketFetcher&) = delete;
 
-  // The next bucket, in order. Rethrows the thread's error, setting `phase` to where it failed.
-  Fetched next(std::string& phase);
+  // The next bucket, in order, if one is here; nothing when none is yet or after the last.
+  // Rethrows the thread's error, setting `phase` to where it failed.
+  std::optional<Fetched> try_next(std::string& phase);
   // The engine is done with bucket `seq`: its buffer may be refilled.
   void release(uint64_t seq);
   // After release() of the last bucket: waits until the thread has acknowledged everything and
   // stopped; rethrows its error.
   void finish(std::string& phase);
+  const std::string& peer_label() const { return context_.peer_label; }
 
  private:
   void run();
@@ -66,6 +97,7 @@ class BucketFetcher {
   void acknowledge(uint64_t seq, Deadline deadline);
   // Under mutex_: rethrows the thread's error, if any, setting `phase` to where it failed.
   void rethrow_error(std::string& phase) const;
+  void notify();  // changed_ and the engine's signal
 
   FetchContext context_;
   std::mutex mutex_;

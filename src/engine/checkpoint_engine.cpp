@@ -3,7 +3,9 @@
 #include <spdlog/spdlog.h>
 #include <xxhash.h>
 
+#include <algorithm>
 #include <cstring>
+#include <map>
 #include <deque>
 #include <random>
 #include <set>
@@ -11,10 +13,12 @@
 #include "core/fail.h"
 #include "engine/assembler.h"
 #include "engine/bucket_fetcher.h"
+#include "engine/link_sender.h"
 #include "engine/peer_wait.h"
 #include "engine/protocol.h"
 #include "refit/device.h"
 #include "refit/plan.h"
+#include "refit/transfer_plan.h"
 
 namespace refit {
 namespace {
@@ -74,6 +78,9 @@ class CheckpointEngine::Impl {
            "refit_cfg.nixl.verify_checksums: checksums are computed on the CPU and need host transfer buffers "
            "(device: cpu); with device {} set verify_checksums=false",
            to_string(device));
+    if (options_.holds && !options_.model)
+      fail(ErrorKind::kConfig, "a source that declares what it holds (EngineOptions::holds) needs the model's inventory "
+                               "(EngineOptions::model) to plan the transfers");
     if (options_.transport) {
       transport_ = options_.transport;
     } else {
@@ -107,6 +114,7 @@ class CheckpointEngine::Impl {
     md.transport_address = transport_->address();
     if (has_buffers_) md.buffers = transport_->describe(region_);
     if (options_.layout) md.layout = encode_layout(*options_.layout);
+    if (options_.holds) md.holds = encode_layout(*options_.holds);
     md.process = this_process();
     generation_ = random_u64();
     md.generation = generation_;
@@ -123,14 +131,21 @@ class CheckpointEngine::Impl {
       if (options_.receives_only)
         fail(ErrorKind::kInvalidArgument, "this engine was created to receive only (receives_only): it cannot be a "
                                           "source");
-      // Validate the whole pairing, so that every source agrees on it, then find our peer.
-      for (int r = 0; r < rollout; ++r) source_rank_for_destination(r, train, rollout);
-      if (worker_rank < rollout) {
-        const std::string label = fmt::format("destination rank {}", worker_rank);
-        connect_peer(metadata, train + worker_rank, label);
-        first_refit_ = protocol::first_refit(generation_, peer_metadata_.generation);
-        if (!peer_metadata_.layout.empty()) target_layout_ = decode_layout(peer_metadata_.layout, "layout of " + label);
+      if (auto plan = plan_if_resharding(train, rollout, metadata)) {
+        for (uint32_t d : plan->destinations_of(worker_rank))
+          add_link(metadata, train + d, fmt::format("destination rank {}", d), link_bytes(*plan, worker_rank, d, true));
+        plan_sends(*plan, worker_rank, train, metadata);
+      } else {
+        // Validate the whole pairing, so that every source agrees on it, then find our peer.
+        for (int r = 0; r < rollout; ++r) source_rank_for_destination(r, train, rollout);
+        if (worker_rank < rollout) {
+          add_link(metadata, train + worker_rank, fmt::format("destination rank {}", worker_rank), options_.bucket_bytes);
+          const auto& md = links_[0].metadata;
+          if (!md.layout.empty()) target_layout_ = decode_layout(md.layout, "layout of " + links_[0].label);
+        }
       }
+      for (auto& link : links_) link.first_refit = protocol::first_refit(generation_, link.metadata.generation);
+      make_senders();
     });
     self_ = self;
   }
@@ -141,13 +156,28 @@ class CheckpointEngine::Impl {
     in_phase(self + ", init", [&] {
       disconnect();
       check_group(train, rollout, metadata);
-      int source = source_rank_for_destination(rollout_rank, train, rollout);
-      connect_peer(metadata, source, fmt::format("source rank {}", source));
-      first_refit_ = protocol::first_refit(peer_metadata_.generation, generation_);
-      if (peer_metadata_.buffers.length == 0)
-        fail(ErrorKind::kProtocol, "{} published no transfer buffers (it was created to receive only)", peer_label_);
-      if (options_.config.map_source_buffers) map_source_buffers();
-      if (!mapped_source_ && !has_buffers_) allocate_buffers();
+      if (rollout_rank < 0 || rollout_rank >= rollout)
+        fail(ErrorKind::kTopology, "rollout_rank must be in [0, {}), got {}", rollout, rollout_rank);
+      if (auto plan = plan_if_resharding(train, rollout, metadata)) {
+        for (uint32_t s : plan->sources_of(rollout_rank))
+          add_link(metadata, s, fmt::format("source rank {}", s), link_bytes(*plan, s, rollout_rank, false));
+        expected_tensors_.clear();
+        for (uint32_t s = 0; s < plan->source_count(); ++s)
+          for (const auto& piece : plan->link(s, rollout_rank)) expected_tensors_.insert(piece.tensor);
+      } else {
+        const int source = source_rank_for_destination(rollout_rank, train, rollout);
+        add_link(metadata, source, fmt::format("source rank {}", source), options_.bucket_bytes);
+      }
+      bool all_mapped = true;
+      for (auto& link : links_) {
+        link.first_refit = protocol::first_refit(link.metadata.generation, generation_);
+        if (link.metadata.buffers.length == 0)
+          fail(ErrorKind::kProtocol, "{} published no transfer buffers (it was created to receive only)", link.label);
+        if (options_.config.map_source_buffers) map_source_buffers(link);
+        all_mapped = all_mapped && link.mapped != nullptr;
+      }
+      if (!all_mapped && !has_buffers_) allocate_buffers();
+      assign_buffer_offsets();
     });
     is_destination_ = true;
   }
@@ -155,8 +185,8 @@ class CheckpointEngine::Impl {
   SendStats send(WeightSource& weights) {
     SendStats stats;
     const auto start = Clock::now();
-    const uint64_t refit = first_refit_ + ++refits_;
-    if (!has_peer_) {
+    ++refits_;
+    if (senders_.empty()) {
       // A source without a destination still drains its stream: real weight iterators run
       // collectives that every rank must enter.
       TensorView view;
@@ -165,15 +195,16 @@ class CheckpointEngine::Impl {
       return stats;
     }
     stats.had_peer = true;
+    stats.destinations = static_cast<uint32_t>(senders_.size());
     std::string phase = "pack";
     try {
-      run_send(weights, refit, stats, phase);
+      run_send(weights, stats, phase);
     } catch (const Error& e) {
-      abort_peer(refit, e.kind(), e.what());
+      abort_links(e.kind(), e.what());
       throw Error(e.kind(), fmt::format("{}, refit {} of this connection, phase {}: {}", self_, refits_, phase, e.what()));
     } catch (const std::exception& e) {
       // The weight iterator (caller code) failed.
-      abort_peer(refit, ErrorKind::kInvalidArgument, e.what());
+      abort_links(ErrorKind::kInvalidArgument, e.what());
       throw Error(ErrorKind::kInvalidArgument, fmt::format("{}, refit {} of this connection, phase {}: weight stream failed: {}", self_, refits_, phase, e.what()));
     }
     stats.seconds = seconds_since(start);
@@ -184,17 +215,17 @@ class CheckpointEngine::Impl {
     stale_ = true;
     ReceiveStats stats;
     const auto start = Clock::now();
-    const uint64_t refit = first_refit_ + ++refits_;
-    if (!has_peer_)
+    ++refits_;
+    if (links_.empty())
       fail(ErrorKind::kTopology, "{}: receive() before init_destination(): the destination is not connected to a source",
            self_.empty() ? "destination" : self_);
     std::string phase = "wait for bucket 0";
     try {
-      run_receive(loader, refit, stats, phase);
+      run_receive(loader, stats, phase);
     } catch (const std::exception& e) {
       ErrorKind kind = ErrorKind::kInvalidArgument;  // the loader (caller code) failed
       if (const auto* err = dynamic_cast<const Error*>(&e)) kind = err->kind();
-      abort_peer(refit, kind, e.what());
+      abort_links(kind, e.what());
       spdlog::error("{} is stale: refit {} of this connection failed in phase {}: {}", self_, refits_, phase, e.what());
       throw Error(kind, fmt::format("{}, refit {} of this connection, phase {}: {}", self_, refits_, phase, e.what()));
     }
@@ -220,6 +251,31 @@ class CheckpointEngine::Impl {
   const Transport& transport() const { return *transport_; }
 
  private:
+  // One peer this engine exchanges bytes with: its destination(s) on a source, its source(s) on
+  // a destination.
+  struct Link {
+    PeerId peer = 0;
+    std::string label;  // "source rank 3 on host h2"
+    protocol::EngineMetadata metadata;
+    uint64_t first_refit = 0;  // protocol::first_refit() of the connection; refit k is first_refit + k on the wire
+    uint64_t bucket_bytes = 0;  // of this link: both ends derive the same
+    uint64_t offset = 0;        // of this link's two buffers in our transfer region
+    const std::byte* mapped = nullptr;  // on a destination: the source's transfer region, mapped (or null)
+    HostPin mapped_pin;
+  };
+  // On a resharding source: where one tensor's pieces go.
+  struct SendPiece {
+    size_t link = 0;
+    TensorInfo tensor;  // as the destination holds it
+    Box in_view;        // the piece in the coordinates of our shard
+    Box in_tensor;      // the piece in the coordinates of the destination's tensor
+  };
+  struct SendTensor {
+    std::vector<int64_t> held_shape;  // what the weight stream must yield for it
+    DType dtype = DType::kBFloat16;
+    std::vector<SendPiece> pieces;
+  };
+
   Deadline next_deadline() const { return deadline_after(Seconds(options_.config.timeout_s)); }
 
   void check_group(int train, int rollout, std::span<const Metadata> metadata) {
@@ -231,9 +287,45 @@ class CheckpointEngine::Impl {
            metadata.size(), train, rollout);
   }
 
+  std::string label_of(int index, int train) const {
+    return index < train ? fmt::format("source rank {}", index) : fmt::format("destination rank {}", index - train);
+  }
+
+  // The transfer plan when any source declares what it holds; nothing for the paired topology.
+  // Every engine of the group computes the same plan from the same metadata.
+  std::optional<TransferPlan> plan_if_resharding(int train, int rollout, std::span<const Metadata> metadata) {
+    std::vector<protocol::EngineMetadata> all;
+    bool resharding = false;
+    for (int i = 0; i < train + rollout; ++i) {
+      all.push_back(protocol::decode_metadata(metadata[i], "metadata of " + label_of(i, train)));
+      resharding = resharding || (i < train && !all.back().holds.empty());
+    }
+    if (!resharding) return std::nullopt;
+    if (!options_.model)
+      fail(ErrorKind::kConfig, "the sources declare what they hold (resharding), so this engine needs the model's "
+                               "inventory (EngineOptions::model) to plan the transfers");
+    std::vector<Layout> holds(train), needs(rollout);
+    for (int i = 0; i < train; ++i)
+      if (!all[i].holds.empty()) holds[i] = decode_layout(all[i].holds, "holdings of " + label_of(i, train));
+    for (int d = 0; d < rollout; ++d)
+      if (!all[train + d].layout.empty()) needs[d] = decode_layout(all[train + d].layout, "layout of " + label_of(train + d, train));
+    holds_ = holds;
+    needs_ = needs;
+    return plan_transfers(*options_.model, holds, needs);
+  }
+
+  // Both ends of link (s, d) split their two buckets of transfer memory over their links; the
+  // link gets the smaller share, which both ends compute alike.
+  uint64_t link_bytes(const TransferPlan& plan, uint32_t s, uint32_t d, bool) const {
+    const uint64_t ways = std::max(plan.destinations_of(s).size(), plan.sources_of(d).size());
+    uint64_t bytes = options_.bucket_bytes / std::max<uint64_t>(ways, 1);
+    if (bytes >= 4096) bytes &= ~uint64_t{255};  // keep chunk offsets aligned
+    return std::max<uint64_t>(bytes, 1);
+  }
+
   // Decodes a peer's metadata, refuses it unless it belongs to the same group, model and bucket
   // size, and connects.
-  void connect_peer(std::span<const Metadata> metadata, int index, const std::string& label) {
+  void add_link(std::span<const Metadata> metadata, int index, const std::string& label, uint64_t link_bucket) {
     auto md = protocol::decode_metadata(metadata[index], "metadata of " + label);
     if (md.session != options_.session)
       fail(ErrorKind::kProtocol, "metadata of {} comes from another refit session (stale or foreign metadata)", label);
@@ -246,36 +338,97 @@ class CheckpointEngine::Impl {
       fail(ErrorKind::kProtocol, "{} uses transport '{}', this engine '{}'", label, md.transport_name, transport_->name());
     // Errors name the peer's host too: across hosts that is what an operator looks for first.
     const std::string where = same_host(md.process) ? label : fmt::format("{} on host {}", label, md.process.hostname);
-    peer_ = transport_->connect(md.transport_address, where);
-    peer_metadata_ = std::move(md);
-    peer_label_ = where;
-    has_peer_ = true;
+    Link link;
+    link.peer = transport_->connect(md.transport_address, where);
+    link.metadata = std::move(md);
+    link.label = where;
+    link.bucket_bytes = link_bucket;
+    links_.push_back(std::move(link));
     refits_ = 0;
   }
 
-  // Maps the source's transfer buffers when the transport can (same host); host memory is then
+  // Link k's two buffers follow link k-1's in our transfer region.
+  void assign_buffer_offsets() {
+    uint64_t offset = 0;
+    for (auto& link : links_) {
+      link.offset = offset;
+      offset += 2 * link.bucket_bytes;
+    }
+  }
+
+  // On a resharding source: for every tensor we hold that someone needs, the pieces and where
+  // they go.
+  void plan_sends(const TransferPlan& plan, uint32_t self, int train, std::span<const Metadata>) {
+    const auto& tensors = options_.model->tensors;
+    send_tensors_.clear();
+    for (size_t k = 0; k < links_.size(); ++k) {
+      const uint32_t d = plan.destinations_of(self)[k];
+      for (const TransferPiece& piece : plan.link(self, d)) {
+        const TensorInfo& full = tensors[piece.tensor];
+        const Request held = holds_[self].request_for(full.name);
+        const Request need = needs_[d].request_for(full.name);
+        auto [it, fresh] = send_tensors_.try_emplace(full.name);
+        if (fresh) {
+          it->second.held_shape = Box::of(held).shape_in(full.shape);
+          it->second.dtype = full.dtype;
+        }
+        TensorInfo at_destination{full.name, full.dtype, Box::of(need).shape_in(full.shape)};
+        const Slice none{-1, 0, 0};
+        it->second.pieces.push_back({k, std::move(at_destination),
+                                     piece.box.relative_to(held.take == Take::kSlice ? held.slice : none),
+                                     piece.box.relative_to(need.take == Take::kSlice ? need.slice : none)});
+      }
+    }
+    (void)train;
+  }
+
+  void make_senders() {
+    senders_.clear();
+    assign_buffer_offsets();
+    for (auto& link : links_) {
+      LinkContext c;
+      c.transport = transport_.get();
+      c.peer = link.peer;
+      c.peer_label = link.label;
+      c.peer_process = link.metadata.process;
+      c.buffers[0] = region_base_ + link.offset;
+      c.buffers[1] = region_base_ + link.offset + link.bucket_bytes;
+      c.offsets[0] = link.offset;
+      c.offsets[1] = link.offset + link.bucket_bytes;
+      c.bucket_bytes = link.bucket_bytes;
+      c.buffer_kind = buffer_kind_;
+      c.stream = pack_stream_.get();
+      c.timeout_s = options_.config.timeout_s;
+      c.verify_checksums = options_.config.verify_checksums;
+      senders_.push_back(std::make_unique<LinkSender>(std::move(c)));
+    }
+  }
+
+  // Maps a source's transfer buffers when the transport can (same host); host memory is then
   // page-locked here too, so that loads from it into GPU tensors run at PCIe speed.
-  void map_source_buffers() {
+  void map_source_buffers(Link& link) {
     // A peer in other namespaces shares this kernel but not its /dev/shm, /proc or pids: it is
     // remote, whatever the transport might believe.
-    if (!same_host(peer_metadata_.process)) {
-      spdlog::debug("{}: on another host, so the staged path", peer_label_);
+    if (!same_host(link.metadata.process)) {
+      spdlog::debug("{}: on another host, so the staged path", link.label);
       return;
     }
-    mapped_source_ = transport_->map(peer_, peer_metadata_.buffers);
-    if (mapped_source_ == nullptr) return;
+    link.mapped = transport_->map(link.peer, link.metadata.buffers);
+    if (link.mapped == nullptr) return;
     if (buffer_kind_ == MemoryKind::kHost)
-      mapped_pin_ = HostPin::pin(const_cast<std::byte*>(mapped_source_), kBufferCount * options_.bucket_bytes);
-    spdlog::debug("{} loads straight from the mapped buffers of {}", self_.empty() ? "destination" : self_, peer_label_);
+      link.mapped_pin = HostPin::pin(const_cast<std::byte*>(link.mapped), link.metadata.buffers.length);
+    spdlog::debug("{} loads straight from the mapped buffers of {}", self_.empty() ? "destination" : self_, link.label);
   }
 
   void disconnect() {
     target_layout_.reset();
-    mapped_pin_ = HostPin();
-    mapped_source_ = nullptr;
-    if (!has_peer_) return;
-    has_peer_ = false;
-    transport_->disconnect(peer_);
+    senders_.clear();
+    send_tensors_.clear();
+    for (auto& link : links_) {
+      link.mapped_pin = HostPin();
+      transport_->disconnect(link.peer);
+    }
+    links_.clear();
   }
 
   // Both transfer buffers come from one allocation of the transport, on the configured device.
@@ -287,8 +440,7 @@ class CheckpointEngine::Impl {
     check_buffers_fit(device, options_.bucket_bytes, kBufferCount);
     auto allocation = transport_->allocate_memory(bytes);
     region_ = allocation.region;
-    buffers_[0] = allocation.base;
-    buffers_[1] = allocation.base + options_.bucket_bytes;
+    region_base_ = allocation.base;
     has_buffers_ = true;
     if (memory_kind_of(allocation.base) != buffer_kind_) {
       release_buffers();
@@ -307,216 +459,178 @@ class CheckpointEngine::Impl {
     if (pack_stream_ && pack_stream_->pending()) pack_stream_->synchronize(next_deadline());
     pin_ = HostPin();
     transport_->deregister_memory(region_);
-    buffers_[0] = buffers_[1] = nullptr;
+    region_base_ = nullptr;
     has_buffers_ = false;
   }
 
-  // The next message of refit `refit`; messages of earlier refits or connections (left queued by
-  // a failure) are discarded.
-  protocol::Message receive_message(uint64_t refit, const std::string& expecting) {
-    const Deadline deadline = next_deadline();
-    while (true) {
-      auto bytes = receive_watching(*transport_, peer_, peer_label_, peer_metadata_.process, deadline);
-      auto msg = protocol::decode_message(*bytes, peer_label_);
-      if (msg.refit() != refit) {
-        spdlog::debug("{}: discarding a message of an earlier refit from {}", self_, peer_label_);
-        continue;
+  void abort_links(ErrorKind kind, const std::string& reason) noexcept {
+    for (size_t k = 0; k < links_.size(); ++k) {
+      try {
+        transport_->send(links_[k].peer,
+                         protocol::encode(protocol::Abort{links_[k].first_refit + refits_, kind, reason}),
+                         deadline_after(kAbortTimeout));
+      } catch (const std::exception&) {
+        // The peer may be the reason we are aborting.
       }
-      if (msg.type == protocol::MessageType::kAbort) protocol::raise_abort(msg.abort, peer_label_, expecting);
-      return msg;
     }
   }
 
-  void abort_peer(uint64_t refit, ErrorKind kind, const std::string& reason) noexcept {
-    if (!has_peer_) return;
-    try {
-      transport_->send(peer_, protocol::encode(protocol::Abort{refit, kind, reason}), deadline_after(kAbortTimeout));
-    } catch (const std::exception&) {
-      // The peer may be the reason we are aborting.
-    }
-  }
-
-  void wait_done(uint64_t refit, uint64_t seq, std::string& phase) {
-    phase = fmt::format("wait for {} to read bucket {}", peer_label_, seq);
-    auto msg = receive_message(refit, fmt::format("bucket {} done", seq));
-    if (msg.type != protocol::MessageType::kBucketDone || msg.done.seq != seq)
-      fail(ErrorKind::kProtocol, "{} sent an unexpected message (type {}, refit {}, bucket {}) instead of 'bucket {} done'",
-           peer_label_, static_cast<int>(msg.type), msg.done.refit, msg.done.seq, seq);
-  }
-
-  // The bytes of a slice: in place when the slice is one contiguous block of the tensor (a dim-0
-  // narrow, or leading dims of 1), else gathered (one 2-D copy, on the GPU for a GPU tensor) into
-  // scratch memory of the tensor's kind, kept for the next slice.
-  const std::byte* slice_of(const TensorView& view, const Selection& selection) {
-    const SliceRows rows = slice_rows(*view.info, selection.slice);
-    if (rows.rows <= 1) return view.data + rows.offset;
-    // Copies from the scratch issued for the previous slice may still be running.
-    if (pack_stream_->pending()) pack_stream_->synchronize(next_deadline());
-    std::byte* scratch = nullptr;
-    if (view.memory == MemoryKind::kCuda) {
-      if (slice_scratch_device_.size() < selection.info.nbytes())
-        slice_scratch_device_ = DeviceBuffer(Device{Device::Kind::kCuda, -1}, selection.info.nbytes());  // the current GPU
-      scratch = slice_scratch_device_.data();
-    } else {
-      slice_scratch_.resize(selection.info.nbytes());
-      scratch = slice_scratch_.data();
-    }
-    pack_stream_->copy_2d(scratch, rows.row_bytes, view.data + rows.offset, rows.pitch, rows.row_bytes, rows.rows,
-                          view.memory, view.memory);
-    return scratch;
-  }
-
-  void run_send(WeightSource& weights, uint64_t refit, SendStats& stats, std::string& phase) {
-    BucketPacker packer(options_.bucket_bytes);
-    protocol::BucketReady bucket;
-    bucket.refit = refit;
-    // Announced buckets the destination is not done with: at most one per buffer. A bucket is
-    // announced as soon as it is packed, while the destination still reads the one before, so
-    // that its reads follow each other with no round trip between them.
-    std::deque<uint64_t> unacknowledged;
-
-    auto bucket_start = Clock::now();
-    auto flush = [&](bool is_last) {
-      // Every copy into this buffer must be complete before the destination may read it.
-      if (pack_stream_->pending()) {
-        phase = fmt::format("copy into bucket {}", bucket.seq);
-        pack_stream_->synchronize(next_deadline());
-      }
-      if (options_.config.verify_checksums) bucket.checksum = XXH3_64bits(buffers_[bucket.buffer], bucket.used_bytes);
-      const auto packed = Clock::now();
-      bucket.is_last = is_last;
-      phase = fmt::format("announce bucket {}", bucket.seq);
-      transport_->send(peer_, protocol::encode(bucket), next_deadline());
-      unacknowledged.push_back(bucket.seq);
-      ++stats.buckets;
-      const uint64_t announced = bucket.seq;
-      bucket.seq++;
-      bucket.buffer ^= 1;
-      bucket.entries.clear();
-      bucket.used_bytes = 0;
-      // The next bucket goes into the other buffer: the destination must be done with the bucket
-      // that buffer holds.
-      if (unacknowledged.size() == static_cast<size_t>(kBufferCount)) {
-        wait_done(refit, unacknowledged.front(), phase);
-        unacknowledged.pop_front();
-      }
-      spdlog::debug("{}: bucket {} packed and announced in {:.2f} ms, then {:.2f} ms waiting for {} to free a buffer",
-                    self_, announced, Seconds(packed - bucket_start).count() * 1e3,
-                    Seconds(Clock::now() - packed).count() * 1e3, peer_label_);
-      bucket_start = Clock::now();
-    };
-
-    std::set<std::string, std::less<>> sent;  // names, to check the layout's requests were met
+  void run_send(WeightSource& weights, SendStats& stats, std::string& phase) {
+    for (size_t k = 0; k < senders_.size(); ++k) senders_[k]->begin(links_[k].first_refit + refits_);
+    std::set<std::string, std::less<>> sent;  // names, to check every request was met
     TensorView view;
     while (true) {
-      phase = fmt::format("pack bucket {}", bucket.seq);
+      phase = "wait for the weight stream";
       if (!weights.next(&view)) break;
       if (view.info == nullptr) fail(ErrorKind::kInvalidArgument, "the weight stream yielded a tensor without metadata");
       const TensorInfo& info = *view.info;
       const uint64_t nbytes = info.nbytes();
       if (nbytes > 0 && view.data == nullptr)
         fail(ErrorKind::kInvalidArgument, "tensor '{}' ({} bytes) has no data pointer", info.name, nbytes);
-
-      // What the destination holds of this tensor: all of it, a slice, or nothing.
+      if (!send_tensors_.empty() || !holds_.empty()) {
+        // Resharding: the pieces the plan asks of this shard.
+        auto it = send_tensors_.find(info.name);
+        if (it == send_tensors_.end()) {
+          ++stats.dropped;
+          continue;
+        }
+        const SendTensor& t = it->second;
+        if (info.shape != t.held_shape || info.dtype != t.dtype)
+          fail(ErrorKind::kLayout, "the weight stream yielded '{}' as {} {}, but this source declared it holds {} {}",
+               info.name, dtype_name(info.dtype), shape_string(info.shape), dtype_name(t.dtype), shape_string(t.held_shape));
+        if (!sent.insert(info.name).second)
+          fail(ErrorKind::kInvalidArgument, "tensor '{}' appears twice in one refit", info.name);
+        for (const SendPiece& p : t.pieces) senders_[p.link]->add(view, p.in_view, p.tensor, p.in_tensor, phase);
+        ++stats.tensors;
+        continue;
+      }
+      // Paired: what the destination holds of this tensor: all of it, a slice, or nothing.
       Selection selection{Take::kWhole, {}, info};
       if (target_layout_) selection = select(*target_layout_, info);
       if (selection.take == Take::kDrop) {
         ++stats.dropped;
         continue;
       }
-      const std::byte* data = view.data;
-      MemoryKind data_kind = view.memory;
-      if (selection.take == Take::kSlice) data = in_phase(fmt::format("gathering a slice of '{}'", info.name), [&] {
-        return slice_of(view, selection);
-      });
-      for (const ChunkPlacement& c : packer.place(selection.info)) {
-        if (c.starts_bucket) flush(false);
-        if (c.size > 0)
-          pack_stream_->copy(buffers_[bucket.buffer] + c.bucket_offset, data + c.tensor_offset, c.size, buffer_kind_,
-                             data_kind);
-        bucket.entries.push_back({selection.info, c.tensor_offset, c.size, c.bucket_offset});
-        bucket.used_bytes = c.bucket_offset + c.size;
-      }
+      const Box box = selection.take == Take::kSlice ? Box::of(Request::narrow(selection.slice.dim, selection.slice.start,
+                                                                               selection.slice.length))
+                                                     : Box::whole();
+      senders_[0]->add(view, box, selection.info, Box::whole(), phase);
       sent.insert(info.name);
       ++stats.tensors;
-      stats.payload_bytes += selection.info.nbytes();
     }
     if (target_layout_) {
       // A destination that declared a tensor must get it: a request the stream never met would
       // otherwise leave that parameter stale with no word said.
       for (const auto& [name, request] : target_layout_->tensors)
         if (request.take != Take::kDrop && !sent.count(name))
-          fail(ErrorKind::kLayout, "{} holds '{}' but the weight stream never yielded it", peer_label_, name);
+          fail(ErrorKind::kLayout, "{} holds '{}' but the weight stream never yielded it", links_[0].label, name);
     }
-    flush(true);
-    for (; !unacknowledged.empty(); unacknowledged.pop_front()) wait_done(refit, unacknowledged.front(), phase);
+    for (const auto& [name, t] : send_tensors_)
+      if (!sent.count(name))
+        fail(ErrorKind::kLayout, "{} needs a piece of '{}' from this source, but the weight stream never yielded it",
+             senders_[t.pieces.front().link]->peer_label(), name);
+    // Every link's last bucket goes out before we wait on any of them.
+    for (auto& sender : senders_) sender->flush_last(phase);
+    for (auto& sender : senders_) {
+      sender->wait_done(phase);
+      stats.buckets += sender->buckets();
+      stats.payload_bytes += sender->payload_bytes();
+    }
   }
 
-  void run_receive(const BatchLoader& loader, uint64_t refit, ReceiveStats& stats, std::string& phase) {
+  void run_receive(const BatchLoader& loader, ReceiveStats& stats, std::string& phase) {
     assembler_.reset();
-    FetchContext context{transport_.get(), peer_, peer_label_, &peer_metadata_, {buffers_[0], buffers_[1]},
-                         region_, mapped_source_, options_.bucket_bytes, refit, options_.config.timeout_s,
-                         options_.config.verify_checksums};
-    stats.mapped = mapped_source_ != nullptr;
+    FetchSignal signal;
+    std::vector<std::unique_ptr<BucketFetcher>> fetchers;
+    for (auto& link : links_) {
+      FetchContext context{transport_.get(), link.peer, link.label, &link.metadata,
+                           {region_base_ + link.offset, region_base_ + link.offset + link.bucket_bytes}, region_,
+                           link.mapped, link.bucket_bytes, link.first_refit + refits_, options_.config.timeout_s,
+                           options_.config.verify_checksums, &signal};
+      fetchers.push_back(std::make_unique<BucketFetcher>(std::move(context)));
+    }
+    stats.mapped = std::all_of(links_.begin(), links_.end(), [](const Link& l) { return l.mapped != nullptr; });
     stats.buffer_bytes = has_buffers_ ? kBufferCount * options_.bucket_bytes : 0;
-    BucketFetcher fetcher(std::move(context));
-    while (true) {
-      auto fetched = fetcher.next(phase);
-      const auto& bucket = fetched.bucket;
-      stats.wire_bytes += bucket.used_bytes;
-      ++stats.buckets;
-
-      phase = fmt::format("assemble bucket {}", bucket.seq);
-      auto batch = assembler_.add_bucket(bucket, fetched.data, peer_label_, next_deadline());
-      if (!batch.empty()) {
-        phase = fmt::format("load bucket {}", bucket.seq);
-        const auto load_start = Clock::now();
-        loader(batch);
-        stats.load_seconds += seconds_since(load_start);
-        spdlog::debug("{}: bucket {} ({} bytes) loaded in {:.2f} ms", self_, bucket.seq, bucket.used_bytes,
-                      seconds_since(load_start) * 1e3);
-        ++stats.batches;
-        stats.tensors += batch.size();
-        for (const auto& v : batch) stats.payload_bytes += v.info->nbytes();
+    stats.sources = static_cast<uint32_t>(links_.size());
+    std::vector<bool> done(links_.size(), false);
+    size_t remaining = links_.size();
+    // Each fetcher ends its own waits by their deadlines; this one only backs them up.
+    const Seconds backstop(2 * options_.config.timeout_s + 1);
+    auto idle_deadline = deadline_after(backstop);
+    while (remaining > 0) {
+      const uint64_t seen = signal.version();
+      bool progressed = false;
+      for (size_t k = 0; k < fetchers.size(); ++k) {
+        if (done[k]) continue;
+        auto fetched = fetchers[k]->try_next(phase);
+        if (!fetched) continue;
+        progressed = true;
+        const auto& bucket = fetched->bucket;
+        stats.wire_bytes += bucket.used_bytes;
+        ++stats.buckets;
+        phase = fmt::format("assemble bucket {} from {}", bucket.seq, links_[k].label);
+        auto batch = assembler_.add_bucket(bucket, fetched->data, links_[k].label, next_deadline());
+        if (!batch.empty()) {
+          phase = fmt::format("load bucket {} from {}", bucket.seq, links_[k].label);
+          const auto load_start = Clock::now();
+          loader(batch);
+          stats.load_seconds += seconds_since(load_start);
+          spdlog::debug("{}: bucket {} ({} bytes) from {} loaded in {:.2f} ms", self_, bucket.seq, bucket.used_bytes,
+                        links_[k].label, seconds_since(load_start) * 1e3);
+          ++stats.batches;
+          stats.tensors += batch.size();
+          for (const auto& v : batch) stats.payload_bytes += v.info->nbytes();
+        }
+        fetchers[k]->release(bucket.seq);
+        if (bucket.is_last) {
+          fetchers[k]->finish(phase);
+          done[k] = true;
+          --remaining;
+        }
       }
-      fetcher.release(bucket.seq);
-      if (bucket.is_last) {
-        assembler_.finish(peer_label_);
-        fetcher.finish(phase);
-        stats.route = mapped_source_ ? transport_->name() + " mapped" : transport_->route(peer_);
-        return;
+      if (progressed) {
+        idle_deadline = deadline_after(backstop);
+      } else if (remaining > 0) {
+        if (expired(idle_deadline))
+          fail(ErrorKind::kTimeout, "no bucket arrived from any of {} source(s) in {:.0f} s", remaining, backstop.count());
+        signal.wait(seen, std::min(idle_deadline, deadline_after(std::chrono::milliseconds(200))));
       }
     }
+    assembler_.finish(links_.size() == 1 ? links_[0].label : "its sources");
+    if (!expected_tensors_.empty() && assembler_.tensors_completed() != expected_tensors_.size())
+      fail(ErrorKind::kProtocol, "the plan sends this destination {} tensors, but {} arrived", expected_tensors_.size(),
+           assembler_.tensors_completed());
+    std::set<std::string> routes;
+    for (auto& link : links_) routes.insert(link.mapped ? transport_->name() + " mapped" : transport_->route(link.peer));
+    for (const auto& r : routes) stats.route += (stats.route.empty() ? "" : "; ") + r;
   }
 
   EngineOptions options_;
   std::shared_ptr<Transport> transport_;
-  RegionId region_ = 0;                    // one allocation of the transport holds both buffers
-  std::byte* buffers_[kBufferCount] = {};  // buffer b at b * bucket_bytes of it
+  RegionId region_ = 0;              // one allocation of the transport holds every link's two buffers
+  std::byte* region_base_ = nullptr;
   // Where transfer buffers (ours, or the source's mapped) live: the configured device's kind.
   const MemoryKind buffer_kind_ =
       options_.config.device.kind == Device::Kind::kCuda ? MemoryKind::kCuda : MemoryKind::kHost;
   bool has_buffers_ = false;
   HostPin pin_;                            // host buffers, page-locked when a GPU is usable
-  const std::byte* mapped_source_ = nullptr;  // on a destination: its source's buffers, mapped (or null)
-  HostPin mapped_pin_;
   std::unique_ptr<CopyStream> pack_stream_;  // on a source: copies into the transfer buffers
   bool prepared_ = false;  // prepare() ran since the buffers were last released
 
   std::string self_;
   bool is_destination_ = false;
-  bool has_peer_ = false;
-  PeerId peer_ = 0;
-  std::string peer_label_;
-  protocol::EngineMetadata peer_metadata_;
+  std::vector<Link> links_;
+  std::vector<std::unique_ptr<LinkSender>> senders_;  // on a source: one per link
   uint64_t refits_ = 0;       // since connect; names refits in errors
-  uint64_t first_refit_ = 0;  // protocol::first_refit() of this connection; refit k is first_refit_ + k on the wire
   uint64_t generation_ = 0;   // of this engine's latest metadata
   bool stale_ = true;
   TensorAssembler assembler_;
-  std::optional<Layout> target_layout_;    // on a source: what its destination holds
-  std::vector<std::byte> slice_scratch_;   // on a source: gathered non-contiguous slices of host tensors
-  DeviceBuffer slice_scratch_device_;      // ... and of GPU tensors
+  std::optional<Layout> target_layout_;  // on a paired source: what its destination holds
+  // Resharding: every source's holdings and every destination's needs (as in the metadata), the
+  // pieces a source sends by tensor name, the tensors a destination gets.
+  std::vector<Layout> holds_, needs_;
+  std::map<std::string, SendTensor, std::less<>> send_tensors_;
+  std::set<uint32_t> expected_tensors_;
 };
 
 CheckpointEngine::CheckpointEngine(EngineOptions options) : impl_(std::make_unique<Impl>(std::move(options))) {}

@@ -67,6 +67,7 @@ Bytes encode(const EngineMetadata& m) {
   w.put<uint64_t>(m.buffers.length);
   w.put_bytes(m.buffers.key);
   w.put_bytes(m.layout);
+  w.put_bytes(m.holds);
   w.put_string(m.process.boot_id);
   w.put<uint64_t>(m.process.namespaces);
   w.put_string(m.process.hostname);
@@ -101,6 +102,8 @@ EngineMetadata decode_metadata(std::span<const uint8_t> blob, const std::string&
          m.buffers.length, m.bucket_bytes);
   auto layout = r.get_bytes("layout");
   m.layout.assign(layout.begin(), layout.end());
+  auto holds = r.get_bytes("holds");
+  m.holds.assign(holds.begin(), holds.end());
   m.process.boot_id = r.get_string("boot id");
   m.process.namespaces = r.get<uint64_t>("namespaces");
   m.process.hostname = r.get_string("hostname");
@@ -115,7 +118,7 @@ Bytes encode(const BucketReady& m) {
   ByteWriter w = message_writer(MessageType::kBucketReady);
   w.put<uint64_t>(m.refit);
   w.put<uint64_t>(m.seq);
-  w.put<uint8_t>(m.buffer);
+  w.put<uint64_t>(m.offset);
   w.put<uint8_t>(m.is_last ? 1 : 0);
   w.put<uint64_t>(m.used_bytes);
   w.put<uint8_t>(m.checksum ? 1 : 0);
@@ -123,6 +126,12 @@ Bytes encode(const BucketReady& m) {
   w.put<uint64_t>(m.entries.size());
   for (const auto& e : m.entries) {
     put_tensor(w, e.tensor);
+    w.put<uint8_t>(e.box.count);
+    for (int c = 0; c < e.box.count; ++c) {
+      w.put<int32_t>(e.box.cuts[c].dim);
+      w.put<int64_t>(e.box.cuts[c].start);
+      w.put<int64_t>(e.box.cuts[c].length);
+    }
     w.put<uint64_t>(e.tensor_offset);
     w.put<uint64_t>(e.size);
     w.put<uint64_t>(e.bucket_offset);
@@ -158,7 +167,7 @@ Message decode_message(std::span<const uint8_t> bytes, const std::string& who) {
       auto& m = msg.ready;
       m.refit = r.get<uint64_t>("refit");
       m.seq = r.get<uint64_t>("seq");
-      m.buffer = r.get<uint8_t>("buffer");
+      m.offset = r.get<uint64_t>("offset");
       auto last = r.get<uint8_t>("is_last");
       if (last > 1) fail(ErrorKind::kProtocol, "garbled message from {}: is_last = {}", who, last);
       m.is_last = last == 1;
@@ -167,12 +176,21 @@ Message decode_message(std::span<const uint8_t> bytes, const std::string& who) {
       if (has_checksum > 1) fail(ErrorKind::kProtocol, "garbled message from {}: has_checksum = {}", who, has_checksum);
       auto checksum = r.get<uint64_t>("checksum");
       if (has_checksum == 1) m.checksum = checksum;
-      // Smallest entry: empty name, dtype, rank 0, three offsets.
-      uint64_t n = r.get_count("entry count", 8 + 1 + 8 + 24);
+      // Smallest entry: empty name, dtype, rank 0, no cuts, three offsets.
+      uint64_t n = r.get_count("entry count", 8 + 1 + 8 + 1 + 24);
       m.entries.reserve(n);
       for (uint64_t i = 0; i < n; ++i) {
         ManifestEntry e;
         e.tensor = get_tensor(r);
+        e.box.count = r.get<uint8_t>("box cuts");
+        if (e.box.count > Box::kMaxCuts)
+          fail(ErrorKind::kProtocol, "garbled message from {}: tensor '{}' has a box of {} cuts", who, e.tensor.name,
+               e.box.count);
+        for (int c = 0; c < e.box.count; ++c) {
+          e.box.cuts[c].dim = r.get<int32_t>("box dim");
+          e.box.cuts[c].start = r.get<int64_t>("box start");
+          e.box.cuts[c].length = r.get<int64_t>("box length");
+        }
         e.tensor_offset = r.get<uint64_t>("tensor offset");
         e.size = r.get<uint64_t>("chunk size");
         e.bucket_offset = r.get<uint64_t>("bucket offset");
@@ -224,16 +242,30 @@ void raise_abort(const Abort& m, const std::string& who, const std::string& wait
   fail(m.kind, "{} aborted the refit while we waited for {}: {}", who, waiting_for, m.reason);
 }
 
-void validate(const BucketReady& m, uint64_t bucket_bytes, const std::string& who) {
-  if (m.buffer > 1) fail(ErrorKind::kProtocol, "bucket {} from {} names buffer {}", m.seq, who, m.buffer);
+void validate(const BucketReady& m, uint64_t bucket_bytes, uint64_t region_bytes, const std::string& who) {
   if (m.used_bytes > bucket_bytes)
     fail(ErrorKind::kProtocol, "bucket {} from {} uses {} bytes, more than the bucket size {}", m.seq, who, m.used_bytes,
          bucket_bytes);
+  if (m.offset > region_bytes || m.used_bytes > region_bytes - m.offset)
+    fail(ErrorKind::kProtocol, "bucket {} from {} at [{}, +{}) lies outside its {}-byte transfer buffers", m.seq, who,
+         m.offset, m.used_bytes, region_bytes);
   for (const auto& e : m.entries) {
     uint64_t nbytes = 0;
     if (!checked_nbytes(e.tensor, &nbytes))
       fail(ErrorKind::kProtocol, "bucket {} from {}: tensor '{}' has an impossible shape {}", m.seq, who, e.tensor.name,
            shape_string(e.tensor.shape));
+    const auto rank = static_cast<int32_t>(e.tensor.shape.size());
+    for (int c = 0; c < e.box.count; ++c) {
+      const Slice& cut = e.box.cuts[c];
+      if (cut.dim < 0 || cut.dim >= rank || (c > 0 && cut.dim <= e.box.cuts[c - 1].dim) || cut.start < 0 ||
+          cut.length < 0 || cut.start > e.tensor.shape[cut.dim] || cut.length > e.tensor.shape[cut.dim] - cut.start)
+        fail(ErrorKind::kProtocol, "bucket {} from {}: the piece {} of tensor '{}' does not fit its shape {}", m.seq, who,
+             to_string(e.box), e.tensor.name, shape_string(e.tensor.shape));
+    }
+    if (e.box.count > 0) {  // the chunk lies in the piece, which is smaller than the tensor
+      nbytes = dtype_size(e.tensor.dtype);
+      for (int64_t d : e.box.shape_in(e.tensor.shape)) nbytes *= static_cast<uint64_t>(d);
+    }
     if (e.size > nbytes || e.tensor_offset > nbytes - e.size)
       fail(ErrorKind::kProtocol, "bucket {} from {}: chunk [{}, +{}) lies outside tensor '{}' of {} bytes", m.seq, who,
            e.tensor_offset, e.size, e.tensor.name, nbytes);

@@ -17,7 +17,7 @@
 
 namespace refit::protocol {
 
-inline constexpr uint32_t kVersion = 4;
+inline constexpr uint32_t kVersion = 5;
 
 struct EngineMetadata {
   uint32_t version = kVersion;
@@ -29,7 +29,8 @@ struct EngineMetadata {
   // Both transfer buffers, from one allocation: buffer b is the bucket_bytes at b * bucket_bytes.
   // Empty (length 0) for an engine that only receives and has none.
   RemoteRegion buffers;
-  Bytes layout;                       // a destination's encoded layout; empty: whole tensors
+  Bytes layout;                       // a destination's encoded layout (what it needs); empty: whole tensors
+  Bytes holds;                        // a source's encoded layout (what it holds); empty: the whole model
   ProcessIdentity process;            // lets a peer on the same host see at once that we are gone
   uint64_t generation = 0;            // random per prepare(): tells one connection from the next
 };
@@ -43,9 +44,12 @@ Bytes encode(const EngineMetadata& metadata);
 // `who` names the blob's owner in errors ("metadata of source rank 1").
 EngineMetadata decode_metadata(std::span<const uint8_t> blob, const std::string& who);
 
-// One chunk of a bucket, with the whole tensor's description so the receiver can reassemble.
+// One chunk of a bucket, with the destination tensor's description so the receiver can
+// reassemble. The chunk is bytes [tensor_offset, +size) of a piece: `box` of the tensor, packed
+// (box.h); a whole box makes the piece the tensor itself.
 struct ManifestEntry {
   TensorInfo tensor;
+  Box box;
   uint64_t tensor_offset = 0;
   uint64_t size = 0;
   uint64_t bucket_offset = 0;
@@ -56,7 +60,7 @@ enum class MessageType : uint8_t { kBucketReady = 1, kBucketDone = 2, kAbort = 3
 struct BucketReady {
   uint64_t refit = 0;  // refit number: first_refit() of the connection, plus one per refit
   uint64_t seq = 0;    // bucket number within the refit
-  uint8_t buffer = 0;  // which of the source's two buffers holds it (0 or 1)
+  uint64_t offset = 0;  // where the bucket starts in the source's transfer region (metadata `buffers`)
   bool is_last = false;
   uint64_t used_bytes = 0;  // only this prefix of the buffer is read
   std::optional<uint64_t> checksum;  // xxh3-64 of the used bytes, with verify_checksums
@@ -90,8 +94,9 @@ Message decode_message(std::span<const uint8_t> bytes, const std::string& who);
 // Throws the error a peer's Abort stands for: its kind, naming the peer and what we waited for.
 [[noreturn]] void raise_abort(const Abort& m, const std::string& who, const std::string& waiting_for);
 
-// Checks a bucket against the receiver's bucket size: buffer index, used bytes, and every
-// entry's ranges (inside the bucket, inside the tensor, sizes matching dtype x shape).
-void validate(const BucketReady& m, uint64_t bucket_bytes, const std::string& who);
+// Checks a bucket against the link's bucket size and the source's region length: where it lies,
+// used bytes, and every entry's ranges (box inside the tensor, chunk inside the piece and the
+// bucket, sizes matching dtype x shape).
+void validate(const BucketReady& m, uint64_t bucket_bytes, uint64_t region_bytes, const std::string& who);
 
 }  // namespace refit::protocol

@@ -14,6 +14,7 @@
 
 #include "core/box_copy.h"
 #include "core/error_of.h"
+#include "core/reshard_models.h"
 #include "refit/layout_builders.h"
 
 namespace refit {
@@ -22,64 +23,13 @@ namespace {
 using ::testing::AllOf;
 using ::testing::HasSubstr;
 using testing::error_of;
-
-// Small models with what resharding must get right: GQA (2 KV heads), a vocabulary that is not a
-// multiple of the padding, tied embeddings, routed experts; and MLA with shared experts.
-const char* kQwenMoe = R"({
-  "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "torch_dtype": "bfloat16",
-  "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32, "num_hidden_layers": 4,
-  "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 8, "vocab_size": 1003,
-  "num_experts": 8, "num_experts_per_tok": 2, "decoder_sparse_step": 1, "mlp_only_layers": [],
-  "rms_norm_eps": 1e-6, "tie_word_embeddings": true
-})";
-const char* kDeepseek = R"({
-  "model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], "torch_dtype": "bfloat16",
-  "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32, "num_hidden_layers": 4,
-  "first_k_dense_replace": 1, "moe_layer_freq": 1, "n_routed_experts": 8, "n_shared_experts": 1,
-  "num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 16, "q_lora_rank": 24,
-  "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8, "vocab_size": 777,
-  "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1, "num_nextn_predict_layers": 0,
-  "rms_norm_eps": 1e-6, "tie_word_embeddings": false
-})";
-
-struct Model {
-  ModelInventory inventory;
-  ModelDims dims;
-};
-
-Model model_from(const char* json, const std::string& name) {
-  const auto path = std::filesystem::temp_directory_path() / (name + "-" + std::to_string(getpid()) + ".json");
-  std::ofstream(path) << json;
-  Model m{inventory_from_hf_config(path.string()), model_dims_from_hf_config(path.string())};
-  std::filesystem::remove(path);
-  return m;
-}
-
-const Model& qwen_moe() {
-  static const Model m = model_from(kQwenMoe, "qwen-moe");
-  return m;
-}
-const Model& deepseek() {
-  static const Model m = model_from(kDeepseek, "deepseek");
-  return m;
-}
-
-uint64_t box_bytes(const TensorInfo& t, const Box& box) {
-  uint64_t n = dtype_size(t.dtype);
-  for (int64_t d : box.shape_in(t.shape)) n *= static_cast<uint64_t>(d);
-  return n;
-}
-
-// The whole model's bytes: byte b of tensor i is a hash of (i, b), so a misplaced byte shows.
-std::vector<std::vector<std::byte>> patterned(const ModelInventory& inv) {
-  std::vector<std::vector<std::byte>> out;
-  for (uint32_t i = 0; i < inv.tensors.size(); ++i) {
-    std::vector<std::byte> bytes(inv.tensors[i].nbytes());
-    for (uint64_t b = 0; b < bytes.size(); ++b) bytes[b] = std::byte((i * 2654435761u + b * 40503u) >> 7);
-    out.push_back(std::move(bytes));
-  }
-  return out;
-}
+using testing::deepseek;
+using testing::Model;
+using testing::patterned;
+using testing::qwen_moe;
+using testing::box_bytes;
+using testing::Side;
+using testing::vllm_side;
 
 // The slice of tensor `t` a layout names, as a box of the whole tensor, and its origin for
 // relative_to (dim -1: whole).
@@ -188,30 +138,6 @@ TEST(BoxCopy, ChunksOfAPackedBoxMatchTheWholeBox) {
     pack_box(back.data(), shape, 2, box, 0, total, repacked.data());
     EXPECT_EQ(repacked, expected) << to_string(box);
   }
-}
-
-struct Side {
-  std::string name;
-  std::vector<Layout> layouts;
-};
-
-// Destinations as vLLM shards them: tp x pp ranks, experts by EP over the TP ranks or TP-narrowed.
-Side vllm_side(const Model& m, int tp, int pp, bool ep, bool shard_dense) {
-  Side side{fmt::format("vLLM tp{} pp{}{}{}", tp, pp, ep ? " ep" : "", shard_dense ? "" : " (dense whole)"), {}};
-  for (int r = 0; r < tp * pp; ++r) {
-    ModelParallel p;
-    p.destination_rank = r;
-    p.tp_size = tp;
-    p.tp_rank = r % tp;
-    p.pp_size = pp;
-    p.pp_rank = r / tp;
-    p.ep_size = ep ? tp : 1;
-    p.ep_rank = ep ? r % tp : 0;
-    p.shard_experts = true;
-    p.shard_dense = shard_dense;
-    side.layouts.push_back(build_layout(m.inventory, m.dims, p));
-  }
-  return side;
 }
 
 TEST(TransferPlan, EveryDestinationGetsExactlyItsBytesOverManyLayoutPairs) {

@@ -10,11 +10,11 @@ BucketReady sample_bucket() {
   BucketReady m;
   m.refit = 3;
   m.seq = 7;
-  m.buffer = 1;
+  m.offset = 1024;
   m.is_last = true;
   m.used_bytes = 48;
-  m.entries.push_back({{"a.weight", DType::kBFloat16, {4, 4}}, 0, 32, 0});
-  m.entries.push_back({{"b.bias", DType::kFloat32, {4}}, 0, 16, 32});
+  m.entries.push_back({{"a.weight", DType::kBFloat16, {4, 4}}, Box::whole(), 0, 32, 0});
+  m.entries.push_back({{"b.bias", DType::kFloat32, {4}}, Box::whole(), 0, 16, 32});
   return m;
 }
 
@@ -38,7 +38,29 @@ TEST(Protocol, BucketMessageRoundTrips) {
   ASSERT_EQ(decoded.ready.entries.size(), 2u);
   EXPECT_EQ(decoded.ready.entries[1].tensor.name, "b.bias");
   EXPECT_EQ(decoded.ready.entries[1].bucket_offset, 32u);
-  EXPECT_NO_THROW(validate(decoded.ready, 1024, "source rank 0"));
+  EXPECT_NO_THROW(validate(decoded.ready, 1024, 2048, "source rank 0"));
+}
+
+TEST(Protocol, APieceRoundTripsAndMustFitItsTensor) {
+  auto m = sample_bucket();
+  // Rows [1, 3) x columns [2, 4) of a 4 x 4 tensor: 8 bytes of bf16.
+  m.entries[0].box = Box::of(Request::narrow(0, 1, 2)).narrowed({1, 2, 2});
+  m.entries[0].size = 8;
+  m.entries[1].bucket_offset = 8;
+  m.used_bytes = 24;
+  auto decoded = decode_message(encode(m), "source rank 0");
+  EXPECT_EQ(decoded.ready.entries[0].box, m.entries[0].box);
+  EXPECT_EQ(decoded.ready.offset, 1024u);
+  EXPECT_NO_THROW(validate(decoded.ready, 1024, 2048, "source rank 0"));
+  auto bad = m;
+  bad.entries[0].size = 16;  // more than the piece's 8 bytes
+  EXPECT_THROW(validate(bad, 1024, 2048, "s"), Error);
+  bad = m;
+  bad.entries[0].box.cuts[1].start = 3;  // columns [3, 5) of 4
+  EXPECT_THROW(validate(bad, 1024, 2048, "s"), Error);
+  bad = m;
+  bad.entries[0].box.cuts[1].dim = 2;  // a 2-D tensor has no dim 2
+  EXPECT_THROW(validate(bad, 1024, 2048, "s"), Error);
 }
 
 TEST(Protocol, EveryTruncationOfEveryMessageIsAProtocolError) {
@@ -87,19 +109,19 @@ TEST(Protocol, OtherVersionIsRefused) {
 TEST(Protocol, ValidationRejectsRangesOutsideBucketOrTensor) {
   auto m = sample_bucket();
   m.entries[1].bucket_offset = 40;  // 40 + 16 > 48 used
-  EXPECT_THROW(validate(m, 1024, "s"), Error);
+  EXPECT_THROW(validate(m, 1024, 2048, "s"), Error);
   m = sample_bucket();
   m.used_bytes = 2048;  // more than the bucket
-  EXPECT_THROW(validate(m, 1024, "s"), Error);
+  EXPECT_THROW(validate(m, 1024, 2048, "s"), Error);
   m = sample_bucket();
   m.entries[0].tensor_offset = 8;  // 8 + 32 > 32 bytes of tensor
-  EXPECT_THROW(validate(m, 1024, "s"), Error);
+  EXPECT_THROW(validate(m, 1024, 2048, "s"), Error);
   m = sample_bucket();
   m.entries[0].tensor.shape = {INT64_MAX, INT64_MAX};
-  EXPECT_THROW(validate(m, 1024, "s"), Error);
+  EXPECT_THROW(validate(m, 1024, 2048, "s"), Error);
   m = sample_bucket();
-  m.buffer = 2;
-  EXPECT_THROW(validate(m, 1024, "s"), Error);
+  m.offset = 2010;  // 2010 + 48 bytes run past the source's 2048-byte region
+  EXPECT_THROW(validate(m, 1024, 2048, "s"), Error);
 }
 
 }  // namespace

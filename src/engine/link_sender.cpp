@@ -1,0 +1,110 @@
+#include "engine/link_sender.h"
+
+#include <spdlog/spdlog.h>
+#include <xxhash.h>
+
+#include "core/box_copy.h"
+#include "core/fail.h"
+#include "engine/peer_wait.h"
+
+namespace refit {
+namespace {
+// An abort is a courtesy to the peer; it must never hold up reporting our own error.
+constexpr std::chrono::duration<double> kAbortTimeout{2.0};
+}  // namespace
+
+void LinkSender::begin(uint64_t refit) {
+  refit_ = refit;
+  packer_.emplace(context_.bucket_bytes);
+  bucket_ = protocol::BucketReady{};
+  bucket_.refit = refit;
+  buffer_ = 0;
+  bucket_.offset = context_.offsets[0];
+  unacknowledged_.clear();
+  buckets_ = payload_bytes_ = 0;
+}
+
+void LinkSender::add(const TensorView& view, const Box& box, const TensorInfo& tensor, const Box& piece,
+                     std::string& phase) {
+  const TensorInfo& source = *view.info;
+  const TensorInfo packed{tensor.name, tensor.dtype, piece.shape_in(tensor.shape)};
+  const uint64_t element = dtype_size(source.dtype);
+  for (const ChunkPlacement& c : packer_->place(packed)) {
+    if (c.starts_bucket) flush(false, phase);
+    phase = fmt::format("pack bucket {} for {}", bucket_.seq, context_.peer_label);
+    std::byte* out = context_.buffers[buffer_] + c.bucket_offset;
+    for_each_box_block(source.shape, element, box, c.tensor_offset, c.size, [&](const BoxBlock& b) {
+      context_.stream->copy_2d(out + (b.packed_offset - c.tensor_offset), b.row_bytes, view.data + b.tensor_offset,
+                               b.pitch, b.row_bytes, b.rows, context_.buffer_kind, view.memory);
+    });
+    bucket_.entries.push_back({tensor, piece, c.tensor_offset, c.size, c.bucket_offset});
+    bucket_.used_bytes = c.bucket_offset + c.size;
+  }
+  payload_bytes_ += packed.nbytes();
+}
+
+void LinkSender::flush(bool is_last, std::string& phase) {
+  const auto start = Clock::now();
+  // Every copy into this buffer must be complete before the destination may read it.
+  if (context_.stream->pending()) {
+    phase = fmt::format("copy into bucket {} for {}", bucket_.seq, context_.peer_label);
+    context_.stream->synchronize(deadline_after(std::chrono::duration<double>(context_.timeout_s)));
+  }
+  if (context_.verify_checksums) bucket_.checksum = XXH3_64bits(context_.buffers[buffer_], bucket_.used_bytes);
+  bucket_.is_last = is_last;
+  phase = fmt::format("announce bucket {} to {}", bucket_.seq, context_.peer_label);
+  context_.transport->send(context_.peer, protocol::encode(bucket_),
+                           deadline_after(std::chrono::duration<double>(context_.timeout_s)));
+  unacknowledged_.push_back(bucket_.seq);
+  ++buckets_;
+  const auto announced = Clock::now();
+  bucket_.seq++;
+  buffer_ ^= 1;
+  bucket_.offset = context_.offsets[buffer_];
+  bucket_.entries.clear();
+  bucket_.used_bytes = 0;
+  // The next bucket goes into the other buffer: the destination must be done with the bucket that
+  // buffer holds.
+  if (!is_last && unacknowledged_.size() == 2) {
+    wait_acknowledged(unacknowledged_.front(), phase);
+    unacknowledged_.pop_front();
+  }
+  spdlog::debug("bucket {} for {}: announced after {:.2f} ms, then {:.2f} ms waiting for a free buffer", bucket_.seq - 1,
+                context_.peer_label, std::chrono::duration<double>(announced - start).count() * 1e3,
+                std::chrono::duration<double>(Clock::now() - announced).count() * 1e3);
+}
+
+void LinkSender::flush_last(std::string& phase) { flush(true, phase); }
+
+void LinkSender::wait_done(std::string& phase) {
+  for (; !unacknowledged_.empty(); unacknowledged_.pop_front()) wait_acknowledged(unacknowledged_.front(), phase);
+}
+
+void LinkSender::wait_acknowledged(uint64_t seq, std::string& phase) {
+  phase = fmt::format("wait for {} to read bucket {}", context_.peer_label, seq);
+  const Deadline deadline = deadline_after(std::chrono::duration<double>(context_.timeout_s));
+  const std::string expecting = fmt::format("bucket {} done", seq);
+  while (true) {
+    auto bytes = receive_watching(*context_.transport, context_.peer, context_.peer_label, context_.peer_process, deadline);
+    auto msg = protocol::decode_message(*bytes, context_.peer_label);
+    if (msg.refit() != refit_) {
+      spdlog::debug("discarding a message of an earlier refit from {}", context_.peer_label);
+      continue;
+    }
+    if (msg.type == protocol::MessageType::kAbort) protocol::raise_abort(msg.abort, context_.peer_label, expecting);
+    if (msg.type != protocol::MessageType::kBucketDone || msg.done.seq != seq)
+      fail(ErrorKind::kProtocol, "{} sent an unexpected message (type {}, refit {}, bucket {}) instead of '{}'",
+           context_.peer_label, static_cast<int>(msg.type), msg.done.refit, msg.done.seq, expecting);
+    return;
+  }
+}
+
+void LinkSender::abort(ErrorKind kind, const std::string& reason) noexcept {
+  try {
+    context_.transport->send(context_.peer, protocol::encode(protocol::Abort{refit_, kind, reason}),
+                             deadline_after(kAbortTimeout));
+  } catch (const std::exception&) {
+  }
+}
+
+}  // namespace refit

@@ -1,0 +1,72 @@
+// The send path of one link (a source and one destination it serves): the pieces asked of the
+// source are gathered from its tensors straight into the link's two buffers (box_copy.h: a
+// strided copy per block, on the GPU for GPU tensors), packed into bucket-sized chunks
+// (plan.h), and each full bucket is announced; before a buffer is refilled the destination must
+// have said it is done with it. A source serving several destinations has one LinkSender per
+// destination, all fed from one pass over its weights.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <string>
+
+#include "core/process_identity.h"
+#include "engine/protocol.h"
+#include "refit/device.h"
+#include "refit/plan.h"
+#include "refit/tensor.h"
+#include "refit/transport.h"
+
+namespace refit {
+
+struct LinkContext {
+  Transport* transport = nullptr;
+  PeerId peer = 0;
+  std::string peer_label;             // "destination rank 2 on host h3"
+  ProcessIdentity peer_process;       // to notice a dead peer on this host at once
+  std::byte* buffers[2] = {};         // this link's two buffers
+  uint64_t offsets[2] = {};           // ... at these offsets of the source's transfer region
+  uint64_t bucket_bytes = 0;          // of this link
+  MemoryKind buffer_kind = MemoryKind::kHost;
+  CopyStream* stream = nullptr;       // the engine's packing stream, shared by its links
+  double timeout_s = 0;
+  bool verify_checksums = false;
+};
+
+class LinkSender {
+ public:
+  explicit LinkSender(LinkContext context) : context_(std::move(context)) {}
+
+  // Starts refit `refit` (the wire number of this link).
+  void begin(uint64_t refit);
+  // Packs `box` of `view` (box in the view's coordinates) as the piece `piece` of the destination's
+  // tensor `tensor` (its name, dtype and shape at the destination). `phase` says where a failure
+  // happened.
+  void add(const TensorView& view, const Box& box, const TensorInfo& tensor, const Box& piece, std::string& phase);
+  // Announces the last bucket; then wait_done() waits until the destination has every bucket.
+  void flush_last(std::string& phase);
+  void wait_done(std::string& phase);
+  // Tells the destination the refit failed; never throws (the peer may be why it failed).
+  void abort(ErrorKind kind, const std::string& reason) noexcept;
+
+  const std::string& peer_label() const { return context_.peer_label; }
+  uint64_t buckets() const { return buckets_; }
+  uint64_t payload_bytes() const { return payload_bytes_; }
+
+ private:
+  void flush(bool is_last, std::string& phase);
+  void wait_acknowledged(uint64_t seq, std::string& phase);
+
+  LinkContext context_;
+  uint64_t refit_ = 0;
+  std::optional<BucketPacker> packer_;
+  protocol::BucketReady bucket_;
+  int buffer_ = 0;  // which of the two buffers the open bucket fills
+  // Announced buckets the destination is not done with: at most one per buffer. A bucket is
+  // announced as soon as it is packed, while the destination still reads the one before, so that
+  // its reads follow each other with no round trip between them.
+  std::deque<uint64_t> unacknowledged_;
+  uint64_t buckets_ = 0, payload_bytes_ = 0;
+};
+
+}  // namespace refit

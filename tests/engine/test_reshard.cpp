@@ -1,0 +1,188 @@
+// Resharding through the engine (in-process transport, one thread per engine): sources hold only
+// their shards, every engine derives the same plan from the metadata, each destination reads from
+// several sources at once and each source serves several destinations; every destination must
+// end with exactly its slices of the model, bitwise.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <future>
+#include <thread>
+
+#include "core/box_copy.h"
+#include "core/error_of.h"
+#include "core/reshard_models.h"
+#include "engine/engine_harness.h"
+#include "refit/transfer_plan.h"
+
+namespace refit {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::OwnedTensor;
+using testing::Received;
+using testing::VectorSource;
+
+struct Group {
+  std::vector<std::unique_ptr<CheckpointEngine>> sources, destinations;
+};
+
+// One engine per layout over one in-process fabric; prepared and initialized.
+Group make_group(const testing::Model& m, const std::vector<Layout>& holds, const std::vector<Layout>& needs,
+                 uint64_t bucket_bytes, double timeout_s = 10.0) {
+  auto fabric = make_inproc_fabric();
+  const SessionId session = new_session_id();
+  auto model = std::make_shared<const ModelInventory>(m.inventory);
+  Group g;
+  std::vector<Metadata> metadata;
+  for (const auto& h : holds) {
+    auto o = testing::inproc_options(fabric, bucket_bytes, session, timeout_s);
+    o.holds = h;
+    o.model = model;
+    g.sources.push_back(std::make_unique<CheckpointEngine>(std::move(o)));
+    metadata.push_back(g.sources.back()->prepare());
+  }
+  for (const auto& n : needs) {
+    auto o = testing::inproc_options(fabric, bucket_bytes, session, timeout_s);
+    o.layout = n;
+    o.model = model;
+    g.destinations.push_back(std::make_unique<CheckpointEngine>(std::move(o)));
+    metadata.push_back(g.destinations.back()->prepare());
+  }
+  const int T = static_cast<int>(holds.size()), R = static_cast<int>(needs.size());
+  for (int s = 0; s < T; ++s) g.sources[s]->init_source(s, T, R, metadata);
+  for (int d = 0; d < R; ++d) g.destinations[d]->init_destination(d, T, R, metadata);
+  return g;
+}
+
+// Each source's shards of the patterned model, as its weight stream yields them.
+std::vector<std::vector<OwnedTensor>> shards_of(const ModelInventory& inv, const std::vector<Layout>& holds) {
+  const auto full = testing::patterned(inv);
+  std::vector<std::vector<OwnedTensor>> out(holds.size());
+  for (size_t s = 0; s < holds.size(); ++s)
+    for (size_t i = 0; i < inv.tensors.size(); ++i) {
+      const TensorInfo& t = inv.tensors[i];
+      const Request r = holds[s].request_for(t.name);
+      if (r.take == Take::kDrop) continue;
+      OwnedTensor shard{{t.name, t.dtype, Box::of(r).shape_in(t.shape)}, {}};
+      shard.data.resize(shard.info.nbytes());
+      pack_box(full[i].data(), t.shape, dtype_size(t.dtype), Box::of(r), 0, shard.data.size(), shard.data.data());
+      out[s].push_back(std::move(shard));
+    }
+  return out;
+}
+
+struct Outcome {
+  std::vector<SendStats> sent;
+  std::vector<ReceiveStats> received_stats;
+  std::vector<Received> received;
+};
+
+// One refit of every engine at once.
+Outcome refit_once(Group& g, const std::vector<std::vector<OwnedTensor>>& shards) {
+  Outcome out;
+  out.sent.resize(g.sources.size());
+  out.received_stats.resize(g.destinations.size());
+  out.received.resize(g.destinations.size());
+  std::vector<std::future<void>> running;
+  for (size_t s = 0; s < g.sources.size(); ++s)
+    running.push_back(std::async(std::launch::async, [&, s] {
+      VectorSource source(shards[s]);
+      out.sent[s] = g.sources[s]->send(source);
+    }));
+  for (size_t d = 0; d < g.destinations.size(); ++d)
+    running.push_back(std::async(std::launch::async, [&, d] {
+      out.received_stats[d] = g.destinations[d]->receive(out.received[d].loader());
+    }));
+  for (auto& r : running) r.get();  // rethrows the first failure
+  return out;
+}
+
+void expect_exact(const ModelInventory& inv, const std::vector<Layout>& needs, const Outcome& outcome) {
+  const auto full = testing::patterned(inv);
+  for (size_t d = 0; d < needs.size(); ++d) {
+    size_t expected_count = 0;
+    uint64_t expected_bytes = 0;
+    for (size_t i = 0; i < inv.tensors.size(); ++i) {
+      const TensorInfo& t = inv.tensors[i];
+      const Request r = needs[d].request_for(t.name);
+      if (r.take == Take::kDrop) {
+        EXPECT_FALSE(outcome.received[d].tensors.count(t.name)) << "destination " << d << " got " << t.name;
+        continue;
+      }
+      ++expected_count;
+      std::vector<std::byte> slice(testing::box_bytes(t, Box::of(r)));
+      expected_bytes += slice.size();
+      pack_box(full[i].data(), t.shape, dtype_size(t.dtype), Box::of(r), 0, slice.size(), slice.data());
+      auto it = outcome.received[d].tensors.find(t.name);
+      ASSERT_NE(it, outcome.received[d].tensors.end()) << "destination " << d << " lacks " << t.name;
+      EXPECT_EQ(it->second.info.shape, Box::of(r).shape_in(t.shape)) << t.name;
+      ASSERT_EQ(it->second.data, slice) << "destination " << d << ", " << t.name;
+    }
+    EXPECT_EQ(outcome.received[d].tensors.size(), expected_count);
+    // Each destination reads exactly what it keeps.
+    EXPECT_EQ(outcome.received_stats[d].payload_bytes, expected_bytes) << "destination " << d;
+  }
+}
+
+std::vector<Layout> megatron(const testing::Model& m, TrainingParallel t) {
+  return megatron_source_layouts(m.inventory, m.dims, t);
+}
+
+TEST(Reshard, EightShardedSourcesToFourTensorParallelDestinations) {
+  const auto& m = testing::qwen_moe();
+  const auto holds = megatron(m, {2, 1, 4, 4, 1});  // TP2 x EP4 over 8 ranks (DP 4)
+  const auto needs = testing::vllm_side(m, 4, 1, false, true).layouts;
+  auto g = make_group(m, holds, needs, 16 << 10);  // small buckets: tensors split over buckets
+  const auto shards = shards_of(m.inventory, holds);
+  for (int refit = 0; refit < 2; ++refit) {  // the second replays the same plan
+    auto outcome = refit_once(g, shards);
+    expect_exact(m.inventory, needs, outcome);
+    for (size_t d = 0; d < needs.size(); ++d) EXPECT_GE(outcome.received_stats[d].sources, 2u) << "fan-in";
+    for (auto& e : g.destinations) EXPECT_FALSE(e->stale());
+  }
+}
+
+TEST(Reshard, TwoSourcesFeedSixDestinations) {
+  const auto& m = testing::deepseek();
+  const auto holds = megatron(m, {2, 1, 1, 1, std::nullopt});  // TP2
+  const auto needs = testing::vllm_side(m, 2, 3, true, true).layouts;  // TP2 x PP3, EP
+  auto g = make_group(m, holds, needs, 8 << 10);
+  auto outcome = refit_once(g, shards_of(m.inventory, holds));
+  expect_exact(m.inventory, needs, outcome);
+  for (const auto& s : outcome.sent) EXPECT_GE(s.destinations, 3u) << "fan-out";
+}
+
+TEST(Reshard, FsdpShardsToPipelinedDestinations) {
+  const auto& m = testing::qwen_moe();
+  std::vector<Layout> holds;
+  for (int r = 0; r < 3; ++r) holds.push_back(fsdp_source_layout(m.inventory, 3, r));
+  const auto needs = testing::vllm_side(m, 2, 2, true, true).layouts;
+  auto g = make_group(m, holds, needs, 4 << 10);
+  expect_exact(m.inventory, needs, refit_once(g, shards_of(m.inventory, holds)));
+}
+
+TEST(Reshard, AShardOfTheWrongShapeFailsNamingTheTensor) {
+  const auto& m = testing::qwen_moe();
+  const auto holds = megatron(m, {2, 1, 1, 1, std::nullopt});
+  const auto needs = testing::vllm_side(m, 2, 1, false, true).layouts;
+  auto g = make_group(m, holds, needs, 16 << 10, 3.0);
+  auto shards = shards_of(m.inventory, holds);
+  for (auto& t : shards[1])
+    if (t.info.name == "model.layers.1.self_attn.o_proj.weight") t.info.shape[1] += 1;  // not what it declared
+  const std::string message = testing::error_of(ErrorKind::kLayout, [&] { refit_once(g, shards); });
+  EXPECT_THAT(message, HasSubstr("'model.layers.1.self_attn.o_proj.weight'"));
+  EXPECT_THAT(message, HasSubstr("declared it holds"));
+}
+
+TEST(Reshard, AHoldingNobodyCoversFailsAtInitNamingTheDestination) {
+  const auto& m = testing::qwen_moe();
+  auto holds = megatron(m, {1, 2, 1, 1, std::nullopt});  // two stages
+  holds[1].drop_prefixes.push_back("lm_head.");            // lm_head is nowhere (tied: embed_tokens)
+  holds[1].drop_prefixes.push_back("model.norm.");
+  const auto needs = testing::vllm_side(m, 1, 1, false, false).layouts;
+  EXPECT_THAT(testing::error_of(ErrorKind::kLayout, [&] { make_group(m, holds, needs, 1 << 20); }),
+              HasSubstr("destination rank 0 needs whole of tensor 'model.norm.weight'"));
+}
+
+}  // namespace
+}  // namespace refit

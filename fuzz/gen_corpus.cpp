@@ -179,21 +179,27 @@ void message_seeds() {
 
   // Valid encodings that validate() must refuse.
   protocol::BucketReady bad;
-  bad.buffer = 1;
+  bad.offset = 64;
   bad.used_bytes = 64;
-  bad.entries = {{tensor("t", DType::kFloat32, {4}), 0, 16, 56}};
+  bad.entries = {{tensor("t", DType::kFloat32, {4}), Box::whole(), 0, 16, 56}};
   write("message", "chunk_past_used_bytes", protocol::encode(bad));
-  bad.entries[0] = {tensor("t", DType::kFloat32, {4}), 8, 16, 0};
+  bad.entries[0] = {tensor("t", DType::kFloat32, {4}), Box::whole(), 8, 16, 0};
   write("message", "chunk_past_tensor", protocol::encode(bad));
-  bad.entries[0] = {tensor("t", DType::kFloat32, {INT64_MAX, 4, 0}), 0, 0, 0};
+  bad.entries[0] = {tensor("t", DType::kFloat32, {INT64_MAX, 4, 0}), Box::whole(), 0, 0, 0};
   write("message", "overflowing_shape", protocol::encode(bad));
-  bad.entries[0] = {tensor("t", DType::kUInt8, {1, 1, 1, 1, 1, 1, 1, 1}), 0, 1, 0};
+  bad.entries[0] = {tensor("t", DType::kUInt8, {1, 1, 1, 1, 1, 1, 1, 1}), Box::whole(), 0, 1, 0};
   write("message", "rank_8", protocol::encode(bad));
-  bad.buffer = 2;
-  write("message", "buffer_2", protocol::encode(bad));
-  bad.buffer = 0;
+  // A piece: rows [1, 3) x columns [2, 4) of a 4 x 4 tensor, and one that does not fit.
+  bad.entries[0] = {tensor("t", DType::kUInt8, {4, 4}), Box::of(Request::narrow(0, 1, 2)).narrowed({1, 2, 2}), 0, 4, 0};
+  write("message", "piece_2d", protocol::encode(bad));
+  bad.entries[0].box.cuts[1].start = 3;
+  write("message", "piece_past_tensor", protocol::encode(bad));
+  bad.entries[0] = {tensor("t", DType::kUInt8, {8}), Box::whole(), 0, 8, 0};
+  bad.offset = UINT64_MAX - 4;
+  write("message", "offset_past_region", protocol::encode(bad));
+  bad.offset = 0;
   bad.used_bytes = UINT64_MAX;
-  bad.entries[0] = {tensor("t", DType::kUInt8, {8}), 0, 8, UINT64_MAX - 4};
+  bad.entries[0] = {tensor("t", DType::kUInt8, {8}), Box::whole(), 0, 8, UINT64_MAX - 4};
   write("message", "offset_wraps", protocol::encode(bad));
 
   write("message", "truncated", truncated(protocol::encode(buckets[0]), 50));

@@ -44,6 +44,25 @@ double median(std::vector<double> v) {
   return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
 }
 
+// Resharding: how many peers each side had and what each source sent (its egress).
+void print_fan(const json& sources, const json& destinations) {
+  auto range = [](const json& rows, const char* key) {
+    uint64_t lo = UINT64_MAX, hi = 0;
+    for (const auto& r : rows) {
+      lo = std::min(lo, r.at(key).get<uint64_t>());
+      hi = std::max(hi, r.at(key).get<uint64_t>());
+    }
+    return std::pair(lo, hi);
+  };
+  const auto [dlo, dhi] = range(destinations, "sources");
+  const auto [slo, shi] = range(sources, "destinations");
+  const auto [elo, ehi] = range(sources, "bytes");
+  const auto [ilo, ihi] = range(destinations, "bytes");
+  fmt::print("resharding: each destination reads from {}..{} sources and receives {:.1f}..{:.1f} MiB (what it keeps); "
+             "each source serves {}..{} destinations and sends {:.1f}..{:.1f} MiB\n",
+             dlo, dhi, ilo / 1048576.0, ihi / 1048576.0, slo, shi, elo / 1048576.0, ehi / 1048576.0);
+}
+
 }  // namespace
 
 // The config of a bench run: the file, then --device as overrides (a GPU device also picks
@@ -78,6 +97,7 @@ int run_bench(const BenchOptions& options) {
   std::optional<KillPoint> kill;
   if (!options.kill.empty()) kill = parse_kill_point(options.kill);
   const auto layouts = destination_layouts(path, model.inventory, config, options.parallel, options.destinations);
+  const auto holds = source_layouts(path, model.inventory, options.source_parallel, options.sources);
   if (options.refits < 1) throw Error(ErrorKind::kInvalidArgument, fmt::format("--refits must be >= 1, got {}", options.refits));
 
   GroupOptions group_options;
@@ -85,8 +105,12 @@ int run_bench(const BenchOptions& options) {
   group_options.sources = options.sources;
   group_options.destinations = options.destinations;
   group_options.model_fingerprint = model.inventory.fingerprint();
-  group_options.program = bench_programs(model, layouts, kill);
+  group_options.program = bench_programs(model, layouts, holds, kill);
   group_options.destination_layouts = layouts;
+  if (!holds.empty()) {
+    group_options.source_layouts = holds;
+    group_options.model = std::make_shared<const ModelInventory>(model.inventory);
+  }
   // Under a launcher, every rank runs this same command: rank 0 drives and reports, the others
   // serve their worker.
   std::optional<RankEnvironment> ranks;
@@ -119,6 +143,7 @@ int run_bench(const BenchOptions& options) {
     expected_bytes.push_back(bytes);
   }
   out["sharded"] = layouts.empty() ? false : layouts[0].has_value();
+  out["resharding"] = !holds.empty();
   out["expected_bytes"] = expected_bytes;
   bool verified = true;
   int exit_code = 0;
@@ -143,9 +168,13 @@ int run_bench(const BenchOptions& options) {
         bucket_bytes = sync.bucket_size().bytes;
         auto problems = verify(report);
         uint64_t received = 0;
-        json per_destination = json::array();
+        json per_destination = json::array(), per_source = json::array();
         for (const auto& w : report.workers) {
-          if (w.is_source) continue;
+          if (w.is_source) {
+            per_source.push_back({{"rank", w.rank}, {"bytes", w.send.payload_bytes}, {"destinations", w.send.destinations},
+                                  {"buckets", w.send.buckets}, {"seconds", w.send.seconds}});
+            continue;
+          }
           received += w.receive.payload_bytes;
           const uint64_t expected = expected_bytes.at(w.rank);
           if (w.receive.payload_bytes != expected)
@@ -155,11 +184,14 @@ int run_bench(const BenchOptions& options) {
                                      {"wire_bytes", w.receive.wire_bytes}, {"tensors", w.receive.tensors},
                                      {"batches", w.receive.batches}, {"receive_seconds", w.receive.receive_seconds()},
                                      {"load_seconds", w.receive.load_seconds}, {"mapped", w.receive.mapped},
-                                     {"buffer_bytes", w.receive.buffer_bytes}, {"route", w.receive.route}});
+                                     {"buffer_bytes", w.receive.buffer_bytes}, {"route", w.receive.route},
+                                     {"sources", w.receive.sources}});
         }
         const double rate = received / report.seconds;
         throughputs.push_back(rate);
+        if (k == 0 && !holds.empty()) print_fan(per_source, per_destination);
         entry.update({{"ok", true}, {"seconds", report.seconds}, {"bytes_received", per_destination},
+                      {"bytes_sent", per_source},
                       {"throughput_bytes_per_s", rate}, {"verified", problems.empty()}});
         if (!problems.empty()) {
           verified = false;

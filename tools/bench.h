@@ -28,6 +28,7 @@ struct BenchOptions {
   // transfer buffers are.
   std::string tensors;
   ParallelOptions parallel;
+  SourceParallelOptions source_parallel;  // resharding: what each source holds
   // local: fork every worker on this host; env: this process is one rank of a job started by a
   // launcher (rank_group.h), meeting the others at `rendezvous` (or MASTER_ADDR:MASTER_PORT).
   std::string launcher = "local";

@@ -18,6 +18,10 @@
 
 namespace refit::tools {
 namespace {
+const std::vector<Layout> kNoHolds;  // every source holds the whole model
+}  // namespace
+
+namespace {
 
 using nlohmann::json;
 using Seconds = std::chrono::duration<double>;
@@ -98,7 +102,7 @@ int run_chaos(const ChaosOptions& options) {
     group_options.model_fingerprint = model.inventory.fingerprint();
     std::optional<KillPoint> in_refit;
     if (point != Point::kBeforeConnect) in_refit = kill;
-    group_options.program = bench_programs(model, no_layouts, in_refit);
+    group_options.program = bench_programs(model, no_layouts, kNoHolds, in_refit);
     LocalProcessGroup group(group_options);
     WeightSynchronizer sync(config, group);
 

@@ -13,6 +13,10 @@
 #include "verify.h"
 
 namespace refit::tools {
+namespace {
+const std::vector<Layout> kNoHolds;  // every source holds the whole model
+}  // namespace
+
 
 using nlohmann::json;
 
@@ -60,7 +64,7 @@ int run_elastic_demo(const ElasticOptions& options) {
   group_options.sources = sources;
   group_options.destinations = sequence.front();
   group_options.model_fingerprint = model.inventory.fingerprint();
-  group_options.program = bench_programs(model, no_layouts, std::nullopt);
+  group_options.program = bench_programs(model, no_layouts, kNoHolds, std::nullopt);
   LocalProcessGroup group(group_options);
   WeightSynchronizer sync(config, group);
   fmt::print("ELASTIC_NIXL_POLICIES {}\n", json{{"count", sources}}.dump());

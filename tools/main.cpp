@@ -38,6 +38,7 @@ int main(int argc, char** argv) {
                         "With --launcher env: HOST:PORT where rank 0 listens (default REFIT_RENDEZVOUS, else "
                         "MASTER_ADDR:MASTER_PORT)");
   bench.parallel.add_to(*bench_cmd);
+  bench.source_parallel.add_to(*bench_cmd);
   bench_cmd->add_option("overrides", bench.overrides, "Config overrides, key=value (e.g. refit_cfg.nixl.bucket_bytes=256MiB)");
 
   refit::tools::PlanOptions plan;

@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <map>
 
+#include "core/box_copy.h"
 #include "core/fail.h"
 #include "device_kernels.h"
 #include "memory/tensor_memory.h"
@@ -30,6 +31,34 @@ uint64_t splitmix64(uint64_t& state) {
 }
 
 std::string hex(uint64_t v) { return fmt::format("{:016x}", v); }
+
+// Synthetic content: 8-byte word w of tensor `tensor` in refit `refit` is a hash of the three, so
+// any process computes any slice of any tensor without the rest.
+uint64_t seed_of(uint64_t refit, uint64_t tensor) { return refit * 1000003 + tensor; }
+uint64_t content_word(uint64_t seed, uint64_t word) {
+  uint64_t state = seed * 0xD6E8FEB86659FD93ull + word;
+  return splitmix64(state);
+}
+
+// Writes `box` of the tensor `full` (packed, box_copy.h) as the content of `seed`.
+void fill_box(std::byte* out, const TensorInfo& full, const Box& box, uint64_t seed) {
+  uint64_t total = dtype_size(full.dtype);
+  for (int64_t d : box.shape_in(full.shape)) total *= static_cast<uint64_t>(d);
+  for_each_box_block(full.shape, dtype_size(full.dtype), box, 0, total, [&](const BoxBlock& b) {
+    for (uint64_t r = 0; r < b.rows; ++r) {
+      const uint64_t at = b.tensor_offset + r * b.pitch;  // byte offset in the whole tensor
+      std::byte* row = out + b.packed_offset + r * b.row_bytes;
+      uint64_t j = 0;
+      while (j < b.row_bytes) {
+        const uint64_t word = (at + j) / 8, skip = (at + j) % 8;
+        const uint64_t value = content_word(seed, word);
+        const uint64_t n = std::min<uint64_t>(8 - skip, b.row_bytes - j);
+        std::memcpy(row + j, reinterpret_cast<const std::byte*>(&value) + skip, n);
+        j += n;
+      }
+    }
+  });
+}
 
 // GPU copies and hashes of one refit finish well within this.
 constexpr auto kGpuWait = std::chrono::seconds(300);
@@ -63,16 +92,29 @@ class ViewSource final : public WeightSource {
 
 class SourceProgram final : public WorkerProgram {
  public:
-  SourceProgram(const BenchModel& model, const std::optional<Layout>* layout, std::optional<KillPoint> kill)
-      : model_(model), layout_(layout), kill_(kill), kind_(model.tensors) {
+  SourceProgram(const BenchModel& model, const std::optional<Layout>* layout, const Layout* holds,
+                std::optional<KillPoint> kill)
+      : model_(model), layout_(layout), holds_(holds), kill_(kill), kind_(model.tensors) {
+    if (holds_ && (!synthetic() || kind_ == MemoryKind::kCuda))
+      fail(ErrorKind::kInvalidArgument, "the resharding bench (--src-*) runs on synthetic content in host memory");
     if (!model.safetensors_path.empty()) load_files();
     if (synthetic() || kind_ == MemoryKind::kCuda) {
-      // One allocation for the whole model: synthetic content is refilled every refit, file
-      // content is copied to the GPU once.
+      // One allocation for the whole model (or this source's shards of it): synthetic content is
+      // refilled every refit, file content is copied to the GPU once.
       std::vector<const TensorInfo*> infos;
-      if (synthetic())
+      if (holds_) {
+        for (uint32_t i = 0; i < model.inventory.tensors.size(); ++i) {
+          const TensorInfo& t = model.inventory.tensors[i];
+          const Request r = holds_->request_for(t.name);
+          if (r.take == Take::kDrop) continue;
+          shard_infos_.push_back({t.name, t.dtype, Box::of(r).shape_in(t.shape)});
+          full_index_.push_back(i);
+          boxes_.push_back(Box::of(r));
+        }
+        for (const auto& t : shard_infos_) infos.push_back(&t);
+      } else if (synthetic()) {
         for (const auto& t : model.inventory.tensors) infos.push_back(&t);
-      else
+      } else
         for (const auto& v : views_) infos.push_back(v.info);
       uint64_t total = 0;
       for (const auto* t : infos) total += aligned(t->nbytes());
@@ -96,8 +138,11 @@ class SourceProgram final : public WorkerProgram {
     for (size_t i = 0; i < views_.size(); ++i) {
       const auto& v = views_[i];
       const uint64_t n = v.info->nbytes();
-      if (synthetic()) fill(const_cast<std::byte*>(v.data), n, index * 1000003 + i);
-      hash_expected(v);
+      if (synthetic())
+        fill_box(const_cast<std::byte*>(v.data), holds_ ? model_.inventory.tensors[full_index_[i]] : *v.info,
+                 holds_ ? boxes_[i] : Box::whole(), seed_of(index, holds_ ? full_index_[i] : i));
+      if (!holds_) hash_expected(v);
+      (void)n;
     }
   }
 
@@ -162,17 +207,6 @@ class SourceProgram final : public WorkerProgram {
     hashes_[v.info->name] = hex(XXH3_64bits(scratch_.data(), scratch_.size()));
   }
 
-  static void fill(std::byte* data, uint64_t n, uint64_t seed) {
-    uint64_t state = seed;
-    uint64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-      uint64_t v = splitmix64(state);
-      std::memcpy(data + i, &v, 8);
-    }
-    uint64_t v = splitmix64(state);
-    std::memcpy(data + i, &v, n - i);
-  }
-
   void load_files() {
     auto add = [&](const std::string& path) {
       files_.push_back(std::make_unique<SafetensorsFile>(path));
@@ -194,6 +228,10 @@ class SourceProgram final : public WorkerProgram {
 
   const BenchModel& model_;
   const std::optional<Layout>* layout_;  // null for a source without a destination
+  const Layout* holds_;                  // resharding: what this source holds; null: everything
+  std::vector<TensorInfo> shard_infos_;  // resharding: the shards, with where they lie in the model
+  std::vector<uint32_t> full_index_;
+  std::vector<Box> boxes_;
   std::optional<KillPoint> kill_;
   MemoryKind kind_;
   std::vector<std::byte> scratch_;
@@ -207,7 +245,10 @@ class SourceProgram final : public WorkerProgram {
 
 class DestinationProgram final : public WorkerProgram {
  public:
-  DestinationProgram(std::optional<KillPoint> kill, MemoryKind kind) : kill_(kill), kind_(kind) {}
+  // `checks` (resharding): this destination's layout, against which it checks itself.
+  DestinationProgram(std::optional<KillPoint> kill, MemoryKind kind, const ModelInventory* model,
+                     const std::optional<Layout>* checks)
+      : kill_(kill), kind_(kind), model_(model), checks_(checks) {}
 
   std::unique_ptr<WeightSource> weights(uint64_t) override { fail(ErrorKind::kInternal, "a destination has no weights"); }
 
@@ -225,6 +266,10 @@ class DestinationProgram final : public WorkerProgram {
           // Load into this worker's own GPU parameter, as an inference engine does; hashed in report().
           loads_.copy(parameter(*v.info), v.data, v.info->nbytes(), MemoryKind::kCuda, v.memory);
           received_.push_back(v.info->name);
+        } else if (model_) {
+          // Into this worker's own parameter, as an inference engine loads; checked in report().
+          auto& p = host_parameters_[v.info->name];
+          p.assign(v.data, v.data + v.info->nbytes());
         } else {
           hashes_[v.info->name] = hex(XXH3_64bits(v.data, v.info->nbytes()));
         }
@@ -235,7 +280,8 @@ class DestinationProgram final : public WorkerProgram {
     };
   }
 
-  std::string report(uint64_t) override {
+  std::string report(uint64_t index) override {
+    if (model_) return self_check(index);
     if (kind_ == MemoryKind::kCuda) {
       std::vector<DeviceRange> ranges;
       for (const auto& name : received_) ranges.push_back({parameters_.at(name).data, parameters_.at(name).bytes});
@@ -250,6 +296,27 @@ class DestinationProgram final : public WorkerProgram {
     std::byte* data = nullptr;
     uint64_t bytes = 0;
   };
+
+  // The hashes of what this destination holds and of what it should hold (its slices of the
+  // synthetic content of refit `index`); verify() compares the two.
+  std::string self_check(uint64_t index) {
+    json held = json::object(), expected = json::object();
+    for (const auto& [name, bytes] : host_parameters_) held[name] = hex(XXH3_64bits(bytes.data(), bytes.size()));
+    std::vector<std::byte> want;
+    for (uint32_t i = 0; i < model_->tensors.size(); ++i) {
+      const TensorInfo& t = model_->tensors[i];
+      const Request r = *checks_ ? (*checks_)->request_for(t.name) : Request::whole();
+      if (r.take == Take::kDrop) continue;
+      const Box box = Box::of(r);
+      uint64_t n = dtype_size(t.dtype);
+      for (int64_t d : box.shape_in(t.shape)) n *= static_cast<uint64_t>(d);
+      want.resize(n);
+      fill_box(want.data(), t, box, seed_of(index, i));
+      expected[t.name] = hex(XXH3_64bits(want.data(), n));
+    }
+    host_parameters_.clear();
+    return json{{"hashes", held}, {"expected", expected}}.dump();
+  }
 
   // The GPU parameter for `info`, carved from large allocations on first use and kept.
   std::byte* parameter(const TensorInfo& info) {
@@ -269,6 +336,9 @@ class DestinationProgram final : public WorkerProgram {
 
   std::optional<KillPoint> kill_;
   MemoryKind kind_;
+  const ModelInventory* model_;                 // resharding: the model, to check against
+  const std::optional<Layout>* checks_;
+  std::map<std::string, std::vector<std::byte>> host_parameters_;
   uint64_t batches_ = 0;
   std::map<std::string, std::string> hashes_;
   std::vector<std::string> received_;  // GPU tensors loaded this refit, in order
@@ -304,8 +374,8 @@ KillPoint parse_kill_point(const std::string& text) {
 }
 
 WorkerProgramFactory bench_programs(const BenchModel& model, const std::vector<std::optional<Layout>>& layouts,
-                                    std::optional<KillPoint> kill) {
-  return [&model, &layouts, kill](bool is_source, int rank) -> std::unique_ptr<WorkerProgram> {
+                                    const std::vector<Layout>& holds, std::optional<KillPoint> kill) {
+  return [&model, &layouts, &holds, kill](bool is_source, int rank) -> std::unique_ptr<WorkerProgram> {
     std::optional<KillPoint> mine;
     if (kill && kill->source == is_source && kill->rank == rank) mine = kill;
     const std::optional<Layout>* layout = rank < static_cast<int>(layouts.size()) ? &layouts[rank] : nullptr;
@@ -316,8 +386,11 @@ WorkerProgramFactory bench_programs(const BenchModel& model, const std::vector<s
         throw Error(e.kind(), fmt::format("GPU-resident bench tensors (--tensors cuda): {}", e.what()));
       }
     }
-    if (is_source) return std::make_unique<SourceProgram>(model, layout, mine);
-    return std::make_unique<DestinationProgram>(mine, model.tensors);
+    const bool resharding = !holds.empty();
+    if (is_source) return std::make_unique<SourceProgram>(model, layout, resharding ? &holds.at(rank) : nullptr, mine);
+    static const std::optional<Layout> whole;
+    return std::make_unique<DestinationProgram>(mine, model.tensors, resharding ? &model.inventory : nullptr,
+                                                layout ? layout : &whole);
   };
 }
 

@@ -41,7 +41,10 @@ struct BenchModel {
 };
 
 // `layouts[r]` is destination r's layout: source r hashes what that destination should get.
+// With `holds` (resharding), source s holds only holds[s] of each tensor, and each destination
+// checks itself: the content is a function of the refit, the tensor and the byte's place in the
+// whole tensor, so a destination computes what its slices must hold (after the refit, untimed).
 WorkerProgramFactory bench_programs(const BenchModel& model, const std::vector<std::optional<Layout>>& layouts,
-                                    std::optional<KillPoint> kill);
+                                    const std::vector<Layout>& holds, std::optional<KillPoint> kill);
 
 }  // namespace refit::tools

@@ -9,21 +9,26 @@ namespace refit::tools {
 
 using nlohmann::json;
 
-// Every destination must hold exactly the tensors its source sent, with the same bytes.
+// Every destination must hold exactly the tensors its source sent, with the same bytes; a
+// destination that checked itself (resharding: its bytes come from many sources) reports what it
+// should hold beside what it holds.
 std::vector<std::string> verify(const RefitReport& report) {
-  std::map<int, json> source_hashes, destination_hashes;
+  std::map<int, json> source_hashes, destination_hashes, destination_expected;
   for (const auto& w : report.workers) {
-    auto hashes = json::parse(w.detail).value("hashes", json::object());
-    (w.is_source ? source_hashes : destination_hashes)[w.rank] = hashes;
+    const json detail = json::parse(w.detail);
+    (w.is_source ? source_hashes : destination_hashes)[w.rank] = detail.value("hashes", json::object());
+    if (!w.is_source && detail.contains("expected")) destination_expected[w.rank] = detail.at("expected");
   }
   std::vector<std::string> problems;
   for (const auto& [rank, got] : destination_hashes) {
-    const json& want = source_hashes.at(rank);
+    const bool checked_itself = destination_expected.count(rank) > 0;
+    const json& want = checked_itself ? destination_expected.at(rank) : source_hashes.at(rank);
     for (const auto& [name, hash] : want.items()) {
       if (!got.contains(name))
         problems.push_back(fmt::format("destination rank {} never received '{}'", rank, name));
       else if (got[name] != hash)
-        problems.push_back(fmt::format("destination rank {}: '{}' differs from source rank {}", rank, name, rank));
+        problems.push_back(checked_itself ? fmt::format("destination rank {}: '{}' differs from the model", rank, name)
+                                          : fmt::format("destination rank {}: '{}' differs from source rank {}", rank, name, rank));
     }
     for (const auto& [name, hash] : got.items())
       if (!want.contains(name)) problems.push_back(fmt::format("destination rank {} received unknown '{}'", rank, name));

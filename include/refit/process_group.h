@@ -27,6 +27,10 @@ class ProcessGroup : public WorkerGroup {
   RefitReport refit(uint64_t index) override;
   void finalize() override;
 
+  // Refuses a group that cannot refit, before any process starts: the paired topology's rules,
+  // or, when resharding, a transfer plan that cannot be made (a needed slice nobody holds).
+  static void check_topology(const GroupOptions& options);
+
  protected:
   explicit ProcessGroup(GroupOptions options);
 

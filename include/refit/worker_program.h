@@ -39,6 +39,10 @@ struct GroupOptions {
   WorkerProgramFactory program;
   // Destination r's layout (layout.h); missing or empty entries mean every tensor whole.
   std::vector<std::optional<Layout>> destination_layouts;
+  // Resharding: source s's holdings (EngineOptions::holds) and the model's inventory. Empty:
+  // every source holds the whole model (the paired topology).
+  std::vector<Layout> source_layouts;
+  std::shared_ptr<const ModelInventory> model;
 };
 
 }  // namespace refit

@@ -25,7 +25,7 @@ LocalProcessGroup::LocalProcessGroup(GroupOptions options)
     fail(ErrorKind::kTopology, "a local group needs at least one source and one destination, got {} and {}",
          options_.sources, options_.destinations);
   if (!options_.program) fail(ErrorKind::kInvalidArgument, "a local group needs a worker program");
-  source_rank_for_destination(0, options_.sources, options_.destinations);  // a topology that works, before any fork
+  check_topology(options_);  // before any fork
   for (int i = 0; i < options_.sources; ++i) links_->links().push_back(spawn(true, i));
   for (int i = 0; i < options_.destinations; ++i) links_->links().push_back(spawn(false, i));
 }

@@ -76,7 +76,7 @@ void check_world(const GroupOptions& o, const RankEnvironment& env) {
          env.world_size, o.sources, o.destinations, o.sources + o.destinations, o.sources - 1);
   if (env.rank < 0 || env.rank >= env.world_size)
     fail(ErrorKind::kTopology, "rank {} is outside the world of {} ranks", env.rank, env.world_size);
-  source_rank_for_destination(0, o.sources, o.destinations);  // a topology that works
+  ProcessGroup::check_topology(o);
 }
 
 }  // namespace

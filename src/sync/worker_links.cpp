@@ -20,9 +20,9 @@ namespace refit {
 using nlohmann::json;
 
 // Engine statistics cross the worker channel as JSON objects keyed by field name.
-NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(SendStats, tensors, dropped, buckets, payload_bytes, seconds, had_peer)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(SendStats, tensors, dropped, buckets, payload_bytes, seconds, had_peer, destinations)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(ReceiveStats, tensors, batches, buckets, payload_bytes, wire_bytes, total_seconds,
-                                   load_seconds, mapped, buffer_bytes, route)
+                                   load_seconds, mapped, buffer_bytes, route, sources)
 
 namespace {
 
@@ -92,6 +92,8 @@ int serve_worker(bool is_source, int rank, Channel& channel, const GroupOptions&
         eo.model_fingerprint = options.model_fingerprint;
         if (!is_source && rank < static_cast<int>(options.destination_layouts.size()))
           eo.layout = options.destination_layouts[rank];
+        if (is_source && rank < static_cast<int>(options.source_layouts.size())) eo.holds = options.source_layouts[rank];
+        eo.model = options.model;
         eo.receives_only = !is_source;
         engine = std::make_unique<CheckpointEngine>(std::move(eo));
         program = options.program(is_source, rank);

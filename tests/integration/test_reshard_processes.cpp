@@ -1,0 +1,109 @@
+// Resharding between real processes over UCX, through `refit bench --src-*`: each source process
+// holds only its own shards (Megatron TP/EP/DP), each destination reads its slices from several
+// sources at once and checks every byte against the model afterwards.
+#include <gtest/gtest.h>
+
+#include "cli_runner.h"
+
+namespace refit {
+namespace {
+
+using testing::read_json;
+using testing::run_cli;
+using testing::TempDir;
+
+// A small MoE (about 9 MiB): GQA with 2 KV heads (replicated at TP 4), 8 experts.
+const char* kSmallMoe = R"({
+  "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "torch_dtype": "bfloat16",
+  "hidden_size": 128, "intermediate_size": 256, "moe_intermediate_size": 64, "num_hidden_layers": 3,
+  "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 8000,
+  "num_experts": 8, "num_experts_per_tok": 2, "decoder_sparse_step": 1, "mlp_only_layers": [],
+  "rms_norm_eps": 1e-6, "tie_word_embeddings": false
+})";
+
+struct Bench {
+  TempDir dir;
+  std::string model = dir.write("config.json", kSmallMoe);
+  std::string json = dir.file("result.json");
+
+  testing::CliResult run(int sources, int destinations, std::vector<std::string> extra, int refits = 2) {
+    std::vector<std::string> args = {"bench", "--model", model, "--sources", std::to_string(sources),
+                                     "--destinations", std::to_string(destinations), "--refits", std::to_string(refits),
+                                     "--json", json, "refit_cfg.nixl.bucket_bytes=1MiB", "refit_cfg.nixl.timeout_s=20"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    return run_cli(args, 180);
+  }
+};
+
+// Every refit verified; every destination received exactly what it keeps, from `min_sources` or
+// more sources; every source sent something to `min_destinations` or more.
+void expect_resharded(const testing::CliResult& r, const nlohmann::json& j, size_t min_sources,
+                      size_t min_destinations) {
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(j.at("verified").get<bool>());
+  EXPECT_TRUE(j.at("resharding").get<bool>());
+  const auto& expected = j.at("expected_bytes");
+  for (const auto& refit : j.at("refits")) {
+    ASSERT_TRUE(refit.at("verified").get<bool>()) << refit.dump();
+    for (const auto& d : refit.at("bytes_received")) {
+      EXPECT_EQ(d.at("bytes"), expected.at(d.at("rank").get<size_t>())) << d.dump();
+      EXPECT_GE(d.at("sources").get<size_t>(), min_sources) << d.dump();
+    }
+    uint64_t sent = 0, received = 0;
+    for (const auto& s : refit.at("bytes_sent")) {
+      EXPECT_GE(s.at("destinations").get<size_t>(), min_destinations) << s.dump();
+      sent += s.at("bytes").get<uint64_t>();
+    }
+    for (const auto& d : refit.at("bytes_received")) received += d.at("bytes").get<uint64_t>();
+    EXPECT_EQ(sent, received) << "every byte sent is a byte some destination keeps";
+  }
+  EXPECT_NE(r.output.find("resharding: each destination reads from"), std::string::npos) << r.output;
+}
+
+TEST(ReshardProcesses, EightMegatronShardsToFourTensorParallelDestinations) {
+  Bench b;
+  auto r = b.run(8, 4, {"--src-tp", "2", "--src-dp", "4", "--src-ep", "4", "--src-etp", "1", "--tp", "4",
+                        "--shard-dense", "refit_cfg.nixl.shard_expert_weights=true"});
+  expect_resharded(r, read_json(b.json), 2, 1);
+}
+
+TEST(ReshardProcesses, TwoSourcesFeedSixDestinations) {
+  Bench b;
+  auto r = b.run(2, 6, {"--src-tp", "2", "--tp", "2", "--pp", "3", "--shard-dense"});
+  expect_resharded(r, read_json(b.json), 2, 3);
+}
+
+TEST(ReshardProcesses, CorruptionInFlightIsCaughtByTheDestinationsOwnCheck) {
+  setenv("REFIT_TEST_FLIP_READ_BYTES", "3", 1);
+  Bench b;
+  auto r = b.run(2, 2, {"--src-tp", "2"}, 1);
+  unsetenv("REFIT_TEST_FLIP_READ_BYTES");
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  auto j = read_json(b.json);
+  EXPECT_FALSE(j.at("verified").get<bool>());
+  ASSERT_TRUE(j.at("refits").back().contains("verification_errors")) << r.output;
+  EXPECT_NE(j.at("refits").back().at("verification_errors").dump().find("differs from the model"), std::string::npos);
+}
+
+TEST(ReshardProcesses, SourceFlagsThatDoNotMatchTheSourceCountAreRefused) {
+  Bench b;
+  auto r = b.run(3, 2, {"--src-tp", "2"}, 1);
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("--src-tp 2 x --src-dp 1 x --src-pp 1 = 2 source ranks, but --sources is 3"),
+            std::string::npos)
+      << r.output;
+}
+
+TEST(ReshardProcesses, AKilledSourceFailsEveryDestinationItFeedsWithoutAHang) {
+  Bench b;
+  auto r = b.run(2, 2, {"--src-tp", "2", "--kill", "source:1:1:5"}, 3);
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.exit_code, -1) << "the bench hung: " << r.output;
+  auto j = read_json(b.json);
+  EXPECT_FALSE(j.at("verified").get<bool>());
+  const std::string error = j.at("refits").back().at("error");
+  EXPECT_NE(error.find("source rank 1"), std::string::npos) << error;
+}
+
+}  // namespace
+}  // namespace refit

@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
-# Refit across simulated hosts with shaped links, against the links' own limit. Four hosts
-# (scripts/simhosts.sh), each link shaped to RATE both ways; 2 sources on hosts 1-2 feed 2
-# destinations on hosts 3-4 (`refit bench --launcher env`, one rank per host). For each model and
-# bucket size it prints the median refit time against:
-#   - the link bound: the bytes each destination receives / RATE (what the link allows at best);
+# Refit across simulated hosts with shaped links, against the links' own limit. SOURCES +
+# DESTINATIONS hosts (scripts/simhosts.sh), each link shaped to RATE both ways; sources on the
+# first hosts feed destinations on the rest (`refit bench --launcher env`, one rank per host). For
+# each model and bucket size it prints the median refit time against:
+#   - the link bound: the most bytes any host's link carries (a destination's ingress, or a
+#     source's egress when resharding) / RATE (what the links allow at best);
 #   - ucx_perftest ucp_get between two of the same hosts, at the bucket size (the ceiling measured
 #     in the same run, on the same shaped links).
 # A benchmark, not a test: it prints ratios and never fails on them.
 #
 # Usage: scripts/hosts_bench.sh [RATE] [REFITS]     (default 2gbit, 3 refits; needs root)
 # Environment: BUILD_DIR (default build/release), MODELS (default: small builtin 2g),
-#              BUCKETS (default "16MiB 64MiB").
+#              BUCKETS (default "16MiB 64MiB"), SOURCES and DESTINATIONS (default 2 and 2),
+#              BENCH_ARGS (more `refit bench` arguments, e.g. resharding:
+#              "--src-tp 2 --src-dp 2 --tp 2 --shard-dense" with SOURCES=4).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RATE="${1:-2gbit}"
@@ -18,12 +21,16 @@ REFITS="${2:-3}"
 BUILD_DIR="${BUILD_DIR:-build/release}"
 MODELS="${MODELS:-small builtin 2g}"
 BUCKETS="${BUCKETS:-16MiB 64MiB}"
+SOURCES="${SOURCES:-2}"
+DESTINATIONS="${DESTINATIONS:-2}"
+BENCH_ARGS="${BENCH_ARGS:-}"
+WORLD=$((SOURCES + DESTINATIONS))
 REFIT="$PWD/$BUILD_DIR/refit"
 [ -x "$REFIT" ] || { echo "hosts_bench: build first (scripts/setup.sh release): $REFIT is missing" >&2; exit 1; }
 scripts/simhosts.sh check >/dev/null || { scripts/simhosts.sh check; exit 1; }
 
 if [ -z "${SIMHOSTS_TAG:-}" ]; then
-  exec scripts/simhosts.sh with 4 --rate "$RATE" -- "$0" "$@"
+  exec scripts/simhosts.sh with "$WORLD" --rate "$RATE" -- "$0" "$@"
 fi
 
 work="$PWD/$BUILD_DIR/hosts-bench"
@@ -50,14 +57,15 @@ import re, sys
 m = re.fullmatch(r"([0-9.]+)([kmg]?)bit", sys.argv[1].lower())
 print(int(float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)]))' "$RATE")
 
-# The ceiling: ucp_get between hosts 1 and 3 over the shaped links, at a bucket size.
+# The ceiling: ucp_get between host 1 (a source) and the first destination's host over the shaped
+# links, at a bucket size.
 ceiling() {
   local bytes="$1" port=$((13000 + RANDOM % 1000))
   H exec 1 timeout 60 ucx_perftest -p "$port" >/dev/null 2>&1 &
   local server=$!
   sleep 1
   local line
-  line=$(H exec 3 timeout 60 ucx_perftest "$master" -p "$port" -t ucp_get -s "$bytes" -n 8 -w 2 2>/dev/null | grep Final || true)
+  line=$(H exec $((SOURCES + 1)) timeout 60 ucx_perftest "$master" -p "$port" -t ucp_get -s "$bytes" -n 8 -w 2 2>/dev/null | grep Final || true)
   wait "$server" 2>/dev/null || true
   # Final: iterations, latency typ/avg/overall, bandwidth avg (MB/s), overall (MB/s), ...
   echo "$line" | awk '{print $7 * 1048576}'
@@ -69,15 +77,17 @@ for model in $MODELS; do
     port=$((29000 + RANDOM % 1000))
     json="$work/$model-$bucket.json"
     pids=()
-    for r in 1 2 3; do
-      H exec $((r + 1)) env RANK=$r WORLD_SIZE=4 MASTER_ADDR="$master" MASTER_PORT="$port" "$REFIT" bench --launcher env \
-        --model "$(model_path "$model")" --sources 2 --destinations 2 --refits "$REFITS" \
-        "refit_cfg.nixl.bucket_bytes=$bucket" >"$work/$model-$bucket.rank$r.log" 2>&1 &
+    for ((r = 1; r < WORLD; r++)); do
+      # shellcheck disable=SC2086  # BENCH_ARGS is a list of arguments
+      H exec $((r + 1)) env RANK=$r WORLD_SIZE=$WORLD MASTER_ADDR="$master" MASTER_PORT="$port" "$REFIT" bench \
+        --launcher env --model "$(model_path "$model")" --sources "$SOURCES" --destinations "$DESTINATIONS" \
+        --refits "$REFITS" $BENCH_ARGS "refit_cfg.nixl.bucket_bytes=$bucket" >"$work/$model-$bucket.rank$r.log" 2>&1 &
       pids+=($!)
     done
-    H exec 1 env RANK=0 WORLD_SIZE=4 MASTER_ADDR="$master" MASTER_PORT="$port" "$REFIT" bench --launcher env \
-      --model "$(model_path "$model")" --sources 2 --destinations 2 --refits "$REFITS" --json "$json" \
-      "refit_cfg.nixl.bucket_bytes=$bucket" >"$work/$model-$bucket.rank0.log" 2>&1 || {
+    # shellcheck disable=SC2086
+    H exec 1 env RANK=0 WORLD_SIZE=$WORLD MASTER_ADDR="$master" MASTER_PORT="$port" "$REFIT" bench --launcher env \
+      --model "$(model_path "$model")" --sources "$SOURCES" --destinations "$DESTINATIONS" --refits "$REFITS" \
+      --json "$json" $BENCH_ARGS "refit_cfg.nixl.bucket_bytes=$bucket" >"$work/$model-$bucket.rank0.log" 2>&1 || {
       echo "hosts_bench: $model $bucket failed:"; tail -n 20 "$work/$model-$bucket.rank0.log"; exit 1; }
     wait "${pids[@]}" || true
     bucket_bytes=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["bucket_bytes"])' "$json")
@@ -87,9 +97,12 @@ import json, statistics, sys
 result, bits, model, bucket, get = json.load(open(sys.argv[1])), float(sys.argv[2]), sys.argv[3], sys.argv[4], float(sys.argv[5])
 assert result["verified"], "not verified"
 per_dest = max(d["bytes"] for r in result["refits"] for d in r["bytes_received"])
+# Resharding: a source's link may carry more than any destination's.
+egress = max((s["bytes"] for r in result["refits"] for s in r.get("bytes_sent", []) if result.get("resharding")),
+             default=0)
 routes = sorted({d["route"] for r in result["refits"] for d in r["bytes_received"]})
 seconds = statistics.median(r["seconds"] for r in result["refits"])
-bound = per_dest / (bits / 8)
+bound = max(per_dest, egress) / (bits / 8)
 line = f"{model:<8} {bucket:<7} {per_dest / 2**20:12.1f} {bound:10.3f} {seconds:10.3f} {seconds / bound:9.3f}"
 if get > 0:
     line += f" {get / 1e6:12.1f} {(per_dest / seconds) / get:9.3f}"
@@ -98,4 +111,4 @@ EOF
   done
 done
 echo "rate $RATE per host link (tbf, both directions); refit s: median of $REFITS refits, every one verified bitwise;"
-echo "x bound = refit time / (bytes per destination / rate); x ucp_get = refit throughput per destination / ucp_get"
+echo "x bound = refit time / (most bytes on one host's link / rate); x ucp_get = refit throughput per destination / ucp_get"

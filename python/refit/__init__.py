@@ -44,12 +44,17 @@ from ._refit import (  # noqa: F401  (re-exported)
     cuda_built,
     cuda_device_count,
     dtype_size,
+    TransferPlan,
+    dtensor_request as _dtensor_request,  # noqa: F401  (refit.reshard wraps it)
     fill_synthetic,
+    fsdp_source_layout,
     load_config,
     load_model_inventory,
+    megatron_source_layouts,
     log,
     new_session_id,
     parse_config,
+    plan_transfers,
     resolve_bucket_size,
     set_log_level,
     source_rank_for_destination,
@@ -58,6 +63,7 @@ from ._refit import (  # noqa: F401  (re-exported)
     total_host_memory_bytes,
     xxh3_64,
 )
+from .reshard import holdings_of, local_tensors  # noqa: F401,E402
 from ._refit import __version__  # noqa: F401
 from .engine import (  # noqa: F401
     CheckpointEngine,

@@ -45,9 +45,10 @@ CONFIG_KEYS = (
     "map_source_buffers",
 )
 #: engine_kwargs keys that are not configuration: the driver's session id, the model fingerprint,
-#: the destination layout, the framework received tensors are handed out as, and whether the
-#: engine only receives (then it holds transfer buffers only when it cannot map its source's).
-ENGINE_KEYS = ("session", "model_fingerprint", "layout", "framework", "receives_only")
+#: the destination layout, the framework received tensors are handed out as, whether the engine
+#: only receives (then it holds transfer buffers only when it cannot map its source's), and for
+#: resharding a source's holdings and the model (a config.json path or a ModelInventory).
+ENGINE_KEYS = ("session", "model_fingerprint", "layout", "framework", "receives_only", "holds", "model")
 
 _FRAMEWORKS = ("auto", "numpy", "torch", "cupy", "dlpack")
 _torch_available: Optional[bool] = None
@@ -162,12 +163,16 @@ class CheckpointEngine:
 
     def __init__(self, bucket_size_bytes: int, config: Union[None, RefitConfig, Mapping[str, Any], str] = None, *,
                  session: Optional[bytes] = None, model_fingerprint: int = 0, layout: Optional[Layout] = None,
-                 framework: str = "auto", receives_only: bool = False):
+                 framework: str = "auto", receives_only: bool = False, holds: Optional[Layout] = None,
+                 model: Union[None, str, os.PathLike, "_refit.ModelInventory"] = None):
+        """``holds`` (a source) and ``model`` (every engine of a resharding group): see refit.reshard."""
         self._config = as_config(config)
         self._framework = framework
         resolve_framework(framework)  # validate early
+        if isinstance(model, (str, os.PathLike)):
+            model = _refit.load_model_inventory(os.fspath(model))
         self._engine = _refit.CheckpointEngine(int(bucket_size_bytes), self._config, session,
-                                               int(model_fingerprint), layout, bool(receives_only))
+                                               int(model_fingerprint), layout, bool(receives_only), holds, model)
         self.last_send_stats: Optional[dict] = None
 
     # ---- the reference's API ----
@@ -195,7 +200,8 @@ class CheckpointEngine:
         Non-contiguous tensors are made contiguous (a copy). A source without a destination drains
         the iterator. Returns send statistics; raises the refit's error (its message names the
         peer and the phase)."""
-        self.last_send_stats = self._engine.send(weights)
+        from .reshard import local_tensors  # DTensors go as their local shards
+        self.last_send_stats = self._engine.send(local_tensors(weights))
         return self.last_send_stats
 
     def receive_weight_batches(self, framework: Optional[str] = None, copy_merged: bool = True
@@ -270,7 +276,8 @@ def create_checkpoint_engine(backend: str, bucket_size_bytes: int,
     refit.new_session_id(), the same for every engine of a group), ``model_fingerprint``,
     ``layout`` (a destination's refit.Layout), ``framework`` (default for received tensors) and
     ``receives_only`` (a destination that allocates transfer buffers only when it cannot map its
-    source's; init_source() on it is an error).
+    source's; init_source() on it is an error), and for resharding ``holds`` (a source's holdings,
+    refit.holdings_of) and ``model`` (refit.reshard).
     Extra keyword arguments are merged into engine_kwargs. Raises ConfigError naming a bad key.
     """
     if backend != "nixl":

@@ -13,6 +13,8 @@
 #include "refit/layout.h"
 #include "refit/memory.h"
 #include "refit/model.h"
+#include "refit/layout_builders.h"
+#include "refit/transfer_plan.h"
 
 namespace refit::py {
 namespace {
@@ -213,6 +215,60 @@ void register_config(nb::module_& m) {
       .def("__eq__", [](const Layout& a, const Layout& b) { return a == b; })
       .def("__getstate__", [](const Layout& l) { return to_bytes(encode_layout(l)); })
       .def("__setstate__", [](Layout& l, nb::handle b) { new (&l) Layout(decode_layout(bytes_of(b, "layout"), "layout")); });
+
+  // ---- resharding: what sources hold, and the transfer plan ----
+  m.def(
+      "dtensor_request",
+      [](const std::string& name, std::vector<int64_t> shape, nb::handle placements, std::vector<int> mesh_shape,
+         std::vector<int> coordinate) {
+        std::vector<Placement> ps;
+        for (nb::handle p : placements) {
+          // ("shard", dim) or ("replicate",)
+          auto t = nb::cast<nb::tuple>(p);
+          const std::string kind = nb::cast<std::string>(t[0]);
+          if (kind == "shard" && t.size() == 2)
+            ps.push_back(Placement::shard_dim(nb::cast<int32_t>(t[1])));
+          else if (kind == "replicate" && t.size() == 1)
+            ps.push_back(Placement::replicate());
+          else
+            throw Error(ErrorKind::kLayout,
+                        fmt::format("tensor '{}': placement {} is not ('shard', dim) or ('replicate',) (a Partial "
+                                    "tensor must be reduced before a refit)",
+                                    name, nb::cast<std::string>(nb::repr(p))));
+        }
+        return request_tuple(dtensor_request(name, shape, ps, mesh_shape, coordinate));
+      },
+      nb::arg("name"), nb::arg("shape"), nb::arg("placements"), nb::arg("mesh_shape"), nb::arg("coordinate"),
+      "What the rank at `coordinate` of a device mesh holds of a DTensor of global `shape` with `placements` "
+      "(('shard', dim) or ('replicate',) per mesh dim): ('whole',) or ('narrow', dim, start, length), as torch shards.");
+  m.def(
+      "megatron_source_layouts",
+      [](const std::string& config_path, int tp, int pp, int dp, int ep, std::optional<int> expert_tp) {
+        return megatron_source_layouts(inventory_from_hf_config(config_path), model_dims_from_hf_config(config_path),
+                                       TrainingParallel{tp, pp, dp, ep, expert_tp});
+      },
+      nb::arg("config_path"), nb::arg("tp") = 1, nb::arg("pp") = 1, nb::arg("dp") = 1, nb::arg("ep") = 1,
+      nb::arg("expert_tp").none() = nb::none(),
+      "Every Megatron rank's holdings (rank = tp_rank + tp * (dp_rank + dp * pp_rank)) for a model's config.json.");
+  m.def("fsdp_source_layout", &fsdp_source_layout, nb::arg("model"), nb::arg("world"), nb::arg("rank"),
+        "FSDP2's holdings of `rank` of `world`: every tensor Shard(0).");
+
+  nb::class_<TransferPlan>(m, "TransferPlan",
+                           "Which bytes each destination reads from which source (refit.plan_transfers).")
+      .def_prop_ro("pieces", [](const TransferPlan& p) { return p.pieces().size(); })
+      .def_prop_ro("egress", [](const TransferPlan& p) { return p.egress(); }, "Bytes each source sends.")
+      .def_prop_ro("ingress", [](const TransferPlan& p) { return p.ingress(); }, "Bytes each destination receives.")
+      .def("sources_of", &TransferPlan::sources_of, nb::arg("destination"))
+      .def("destinations_of", &TransferPlan::destinations_of, nb::arg("source"));
+  m.def(
+      "plan_transfers",
+      [](const ModelInventory& model, const std::vector<Layout>& sources, const std::vector<Layout>& destinations) {
+        nb::gil_scoped_release nogil;
+        return plan_transfers(model, sources, destinations);
+      },
+      nb::arg("model"), nb::arg("sources"), nb::arg("destinations"),
+      "The transfer plan from what every source holds to what every destination needs; raises LayoutError for "
+      "overlapping holdings or a needed slice no source holds, naming the tensor and the rank.");
 
   // ---- logging ----
   m.def(

@@ -562,7 +562,8 @@ class BatchIterator {
 class PyEngine {
  public:
   PyEngine(uint64_t bucket_bytes, const RefitConfig& config, nb::handle session, uint64_t model_fingerprint,
-           std::optional<Layout> layout, bool receives_only)
+           std::optional<Layout> layout, bool receives_only, std::optional<Layout> holds,
+           std::optional<ModelInventory> model)
       : config_(config),
         bucket_bytes_(bucket_bytes),
         pool_(std::make_shared<BlockPool>()),
@@ -573,6 +574,8 @@ class PyEngine {
     options.model_fingerprint = model_fingerprint;
     options.layout = std::move(layout);
     options.receives_only = receives_only;
+    options.holds = std::move(holds);
+    if (model) options.model = std::make_shared<const ModelInventory>(std::move(*model));
     if (session.is_valid() && !session.is_none()) {
       auto bytes = bytes_of(session, "session");
       if (bytes.size() != options.session.size())
@@ -922,9 +925,11 @@ void register_engine(nb::module_& m) {
   nb::class_<PyEngine>(m, "CheckpointEngine",
                        "The C++ checkpoint engine. Use refit.create_checkpoint_engine(), which wraps it with the "
                        "reference's method names.")
-      .def(nb::init<uint64_t, const RefitConfig&, nb::handle, uint64_t, std::optional<Layout>, bool>(),
+      .def(nb::init<uint64_t, const RefitConfig&, nb::handle, uint64_t, std::optional<Layout>, bool, std::optional<Layout>,
+                    std::optional<ModelInventory>>(),
            nb::arg("bucket_bytes"), nb::arg("config"), nb::arg("session").none() = nb::none(),
-           nb::arg("model_fingerprint") = 0, nb::arg("layout").none() = nb::none(), nb::arg("receives_only") = false)
+           nb::arg("model_fingerprint") = 0, nb::arg("layout").none() = nb::none(), nb::arg("receives_only") = false,
+           nb::arg("holds").none() = nb::none(), nb::arg("model").none() = nb::none())
       .def("prepare", &PyEngine::prepare)
       .def(
           "init_source",

@@ -125,9 +125,13 @@ Box Box::relative_to(const Slice& origin) const {
 std::string to_string(const Box& box) {
   if (box.is_whole()) return "whole";
   std::string out;
-  for (int i = 0; i < box.count; ++i)
-    out += fmt::format("{}dim {} [{}, {})", i ? " x " : "", box.cuts[i].dim, box.cuts[i].start,
-                       box.cuts[i].start + box.cuts[i].length);
+  for (int i = 0; i < box.count; ++i) {
+    const Slice& c = box.cuts[i];
+    // A box decoded from a peer may be garbage: its end is only shown when it does not overflow.
+    const bool sane = c.start >= 0 && c.length >= 0 && c.length <= INT64_MAX - c.start;
+    out += sane ? fmt::format("{}dim {} [{}, {})", i ? " x " : "", c.dim, c.start, c.start + c.length)
+                : fmt::format("{}dim {} [{}, +{})", i ? " x " : "", c.dim, c.start, c.length);
+  }
   return out;
 }
 

@@ -1,0 +1,142 @@
+"""Resharding from Python: holdings from DTensor placements, the transfer plan, and engines whose
+sources hold only their shards (in-process threads over UCX shared memory), checked bitwise."""
+
+import json
+import os
+import threading
+
+import numpy as np
+import pytest
+
+import refit
+
+CONFIG = {
+    "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "torch_dtype": "float32",
+    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 500, "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+}
+
+
+@pytest.fixture
+def model_path(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(CONFIG))
+    return str(path)
+
+
+class _Shard:
+    def __init__(self, dim):
+        self.dim = dim
+
+    def is_shard(self):
+        return True
+
+    def is_replicate(self):
+        return False
+
+
+class _Replicate:
+    def is_shard(self):
+        return False
+
+    def is_replicate(self):
+        return True
+
+
+class _Mesh:
+    def __init__(self, shape, coordinate):
+        self.mesh = np.zeros(shape)
+        self._coordinate = coordinate
+
+    def get_coordinate(self):
+        return self._coordinate
+
+
+class FakeDTensor:
+    """torch.distributed.tensor.DTensor's interface as refit reads it: global shape, placements,
+    device mesh, to_local()."""
+
+    def __init__(self, full, placements, mesh_shape, coordinate):
+        self.shape = full.shape
+        self.placements = placements
+        self.device_mesh = _Mesh(mesh_shape, coordinate)
+        request = refit._refit.dtensor_request("t", list(full.shape), [
+            ("shard", p.dim) if p.is_shard() else ("replicate",) for p in placements], list(mesh_shape),
+            list(coordinate))
+        self._local = full if request == ("whole",) else np.take(
+            full, range(request[2], request[2] + request[3]), axis=request[1])
+
+    def to_local(self):
+        return self._local
+
+
+def test_holdings_follow_dtensor_placements_as_torch_shards():
+    full = np.arange(10 * 6, dtype=np.float32).reshape(10, 6)
+    # HSDP: replicated over mesh dim 0, Shard(0) over mesh dim 1 of size 4: chunks of ceil(10 / 4) = 3.
+    t = FakeDTensor(full, [_Replicate(), _Shard(0)], (2, 4), (1, 3))
+    holds = refit.holdings_of({"w": t, "b": np.zeros(3, np.float32)})
+    assert holds.request_for("w") == ("narrow", 0, 9, 1)
+    assert holds.request_for("b") == ("whole",)
+    assert [name for name, _ in refit.local_tensors([("w", t)])] == ["w"]
+    assert next(refit.local_tensors([("w", t)]))[1].shape == (1, 6)
+    two_dims = FakeDTensor(full, [_Shard(0), _Replicate()], (2, 2), (0, 0))
+    two_dims.placements = [_Shard(0), _Shard(1)]  # a layout narrows one dim per tensor
+    with pytest.raises(refit.LayoutError, match="sharded along dims 0 and 1"):
+        refit.holdings_of({"w": two_dims})
+
+
+def test_plan_names_a_slice_nobody_holds(model_path):
+    inventory = refit.load_model_inventory(model_path)
+    holds = refit.megatron_source_layouts(model_path, tp=2)
+    plan = refit.plan_transfers(inventory, holds, [refit.Layout()])
+    assert plan.sources_of(0) == [0, 1]
+    assert sum(plan.egress) == sum(plan.ingress) == inventory.total_bytes
+    with pytest.raises(refit.LayoutError, match="no source holds"):
+        refit.plan_transfers(inventory, holds[:1], [refit.Layout()])
+
+
+def test_fsdp_sources_refit_a_whole_destination_bitwise(model_path):
+    inventory = refit.load_model_inventory(model_path)
+    rng = np.random.default_rng(3)
+    full = {t.name: rng.standard_normal(t.shape).astype(np.float32) for t in inventory.tensors}
+    world = 3
+    session = refit.new_session_id()
+    config = {"timeout_s": 20, "backend_init_params": {"tls": "posix,sysv,cma,self"}}
+    sources = []
+    shards = []
+    for rank in range(world):
+        # Each rank holds FSDP2's Shard(0) of every tensor, as DTensors would give it.
+        tensors = {name: FakeDTensor(value, [_Shard(0)], (world,), (rank,)) for name, value in full.items()}
+        shards.append(tensors)
+        sources.append(refit.CheckpointEngine(1 << 16, config, session=session, holds=refit.holdings_of(tensors),
+                                              model=model_path))
+    destination = refit.CheckpointEngine(1 << 16, config, session=session, model=inventory)
+    metadata = [e.prepare() for e in sources] + [destination.prepare()]
+    for rank, e in enumerate(sources):
+        e.init_policy_process_group(rank, world, 1, metadata)
+    destination.init_rollout_process_group(0, world, 1, metadata)
+
+    errors = []
+
+    def send(rank):
+        try:
+            sources[rank].send_weights(shards[rank].items())
+        except Exception as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+
+    threads = [threading.Thread(target=send, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    got = {}
+    for batch in destination.receive_weight_batches(framework="numpy"):
+        for name, tensor in batch:
+            got[name] = np.array(tensor, copy=True)
+    for t in threads:
+        t.join()
+    assert not errors
+    assert set(got) == set(full)
+    for name, value in full.items():
+        np.testing.assert_array_equal(got[name], value, err_msg=name)
+    for e in sources + [destination]:
+        e.finalize()

@@ -63,6 +63,21 @@ void print_fan(const json& sources, const json& destinations) {
              dlo, dhi, ilo / 1048576.0, ihi / 1048576.0, slo, shi, elo / 1048576.0, ehi / 1048576.0);
 }
 
+// Median seconds of `refits` refits of a local group, every one verified.
+double timed_refits(const RefitConfig& config, GroupOptions options, int refits, const char* what) {
+  LocalProcessGroup group(std::move(options));
+  WeightSynchronizer sync(config, group);
+  std::vector<double> seconds;
+  for (int k = 0; k < refits; ++k) {
+    RefitReport report = sync.sync_weights();
+    auto problems = verify(report);
+    if (!problems.empty())
+      throw Error(ErrorKind::kIntegrity, fmt::format("{}: refit {} did not verify: {}", what, k, problems.front()));
+    seconds.push_back(report.seconds);
+  }
+  return median(seconds);
+}
+
 }  // namespace
 
 // The config of a bench run: the file, then --device as overrides (a GPU device also picks
@@ -219,6 +234,35 @@ int run_bench(const BenchOptions& options) {
   fmt::print("median throughput: {:.2f} GiB/s over {} refit(s); verified: {}\n", median(throughputs) / kGiB,
              throughputs.size(), verified ? "yes" : "no");
 
+  if (options.compare_paired) {
+    if (holds.empty() || ranks)
+      throw Error(ErrorKind::kInvalidArgument, "--compare-paired needs --src-* (resharding) and --launcher local");
+    // The paired path: the shards gathered into one full copy per destination (timed as a refit
+    // from the same sharded sources to destinations that keep everything, a stand-in for the
+    // training side's all-gather), then each full copy sent to its paired destination.
+    const std::vector<std::optional<Layout>> whole(options.destinations);
+    GroupOptions gather = group_options;
+    gather.destination_layouts = whole;
+    gather.program = bench_programs(model, whole, holds, std::nullopt);
+    const double gather_s = timed_refits(config, gather, options.refits, "the gather");
+    GroupOptions paired = group_options;
+    paired.sources = options.destinations;
+    paired.source_layouts.clear();
+    paired.model.reset();
+    static const std::vector<Layout> kNoHolds;
+    paired.program = bench_programs(model, layouts, kNoHolds, std::nullopt);
+    const double paired_s = timed_refits(config, paired, options.refits, "the paired refit");
+    const double reshard_s = median([&] {
+      std::vector<double> v;
+      for (const auto& r : out["refits"])
+        if (r.value("ok", false)) v.push_back(r.at("seconds").get<double>());
+      return v;
+    }());
+    fmt::print("paired path: gather {:.3f} s + paired refit {:.3f} s = {:.3f} s; resharding {:.3f} s ({:.2f}x faster)\n",
+               gather_s, paired_s, gather_s + paired_s, reshard_s, (gather_s + paired_s) / reshard_s);
+    out["compare_paired"] = {{"gather_seconds", gather_s}, {"paired_seconds", paired_s},
+                             {"paired_total_seconds", gather_s + paired_s}, {"resharding_seconds", reshard_s}};
+  }
   if (options.baseline && bucket_bytes > 0) {
     auto tls = config.backend_init_params.count("tls") ? config.backend_init_params.at("tls") : "";
     Baseline b = measure_baseline(bucket_bytes, tls);

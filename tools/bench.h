@@ -29,6 +29,9 @@ struct BenchOptions {
   std::string tensors;
   ParallelOptions parallel;
   SourceParallelOptions source_parallel;  // resharding: what each source holds
+  // Resharding: also time what the paired topology would need for the same job, in this run:
+  // gathering the shards into one full copy per destination, then the paired refit.
+  bool compare_paired = false;
   // local: fork every worker on this host; env: this process is one rank of a job started by a
   // launcher (rank_group.h), meeting the others at `rendezvous` (or MASTER_ADDR:MASTER_PORT).
   std::string launcher = "local";

@@ -39,6 +39,9 @@ int main(int argc, char** argv) {
                         "MASTER_ADDR:MASTER_PORT)");
   bench.parallel.add_to(*bench_cmd);
   bench.source_parallel.add_to(*bench_cmd);
+  bench_cmd->add_flag("--compare-paired", bench.compare_paired,
+                      "With --src-*: also time the paired path for the same job (a gather of the shards into one full "
+                      "copy per destination, then the paired refit), in this run");
   bench_cmd->add_option("overrides", bench.overrides, "Config overrides, key=value (e.g. refit_cfg.nixl.bucket_bytes=256MiB)");
 
   refit::tools::PlanOptions plan;

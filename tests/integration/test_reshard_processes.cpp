@@ -73,6 +73,17 @@ TEST(ReshardProcesses, TwoSourcesFeedSixDestinations) {
   expect_resharded(r, read_json(b.json), 2, 3);
 }
 
+TEST(ReshardProcesses, ThePairedPathIsTimedInTheSameRun) {
+  Bench b;
+  auto r = b.run(2, 2, {"--src-tp", "2", "--tp", "2", "--shard-dense", "--compare-paired"});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto c = read_json(b.json).at("compare_paired");
+  EXPECT_GT(c.at("gather_seconds").get<double>(), 0);
+  EXPECT_GT(c.at("paired_seconds").get<double>(), 0);
+  EXPECT_GT(c.at("resharding_seconds").get<double>(), 0);
+  EXPECT_NE(r.output.find("paired path: gather"), std::string::npos) << r.output;
+}
+
 TEST(ReshardProcesses, CorruptionInFlightIsCaughtByTheDestinationsOwnCheck) {
   setenv("REFIT_TEST_FLIP_READ_BYTES", "3", 1);
   Bench b;

@@ -3,8 +3,9 @@
 // buckets. The engine above it uses three services:
 //   - memory: register a buffer so that peers can read it one-sided;
 //   - peers: an opaque address blob goes into metadata; connect() turns a peer's blob into a PeerId;
-//   - data and control: read() pulls bytes from a peer's registered region into local memory;
-//     send()/receive() carry small control messages, ordered per peer pair.
+//   - data and control: reads pull bytes from a peer's registered region into local memory, posted
+//     and then tested or waited for, so that one thread keeps reads from many peers in flight (as
+//     NIXL's prepare/post/check); send()/receive() carry small control messages, ordered per pair.
 // All blocking calls take a deadline and throw Error(kTimeout) past it, Error(kPeerLost) when
 // the peer went away, Error(kTransport) for other failures; messages name the peer's label.
 // A transport instance is used by one engine thread at a time; backends may run internal
@@ -30,6 +31,7 @@ namespace refit {
 using Bytes = std::vector<uint8_t>;
 using RegionId = uint64_t;
 using PeerId = uint64_t;
+using ReadId = uint64_t;
 
 // What a peer needs to read a registered region: its address in the owner's address space,
 // its length and the backend's packed access key. Serialized into metadata.
@@ -37,6 +39,15 @@ struct RemoteRegion {
   uint64_t address = 0;
   uint64_t length = 0;
   Bytes key;
+};
+
+// What a backend can do, for the engine's choices and for `refit info`.
+struct TransportCapabilities {
+  bool async_reads = false;       // post_read returns before the bytes are here (false: it does the whole read)
+  bool maps_peer_memory = false;  // map() can hand out a peer's buffers (same host)
+  bool host_memory = true;        // registers and reads host memory
+  bool device_memory = false;     // registers and reads GPU memory
+  bool remote_peers = false;      // reaches peers on other hosts
 };
 
 class Transport {
@@ -67,10 +78,28 @@ class Transport {
   virtual PeerId connect(std::span<const uint8_t> peer_address, const std::string& label) = 0;
   virtual void disconnect(PeerId peer) = 0;
 
-  // Copies `length` bytes at `remote_offset` of the peer's region into `local`, which lies
-  // inside `local_region`. Returns when the bytes are in local memory.
-  virtual void read(PeerId peer, const RemoteRegion& remote, uint64_t remote_offset, void* local,
-                    RegionId local_region, uint64_t length, Deadline deadline) = 0;
+  virtual TransportCapabilities capabilities() const = 0;
+
+  // Starts copying `length` bytes at `remote_offset` of the peer's region into `local`, which lies
+  // inside `local_region`, and returns its id. Every posted read must end in test_read() returning
+  // true, wait_read() or cancel_read(); `local` must stay valid until then. Invalid arguments throw
+  // here; failures of the copy itself throw from test_read/wait_read. A backend without
+  // async_reads does the whole read here, by `deadline`.
+  virtual ReadId post_read(PeerId peer, const RemoteRegion& remote, uint64_t remote_offset, void* local,
+                           RegionId local_region, uint64_t length, Deadline deadline) = 0;
+  // True once the bytes are in local memory (the read is then over); throws the read's error.
+  virtual bool test_read(ReadId read) = 0;
+  // Returns when the bytes are in local memory; throws Error(kTimeout) past the deadline (the read
+  // is then cancelled), or the read's error.
+  virtual void wait_read(ReadId read, Deadline deadline) = 0;
+  // Stops a read: once this returns, nothing more is written into its local memory. UCX cannot
+  // cancel a read in flight and closes the connection to its peer instead.
+  virtual void cancel_read(ReadId read) = 0;
+  // post_read, then wait_read.
+  void read(PeerId peer, const RemoteRegion& remote, uint64_t remote_offset, void* local, RegionId local_region,
+            uint64_t length, Deadline deadline) {
+    wait_read(post_read(peer, remote, remote_offset, local, local_region, length, deadline), deadline);
+  }
 
   // The peer's region as memory this process can read directly (shared memory of a peer on this
   // host, a CUDA IPC mapping), or null when only read() reaches it. Lets a destination load

@@ -49,10 +49,15 @@ class DeviceBufferTransport final : public Transport {
     return inner_->connect(peer_address, label);
   }
   void disconnect(PeerId peer) override { inner_->disconnect(peer); }
-  void read(PeerId peer, const RemoteRegion& remote, uint64_t remote_offset, void* local, RegionId local_region,
-            uint64_t length, Deadline deadline) override {
-    inner_->read(peer, remote, remote_offset, local, local_region, length, deadline);
+  TransportCapabilities capabilities() const override { return inner_->capabilities(); }
+  std::string route(PeerId peer) override { return inner_->route(peer); }
+  ReadId post_read(PeerId peer, const RemoteRegion& remote, uint64_t remote_offset, void* local, RegionId local_region,
+                   uint64_t length, Deadline deadline) override {
+    return inner_->post_read(peer, remote, remote_offset, local, local_region, length, deadline);
   }
+  bool test_read(ReadId read) override { return inner_->test_read(read); }
+  void wait_read(ReadId read, Deadline deadline) override { inner_->wait_read(read, deadline); }
+  void cancel_read(ReadId read) override { inner_->cancel_read(read); }
   const std::byte* map(PeerId peer, const RemoteRegion& remote) override { return inner_->map(peer, remote); }
   void send(PeerId peer, std::span<const uint8_t> message, Deadline deadline) override {
     inner_->send(peer, message, deadline);

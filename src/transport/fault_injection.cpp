@@ -3,6 +3,8 @@
 #include <spdlog/spdlog.h>
 
 #include <cstdlib>
+#include <map>
+#include <mutex>
 #include <string>
 
 #include "core/fail.h"
@@ -29,18 +31,45 @@ class FlipReadBytes final : public Transport {
   }
   Bytes receive(PeerId peer, Deadline deadline) override { return inner_->receive(peer, deadline); }
 
-  void read(PeerId peer, const RemoteRegion& remote, uint64_t remote_offset, void* local, RegionId local_region,
-            uint64_t length, Deadline deadline) override {
-    inner_->read(peer, remote, remote_offset, local, local_region, length, deadline);
-    if (length > 0 && ++reads_ % every_ == 0) {
-      auto* bytes = static_cast<uint8_t*>(local);
-      bytes[(reads_ * 7919) % length] ^= 0x5a;
-    }
+  TransportCapabilities capabilities() const override { return inner_->capabilities(); }
+  std::string route(PeerId peer) override { return inner_->route(peer); }
+  ReadId post_read(PeerId peer, const RemoteRegion& remote, uint64_t remote_offset, void* local, RegionId local_region,
+                   uint64_t length, Deadline deadline) override {
+    const ReadId id = inner_->post_read(peer, remote, remote_offset, local, local_region, length, deadline);
+    std::lock_guard lock(mutex_);
+    pending_[id] = {static_cast<uint8_t*>(local), length};
+    return id;
+  }
+  bool test_read(ReadId read) override {
+    if (!inner_->test_read(read)) return false;
+    completed(read);
+    return true;
+  }
+  void wait_read(ReadId read, Deadline deadline) override {
+    inner_->wait_read(read, deadline);
+    completed(read);
+  }
+  void cancel_read(ReadId read) override {
+    inner_->cancel_read(read);
+    std::lock_guard lock(mutex_);
+    pending_.erase(read);
   }
 
  private:
+  // Flips one byte of every `every_`-th completed read.
+  void completed(ReadId read) {
+    std::lock_guard lock(mutex_);
+    auto it = pending_.find(read);
+    if (it == pending_.end()) return;
+    const auto [bytes, length] = it->second;
+    pending_.erase(it);
+    if (length > 0 && ++reads_ % every_ == 0) bytes[(reads_ * 7919) % length] ^= 0x5a;
+  }
+
   std::unique_ptr<Transport> inner_;
   uint64_t every_;
+  std::mutex mutex_;
+  std::map<ReadId, std::pair<uint8_t*, uint64_t>> pending_;
   uint64_t reads_ = 0;
 };
 

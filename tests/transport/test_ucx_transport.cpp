@@ -318,6 +318,57 @@ TEST_P(UcxProcesses, ReadsFromAllocatedMemory) {
   EXPECT_EQ(child.wait(), 0);
 }
 
+// Asynchronous reads: one thread posts reads from two peers at once, polls some with test_read,
+// waits for the others, cancels one; every byte that was read arrives, and a cancelled read's
+// memory is left alone once cancel_read returns.
+TEST_P(UcxProcesses, KeepsReadsFromSeveralPeersInFlight) {
+  constexpr size_t kBytes = 8u << 20;
+  auto serve = [&](uint64_t seed) {
+    return [&, seed](Pipe& pipe) {
+      auto transport = make();
+      auto allocation = transport->allocate_memory(kBytes);
+      fill_pattern(reinterpret_cast<uint8_t*>(allocation.base), kBytes, seed);
+      transport->disconnect(transport->connect(transport->address(), "itself"));  // orders the writes (TSan)
+      pipe.put(transport->address());
+      pipe.put_region(transport->describe(allocation.region));
+      pipe.get();
+      transport->disconnect(transport->connect(transport->address(), "itself"));
+    };
+  };
+  Child first(serve(11)), second(serve(22));
+  auto transport = make();
+  EXPECT_TRUE(transport->capabilities().async_reads);
+  constexpr size_t kSlices = 8, kSlice = kBytes / kSlices;
+  auto local = transport->allocate_memory(2 * kBytes);
+  PeerId peers[2] = {transport->connect(first.pipe().get(), "first source"),
+                     transport->connect(second.pipe().get(), "second source")};
+  RemoteRegion remotes[2] = {first.pipe().get_region(), second.pipe().get_region()};
+  std::vector<ReadId> reads;
+  for (size_t i = 0; i < kSlices; ++i)
+    for (int p = 0; p < 2; ++p)
+      reads.push_back(transport->post_read(peers[p], remotes[p], i * kSlice, local.base + p * kBytes + i * kSlice,
+                                           local.region, kSlice, deadline_after(30s)));
+  // Poll the first half until each is done; wait for the second half.
+  for (size_t k = 0; k < reads.size() / 2; ++k) {
+    const auto deadline = deadline_after(30s);
+    while (!transport->test_read(reads[k])) ASSERT_FALSE(expired(deadline)) << "read " << k << " never completed";
+  }
+  for (size_t k = reads.size() / 2; k < reads.size(); ++k) transport->wait_read(reads[k], deadline_after(30s));
+  for (int p = 0; p < 2; ++p) {
+    std::vector<uint8_t> expected(kBytes);
+    fill_pattern(expected.data(), kBytes, p == 0 ? 11 : 22);
+    EXPECT_EQ(std::memcmp(local.base + p * kBytes, expected.data(), kBytes), 0) << "peer " << p;
+  }
+  // A finished read's id is gone; a cancelled one ends without an error.
+  EXPECT_EQ(error_kind_of([&] { transport->wait_read(reads[0], deadline_after(1s)); }), ErrorKind::kInvalidArgument);
+  transport->cancel_read(transport->post_read(peers[1], remotes[1], 0, local.base, local.region, kBytes,
+                                              deadline_after(30s)));
+  first.pipe().put("done");
+  second.pipe().put("done");
+  EXPECT_EQ(first.wait(), 0);
+  EXPECT_EQ(second.wait(), 0);
+}
+
 INSTANTIATE_TEST_SUITE_P(Tls, UcxProcesses,
                          ::testing::Values(Variant{"default", {}}, Variant{"tcp", {{"tls", "tcp"}}},
                                            Variant{"shm", {{"tls", "posix,sysv,cma"}}},

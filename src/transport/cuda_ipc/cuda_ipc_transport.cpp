@@ -1,3 +1,4 @@
+#include "transport/synchronous_reads.h"
 #include "transport/cuda_ipc/cuda_ipc_transport.h"
 
 #include "core/fail.h"
@@ -177,7 +178,7 @@ struct Peer {
   std::map<Bytes, std::byte*> mapped;  // by IPC handle: the allocation's base in our address space
 };
 
-class CudaIpcTransport final : public Transport {
+class CudaIpcTransport final : public SynchronousReads {
  public:
   CudaIpcTransport(Device device, double connect_timeout_s)
       : device_(resolve_cuda_device(device)), connect_timeout_s_(connect_timeout_s), control_(kSocketTag) {
@@ -208,6 +209,10 @@ class CudaIpcTransport final : public Transport {
   }
 
   std::string name() const override { return "CUDA_IPC"; }
+  TransportCapabilities capabilities() const override {
+    return {.async_reads = false, .maps_peer_memory = true, .host_memory = false, .device_memory = true,
+            .remote_peers = false};
+  }
 
   RegionId register_memory(void* base, size_t bytes) override {
     if (bytes > 0 && base == nullptr)
@@ -295,8 +300,8 @@ class CudaIpcTransport final : public Transport {
     control_.disconnect(peer->link);
   }
 
-  void read(PeerId id, const RemoteRegion& remote, uint64_t remote_offset, void* local, RegionId local_region,
-            uint64_t length, Deadline deadline) override {
+  void read_now(PeerId id, const RemoteRegion& remote, uint64_t remote_offset, void* local, RegionId local_region,
+                uint64_t length, Deadline deadline) override {
     Peer& peer = find_peer(id, "reading");
     const std::string what = fmt::format("reading {} bytes from {} (offset {})", length, peer.label, remote_offset);
     const Region& region = find_region(local_region, what);

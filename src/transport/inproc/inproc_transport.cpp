@@ -1,3 +1,4 @@
+#include "transport/synchronous_reads.h"
 #include "transport/inproc/inproc_transport.h"
 
 #include <condition_variable>
@@ -45,7 +46,7 @@ uint64_t id_from(std::span<const uint8_t> b, const char* what) {
   return id;
 }
 
-class InProcTransport final : public Transport {
+class InProcTransport final : public SynchronousReads {
  public:
   explicit InProcTransport(std::shared_ptr<InProcFabric> fabric) : fabric_(std::move(fabric)) {
     std::lock_guard lock(fabric_->mutex);
@@ -60,6 +61,10 @@ class InProcTransport final : public Transport {
   }
 
   std::string name() const override { return "INPROC"; }
+  TransportCapabilities capabilities() const override {
+    return {.async_reads = false, .maps_peer_memory = true, .host_memory = true, .device_memory = false,
+            .remote_peers = false};
+  }
 
   RegionId register_memory(void* base, size_t bytes) override {
     std::lock_guard lock(fabric_->mutex);
@@ -102,8 +107,8 @@ class InProcTransport final : public Transport {
     labels_.erase(peer);
   }
 
-  void read(PeerId peer, const RemoteRegion& remote, uint64_t remote_offset, void* local, RegionId local_region,
-            uint64_t length, Deadline) override {
+  void read_now(PeerId peer, const RemoteRegion& remote, uint64_t remote_offset, void* local, RegionId local_region,
+                uint64_t length, Deadline) override {
     std::lock_guard lock(fabric_->mutex);
     auto& target = live_peer(peer, "read");
     const auto& region = region_of(target, id_from(remote.key, "region key"), label(peer));

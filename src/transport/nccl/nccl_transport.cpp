@@ -1,3 +1,4 @@
+#include "transport/synchronous_reads.h"
 #include "transport/nccl/nccl_transport.h"
 
 #include "core/fail.h"
@@ -80,7 +81,7 @@ Bytes encode_key(const EndpointId& owner, RegionId region) {
   return w.take();
 }
 
-class NcclTransport final : public Transport {
+class NcclTransport final : public SynchronousReads {
  public:
   NcclTransport(Device device, double timeout_s)
       : device_(resolve_cuda_device(device)), timeout_s_(timeout_s), control_(kSocketTag) {
@@ -127,6 +128,12 @@ class NcclTransport final : public Transport {
   }
 
   std::string name() const override { return "NCCL"; }
+  TransportCapabilities capabilities() const override {
+    // Reads are send/receive pairs on the GPU, served by the owner's thread; NCCL's own network
+    // plugins reach other hosts.
+    return {.async_reads = false, .maps_peer_memory = false, .host_memory = false, .device_memory = true,
+            .remote_peers = true};
+  }
 
   RegionId register_memory(void* base, size_t bytes) override {
     if (bytes > 0 && memory_kind_of(base) != MemoryKind::kCuda)
@@ -274,8 +281,8 @@ class NcclTransport final : public Transport {
     control_.disconnect(peer->link);
   }
 
-  void read(PeerId id, const RemoteRegion& remote, uint64_t remote_offset, void* local, RegionId local_region,
-            uint64_t length, Deadline deadline) override {
+  void read_now(PeerId id, const RemoteRegion& remote, uint64_t remote_offset, void* local, RegionId local_region,
+                uint64_t length, Deadline deadline) override {
     std::shared_ptr<Peer> peer = find_peer(id, "reading");
     const std::string what = fmt::format("reading {} bytes from {} (offset {})", length, peer->label, remote_offset);
     {

@@ -92,8 +92,12 @@ class UcxTransport final : public Transport {
   Bytes address() const override { return address_; }
   PeerId connect(std::span<const uint8_t> peer_address, const std::string& label) override;
   void disconnect(PeerId peer) override;
-  void read(PeerId peer, const RemoteRegion& remote, uint64_t remote_offset, void* local, RegionId local_region,
-            uint64_t length, Deadline deadline) override;
+  TransportCapabilities capabilities() const override;
+  ReadId post_read(PeerId peer, const RemoteRegion& remote, uint64_t remote_offset, void* local, RegionId local_region,
+                   uint64_t length, Deadline deadline) override;
+  bool test_read(ReadId read) override;
+  void wait_read(ReadId read, Deadline deadline) override;
+  void cancel_read(ReadId read) override;
   const std::byte* map(PeerId peer, const RemoteRegion& remote) override;
   std::string route(PeerId peer) override;
   void send(PeerId peer, std::span<const uint8_t> message, Deadline deadline) override;
@@ -127,8 +131,21 @@ class UcxTransport final : public Transport {
   // running. Forcing cancels outstanding operations; UCX defines it only with peer error handling.
   bool close(Peer& peer, bool force);
 
+  // A posted read: its UCX request until test_read, wait_read or cancel_read ends it.
+  struct PendingRead {
+    PeerId peer = 0;
+    std::string what;
+    ucs_status_ptr_t request = nullptr;  // a status when it completed inside ucp_get_nbx
+    std::unique_ptr<Operation> operation;
+    std::unique_ptr<ProgressThread::Busy> busy;  // the progress thread spins while it is in flight
+  };
+  PendingRead take_read(ReadId read);
+
   UcxOptions options_;
   InstanceId id_;
+  std::mutex reads_mutex_;
+  std::map<ReadId, PendingRead> reads_;  // under reads_mutex_
+  ReadId next_read_ = 1;                 // under reads_mutex_
 
   // Declared before the worker: completion callbacks may still run while it is destroyed.
   std::mutex mutex_;
@@ -441,8 +458,14 @@ std::string UcxTransport::route(PeerId id) {
   return route;
 }
 
-void UcxTransport::read(PeerId id, const RemoteRegion& remote, uint64_t remote_offset, void* local,
-                        RegionId local_region, uint64_t length, Deadline deadline) {
+TransportCapabilities UcxTransport::capabilities() const {
+  // GPU memory needs a UCX built with CUDA (registry.cpp wraps this transport for GPU buffers).
+  return {.async_reads = true, .maps_peer_memory = true, .host_memory = true, .device_memory = false,
+          .remote_peers = true};
+}
+
+ReadId UcxTransport::post_read(PeerId id, const RemoteRegion& remote, uint64_t remote_offset, void* local,
+                               RegionId local_region, uint64_t length, Deadline) {
   Peer& peer = find_peer(id, "reading");
   const std::string what = fmt::format("reading {} bytes from {} (offset {})", length, peer.label, remote_offset);
   const Region& region = find_region(local_region, what);
@@ -455,22 +478,79 @@ void UcxTransport::read(PeerId id, const RemoteRegion& remote, uint64_t remote_o
   if (remote_offset > remote.length || length > remote.length - remote_offset) {
     fail(ErrorKind::kInvalidArgument, "{}: the remote region holds only {} bytes", what, remote.length);
   }
-  if (length == 0) return;
-  check_usable(peer, what);
-  ucp_rkey_h rkey = remote_key(peer, remote.key);
+  PendingRead pending;
+  pending.peer = id;
+  pending.what = what;
+  pending.request = UCS_STATUS_PTR(UCS_OK);
+  if (length > 0) {
+    check_usable(peer, what);
+    ucp_rkey_h rkey = remote_key(peer, remote.key);
+    pending.operation = std::make_unique<Operation>(this);
+    ucp_request_param_t param{};
+    param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_MEMH;
+    param.cb.send = on_operation_done;
+    param.user_data = pending.operation.get();
+    param.memh = region.memh;
+    pending.request = ucp_get_nbx(peer.ep, local, length, remote.address + remote_offset, rkey, &param);
+    // A read from mapped shared memory completes inside ucp_get_nbx; only one left in flight needs
+    // the progress thread spinning (a spinner would take a core from the copy itself).
+    if (UCS_PTR_IS_PTR(pending.request)) pending.busy = std::make_unique<ProgressThread::Busy>(*progress_);
+  }
+  std::lock_guard lock(reads_mutex_);
+  const ReadId read = next_read_++;
+  reads_.emplace(read, std::move(pending));
+  return read;
+}
 
-  auto operation = std::make_unique<Operation>(this);
-  ucp_request_param_t param{};
-  param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_MEMH;
-  param.cb.send = on_operation_done;
-  param.user_data = operation.get();
-  param.memh = region.memh;
-  ucs_status_ptr_t request = ucp_get_nbx(peer.ep, local, length, remote.address + remote_offset, rkey, &param);
-  // A read from mapped shared memory completes inside ucp_get_nbx; only one left in flight needs
-  // the progress thread spinning (a spinner would take a core from the copy itself).
-  std::optional<ProgressThread::Busy> busy;
-  if (UCS_PTR_IS_PTR(request)) busy.emplace(*progress_);
-  finish(peer, request, std::move(operation), deadline, what);
+UcxTransport::PendingRead UcxTransport::take_read(ReadId read) {
+  std::lock_guard lock(reads_mutex_);
+  auto it = reads_.find(read);
+  if (it == reads_.end()) fail(ErrorKind::kInvalidArgument, "read {} is not a posted read of this transport", read);
+  PendingRead pending = std::move(it->second);
+  reads_.erase(it);
+  return pending;
+}
+
+bool UcxTransport::test_read(ReadId read) {
+  {
+    std::lock_guard lock(reads_mutex_);
+    auto it = reads_.find(read);
+    if (it == reads_.end()) fail(ErrorKind::kInvalidArgument, "read {} is not a posted read of this transport", read);
+    if (UCS_PTR_IS_PTR(it->second.request)) {
+      std::lock_guard ucx_lock(mutex_);
+      if (!it->second.operation->done) return false;
+    }
+  }
+  wait_read(read, Clock::now());  // complete: frees the request and throws its error
+  return true;
+}
+
+void UcxTransport::wait_read(ReadId read, Deadline deadline) {
+  PendingRead pending = take_read(read);
+  Peer& peer = find_peer(pending.peer, "reading");
+  finish(peer, pending.request, std::move(pending.operation), deadline, pending.what);
+}
+
+void UcxTransport::cancel_read(ReadId read) {
+  PendingRead pending = take_read(read);
+  if (!UCS_PTR_IS_PTR(pending.request)) return;
+  {
+    std::lock_guard lock(mutex_);
+    if (pending.operation->done) {
+      ucp_request_free(pending.request);
+      return;
+    }
+  }
+  // UCX cannot cancel a get in flight: closing the endpoint by force completes it (canceled), so
+  // that nothing lands in the caller's memory later. Without peer error handling it may.
+  Peer& peer = find_peer(pending.peer, "cancelling a read");
+  if (options_.error_mode == UCP_ERR_HANDLING_MODE_PEER) {
+    peer.timed_out = "cancelled " + pending.what;
+    close(peer, true);
+  } else {
+    spdlog::warn("cancelled {} without peer error handling: it may still complete later", pending.what);
+  }
+  wait(pending.request, std::move(pending.operation), deadline_after(kCloseTimeout));
 }
 
 void UcxTransport::send(PeerId id, std::span<const uint8_t> message, Deadline deadline) {

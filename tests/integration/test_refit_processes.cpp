@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include "cli_runner.h"
+#include "small_models.h"
 #include "refit/model.h"
 #include "refit/safetensors.h"
 
@@ -12,14 +13,7 @@ using testing::read_json;
 using testing::run_cli;
 using testing::TempDir;
 
-// A small MoE (about 9 MiB) with tensors that split over the 1 MiB buckets used here.
-const char* kSmallMoe = R"({
-  "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "torch_dtype": "bfloat16",
-  "hidden_size": 128, "intermediate_size": 256, "moe_intermediate_size": 64, "num_hidden_layers": 3,
-  "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 8000,
-  "num_experts": 8, "num_experts_per_tok": 2, "decoder_sparse_step": 1, "mlp_only_layers": [],
-  "rms_norm_eps": 1e-6, "tie_word_embeddings": false
-})";
+using testing::kSmallMoe;
 
 const std::string kShm = "refit_cfg.nixl.backend_init_params.tls=posix,sysv,cma,self";
 const std::string kTcp = "refit_cfg.nixl.backend_init_params.tls=tcp,self";

@@ -6,10 +6,7 @@
 
 namespace refit {
 
-LayoutResolver::LayoutResolver(const ModelInventory& inventory) : inventory_(inventory) {
-  index_.reserve(inventory.tensors.size());
-  for (uint32_t i = 0; i < inventory.tensors.size(); ++i) index_.emplace(inventory.tensors[i].name, i);
-}
+LayoutResolver::LayoutResolver(const ModelInventory& inventory) : inventory_(inventory) {}
 
 const std::vector<uint32_t>& LayoutResolver::sorted() const {
   std::call_once(sorted_once_, [&] {
@@ -45,12 +42,20 @@ void LayoutResolver::resolve(const Layout& layout, std::string_view owner, std::
       dropped_by[*it] = &p;
     }
   }
+  // The entries come in name order, as the sorted inventory does: each is found by moving a cursor
+  // forward (one step when the layout lists most tensors, a binary search when it lists few),
+  // with no hashing of long names.
+  const auto& order = sorted();
+  auto cursor = order.begin();
   for (const auto& [name, request] : layout.tensors) {
-    auto it = index_.find(name);
-    if (it == index_.end())
+    if (cursor == order.end() || tensors[*cursor].name != name)
+      cursor = std::lower_bound(cursor, order.end(), name,
+                                [&](uint32_t i, const std::string& key) { return tensors[i].name < key; });
+    if (cursor == order.end() || tensors[*cursor].name != name)
       fail(ErrorKind::kLayout, "layout of {} lists tensor '{}', which model '{}' does not have", owner, name,
            inventory_.name);
-    const TensorInfo& info = tensors[it->second];
+    const uint32_t index = *cursor++;
+    const TensorInfo& info = tensors[index];
     Request r = request;
     if (r.take == Take::kSlice) {
       const Slice& c = r.slice;
@@ -60,10 +65,10 @@ void LayoutResolver::resolve(const Layout& layout, std::string_view owner, std::
         fail(ErrorKind::kLayout, "layout of {}: tensor '{}': {}", owner, name, problem);
       if (r.slice.start == 0 && r.slice.length == info.shape[r.slice.dim]) r = Request::whole();
     }
-    if (r.take != Take::kDrop && !dropped_by.empty() && dropped_by[it->second])
+    if (r.take != Take::kDrop && !dropped_by.empty() && dropped_by[index])
       fail(ErrorKind::kLayout, "layout of {} asks for tensor '{}' ({}) but also drops its prefix '{}'", owner, name,
-           to_string(request.take), *dropped_by[it->second]);
-    out[it->second] = r;
+           to_string(request.take), *dropped_by[index]);
+    out[index] = r;
   }
 }
 

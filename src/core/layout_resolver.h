@@ -1,4 +1,4 @@
-// A model's tensor names indexed so that a layout resolves to one request per tensor in
+// A model's tensor names sorted so that a layout resolves to one request per tensor in
 // O(tensors + entries + prefixes · log tensors): plan_transfers resolves hundreds of layouts of
 // models with tens of thousands of tensors, where request_for per tensor would scan every
 // dropped prefix each time.
@@ -7,7 +7,6 @@
 #include <mutex>
 #include <string>
 #include <string_view>
-#include <unordered_map>
 #include <vector>
 
 #include "refit/layout.h"
@@ -33,8 +32,7 @@ class LayoutResolver {
   const std::vector<uint32_t>& sorted() const;
 
   const ModelInventory& inventory_;
-  std::unordered_map<std::string_view, uint32_t> index_;  // name -> inventory index
-  // Inventory indices in name order, sorted when a layout first drops prefixes.
+  // Inventory indices in name order, sorted on first use.
   mutable std::once_flag sorted_once_;
   mutable std::vector<uint32_t> sorted_;
 };

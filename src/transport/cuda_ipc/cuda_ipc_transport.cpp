@@ -1,4 +1,3 @@
-#include "transport/synchronous_reads.h"
 #include "transport/cuda_ipc/cuda_ipc_transport.h"
 
 #include "core/fail.h"
@@ -13,8 +12,10 @@
 #include <mutex>
 
 #include "memory/cuda/cuda_util.h"
+#include "transport/handle_table.h"
 #include "transport/local_socket/local_peer.h"
 #include "transport/local_socket/local_socket.h"
+#include "transport/synchronous_reads.h"
 
 namespace refit {
 namespace {
@@ -266,8 +267,7 @@ class CudaIpcTransport final : public SynchronousReads {
   }
 
   void deregister_memory(RegionId id) override {
-    find_region(id, "deregistering a region");
-    regions_.erase(id);  // frees an allocation (DeviceBuffer)
+    regions_.take(id, "deregistering a region");  // frees an allocation (DeviceBuffer)
   }
 
   Bytes address() const override { return address_; }
@@ -286,16 +286,11 @@ class CudaIpcTransport final : public SynchronousReads {
     peer->same_process = remote.identity.process == identity_.process && remote.identity.pid == identity_.pid;
     peer->link = control_.connect(remote.endpoint, kSocketTag, label,
                                   deadline_after(std::chrono::duration<double>(connect_timeout_s_)));
-    PeerId id = next_peer_++;
-    peers_.emplace(id, std::move(peer));
-    return id;
+    return peers_.add(std::move(peer));
   }
 
   void disconnect(PeerId id) override {
-    auto it = peers_.find(id);
-    if (it == peers_.end()) fail(ErrorKind::kInvalidArgument, "disconnecting: CUDA IPC peer {} is not connected", id);
-    std::unique_ptr<Peer> peer = std::move(it->second);
-    peers_.erase(it);
+    std::unique_ptr<Peer> peer = peers_.take(id, "disconnecting");
     release_mappings(*peer);
     control_.disconnect(peer->link);
   }
@@ -343,23 +338,9 @@ class CudaIpcTransport final : public SynchronousReads {
     return key;
   }
 
-  RegionId add(Region region) {
-    RegionId id = next_region_++;
-    regions_.emplace(id, std::move(region));
-    return id;
-  }
-
-  const Region& find_region(RegionId id, std::string_view doing) const {
-    auto it = regions_.find(id);
-    if (it == regions_.end()) fail(ErrorKind::kInvalidArgument, "{}: CUDA IPC region {} is not registered", doing, id);
-    return it->second;
-  }
-
-  Peer& find_peer(PeerId id, std::string_view doing) {
-    auto it = peers_.find(id);
-    if (it == peers_.end()) fail(ErrorKind::kInvalidArgument, "{}: CUDA IPC peer {} is not connected", doing, id);
-    return *it->second;
-  }
+  RegionId add(Region region) { return regions_.add(std::move(region)); }
+  const Region& find_region(RegionId id, std::string_view doing) const { return regions_.find(id, doing); }
+  Peer& find_peer(PeerId id, std::string_view doing) { return *peers_.find(id, doing); }
 
   // Where the remote region starts in our address space.
   const std::byte* remote_base(Peer& peer, const RemoteRegion& remote, const std::string& what) {
@@ -391,10 +372,8 @@ class CudaIpcTransport final : public SynchronousReads {
   LocalIdentity identity_;
   Bytes address_;
   cudaStream_t stream_ = nullptr;
-  std::map<RegionId, Region> regions_;
-  RegionId next_region_ = 1;
-  std::map<PeerId, std::unique_ptr<Peer>> peers_;
-  PeerId next_peer_ = 1;
+  HandleTable<Region> regions_{"CUDA IPC", "region", "registered"};
+  HandleTable<std::unique_ptr<Peer>> peers_{"CUDA IPC", "peer", "connected"};
 };
 
 }  // namespace

@@ -1,4 +1,3 @@
-#include "transport/synchronous_reads.h"
 #include "transport/inproc/inproc_transport.h"
 
 #include <condition_variable>
@@ -9,6 +8,7 @@
 
 #include "core/fail.h"
 #include "refit/memory.h"
+#include "transport/synchronous_reads.h"
 
 namespace refit {
 

@@ -1,4 +1,3 @@
-#include "transport/synchronous_reads.h"
 #include "transport/nccl/nccl_transport.h"
 
 #include "core/fail.h"
@@ -18,8 +17,10 @@
 #include <thread>
 
 #include "memory/cuda/cuda_util.h"
+#include "transport/handle_table.h"
 #include "transport/local_socket/local_peer.h"
 #include "transport/local_socket/local_socket.h"
+#include "transport/synchronous_reads.h"
 
 #if NCCL_VERSION_CODE < NCCL_VERSION(2, 14, 0)
 #error "the NCCL transport needs NCCL 2.14 or newer (non-blocking communicators)"
@@ -162,8 +163,7 @@ class NcclTransport final : public SynchronousReads {
 
   void deregister_memory(RegionId id) override {
     std::lock_guard lock(regions_mutex_);  // waits for a send from the region in flight
-    find_region(id, "deregistering a region");
-    regions_.erase(id);
+    regions_.take(id, "deregistering a region");
   }
 
   Bytes address() const override { return address_; }
@@ -229,11 +229,11 @@ class NcclTransport final : public SynchronousReads {
       control_.disconnect(peer->link);
       throw;
     }
-    PeerId id = next_peer_++;
+    PeerId id = 0;
     {
       std::lock_guard lock(peers_mutex_);
       peer->ready = true;
-      peers_.emplace(id, peer);
+      id = peers_.add(peer);
       by_endpoint_[remote.endpoint] = peer;
     }
     peers_changed_.notify_all();
@@ -244,10 +244,7 @@ class NcclTransport final : public SynchronousReads {
     std::shared_ptr<Peer> peer;
     {
       std::lock_guard lock(peers_mutex_);
-      auto it = peers_.find(id);
-      if (it == peers_.end()) fail(ErrorKind::kInvalidArgument, "disconnecting: NCCL peer {} is not connected", id);
-      peer = it->second;
-      peers_.erase(it);
+      peer = peers_.take(id, "disconnecting");
       auto by = by_endpoint_.find(peer->address.endpoint);
       if (by != by_endpoint_.end() && by->second == peer) by_endpoint_.erase(by);
     }
@@ -363,23 +360,15 @@ class NcclTransport final : public SynchronousReads {
  private:
   RegionId add(Region region) {
     std::lock_guard lock(regions_mutex_);
-    RegionId id = next_region_++;
-    regions_.emplace(id, std::move(region));
-    return id;
+    return regions_.add(std::move(region));
   }
 
   // Under regions_mutex_.
-  const Region& find_region(RegionId id, std::string_view doing) const {
-    auto it = regions_.find(id);
-    if (it == regions_.end()) fail(ErrorKind::kInvalidArgument, "{}: NCCL region {} is not registered", doing, id);
-    return it->second;
-  }
+  const Region& find_region(RegionId id, std::string_view doing) const { return regions_.find(id, doing); }
 
   std::shared_ptr<Peer> find_peer(PeerId id, std::string_view doing) {
     std::lock_guard lock(peers_mutex_);
-    auto it = peers_.find(id);
-    if (it == peers_.end()) fail(ErrorKind::kInvalidArgument, "{}: NCCL peer {} is not connected", doing, id);
-    return it->second;
+    return peers_.find(id, doing);
   }
 
   // Under the peer's comm_mutex.
@@ -495,17 +484,17 @@ class NcclTransport final : public SynchronousReads {
     std::string refusal;
     try {
       std::lock_guard regions_lock(regions_mutex_);  // the region stays registered while we send from it
-      auto it = regions_.find(request.region);
-      if (it == regions_.end()) {
+      const Region* region = regions_.find_if_present(request.region);
+      if (region == nullptr) {
         refusal = fmt::format("region {} is not registered (it was released)", request.region);
-      } else if (request.offset > it->second.bytes || request.length > it->second.bytes - request.offset) {
+      } else if (request.offset > region->bytes || request.length > region->bytes - request.offset) {
         refusal = fmt::format("{} bytes at offset {} lie outside region {} of {} bytes", request.length,
-                              request.offset, request.region, it->second.bytes);
+                              request.offset, request.region, region->bytes);
       } else {
         std::lock_guard comm_lock(peer->comm_mutex);
         usable(*peer, what);
         cuda::DeviceGuard guard(device_);
-        ncclResult_t result = ncclSend(it->second.base + request.offset, request.length, ncclUint8, peer->peer_rank,
+        ncclResult_t result = ncclSend(region->base + request.offset, request.length, ncclUint8, peer->peer_rank,
                                        peer->comm, send_stream_);
         if (result != ncclSuccess && result != ncclInProgress)
           abort_comm(*peer, what, ErrorKind::kTransport, "ncclSend: " + nccl_text(result, peer->comm));
@@ -542,15 +531,13 @@ class NcclTransport final : public SynchronousReads {
   cudaStream_t send_stream_ = nullptr;
 
   mutable std::mutex regions_mutex_;
-  std::map<RegionId, Region> regions_;
-  RegionId next_region_ = 1;
+  HandleTable<Region> regions_{"NCCL", "region", "registered"};
 
   std::mutex peers_mutex_;
   std::condition_variable peers_changed_;
-  std::map<PeerId, std::shared_ptr<Peer>> peers_;
+  HandleTable<std::shared_ptr<Peer>> peers_{"NCCL", "peer", "connected"};
   std::map<EndpointId, std::shared_ptr<Peer>> by_endpoint_;
   std::map<EndpointId, uint64_t> generations_;  // connects to each endpoint, to skip stale setup messages
-  PeerId next_peer_ = 1;
   uint64_t next_request_ = 0;
 
   std::mutex queue_mutex_;

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "core/fail.h"
+#include "transport/handle_table.h"
 #include "transport/ucx/ucx_address.h"
 #include "transport/ucx/ucx_options.h"
 #include "transport/ucx/ucx_progress.h"
@@ -152,16 +153,14 @@ class UcxTransport final : public Transport {
   std::condition_variable changed_;
   std::map<InstanceId, std::deque<Inbound>> inbox_;             // by sender instance; under mutex_
   std::map<Operation*, std::unique_ptr<Operation>> abandoned_;  // timed out, not completed yet; under mutex_
-  std::map<PeerId, std::unique_ptr<Peer>> peers_;
+  HandleTable<std::unique_ptr<Peer>> peers_{"UCX", "peer", "connected"};
   std::vector<std::unique_ptr<Peer>> closing_;  // disconnected peers whose endpoint close did not finish in time
 
   std::unique_ptr<std::remove_pointer_t<ucp_context_h>, ContextDeleter> context_;
   std::unique_ptr<std::remove_pointer_t<ucp_worker_h>, WorkerDeleter> worker_;
   std::unique_ptr<ProgressThread> progress_;  // declared last so that it stops first
   Bytes address_;
-  std::map<RegionId, Region> regions_;
-  RegionId next_region_ = 1;
-  PeerId next_peer_ = 1;
+  HandleTable<Region> regions_{"UCX", "region", "registered"};
 };
 
 UcxTransport::UcxTransport(UcxOptions options) : options_(std::move(options)), id_(random_instance_id()) { init_ucx(); }
@@ -252,7 +251,7 @@ RegionId UcxTransport::register_memory(void* base, size_t bytes) {
 
 Transport::Allocation UcxTransport::allocate_memory(size_t bytes) {
   RegionId id = map_region(nullptr, bytes);
-  return {id, static_cast<std::byte*>(regions_.at(id).base)};
+  return {id, static_cast<std::byte*>(regions_.find(id, "allocating memory").base)};
 }
 
 RegionId UcxTransport::map_region(void* base, size_t bytes) {
@@ -296,15 +295,11 @@ RegionId UcxTransport::map_region(void* base, size_t bytes) {
     region.rkey.assign(static_cast<uint8_t*>(packed), static_cast<uint8_t*>(packed) + packed_size);
     ucp_rkey_buffer_release(packed);
   }
-  RegionId id = next_region_++;
-  regions_.emplace(id, std::move(region));
-  return id;
+  return regions_.add(std::move(region));
 }
 
 const Region& UcxTransport::find_region(RegionId region, std::string_view doing) const {
-  auto it = regions_.find(region);
-  if (it == regions_.end()) fail(ErrorKind::kInvalidArgument, "{}: UCX region {} is not registered", doing, region);
-  return it->second;
+  return regions_.find(region, doing);
 }
 
 RemoteRegion UcxTransport::describe(RegionId region) const {
@@ -342,16 +337,11 @@ PeerId UcxTransport::connect(std::span<const uint8_t> peer_address, const std::s
   if (status != UCS_OK)
     fail(ErrorKind::kTransport, "cannot connect to {} (ucp_ep_create): {}", label, ucs_status_string(status));
 
-  PeerId id = next_peer_++;
-  peers_.emplace(id, std::move(peer));
-  return id;
+  return peers_.add(std::move(peer));
 }
 
 void UcxTransport::disconnect(PeerId id) {
-  auto it = peers_.find(id);
-  if (it == peers_.end()) fail(ErrorKind::kInvalidArgument, "disconnecting: UCX peer {} is not connected", id);
-  std::unique_ptr<Peer> peer = std::move(it->second);
-  peers_.erase(it);
+  std::unique_ptr<Peer> peer = peers_.take(id, "disconnecting");
   // A failed endpoint cannot flush.
   const bool force = options_.error_mode == UCP_ERR_HANDLING_MODE_PEER && is_lost(*peer);
   // The endpoint's error callback may fire until its close finishes: keep its Peer alive.
@@ -378,11 +368,7 @@ bool UcxTransport::close(Peer& peer, bool force) {
   return false;
 }
 
-Peer& UcxTransport::find_peer(PeerId peer, std::string_view doing) {
-  auto it = peers_.find(peer);
-  if (it == peers_.end()) fail(ErrorKind::kInvalidArgument, "{}: UCX peer {} is not connected", doing, peer);
-  return *it->second;
-}
+Peer& UcxTransport::find_peer(PeerId peer, std::string_view doing) { return *peers_.find(peer, doing); }
 
 bool UcxTransport::is_lost(const Peer& peer) {
   std::lock_guard lock(mutex_);

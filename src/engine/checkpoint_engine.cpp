@@ -133,8 +133,8 @@ class CheckpointEngine::Impl {
                                           "source");
       if (auto plan = plan_if_resharding(train, rollout, metadata)) {
         for (uint32_t d : plan->destinations_of(worker_rank))
-          add_link(metadata, train + d, fmt::format("destination rank {}", d), link_bytes(*plan, worker_rank, d, true));
-        plan_sends(*plan, worker_rank, train, metadata);
+          add_link(metadata, train + d, fmt::format("destination rank {}", d), link_bytes(*plan, worker_rank, d));
+        plan_sends(*plan, worker_rank);
       } else {
         // Validate the whole pairing, so that every source agrees on it, then find our peer.
         for (int r = 0; r < rollout; ++r) source_rank_for_destination(r, train, rollout);
@@ -160,7 +160,7 @@ class CheckpointEngine::Impl {
         fail(ErrorKind::kTopology, "rollout_rank must be in [0, {}), got {}", rollout, rollout_rank);
       if (auto plan = plan_if_resharding(train, rollout, metadata)) {
         for (uint32_t s : plan->sources_of(rollout_rank))
-          add_link(metadata, s, fmt::format("source rank {}", s), link_bytes(*plan, s, rollout_rank, false));
+          add_link(metadata, s, fmt::format("source rank {}", s), link_bytes(*plan, s, rollout_rank));
         expected_tensors_.clear();
         for (uint32_t s = 0; s < plan->source_count(); ++s)
           for (const auto& piece : plan->link(s, rollout_rank)) expected_tensors_.insert(piece.tensor);
@@ -316,7 +316,7 @@ class CheckpointEngine::Impl {
 
   // Both ends of link (s, d) split their two buckets of transfer memory over their links; the
   // link gets the smaller share, which both ends compute alike.
-  uint64_t link_bytes(const TransferPlan& plan, uint32_t s, uint32_t d, bool) const {
+  uint64_t link_bytes(const TransferPlan& plan, uint32_t s, uint32_t d) const {
     const uint64_t ways = std::max(plan.destinations_of(s).size(), plan.sources_of(d).size());
     uint64_t bytes = options_.bucket_bytes / std::max<uint64_t>(ways, 1);
     if (bytes >= 4096) bytes &= ~uint64_t{255};  // keep chunk offsets aligned
@@ -358,11 +358,12 @@ class CheckpointEngine::Impl {
 
   // On a resharding source: for every tensor we hold that someone needs, the pieces and where
   // they go.
-  void plan_sends(const TransferPlan& plan, uint32_t self, int train, std::span<const Metadata>) {
+  void plan_sends(const TransferPlan& plan, uint32_t self) {
     const auto& tensors = options_.model->tensors;
     send_tensors_.clear();
+    const std::vector<uint32_t> destinations = plan.destinations_of(self);  // in link order
     for (size_t k = 0; k < links_.size(); ++k) {
-      const uint32_t d = plan.destinations_of(self)[k];
+      const uint32_t d = destinations[k];
       for (const TransferPiece& piece : plan.link(self, d)) {
         const TensorInfo& full = tensors[piece.tensor];
         const Request held = holds_[self].request_for(full.name);
@@ -379,7 +380,6 @@ class CheckpointEngine::Impl {
                                      piece.box.relative_to(need.take == Take::kSlice ? need.slice : none)});
       }
     }
-    (void)train;
   }
 
   void make_senders() {

@@ -164,6 +164,7 @@ class CheckpointEngine::Impl {
         expected_tensors_.clear();
         for (uint32_t s = 0; s < plan->source_count(); ++s)
           for (const auto& piece : plan->link(s, rollout_rank)) expected_tensors_.insert(piece.tensor);
+        needs_nothing_ = expected_tensors_.empty();
       } else {
         const int source = source_rank_for_destination(rollout_rank, train, rollout);
         add_link(metadata, source, fmt::format("source rank {}", source), options_.bucket_bytes);
@@ -216,9 +217,13 @@ class CheckpointEngine::Impl {
     ReceiveStats stats;
     const auto start = Clock::now();
     ++refits_;
-    if (links_.empty())
+    if (links_.empty() && !needs_nothing_)
       fail(ErrorKind::kTopology, "{}: receive() before init_destination(): the destination is not connected to a source",
            self_.empty() ? "destination" : self_);
+    if (needs_nothing_) {  // resharding, and this destination's layout holds nothing
+      stale_ = false;
+      return stats;
+    }
     std::string phase = "wait for bucket 0";
     try {
       run_receive(loader, stats, phase);
@@ -422,6 +427,7 @@ class CheckpointEngine::Impl {
 
   void disconnect() {
     target_layout_.reset();
+    needs_nothing_ = false;
     senders_.clear();
     send_tensors_.clear();
     for (auto& link : links_) {
@@ -631,6 +637,7 @@ class CheckpointEngine::Impl {
   std::vector<Layout> holds_, needs_;
   std::map<std::string, SendTensor, std::less<>> send_tensors_;
   std::set<uint32_t> expected_tensors_;
+  bool needs_nothing_ = false;  // a resharding destination whose layout holds no tensor
 };
 
 CheckpointEngine::CheckpointEngine(EngineOptions options) : impl_(std::make_unique<Impl>(std::move(options))) {}

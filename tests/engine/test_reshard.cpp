@@ -161,6 +161,19 @@ TEST(Reshard, FsdpShardsToPipelinedDestinations) {
   expect_exact(m.inventory, needs, refit_once(g, shards_of(m.inventory, holds)));
 }
 
+TEST(Reshard, ADestinationThatHoldsNothingReceivesNothingAndIsNotStale) {
+  const auto& m = testing::qwen_moe();
+  const auto holds = megatron(m, {2, 1, 1, 1, std::nullopt});
+  Layout nothing;
+  nothing.fallback = Take::kDrop;
+  const std::vector<Layout> needs = {Layout{}, nothing};
+  auto g = make_group(m, holds, needs, 16 << 10);
+  auto outcome = refit_once(g, shards_of(m.inventory, holds));
+  expect_exact(m.inventory, needs, outcome);
+  EXPECT_EQ(outcome.received_stats[1].tensors, 0u);
+  EXPECT_FALSE(g.destinations[1]->stale());
+}
+
 TEST(Reshard, AShardOfTheWrongShapeFailsNamingTheTensor) {
   const auto& m = testing::qwen_moe();
   const auto holds = megatron(m, {2, 1, 1, 1, std::nullopt});

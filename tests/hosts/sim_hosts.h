@@ -106,6 +106,19 @@ class SimHosts {
     return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
   }
 
+  // The network state of a host and of its switch port, for failure messages.
+  std::string diagnose(int host) const {
+    std::string out = "--- network of host " + std::to_string(host) + "\n";
+    out += run_command({REFIT_SIMHOSTS, "exec", tag_, std::to_string(host), "sh", "-c",
+                        "ip -s link show eth0; ip neigh; ip route; tc -s qdisc show dev eth0; ss -tan"})
+               .second;
+    out += run_command({"ip", "netns", "exec", "refit-" + tag_ + "-sw", "sh", "-c",
+                        "ip -s link show rs" + tag_ + std::to_string(host) + "; tc -s qdisc show dev rs" + tag_ +
+                            std::to_string(host) + "; bridge fdb show br br0"})
+               .second;
+    return out;
+  }
+
   void kill_host(int host) { check(run_command({REFIT_SIMHOSTS, "kill", tag_, std::to_string(host)}), "kill"); }
   void restart_host(int host) { check(run_command({REFIT_SIMHOSTS, "restart", tag_, std::to_string(host)}), "restart"); }
   void link(int host, bool up) {

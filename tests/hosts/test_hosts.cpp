@@ -76,6 +76,9 @@ class Hosts : public ::testing::Test {
     const std::string master = hosts.address(on_host[0]);
     const std::string json_path = dir_ + "/result.json";
     std::filesystem::remove(json_path);
+    // A previous job's logs must be gone before `during` looks for refits in them: otherwise it
+    // sees that job's rows and injects its fault before this job's ranks have even joined.
+    for (int r = 0; r < world; ++r) std::filesystem::remove(log(r));
     std::vector<pid_t> pids;
     for (int r = 0; r < world; ++r) {
       std::vector<std::string> argv = {"env", "RANK=" + std::to_string(r), "WORLD_SIZE=" + std::to_string(world),
@@ -221,7 +224,8 @@ double trial(Hosts* test, SimHosts& hosts, Fault fault, uint32_t seed, double ti
                            hosts.link(victim_host, false);
                        });
   EXPECT_NE(job.status, -1) << "rank 0 hung: " << job.output;
-  EXPECT_EQ(job.status, 2) << "seed " << seed << ", victim rank " << victim_rank << "\n" << job.all_outputs();
+  EXPECT_EQ(job.status, 2) << "seed " << seed << ", victim rank " << victim_rank << "\n"
+                           << job.all_outputs() << (job.status == 2 ? "" : hosts.diagnose(victim_host) + hosts.diagnose(1));
   for (int r = 1; r < 4; ++r)
     if (r != victim_rank || fault == Fault::kLinkDown) EXPECT_NE(job.rank_status[r], -1) << "rank " << r << " hung";
   const std::string victim = victim_rank < 2 ? "source rank " + std::to_string(victim_rank)

@@ -61,5 +61,9 @@ def holdings_of(state_dict: Mapping[str, Any]) -> Layout:
 
 def local_tensors(weights: Iterable[Tuple[str, Any]]) -> Iterator[Tuple[str, Any]]:
     """(name, tensor) pairs with every DTensor replaced by its local shard (no gather)."""
-    for name, value in weights:
-        yield name, (value.to_local() if is_dtensor(value) else value)
+    for item in weights:
+        # Anything but a (name, DTensor) pair goes on unchanged: the engine names a malformed item.
+        if isinstance(item, tuple) and len(item) == 2 and is_dtensor(item[1]):
+            yield item[0], item[1].to_local()
+        else:
+            yield item

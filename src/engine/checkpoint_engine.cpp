@@ -486,7 +486,8 @@ class CheckpointEngine::Impl {
     std::set<std::string, std::less<>> sent;  // names, to check every request was met
     TensorView view;
     while (true) {
-      phase = "wait for the weight stream";
+      // The weight stream runs while the open bucket fills (the one bucket, paired).
+      phase = senders_.size() == 1 ? fmt::format("pack bucket {}", senders_[0]->bucket()) : std::string("pack");
       if (!weights.next(&view)) break;
       if (view.info == nullptr) fail(ErrorKind::kInvalidArgument, "the weight stream yielded a tensor without metadata");
       const TensorInfo& info = *view.info;

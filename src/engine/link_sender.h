@@ -50,6 +50,7 @@ class LinkSender {
   void abort(ErrorKind kind, const std::string& reason) noexcept;
 
   const std::string& peer_label() const { return context_.peer_label; }
+  uint64_t bucket() const { return bucket_.seq; }  // the one being packed
   uint64_t buckets() const { return buckets_; }
   uint64_t payload_bytes() const { return payload_bytes_; }
 

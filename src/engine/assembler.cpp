@@ -43,6 +43,7 @@ std::vector<TensorView> TensorAssembler::add_bucket(const protocol::BucketReady&
            e.tensor.name);
     }
     Merge& m = merge->second;
+    claim(m, e, bucket.seq, who);
     if (e.size > nbytes - m.received)
       fail(ErrorKind::kProtocol, "bucket {} from {}: a chunk of {} bytes of '{}' exceeds its {} bytes ({} here already)",
            bucket.seq, who, e.size, e.tensor.name, nbytes, m.received);
@@ -64,6 +65,41 @@ std::vector<TensorView> TensorAssembler::add_bucket(const protocol::BucketReady&
   // The loader reads merged tensors, and the fetcher refills this bucket's buffer, after we return.
   if (stream_->pending()) stream_->synchronize(deadline);
   return out;
+}
+
+namespace {
+
+// Whether two blocks of a tensor of `shape` share an element.
+bool intersect(const Box& a, const Box& b, const std::vector<int64_t>& shape) {
+  for (size_t d = 0; d < shape.size(); ++d) {
+    const Slice x = a.along(static_cast<int32_t>(d), shape), y = b.along(static_cast<int32_t>(d), shape);
+    if (x.length == 0 || y.length == 0 || x.start >= y.start + y.length || y.start >= x.start + x.length) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+void TensorAssembler::claim(Merge& m, const protocol::ManifestEntry& e, uint64_t seq, const std::string& who) {
+  if (e.size == 0) return;
+  PieceRanges* piece = nullptr;
+  for (auto& p : m.pieces) {
+    if (p.box == e.box) {
+      piece = &p;
+    } else if (intersect(p.box, e.box, e.tensor.shape)) {
+      fail(ErrorKind::kProtocol, "bucket {} from {}: piece {} of '{}' overlaps piece {} received before", seq, who,
+           to_string(e.box), e.tensor.name, to_string(p.box));
+    }
+  }
+  if (piece == nullptr) piece = &m.pieces.emplace_back(PieceRanges{e.box, {}});
+  const uint64_t begin = e.tensor_offset, end = e.tensor_offset + e.size;
+  auto next = piece->ranges.lower_bound(begin);
+  const bool overlaps_next = next != piece->ranges.end() && next->first < end;
+  const bool overlaps_previous = next != piece->ranges.begin() && std::prev(next)->second > begin;
+  if (overlaps_next || overlaps_previous)
+    fail(ErrorKind::kProtocol, "bucket {} from {}: bytes [{}, {}) of piece {} of '{}' arrived twice", seq, who, begin, end,
+         to_string(e.box), e.tensor.name);
+  piece->ranges.emplace(begin, end);
 }
 
 void TensorAssembler::finish(const std::string& who) const {

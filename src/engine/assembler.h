@@ -51,11 +51,21 @@ class TensorAssembler {
   uint64_t tensors_completed() const { return names_.size(); }
 
  private:
+  // What has arrived of one piece: its chunks' byte ranges in the packed piece, start -> end.
+  struct PieceRanges {
+    Box box;
+    std::map<uint64_t, uint64_t> ranges;
+  };
   struct Merge {
     TensorInfo info;
     TensorMemory* buffer = nullptr;
     uint64_t received = 0;
+    // Pieces must be disjoint and a piece's chunks too; then `received` reaching the tensor's size
+    // means every byte is here, once (a peer that sent a byte twice and another never is refused).
+    std::vector<PieceRanges> pieces;
   };
+  // Throws Error(kProtocol) unless chunk `e` lies apart from everything `m` has received.
+  static void claim(Merge& m, const protocol::ManifestEntry& e, uint64_t seq, const std::string& who);
   MemoryKind kind_ = MemoryKind::kHost;
   Device device_;
   std::unique_ptr<CopyStream> stream_ = std::make_unique<CopyStream>();

@@ -11,6 +11,7 @@
 #include "core/box_copy.h"
 #include "core/error_of.h"
 #include "core/reshard_models.h"
+#include "engine/assembler.h"
 #include "engine/engine_harness.h"
 #include "refit/transfer_plan.h"
 
@@ -195,6 +196,42 @@ TEST(Reshard, AHoldingNobodyCoversFailsAtInitNamingTheDestination) {
   const auto needs = testing::vllm_side(m, 1, 1, false, false).layouts;
   EXPECT_THAT(testing::error_of(ErrorKind::kLayout, [&] { make_group(m, holds, needs, 1 << 20); }),
               HasSubstr("destination rank 0 needs whole of tensor 'model.norm.weight'"));
+}
+
+// Pieces come from several sources in any order, so the assembler checks that no byte arrives
+// twice: otherwise a byte sent twice could stand in for one never sent, and a tensor with stale
+// bytes would be handed out as complete.
+TEST(Reshard, TheAssemblerRefusesBytesSentTwice) {
+  const TensorInfo t{"w", DType::kUInt8, {4, 4}};
+  std::vector<std::byte> data(16, std::byte{7});
+  auto bucket = [&](Box box, uint64_t offset, uint64_t size) {
+    protocol::BucketReady b;
+    b.used_bytes = size;
+    b.entries.push_back({t, box, offset, size, 0});
+    return b;
+  };
+  const auto deadline = deadline_after(std::chrono::seconds(5));
+  {
+    TensorAssembler a;
+    a.add_bucket(bucket(Box::whole(), 0, 8), data.data(), "source rank 0", deadline);
+    EXPECT_THAT(testing::error_of(ErrorKind::kProtocol, [&] {
+                  a.add_bucket(bucket(Box::whole(), 4, 8), data.data(), "source rank 1", deadline);
+                }),
+                HasSubstr("bytes [4, 12) of piece whole of 'w' arrived twice"));
+  }
+  {
+    TensorAssembler a;
+    const Box rows_0_2 = Box::of(Request::narrow(0, 0, 2)), rows_1_3 = Box::of(Request::narrow(0, 1, 2));
+    a.add_bucket(bucket(rows_0_2, 0, 8), data.data(), "source rank 0", deadline);
+    EXPECT_THAT(testing::error_of(ErrorKind::kProtocol, [&] {
+                  a.add_bucket(bucket(rows_1_3, 0, 8), data.data(), "source rank 1", deadline);
+                }),
+                HasSubstr("overlaps piece dim 0 [0, 2)"));
+    // The other half completes it.
+    auto views = a.add_bucket(bucket(Box::of(Request::narrow(0, 2, 2)), 0, 8), data.data(), "source rank 1", deadline);
+    ASSERT_EQ(views.size(), 1u);
+    EXPECT_EQ(views[0].info->name, "w");
+  }
 }
 
 }  // namespace

@@ -42,8 +42,7 @@ uint64_t content_word(uint64_t seed, uint64_t word) {
 
 // Writes `box` of the tensor `full` (packed, box_copy.h) as the content of `seed`.
 void fill_box(std::byte* out, const TensorInfo& full, const Box& box, uint64_t seed) {
-  uint64_t total = dtype_size(full.dtype);
-  for (int64_t d : box.shape_in(full.shape)) total *= static_cast<uint64_t>(d);
+  const uint64_t total = box.nbytes_in(full);
   for_each_box_block(full.shape, dtype_size(full.dtype), box, 0, total, [&](const BoxBlock& b) {
     for (uint64_t r = 0; r < b.rows; ++r) {
       const uint64_t at = b.tensor_offset + r * b.pitch;  // byte offset in the whole tensor
@@ -308,8 +307,7 @@ class DestinationProgram final : public WorkerProgram {
       const Request r = *checks_ ? (*checks_)->request_for(t.name) : Request::whole();
       if (r.take == Take::kDrop) continue;
       const Box box = Box::of(r);
-      uint64_t n = dtype_size(t.dtype);
-      for (int64_t d : box.shape_in(t.shape)) n *= static_cast<uint64_t>(d);
+      const uint64_t n = box.nbytes_in(t);
       want.resize(n);
       fill_box(want.data(), t, box, seed_of(index, i));
       expected[t.name] = hex(XXH3_64bits(want.data(), n));

@@ -65,8 +65,9 @@ struct Box {
   Box narrowed(const Slice& slice) const;
   // The range this box covers along `dim` of a tensor of `shape`.
   Slice along(int32_t dim, std::span<const int64_t> shape) const;
-  // The box's shape within a tensor of `shape`.
+  // The box's shape within a tensor of `shape`, and its bytes within `tensor`.
   std::vector<int64_t> shape_in(std::span<const int64_t> shape) const;
+  uint64_t nbytes_in(const TensorInfo& tensor) const;
   // The same block in the coordinates of `origin`, a slice of the tensor that contains it.
   Box relative_to(const Slice& origin) const;
   bool is_whole() const { return count == 0; }

@@ -115,6 +115,13 @@ std::vector<int64_t> Box::shape_in(std::span<const int64_t> shape) const {
   return out;
 }
 
+uint64_t Box::nbytes_in(const TensorInfo& tensor) const {
+  uint64_t n = dtype_size(tensor.dtype);
+  for (size_t d = 0; d < tensor.shape.size(); ++d)
+    n *= static_cast<uint64_t>(along(static_cast<int32_t>(d), tensor.shape).length);
+  return n;
+}
+
 Box Box::relative_to(const Slice& origin) const {
   Box out = *this;
   for (int i = 0; i < out.count; ++i)

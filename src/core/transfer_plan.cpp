@@ -29,12 +29,6 @@ struct Holder {
   Request request;
 };
 
-uint64_t box_bytes(const Box& box, const TensorInfo& info) {
-  uint64_t n = dtype_size(info.dtype);
-  for (size_t d = 0; d < info.shape.size(); ++d) n *= static_cast<uint64_t>(box.along(static_cast<int32_t>(d), info.shape).length);
-  return n;
-}
-
 Holdings group_holders(const TensorInfo& info, std::vector<Holder>& holders) {
   Holdings h;
   if (holders.empty()) return h;
@@ -177,7 +171,7 @@ TransferPlan plan_transfers(const ModelInventory& model, std::span<const Layout>
     return best;
   };
   auto emit = [&](uint32_t i, uint32_t s, uint32_t d, const Box& box) {
-    const uint64_t bytes = box_bytes(box, tensors[i]);
+    const uint64_t bytes = box.nbytes_in(tensors[i]);
     pieces.push_back({i, s, d, box, bytes});
     plan.egress_[s] += bytes;
     plan.ingress_[d] += bytes;
@@ -199,7 +193,7 @@ TransferPlan plan_transfers(const ModelInventory& model, std::span<const Layout>
       if (h.empty)
         fail(ErrorKind::kLayout, "destination rank {} needs {} of tensor '{}' (shape {}), but no source holds any of it",
              d, to_string(need), info.name, shape_string(info.shape));
-      if (box_bytes(need, info) == 0) {
+      if (need.nbytes_in(info) == 0) {
         emit(i, h.groups.empty() ? h.any_source : pick(h.groups.front().sources, d), d, need);
         continue;
       }

@@ -262,10 +262,7 @@ void validate(const BucketReady& m, uint64_t bucket_bytes, uint64_t region_bytes
         fail(ErrorKind::kProtocol, "bucket {} from {}: the piece {} of tensor '{}' does not fit its shape {}", m.seq, who,
              to_string(e.box), e.tensor.name, shape_string(e.tensor.shape));
     }
-    if (e.box.count > 0) {  // the chunk lies in the piece, which is smaller than the tensor
-      nbytes = dtype_size(e.tensor.dtype);
-      for (int64_t d : e.box.shape_in(e.tensor.shape)) nbytes *= static_cast<uint64_t>(d);
-    }
+    if (e.box.count > 0) nbytes = e.box.nbytes_in(e.tensor);  // the chunk lies in the piece
     if (e.size > nbytes || e.tensor_offset > nbytes - e.size)
       fail(ErrorKind::kProtocol, "bucket {} from {}: chunk [{}, +{}) lies outside tensor '{}' of {} bytes", m.seq, who,
            e.tensor_offset, e.size, e.tensor.name, nbytes);

@@ -57,11 +57,6 @@ inline const Model& deepseek() {
   return m;
 }
 
-inline uint64_t box_bytes(const TensorInfo& t, const Box& box) {
-  uint64_t n = dtype_size(t.dtype);
-  for (int64_t d : box.shape_in(t.shape)) n *= static_cast<uint64_t>(d);
-  return n;
-}
 
 // The whole model's bytes: byte b of tensor i is a hash of (i, b), so a misplaced byte shows.
 inline std::vector<std::vector<std::byte>> patterned(const ModelInventory& inv) {

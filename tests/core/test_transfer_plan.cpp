@@ -27,7 +27,7 @@ using testing::deepseek;
 using testing::Model;
 using testing::patterned;
 using testing::qwen_moe;
-using testing::box_bytes;
+
 using testing::Side;
 using testing::vllm_side;
 
@@ -47,7 +47,7 @@ void move_and_check(const ModelInventory& inv, std::span<const Layout> sources, 
       const Request r = sources[s].request_for(inv.tensors[i].name);
       if (r.take == Take::kDrop) continue;
       const TensorInfo& t = inv.tensors[i];
-      std::vector<std::byte> shard(box_bytes(t, Box::of(r)));
+      std::vector<std::byte> shard(Box::of(r).nbytes_in(t));
       pack_box(full[i].data(), t.shape, dtype_size(t.dtype), Box::of(r), 0, shard.size(), shard.data());
       shards[s][i] = std::move(shard);
     }
@@ -59,12 +59,12 @@ void move_and_check(const ModelInventory& inv, std::span<const Layout> sources, 
     const Request need = destinations[p.destination].request_for(t.name);
     ASSERT_NE(held.take, Take::kDrop) << what << ": source " << p.source << " sends '" << t.name << "' it lacks";
     ASSERT_NE(need.take, Take::kDrop) << what << ": destination " << p.destination << " gets '" << t.name << "'";
-    ASSERT_EQ(p.bytes, box_bytes(t, p.box)) << what;
+    ASSERT_EQ(p.bytes, p.box.nbytes_in(t)) << what;
     const auto shard_shape = Box::of(held).shape_in(t.shape);
     const auto dest_shape = Box::of(need).shape_in(t.shape);
     auto& dest = got[p.destination][p.tensor];
     auto& mask = written[p.destination][p.tensor];
-    dest.resize(box_bytes(t, Box::of(need)));
+    dest.resize(Box::of(need).nbytes_in(t));
     mask.resize(dest.size());
     const Box in_shard = p.box.relative_to(origin_of(held)), in_dest = p.box.relative_to(origin_of(need));
     for (uint64_t at = 0; at < p.bytes; at += chunk) {
@@ -87,7 +87,7 @@ void move_and_check(const ModelInventory& inv, std::span<const Layout> sources, 
         EXPECT_FALSE(got[d].count(i)) << what << ": destination " << d << " got '" << t.name << "' it does not hold";
         continue;
       }
-      std::vector<std::byte> expected(box_bytes(t, Box::of(need)));
+      std::vector<std::byte> expected(Box::of(need).nbytes_in(t));
       needed += expected.size();
       pack_box(full[i].data(), t.shape, dtype_size(t.dtype), Box::of(need), 0, expected.size(), expected.data());
       ASSERT_TRUE(got[d].count(i)) << what << ": destination " << d << " never got '" << t.name << "'";
@@ -118,7 +118,7 @@ TEST(BoxCopy, ChunksOfAPackedBoxMatchTheWholeBox) {
     const auto extent = box.shape_in(shape);
     std::vector<std::byte> expected;
     std::vector<int64_t> index(rank, 0);
-    const uint64_t total = box_bytes(t, box);
+    const uint64_t total = box.nbytes_in(t);
     for (uint64_t k = 0; k < total / 2; ++k) {
       uint64_t offset = 0;
       for (int d = 0; d < rank; ++d) offset = offset * shape[d] + box.along(d, shape).start + index[d];

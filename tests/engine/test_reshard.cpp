@@ -111,7 +111,7 @@ void expect_exact(const ModelInventory& inv, const std::vector<Layout>& needs, c
         continue;
       }
       ++expected_count;
-      std::vector<std::byte> slice(testing::box_bytes(t, Box::of(r)));
+      std::vector<std::byte> slice(Box::of(r).nbytes_in(t));
       expected_bytes += slice.size();
       pack_box(full[i].data(), t.shape, dtype_size(t.dtype), Box::of(r), 0, slice.size(), slice.data());
       auto it = outcome.received[d].tensors.find(t.name);

@@ -41,8 +41,9 @@ if ! "$VENV/bin/python" -c 'import sys; sys.exit(sys.prefix == sys.base_prefix)'
 fi
 PYTHON="$VENV/bin/python"
 
-# Python build and test dependencies (pip leaves those already satisfied alone).
-deps=("scikit-build-core>=0.10" "nanobind>=2.4" "pytest" "numpy" "ml-dtypes" "ray")
+# Python build and test dependencies (pip leaves those already satisfied alone); matplotlib for
+# refit.timeline's charts.
+deps=("scikit-build-core>=0.10" "nanobind>=2.4" "pytest" "numpy" "ml-dtypes" "ray" "matplotlib")
 [ "${REFIT_TEST_TORCH:-0}" = "1" ] && deps+=("torch")
 echo "=== test_python: pip install ${deps[*]}"
 "$PYTHON" -m pip install -q "${deps[@]}"

@@ -30,11 +30,37 @@ double memcpy_rate(uint64_t bytes) {
   return rates[rates.size() / 2];
 }
 
-// Runs ucx_perftest server and client on loopback; returns the client's "Final:" line.
-std::optional<double> perftest_get(uint64_t bytes, const std::string& tls, std::string& note) {
+// Every core copying its own buffers at once: the node's memory bandwidth for copies.
+double all_cores_memcpy_rate(uint64_t bytes, unsigned threads) {
+  const uint64_t each = std::max<uint64_t>(bytes / threads, 1 << 20);
+  std::vector<double> rates;
+  for (int round = 0; round < 3; ++round) {
+    std::vector<std::thread> workers;
+    std::vector<double> seconds(threads);
+    for (unsigned t = 0; t < threads; ++t)
+      workers.emplace_back([&, t] {
+        HostBuffer src(each), dst(each);
+        std::memset(src.data(), 1, each);
+        std::memset(dst.data(), 2, each);
+        auto t0 = std::chrono::steady_clock::now();
+        for (int i = 0; i < 3; ++i) std::memcpy(dst.data(), src.data(), each);
+        seconds[t] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      });
+    for (auto& w : workers) w.join();
+    rates.push_back(3.0 * each * threads / *std::max_element(seconds.begin(), seconds.end()));
+  }
+  std::sort(rates.begin(), rates.end());
+  return rates[rates.size() / 2];
+}
+
+// Runs ucx_perftest server and client on loopback; returns the client's "Final:" fields
+// (iterations, typical and average latency in us, overall latency, average and overall bandwidth
+// in MB/s of 2^20 bytes, message rate).
+std::optional<std::array<double, 7>> perftest(const std::string& test, uint64_t bytes, int iterations, const std::string& tls,
+                                              std::string& note) {
   const int port = 20000 + static_cast<int>(std::chrono::steady_clock::now().time_since_epoch().count() % 20000);
   const std::string env = tls.empty() ? "" : fmt::format("UCX_TLS={} ", tls);
-  const std::string args = fmt::format("-t ucp_get -s {} -n 20 -w 3 -p {}", bytes, port);
+  const std::string args = fmt::format("-t {} -s {} -n {} -w 3 -p {}", test, bytes, iterations, port);
   const std::string server = fmt::format("{}timeout 120 ucx_perftest {} >/dev/null 2>&1 &", env, args);
   const std::string client = fmt::format("{}timeout 120 ucx_perftest 127.0.0.1 {} 2>&1", env, args);
   note = client;
@@ -46,28 +72,27 @@ std::optional<double> perftest_get(uint64_t bytes, const std::string& tls, std::
   FILE* pipe = popen(client.c_str(), "r");
   if (pipe == nullptr) return std::nullopt;
   std::array<char, 512> line;
-  std::optional<double> mb_per_s;
+  std::optional<std::array<double, 7>> out;
   while (fgets(line.data(), line.size(), pipe) != nullptr) {
-    // Final: iterations p50 avg overall bw_avg bw_overall ... (MB/s, MB = 2^20 bytes)
-    double fields[7];
-    if (std::sscanf(line.data(), " Final: %lf %lf %lf %lf %lf %lf %lf", &fields[0], &fields[1], &fields[2], &fields[3],
-                    &fields[4], &fields[5], &fields[6]) == 7)
-      mb_per_s = fields[5];
+    std::array<double, 7> f;
+    if (std::sscanf(line.data(), " Final: %lf %lf %lf %lf %lf %lf %lf", &f[0], &f[1], &f[2], &f[3], &f[4], &f[5], &f[6]) == 7)
+      out = f;
   }
   int rc = pclose(pipe);
-  if (!mb_per_s) {
-    note = fmt::format("ucx_perftest gave no result (exit {}): {}", rc, client);
-    return std::nullopt;
-  }
-  return *mb_per_s * 1024 * 1024;
+  if (!out) note = fmt::format("ucx_perftest gave no result (exit {}): {}", rc, client);
+  return out;
 }
 
 }  // namespace
 
 Baseline measure_baseline(uint64_t bucket_bytes, const std::string& tls) {
   Baseline b;
-  b.ucp_get_bytes_per_s = perftest_get(bucket_bytes, tls, b.ucp_get_note);
+  if (auto f = perftest("ucp_get", bucket_bytes, 20, tls, b.ucp_get_note)) b.ucp_get_bytes_per_s = (*f)[5] * 1024 * 1024;
+  std::string latency_note;
+  if (auto f = perftest("tag_lat", 64, 20000, tls, latency_note)) b.message_latency_s = (*f)[1] * 1e-6;
   b.memcpy_bytes_per_s = memcpy_rate(bucket_bytes);
+  b.cores = std::max(1u, std::thread::hardware_concurrency());
+  b.all_cores_memcpy_bytes_per_s = all_cores_memcpy_rate(std::min<uint64_t>(bucket_bytes, 1ull << 30), b.cores);
   return b;
 }
 

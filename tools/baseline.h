@@ -1,5 +1,6 @@
 // The machine's own ceilings, measured in the same run as a benchmark: UCX's ucx_perftest
-// (one-sided get at the bucket size, between two local processes) and single-thread memcpy.
+// (one-sided get at the bucket size between two local processes, and small-message latency) and
+// memcpy on one core and on all of them; bench can save them as a planner calibration (cluster.h).
 #pragma once
 
 #include <cstdint>
@@ -12,6 +13,9 @@ struct Baseline {
   std::optional<double> ucp_get_bytes_per_s;  // empty when ucx_perftest is missing or failed
   std::string ucp_get_note;                   // why it is empty, or the command that ran
   double memcpy_bytes_per_s = 0;
+  double all_cores_memcpy_bytes_per_s = 0;  // every core copying at once
+  unsigned cores = 1;
+  std::optional<double> message_latency_s;  // one small tagged message, one way (ucx_perftest tag_lat)
 };
 
 // Runs both; `tls` restricts UCX transports (empty: UCX's choice).

@@ -7,14 +7,18 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <thread>
 #include <nlohmann/json.hpp>
 
 #include "baseline.h"
 #include "programs.h"
 #include "verify.h"
 #include "refit/bucket_size.h"
+#include "refit/cluster.h"
+#include "refit/memory.h"
 #include "refit/config.h"
 #include "refit/tensor.h"
+#include "refit/timeline.h"
 #include "refit/error.h"
 #include "refit/local_group.h"
 #include "refit/rank_group.h"
@@ -61,6 +65,94 @@ void print_fan(const json& sources, const json& destinations) {
   fmt::print("resharding: each destination reads from {}..{} sources and receives {:.1f}..{:.1f} MiB (what it keeps); "
              "each source serves {}..{} destinations and sends {:.1f}..{:.1f} MiB\n",
              dlo, dhi, ilo / 1048576.0, ihi / 1048576.0, slo, shi, elo / 1048576.0, ehi / 1048576.0);
+}
+
+// Every worker's bucket events, in seconds since the driver started the refit.
+json timeline_of(const RefitReport& report) {
+  json events = json::array();
+  for (const auto& w : report.workers) {
+    const std::string worker = fmt::format("{} {}", w.is_source ? "source" : "destination", w.rank);
+    for (const TimelineEvent& e : w.is_source ? w.send.events : w.receive.events)
+      events.push_back({{"worker", worker}, {"phase", to_string(e.phase)}, {"peer", e.peer}, {"bucket", e.bucket},
+                        {"start", e.start - report.start_time}, {"end", e.end - report.start_time}, {"bytes", e.bytes}});
+  }
+  return events;
+}
+
+// The driver's own share of a refit: from its start to the first bucket event, and from the last
+// to its end (median over the refits that succeeded).
+double control_overhead(const json& refits) {
+  std::vector<double> v;
+  for (const auto& r : refits) {
+    if (!r.value("ok", false) || !r.contains("timeline") || r["timeline"].empty()) continue;
+    double first = 1e300, last = 0;
+    for (const auto& e : r["timeline"]) {
+      first = std::min(first, e.at("start").get<double>());
+      last = std::max(last, e.at("end").get<double>());
+    }
+    v.push_back(std::max(0.0, first) + std::max(0.0, r.at("seconds").get<double>() - last));
+  }
+  return median(v);
+}
+
+// The engine's own copy rates, from its packs and loads of 1 MiB or more in every refit that
+// succeeded but the first (which also faults the buffers in): a copy that ran alone gives the
+// rate of one core; one that ran while another copy did (a source packing while a destination
+// loads, small buckets) gives half of what the host's memory sustains for two.
+struct CopyRates {
+  double alone = 0, shared = 0;  // 0: not seen
+};
+CopyRates engine_copy_rates(const json& refits) {
+  double bytes[2] = {0, 0}, seconds[2] = {0, 0};
+  for (size_t k = 1; k < refits.size(); ++k) {
+    if (!refits[k].value("ok", false) || !refits[k].contains("timeline")) continue;
+    std::vector<std::array<double, 3>> copies;  // start, end, bytes
+    for (const auto& e : refits[k]["timeline"]) {
+      const std::string phase = e.at("phase").get<std::string>();
+      if ((phase == "pack" || phase == "load") && e.at("bytes").get<double>() >= (1 << 20))
+        copies.push_back({e.at("start").get<double>(), e.at("end").get<double>(), e.at("bytes").get<double>()});
+    }
+    for (size_t i = 0; i < copies.size(); ++i) {
+      const auto [a, b, n] = copies[i];
+      if (b <= a) continue;
+      double overlap = 0;  // with any other copy (they come one per worker, so rarely stacked)
+      for (size_t j = 0; j < copies.size(); ++j)
+        if (j != i) overlap += std::max(0.0, std::min(b, copies[j][1]) - std::max(a, copies[j][0]));
+      const double fraction = overlap / (b - a);
+      if (fraction > 0.1 && fraction < 0.9) continue;
+      const int shared = fraction >= 0.9;
+      bytes[shared] += n;
+      seconds[shared] += b - a;
+    }
+  }
+  return {seconds[0] > 0 ? bytes[0] / seconds[0] : 0, seconds[1] > 0 ? bytes[1] / seconds[1] : 0};
+}
+
+// What this run measured, merged into the calibration file (its other values kept).
+void save_bench_calibration(const std::string& path, const json& run) {
+  Calibration c;
+  if (std::filesystem::exists(path)) load_calibration(path, c);
+  c.machine = fmt::format("{} cores, {:.0f} GiB, measured by refit bench", std::max(1u, std::thread::hardware_concurrency()),
+                          total_host_memory_bytes() / kGiB);
+  c.host_memory = total_host_memory_bytes();
+  if (run.contains("baseline")) {
+    const json& b = run["baseline"];
+    c.host_copy_rate = b.at("memcpy_bytes_per_s").get<double>();
+    c.host_node_copy_rate = b.at("all_cores_memcpy_bytes_per_s").get<double>();
+    c.cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    if (b.contains("ucp_get_bytes_per_s")) c.read_rate = b["ucp_get_bytes_per_s"].get<double>();
+    if (b.contains("message_latency_s")) c.latency_s = b["message_latency_s"].get<double>();
+  }
+  const CopyRates rates = engine_copy_rates(run["refits"]);
+  if (rates.alone > 0 && rates.shared == 0) c.engine_copy_rate = rates.alone;  // a run of overlapping copies measures those
+  if (rates.shared > 0) c.engine_node_copy_rate = 2 * rates.shared;
+  const double overhead = control_overhead(run["refits"]);
+  if (overhead > 0) c.overhead_s = overhead;
+  save_calibration(path, c);
+  fmt::print("calibration {}: the engine's copies {:.2f} GB/s alone, {:.2f} GB/s for two at once; memcpy {:.2f} GB/s; "
+             "read {:.2f} GB/s; latency {:.1f} us; refit overhead {:.2f} ms\n",
+             path, c.engine_copy_rate / 1e9, c.engine_node_copy_rate / 1e9, c.host_copy_rate / 1e9, c.read_rate / 1e9,
+             std::max(c.latency_s, 0.0) * 1e6, std::max(c.overhead_s, 0.0) * 1e3);
 }
 
 // Median seconds of `refits` refits of a local group, every one verified.
@@ -207,7 +299,8 @@ int run_bench(const BenchOptions& options) {
         if (k == 0 && !holds.empty()) print_fan(per_source, per_destination);
         entry.update({{"ok", true}, {"seconds", report.seconds}, {"bytes_received", per_destination},
                       {"bytes_sent", per_source},
-                      {"throughput_bytes_per_s", rate}, {"verified", problems.empty()}});
+                      {"throughput_bytes_per_s", rate}, {"verified", problems.empty()},
+                      {"timeline", timeline_of(report)}});
         if (!problems.empty()) {
           verified = false;
           exit_code = 3;
@@ -277,11 +370,14 @@ int run_bench(const BenchOptions& options) {
       fmt::print("\nucp_get baseline unavailable: {}\n", b.ucp_get_note);
     }
     base["ratio_to_memcpy"] = refit_rate / b.memcpy_bytes_per_s;
+    base["all_cores_memcpy_bytes_per_s"] = b.all_cores_memcpy_bytes_per_s;
+    if (b.message_latency_s) base["message_latency_s"] = *b.message_latency_s;
     out["baseline"] = base;
     fmt::print("refit per pair {:.2f} GiB/s = {:.2f} x memcpy", refit_rate / kGiB, refit_rate / b.memcpy_bytes_per_s);
     if (b.ucp_get_bytes_per_s) fmt::print(", {:.2f} x ucp_get", refit_rate / *b.ucp_get_bytes_per_s);
     fmt::print("\n");
   }
+  if (!options.calibration_out.empty()) save_bench_calibration(options.calibration_out, out);
   if (!options.json_path.empty()) {
     std::ofstream f(options.json_path);
     f << out.dump(2) << "\n";

@@ -20,6 +20,7 @@ struct BenchOptions {
   std::vector<std::string> overrides;
   std::string json_path;
   bool baseline = false;
+  std::string calibration_out;  // with baseline: the planner calibration file to write
   std::string kill;  // ROLE:RANK:REFIT:STEP, for failure tests
   // Transfer-buffer device (refit_cfg.nixl.device); cuda also sets backend_name CUDA_IPC. Both
   // apply after the config file and before the command line's overrides. Empty: the config's.

@@ -26,6 +26,10 @@ int main(int argc, char** argv) {
   bench_cmd->add_option("--config", bench.config_file, "YAML config file");
   bench_cmd->add_option("--json", bench.json_path, "Write results as JSON to this file");
   bench_cmd->add_flag("--baseline", bench.baseline, "Also measure ucx_perftest ucp_get and memcpy at the bucket size");
+  bench_cmd->add_option("--calibration-out", bench.calibration_out,
+                        "Merge what this run measured (the engine's copy rates from its timeline; with --baseline also "
+                        "memcpy, ucx_perftest read and latency) into this planner calibration file (refit plan "
+                        "--cluster --calibration); scripts/calibrate.sh runs the two benches it needs");
   bench_cmd->add_option("--kill", bench.kill, "Failure test: ROLE:RANK:REFIT:STEP kills that worker at that point");
   bench_cmd->add_option("--device", bench.device,
                         "Transfer buffers: cpu, cuda or cuda:N (refit_cfg.nixl.device; cuda also sets backend_name=CUDA_IPC, which an override may change)");
@@ -56,6 +60,11 @@ int main(int argc, char** argv) {
                        "refit_cfg.nixl.device=cuda); default: this host's memory");
   plan.parallel.add_to(*plan_cmd);
   plan.source_parallel.add_to(*plan_cmd);
+  plan_cmd->add_option("--cluster", plan.cluster,
+                       "Predict one refit on the cluster this YAML file describes (docs/PLANNER.md): refit's path and "
+                       "the paired path, with what bounds each");
+  plan_cmd->add_option("--calibration", plan.calibrations,
+                       "Measured rates (refit bench --baseline --calibration-out) for what the cluster file leaves out");
   plan_cmd->add_option("overrides", plan.overrides, "Config overrides, key=value");
 
   refit::tools::ElasticOptions elastic;

@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "bench.h"
+#include "cluster_plan.h"
 #include "refit/bucket_size.h"
 #include "refit/checkpoint_engine.h"
 #include "refit/config.h"
@@ -80,6 +81,7 @@ void print_transfer_plan(const PlanOptions& options, const ModelInventory& inven
 }  // namespace
 
 int run_plan(const PlanOptions& options) {
+  if (!options.cluster.empty()) return run_cluster_plan(options);
   const RefitConfig config = load_config(options.config_file, options.overrides);
   const std::string path = options.model.empty() ? std::string(kDefaultModel) : options.model;
   const auto inventory = load_model_inventory(path);

@@ -1,4 +1,5 @@
-// `refit plan`: the bucket layout of a model for each destination, without moving bytes.
+// `refit plan`: the bucket layout of a model for each destination, without moving bytes; with
+// --cluster, a prediction of one refit on that cluster (cluster_plan.h).
 #pragma once
 
 #include <string>
@@ -20,6 +21,10 @@ struct PlanOptions {
   std::string target_memory;
   ParallelOptions parallel;
   SourceParallelOptions source_parallel;
+  // A cluster description (cluster.h): predict one refit there instead, refit's path and the
+  // paired path; calibration files fill in the rates it leaves out.
+  std::string cluster;
+  std::vector<std::string> calibrations;
 };
 
 int run_plan(const PlanOptions& options);

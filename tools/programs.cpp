@@ -265,12 +265,13 @@ class DestinationProgram final : public WorkerProgram {
           // Load into this worker's own GPU parameter, as an inference engine does; hashed in report().
           loads_.copy(parameter(*v.info), v.data, v.info->nbytes(), MemoryKind::kCuda, v.memory);
           received_.push_back(v.info->name);
-        } else if (model_) {
-          // Into this worker's own parameter, as an inference engine loads; checked in report().
-          auto& p = host_parameters_[v.info->name];
-          p.assign(v.data, v.data + v.info->nbytes());
         } else {
-          hashes_[v.info->name] = hex(XXH3_64bits(v.data, v.info->nbytes()));
+          // Into this worker's own parameter, kept across refits, as an inference engine loads;
+          // hashed in report().
+          auto& p = host_parameters_[v.info->name];
+          p.resize(v.info->nbytes());
+          if (!p.empty()) std::memcpy(p.data(), v.data, p.size());
+          received_.push_back(v.info->name);
         }
       }
       // The views are valid only during this call.
@@ -281,7 +282,12 @@ class DestinationProgram final : public WorkerProgram {
 
   std::string report(uint64_t index) override {
     if (model_) return self_check(index);
-    if (kind_ == MemoryKind::kCuda) {
+    if (kind_ == MemoryKind::kHost) {
+      for (const auto& name : received_) {
+        const auto& bytes = host_parameters_.at(name);
+        hashes_[name] = hex(XXH3_64bits(bytes.data(), bytes.size()));
+      }
+    } else {
       std::vector<DeviceRange> ranges;
       for (const auto& name : received_) ranges.push_back({parameters_.at(name).data, parameters_.at(name).bytes});
       const auto sums = hash_device_ranges(ranges, nullptr);
@@ -300,7 +306,10 @@ class DestinationProgram final : public WorkerProgram {
   // synthetic content of refit `index`); verify() compares the two.
   std::string self_check(uint64_t index) {
     json held = json::object(), expected = json::object();
-    for (const auto& [name, bytes] : host_parameters_) held[name] = hex(XXH3_64bits(bytes.data(), bytes.size()));
+    for (const auto& name : received_) {
+      const auto& bytes = host_parameters_.at(name);
+      held[name] = hex(XXH3_64bits(bytes.data(), bytes.size()));
+    }
     std::vector<std::byte> want;
     for (uint32_t i = 0; i < model_->tensors.size(); ++i) {
       const TensorInfo& t = model_->tensors[i];
@@ -312,7 +321,6 @@ class DestinationProgram final : public WorkerProgram {
       fill_box(want.data(), t, box, seed_of(index, i));
       expected[t.name] = hex(XXH3_64bits(want.data(), n));
     }
-    host_parameters_.clear();
     return json{{"hashes", held}, {"expected", expected}}.dump();
   }
 
@@ -339,7 +347,7 @@ class DestinationProgram final : public WorkerProgram {
   std::map<std::string, std::vector<std::byte>> host_parameters_;
   uint64_t batches_ = 0;
   std::map<std::string, std::string> hashes_;
-  std::vector<std::string> received_;  // GPU tensors loaded this refit, in order
+  std::vector<std::string> received_;  // tensors loaded this refit, in order
   std::map<std::string, Parameter> parameters_;
   std::vector<DeviceBuffer> slabs_;
   uint64_t slab_used_ = 0;

@@ -41,6 +41,7 @@
 #include "refit/config.h"
 #include "refit/layout.h"
 #include "refit/tensor.h"
+#include "refit/timeline.h"
 #include "refit/transport.h"
 
 namespace refit {
@@ -96,6 +97,7 @@ struct SendStats {
   double seconds = 0;
   bool had_peer = false;
   uint32_t destinations = 0;  // destinations served
+  std::vector<TimelineEvent> events;  // pack, announce and release of every bucket on every link
 };
 
 struct ReceiveStats {
@@ -110,6 +112,7 @@ struct ReceiveStats {
   uint32_t sources = 0;        // sources read from
   double total_seconds = 0;
   double load_seconds = 0;
+  std::vector<TimelineEvent> events;  // read, load and release of every bucket from every source
   double receive_seconds() const { return total_seconds > load_seconds ? total_seconds - load_seconds : 0; }
 };
 

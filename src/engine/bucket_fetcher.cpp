@@ -107,8 +107,10 @@ bool BucketFetcher::fetch(uint64_t seq, std::string& phase) {
     data = context_.mapped + bucket.offset;
   } else if (bucket.used_bytes > 0) {
     phase = fmt::format("read bucket {}", seq);
+    const double started = timeline_now();
     context_.transport->read(context_.peer, context_.peer_metadata->buffers, bucket.offset,
                              context_.buffers[local], context_.region, bucket.used_bytes, deadline);
+    events_.push_back({TimelinePhase::kRead, context_.peer_rank, seq, started, timeline_now(), bucket.used_bytes});
   }
   if (bucket.checksum) {
     phase = fmt::format("verify bucket {}", seq);

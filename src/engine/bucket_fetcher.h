@@ -18,8 +18,10 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "engine/protocol.h"
+#include "refit/timeline.h"
 #include "refit/transport.h"
 
 namespace refit {
@@ -54,6 +56,7 @@ struct FetchContext {
   Transport* transport = nullptr;
   PeerId peer = 0;
   std::string peer_label;
+  uint32_t peer_rank = 0;  // the source's rank, for timeline events
   const protocol::EngineMetadata* peer_metadata = nullptr;
   std::byte* buffers[2] = {};  // both inside `region`
   RegionId region = 0;
@@ -86,6 +89,8 @@ class BucketFetcher {
   // stopped; rethrows its error.
   void finish(std::string& phase);
   const std::string& peer_label() const { return context_.peer_label; }
+  // The reads of this refit (staged only); complete after finish().
+  const std::vector<TimelineEvent>& events() const { return events_; }
 
  private:
   void run();
@@ -108,6 +113,7 @@ class BucketFetcher {
   std::string error_phase_;
   bool stop_ = false;
   bool finished_ = false;                 // the last bucket was fetched, or an error happened
+  std::vector<TimelineEvent> events_;     // written by the thread only, read after finish()
   std::thread thread_;
 };
 

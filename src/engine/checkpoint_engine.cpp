@@ -133,13 +133,14 @@ class CheckpointEngine::Impl {
                                           "source");
       if (auto plan = plan_if_resharding(train, rollout, metadata)) {
         for (uint32_t d : plan->destinations_of(worker_rank))
-          add_link(metadata, train + d, fmt::format("destination rank {}", d), link_bytes(*plan, worker_rank, d));
+          add_link(metadata, train + d, d, fmt::format("destination rank {}", d), link_bytes(*plan, worker_rank, d));
         plan_sends(*plan, worker_rank);
       } else {
         // Validate the whole pairing, so that every source agrees on it, then find our peer.
         for (int r = 0; r < rollout; ++r) source_rank_for_destination(r, train, rollout);
         if (worker_rank < rollout) {
-          add_link(metadata, train + worker_rank, fmt::format("destination rank {}", worker_rank), options_.bucket_bytes);
+          add_link(metadata, train + worker_rank, worker_rank, fmt::format("destination rank {}", worker_rank),
+                   options_.bucket_bytes);
           const auto& md = links_[0].metadata;
           if (!md.layout.empty()) target_layout_ = decode_layout(md.layout, "layout of " + links_[0].label);
         }
@@ -160,14 +161,14 @@ class CheckpointEngine::Impl {
         fail(ErrorKind::kTopology, "rollout_rank must be in [0, {}), got {}", rollout, rollout_rank);
       if (auto plan = plan_if_resharding(train, rollout, metadata)) {
         for (uint32_t s : plan->sources_of(rollout_rank))
-          add_link(metadata, s, fmt::format("source rank {}", s), link_bytes(*plan, s, rollout_rank));
+          add_link(metadata, s, s, fmt::format("source rank {}", s), link_bytes(*plan, s, rollout_rank));
         expected_tensors_.clear();
         for (uint32_t s = 0; s < plan->source_count(); ++s)
           for (const auto& piece : plan->link(s, rollout_rank)) expected_tensors_.insert(piece.tensor);
         needs_nothing_ = expected_tensors_.empty();
       } else {
         const int source = source_rank_for_destination(rollout_rank, train, rollout);
-        add_link(metadata, source, fmt::format("source rank {}", source), options_.bucket_bytes);
+        add_link(metadata, source, source, fmt::format("source rank {}", source), options_.bucket_bytes);
       }
       bool all_mapped = true;
       for (auto& link : links_) {
@@ -261,6 +262,7 @@ class CheckpointEngine::Impl {
   struct Link {
     PeerId peer = 0;
     std::string label;  // "source rank 3 on host h2"
+    uint32_t peer_rank = 0;  // its rank among the sources (or destinations)
     protocol::EngineMetadata metadata;
     uint64_t first_refit = 0;  // protocol::first_refit() of the connection; refit k is first_refit + k on the wire
     uint64_t bucket_bytes = 0;  // of this link: both ends derive the same
@@ -330,7 +332,8 @@ class CheckpointEngine::Impl {
 
   // Decodes a peer's metadata, refuses it unless it belongs to the same group, model and bucket
   // size, and connects.
-  void add_link(std::span<const Metadata> metadata, int index, const std::string& label, uint64_t link_bucket) {
+  void add_link(std::span<const Metadata> metadata, int index, uint32_t peer_rank, const std::string& label,
+                uint64_t link_bucket) {
     auto md = protocol::decode_metadata(metadata[index], "metadata of " + label);
     if (md.session != options_.session)
       fail(ErrorKind::kProtocol, "metadata of {} comes from another refit session (stale or foreign metadata)", label);
@@ -347,6 +350,7 @@ class CheckpointEngine::Impl {
     link.peer = transport_->connect(md.transport_address, where);
     link.metadata = std::move(md);
     link.label = where;
+    link.peer_rank = peer_rank;
     link.bucket_bytes = link_bucket;
     links_.push_back(std::move(link));
     refits_ = 0;
@@ -395,6 +399,7 @@ class CheckpointEngine::Impl {
       c.transport = transport_.get();
       c.peer = link.peer;
       c.peer_label = link.label;
+      c.peer_rank = link.peer_rank;
       c.peer_process = link.metadata.process;
       c.buffers[0] = region_base_ + link.offset;
       c.buffers[1] = region_base_ + link.offset + link.bucket_bytes;
@@ -542,6 +547,7 @@ class CheckpointEngine::Impl {
       sender->wait_done(phase);
       stats.buckets += sender->buckets();
       stats.payload_bytes += sender->payload_bytes();
+      stats.events.insert(stats.events.end(), sender->events().begin(), sender->events().end());
     }
   }
 
@@ -550,7 +556,7 @@ class CheckpointEngine::Impl {
     FetchSignal signal;
     std::vector<std::unique_ptr<BucketFetcher>> fetchers;
     for (auto& link : links_) {
-      FetchContext context{transport_.get(), link.peer, link.label, &link.metadata,
+      FetchContext context{transport_.get(), link.peer, link.label, link.peer_rank, &link.metadata,
                            {region_base_ + link.offset, region_base_ + link.offset + link.bucket_bytes}, region_,
                            link.mapped, link.bucket_bytes, link.first_refit + refits_, options_.config.timeout_s,
                            options_.config.verify_checksums, &signal};
@@ -576,6 +582,8 @@ class CheckpointEngine::Impl {
         stats.wire_bytes += bucket.used_bytes;
         ++stats.buckets;
         phase = fmt::format("assemble bucket {} from {}", bucket.seq, links_[k].label);
+        const uint32_t peer = links_[k].peer_rank;
+        const double assembling = timeline_now();
         auto batch = assembler_.add_bucket(bucket, fetched->data, links_[k].label, next_deadline());
         if (!batch.empty()) {
           phase = fmt::format("load bucket {} from {}", bucket.seq, links_[k].label);
@@ -588,9 +596,14 @@ class CheckpointEngine::Impl {
           stats.tensors += batch.size();
           for (const auto& v : batch) stats.payload_bytes += v.info->nbytes();
         }
+        // The load event spans assembling too: both are the destination's copies out of the bucket.
+        const double released = timeline_now();
+        stats.events.push_back({TimelinePhase::kLoad, peer, bucket.seq, assembling, released, bucket.used_bytes});
         fetchers[k]->release(bucket.seq);
+        stats.events.push_back({TimelinePhase::kRelease, peer, bucket.seq, released, released, 0});
         if (bucket.is_last) {
           fetchers[k]->finish(phase);
+          stats.events.insert(stats.events.end(), fetchers[k]->events().begin(), fetchers[k]->events().end());
           done[k] = true;
           --remaining;
         }

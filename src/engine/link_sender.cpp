@@ -22,6 +22,8 @@ void LinkSender::begin(uint64_t refit) {
   bucket_.offset = context_.offsets[0];
   unacknowledged_.clear();
   buckets_ = payload_bytes_ = 0;
+  pack_start_.reset();
+  events_.clear();
 }
 
 void LinkSender::add(const TensorView& view, const Box& box, const TensorInfo& tensor, const Box& piece,
@@ -31,6 +33,7 @@ void LinkSender::add(const TensorView& view, const Box& box, const TensorInfo& t
   const uint64_t element = dtype_size(source.dtype);
   for (const ChunkPlacement& c : packer_->place(packed)) {
     if (c.starts_bucket) flush(false, phase);
+    if (!pack_start_) pack_start_ = timeline_now();
     phase = fmt::format("pack bucket {} for {}", bucket_.seq, context_.peer_label);
     std::byte* out = context_.buffers[buffer_] + c.bucket_offset;
     for_each_box_block(source.shape, element, box, c.tensor_offset, c.size, [&](const BoxBlock& b) {
@@ -53,8 +56,14 @@ void LinkSender::flush(bool is_last, std::string& phase) {
   if (context_.verify_checksums) bucket_.checksum = XXH3_64bits(context_.buffers[buffer_], bucket_.used_bytes);
   bucket_.is_last = is_last;
   phase = fmt::format("announce bucket {} to {}", bucket_.seq, context_.peer_label);
+  const double packed = timeline_now();
+  events_.push_back({TimelinePhase::kPack, context_.peer_rank, bucket_.seq, pack_start_.value_or(packed), packed,
+                     bucket_.used_bytes});
+  pack_start_.reset();
   context_.transport->send(context_.peer, protocol::encode(bucket_),
                            deadline_after(std::chrono::duration<double>(context_.timeout_s)));
+  const double sent = timeline_now();
+  events_.push_back({TimelinePhase::kAnnounce, context_.peer_rank, bucket_.seq, sent, sent, bucket_.used_bytes});
   unacknowledged_.push_back(bucket_.seq);
   ++buckets_;
   const auto announced = Clock::now();
@@ -95,6 +104,8 @@ void LinkSender::wait_acknowledged(uint64_t seq, std::string& phase) {
     if (msg.type != protocol::MessageType::kBucketDone || msg.done.seq != seq)
       fail(ErrorKind::kProtocol, "{} sent an unexpected message (type {}, refit {}, bucket {}) instead of '{}'",
            context_.peer_label, static_cast<int>(msg.type), msg.done.refit, msg.done.seq, expecting);
+    const double seen = timeline_now();
+    events_.push_back({TimelinePhase::kRelease, context_.peer_rank, seq, seen, seen, 0});
     return;
   }
 }

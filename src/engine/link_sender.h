@@ -8,13 +8,16 @@
 
 #include <cstdint>
 #include <deque>
+#include <optional>
 #include <string>
+#include <vector>
 
 #include "core/process_identity.h"
 #include "engine/protocol.h"
 #include "refit/device.h"
 #include "refit/plan.h"
 #include "refit/tensor.h"
+#include "refit/timeline.h"
 #include "refit/transport.h"
 
 namespace refit {
@@ -23,6 +26,7 @@ struct LinkContext {
   Transport* transport = nullptr;
   PeerId peer = 0;
   std::string peer_label;             // "destination rank 2 on host h3"
+  uint32_t peer_rank = 0;             // the destination's rank, for timeline events
   ProcessIdentity peer_process;       // to notice a dead peer on this host at once
   std::byte* buffers[2] = {};         // this link's two buffers
   uint64_t offsets[2] = {};           // ... at these offsets of the source's transfer region
@@ -53,6 +57,8 @@ class LinkSender {
   uint64_t bucket() const { return bucket_.seq; }  // the one being packed
   uint64_t buckets() const { return buckets_; }
   uint64_t payload_bytes() const { return payload_bytes_; }
+  // This refit's pack, announce and release events, so far.
+  const std::vector<TimelineEvent>& events() const { return events_; }
 
  private:
   void flush(bool is_last, std::string& phase);
@@ -68,6 +74,8 @@ class LinkSender {
   // its reads follow each other with no round trip between them.
   std::deque<uint64_t> unacknowledged_;
   uint64_t buckets_ = 0, payload_bytes_ = 0;
+  std::optional<double> pack_start_;  // when the open bucket got its first byte
+  std::vector<TimelineEvent> events_;
 };
 
 }  // namespace refit

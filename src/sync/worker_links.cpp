@@ -19,10 +19,23 @@ namespace refit {
 
 using nlohmann::json;
 
+// A timeline event crosses as a short array: a refit has thousands of them.
+void to_json(json& j, const TimelineEvent& e) {
+  j = json::array({static_cast<int>(e.phase), e.peer, e.bucket, e.start, e.end, e.bytes});
+}
+void from_json(const json& j, TimelineEvent& e) {
+  const int phase = j.at(0).get<int>();
+  if (phase < 0 || phase > static_cast<int>(TimelinePhase::kGather))
+    fail(ErrorKind::kProtocol, "a worker reported timeline phase {}, which this driver does not know", phase);
+  e = {static_cast<TimelinePhase>(phase), j.at(1).get<uint32_t>(), j.at(2).get<uint64_t>(), j.at(3).get<double>(),
+       j.at(4).get<double>(), j.at(5).get<uint64_t>()};
+}
+
 // Engine statistics cross the worker channel as JSON objects keyed by field name.
-NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(SendStats, tensors, dropped, buckets, payload_bytes, seconds, had_peer, destinations)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(SendStats, tensors, dropped, buckets, payload_bytes, seconds, had_peer, destinations,
+                                   events)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(ReceiveStats, tensors, batches, buckets, payload_bytes, wire_bytes, total_seconds,
-                                   load_seconds, mapped, buffer_bytes, route, sources)
+                                   load_seconds, mapped, buffer_bytes, route, sources, events)
 
 namespace {
 
@@ -269,9 +282,11 @@ RefitReport WorkerLinks::refit(uint64_t index) {
   const std::string phase = fmt::format("refit {}", index);
   broadcast(links_, options_.config, phase + " staging", [&](const WorkerLink&) { return json{{"cmd", "stage"}, {"index", index}}; });
   const auto start = Clock::now();
+  const double start_time = timeline_now();
   auto replies = broadcast(links_, options_.config, phase, [&](const WorkerLink&) { return json{{"cmd", "refit"}, {"index", index}}; });
   RefitReport report;
   report.index = index;
+  report.start_time = start_time;
   report.seconds = Seconds(Clock::now() - start).count();
   // The programs' reports (e.g. hashes of every received tensor) are not part of the refit's time.
   auto details = broadcast(links_, options_.config, phase + " report",

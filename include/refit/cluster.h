@@ -1,0 +1,98 @@
+// A cluster, described for the planner: groups of identical nodes with their workers (GPUs, or
+// processes on a CPU node), the rates that move bytes between and within them, and which workers
+// run the sources and the destinations with which parallel layouts. Read from YAML
+// (`refit plan --cluster FILE`; docs/PLANNER.md has the format); rates a file leaves out come from
+// a calibration measured on the machine (`refit bench --baseline --calibration-out`).
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace refit {
+
+// Rates in bytes per second; 0: not given (a calibration may fill it in).
+struct NodeGroup {
+  std::string name;
+  int count = 1;             // nodes
+  int workers = 1;           // worker slots per node: GPUs, or processes on a CPU node
+  bool gpu = false;          // workers are GPUs (else host processes)
+  int gpus = 0;              // GPU nodes: GPUs per node (default: workers); workers share them round-robin
+  int cores = 0;             // CPU nodes: the cores every copy on the node shares
+  bool nic_per_worker = true;  // each GPU has its own rails (else one NIC per node)
+  int rails = 1;             // NICs per GPU (or per node)
+  double rail_rate = 0;      // each rail, each way
+  double nvlink_rate = 0;    // GPU to GPU within a node, each way per GPU
+  double pcie_rate = 0;      // GPU to pinned host memory
+  double copy_rate = 0;      // one worker's copy (device copy on a GPU, memcpy on one core)
+  double node_copy_rate = 0; // CPU nodes: every core copying at once (memory bandwidth)
+  uint64_t memory = 0;       // per worker: GPU memory, or host memory on a CPU node
+};
+
+struct ClusterSide {
+  std::string nodes;   // the node group it runs on
+  int ranks = 0;
+  int first_slot = 0;  // the group's worker slot of rank 0 (slots run node by node)
+  // Parallel sizes. Sources: tp, pp, dp, ep, etp (Megatron) or fsdp; none: every source holds the
+  // whole model (the paired topology). Destinations: tp, ep, pp.
+  std::map<std::string, int> parallel;
+  bool shard_dense = false;    // destinations: dense tensors TP-sliced
+  bool shard_experts = false;  // destinations: experts owned by EP rank and TP-sliced
+};
+
+struct ClusterTransfer {
+  uint64_t bucket_bytes = 0;  // per buffer; 0: the engine's sizing from the workers' memory
+  std::string transport;      // ucx (RDMA or TCP across nodes), cuda_ipc, nccl
+  bool mapped = true;         // same-node destinations load straight from the source's buffers
+  double read_rate = 0;       // one read stream's ceiling (the transport's own); 0: calibration, else none
+  double latency_s = -1;      // one control message (announce, acknowledge); < 0: calibration
+  double overhead_s = -1;     // the driver starting a refit and collecting it; < 0: calibration
+};
+
+struct Cluster {
+  std::string name;
+  std::string model;  // the model's config.json or directory; the command line may give it instead
+  std::vector<NodeGroup> groups;
+  ClusterSide sources, destinations;
+  ClusterTransfer transfer;
+
+  const NodeGroup& group(const std::string& name) const;  // throws Error(kConfig)
+};
+
+// Throws Error(kConfig) naming the file and the key for anything missing, unknown or malformed,
+// and for sides that need more workers than their node group has.
+Cluster load_cluster(const std::string& path);
+Cluster parse_cluster(const std::string& yaml, const std::string& origin);
+
+// Measured copy and transport rates of one machine kind, in bytes per second (0: not measured).
+struct Calibration {
+  std::string machine;
+  double host_copy_rate = 0;       // memcpy, one core, large buffers
+  double engine_copy_rate = 0;     // the engine's own packs and loads on one core (a bench's timeline)
+  double engine_node_copy_rate = 0;  // ... two of them at once, together
+  double host_node_copy_rate = 0;  // memcpy on every core at once
+  int cores = 0;
+  uint64_t host_memory = 0;        // total host memory (a CPU node's bucket sizing)
+  double read_rate = 0;            // one transport read stream (ucp_get over loopback)
+  double latency_s = -1;           // one control message
+  double overhead_s = -1;          // the driver's per-refit start and collection
+  double device_copy_rate = 0;     // GPU device-to-device copy
+  double pinned_copy_rate = 0;     // GPU to pinned host memory
+  double peer_copy_rate = 0;       // GPU to GPU over NVLink
+};
+
+// A JSON file; reading merges into `into` (a later file's measured values win).
+void load_calibration(const std::string& path, Calibration& into);
+void save_calibration(const std::string& path, const Calibration& calibration);
+
+// Fills every rate the cluster leaves out from the calibration; throws Error(kConfig) naming the
+// node group and key of a rate neither gives.
+void apply_calibration(Cluster& cluster, const Calibration& calibration);
+
+// "400Gbit", "400Gb/s", "50GB/s", "2.1TB/s", "900MiB/s" -> bytes per second. Throws
+// Error(kConfig) naming `key`.
+double parse_rate(const std::string& text, const std::string& key);
+
+}  // namespace refit

@@ -1,0 +1,68 @@
+// The cluster planner's model of one refit: what refit's engines would do on a cluster (cluster.h),
+// bucket by bucket, and how long it would take. It replays the engine's pipeline on a model of
+// the links and copies:
+//  - buckets: each link's pieces (transfer_plan.h), packed as the engine packs them (plan.h), in
+//    buffers of the engine's link size; a source packs its links in the order of its weight
+//    stream, one copy at a time;
+//  - the pipeline: two buffers per link; a source refills a buffer once the destination is done
+//    with it; a destination reads (staged) or loads straight from the source's mapped buffer;
+//    its loads run one at a time; announcements and acknowledgements each cost one message
+//    latency;
+//  - the rates: every copy and read is a flow through the resources it uses (a GPU's copy
+//    engine, a CPU node's memory, NIC rails each way, NVLink each way), which share their
+//    capacity equally between the flows crossing them, each flow also capped by its own rate.
+// The paired path (the reference's topology) is modelled too: the training side first gathers the
+// full tensors each paired source streams (each node receives them once over all its rails,
+// then NVLink or memory hands them to its ranks), then source i feeds destination i.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "refit/cluster.h"
+#include "refit/layout.h"
+#include "refit/model.h"
+#include "refit/timeline.h"
+
+namespace refit {
+
+struct PredictedWorker {
+  std::string worker;  // "source 3", "destination 0"
+  double seconds = 0;  // from the refit's start until this worker is done
+  uint64_t bytes = 0;  // sent (sources) or received (destinations)
+  std::vector<TimelineEvent> events;  // times in seconds since the refit's start
+};
+
+// A resource's demand: the bytes that cross it over its capacity, the least time it needs.
+struct ResourceDemand {
+  std::string name;  // "destination 3 NIC in (node rollout/0)"
+  double seconds = 0;
+  uint64_t bytes = 0;
+  double capacity = 0;  // bytes per second
+};
+
+struct Prediction {
+  double seconds = 0;         // one refit, from the driver's start to its end
+  double gather_seconds = 0;  // paired path: the training side's gather, before the transfer
+  double overhead_seconds = 0;
+  std::string bound;          // what decides the time, in words
+  uint64_t bucket_bytes = 0;  // per link buffer (the largest)
+  uint64_t buckets = 0;
+  std::vector<PredictedWorker> sources, destinations;
+  std::vector<ResourceDemand> demands;  // the busiest first
+};
+
+// refit's path. `holds`: what each source holds (empty: every source holds the whole model and
+// feeds its paired destination); `needs`: one layout per destination (an empty Layout: the whole
+// model). The cluster's bucket size must be set, and its rates (apply_calibration). Throws
+// Error(kConfig) when the layouts and the cluster's ranks disagree.
+Prediction predict_refit(const ModelInventory& model, std::span<const Layout> holds, std::span<const Layout> needs,
+                         const Cluster& cluster);
+
+// The reference's paired path for the same layouts: gather, then source i -> destination i.
+Prediction predict_paired(const ModelInventory& model, std::span<const Layout> holds, std::span<const Layout> needs,
+                          const Cluster& cluster);
+
+}  // namespace refit

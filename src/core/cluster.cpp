@@ -1,0 +1,336 @@
+#include "refit/cluster.h"
+
+#include <yaml-cpp/yaml.h>
+
+#include <cctype>
+#include <cmath>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <sstream>
+
+#include "core/fail.h"
+#include "refit/config.h"
+
+namespace refit {
+namespace {
+
+// One YAML mapping being read: every key must be known, and errors name the key's full path.
+class Section {
+ public:
+  Section(const YAML::Node& node, std::string path, const std::string& origin) : node_(node), path_(std::move(path)), origin_(origin) {
+    if (node_ && !node_.IsMap()) fail(ErrorKind::kConfig, "{}: '{}' must be a mapping", origin_, path_);
+  }
+  std::string key(const std::string& name) const { return path_.empty() ? name : path_ + "." + name; }
+  bool has(const std::string& name) const { return node_ && node_[name]; }
+  YAML::Node at(const std::string& name) const { return node_ ? node_[name] : YAML::Node(); }
+  Section sub(const std::string& name) const {
+    used_.insert(name);
+    return Section(at(name), key(name), origin_);
+  }
+
+  std::string text(const std::string& name, std::optional<std::string> fallback = std::nullopt) const {
+    used_.insert(name);
+    if (!has(name)) {
+      if (fallback) return *fallback;
+      fail(ErrorKind::kConfig, "{}: '{}' is missing", origin_, key(name));
+    }
+    if (!at(name).IsScalar()) fail(ErrorKind::kConfig, "{}: '{}' must be a single value", origin_, key(name));
+    return at(name).Scalar();
+  }
+  int integer(const std::string& name, std::optional<int> fallback = std::nullopt, int minimum = 1) const {
+    const std::string v = text(name, fallback ? std::optional(std::to_string(*fallback)) : std::nullopt);
+    size_t end = 0;
+    int n = 0;
+    try {
+      n = std::stoi(v, &end);
+    } catch (const std::exception&) {
+      end = 0;
+    }
+    if (end != v.size() || v.empty()) fail(ErrorKind::kConfig, "{}: '{}' must be an integer, got '{}'", origin_, key(name), v);
+    if (n < minimum) fail(ErrorKind::kConfig, "{}: '{}' must be >= {}, got {}", origin_, key(name), minimum, n);
+    return n;
+  }
+  bool flag(const std::string& name, bool fallback) const {
+    const std::string v = text(name, fallback ? "true" : "false");
+    if (v == "true") return true;
+    if (v == "false") return false;
+    fail(ErrorKind::kConfig, "{}: '{}' must be true or false, got '{}'", origin_, key(name), v);
+  }
+  double rate(const std::string& name) const { return has(name) ? parse_rate(text(name), origin_ + ": " + key(name)) : 0; }
+  double seconds(const std::string& name) const;
+  uint64_t bytes(const std::string& name) const {
+    return has(name) ? parse_byte_count(text(name), origin_ + ": " + key(name)) : 0;
+  }
+  // Every key of the mapping was read: a misspelt key is an error, not a silent default.
+  void check_all_used() const {
+    if (!node_) return;
+    for (const auto& kv : node_) {
+      const std::string k = kv.first.as<std::string>();
+      if (!used_.count(k)) fail(ErrorKind::kConfig, "{}: unknown key '{}'", origin_, key(k));
+    }
+  }
+  void use(const std::string& name) const { used_.insert(name); }
+  const YAML::Node& node() const { return node_; }
+
+ private:
+  YAML::Node node_;
+  std::string path_;
+  const std::string& origin_;
+  mutable std::set<std::string> used_;
+};
+
+double Section::seconds(const std::string& name) const {
+  if (!has(name)) return -1;
+  const std::string v = text(name);
+  size_t end = 0;
+  double number = 0;
+  try {
+    number = std::stod(v, &end);
+  } catch (const std::exception&) {
+    end = 0;
+  }
+  const std::string unit = v.substr(end);
+  static const std::map<std::string, double> kUnits = {{"s", 1}, {"ms", 1e-3}, {"us", 1e-6}, {"ns", 1e-9}};
+  const auto it = kUnits.find(unit);
+  if (end == 0 || it == kUnits.end() || number < 0)
+    fail(ErrorKind::kConfig, "{}: '{}' must be a duration such as 30us, 2ms or 0.5s, got '{}'", origin_, key(name), v);
+  return number * it->second;
+}
+
+NodeGroup read_group(const Section& s, size_t index) {
+  NodeGroup g;
+  g.name = s.text("name");
+  g.count = s.integer("count", 1);
+  g.workers = s.integer("workers");
+  const std::string device = s.text("device", "gpu");
+  if (device != "gpu" && device != "cpu")
+    fail(ErrorKind::kConfig, "nodes[{}] ({}): 'device' must be gpu or cpu, got '{}'", index, g.name, device);
+  g.gpu = device == "gpu";
+  g.gpus = g.gpu ? s.integer("gpus", g.workers) : 0;
+  g.cores = s.has("cores") ? s.integer("cores") : 0;
+  if (s.has("nic")) {
+    const Section nic = s.sub("nic");
+    const std::string per = nic.text("per", g.gpu ? "worker" : "node");
+    if (per != "worker" && per != "node") fail(ErrorKind::kConfig, "{}: must be worker or node, got '{}'", nic.key("per"), per);
+    g.nic_per_worker = per == "worker";
+    g.rails = nic.integer("rails", 1);
+    g.rail_rate = nic.rate("rate");
+    nic.check_all_used();
+  } else {
+    g.nic_per_worker = g.gpu;
+  }
+  g.nvlink_rate = s.rate("nvlink");
+  g.pcie_rate = s.rate("pcie");
+  g.copy_rate = s.rate("copy");
+  g.node_copy_rate = s.rate("node_copy");
+  g.memory = s.bytes("memory");
+  s.check_all_used();
+  return g;
+}
+
+ClusterSide read_side(const Section& s, bool sources) {
+  ClusterSide side;
+  side.nodes = s.text("nodes");
+  side.ranks = s.integer("ranks");
+  if (s.has("first_slot")) side.first_slot = s.integer("first_slot", 0, 0);
+  else side.first_slot = -1;  // placed after the other side when both share a group
+  const Section p = s.sub("parallel");
+  const std::vector<std::string> keys =
+      sources ? std::vector<std::string>{"tp", "pp", "dp", "ep", "etp", "fsdp"} : std::vector<std::string>{"tp", "ep", "pp"};
+  for (const auto& k : keys)
+    if (p.has(k)) side.parallel[k] = p.integer(k);
+  if (!sources) {
+    side.shard_dense = p.flag("shard_dense", false);
+    side.shard_experts = p.flag("shard_experts", false);
+  }
+  p.check_all_used();
+  s.check_all_used();
+  return side;
+}
+
+}  // namespace
+
+const NodeGroup& Cluster::group(const std::string& name) const {
+  for (const auto& g : groups)
+    if (g.name == name) return g;
+  std::string known;
+  for (const auto& g : groups) known += (known.empty() ? "" : ", ") + g.name;
+  fail(ErrorKind::kConfig, "cluster '{}': no node group named '{}' (groups: {})", this->name, name, known);
+}
+
+double parse_rate(const std::string& text, const std::string& key) {
+  size_t end = 0;
+  double number = 0;
+  try {
+    number = std::stod(text, &end);
+  } catch (const std::exception&) {
+    end = 0;
+  }
+  std::string unit = text.substr(end);
+  while (!unit.empty() && std::isspace(static_cast<unsigned char>(unit.front()))) unit.erase(0, 1);
+  // Bits (network rates) and bytes (copy rates), decimal or binary prefixes, with or without "/s".
+  static const std::map<std::string, double> kUnits = {
+      {"Gbit", 1e9 / 8},  {"Gb", 1e9 / 8},    {"Mbit", 1e6 / 8},  {"Mb", 1e6 / 8},  {"Tbit", 1e12 / 8},
+      {"TB", 1e12},       {"GB", 1e9},        {"MB", 1e6},        {"KB", 1e3},      {"B", 1},
+      {"TiB", 1099511627776.0}, {"GiB", 1073741824.0}, {"MiB", 1048576.0}, {"KiB", 1024.0}};
+  if (unit.size() > 2 && unit.ends_with("/s")) unit.resize(unit.size() - 2);
+  const auto it = kUnits.find(unit);
+  if (end == 0 || it == kUnits.end() || !(number > 0) || !std::isfinite(number))
+    fail(ErrorKind::kConfig, "{}: expected a rate such as 400Gbit, 50GB/s or 900MiB/s, got '{}'", key, text);
+  return number * it->second;
+}
+
+Cluster parse_cluster(const std::string& yaml, const std::string& origin) {
+  YAML::Node root;
+  try {
+    root = YAML::Load(yaml);
+  } catch (const YAML::Exception& e) {
+    fail(ErrorKind::kConfig, "{}: not valid YAML: {}", origin, e.what());
+  }
+  const Section top(root, "", origin);
+  Cluster c;
+  c.name = top.text("name", "cluster");
+  c.model = top.text("model", "");
+  top.use("nodes");
+  const YAML::Node nodes = top.at("nodes");
+  if (!nodes || !nodes.IsSequence() || nodes.size() == 0)
+    fail(ErrorKind::kConfig, "{}: 'nodes' must be a list of node groups", origin);
+  for (size_t i = 0; i < nodes.size(); ++i) {
+    c.groups.push_back(read_group(Section(nodes[i], fmt::format("nodes[{}]", i), origin), i));
+    for (size_t j = 0; j < i; ++j)
+      if (c.groups[j].name == c.groups[i].name) fail(ErrorKind::kConfig, "{}: two node groups are named '{}'", origin, c.groups[i].name);
+  }
+  c.sources = read_side(top.sub("sources"), true);
+  c.destinations = read_side(top.sub("destinations"), false);
+  const Section t = top.sub("transfer");
+  c.transfer.bucket_bytes = t.bytes("bucket");
+  c.transfer.transport = t.text("transport", "ucx");
+  if (c.transfer.transport != "ucx" && c.transfer.transport != "cuda_ipc" && c.transfer.transport != "nccl")
+    fail(ErrorKind::kConfig, "{}: 'transfer.transport' must be ucx, cuda_ipc or nccl, got '{}'", origin, c.transfer.transport);
+  c.transfer.mapped = t.flag("mapped", true);
+  c.transfer.read_rate = t.rate("read_rate");
+  c.transfer.latency_s = t.seconds("latency");
+  c.transfer.overhead_s = t.seconds("overhead");
+  t.check_all_used();
+  top.check_all_used();
+
+  // Place the sides: a side without first_slot in a group shared with the other side follows it.
+  ClusterSide* sides[2] = {&c.sources, &c.destinations};
+  for (int k = 0; k < 2; ++k) {
+    ClusterSide& side = *sides[k];
+    const ClusterSide& other = *sides[1 - k];
+    if (side.first_slot < 0) side.first_slot = (k == 1 && other.nodes == side.nodes) ? std::max(other.first_slot, 0) + other.ranks : 0;
+  }
+  for (int k = 0; k < 2; ++k) {
+    const ClusterSide& side = *sides[k];
+    const NodeGroup& g = c.group(side.nodes);
+    const int slots = g.count * g.workers;
+    if (side.first_slot + side.ranks > slots)
+      fail(ErrorKind::kConfig, "{}: the {} need slots {}..{} of node group '{}', which has {} ({} nodes x {} workers)", origin,
+           k == 0 ? "sources" : "destinations", side.first_slot, side.first_slot + side.ranks - 1, g.name, slots, g.count,
+           g.workers);
+  }
+  if (c.sources.nodes == c.destinations.nodes) {
+    const int a0 = c.sources.first_slot, a1 = a0 + c.sources.ranks, b0 = c.destinations.first_slot,
+              b1 = b0 + c.destinations.ranks;
+    if (a0 < b1 && b0 < a1)
+      fail(ErrorKind::kConfig, "{}: sources (slots {}..{}) and destinations (slots {}..{}) share worker slots of '{}'", origin,
+           a0, a1 - 1, b0, b1 - 1, c.sources.nodes);
+  }
+  return c;
+}
+
+Cluster load_cluster(const std::string& path) {
+  std::ifstream f(path);
+  if (!f) fail(ErrorKind::kIo, "cannot read cluster file '{}'", path);
+  std::stringstream text;
+  text << f.rdbuf();
+  return parse_cluster(text.str(), path);
+}
+
+void load_calibration(const std::string& path, Calibration& into) {
+  std::ifstream f(path);
+  if (!f) fail(ErrorKind::kIo, "cannot read calibration file '{}'", path);
+  nlohmann::json j;
+  try {
+    f >> j;
+  } catch (const nlohmann::json::exception& e) {
+    fail(ErrorKind::kConfig, "calibration file '{}' is not valid JSON: {}", path, e.what());
+  }
+  auto take = [&](const char* key, double& out, double unset) {
+    if (!j.contains(key)) return;
+    if (!j[key].is_number()) fail(ErrorKind::kConfig, "calibration file '{}': '{}' must be a number", path, key);
+    const double v = j[key].get<double>();
+    if (v != unset) out = v;
+  };
+  if (j.contains("machine") && j["machine"].is_string()) into.machine = j["machine"].get<std::string>();
+  take("host_copy_bytes_per_s", into.host_copy_rate, 0);
+  take("engine_copy_bytes_per_s", into.engine_copy_rate, 0);
+  take("engine_node_copy_bytes_per_s", into.engine_node_copy_rate, 0);
+  take("host_node_copy_bytes_per_s", into.host_node_copy_rate, 0);
+  double cores = into.cores, memory = static_cast<double>(into.host_memory);
+  take("cores", cores, 0);
+  take("host_memory_bytes", memory, 0);
+  into.cores = static_cast<int>(cores);
+  into.host_memory = static_cast<uint64_t>(memory);
+  take("read_bytes_per_s", into.read_rate, 0);
+  take("latency_s", into.latency_s, -1);
+  take("overhead_s", into.overhead_s, -1);
+  take("device_copy_bytes_per_s", into.device_copy_rate, 0);
+  take("pinned_copy_bytes_per_s", into.pinned_copy_rate, 0);
+  take("peer_copy_bytes_per_s", into.peer_copy_rate, 0);
+}
+
+void save_calibration(const std::string& path, const Calibration& c) {
+  nlohmann::json j = {{"machine", c.machine}};
+  auto put = [&](const char* key, double v, double unset) {
+    if (v != unset) j[key] = v;
+  };
+  put("host_copy_bytes_per_s", c.host_copy_rate, 0);
+  put("engine_copy_bytes_per_s", c.engine_copy_rate, 0);
+  put("engine_node_copy_bytes_per_s", c.engine_node_copy_rate, 0);
+  put("host_node_copy_bytes_per_s", c.host_node_copy_rate, 0);
+  put("cores", c.cores, 0);
+  put("host_memory_bytes", static_cast<double>(c.host_memory), 0);
+  put("read_bytes_per_s", c.read_rate, 0);
+  put("latency_s", c.latency_s, -1);
+  put("overhead_s", c.overhead_s, -1);
+  put("device_copy_bytes_per_s", c.device_copy_rate, 0);
+  put("pinned_copy_bytes_per_s", c.pinned_copy_rate, 0);
+  put("peer_copy_bytes_per_s", c.peer_copy_rate, 0);
+  std::ofstream f(path);
+  f << j.dump(2) << "\n";
+  if (!f) fail(ErrorKind::kIo, "cannot write calibration file '{}'", path);
+}
+
+void apply_calibration(Cluster& cluster, const Calibration& cal) {
+  auto need = [&](const NodeGroup& g, double value, const char* key) {
+    if (value <= 0)
+      fail(ErrorKind::kConfig,
+           "cluster '{}', node group '{}': '{}' is not given and no calibration measured it (refit bench --baseline "
+           "--calibration-out, or refit_gpu_ceiling --calibration-out)",
+           cluster.name, g.name, key);
+  };
+  for (auto& g : cluster.groups) {
+    if (g.gpu) {
+      if (g.copy_rate == 0) g.copy_rate = cal.device_copy_rate;
+      if (g.nvlink_rate == 0) g.nvlink_rate = cal.peer_copy_rate;
+      if (g.pcie_rate == 0) g.pcie_rate = cal.pinned_copy_rate;
+      need(g, g.copy_rate, "copy");
+    } else {
+      if (g.copy_rate == 0) g.copy_rate = cal.engine_copy_rate > 0 ? cal.engine_copy_rate : cal.host_copy_rate;
+      if (g.node_copy_rate == 0)
+        g.node_copy_rate = cal.engine_node_copy_rate > 0 ? cal.engine_node_copy_rate : cal.host_node_copy_rate;
+      if (g.cores == 0) g.cores = cal.cores;
+      if (g.memory == 0) g.memory = cal.host_memory;
+      need(g, g.copy_rate, "copy");
+      if (g.node_copy_rate == 0) g.node_copy_rate = g.copy_rate * std::max(g.cores, 1);
+    }
+  }
+  if (cluster.transfer.read_rate == 0) cluster.transfer.read_rate = cal.read_rate;
+  if (cluster.transfer.latency_s < 0) cluster.transfer.latency_s = std::max(cal.latency_s, 0.0);
+  if (cluster.transfer.overhead_s < 0) cluster.transfer.overhead_s = std::max(cal.overhead_s, 0.0);
+}
+
+}  // namespace refit

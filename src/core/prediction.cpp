@@ -1,0 +1,608 @@
+#include "refit/prediction.h"
+
+#include <algorithm>
+#include <cmath>
+#include <deque>
+#include <functional>
+#include <limits>
+#include <map>
+#include <queue>
+#include <set>
+
+#include "core/fail.h"
+#include "refit/plan.h"
+#include "refit/transfer_plan.h"
+
+namespace refit {
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+// ---- A fluid simulation: flows of bytes through shared resources, and timers. ----------------
+
+class FlowSim {
+ public:
+  using Callback = std::function<void()>;
+
+  int add_resource(std::string name, double capacity) {
+    names_.push_back(std::move(name));
+    capacity_.push_back(capacity);
+    active_.push_back(0);
+    bytes_.push_back(0);
+    return static_cast<int>(capacity_.size()) - 1;
+  }
+
+  // A flow of `bytes` capped at `cap` through `resources` (-1 entries ignored); `done` runs when
+  // the last byte has moved.
+  void start_flow(double bytes, double cap, std::initializer_list<int> resources, Callback done) {
+    Flow f;
+    f.remaining = bytes;
+    f.cap = cap > 0 ? cap : kInf;
+    for (int r : resources)
+      if (r >= 0) {
+        f.resources[f.count++] = r;
+        ++active_[r];
+        bytes_[r] += bytes;
+      }
+    f.done = std::move(done);
+    flows_.push_back(std::move(f));
+  }
+
+  void at(double time, Callback callback) { timers_.push({time, sequence_++, std::move(callback)}); }
+  double now() const { return now_; }
+
+  void run() {
+    std::vector<Callback> finished;
+    while (!flows_.empty() || !timers_.empty()) {
+      // Equal shares of each resource; a flow moves at its scarcest share, or its own cap.
+      double next = timers_.empty() ? kInf : timers_.top().time;
+      for (auto& f : flows_) {
+        double rate = f.cap;
+        for (int k = 0; k < f.count; ++k) rate = std::min(rate, capacity_[f.resources[k]] / active_[f.resources[k]]);
+        f.rate = rate;
+        f.finish = now_ + (rate == kInf ? 0.0 : f.remaining / rate);
+        next = std::min(next, f.finish);
+      }
+      if (next == kInf) fail(ErrorKind::kInternal, "planner: flows with no rate");
+      const double dt = next - now_;
+      const double slack = 1e-12 * std::max(1.0, next);
+      now_ = next;
+      finished.clear();
+      for (size_t i = 0; i < flows_.size();) {
+        Flow& f = flows_[i];
+        if (f.finish <= next + slack) {
+          for (int k = 0; k < f.count; ++k) --active_[f.resources[k]];
+          finished.push_back(std::move(f.done));
+          flows_[i] = std::move(flows_.back());
+          flows_.pop_back();
+        } else {
+          f.remaining -= f.rate * dt;
+          ++i;
+        }
+      }
+      while (!timers_.empty() && timers_.top().time <= now_ + slack) {
+        finished.push_back(timers_.top().callback);
+        timers_.pop();
+      }
+      for (auto& c : finished) c();
+    }
+  }
+
+  std::vector<ResourceDemand> demands() const {
+    std::vector<ResourceDemand> out;
+    for (size_t r = 0; r < capacity_.size(); ++r)
+      if (bytes_[r] > 0)
+        out.push_back({names_[r], bytes_[r] / capacity_[r], static_cast<uint64_t>(bytes_[r]), capacity_[r]});
+    std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.seconds > b.seconds; });
+    return out;
+  }
+
+ private:
+  struct Flow {
+    double remaining = 0, cap = kInf, rate = 0, finish = 0;
+    int resources[4] = {-1, -1, -1, -1};
+    int count = 0;
+    Callback done;
+  };
+  struct Timer {
+    double time;
+    uint64_t sequence;
+    Callback callback;
+    bool operator>(const Timer& o) const { return time != o.time ? time > o.time : sequence > o.sequence; }
+  };
+  double now_ = 0;
+  uint64_t sequence_ = 0;
+  std::vector<std::string> names_;
+  std::vector<double> capacity_;
+  std::vector<int> active_;
+  std::vector<double> bytes_;
+  std::vector<Flow> flows_;
+  std::priority_queue<Timer, std::vector<Timer>, std::greater<>> timers_;
+};
+
+// ---- Where workers are and which resources their bytes cross. ---------------------------------
+
+struct Place {
+  const NodeGroup* group = nullptr;
+  int node = 0;    // within its group
+  int slot = 0;    // within its node
+  std::string node_key;  // "group/node"
+};
+
+Place place_of(const Cluster& c, const ClusterSide& side, int rank) {
+  Place p;
+  p.group = &c.group(side.nodes);
+  const int slot = side.first_slot + rank;
+  p.node = slot / p.group->workers;
+  p.slot = slot % p.group->workers;
+  p.node_key = fmt::format("{}/{}", p.group->name, p.node);
+  return p;
+}
+
+// The resources of a cluster, made on first use.
+class Resources {
+ public:
+  Resources(FlowSim& sim) : sim_(sim) {}
+
+  // A worker's copies: its GPU's copy engine; on a CPU node, the node's cores (each copy runs on
+  // one) and its memory bandwidth.
+  std::pair<int, int> copy(const Place& p) {
+    if (p.group->gpu) {
+      const int gpu = p.slot % std::max(p.group->gpus, 1);
+      return {get(fmt::format("GPU {} copy (node {})", gpu, p.node_key), p.group->copy_rate), -1};
+    }
+    return {get(fmt::format("cores (node {})", p.node_key), p.group->copy_rate * std::max(p.group->cores, 1)),
+            get(fmt::format("memory (node {})", p.node_key), p.group->node_copy_rate)};
+  }
+  int nic(const Place& p, bool in) {
+    const double rate = p.group->rails * p.group->rail_rate;
+    if (rate <= 0)
+      fail(ErrorKind::kConfig, "node group '{}': bytes cross its nodes' NICs, but nic.rate is not given", p.group->name);
+    const std::string who = p.group->nic_per_worker ? fmt::format("worker {} NIC", p.slot) : std::string("NIC");
+    return get(fmt::format("{} {} (node {})", who, in ? "in" : "out", p.node_key), rate);
+  }
+  int nvlink(const Place& p, bool in) {
+    if (p.group->nvlink_rate <= 0)
+      fail(ErrorKind::kConfig, "node group '{}': GPUs of one node exchange bytes, but nvlink is not given", p.group->name);
+    return get(fmt::format("GPU {} NVLink {} (node {})", p.slot % std::max(p.group->gpus, 1), in ? "in" : "out", p.node_key),
+               p.group->nvlink_rate);
+  }
+
+ private:
+  int get(const std::string& name, double capacity) {
+    auto [it, fresh] = ids_.try_emplace(name, -1);
+    if (fresh) it->second = sim_.add_resource(name, capacity);
+    return it->second;
+  }
+  FlowSim& sim_;
+  std::map<std::string, int> ids_;
+};
+
+bool same_gpu(const Place& a, const Place& b) {
+  return a.node_key == b.node_key && a.slot % std::max(a.group->gpus, 1) == b.slot % std::max(b.group->gpus, 1);
+}
+
+// ---- The engine's pipeline, replayed. ---------------------------------------------------------
+
+struct Flush {
+  uint32_t link = 0;
+  uint64_t bucket = 0;
+  uint64_t bytes = 0;    // the bucket's used bytes
+  uint64_t packed = 0;   // stream bytes copied since the source's previous flush
+  bool last = false;
+};
+
+struct SimLink {
+  uint32_t source = 0, destination = 0;
+  std::vector<uint64_t> buckets;  // used bytes
+  bool mapped = false;
+  // Source side.
+  int64_t acknowledged = -1;  // highest bucket the source has seen acknowledged
+  // Destination side (its fetcher).
+  std::vector<bool> announced;
+  uint64_t next_fetch = 0;
+  bool fetching = false;
+  int64_t ready = -1;      // handed to the engine, not yet taken
+  int64_t released = -1;   // highest bucket the engine is done with
+  double ready_since = 0;
+};
+
+class PipelineModel {
+ public:
+  PipelineModel(const Cluster& cluster, uint32_t sources, uint32_t destinations, double start)
+      : cluster_(cluster), resources_(sim_), start_(start) {
+    latency_ = std::max(cluster.transfer.latency_s, 0.0);
+    for (uint32_t s = 0; s < sources; ++s) source_places_.push_back(place_of(cluster, cluster.sources, s));
+    for (uint32_t d = 0; d < destinations; ++d)
+      destination_places_.push_back(place_of(cluster, cluster.destinations, d));
+    source_state_.resize(sources);
+    destination_state_.resize(destinations);
+    out_sources_.resize(sources);
+    out_destinations_.resize(destinations);
+    for (uint32_t s = 0; s < sources; ++s) out_sources_[s].worker = fmt::format("source {}", s);
+    for (uint32_t d = 0; d < destinations; ++d) out_destinations_[d].worker = fmt::format("destination {}", d);
+  }
+
+  // A link and the buckets it carries, in the order its source fills them.
+  uint32_t add_link(uint32_t s, uint32_t d) {
+    SimLink link;
+    link.source = s;
+    link.destination = d;
+    const Place& a = source_places_[s];
+    const Place& b = destination_places_[d];
+    // Same node: the destination maps the source's buffers and loads from them (when the
+    // transport maps: UCX shared memory, CUDA IPC); NCCL always reads.
+    link.mapped = a.node_key == b.node_key && cluster_.transfer.mapped && cluster_.transfer.transport != "nccl";
+    links_.push_back(std::move(link));
+    source_state_[s].links.push_back(static_cast<uint32_t>(links_.size() - 1));
+    destination_state_[d].links.push_back(static_cast<uint32_t>(links_.size() - 1));
+    return static_cast<uint32_t>(links_.size() - 1);
+  }
+  SimLink& link(uint32_t k) { return links_[k]; }
+  void add_flushes(uint32_t s, std::vector<Flush> flushes) { source_state_[s].flushes = std::move(flushes); }
+
+  void run() {
+    for (uint32_t s = 0; s < source_state_.size(); ++s) {
+      for (uint32_t k : source_state_[s].links) links_[k].announced.assign(links_[k].buckets.size(), false);
+      sim_.at(0, [this, s] { pack_next(s); });
+    }
+    sim_.run();
+  }
+
+  std::vector<PredictedWorker>& sources() { return out_sources_; }
+  std::vector<PredictedWorker>& destinations() { return out_destinations_; }
+  std::vector<ResourceDemand> demands() const { return sim_.demands(); }
+
+ private:
+  struct SourceState {
+    std::vector<uint32_t> links;
+    std::vector<Flush> flushes;
+    size_t next = 0;
+    std::optional<std::pair<uint32_t, int64_t>> waiting;  // for this link's bucket to be acknowledged
+  };
+  struct DestinationState {
+    std::vector<uint32_t> links;
+    std::deque<uint32_t> ready;  // links with a bucket handed over, in the order they came
+    bool loading = false;
+  };
+
+  double now() const { return start_ + sim_.now(); }
+  void event(PredictedWorker& w, TimelinePhase phase, uint32_t peer, uint64_t bucket, double from, double to,
+             uint64_t bytes) {
+    w.events.push_back({phase, peer, bucket, from, to, bytes});
+    w.seconds = std::max(w.seconds, to);
+  }
+
+  // The source copies the stream up to its next flush, announces that bucket, and refills the
+  // link's other buffer only once the destination is done with the bucket it holds.
+  void pack_next(uint32_t s) {
+    SourceState& st = source_state_[s];
+    if (st.next == st.flushes.size()) return;
+    const Flush f = st.flushes[st.next];
+    const Place& p = source_places_[s];
+    const double begun = now();
+    const auto [cores, memory] = resources_.copy(p);
+    sim_.start_flow(static_cast<double>(f.packed), p.group->copy_rate, {cores, memory}, [this, s, f, begun] {
+      SimLink& l = links_[f.link];
+      const double t = now();
+      event(out_sources_[s], TimelinePhase::kPack, l.destination, f.bucket, begun, t, f.bytes);
+      event(out_sources_[s], TimelinePhase::kAnnounce, l.destination, f.bucket, t, t, f.bytes);
+      out_sources_[s].bytes += f.bytes;
+      const uint32_t k = f.link;
+      sim_.at(sim_.now() + latency_, [this, k, f] {
+        links_[k].announced[f.bucket] = true;
+        try_fetch(k);
+      });
+      SourceState& st = source_state_[s];
+      ++st.next;
+      if (!f.last && f.bucket >= 1 && l.acknowledged < static_cast<int64_t>(f.bucket) - 1)
+        st.waiting = std::pair(k, static_cast<int64_t>(f.bucket) - 1);
+      else
+        pack_next(s);
+    });
+  }
+
+  void acknowledge(uint32_t k, uint64_t bucket) {
+    sim_.at(sim_.now() + latency_, [this, k, bucket] {
+      SimLink& l = links_[k];
+      l.acknowledged = std::max(l.acknowledged, static_cast<int64_t>(bucket));
+      const double t = now();
+      event(out_sources_[l.source], TimelinePhase::kRelease, l.destination, bucket, t, t, 0);
+      SourceState& st = source_state_[l.source];
+      if (st.waiting && st.waiting->first == k && l.acknowledged >= st.waiting->second) {
+        st.waiting.reset();
+        pack_next(l.source);
+      }
+    });
+  }
+
+  // The destination's fetcher for link k: the next bucket once it is announced, its buffer is
+  // free and the engine took the previous one.
+  void try_fetch(uint32_t k) {
+    SimLink& l = links_[k];
+    if (l.fetching || l.next_fetch >= l.buckets.size() || l.ready >= 0) return;
+    const uint64_t b = l.next_fetch;
+    const uint64_t lag = l.mapped ? 1 : 2;
+    if (b >= lag && l.released < static_cast<int64_t>(b - lag)) return;
+    if (!l.announced[b]) return;
+    if (l.mapped && b >= 1) acknowledge(k, b - 1);
+    ++l.next_fetch;
+    if (l.mapped || l.buckets[b] == 0) {
+      if (!l.mapped) acknowledge(k, b);
+      hand_over(k, b);
+      return;
+    }
+    l.fetching = true;
+    const Place& src = source_places_[l.source];
+    const Place& dst = destination_places_[l.destination];
+    const double begun = now();
+    auto done = [this, k, b, begun] {
+      SimLink& l = links_[k];
+      l.fetching = false;
+      event(out_destinations_[l.destination], TimelinePhase::kRead, l.source, b, begun, now(), l.buckets[b]);
+      acknowledge(k, b);
+      hand_over(k, b);
+    };
+    const double bytes = static_cast<double>(l.buckets[b]);
+    if (src.node_key != dst.node_key) {
+      sim_.start_flow(bytes, cluster_.transfer.read_rate, {resources_.nic(src, false), resources_.nic(dst, true)}, done);
+    } else if (src.group->gpu && !same_gpu(src, dst)) {
+      sim_.start_flow(bytes, cluster_.transfer.read_rate, {resources_.nvlink(src, false), resources_.nvlink(dst, true)}, done);
+    } else {
+      // Within one GPU or one host: a copy through its memory.
+      const auto [cores, memory] = resources_.copy(dst);
+      sim_.start_flow(bytes, cluster_.transfer.read_rate > 0 ? cluster_.transfer.read_rate : src.group->copy_rate,
+                      {cores, memory}, done);
+    }
+  }
+
+  void hand_over(uint32_t k, uint64_t b) {
+    SimLink& l = links_[k];
+    l.ready = static_cast<int64_t>(b);
+    destination_state_[l.destination].ready.push_back(k);
+    try_load(l.destination);
+  }
+
+  // The destination's engine loads one bucket at a time, in the order they arrived.
+  void try_load(uint32_t d) {
+    DestinationState& st = destination_state_[d];
+    if (st.loading || st.ready.empty()) return;
+    const uint32_t k = st.ready.front();
+    st.ready.pop_front();
+    SimLink& l = links_[k];
+    const uint64_t b = static_cast<uint64_t>(l.ready);
+    l.ready = -1;  // taken: the fetcher may hand over the next
+    try_fetch(k);
+    st.loading = true;
+    const Place& dst = destination_places_[d];
+    const Place& src = source_places_[l.source];
+    const double begun = now();
+    auto done = [this, k, b, d, begun] {
+      SimLink& l = links_[k];
+      const double t = now();
+      auto& w = out_destinations_[d];
+      event(w, TimelinePhase::kLoad, l.source, b, begun, t, l.buckets[b]);
+      event(w, TimelinePhase::kRelease, l.source, b, t, t, 0);
+      w.bytes += l.buckets[b];
+      l.released = static_cast<int64_t>(b);
+      destination_state_[d].loading = false;
+      if (l.mapped && b + 1 == l.buckets.size()) acknowledge(k, b);
+      try_fetch(k);
+      try_load(d);
+    };
+    const double bytes = static_cast<double>(l.buckets[b]);
+    const auto [cores, memory] = resources_.copy(dst);
+    if (l.mapped && dst.group->gpu && !same_gpu(src, dst)) {
+      // Loading from a peer GPU's mapped buffer pulls the bytes over NVLink.
+      sim_.start_flow(bytes, dst.group->copy_rate, {cores, resources_.nvlink(src, false), resources_.nvlink(dst, true)}, done);
+    } else {
+      sim_.start_flow(bytes, dst.group->copy_rate, {cores, memory}, done);
+    }
+  }
+
+  const Cluster& cluster_;
+  FlowSim sim_;
+  Resources resources_;
+  double start_ = 0;
+  double latency_ = 0;
+  std::vector<Place> source_places_, destination_places_;
+  std::vector<SimLink> links_;
+  std::vector<SourceState> source_state_;
+  std::vector<DestinationState> destination_state_;
+  std::vector<PredictedWorker> out_sources_, out_destinations_;
+};
+
+// The bytes a link's buffers can hold: as the engine splits its two buffers over its links.
+uint64_t link_bucket_bytes(uint64_t bucket, size_t ways) {
+  uint64_t bytes = bucket / std::max<uint64_t>(ways, 1);
+  if (bytes >= 4096) bytes &= ~uint64_t{255};
+  return std::max<uint64_t>(bytes, 1);
+}
+
+// Packs one source's pieces as its engine would: tensors in inventory order, each tensor's pieces
+// to its links, every link with its own packer; returns the flushes in stream order.
+struct PieceRef {
+  uint32_t link;  // index into the model's links
+  TensorInfo info;
+};
+std::vector<Flush> pack_stream(const std::vector<std::vector<PieceRef>>& by_tensor, PipelineModel& model,
+                               const std::vector<uint32_t>& links, const std::vector<uint64_t>& link_bytes) {
+  std::map<uint32_t, BucketPacker> packers;
+  std::map<uint32_t, uint64_t> used, count;
+  for (size_t i = 0; i < links.size(); ++i) {
+    packers.emplace(links[i], BucketPacker(link_bytes[i]));
+    used[links[i]] = 0;
+    count[links[i]] = 0;
+  }
+  std::vector<Flush> flushes;
+  uint64_t since = 0;
+  auto flush = [&](uint32_t k, bool last) {
+    flushes.push_back({k, count[k], used[k], since, last});
+    model.link(k).buckets.push_back(used[k]);
+    since = 0;
+    ++count[k];
+    used[k] = 0;
+  };
+  for (const auto& pieces : by_tensor)
+    for (const auto& p : pieces)
+      for (const ChunkPlacement& c : packers.at(p.link).place(p.info)) {
+        if (c.starts_bucket) flush(p.link, false);
+        used[p.link] = c.bucket_offset + c.size;
+        since += c.size;
+      }
+  for (uint32_t k : links) flush(k, true);
+  return flushes;
+}
+
+Prediction finish(PipelineModel& model, const Cluster& cluster, double gather, uint64_t bucket) {
+  Prediction out;
+  out.overhead_seconds = std::max(cluster.transfer.overhead_s, 0.0);
+  out.gather_seconds = gather;
+  out.bucket_bytes = bucket;
+  out.sources = std::move(model.sources());
+  out.destinations = std::move(model.destinations());
+  double end = gather;
+  for (const auto* side : {&out.sources, &out.destinations})
+    for (const auto& w : *side) end = std::max(end, w.seconds);
+  for (const auto& w : out.sources)
+    for (const auto& e : w.events) out.buckets += e.phase == TimelinePhase::kAnnounce;
+  out.seconds = end + out.overhead_seconds;
+  out.demands = model.demands();
+  if (!out.demands.empty()) {
+    const auto& top = out.demands.front();
+    out.bound = fmt::format("{} ({:.3f} s at {:.1f} GB/s); pipeline fill, drain, latencies and control {:.3f} s", top.name,
+                            top.seconds, top.capacity / 1e9, std::max(0.0, out.seconds - gather - top.seconds));
+  }
+  return out;
+}
+
+void check_ranks(const Cluster& c, size_t holds, size_t needs, bool paired) {
+  if (needs != static_cast<size_t>(c.destinations.ranks))
+    fail(ErrorKind::kConfig, "cluster '{}': {} destination layouts for {} destination ranks", c.name, needs, c.destinations.ranks);
+  if (!paired && holds != static_cast<size_t>(c.sources.ranks))
+    fail(ErrorKind::kConfig, "cluster '{}': {} source layouts for {} source ranks", c.name, holds, c.sources.ranks);
+  if (c.transfer.bucket_bytes == 0) fail(ErrorKind::kConfig, "cluster '{}': the bucket size is not set", c.name);
+}
+
+// The paired path: source i streams what destination i keeps, in one link with the whole bucket.
+Prediction simulate_paired(const ModelInventory& model, std::span<const Layout> needs, const Cluster& cluster,
+                           double start) {
+  const uint32_t pairs = static_cast<uint32_t>(needs.size());
+  if (cluster.sources.ranks < static_cast<int>(pairs))
+    fail(ErrorKind::kConfig, "cluster '{}': the paired path needs a source per destination ({} sources, {} destinations)",
+         cluster.name, cluster.sources.ranks, pairs);
+  PipelineModel pipeline(cluster, pairs, pairs, start);
+  for (uint32_t i = 0; i < pairs; ++i) {
+    const uint32_t k = pipeline.add_link(i, i);
+    std::vector<std::vector<PieceRef>> by_tensor;
+    for (const auto& t : model.tensors) {
+      Selection s = select(needs[i], t);
+      if (s.take != Take::kDrop) by_tensor.push_back({{k, std::move(s.info)}});
+    }
+    pipeline.add_flushes(i, pack_stream(by_tensor, pipeline, {k}, {cluster.transfer.bucket_bytes}));
+  }
+  pipeline.run();
+  return finish(pipeline, cluster, start, cluster.transfer.bucket_bytes);
+}
+
+}  // namespace
+
+Prediction predict_refit(const ModelInventory& model, std::span<const Layout> holds, std::span<const Layout> needs,
+                         const Cluster& cluster) {
+  check_ranks(cluster, holds.size(), needs.size(), holds.empty());
+  if (holds.empty()) return simulate_paired(model, needs, cluster, 0);
+  const TransferPlan plan = plan_transfers(model, holds, needs);
+  PipelineModel pipeline(cluster, plan.source_count(), plan.destination_count(), 0);
+  uint64_t largest = 0;
+  for (uint32_t s = 0; s < plan.source_count(); ++s) {
+    std::vector<uint32_t> links;
+    std::vector<uint64_t> link_bytes;
+    std::map<uint32_t, std::vector<PieceRef>> by_tensor;
+    for (uint32_t d : plan.destinations_of(s)) {
+      const uint32_t k = pipeline.add_link(s, d);
+      links.push_back(k);
+      link_bytes.push_back(link_bucket_bytes(
+          cluster.transfer.bucket_bytes, std::max(plan.destinations_of(s).size(), plan.sources_of(d).size())));
+      largest = std::max(largest, link_bytes.back());
+      for (const TransferPiece& p : plan.link(s, d)) {
+        const TensorInfo& t = model.tensors[p.tensor];
+        by_tensor[p.tensor].push_back({k, TensorInfo{t.name, t.dtype, p.box.shape_in(t.shape)}});
+      }
+    }
+    std::vector<std::vector<PieceRef>> ordered;
+    for (auto& [tensor, pieces] : by_tensor) ordered.push_back(std::move(pieces));
+    pipeline.add_flushes(s, pack_stream(ordered, pipeline, links, link_bytes));
+  }
+  pipeline.run();
+  return finish(pipeline, cluster, 0, largest);
+}
+
+Prediction predict_paired(const ModelInventory& model, std::span<const Layout> holds, std::span<const Layout> needs,
+                          const Cluster& cluster) {
+  check_ranks(cluster, holds.size(), needs.size(), true);
+  // The gather: every full tensor a paired source streams reaches its node once, over all the
+  // node's rails, minus what the node's source ranks already hold; then each rank takes its
+  // copy over NVLink (or the host's memory).
+  double gather = 0;
+  std::vector<uint64_t> gathered(needs.size(), 0);
+  if (!holds.empty()) {
+    struct NodeNeed {
+      const NodeGroup* group = nullptr;
+      std::set<uint32_t> tensors;
+      std::set<std::pair<uint32_t, std::string>> held;  // distinct slices held on the node
+      uint64_t held_bytes = 0, rank_bytes = 0;
+    };
+    std::map<std::string, NodeNeed> nodes;
+    for (uint32_t i = 0; i < needs.size(); ++i) {
+      const Place p = place_of(cluster, cluster.sources, static_cast<int>(i));
+      auto& n = nodes[p.node_key];
+      n.group = p.group;
+      for (uint32_t t = 0; t < model.tensors.size(); ++t) {
+        const TensorInfo& info = model.tensors[t];
+        if (select(needs[i], info).take == Take::kDrop) continue;
+        n.tensors.insert(t);
+        const Request held = i < holds.size() ? holds[i].request_for(info.name) : Request::drop();
+        const uint64_t own = held.take == Take::kDrop ? 0 : Box::of(held).nbytes_in(info);
+        gathered[i] += info.nbytes() - own;
+      }
+      n.rank_bytes += gathered[i];
+    }
+    for (uint32_t s = 0; s < holds.size(); ++s) {
+      const Place p = place_of(cluster, cluster.sources, static_cast<int>(s));
+      auto it = nodes.find(p.node_key);
+      if (it == nodes.end()) continue;
+      for (uint32_t t : it->second.tensors) {
+        const Request r = holds[s].request_for(model.tensors[t].name);
+        if (r.take == Take::kDrop) continue;
+        const Box box = Box::of(r);
+        if (it->second.held.insert({t, to_string(box)}).second) it->second.held_bytes += box.nbytes_in(model.tensors[t]);
+      }
+    }
+    for (const auto& [key, n] : nodes) {
+      uint64_t needed = 0;
+      for (uint32_t t : n.tensors) needed += model.tensors[t].nbytes();
+      const uint64_t incoming = needed > n.held_bytes ? needed - n.held_bytes : 0;
+      const double nic = n.group->rails * n.group->rail_rate * (n.group->nic_per_worker ? n.group->workers : 1);
+      double t = 0;
+      if (incoming > 0) {
+        if (nic <= 0) fail(ErrorKind::kConfig, "node group '{}': the gather crosses its NICs, but nic.rate is not given", n.group->name);
+        t = incoming / nic;
+      }
+      const double local = n.group->gpu ? n.group->nvlink_rate : n.group->node_copy_rate;
+      if (local > 0) t = std::max(t, n.group->gpu ? 0.0 : n.rank_bytes / local);
+      if (n.group->gpu && n.group->nvlink_rate > 0)
+        for (uint32_t i = 0; i < needs.size(); ++i)
+          if (place_of(cluster, cluster.sources, static_cast<int>(i)).node_key == key) t = std::max(t, gathered[i] / n.group->nvlink_rate);
+      gather = std::max(gather, t);
+    }
+  }
+  Prediction out = simulate_paired(model, needs, cluster, gather);
+  for (uint32_t i = 0; i < needs.size() && i < out.sources.size(); ++i)
+    if (gather > 0)
+      out.sources[i].events.insert(out.sources[i].events.begin(),
+                                   TimelineEvent{TimelinePhase::kGather, i, 0, 0, gather, gathered[i]});
+  if (gather > 0) out.bound = fmt::format("the training side's gather {:.3f} s, then {}", gather, out.bound);
+  return out;
+}
+
+}  // namespace refit

@@ -1,16 +1,39 @@
 #!/usr/bin/env bash
-# Measures this machine for the cluster planner (refit plan --cluster ... --calibration FILE):
+# Measures this machine for the cluster planner (refit plan --cluster ... --calibration FILE).
+# CPU (default):
 #   1. one source and one destination with buckets larger than the model, so every copy runs
 #      alone: the engine's copy rate on one core, plus the baseline (memcpy on one core and on
 #      all, ucx_perftest ucp_get at the bucket size and tag latency) and the driver's overhead;
 #   2. the same with 16 MiB buckets, so a source packs while its destination loads: what the
-#      host's memory gives two copies at once.
-# Usage: scripts/calibrate.sh [FILE]   (default build/calibration.json; BUILD_DIR as elsewhere)
+#      host gives copies that overlap, and the engine's hand-off latency;
+#   3. on hosts with fewer than 4 cores, two sources and two destinations: more copies at once
+#      than cores.
+# GPU (--gpu, on the GPU machine): the copy ceilings of GPU 0 (refit_gpu_ceiling: device copy,
+#   pinned host copy, peer copy and NCCL with a second GPU), then steps 1 and 2 with GPU tensors
+#   and buffers on GPU 0 (MODEL, default data/models/qwen3-8b).
+# Usage: scripts/calibrate.sh [--gpu] [FILE]   (default build/calibration.json; BUILD_DIR as elsewhere)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-FILE="${1:-build/calibration.json}"
-REFIT="${BUILD_DIR:-build/release}/refit"
+gpu=0
+if [ "${1:-}" = "--gpu" ]; then gpu=1; shift; fi
+BUILD="${BUILD_DIR:-build/release}"
+FILE="${1:-$BUILD/calibration.json}"
+REFIT="$BUILD/refit"
 [ -x "$REFIT" ] || { echo "calibrate: build first (scripts/setup.sh release): $REFIT is missing" >&2; exit 1; }
 rm -f "$FILE"
+if [ "$gpu" = 1 ]; then
+  model="${MODEL:-data/models/qwen3-8b}"
+  "$BUILD/tests/gpu/refit_gpu_ceiling" --device 0 --bytes $((1 << 30)) --iterations 10 --calibration-out "$FILE" | tail -n 1
+  export CUDA_VISIBLE_DEVICES=0
+  "$REFIT" bench --model "$model" --device cuda --tensors cuda --refits 5 --calibration-out "$FILE" \
+    refit_cfg.nixl.bucket_bytes=20GiB | grep -E "^calibration|median"
+  "$REFIT" bench --model "$model" --device cuda --tensors cuda --refits 5 --calibration-out "$FILE" \
+    refit_cfg.nixl.bucket_bytes=256MiB | grep -E "^calibration|median"
+  exit 0
+fi
 "$REFIT" bench --refits 5 --baseline --calibration-out "$FILE" | grep -E "^calibration|median"
 "$REFIT" bench --refits 5 --calibration-out "$FILE" refit_cfg.nixl.bucket_bytes=16MiB | grep -E "^calibration|median"
+if [ "$(nproc)" -lt 4 ]; then
+  "$REFIT" bench --refits 5 --sources 2 --destinations 2 --calibration-out "$FILE" refit_cfg.nixl.bucket_bytes=16MiB |
+    grep -E "^calibration|median"
+fi

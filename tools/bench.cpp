@@ -7,6 +7,8 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
+#include <tuple>
 #include <thread>
 #include <nlohmann/json.hpp>
 
@@ -97,41 +99,98 @@ double control_overhead(const json& refits) {
 
 // The engine's own copy rates, from its packs and loads of 1 MiB or more in every refit that
 // succeeded but the first (which also faults the buffers in): a copy that ran alone gives the
-// rate of one core; one that ran while another copy did (a source packing while a destination
-// loads, small buckets) gives half of what the host's memory sustains for two.
+// rate of one core; while two or more ran at once (a source packing while its destination loads:
+// small buckets), the sum of their rates is what the host sustains for all of them.
 struct CopyRates {
-  double alone = 0, shared = 0;  // 0: not seen
+  double alone = 0, together = 0, crowded = 0;  // 0: not seen; crowded: more copies than cores
 };
 CopyRates engine_copy_rates(const json& refits) {
-  double bytes[2] = {0, 0}, seconds[2] = {0, 0};
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  double alone_bytes = 0, alone_seconds = 0, together_bytes = 0, together_seconds = 0, crowded_bytes = 0,
+         crowded_seconds = 0;
   for (size_t k = 1; k < refits.size(); ++k) {
     if (!refits[k].value("ok", false) || !refits[k].contains("timeline")) continue;
-    std::vector<std::array<double, 3>> copies;  // start, end, bytes
+    std::vector<std::array<double, 3>> copies;  // start, end, rate
     for (const auto& e : refits[k]["timeline"]) {
       const std::string phase = e.at("phase").get<std::string>();
-      if ((phase == "pack" || phase == "load") && e.at("bytes").get<double>() >= (1 << 20))
-        copies.push_back({e.at("start").get<double>(), e.at("end").get<double>(), e.at("bytes").get<double>()});
+      const double a = e.at("start").get<double>(), b = e.at("end").get<double>(), n = e.at("bytes").get<double>();
+      if ((phase == "pack" || phase == "load") && n >= (1 << 20) && b > a) copies.push_back({a, b, n / (b - a)});
     }
-    for (size_t i = 0; i < copies.size(); ++i) {
-      const auto [a, b, n] = copies[i];
+    // Sweep the copies' boundaries: each stretch between two has a set of copies running.
+    std::vector<double> edges;
+    for (const auto& c : copies) edges.insert(edges.end(), {c[0], c[1]});
+    std::sort(edges.begin(), edges.end());
+    for (size_t i = 0; i + 1 < edges.size(); ++i) {
+      const double a = edges[i], b = edges[i + 1];
       if (b <= a) continue;
-      double overlap = 0;  // with any other copy (they come one per worker, so rarely stacked)
-      for (size_t j = 0; j < copies.size(); ++j)
-        if (j != i) overlap += std::max(0.0, std::min(b, copies[j][1]) - std::max(a, copies[j][0]));
-      const double fraction = overlap / (b - a);
-      if (fraction > 0.1 && fraction < 0.9) continue;
-      const int shared = fraction >= 0.9;
-      bytes[shared] += n;
-      seconds[shared] += b - a;
+      int running = 0;
+      double rate = 0;
+      for (const auto& c : copies)
+        if (c[0] <= a && c[1] >= b) {
+          ++running;
+          rate += c[2];
+        }
+      if (running == 1) {
+        alone_bytes += rate * (b - a);
+        alone_seconds += b - a;
+      } else if (running > cores) {
+        crowded_bytes += rate * (b - a);
+        crowded_seconds += b - a;
+      } else if (running > 1) {
+        together_bytes += rate * (b - a);
+        together_seconds += b - a;
+      }
     }
   }
-  return {seconds[0] > 0 ? bytes[0] / seconds[0] : 0, seconds[1] > 0 ? bytes[1] / seconds[1] : 0};
+  const double all = alone_seconds + together_seconds + crowded_seconds;
+  return {alone_seconds > 0 ? alone_bytes / alone_seconds : 0,
+          together_seconds > 0.2 * all ? together_bytes / together_seconds : 0,
+          crowded_seconds > 0.2 * all ? crowded_bytes / crowded_seconds : 0};
+}
+
+// The engine's hand-off latency: from a bucket's announcement until its destination starts on it
+// (its read, or its load when mapped), over the buckets whose destination was idle by then (its
+// previous load done). The mean, so that the scheduler's occasional stalls count.
+double handoff_latency(const json& refits) {
+  double total = 0;
+  int count = 0;
+  for (size_t k = 1; k < refits.size(); ++k) {
+    if (!refits[k].value("ok", false) || !refits[k].contains("timeline")) continue;
+    // (source, destination, bucket) -> announce time; (destination, source, bucket) -> first start.
+    std::map<std::tuple<std::string, std::string, uint64_t>, double> announced, started, previous_done;
+    for (const auto& e : refits[k]["timeline"]) {
+      const std::string phase = e.at("phase").get<std::string>(), worker = e.at("worker").get<std::string>();
+      const std::string peer = std::to_string(e.at("peer").get<uint64_t>());
+      const uint64_t bucket = e.at("bucket").get<uint64_t>();
+      if (phase == "announce") announced[{worker.substr(7), peer, bucket}] = e.at("start").get<double>();
+      if (phase == "read" || phase == "load") {
+        auto [it, fresh] = started.try_emplace({peer, worker.substr(12), bucket}, e.at("start").get<double>());
+        if (!fresh) it->second = std::min(it->second, e.at("start").get<double>());
+      }
+      if (phase == "load") previous_done[{peer, worker.substr(12), bucket + 1}] = e.at("end").get<double>();
+    }
+    for (const auto& [key, at] : announced) {
+      auto s = started.find(key);
+      if (s == started.end()) continue;
+      auto p = previous_done.find(key);
+      if (p != previous_done.end() && p->second > at) continue;  // the destination was still busy
+      total += std::max(0.0, s->second - at);
+      ++count;
+    }
+  }
+  return count > 0 ? total / count : -1;
 }
 
 // What this run measured, merged into the calibration file (its other values kept).
 void save_bench_calibration(const std::string& path, const json& run) {
   Calibration c;
   if (std::filesystem::exists(path)) load_calibration(path, c);
+  const std::string device = run.at("tensor_memory").get<std::string>();
+  if (!c.engine_device.empty() && c.engine_device != device)
+    throw Error(ErrorKind::kInvalidArgument, fmt::format("--calibration-out {}: it holds the engine's copy rates on {}, this "
+                                                         "bench copies on {} (one file per kind of run)",
+                                                         path, c.engine_device, device));
+  c.engine_device = device;
   c.machine = fmt::format("{} cores, {:.0f} GiB, measured by refit bench", std::max(1u, std::thread::hardware_concurrency()),
                           total_host_memory_bytes() / kGiB);
   c.host_memory = total_host_memory_bytes();
@@ -144,14 +203,20 @@ void save_bench_calibration(const std::string& path, const json& run) {
     if (b.contains("message_latency_s")) c.latency_s = b["message_latency_s"].get<double>();
   }
   const CopyRates rates = engine_copy_rates(run["refits"]);
-  if (rates.alone > 0 && rates.shared == 0) c.engine_copy_rate = rates.alone;  // a run of overlapping copies measures those
-  if (rates.shared > 0) c.engine_node_copy_rate = 2 * rates.shared;
+  // A run measures the rate its copies mostly ran at: alone, together, or crowded.
+  if (rates.alone > 0 && rates.together == 0 && rates.crowded == 0) c.engine_copy_rate = rates.alone;
+  if (rates.together > 0 && rates.crowded == 0) c.engine_node_copy_rate = rates.together;
+  if (rates.crowded > 0) c.engine_crowded_copy_rate = rates.crowded;
+  const double handoff = handoff_latency(run["refits"]);
+  if (handoff >= 0 && rates.together > 0 && rates.crowded == 0) c.latency_s = handoff;  // many buckets: a sample worth keeping
   const double overhead = control_overhead(run["refits"]);
   if (overhead > 0) c.overhead_s = overhead;
   save_calibration(path, c);
-  fmt::print("calibration {}: the engine's copies {:.2f} GB/s alone, {:.2f} GB/s for two at once; memcpy {:.2f} GB/s; "
+  fmt::print("calibration {}: the engine's copies {:.2f} GB/s alone, {:.2f} GB/s together, {:.2f} GB/s with more than "
+             "cores; memcpy {:.2f} GB/s; "
              "read {:.2f} GB/s; latency {:.1f} us; refit overhead {:.2f} ms\n",
-             path, c.engine_copy_rate / 1e9, c.engine_node_copy_rate / 1e9, c.host_copy_rate / 1e9, c.read_rate / 1e9,
+             path, c.engine_copy_rate / 1e9, c.engine_node_copy_rate / 1e9, c.engine_crowded_copy_rate / 1e9,
+             c.host_copy_rate / 1e9, c.read_rate / 1e9,
              std::max(c.latency_s, 0.0) * 1e6, std::max(c.overhead_s, 0.0) * 1e3);
 }
 

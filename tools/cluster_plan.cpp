@@ -69,11 +69,17 @@ void print_workers(const std::vector<PredictedWorker>& workers, const char* role
   for (size_t first = 0; first < workers.size();) {
     size_t last = first;
     auto same = [&](const PredictedWorker& a, const PredictedWorker& b) {
-      return std::abs(a.seconds - b.seconds) < 0.0005 && a.bytes == b.bytes;
+      return std::abs(a.seconds - b.seconds) <= 0.01 * b.seconds && a.bytes == b.bytes;  // within 1%
     };
     while (last + 1 < workers.size() && same(workers[last + 1], workers[first])) ++last;
     const std::string span = first == last ? std::to_string(first) : fmt::format("{}-{}", first, last);
-    fmt::print("  {:>12} {:<9} {:>9.3f} s {:>10.3f} GiB\n", role, span, workers[first].seconds, workers[first].bytes / kGiB);
+    double lo = workers[first].seconds, hi = lo;
+    for (size_t k = first; k <= last; ++k) {
+      lo = std::min(lo, workers[k].seconds);
+      hi = std::max(hi, workers[k].seconds);
+    }
+    const std::string time = lo == hi ? fmt::format("{:.3f} s", lo) : fmt::format("{:.3f}-{:.3f} s", lo, hi);
+    fmt::print("  {:>12} {:<9} {:>15} {:>10.3f} GiB\n", role, span, time, workers[first].bytes / kGiB);
     first = last + 1;
   }
 }

@@ -27,7 +27,8 @@ struct NodeGroup {
   double nvlink_rate = 0;    // GPU to GPU within a node, each way per GPU
   double pcie_rate = 0;      // GPU to pinned host memory
   double copy_rate = 0;      // one worker's copy (device copy on a GPU, memcpy on one core)
-  double node_copy_rate = 0; // CPU nodes: every core copying at once (memory bandwidth)
+  double node_copy_rate = 0; // several copies at once, together (CPU: every core; GPU: one GPU's copies)
+  double crowded_copy_rate = 0;  // CPU nodes: more copies at once than cores (0: node_copy_rate)
   uint64_t memory = 0;       // per worker: GPU memory, or host memory on a CPU node
 };
 
@@ -46,7 +47,8 @@ struct ClusterTransfer {
   uint64_t bucket_bytes = 0;  // per buffer; 0: the engine's sizing from the workers' memory
   std::string transport;      // ucx (RDMA or TCP across nodes), cuda_ipc, nccl
   bool mapped = true;         // same-node destinations load straight from the source's buffers
-  double read_rate = 0;       // one read stream's ceiling (the transport's own); 0: calibration, else none
+  double read_rate = 0;       // one read stream's ceiling (the transport's own); 0: calibration (UCX:
+                              // ucp_get, NCCL: send/recv), else none
   double latency_s = -1;      // one control message (announce, acknowledge); < 0: calibration
   double overhead_s = -1;     // the driver starting a refit and collecting it; < 0: calibration
 };
@@ -70,8 +72,10 @@ Cluster parse_cluster(const std::string& yaml, const std::string& origin);
 struct Calibration {
   std::string machine;
   double host_copy_rate = 0;       // memcpy, one core, large buffers
-  double engine_copy_rate = 0;     // the engine's own packs and loads on one core (a bench's timeline)
-  double engine_node_copy_rate = 0;  // ... two of them at once, together
+  std::string engine_device;       // where the bench that measured the engine's copies ran: cpu or cuda
+  double engine_copy_rate = 0;     // the engine's own packs and loads, one at a time (a bench's timeline)
+  double engine_node_copy_rate = 0;     // ... several at once (no more than cores), together
+  double engine_crowded_copy_rate = 0;  // ... more at once than the host has cores, together
   double host_node_copy_rate = 0;  // memcpy on every core at once
   int cores = 0;
   uint64_t host_memory = 0;        // total host memory (a CPU node's bucket sizing)
@@ -81,6 +85,7 @@ struct Calibration {
   double device_copy_rate = 0;     // GPU device-to-device copy
   double pinned_copy_rate = 0;     // GPU to pinned host memory
   double peer_copy_rate = 0;       // GPU to GPU over NVLink
+  double nccl_rate = 0;            // NCCL send/recv between two GPUs
 };
 
 // A JSON file; reading merges into `into` (a later file's measured values win).

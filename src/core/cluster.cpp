@@ -124,6 +124,7 @@ NodeGroup read_group(const Section& s, size_t index) {
   g.pcie_rate = s.rate("pcie");
   g.copy_rate = s.rate("copy");
   g.node_copy_rate = s.rate("node_copy");
+  g.crowded_copy_rate = s.rate("crowded_copy");
   g.memory = s.bytes("memory");
   s.check_all_used();
   return g;
@@ -265,9 +266,11 @@ void load_calibration(const std::string& path, Calibration& into) {
     if (v != unset) out = v;
   };
   if (j.contains("machine") && j["machine"].is_string()) into.machine = j["machine"].get<std::string>();
+  if (j.contains("engine_device") && j["engine_device"].is_string()) into.engine_device = j["engine_device"].get<std::string>();
   take("host_copy_bytes_per_s", into.host_copy_rate, 0);
   take("engine_copy_bytes_per_s", into.engine_copy_rate, 0);
   take("engine_node_copy_bytes_per_s", into.engine_node_copy_rate, 0);
+  take("engine_crowded_copy_bytes_per_s", into.engine_crowded_copy_rate, 0);
   take("host_node_copy_bytes_per_s", into.host_node_copy_rate, 0);
   double cores = into.cores, memory = static_cast<double>(into.host_memory);
   take("cores", cores, 0);
@@ -280,16 +283,19 @@ void load_calibration(const std::string& path, Calibration& into) {
   take("device_copy_bytes_per_s", into.device_copy_rate, 0);
   take("pinned_copy_bytes_per_s", into.pinned_copy_rate, 0);
   take("peer_copy_bytes_per_s", into.peer_copy_rate, 0);
+  take("nccl_bytes_per_s", into.nccl_rate, 0);
 }
 
 void save_calibration(const std::string& path, const Calibration& c) {
   nlohmann::json j = {{"machine", c.machine}};
+  if (!c.engine_device.empty()) j["engine_device"] = c.engine_device;
   auto put = [&](const char* key, double v, double unset) {
     if (v != unset) j[key] = v;
   };
   put("host_copy_bytes_per_s", c.host_copy_rate, 0);
   put("engine_copy_bytes_per_s", c.engine_copy_rate, 0);
   put("engine_node_copy_bytes_per_s", c.engine_node_copy_rate, 0);
+  put("engine_crowded_copy_bytes_per_s", c.engine_crowded_copy_rate, 0);
   put("host_node_copy_bytes_per_s", c.host_node_copy_rate, 0);
   put("cores", c.cores, 0);
   put("host_memory_bytes", static_cast<double>(c.host_memory), 0);
@@ -299,6 +305,7 @@ void save_calibration(const std::string& path, const Calibration& c) {
   put("device_copy_bytes_per_s", c.device_copy_rate, 0);
   put("pinned_copy_bytes_per_s", c.pinned_copy_rate, 0);
   put("peer_copy_bytes_per_s", c.peer_copy_rate, 0);
+  put("nccl_bytes_per_s", c.nccl_rate, 0);
   std::ofstream f(path);
   f << j.dump(2) << "\n";
   if (!f) fail(ErrorKind::kIo, "cannot write calibration file '{}'", path);
@@ -313,22 +320,30 @@ void apply_calibration(Cluster& cluster, const Calibration& cal) {
            cluster.name, g.name, key);
   };
   for (auto& g : cluster.groups) {
+    // The engine's measured copy rates apply to nodes of the kind the measuring bench ran on.
+    const bool engine = cal.engine_device == (g.gpu ? "cuda" : "cpu");
     if (g.gpu) {
-      if (g.copy_rate == 0) g.copy_rate = cal.device_copy_rate;
+      if (g.copy_rate == 0) g.copy_rate = engine && cal.engine_copy_rate > 0 ? cal.engine_copy_rate : cal.device_copy_rate;
+      if (g.node_copy_rate == 0 && engine) g.node_copy_rate = cal.engine_node_copy_rate;
       if (g.nvlink_rate == 0) g.nvlink_rate = cal.peer_copy_rate;
       if (g.pcie_rate == 0) g.pcie_rate = cal.pinned_copy_rate;
       need(g, g.copy_rate, "copy");
+      if (g.node_copy_rate == 0) g.node_copy_rate = g.copy_rate;
     } else {
-      if (g.copy_rate == 0) g.copy_rate = cal.engine_copy_rate > 0 ? cal.engine_copy_rate : cal.host_copy_rate;
+      if (g.copy_rate == 0) g.copy_rate = engine && cal.engine_copy_rate > 0 ? cal.engine_copy_rate : cal.host_copy_rate;
       if (g.node_copy_rate == 0)
-        g.node_copy_rate = cal.engine_node_copy_rate > 0 ? cal.engine_node_copy_rate : cal.host_node_copy_rate;
+        g.node_copy_rate = engine && cal.engine_node_copy_rate > 0 ? cal.engine_node_copy_rate : cal.host_node_copy_rate;
       if (g.cores == 0) g.cores = cal.cores;
       if (g.memory == 0) g.memory = cal.host_memory;
       need(g, g.copy_rate, "copy");
       if (g.node_copy_rate == 0) g.node_copy_rate = g.copy_rate * std::max(g.cores, 1);
+      if (g.crowded_copy_rate == 0 && engine) g.crowded_copy_rate = cal.engine_crowded_copy_rate;
     }
   }
-  if (cluster.transfer.read_rate == 0) cluster.transfer.read_rate = cal.read_rate;
+  if (cluster.transfer.read_rate == 0)
+    cluster.transfer.read_rate = cluster.transfer.transport == "ucx" ? cal.read_rate
+                                 : cluster.transfer.transport == "nccl" ? cal.nccl_rate
+                                                                        : 0;
   if (cluster.transfer.latency_s < 0) cluster.transfer.latency_s = std::max(cal.latency_s, 0.0);
   if (cluster.transfer.overhead_s < 0) cluster.transfer.overhead_s = std::max(cal.overhead_s, 0.0);
 }

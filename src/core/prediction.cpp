@@ -24,9 +24,12 @@ class FlowSim {
  public:
   using Callback = std::function<void()>;
 
-  int add_resource(std::string name, double capacity) {
+  // `crowded`: the capacity once more than `slots` flows cross it (a CPU node's cores, time-sliced).
+  int add_resource(std::string name, double capacity, int slots = 0, double crowded = 0) {
     names_.push_back(std::move(name));
     capacity_.push_back(capacity);
+    slots_.push_back(slots);
+    crowded_.push_back(crowded > 0 ? crowded : capacity);
     active_.push_back(0);
     bytes_.push_back(0);
     return static_cast<int>(capacity_.size()) - 1;
@@ -58,7 +61,7 @@ class FlowSim {
       double next = timers_.empty() ? kInf : timers_.top().time;
       for (auto& f : flows_) {
         double rate = f.cap;
-        for (int k = 0; k < f.count; ++k) rate = std::min(rate, capacity_[f.resources[k]] / active_[f.resources[k]]);
+        for (int k = 0; k < f.count; ++k) rate = std::min(rate, share(f.resources[k]));
         f.rate = rate;
         f.finish = now_ + (rate == kInf ? 0.0 : f.remaining / rate);
         next = std::min(next, f.finish);
@@ -98,6 +101,10 @@ class FlowSim {
   }
 
  private:
+  double share(int r) const {
+    const double capacity = slots_[r] > 0 && active_[r] > slots_[r] ? crowded_[r] : capacity_[r];
+    return capacity / active_[r];
+  }
   struct Flow {
     double remaining = 0, cap = kInf, rate = 0, finish = 0;
     int resources[4] = {-1, -1, -1, -1};
@@ -113,8 +120,8 @@ class FlowSim {
   double now_ = 0;
   uint64_t sequence_ = 0;
   std::vector<std::string> names_;
-  std::vector<double> capacity_;
-  std::vector<int> active_;
+  std::vector<double> capacity_, crowded_;
+  std::vector<int> slots_, active_;
   std::vector<double> bytes_;
   std::vector<Flow> flows_;
   std::priority_queue<Timer, std::vector<Timer>, std::greater<>> timers_;
@@ -149,10 +156,11 @@ class Resources {
   std::pair<int, int> copy(const Place& p) {
     if (p.group->gpu) {
       const int gpu = p.slot % std::max(p.group->gpus, 1);
-      return {get(fmt::format("GPU {} copy (node {})", gpu, p.node_key), p.group->copy_rate), -1};
+      return {get(fmt::format("GPU {} copy (node {})", gpu, p.node_key), p.group->node_copy_rate), -1};
     }
-    return {get(fmt::format("cores (node {})", p.node_key), p.group->copy_rate * std::max(p.group->cores, 1)),
-            get(fmt::format("memory (node {})", p.node_key), p.group->node_copy_rate)};
+    const int cores = std::max(p.group->cores, 1);
+    return {get(fmt::format("cores (node {})", p.node_key), p.group->copy_rate * cores),
+            get(fmt::format("memory (node {})", p.node_key), p.group->node_copy_rate, cores, p.group->crowded_copy_rate)};
   }
   int nic(const Place& p, bool in) {
     const double rate = p.group->rails * p.group->rail_rate;
@@ -169,9 +177,9 @@ class Resources {
   }
 
  private:
-  int get(const std::string& name, double capacity) {
+  int get(const std::string& name, double capacity, int slots = 0, double crowded = 0) {
     auto [it, fresh] = ids_.try_emplace(name, -1);
-    if (fresh) it->second = sim_.add_resource(name, capacity);
+    if (fresh) it->second = sim_.add_resource(name, capacity, slots, crowded);
     return it->second;
   }
   FlowSim& sim_;

@@ -59,11 +59,11 @@ void LinkSender::flush(bool is_last, std::string& phase) {
   const double packed = timeline_now();
   events_.push_back({TimelinePhase::kPack, context_.peer_rank, bucket_.seq, pack_start_.value_or(packed), packed,
                      bucket_.used_bytes});
+  // Stamped before it goes: the destination may act on it before send() returns here.
+  events_.push_back({TimelinePhase::kAnnounce, context_.peer_rank, bucket_.seq, packed, packed, bucket_.used_bytes});
   pack_start_.reset();
   context_.transport->send(context_.peer, protocol::encode(bucket_),
                            deadline_after(std::chrono::duration<double>(context_.timeout_s)));
-  const double sent = timeline_now();
-  events_.push_back({TimelinePhase::kAnnounce, context_.peer_rank, bucket_.seq, sent, sent, bucket_.used_bytes});
   unacknowledged_.push_back(bucket_.seq);
   ++buckets_;
   const auto announced = Clock::now();

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <future>
+#include <map>
+#include <tuple>
 #include <optional>
 #include <thread>
 
@@ -46,6 +48,7 @@ struct Pair {
   SessionId session = new_session_id();
   std::unique_ptr<CheckpointEngine> source, destination;
   std::vector<Metadata> metadata;
+  SendStats sent_stats;  // of the last refit
 
   explicit Pair(uint64_t bucket, bool release = false, double timeout_s = 10.0, bool map = true,
                 bool receives_only = false) {
@@ -74,7 +77,7 @@ struct Pair {
       sent.wait();
       throw;
     }
-    sent.get();
+    sent_stats = sent.get();
     return stats;
   }
 };
@@ -108,6 +111,60 @@ TEST(Engine, StagedAndMappedDestinationsGetTheSameBytesOverManyBuckets) {
       EXPECT_EQ(stats.mapped, map);
       EXPECT_GT(stats.buckets, 50u);
     }
+  }
+}
+
+// Every bucket leaves a trace on both sides, in the order the pipeline runs it: packed, announced,
+// read (staged only), loaded, released; the source sees each release after the load began.
+TEST(Engine, BothSidesRecordEveryBucketOnTheTimeline) {
+  for (bool map : {false, true}) {
+    Pair p(40, false, 10.0, map);
+    p.connect();
+    auto weights = mixed_model(11);
+    Received got;
+    const double before = timeline_now();
+    auto stats = p.refit(weights, got);
+    const double after = timeline_now();
+    // (source side?, phase, bucket) -> event
+    std::map<std::tuple<bool, TimelinePhase, uint64_t>, TimelineEvent> at;
+    for (const bool source : {true, false})
+      for (const auto& e : source ? p.sent_stats.events : stats.events) {
+        EXPECT_LE(before, e.start);
+        EXPECT_LE(e.start, e.end);
+        EXPECT_LE(e.end, after);
+        EXPECT_EQ(e.peer, 0u);
+        EXPECT_TRUE(at.emplace(std::tuple(source, e.phase, e.bucket), e).second)
+            << to_string(e.phase) << " twice for bucket " << e.bucket;
+      }
+    auto count = [&](TimelinePhase phase) {
+      return std::count_if(at.begin(), at.end(), [&](const auto& kv) { return std::get<1>(kv.first) == phase; });
+    };
+    auto event = [&](bool source, TimelinePhase phase, uint64_t bucket) { return at.at({source, phase, bucket}); };
+    const auto buckets = static_cast<long>(stats.buckets);
+    ASSERT_GT(buckets, 10);
+    EXPECT_EQ(count(TimelinePhase::kPack), buckets);
+    EXPECT_EQ(count(TimelinePhase::kAnnounce), buckets);
+    EXPECT_EQ(count(TimelinePhase::kLoad), buckets);
+    EXPECT_EQ(count(TimelinePhase::kRelease), 2 * buckets);  // seen by each side
+    EXPECT_EQ(count(TimelinePhase::kRead), map ? 0 : buckets);
+    uint64_t packed = 0;
+    for (long b = 0; b < buckets; ++b) {
+      const auto pack = event(true, TimelinePhase::kPack, b);
+      const auto announce = event(true, TimelinePhase::kAnnounce, b);
+      const auto load = event(false, TimelinePhase::kLoad, b);
+      EXPECT_LE(load.start, event(false, TimelinePhase::kRelease, b).start) << b;
+      packed += pack.bytes;
+      EXPECT_LE(pack.end, announce.start) << b;
+      EXPECT_LE(announce.start, load.start) << b;
+      if (!map) {
+        const auto read = event(false, TimelinePhase::kRead, b);
+        EXPECT_LE(announce.start, read.start) << b;
+        EXPECT_LE(read.end, load.start) << b;
+        EXPECT_EQ(read.bytes, pack.bytes) << b;
+      }
+      EXPECT_EQ(load.bytes, pack.bytes) << b;
+    }
+    EXPECT_EQ(packed, stats.wire_bytes);
   }
 }
 

@@ -12,6 +12,7 @@
 // writes; the rate counts them once, as a refit's throughput does).
 //
 // Usage: refit_gpu_ceiling [--device N] [--bytes BYTES] [--iterations K] [--json FILE]
+//                          [--calibration-out FILE]  (merged into a planner calibration, cluster.h)
 // Exit status: 0, 2 when no GPU is usable, 1 on a CUDA error.
 #include <cuda_runtime_api.h>
 
@@ -28,6 +29,9 @@
 #include <nccl.h>
 #endif
 
+#include <filesystem>
+
+#include "refit/cluster.h"
 #include "refit/device.h"
 #include "refit/memory.h"
 
@@ -110,7 +114,7 @@ Result measure_nccl(size_t bytes, int iterations, int to, int from) {
 #endif
 
 void usage() {
-  std::fprintf(stderr, "usage: refit_gpu_ceiling [--device N] [--bytes BYTES] [--iterations K] [--json FILE]\n");
+  std::fprintf(stderr, "usage: refit_gpu_ceiling [--device N] [--bytes BYTES] [--iterations K] [--json FILE] [--calibration-out FILE]\n");
   std::exit(64);
 }
 
@@ -120,7 +124,7 @@ int main(int argc, char** argv) {
   int device = 0;
   size_t bytes = size_t{1} << 30;
   int iterations = 10;
-  std::string json_path;
+  std::string json_path, calibration_path;
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i];
     auto value = [&]() -> std::string {
@@ -135,6 +139,8 @@ int main(int argc, char** argv) {
       iterations = std::max(1, std::stoi(value()));
     } else if (arg == "--json") {
       json_path = value();
+    } else if (arg == "--calibration-out") {
+      calibration_path = value();
     } else {
       usage();
     }
@@ -212,6 +218,20 @@ int main(int argc, char** argv) {
     }
     json += "}";
     std::printf("%s\n", json.c_str());
+    if (!calibration_path.empty()) {
+      refit::Calibration c;
+      if (std::filesystem::exists(calibration_path)) refit::load_calibration(calibration_path, c);
+      c.machine = properties.name;
+      for (const Result& r : results) {
+        const double rate = r.median_gbps * 1e9;
+        if (r.name == "d2d") c.device_copy_rate = rate;
+        if (r.name == "peer") c.peer_copy_rate = rate;
+        if (r.name == "nccl_p2p") c.nccl_rate = rate;
+        if (r.name == "h2d_pinned" || r.name == "d2h_pinned")
+          c.pinned_copy_rate = c.pinned_copy_rate > 0 ? std::min(c.pinned_copy_rate, rate) : rate;
+      }
+      refit::save_calibration(calibration_path, c);
+    }
     if (!json_path.empty()) {
       FILE* f = std::fopen(json_path.c_str(), "w");
       if (f == nullptr) throw std::runtime_error("cannot write " + json_path);

@@ -100,8 +100,10 @@ def run_bench(model, sources, destinations, flags, bucket, refits, work, hosts_r
     args = ["--model", model, "--sources", str(sources), "--destinations", str(destinations), "--refits", str(refits),
             *flags, *extra, f"refit_cfg.nixl.bucket_bytes={bucket}"]
     if hosts_rate:
+        # hosts_bench.sh names its models: small (the same config as SMALL here) and builtin.
+        name = "small" if model.endswith("small.json") else "builtin" if model.startswith("builtin:") else model
         env = dict(os.environ, BUILD_DIR=BUILD, SOURCES=str(sources), DESTINATIONS=str(destinations),
-                   BENCH_ARGS=" ".join(flags), MODELS=model, BUCKETS=bucket, KEEP_JSON=out)
+                   BENCH_ARGS=" ".join(flags), MODELS=name, BUCKETS=bucket, KEEP_JSON=out)
         subprocess.run([os.path.join(ROOT, "scripts/hosts_bench.sh"), hosts_rate, str(refits)], check=True, env=env,
                        stdout=subprocess.DEVNULL)
     else:

@@ -13,7 +13,8 @@
 # Environment: BUILD_DIR (default build/release), MODELS (default: small builtin 2g),
 #              BUCKETS (default "16MiB 64MiB"), SOURCES and DESTINATIONS (default 2 and 2),
 #              BENCH_ARGS (more `refit bench` arguments, e.g. resharding:
-#              "--src-tp 2 --src-dp 2 --tp 2 --shard-dense" with SOURCES=4).
+#              "--src-tp 2 --src-dp 2 --tp 2 --shard-dense" with SOURCES=4), KEEP_JSON (copy the
+#              last bench's --json here; scripts/check_planner.py uses it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RATE="${1:-2gbit}"
@@ -90,6 +91,7 @@ for model in $MODELS; do
       --json "$json" $BENCH_ARGS "refit_cfg.nixl.bucket_bytes=$bucket" >"$work/$model-$bucket.rank0.log" 2>&1 || {
       echo "hosts_bench: $model $bucket failed:"; tail -n 20 "$work/$model-$bucket.rank0.log"; exit 1; }
     wait "${pids[@]}" || true
+    [ -z "${KEEP_JSON:-}" ] || cp "$json" "$KEEP_JSON"
     bucket_bytes=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["bucket_bytes"])' "$json")
     get=$(ceiling "$bucket_bytes")
     python3 - "$json" "$bits" "$model" "$bucket" "${get:-0}" <<'EOF'

@@ -30,6 +30,24 @@ double memcpy_rate(uint64_t bytes) {
   return rates[rates.size() / 2];
 }
 
+// What each row of a strided copy costs beyond its bytes: 256-byte rows out of a 512-byte pitch
+// (a slice of a tensor's second dim), row by row as the engine copies them on a CPU.
+double strided_row_cost(double memcpy_rate) {
+  constexpr uint64_t kRow = 256, kRows = 1 << 18;
+  HostBuffer src(2 * kRow * kRows), dst(kRow * kRows);
+  std::memset(src.data(), 1, 2 * kRow * kRows);
+  std::memset(dst.data(), 2, kRow * kRows);
+  std::vector<double> costs;
+  for (int i = 0; i < 5; ++i) {
+    auto t0 = std::chrono::steady_clock::now();
+    for (uint64_t r = 0; r < kRows; ++r) std::memcpy(dst.data() + r * kRow, src.data() + 2 * r * kRow, kRow);
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    costs.push_back(std::max(0.0, s - kRow * kRows / memcpy_rate) / kRows);
+  }
+  std::sort(costs.begin(), costs.end());
+  return costs[costs.size() / 2];
+}
+
 // Every core copying its own buffers at once: the node's memory bandwidth for copies.
 double all_cores_memcpy_rate(uint64_t bytes, unsigned threads) {
   const uint64_t each = std::max<uint64_t>(bytes / threads, 1 << 20);
@@ -91,6 +109,7 @@ Baseline measure_baseline(uint64_t bucket_bytes, const std::string& tls) {
   std::string latency_note;
   if (auto f = perftest("tag_lat", 64, 20000, tls, latency_note)) b.message_latency_s = (*f)[1] * 1e-6;
   b.memcpy_bytes_per_s = memcpy_rate(bucket_bytes);
+  b.row_cost_s = strided_row_cost(b.memcpy_bytes_per_s);
   b.cores = std::max(1u, std::thread::hardware_concurrency());
   b.all_cores_memcpy_bytes_per_s = all_cores_memcpy_rate(std::min<uint64_t>(bucket_bytes, 1ull << 30), b.cores);
   return b;

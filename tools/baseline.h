@@ -14,6 +14,7 @@ struct Baseline {
   std::string ucp_get_note;                   // why it is empty, or the command that ran
   double memcpy_bytes_per_s = 0;
   double all_cores_memcpy_bytes_per_s = 0;  // every core copying at once
+  double row_cost_s = 0;                    // each 256-byte row of a strided copy, beyond its bytes
   unsigned cores = 1;
   std::optional<double> message_latency_s;  // one small tagged message, one way (ucx_perftest tag_lat)
 };

@@ -103,6 +103,7 @@ double control_overhead(const json& refits) {
 // small buckets), the sum of their rates is what the host sustains for all of them.
 struct CopyRates {
   double alone = 0, together = 0, crowded = 0;  // 0: not seen; crowded: more copies than cores
+  double overlapped = 0;                        // seconds during which copies overlapped
 };
 CopyRates engine_copy_rates(const json& refits) {
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
@@ -145,7 +146,7 @@ CopyRates engine_copy_rates(const json& refits) {
   const double all = alone_seconds + together_seconds + crowded_seconds;
   return {alone_seconds > 0 ? alone_bytes / alone_seconds : 0,
           together_seconds > 0.2 * all ? together_bytes / together_seconds : 0,
-          crowded_seconds > 0.2 * all ? crowded_bytes / crowded_seconds : 0};
+          crowded_seconds > 0.2 * all ? crowded_bytes / crowded_seconds : 0, together_seconds + crowded_seconds};
 }
 
 // The engine's hand-off latency: from a bucket's announcement until its destination starts on it
@@ -181,6 +182,64 @@ double handoff_latency(const json& refits) {
   return count > 0 ? total / count : -1;
 }
 
+// The acknowledgement's latency: from a destination releasing a bucket until its source sees it,
+// over the buckets whose source was waiting for it (it had announced the next one already).
+double acknowledgement_latency(const json& refits) {
+  double total = 0;
+  int count = 0;
+  for (size_t k = 1; k < refits.size(); ++k) {
+    if (!refits[k].value("ok", false) || !refits[k].contains("timeline")) continue;
+    // (source rank, destination rank, bucket) -> time
+    std::map<std::tuple<uint64_t, uint64_t, uint64_t>, double> released, seen, announced;
+    for (const auto& e : refits[k]["timeline"]) {
+      const std::string phase = e.at("phase").get<std::string>(), worker = e.at("worker").get<std::string>();
+      const bool source = worker.starts_with("source ");
+      const uint64_t rank = std::stoull(worker.substr(source ? 7 : 12)), peer = e.at("peer").get<uint64_t>();
+      const uint64_t bucket = e.at("bucket").get<uint64_t>();
+      const auto key = source ? std::tuple(rank, peer, bucket) : std::tuple(peer, rank, bucket);
+      const double at = e.at("start").get<double>();
+      if (phase == "release") (source ? seen : released)[key] = at;
+      if (phase == "announce") announced[key] = at;
+    }
+    for (const auto& [key, at] : released) {
+      auto s = seen.find(key);
+      auto next = announced.find({std::get<0>(key), std::get<1>(key), std::get<2>(key) + 1});
+      if (s == seen.end() || next == announced.end() || next->second > at) continue;
+      total += std::max(0.0, s->second - at);
+      ++count;
+    }
+  }
+  return count > 0 ? total / count : -1;
+}
+
+// The destination's turnaround: from the end of one load to the start of the next on the same
+// link, when that bucket had been announced before the first load ended (its bytes were
+// waiting). The mean, over the buckets of every refit but the first.
+double load_turnaround(const json& refits) {
+  double total = 0;
+  int count = 0;
+  for (size_t k = 1; k < refits.size(); ++k) {
+    if (!refits[k].value("ok", false) || !refits[k].contains("timeline")) continue;
+    std::map<std::tuple<std::string, uint64_t, uint64_t>, std::pair<double, double>> loads;  // (worker, peer, bucket)
+    std::map<std::pair<uint64_t, uint64_t>, double> announced;                               // (peer, bucket): source rank
+    for (const auto& e : refits[k]["timeline"]) {
+      const std::string phase = e.at("phase").get<std::string>(), worker = e.at("worker").get<std::string>();
+      const uint64_t peer = e.at("peer").get<uint64_t>(), bucket = e.at("bucket").get<uint64_t>();
+      if (phase == "load") loads[{worker, peer, bucket}] = {e.at("start").get<double>(), e.at("end").get<double>()};
+      if (phase == "announce") announced[{std::stoull(worker.substr(7)), bucket}] = e.at("start").get<double>();
+    }
+    for (const auto& [key, load] : loads) {
+      const auto& [worker, peer, bucket] = key;
+      auto next = loads.find({worker, peer, bucket + 1});
+      auto ready = announced.find({peer, bucket + 1});
+      if (next == loads.end() || ready == announced.end() || ready->second > load.second) continue;
+      total += std::max(0.0, next->second.first - load.second);
+      ++count;
+    }
+  }
+  return count > 0 ? total / count : -1;
+}
+
 // What this run measured, merged into the calibration file (its other values kept).
 void save_bench_calibration(const std::string& path, const json& run) {
   Calibration c;
@@ -198,26 +257,36 @@ void save_bench_calibration(const std::string& path, const json& run) {
     const json& b = run["baseline"];
     c.host_copy_rate = b.at("memcpy_bytes_per_s").get<double>();
     c.host_node_copy_rate = b.at("all_cores_memcpy_bytes_per_s").get<double>();
+    c.row_cost_s = b.at("strided_row_cost_s").get<double>();
     c.cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
     if (b.contains("ucp_get_bytes_per_s")) c.read_rate = b["ucp_get_bytes_per_s"].get<double>();
     if (b.contains("message_latency_s")) c.latency_s = b["message_latency_s"].get<double>();
   }
   const CopyRates rates = engine_copy_rates(run["refits"]);
-  // A run measures the rate its copies mostly ran at: alone, together, or crowded.
-  if (rates.alone > 0 && rates.together == 0 && rates.crowded == 0) c.engine_copy_rate = rates.alone;
+  // A run measures the rate its copies ran at: alone (when none ever overlapped), together, or
+  // crowded; and the hand-offs when its links carried many buckets.
+  if (rates.alone > 0 && rates.overlapped == 0) c.engine_copy_rate = rates.alone;
   if (rates.together > 0 && rates.crowded == 0) c.engine_node_copy_rate = rates.together;
   if (rates.crowded > 0) c.engine_crowded_copy_rate = rates.crowded;
   const double handoff = handoff_latency(run["refits"]);
-  if (handoff >= 0 && rates.together > 0 && rates.crowded == 0) c.latency_s = handoff;  // many buckets: a sample worth keeping
+  if (handoff >= 0 && run.value("bucket_bytes", uint64_t{0}) * 8 <= run.value("model_bytes", uint64_t{0}) &&
+      rates.crowded == 0)
+    c.latency_s = handoff;  // many buckets: a sample worth keeping
+  const double turnaround = load_turnaround(run["refits"]);
+  const bool many_buckets = run.value("bucket_bytes", uint64_t{0}) * 8 <= run.value("model_bytes", uint64_t{0});
+  const double acknowledged = acknowledgement_latency(run["refits"]);
+  if (acknowledged >= 0 && many_buckets && rates.crowded == 0) c.ack_latency_s = acknowledged;
+  if (turnaround >= 0 && many_buckets && rates.crowded == 0) c.turnaround_s = turnaround;
   const double overhead = control_overhead(run["refits"]);
   if (overhead > 0) c.overhead_s = overhead;
   save_calibration(path, c);
   fmt::print("calibration {}: the engine's copies {:.2f} GB/s alone, {:.2f} GB/s together, {:.2f} GB/s with more than "
              "cores; memcpy {:.2f} GB/s; "
-             "read {:.2f} GB/s; latency {:.1f} us; refit overhead {:.2f} ms\n",
+             "read {:.2f} GB/s; latency {:.1f} us (acknowledgement {:.1f} us); turnaround {:.1f} us; refit overhead "
+             "{:.2f} ms\n",
              path, c.engine_copy_rate / 1e9, c.engine_node_copy_rate / 1e9, c.engine_crowded_copy_rate / 1e9,
              c.host_copy_rate / 1e9, c.read_rate / 1e9,
-             std::max(c.latency_s, 0.0) * 1e6, std::max(c.overhead_s, 0.0) * 1e3);
+             std::max(c.latency_s, 0.0) * 1e6, std::max(c.ack_latency_s, 0.0) * 1e6, std::max(c.turnaround_s, 0.0) * 1e6, std::max(c.overhead_s, 0.0) * 1e3);
 }
 
 // Median seconds of `refits` refits of a local group, every one verified.
@@ -436,6 +505,7 @@ int run_bench(const BenchOptions& options) {
     }
     base["ratio_to_memcpy"] = refit_rate / b.memcpy_bytes_per_s;
     base["all_cores_memcpy_bytes_per_s"] = b.all_cores_memcpy_bytes_per_s;
+    base["strided_row_cost_s"] = b.row_cost_s;
     if (b.message_latency_s) base["message_latency_s"] = *b.message_latency_s;
     out["baseline"] = base;
     fmt::print("refit per pair {:.2f} GiB/s = {:.2f} x memcpy", refit_rate / kGiB, refit_rate / b.memcpy_bytes_per_s);

@@ -30,6 +30,7 @@ struct NodeGroup {
   double node_copy_rate = 0; // several copies at once, together (CPU: every core; GPU: one GPU's copies)
   double crowded_copy_rate = 0;  // CPU nodes: more copies at once than cores (0: node_copy_rate)
   uint64_t memory = 0;       // per worker: GPU memory, or host memory on a CPU node
+  double row_cost_s = 0;     // each row of a strided copy, beyond its bytes (CPU: a memcpy call)
 };
 
 struct ClusterSide {
@@ -49,7 +50,9 @@ struct ClusterTransfer {
   bool mapped = true;         // same-node destinations load straight from the source's buffers
   double read_rate = 0;       // one read stream's ceiling (the transport's own); 0: calibration (UCX:
                               // ucp_get, NCCL: send/recv), else none
-  double latency_s = -1;      // one control message (announce, acknowledge); < 0: calibration
+  double latency_s = -1;      // an announcement, until the destination starts on it; < 0: calibration
+  double ack_latency_s = -1;  // an acknowledgement, until the source sees it; < 0: calibration, else latency
+  double turnaround_s = -1;   // a destination's time between one load and the next; < 0: calibration
   double overhead_s = -1;     // the driver starting a refit and collecting it; < 0: calibration
 };
 
@@ -77,10 +80,13 @@ struct Calibration {
   double engine_node_copy_rate = 0;     // ... several at once (no more than cores), together
   double engine_crowded_copy_rate = 0;  // ... more at once than the host has cores, together
   double host_node_copy_rate = 0;  // memcpy on every core at once
+  double row_cost_s = 0;           // each row of a strided host copy (short rows), beyond its bytes
   int cores = 0;
   uint64_t host_memory = 0;        // total host memory (a CPU node's bucket sizing)
   double read_rate = 0;            // one transport read stream (ucp_get over loopback)
   double latency_s = -1;           // one control message
+  double ack_latency_s = -1;       // a destination's acknowledgement, until its waiting source sees it
+  double turnaround_s = -1;        // a destination between one load and the next
   double overhead_s = -1;          // the driver's per-refit start and collection
   double device_copy_rate = 0;     // GPU device-to-device copy
   double pinned_copy_rate = 0;     // GPU to pinned host memory

@@ -126,6 +126,7 @@ NodeGroup read_group(const Section& s, size_t index) {
   g.node_copy_rate = s.rate("node_copy");
   g.crowded_copy_rate = s.rate("crowded_copy");
   g.memory = s.bytes("memory");
+  g.row_cost_s = std::max(s.seconds("row_cost"), 0.0);
   s.check_all_used();
   return g;
 }
@@ -212,6 +213,8 @@ Cluster parse_cluster(const std::string& yaml, const std::string& origin) {
   c.transfer.mapped = t.flag("mapped", true);
   c.transfer.read_rate = t.rate("read_rate");
   c.transfer.latency_s = t.seconds("latency");
+  c.transfer.turnaround_s = t.seconds("turnaround");
+  c.transfer.ack_latency_s = t.seconds("ack_latency");
   c.transfer.overhead_s = t.seconds("overhead");
   t.check_all_used();
   top.check_all_used();
@@ -269,6 +272,7 @@ void load_calibration(const std::string& path, Calibration& into) {
   if (j.contains("engine_device") && j["engine_device"].is_string()) into.engine_device = j["engine_device"].get<std::string>();
   take("host_copy_bytes_per_s", into.host_copy_rate, 0);
   take("engine_copy_bytes_per_s", into.engine_copy_rate, 0);
+  take("row_cost_s", into.row_cost_s, 0);
   take("engine_node_copy_bytes_per_s", into.engine_node_copy_rate, 0);
   take("engine_crowded_copy_bytes_per_s", into.engine_crowded_copy_rate, 0);
   take("host_node_copy_bytes_per_s", into.host_node_copy_rate, 0);
@@ -279,6 +283,8 @@ void load_calibration(const std::string& path, Calibration& into) {
   into.host_memory = static_cast<uint64_t>(memory);
   take("read_bytes_per_s", into.read_rate, 0);
   take("latency_s", into.latency_s, -1);
+  take("turnaround_s", into.turnaround_s, -1);
+  take("ack_latency_s", into.ack_latency_s, -1);
   take("overhead_s", into.overhead_s, -1);
   take("device_copy_bytes_per_s", into.device_copy_rate, 0);
   take("pinned_copy_bytes_per_s", into.pinned_copy_rate, 0);
@@ -294,6 +300,7 @@ void save_calibration(const std::string& path, const Calibration& c) {
   };
   put("host_copy_bytes_per_s", c.host_copy_rate, 0);
   put("engine_copy_bytes_per_s", c.engine_copy_rate, 0);
+  put("row_cost_s", c.row_cost_s, 0);
   put("engine_node_copy_bytes_per_s", c.engine_node_copy_rate, 0);
   put("engine_crowded_copy_bytes_per_s", c.engine_crowded_copy_rate, 0);
   put("host_node_copy_bytes_per_s", c.host_node_copy_rate, 0);
@@ -301,6 +308,8 @@ void save_calibration(const std::string& path, const Calibration& c) {
   put("host_memory_bytes", static_cast<double>(c.host_memory), 0);
   put("read_bytes_per_s", c.read_rate, 0);
   put("latency_s", c.latency_s, -1);
+  put("turnaround_s", c.turnaround_s, -1);
+  put("ack_latency_s", c.ack_latency_s, -1);
   put("overhead_s", c.overhead_s, -1);
   put("device_copy_bytes_per_s", c.device_copy_rate, 0);
   put("pinned_copy_bytes_per_s", c.pinned_copy_rate, 0);
@@ -325,7 +334,12 @@ void apply_calibration(Cluster& cluster, const Calibration& cal) {
     if (g.gpu) {
       if (g.copy_rate == 0) g.copy_rate = engine && cal.engine_copy_rate > 0 ? cal.engine_copy_rate : cal.device_copy_rate;
       if (g.node_copy_rate == 0 && engine) g.node_copy_rate = cal.engine_node_copy_rate;
-      if (g.nvlink_rate == 0) g.nvlink_rate = cal.peer_copy_rate;
+      // The engine's copies reach a share of the device copy's ceiling (many tensors, each its own
+      // copy); measured on one GPU, the same share is assumed of NVLink's.
+      const double share = engine && cal.engine_copy_rate > 0 && cal.device_copy_rate > 0
+                               ? std::min(1.0, cal.engine_copy_rate / cal.device_copy_rate)
+                               : 1.0;
+      if (g.nvlink_rate == 0) g.nvlink_rate = cal.peer_copy_rate * share;
       if (g.pcie_rate == 0) g.pcie_rate = cal.pinned_copy_rate;
       need(g, g.copy_rate, "copy");
       if (g.node_copy_rate == 0) g.node_copy_rate = g.copy_rate;
@@ -335,6 +349,7 @@ void apply_calibration(Cluster& cluster, const Calibration& cal) {
         g.node_copy_rate = engine && cal.engine_node_copy_rate > 0 ? cal.engine_node_copy_rate : cal.host_node_copy_rate;
       if (g.cores == 0) g.cores = cal.cores;
       if (g.memory == 0) g.memory = cal.host_memory;
+      if (g.row_cost_s == 0) g.row_cost_s = cal.row_cost_s;
       need(g, g.copy_rate, "copy");
       if (g.node_copy_rate == 0) g.node_copy_rate = g.copy_rate * std::max(g.cores, 1);
       if (g.crowded_copy_rate == 0 && engine) g.crowded_copy_rate = cal.engine_crowded_copy_rate;
@@ -345,6 +360,9 @@ void apply_calibration(Cluster& cluster, const Calibration& cal) {
                                  : cluster.transfer.transport == "nccl" ? cal.nccl_rate
                                                                         : 0;
   if (cluster.transfer.latency_s < 0) cluster.transfer.latency_s = std::max(cal.latency_s, 0.0);
+  if (cluster.transfer.ack_latency_s < 0)
+    cluster.transfer.ack_latency_s = cal.ack_latency_s >= 0 ? cal.ack_latency_s : cluster.transfer.latency_s;
+  if (cluster.transfer.turnaround_s < 0) cluster.transfer.turnaround_s = std::max(cal.turnaround_s, 0.0);
   if (cluster.transfer.overhead_s < 0) cluster.transfer.overhead_s = std::max(cal.overhead_s, 0.0);
 }
 

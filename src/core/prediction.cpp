@@ -10,6 +10,7 @@
 #include <set>
 
 #include "core/fail.h"
+#include "core/box_copy.h"
 #include "refit/plan.h"
 #include "refit/transfer_plan.h"
 
@@ -198,11 +199,15 @@ struct Flush {
   uint64_t bytes = 0;    // the bucket's used bytes
   uint64_t packed = 0;   // stream bytes copied since the source's previous flush
   bool last = false;
+  uint64_t rows = 0;     // strided rows among those copies (each a copy of its own on a CPU)
 };
 
 struct SimLink {
   uint32_t source = 0, destination = 0;
   std::vector<uint64_t> buckets;  // used bytes
+  std::vector<uint64_t> rows;     // strided rows in each bucket: the destination copies them out one by one
+  std::vector<uint64_t> merged;   // bytes in each bucket of tensors that arrive in several chunks: the
+                                  // destination copies them twice (into the whole tensor, then loads it)
   bool mapped = false;
   // Source side.
   int64_t acknowledged = -1;  // highest bucket the source has seen acknowledged
@@ -220,6 +225,8 @@ class PipelineModel {
   PipelineModel(const Cluster& cluster, uint32_t sources, uint32_t destinations, double start)
       : cluster_(cluster), resources_(sim_), start_(start) {
     latency_ = std::max(cluster.transfer.latency_s, 0.0);
+    turnaround_ = std::max(cluster.transfer.turnaround_s, 0.0);
+    ack_latency_ = cluster.transfer.ack_latency_s >= 0 ? cluster.transfer.ack_latency_s : latency_;
     for (uint32_t s = 0; s < sources; ++s) source_places_.push_back(place_of(cluster, cluster.sources, s));
     for (uint32_t d = 0; d < destinations; ++d)
       destination_places_.push_back(place_of(cluster, cluster.destinations, d));
@@ -275,6 +282,10 @@ class PipelineModel {
   };
 
   double now() const { return start_ + sim_.now(); }
+  // A copy's bytes, plus what its strided rows cost (each row a copy of its own), as bytes.
+  static double copy_bytes(const Place& p, uint64_t bytes, uint64_t rows) {
+    return static_cast<double>(bytes) + static_cast<double>(rows) * p.group->row_cost_s * p.group->copy_rate;
+  }
   void event(PredictedWorker& w, TimelinePhase phase, uint32_t peer, uint64_t bucket, double from, double to,
              uint64_t bytes) {
     w.events.push_back({phase, peer, bucket, from, to, bytes});
@@ -290,7 +301,7 @@ class PipelineModel {
     const Place& p = source_places_[s];
     const double begun = now();
     const auto [cores, memory] = resources_.copy(p);
-    sim_.start_flow(static_cast<double>(f.packed), p.group->copy_rate, {cores, memory}, [this, s, f, begun] {
+    sim_.start_flow(copy_bytes(p, f.packed, f.rows), p.group->copy_rate, {cores, memory}, [this, s, f, begun] {
       SimLink& l = links_[f.link];
       const double t = now();
       event(out_sources_[s], TimelinePhase::kPack, l.destination, f.bucket, begun, t, f.bytes);
@@ -311,7 +322,7 @@ class PipelineModel {
   }
 
   void acknowledge(uint32_t k, uint64_t bucket) {
-    sim_.at(sim_.now() + latency_, [this, k, bucket] {
+    sim_.at(sim_.now() + ack_latency_, [this, k, bucket] {
       SimLink& l = links_[k];
       l.acknowledged = std::max(l.acknowledged, static_cast<int64_t>(bucket));
       const double t = now();
@@ -393,12 +404,15 @@ class PipelineModel {
       event(w, TimelinePhase::kRelease, l.source, b, t, t, 0);
       w.bytes += l.buckets[b];
       l.released = static_cast<int64_t>(b);
-      destination_state_[d].loading = false;
       if (l.mapped && b + 1 == l.buckets.size()) acknowledge(k, b);
       try_fetch(k);
-      try_load(d);
+      // The engine turns to the next bucket after its measured turnaround.
+      sim_.at(sim_.now() + turnaround_, [this, d] {
+        destination_state_[d].loading = false;
+        try_load(d);
+      });
     };
-    const double bytes = static_cast<double>(l.buckets[b]);
+    const double bytes = copy_bytes(dst, l.buckets[b] + l.merged[b], l.rows[b]);
     const auto [cores, memory] = resources_.copy(dst);
     if (l.mapped && dst.group->gpu && !same_gpu(src, dst)) {
       // Loading from a peer GPU's mapped buffer pulls the bytes over NVLink.
@@ -412,7 +426,7 @@ class PipelineModel {
   FlowSim sim_;
   Resources resources_;
   double start_ = 0;
-  double latency_ = 0;
+  double latency_ = 0, ack_latency_ = 0, turnaround_ = 0;
   std::vector<Place> source_places_, destination_places_;
   std::vector<SimLink> links_;
   std::vector<SourceState> source_state_;
@@ -431,33 +445,53 @@ uint64_t link_bucket_bytes(uint64_t bucket, size_t ways) {
 // to its links, every link with its own packer; returns the flushes in stream order.
 struct PieceRef {
   uint32_t link;  // index into the model's links
-  TensorInfo info;
+  TensorInfo info;      // the piece, packed
+  const TensorInfo* whole = nullptr;  // the tensor it is cut from
+  Box box;              // ... and where
+  bool one_of_several = false;  // the destination gets this tensor in several pieces
 };
+
+// Rows of a strided copy of bytes [begin, begin + size) of `box`: 0 when they are contiguous.
+uint64_t strided_rows(const PieceRef& p, uint64_t begin, uint64_t size) {
+  if (p.whole == nullptr || p.box.is_whole() || size == 0) return 0;
+  uint64_t rows = 0;
+  for_each_box_block(p.whole->shape, dtype_size(p.whole->dtype), p.box, begin, size, [&](const BoxBlock& b) {
+    if (b.rows > 1) rows += b.rows;
+  });
+  return rows;
+}
 std::vector<Flush> pack_stream(const std::vector<std::vector<PieceRef>>& by_tensor, PipelineModel& model,
                                const std::vector<uint32_t>& links, const std::vector<uint64_t>& link_bytes) {
   std::map<uint32_t, BucketPacker> packers;
-  std::map<uint32_t, uint64_t> used, count;
+  std::map<uint32_t, uint64_t> used, count, rows, merged;
   for (size_t i = 0; i < links.size(); ++i) {
     packers.emplace(links[i], BucketPacker(link_bytes[i]));
-    used[links[i]] = 0;
-    count[links[i]] = 0;
+    used[links[i]] = count[links[i]] = rows[links[i]] = merged[links[i]] = 0;
   }
   std::vector<Flush> flushes;
-  uint64_t since = 0;
+  uint64_t since = 0, rows_since = 0;
   auto flush = [&](uint32_t k, bool last) {
-    flushes.push_back({k, count[k], used[k], since, last});
+    flushes.push_back({k, count[k], used[k], since, last, rows_since});
     model.link(k).buckets.push_back(used[k]);
-    since = 0;
+    model.link(k).rows.push_back(rows[k]);
+    model.link(k).merged.push_back(merged[k]);
+    since = rows_since = 0;
     ++count[k];
-    used[k] = 0;
+    used[k] = rows[k] = merged[k] = 0;
   };
   for (const auto& pieces : by_tensor)
-    for (const auto& p : pieces)
-      for (const ChunkPlacement& c : packers.at(p.link).place(p.info)) {
+    for (const auto& p : pieces) {
+      const auto chunks = packers.at(p.link).place(p.info);
+      for (const ChunkPlacement& c : chunks) {
         if (c.starts_bucket) flush(p.link, false);
+        if (p.one_of_several || chunks.size() > 1) merged[p.link] += c.size;
         used[p.link] = c.bucket_offset + c.size;
         since += c.size;
+        const uint64_t r = strided_rows(p, c.tensor_offset, c.size);
+        rows_since += r;
+        rows[p.link] += r;
       }
+    }
   for (uint32_t k : links) flush(k, true);
   return flushes;
 }
@@ -505,7 +539,9 @@ Prediction simulate_paired(const ModelInventory& model, std::span<const Layout> 
     std::vector<std::vector<PieceRef>> by_tensor;
     for (const auto& t : model.tensors) {
       Selection s = select(needs[i], t);
-      if (s.take != Take::kDrop) by_tensor.push_back({{k, std::move(s.info)}});
+      if (s.take == Take::kDrop) continue;
+      const Box box = s.take == Take::kSlice ? Box::of(Request::narrow(s.slice.dim, s.slice.start, s.slice.length)) : Box::whole();
+      by_tensor.push_back({{k, std::move(s.info), &t, box}});
     }
     pipeline.add_flushes(i, pack_stream(by_tensor, pipeline, {k}, {cluster.transfer.bucket_bytes}));
   }
@@ -522,6 +558,8 @@ Prediction predict_refit(const ModelInventory& model, std::span<const Layout> ho
   const TransferPlan plan = plan_transfers(model, holds, needs);
   PipelineModel pipeline(cluster, plan.source_count(), plan.destination_count(), 0);
   uint64_t largest = 0;
+  std::map<std::pair<uint32_t, uint32_t>, uint32_t> pieces_of;  // (destination, tensor) -> pieces
+  for (const TransferPiece& p : plan.pieces()) ++pieces_of[{p.destination, p.tensor}];
   for (uint32_t s = 0; s < plan.source_count(); ++s) {
     std::vector<uint32_t> links;
     std::vector<uint64_t> link_bytes;
@@ -534,7 +572,8 @@ Prediction predict_refit(const ModelInventory& model, std::span<const Layout> ho
       largest = std::max(largest, link_bytes.back());
       for (const TransferPiece& p : plan.link(s, d)) {
         const TensorInfo& t = model.tensors[p.tensor];
-        by_tensor[p.tensor].push_back({k, TensorInfo{t.name, t.dtype, p.box.shape_in(t.shape)}});
+        by_tensor[p.tensor].push_back({k, TensorInfo{t.name, t.dtype, p.box.shape_in(t.shape)}, &t, p.box,
+                                       pieces_of.at({d, p.tensor}) > 1});
       }
     }
     std::vector<std::vector<PieceRef>> ordered;

@@ -80,7 +80,8 @@ def cluster_yaml(name, sources, destinations, src, dst, bucket, hosts_rate=None,
     return (f"name: {name}\nnodes:\n{nodes}"
             f"sources: {{nodes: {side}, ranks: {sources}, parallel: {yaml_parallel(src)}}}\n"
             f"destinations: {{nodes: {side}, ranks: {destinations}, parallel: {yaml_parallel(dst)}}}\n"
-            f"transfer: {{transport: {gpu[1] if gpu else 'ucx'}, bucket: {bucket}}}\n")
+            f"transfer: {{transport: {gpu[1] if gpu else 'ucx'}, bucket: {bucket}"
+            f"{', buffers: host' if gpu and gpu[2] == 'host' else ''}}}\n")
 
 
 def rate_bits(rate):
@@ -147,15 +148,18 @@ def main():
     print(f"{'setup':<40} {'predicted s':>12} {'measured s':>11} {'ratio':>7}")
     ratios = []
     for (name, model, sources, destinations, src, dst, bucket), rate, gpu in runs:
-        label = name + (f" @{rate}" if rate else "") + (f" {gpu[1]} on {gpu[0]} GPU(s)" if gpu else "")
+        label = name + (f" @{rate}" if rate else "") + (f" {gpu[1]}{' host buffers' if gpu[2] == 'host' else ''} "
+                                                         f"on {gpu[0]} GPU(s)" if gpu else "")
         if args.only and not any(o in label for o in args.only):
             continue
         model_path = small if model == "small" else model
         extra, env = (), None
         if gpu:
-            gpu_count, transport = gpu
-            # --device cuda: the local group spreads its workers over the visible GPUs.
-            extra = ("--device", "cuda", "--tensors", "cuda", f"refit_cfg.nixl.backend_name={transport.upper()}")
+            gpu_count, transport, buffers = gpu
+            # --device cuda: the local group spreads its workers over the visible GPUs; --device
+            # cpu with GPU tensors: pinned host buffers.
+            extra = ("--device", "cuda" if buffers == "device" else "cpu", "--tensors", "cuda",
+                     f"refit_cfg.nixl.backend_name={transport.upper()}")
             env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(str(g) for g in range(gpu_count)))
         measured = median_seconds(run_bench(model_path, sources, destinations, bench_flags(src, dst), bucket,
                                             args.refits, work, rate, extra, env))
@@ -168,13 +172,15 @@ def main():
           f"calibration {args.calibration}")
 
 
-# ... and the GPUs they need, and the transport.
+# ... and the GPUs they need, the transport, and where the transfer buffers are.
 GPU_SETUPS = [
-    ("qwen3-8b 1->1 1GiB", "data/models/qwen3-8b", 1, 1, {}, {}, "1GiB", 1, "cuda_ipc"),
-    ("qwen3-8b 1->1 256MiB", "data/models/qwen3-8b", 1, 1, {}, {}, "256MiB", 1, "cuda_ipc"),
-    ("qwen3-8b 1->1 1GiB", "data/models/qwen3-8b", 1, 1, {}, {}, "1GiB", 2, "cuda_ipc"),
-    ("qwen3-8b 1->1 256MiB", "data/models/qwen3-8b", 1, 1, {}, {}, "256MiB", 2, "cuda_ipc"),
-    ("qwen3-8b 1->1 1GiB", "data/models/qwen3-8b", 1, 1, {}, {}, "1GiB", 2, "nccl"),
+    ("qwen3-8b 1->1 1GiB", "data/models/qwen3-8b", 1, 1, {}, {}, "1GiB", 1, "cuda_ipc", "device"),
+    ("qwen3-8b 1->1 256MiB", "data/models/qwen3-8b", 1, 1, {}, {}, "256MiB", 1, "cuda_ipc", "device"),
+    ("qwen3-8b 1->1 2GiB", "data/models/qwen3-8b", 1, 1, {}, {}, "2GiB", 1, "ucx", "host"),
+    ("qwen3-8b 1->1 1GiB", "data/models/qwen3-8b", 1, 1, {}, {}, "1GiB", 2, "cuda_ipc", "device"),
+    ("qwen3-8b 1->1 256MiB", "data/models/qwen3-8b", 1, 1, {}, {}, "256MiB", 2, "cuda_ipc", "device"),
+    ("qwen3-8b 1->1 1GiB", "data/models/qwen3-8b", 1, 1, {}, {}, "1GiB", 2, "nccl", "device"),
+    ("qwen3-8b 2->2 1GiB", "data/models/qwen3-8b", 2, 2, {}, {}, "1GiB", 2, "cuda_ipc", "device"),
 ]
 
 if __name__ == "__main__":

@@ -48,6 +48,8 @@ struct ClusterTransfer {
   uint64_t bucket_bytes = 0;  // per buffer; 0: the engine's sizing from the workers' memory
   std::string transport;      // ucx (RDMA or TCP across nodes), cuda_ipc, nccl
   bool mapped = true;         // same-node destinations load straight from the source's buffers
+  bool host_buffers = false;  // GPU workers keep their transfer buffers in pinned host memory (packs
+                              // and loads cross PCIe), as refit_cfg.nixl.device=cpu with GPU tensors
   double read_rate = 0;       // one read stream's ceiling (the transport's own); 0: calibration (UCX:
                               // ucp_get, NCCL: send/recv), else none
   double latency_s = -1;      // an announcement, until the destination starts on it; < 0: calibration

@@ -211,6 +211,10 @@ Cluster parse_cluster(const std::string& yaml, const std::string& origin) {
   if (c.transfer.transport != "ucx" && c.transfer.transport != "cuda_ipc" && c.transfer.transport != "nccl")
     fail(ErrorKind::kConfig, "{}: 'transfer.transport' must be ucx, cuda_ipc or nccl, got '{}'", origin, c.transfer.transport);
   c.transfer.mapped = t.flag("mapped", true);
+  const std::string buffers = t.text("buffers", "device");
+  if (buffers != "device" && buffers != "host")
+    fail(ErrorKind::kConfig, "{}: 'transfer.buffers' must be device or host, got '{}'", origin, buffers);
+  c.transfer.host_buffers = buffers == "host";
   c.transfer.read_rate = t.rate("read_rate");
   c.transfer.latency_s = t.seconds("latency");
   c.transfer.turnaround_s = t.seconds("turnaround");

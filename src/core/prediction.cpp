@@ -26,11 +26,15 @@ class FlowSim {
   using Callback = std::function<void()>;
 
   // `crowded`: the capacity once more than `slots` flows cross it (a CPU node's cores, time-sliced).
-  int add_resource(std::string name, double capacity, int slots = 0, double crowded = 0) {
+  // `exclusive`: one flow at a time, the others wait their turn in order (a GPU's copies from
+  // several processes: their contexts take turns).
+  int add_resource(std::string name, double capacity, int slots = 0, double crowded = 0, bool exclusive = false) {
     names_.push_back(std::move(name));
     capacity_.push_back(capacity);
     slots_.push_back(slots);
     crowded_.push_back(crowded > 0 ? crowded : capacity);
+    exclusive_.push_back(exclusive);
+    waiting_.emplace_back();
     active_.push_back(0);
     bytes_.push_back(0);
     return static_cast<int>(capacity_.size()) - 1;
@@ -43,13 +47,16 @@ class FlowSim {
     f.remaining = bytes;
     f.cap = cap > 0 ? cap : kInf;
     for (int r : resources)
-      if (r >= 0) {
-        f.resources[f.count++] = r;
-        ++active_[r];
-        bytes_[r] += bytes;
-      }
+      if (r >= 0) f.resources[f.count++] = r;
     f.done = std::move(done);
-    flows_.push_back(std::move(f));
+    for (int k = 0; k < f.count; ++k) {
+      const int r = f.resources[k];
+      if (exclusive_[r] && (active_[r] > 0 || !waiting_[r].empty())) {
+        waiting_[r].push_back(std::move(f));
+        return;
+      }
+    }
+    admit(std::move(f));
   }
 
   void at(double time, Callback callback) { timers_.push({time, sequence_++, std::move(callback)}); }
@@ -72,10 +79,12 @@ class FlowSim {
       const double slack = 1e-12 * std::max(1.0, next);
       now_ = next;
       finished.clear();
+      std::vector<int> freed;
       for (size_t i = 0; i < flows_.size();) {
         Flow& f = flows_[i];
         if (f.finish <= next + slack) {
-          for (int k = 0; k < f.count; ++k) --active_[f.resources[k]];
+          for (int k = 0; k < f.count; ++k)
+            if (--active_[f.resources[k]] == 0 && exclusive_[f.resources[k]]) freed.push_back(f.resources[k]);
           finished.push_back(std::move(f.done));
           flows_[i] = std::move(flows_.back());
           flows_.pop_back();
@@ -84,6 +93,12 @@ class FlowSim {
           ++i;
         }
       }
+      for (int r : freed)
+        if (active_[r] == 0 && !waiting_[r].empty()) {
+          Flow f = std::move(waiting_[r].front());
+          waiting_[r].pop_front();
+          admit(std::move(f));
+        }
       while (!timers_.empty() && timers_.top().time <= now_ + slack) {
         finished.push_back(timers_.top().callback);
         timers_.pop();
@@ -102,6 +117,14 @@ class FlowSim {
   }
 
  private:
+  struct Flow;
+  void admit(Flow f) {
+    for (int k = 0; k < f.count; ++k) {
+      ++active_[f.resources[k]];
+      bytes_[f.resources[k]] += f.remaining;
+    }
+    flows_.push_back(std::move(f));
+  }
   double share(int r) const {
     const double capacity = slots_[r] > 0 && active_[r] > slots_[r] ? crowded_[r] : capacity_[r];
     return capacity / active_[r];
@@ -123,6 +146,8 @@ class FlowSim {
   std::vector<std::string> names_;
   std::vector<double> capacity_, crowded_;
   std::vector<int> slots_, active_;
+  std::vector<bool> exclusive_;
+  std::vector<std::deque<Flow>> waiting_;  // per exclusive resource, in arrival order
   std::vector<double> bytes_;
   std::vector<Flow> flows_;
   std::priority_queue<Timer, std::vector<Timer>, std::greater<>> timers_;
@@ -157,7 +182,7 @@ class Resources {
   std::pair<int, int> copy(const Place& p) {
     if (p.group->gpu) {
       const int gpu = p.slot % std::max(p.group->gpus, 1);
-      return {get(fmt::format("GPU {} copy (node {})", gpu, p.node_key), p.group->node_copy_rate), -1};
+      return {get(fmt::format("GPU {} copy (node {})", gpu, p.node_key), p.group->node_copy_rate, 0, 0, true), -1};
     }
     const int cores = std::max(p.group->cores, 1);
     return {get(fmt::format("cores (node {})", p.node_key), p.group->copy_rate * cores),
@@ -170,6 +195,14 @@ class Resources {
     const std::string who = p.group->nic_per_worker ? fmt::format("worker {} NIC", p.slot) : std::string("NIC");
     return get(fmt::format("{} {} (node {})", who, in ? "in" : "out", p.node_key), rate);
   }
+  // A GPU's PCIe link to pinned host memory, each way.
+  int pcie(const Place& p, bool to_host) {
+    if (p.group->pcie_rate <= 0)
+      fail(ErrorKind::kConfig, "node group '{}': transfer buffers in host memory, but pcie is not given", p.group->name);
+    return get(fmt::format("GPU {} PCIe {} (node {})", p.slot % std::max(p.group->gpus, 1), to_host ? "to host" : "from host",
+                           p.node_key),
+               p.group->pcie_rate);
+  }
   int nvlink(const Place& p, bool in) {
     if (p.group->nvlink_rate <= 0)
       fail(ErrorKind::kConfig, "node group '{}': GPUs of one node exchange bytes, but nvlink is not given", p.group->name);
@@ -178,9 +211,9 @@ class Resources {
   }
 
  private:
-  int get(const std::string& name, double capacity, int slots = 0, double crowded = 0) {
+  int get(const std::string& name, double capacity, int slots = 0, double crowded = 0, bool exclusive = false) {
     auto [it, fresh] = ids_.try_emplace(name, -1);
-    if (fresh) it->second = sim_.add_resource(name, capacity, slots, crowded);
+    if (fresh) it->second = sim_.add_resource(name, capacity, slots, crowded, exclusive);
     return it->second;
   }
   FlowSim& sim_;
@@ -282,6 +315,7 @@ class PipelineModel {
   };
 
   double now() const { return start_ + sim_.now(); }
+  bool host_buffers(const Place& p) const { return p.group->gpu && cluster_.transfer.host_buffers; }
   // A copy's bytes, plus what its strided rows cost (each row a copy of its own), as bytes.
   static double copy_bytes(const Place& p, uint64_t bytes, uint64_t rows) {
     return static_cast<double>(bytes) + static_cast<double>(rows) * p.group->row_cost_s * p.group->copy_rate;
@@ -300,8 +334,14 @@ class PipelineModel {
     const Flush f = st.flushes[st.next];
     const Place& p = source_places_[s];
     const double begun = now();
-    const auto [cores, memory] = resources_.copy(p);
-    sim_.start_flow(copy_bytes(p, f.packed, f.rows), p.group->copy_rate, {cores, memory}, [this, s, f, begun] {
+    auto [cores, memory] = resources_.copy(p);
+    double cap = p.group->copy_rate;
+    if (host_buffers(p)) {  // GPU tensors into pinned host buffers
+      cores = resources_.pcie(p, true);
+      memory = -1;
+      cap = p.group->pcie_rate;
+    }
+    sim_.start_flow(copy_bytes(p, f.packed, f.rows), cap, {cores, memory}, [this, s, f, begun] {
       SimLink& l = links_[f.link];
       const double t = now();
       event(out_sources_[s], TimelinePhase::kPack, l.destination, f.bucket, begun, t, f.bytes);
@@ -365,7 +405,7 @@ class PipelineModel {
     const double bytes = static_cast<double>(l.buckets[b]);
     if (src.node_key != dst.node_key) {
       sim_.start_flow(bytes, cluster_.transfer.read_rate, {resources_.nic(src, false), resources_.nic(dst, true)}, done);
-    } else if (src.group->gpu && !same_gpu(src, dst)) {
+    } else if (src.group->gpu && !same_gpu(src, dst) && !host_buffers(src)) {
       sim_.start_flow(bytes, cluster_.transfer.read_rate, {resources_.nvlink(src, false), resources_.nvlink(dst, true)}, done);
     } else {
       // Within one GPU or one host: a copy through its memory.
@@ -414,9 +454,17 @@ class PipelineModel {
     };
     const double bytes = copy_bytes(dst, l.buckets[b] + l.merged[b], l.rows[b]);
     const auto [cores, memory] = resources_.copy(dst);
-    if (l.mapped && dst.group->gpu && !same_gpu(src, dst)) {
-      // Loading from a peer GPU's mapped buffer pulls the bytes over NVLink.
-      sim_.start_flow(bytes, dst.group->copy_rate, {cores, resources_.nvlink(src, false), resources_.nvlink(dst, true)}, done);
+    if (host_buffers(dst)) {
+      // Out of pinned host memory (ours, or the source's mapped) into the GPU; merging split
+      // tensors happens in host memory, off this path.
+      sim_.start_flow(static_cast<double>(l.buckets[b]), dst.group->pcie_rate, {resources_.pcie(dst, false)}, done);
+    } else if (l.mapped && dst.group->gpu && !same_gpu(src, dst)) {
+      // Loading from a peer GPU's mapped buffer pulls the bytes over NVLink; merged tensors are
+      // then loaded again from local memory, which costs what those bytes would at NVLink's rate
+      // scaled by the local copy's.
+      const double local = static_cast<double>(l.merged[b]) * dst.group->nvlink_rate / dst.group->copy_rate;
+      sim_.start_flow(static_cast<double>(l.buckets[b]) + local, dst.group->copy_rate,
+                      {cores, resources_.nvlink(src, false), resources_.nvlink(dst, true)}, done);
     } else {
       sim_.start_flow(bytes, dst.group->copy_rate, {cores, memory}, done);
     }

@@ -257,6 +257,34 @@ Cluster load_cluster(const std::string& path) {
   return parse_cluster(text.str(), path);
 }
 
+namespace {
+
+// A calibration file's numbers: the key, the field, and the value that means "not measured".
+struct CalibrationField {
+  const char* key;
+  double Calibration::*field;
+  double unset;
+};
+constexpr CalibrationField kCalibrationFields[] = {
+    {"host_copy_bytes_per_s", &Calibration::host_copy_rate, 0},
+    {"host_node_copy_bytes_per_s", &Calibration::host_node_copy_rate, 0},
+    {"engine_copy_bytes_per_s", &Calibration::engine_copy_rate, 0},
+    {"engine_node_copy_bytes_per_s", &Calibration::engine_node_copy_rate, 0},
+    {"engine_crowded_copy_bytes_per_s", &Calibration::engine_crowded_copy_rate, 0},
+    {"row_cost_s", &Calibration::row_cost_s, 0},
+    {"read_bytes_per_s", &Calibration::read_rate, 0},
+    {"latency_s", &Calibration::latency_s, -1},
+    {"ack_latency_s", &Calibration::ack_latency_s, -1},
+    {"turnaround_s", &Calibration::turnaround_s, -1},
+    {"overhead_s", &Calibration::overhead_s, -1},
+    {"device_copy_bytes_per_s", &Calibration::device_copy_rate, 0},
+    {"pinned_copy_bytes_per_s", &Calibration::pinned_copy_rate, 0},
+    {"peer_copy_bytes_per_s", &Calibration::peer_copy_rate, 0},
+    {"nccl_bytes_per_s", &Calibration::nccl_rate, 0},
+};
+
+}  // namespace
+
 void load_calibration(const std::string& path, Calibration& into) {
   std::ifstream f(path);
   if (!f) fail(ErrorKind::kIo, "cannot read calibration file '{}'", path);
@@ -266,59 +294,27 @@ void load_calibration(const std::string& path, Calibration& into) {
   } catch (const nlohmann::json::exception& e) {
     fail(ErrorKind::kConfig, "calibration file '{}' is not valid JSON: {}", path, e.what());
   }
-  auto take = [&](const char* key, double& out, double unset) {
-    if (!j.contains(key)) return;
+  if (!j.is_object()) fail(ErrorKind::kConfig, "calibration file '{}' must hold a JSON object", path);
+  auto number = [&](const char* key) -> std::optional<double> {
+    if (!j.contains(key)) return std::nullopt;
     if (!j[key].is_number()) fail(ErrorKind::kConfig, "calibration file '{}': '{}' must be a number", path, key);
-    const double v = j[key].get<double>();
-    if (v != unset) out = v;
+    return j[key].get<double>();
   };
+  for (const auto& [key, field, unset] : kCalibrationFields)
+    if (auto v = number(key); v && *v != unset) into.*field = *v;
+  if (auto v = number("cores"); v && *v > 0) into.cores = static_cast<int>(*v);
+  if (auto v = number("host_memory_bytes"); v && *v > 0) into.host_memory = static_cast<uint64_t>(*v);
   if (j.contains("machine") && j["machine"].is_string()) into.machine = j["machine"].get<std::string>();
   if (j.contains("engine_device") && j["engine_device"].is_string()) into.engine_device = j["engine_device"].get<std::string>();
-  take("host_copy_bytes_per_s", into.host_copy_rate, 0);
-  take("engine_copy_bytes_per_s", into.engine_copy_rate, 0);
-  take("row_cost_s", into.row_cost_s, 0);
-  take("engine_node_copy_bytes_per_s", into.engine_node_copy_rate, 0);
-  take("engine_crowded_copy_bytes_per_s", into.engine_crowded_copy_rate, 0);
-  take("host_node_copy_bytes_per_s", into.host_node_copy_rate, 0);
-  double cores = into.cores, memory = static_cast<double>(into.host_memory);
-  take("cores", cores, 0);
-  take("host_memory_bytes", memory, 0);
-  into.cores = static_cast<int>(cores);
-  into.host_memory = static_cast<uint64_t>(memory);
-  take("read_bytes_per_s", into.read_rate, 0);
-  take("latency_s", into.latency_s, -1);
-  take("turnaround_s", into.turnaround_s, -1);
-  take("ack_latency_s", into.ack_latency_s, -1);
-  take("overhead_s", into.overhead_s, -1);
-  take("device_copy_bytes_per_s", into.device_copy_rate, 0);
-  take("pinned_copy_bytes_per_s", into.pinned_copy_rate, 0);
-  take("peer_copy_bytes_per_s", into.peer_copy_rate, 0);
-  take("nccl_bytes_per_s", into.nccl_rate, 0);
 }
 
 void save_calibration(const std::string& path, const Calibration& c) {
   nlohmann::json j = {{"machine", c.machine}};
   if (!c.engine_device.empty()) j["engine_device"] = c.engine_device;
-  auto put = [&](const char* key, double v, double unset) {
-    if (v != unset) j[key] = v;
-  };
-  put("host_copy_bytes_per_s", c.host_copy_rate, 0);
-  put("engine_copy_bytes_per_s", c.engine_copy_rate, 0);
-  put("row_cost_s", c.row_cost_s, 0);
-  put("engine_node_copy_bytes_per_s", c.engine_node_copy_rate, 0);
-  put("engine_crowded_copy_bytes_per_s", c.engine_crowded_copy_rate, 0);
-  put("host_node_copy_bytes_per_s", c.host_node_copy_rate, 0);
-  put("cores", c.cores, 0);
-  put("host_memory_bytes", static_cast<double>(c.host_memory), 0);
-  put("read_bytes_per_s", c.read_rate, 0);
-  put("latency_s", c.latency_s, -1);
-  put("turnaround_s", c.turnaround_s, -1);
-  put("ack_latency_s", c.ack_latency_s, -1);
-  put("overhead_s", c.overhead_s, -1);
-  put("device_copy_bytes_per_s", c.device_copy_rate, 0);
-  put("pinned_copy_bytes_per_s", c.pinned_copy_rate, 0);
-  put("peer_copy_bytes_per_s", c.peer_copy_rate, 0);
-  put("nccl_bytes_per_s", c.nccl_rate, 0);
+  for (const auto& [key, field, unset] : kCalibrationFields)
+    if (c.*field != unset) j[key] = c.*field;
+  if (c.cores > 0) j["cores"] = c.cores;
+  if (c.host_memory > 0) j["host_memory_bytes"] = c.host_memory;
   std::ofstream f(path);
   f << j.dump(2) << "\n";
   if (!f) fail(ErrorKind::kIo, "cannot write calibration file '{}'", path);

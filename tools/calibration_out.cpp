@@ -1,0 +1,242 @@
+#include "calibration_out.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <array>
+#include <filesystem>
+#include <map>
+#include <thread>
+#include <tuple>
+#include <vector>
+
+#include "refit/cluster.h"
+#include "refit/error.h"
+#include "refit/memory.h"
+
+namespace refit::tools {
+namespace {
+
+using nlohmann::json;
+
+struct Event {
+  bool source = false;  // a source's event (else a destination's)
+  uint64_t rank = 0, peer = 0, bucket = 0;
+  std::string phase;
+  double start = 0, end = 0, bytes = 0;
+};
+
+// The events of every refit that succeeded but the first (which also faults buffers in).
+std::vector<std::vector<Event>> later_timelines(const json& refits) {
+  std::vector<std::vector<Event>> out;
+  for (size_t k = 1; k < refits.size(); ++k) {
+    if (!refits[k].value("ok", false) || !refits[k].contains("timeline")) continue;
+    auto& events = out.emplace_back();
+    for (const auto& e : refits[k]["timeline"]) {
+      const std::string worker = e.at("worker").get<std::string>();
+      Event ev;
+      ev.source = worker.starts_with("source ");
+      ev.rank = std::stoull(worker.substr(worker.find(' ') + 1));
+      ev.peer = e.at("peer").get<uint64_t>();
+      ev.bucket = e.at("bucket").get<uint64_t>();
+      ev.phase = e.at("phase").get<std::string>();
+      ev.start = e.at("start").get<double>();
+      ev.end = e.at("end").get<double>();
+      ev.bytes = e.at("bytes").get<double>();
+      events.push_back(std::move(ev));
+    }
+  }
+  return out;
+}
+
+// A link's bucket: (source rank, destination rank, bucket).
+using BucketKey = std::tuple<uint64_t, uint64_t, uint64_t>;
+BucketKey key_of(const Event& e, int64_t bucket_offset = 0) {
+  const uint64_t bucket = e.bucket + bucket_offset;
+  return e.source ? BucketKey{e.rank, e.peer, bucket} : BucketKey{e.peer, e.rank, bucket};
+}
+
+double mean(double total, int count) { return count > 0 ? total / count : -1; }
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
+}
+
+// The driver's own share of a refit: from its start to the first bucket event, and from the last
+// to its end (median over the refits that succeeded).
+double control_overhead(const json& refits) {
+  std::vector<double> v;
+  for (const auto& r : refits) {
+    if (!r.value("ok", false) || !r.contains("timeline") || r["timeline"].empty()) continue;
+    double first = 1e300, last = 0;
+    for (const auto& e : r["timeline"]) {
+      first = std::min(first, e.at("start").get<double>());
+      last = std::max(last, e.at("end").get<double>());
+    }
+    v.push_back(std::max(0.0, first) + std::max(0.0, r.at("seconds").get<double>() - last));
+  }
+  return median(v);
+}
+
+// The engine's own copy rates, from its packs and loads of 1 MiB or more: while one ran alone, its
+// rate is one worker's; while two or more ran at once, the sum of their rates is what the host
+// sustains for them together (split at the host's core count: beyond it, crowded).
+struct CopyRates {
+  double alone = 0, together = 0, crowded = 0;  // 0: not seen (or too little of the run)
+  double overlapped = 0;                        // seconds during which copies overlapped
+};
+CopyRates engine_copy_rates(const std::vector<std::vector<Event>>& timelines) {
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  double bytes[3] = {0, 0, 0}, seconds[3] = {0, 0, 0};  // alone, together, crowded
+  for (const auto& events : timelines) {
+    std::vector<std::array<double, 3>> copies;  // start, end, rate
+    for (const auto& e : events)
+      if ((e.phase == "pack" || e.phase == "load") && e.bytes >= (1 << 20) && e.end > e.start)
+        copies.push_back({e.start, e.end, e.bytes / (e.end - e.start)});
+    // Sweep the copies' boundaries: each stretch between two has a set of copies running.
+    std::vector<double> edges;
+    for (const auto& c : copies) edges.insert(edges.end(), {c[0], c[1]});
+    std::sort(edges.begin(), edges.end());
+    for (size_t i = 0; i + 1 < edges.size(); ++i) {
+      const double a = edges[i], b = edges[i + 1];
+      if (b <= a) continue;
+      int running = 0;
+      double rate = 0;
+      for (const auto& c : copies)
+        if (c[0] <= a && c[1] >= b) {
+          ++running;
+          rate += c[2];
+        }
+      if (running == 0) continue;
+      const int kind = running == 1 ? 0 : running > cores ? 2 : 1;
+      bytes[kind] += rate * (b - a);
+      seconds[kind] += b - a;
+    }
+  }
+  const double all = seconds[0] + seconds[1] + seconds[2];
+  auto rate = [&](int kind, double share) { return seconds[kind] > share * all ? bytes[kind] / seconds[kind] : 0; };
+  return {rate(0, 0), rate(1, 0.2), rate(2, 0.2), seconds[1] + seconds[2]};
+}
+
+// From a bucket's announcement until its destination starts on it (its read, or its load when
+// mapped), over the buckets whose destination was idle by then (its previous load done). The
+// mean, so that the scheduler's occasional stalls count.
+double announcement_latency(const std::vector<std::vector<Event>>& timelines) {
+  double total = 0;
+  int count = 0;
+  for (const auto& events : timelines) {
+    std::map<BucketKey, double> announced, started, previous_done;
+    for (const auto& e : events) {
+      if (e.phase == "announce") announced[key_of(e)] = e.start;
+      if (e.phase == "read" || e.phase == "load") {
+        auto [it, fresh] = started.try_emplace(key_of(e), e.start);
+        if (!fresh) it->second = std::min(it->second, e.start);
+      }
+      if (e.phase == "load") previous_done[key_of(e, 1)] = e.end;
+    }
+    for (const auto& [key, at] : announced) {
+      auto s = started.find(key);
+      auto p = previous_done.find(key);
+      if (s == started.end() || (p != previous_done.end() && p->second > at)) continue;
+      total += std::max(0.0, s->second - at);
+      ++count;
+    }
+  }
+  return mean(total, count);
+}
+
+// From a destination releasing a bucket until its source sees it, over the buckets whose source
+// was waiting for it (it had announced the next one already).
+double acknowledgement_latency(const std::vector<std::vector<Event>>& timelines) {
+  double total = 0;
+  int count = 0;
+  for (const auto& events : timelines) {
+    std::map<BucketKey, double> released, seen, announced;
+    for (const auto& e : events) {
+      if (e.phase == "release") (e.source ? seen : released)[key_of(e)] = e.start;
+      if (e.phase == "announce") announced[key_of(e)] = e.start;
+    }
+    for (const auto& [key, at] : released) {
+      auto s = seen.find(key);
+      auto next = announced.find({std::get<0>(key), std::get<1>(key), std::get<2>(key) + 1});
+      if (s == seen.end() || next == announced.end() || next->second > at) continue;
+      total += std::max(0.0, s->second - at);
+      ++count;
+    }
+  }
+  return mean(total, count);
+}
+
+// A destination's turnaround: from the end of one load to the start of the next on the same
+// link, when that bucket had been announced before the first load ended (its bytes were waiting).
+double load_turnaround(const std::vector<std::vector<Event>>& timelines) {
+  double total = 0;
+  int count = 0;
+  for (const auto& events : timelines) {
+    std::map<BucketKey, std::pair<double, double>> loads;
+    std::map<BucketKey, double> announced;
+    for (const auto& e : events) {
+      if (e.phase == "load") loads[key_of(e)] = {e.start, e.end};
+      if (e.phase == "announce") announced[key_of(e)] = e.start;
+    }
+    for (const auto& [key, load] : loads) {
+      const BucketKey next_key{std::get<0>(key), std::get<1>(key), std::get<2>(key) + 1};
+      auto next = loads.find(next_key);
+      auto ready = announced.find(next_key);
+      if (next == loads.end() || ready == announced.end() || ready->second > load.second) continue;
+      total += std::max(0.0, next->second.first - load.second);
+      ++count;
+    }
+  }
+  return mean(total, count);
+}
+
+}  // namespace
+
+void save_bench_calibration(const std::string& path, const json& run) {
+  Calibration c;
+  if (std::filesystem::exists(path)) load_calibration(path, c);
+  const std::string device = run.at("tensor_memory").get<std::string>();
+  if (!c.engine_device.empty() && c.engine_device != device)
+    throw Error(ErrorKind::kInvalidArgument, fmt::format("--calibration-out {}: it holds the engine's copy rates on {}, this "
+                                                         "bench copies on {} (one file per kind of run)",
+                                                         path, c.engine_device, device));
+  c.engine_device = device;
+  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+  c.machine = fmt::format("{} cores, {:.0f} GiB, measured by refit bench", cores, total_host_memory_bytes() / 1073741824.0);
+  c.host_memory = total_host_memory_bytes();
+  if (run.contains("baseline")) {
+    const json& b = run["baseline"];
+    c.host_copy_rate = b.at("memcpy_bytes_per_s").get<double>();
+    c.host_node_copy_rate = b.at("all_cores_memcpy_bytes_per_s").get<double>();
+    c.row_cost_s = b.at("strided_row_cost_s").get<double>();
+    c.cores = static_cast<int>(cores);
+    if (b.contains("ucp_get_bytes_per_s")) c.read_rate = b["ucp_get_bytes_per_s"].get<double>();
+    if (b.contains("message_latency_s")) c.latency_s = b["message_latency_s"].get<double>();
+  }
+  const auto timelines = later_timelines(run.at("refits"));
+  // A run measures the rate its copies ran at: alone (when none ever overlapped), together, or
+  // crowded; and the hand-offs when its links carried many buckets.
+  const CopyRates rates = engine_copy_rates(timelines);
+  if (rates.alone > 0 && rates.overlapped == 0) c.engine_copy_rate = rates.alone;
+  if (rates.together > 0 && rates.crowded == 0) c.engine_node_copy_rate = rates.together;
+  if (rates.crowded > 0) c.engine_crowded_copy_rate = rates.crowded;
+  const bool many_buckets = run.value("bucket_bytes", uint64_t{0}) * 8 <= run.value("model_bytes", uint64_t{0});
+  if (many_buckets && rates.crowded == 0) {
+    if (const double v = announcement_latency(timelines); v >= 0) c.latency_s = v;
+    if (const double v = acknowledgement_latency(timelines); v >= 0) c.ack_latency_s = v;
+    if (const double v = load_turnaround(timelines); v >= 0) c.turnaround_s = v;
+  }
+  if (const double overhead = control_overhead(run.at("refits")); overhead > 0) c.overhead_s = overhead;
+  save_calibration(path, c);
+  fmt::print("calibration {}: the engine's copies {:.2f} GB/s alone, {:.2f} GB/s together, {:.2f} GB/s with more than "
+             "cores; memcpy {:.2f} GB/s; read {:.2f} GB/s; latency {:.1f} us (acknowledgement {:.1f} us); turnaround "
+             "{:.1f} us; refit overhead {:.2f} ms\n",
+             path, c.engine_copy_rate / 1e9, c.engine_node_copy_rate / 1e9, c.engine_crowded_copy_rate / 1e9,
+             c.host_copy_rate / 1e9, c.read_rate / 1e9, std::max(c.latency_s, 0.0) * 1e6,
+             std::max(c.ack_latency_s, 0.0) * 1e6, std::max(c.turnaround_s, 0.0) * 1e6, std::max(c.overhead_s, 0.0) * 1e3);
+}
+
+}  // namespace refit::tools

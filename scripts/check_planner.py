@@ -68,7 +68,8 @@ def cluster_yaml(name, sources, destinations, src, dst, bucket, hosts_rate=None,
     if hosts_rate:
         # One process per simulated host: each host's link is shaped to the rate, both ways.
         bits = rate_bits(hosts_rate)
-        nodes = (f"  - {{name: hosts, count: {sources + destinations}, workers: 1, device: cpu, "
+        # ... all of them namespaces of this one machine, talking TCP.
+        nodes = (f"  - {{name: hosts, count: {sources + destinations}, workers: 1, device: cpu, machine: this, "
                  f"nic: {{per: node, rate: {bits / 1e9}Gbit}}}}\n")
         side = "hosts"
     elif gpu:
@@ -81,7 +82,7 @@ def cluster_yaml(name, sources, destinations, src, dst, bucket, hosts_rate=None,
             f"sources: {{nodes: {side}, ranks: {sources}, parallel: {yaml_parallel(src)}}}\n"
             f"destinations: {{nodes: {side}, ranks: {destinations}, parallel: {yaml_parallel(dst)}}}\n"
             f"transfer: {{transport: {gpu[1] if gpu else 'ucx'}, bucket: {bucket}"
-            f"{', buffers: host' if gpu and gpu[2] == 'host' else ''}}}\n")
+            f"{', buffers: host' if gpu and gpu[2] == 'host' else ''}{', tcp: true' if hosts_rate else ''}}}\n")
 
 
 def rate_bits(rate):

@@ -106,6 +106,9 @@ std::optional<std::array<double, 7>> perftest(const std::string& test, uint64_t 
 Baseline measure_baseline(uint64_t bucket_bytes, const std::string& tls) {
   Baseline b;
   if (auto f = perftest("ucp_get", bucket_bytes, 20, tls, b.ucp_get_note)) b.ucp_get_bytes_per_s = (*f)[5] * 1024 * 1024;
+  std::string tcp_note;
+  if (auto f = perftest("ucp_get", std::min<uint64_t>(bucket_bytes, 16ull << 20), 40, "tcp", tcp_note))
+    b.tcp_get_bytes_per_s = (*f)[5] * 1024 * 1024;
   std::string latency_note;
   if (auto f = perftest("tag_lat", 64, 20000, tls, latency_note)) b.message_latency_s = (*f)[1] * 1e-6;
   b.memcpy_bytes_per_s = memcpy_rate(bucket_bytes);

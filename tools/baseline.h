@@ -12,6 +12,7 @@ namespace refit::tools {
 struct Baseline {
   std::optional<double> ucp_get_bytes_per_s;  // empty when ucx_perftest is missing or failed
   std::string ucp_get_note;                   // why it is empty, or the command that ran
+  std::optional<double> tcp_get_bytes_per_s;  // the same over TCP (UCX_TLS=tcp): this CPU's TCP capacity
   double memcpy_bytes_per_s = 0;
   double all_cores_memcpy_bytes_per_s = 0;  // every core copying at once
   double row_cost_s = 0;                    // each 256-byte row of a strided copy, beyond its bytes

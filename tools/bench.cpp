@@ -295,6 +295,7 @@ int run_bench(const BenchOptions& options) {
     base["ratio_to_memcpy"] = refit_rate / b.memcpy_bytes_per_s;
     base["all_cores_memcpy_bytes_per_s"] = b.all_cores_memcpy_bytes_per_s;
     base["strided_row_cost_s"] = b.row_cost_s;
+    if (b.tcp_get_bytes_per_s) base["tcp_get_bytes_per_s"] = *b.tcp_get_bytes_per_s;
     if (b.message_latency_s) base["message_latency_s"] = *b.message_latency_s;
     out["baseline"] = base;
     fmt::print("refit per pair {:.2f} GiB/s = {:.2f} x memcpy", refit_rate / kGiB, refit_rate / b.memcpy_bytes_per_s);

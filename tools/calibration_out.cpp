@@ -80,7 +80,7 @@ double control_overhead(const json& refits) {
   return median(v);
 }
 
-// The engine's own copy rates, from its packs and loads of 1 MiB or more: while one ran alone, its
+// The engine's own copy rates, from its packs and loads of 256 KiB or more: while one ran alone, its
 // rate is one worker's; while two or more ran at once, the sum of their rates is what the host
 // sustains for them together (split at the host's core count: beyond it, crowded).
 struct CopyRates {
@@ -93,7 +93,7 @@ CopyRates engine_copy_rates(const std::vector<std::vector<Event>>& timelines) {
   for (const auto& events : timelines) {
     std::vector<std::array<double, 3>> copies;  // start, end, rate
     for (const auto& e : events)
-      if ((e.phase == "pack" || e.phase == "load") && e.bytes >= (1 << 20) && e.end > e.start)
+      if ((e.phase == "pack" || e.phase == "load") && e.bytes >= (256 << 10) && e.end > e.start)
         copies.push_back({e.start, e.end, e.bytes / (e.end - e.start)});
     // Sweep the copies' boundaries: each stretch between two has a set of copies running.
     std::vector<double> edges;
@@ -214,6 +214,7 @@ void save_bench_calibration(const std::string& path, const json& run) {
     c.row_cost_s = b.at("strided_row_cost_s").get<double>();
     c.cores = static_cast<int>(cores);
     if (b.contains("ucp_get_bytes_per_s")) c.read_rate = b["ucp_get_bytes_per_s"].get<double>();
+    if (b.contains("tcp_get_bytes_per_s")) c.tcp_rate = b["tcp_get_bytes_per_s"].get<double>();
     if (b.contains("message_latency_s")) c.latency_s = b["message_latency_s"].get<double>();
   }
   const auto timelines = later_timelines(run.at("refits"));

@@ -31,6 +31,10 @@ struct NodeGroup {
   double crowded_copy_rate = 0;  // CPU nodes: more copies at once than cores (0: node_copy_rate)
   uint64_t memory = 0;       // per worker: GPU memory, or host memory on a CPU node
   double row_cost_s = 0;     // each row of a strided copy, beyond its bytes (CPU: a memcpy call)
+  // CPU nodes that are really one machine (simulated hosts: network namespaces of one kernel)
+  // name it here: their copies and TCP share its cores and memory. Empty: every node is its own.
+  std::string machine;
+  double tcp_rate = 0;       // CPU nodes: TCP both ends on one node (ucp_get over TCP loopback)
 };
 
 struct ClusterSide {
@@ -48,6 +52,8 @@ struct ClusterTransfer {
   uint64_t bucket_bytes = 0;  // per buffer; 0: the engine's sizing from the workers' memory
   std::string transport;      // ucx (RDMA or TCP across nodes), cuda_ipc, nccl
   bool mapped = true;         // same-node destinations load straight from the source's buffers
+  bool tcp = false;           // reads across nodes go through the kernels' TCP stacks, which spend CPU
+                              // on every byte at both ends (UCX over TCP, no RDMA)
   bool host_buffers = false;  // GPU workers keep their transfer buffers in pinned host memory (packs
                               // and loads cross PCIe), as refit_cfg.nixl.device=cpu with GPU tensors
   double read_rate = 0;       // one read stream's ceiling (the transport's own); 0: calibration (UCX:
@@ -86,6 +92,7 @@ struct Calibration {
   int cores = 0;
   uint64_t host_memory = 0;        // total host memory (a CPU node's bucket sizing)
   double read_rate = 0;            // one transport read stream (ucp_get over loopback)
+  double tcp_rate = 0;             // ucp_get over TCP, both ends on this machine: its CPU's TCP capacity
   double latency_s = -1;           // one control message
   double ack_latency_s = -1;       // a destination's acknowledgement, until its waiting source sees it
   double turnaround_s = -1;        // a destination between one load and the next

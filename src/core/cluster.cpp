@@ -127,6 +127,8 @@ NodeGroup read_group(const Section& s, size_t index) {
   g.crowded_copy_rate = s.rate("crowded_copy");
   g.memory = s.bytes("memory");
   g.row_cost_s = std::max(s.seconds("row_cost"), 0.0);
+  g.machine = s.text("machine", "");
+  g.tcp_rate = s.rate("tcp");
   s.check_all_used();
   return g;
 }
@@ -211,6 +213,7 @@ Cluster parse_cluster(const std::string& yaml, const std::string& origin) {
   if (c.transfer.transport != "ucx" && c.transfer.transport != "cuda_ipc" && c.transfer.transport != "nccl")
     fail(ErrorKind::kConfig, "{}: 'transfer.transport' must be ucx, cuda_ipc or nccl, got '{}'", origin, c.transfer.transport);
   c.transfer.mapped = t.flag("mapped", true);
+  c.transfer.tcp = t.flag("tcp", false);
   const std::string buffers = t.text("buffers", "device");
   if (buffers != "device" && buffers != "host")
     fail(ErrorKind::kConfig, "{}: 'transfer.buffers' must be device or host, got '{}'", origin, buffers);
@@ -273,6 +276,7 @@ constexpr CalibrationField kCalibrationFields[] = {
     {"engine_crowded_copy_bytes_per_s", &Calibration::engine_crowded_copy_rate, 0},
     {"row_cost_s", &Calibration::row_cost_s, 0},
     {"read_bytes_per_s", &Calibration::read_rate, 0},
+    {"tcp_read_bytes_per_s", &Calibration::tcp_rate, 0},
     {"latency_s", &Calibration::latency_s, -1},
     {"ack_latency_s", &Calibration::ack_latency_s, -1},
     {"turnaround_s", &Calibration::turnaround_s, -1},
@@ -350,6 +354,7 @@ void apply_calibration(Cluster& cluster, const Calibration& cal) {
       if (g.cores == 0) g.cores = cal.cores;
       if (g.memory == 0) g.memory = cal.host_memory;
       if (g.row_cost_s == 0) g.row_cost_s = cal.row_cost_s;
+      if (g.tcp_rate == 0) g.tcp_rate = cal.tcp_rate;
       need(g, g.copy_rate, "copy");
       if (g.node_copy_rate == 0) g.node_copy_rate = g.copy_rate * std::max(g.cores, 1);
       if (g.crowded_copy_rate == 0 && engine) g.crowded_copy_rate = cal.engine_crowded_copy_rate;

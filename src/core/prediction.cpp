@@ -185,8 +185,18 @@ class Resources {
       return {get(fmt::format("GPU {} copy (node {})", gpu, p.node_key), p.group->node_copy_rate, 0, 0, true), -1};
     }
     const int cores = std::max(p.group->cores, 1);
-    return {get(fmt::format("cores (node {})", p.node_key), p.group->copy_rate * cores),
-            get(fmt::format("memory (node {})", p.node_key), p.group->node_copy_rate, cores, p.group->crowded_copy_rate)};
+    const std::string where = p.group->machine.empty() ? "node " + p.node_key : "machine " + p.group->machine;
+    return {get(fmt::format("cores ({})", where), p.group->copy_rate * cores),
+            get(fmt::format("memory ({})", where), p.group->node_copy_rate, cores, p.group->crowded_copy_rate)};
+  }
+  // What a CPU node's kernel can push through TCP: measured with both ends on one machine, so a
+  // node that is one end of a flow has twice that.
+  int tcp(const Place& p) {
+    if (p.group->tcp_rate <= 0)
+      fail(ErrorKind::kConfig, "node group '{}': transfer.tcp is set, but its tcp rate is not given or calibrated",
+           p.group->name);
+    if (!p.group->machine.empty()) return get(fmt::format("TCP (machine {})", p.group->machine), p.group->tcp_rate);
+    return get(fmt::format("TCP (node {})", p.node_key), 2 * p.group->tcp_rate);
   }
   int nic(const Place& p, bool in) {
     const double rate = p.group->rails * p.group->rail_rate;
@@ -403,7 +413,13 @@ class PipelineModel {
       hand_over(k, b);
     };
     const double bytes = static_cast<double>(l.buckets[b]);
-    if (src.node_key != dst.node_key) {
+    if (src.node_key != dst.node_key && cluster_.transfer.tcp && !src.group->gpu && !dst.group->gpu) {
+      // Both ends' kernels spend CPU on every byte: the flow also crosses each end's TCP capacity
+      // (once, when both ends are one machine).
+      const int a = resources_.tcp(src), b = resources_.tcp(dst);
+      sim_.start_flow(bytes, cluster_.transfer.read_rate,
+                      {resources_.nic(src, false), resources_.nic(dst, true), a, a == b ? -1 : b}, done);
+    } else if (src.node_key != dst.node_key) {
       sim_.start_flow(bytes, cluster_.transfer.read_rate, {resources_.nic(src, false), resources_.nic(dst, true)}, done);
     } else if (src.group->gpu && !same_gpu(src, dst) && !host_buffers(src)) {
       sim_.start_flow(bytes, cluster_.transfer.read_rate, {resources_.nvlink(src, false), resources_.nvlink(dst, true)}, done);

@@ -11,6 +11,8 @@
 # GPU (--gpu, on the GPU machine): the copy ceilings of GPU 0 (refit_gpu_ceiling: device copy,
 #   pinned host copy, peer copy and NCCL with a second GPU), then steps 1 and 2 with GPU tensors
 #   and buffers on GPU 0 (MODEL, default data/models/qwen3-8b).
+# Each is run ROUNDS times (default 3) into files of their own, and FILE gets the median of each
+# value over the rounds: this kind of machine varies by 10-15% from one minute to the next.
 # Usage: scripts/calibrate.sh [--gpu] [FILE]   (default build/calibration.json; BUILD_DIR as elsewhere)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,20 +22,40 @@ BUILD="${BUILD_DIR:-build/release}"
 FILE="${1:-$BUILD/calibration.json}"
 REFIT="$BUILD/refit"
 [ -x "$REFIT" ] || { echo "calibrate: build first (scripts/setup.sh release): $REFIT is missing" >&2; exit 1; }
-rm -f "$FILE"
-if [ "$gpu" = 1 ]; then
-  model="${MODEL:-data/models/qwen3-8b}"
-  "$BUILD/tests/gpu/refit_gpu_ceiling" --device 0 --bytes $((1 << 30)) --iterations 10 --calibration-out "$FILE" | tail -n 1
-  export CUDA_VISIBLE_DEVICES=0
-  "$REFIT" bench --model "$model" --device cuda --tensors cuda --refits 5 --calibration-out "$FILE" \
-    refit_cfg.nixl.bucket_bytes=20GiB | grep -E "^calibration|median"
-  "$REFIT" bench --model "$model" --device cuda --tensors cuda --refits 5 --calibration-out "$FILE" \
-    refit_cfg.nixl.bucket_bytes=256MiB | grep -E "^calibration|median"
-  exit 0
-fi
-"$REFIT" bench --refits 5 --baseline --calibration-out "$FILE" | grep -E "^calibration|median"
-"$REFIT" bench --refits 5 --calibration-out "$FILE" refit_cfg.nixl.bucket_bytes=16MiB | grep -E "^calibration|median"
-if [ "$(nproc)" -lt 4 ]; then
-  "$REFIT" bench --refits 5 --sources 2 --destinations 2 --calibration-out "$FILE" refit_cfg.nixl.bucket_bytes=16MiB |
-    grep -E "^calibration|median"
-fi
+rounds="${ROUNDS:-3}"
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+one_round() {  # $1: the file of this round
+  local out="$1"
+  if [ "$gpu" = 1 ]; then
+    local model="${MODEL:-data/models/qwen3-8b}"
+    "$BUILD/tests/gpu/refit_gpu_ceiling" --device 0 --bytes $((1 << 30)) --iterations 10 --calibration-out "$out" | tail -n 1
+    CUDA_VISIBLE_DEVICES=0 "$REFIT" bench --model "$model" --device cuda --tensors cuda --refits 5 --calibration-out "$out" \
+      refit_cfg.nixl.bucket_bytes=20GiB | grep -E "^calibration"
+    CUDA_VISIBLE_DEVICES=0 "$REFIT" bench --model "$model" --device cuda --tensors cuda --refits 5 --calibration-out "$out" \
+      refit_cfg.nixl.bucket_bytes=256MiB | grep -E "^calibration"
+    return
+  fi
+  "$REFIT" bench --refits 5 --baseline --calibration-out "$out" | grep -E "^calibration"
+  "$REFIT" bench --refits 5 --calibration-out "$out" refit_cfg.nixl.bucket_bytes=16MiB | grep -E "^calibration"
+  if [ "$(nproc)" -lt 4 ]; then
+    "$REFIT" bench --refits 5 --sources 2 --destinations 2 --calibration-out "$out" refit_cfg.nixl.bucket_bytes=16MiB |
+      grep -E "^calibration"
+  fi
+}
+for ((r = 1; r <= rounds; r++)); do
+  echo "== calibration round $r of $rounds"
+  one_round "$work/round$r.json"
+done
+python3 - "$FILE" "$work"/round*.json <<'PY'
+import json, statistics, sys
+out, rounds = sys.argv[1], [json.load(open(p)) for p in sys.argv[2:]]
+merged = dict(rounds[-1])
+for key in merged:
+    values = [r[key] for r in rounds if isinstance(r.get(key), (int, float))]
+    if values and all(isinstance(v, (int, float)) for v in values):
+        merged[key] = statistics.median(values)
+merged["machine"] = f"{merged.get('machine', '')}; median of {len(rounds)} rounds"
+json.dump(merged, open(out, "w"), indent=2)
+print(f"calibration {out}: median of {len(rounds)} rounds")
+PY

@@ -70,6 +70,9 @@ int source_rank_for_destination(int rollout_rank, int train_world_size, int roll
 class CheckpointEngine::Impl {
  public:
   explicit Impl(EngineOptions options) : options_(std::move(options)) {
+    // spdlog makes its registry on first use, behind a guard ThreadSanitizer cannot see (the
+    // library is not instrumented): make it here, before a send and the fetch threads log at once.
+    spdlog::default_logger_raw();
     if (options_.bucket_bytes == 0) fail(ErrorKind::kConfig, "bucket size must be at least 1 byte");
     const Device& device = options_.config.device;
     in_phase("refit_cfg.nixl.device", [&] { check_device(device); });

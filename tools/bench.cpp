@@ -11,6 +11,7 @@
 
 #include "baseline.h"
 #include "calibration_out.h"
+#include "median.h"
 #include "programs.h"
 #include "verify.h"
 #include "refit/bucket_size.h"
@@ -38,13 +39,6 @@ bool is_safetensors(const std::string& path) {
   for (const auto& e : fs::directory_iterator(path))
     if (e.path().extension() == ".safetensors") return true;
   return false;
-}
-
-double median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  size_t n = v.size();
-  return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
 }
 
 // Resharding: how many peers each side had and what each source sent (its egress).

@@ -1,4 +1,5 @@
 #include "calibration_out.h"
+#include "median.h"
 
 #include <fmt/format.h>
 
@@ -57,12 +58,6 @@ BucketKey key_of(const Event& e, int64_t bucket_offset = 0) {
 }
 
 double mean(double total, int count) { return count > 0 ? total / count : -1; }
-
-double median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  return v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
-}
 
 // The driver's own share of a refit: from its start to the first bucket event, and from the last
 // to its end (median over the refits that succeeded).

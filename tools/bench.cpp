@@ -12,13 +12,13 @@
 #include "baseline.h"
 #include "calibration_out.h"
 #include "median.h"
+#include "timeline_json.h"
 #include "programs.h"
 #include "verify.h"
 #include "refit/bucket_size.h"
 #include "refit/memory.h"
 #include "refit/config.h"
 #include "refit/tensor.h"
-#include "refit/timeline.h"
 #include "refit/error.h"
 #include "refit/local_group.h"
 #include "refit/rank_group.h"
@@ -64,10 +64,8 @@ void print_fan(const json& sources, const json& destinations) {
 json timeline_of(const RefitReport& report) {
   json events = json::array();
   for (const auto& w : report.workers) {
-    const std::string worker = fmt::format("{} {}", w.is_source ? "source" : "destination", w.rank);
-    for (const TimelineEvent& e : w.is_source ? w.send.events : w.receive.events)
-      events.push_back({{"worker", worker}, {"phase", to_string(e.phase)}, {"peer", e.peer}, {"bucket", e.bucket},
-                        {"start", e.start - report.start_time}, {"end", e.end - report.start_time}, {"bytes", e.bytes}});
+    append_timeline(events, fmt::format("{} {}", w.is_source ? "source" : "destination", w.rank),
+                    w.is_source ? w.send.events : w.receive.events, report.start_time);
   }
   return events;
 }

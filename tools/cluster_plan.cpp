@@ -12,6 +12,7 @@
 #include "refit/error.h"
 #include "refit/model.h"
 #include "refit/prediction.h"
+#include "timeline_json.h"
 
 namespace refit::tools {
 namespace {
@@ -44,10 +45,7 @@ SourceParallelOptions source_parallel(const ClusterSide& side) {
 json events_json(const Prediction& p) {
   json events = json::array();
   for (const auto* side : {&p.sources, &p.destinations})
-    for (const auto& w : *side)
-      for (const auto& e : w.events)
-        events.push_back({{"worker", w.worker}, {"phase", to_string(e.phase)}, {"peer", e.peer}, {"bucket", e.bucket},
-                          {"start", e.start}, {"end", e.end}, {"bytes", e.bytes}});
+    for (const auto& w : *side) append_timeline(events, w.worker, w.events);
   return events;
 }
 

@@ -5,6 +5,7 @@
 #include <cctype>
 #include <cmath>
 #include <fstream>
+#include <optional>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
@@ -14,6 +15,22 @@
 
 namespace refit {
 namespace {
+
+// "30us" -> (30, "us"), "400 Gbit/s" -> (400, "Gbit/s"); nothing when it does not start with a
+// finite number.
+std::optional<std::pair<double, std::string>> split_number(const std::string& text) {
+  size_t end = 0;
+  double number = 0;
+  try {
+    number = std::stod(text, &end);
+  } catch (const std::exception&) {
+    return std::nullopt;
+  }
+  if (!std::isfinite(number)) return std::nullopt;
+  std::string unit = text.substr(end);
+  while (!unit.empty() && std::isspace(static_cast<unsigned char>(unit.front()))) unit.erase(0, 1);
+  return std::pair(number, unit);
+}
 
 // One YAML mapping being read: every key must be known, and errors name the key's full path.
 class Section {
@@ -83,19 +100,12 @@ class Section {
 double Section::seconds(const std::string& name) const {
   if (!has(name)) return -1;
   const std::string v = text(name);
-  size_t end = 0;
-  double number = 0;
-  try {
-    number = std::stod(v, &end);
-  } catch (const std::exception&) {
-    end = 0;
-  }
-  const std::string unit = v.substr(end);
   static const std::map<std::string, double> kUnits = {{"s", 1}, {"ms", 1e-3}, {"us", 1e-6}, {"ns", 1e-9}};
-  const auto it = kUnits.find(unit);
-  if (end == 0 || it == kUnits.end() || number < 0)
+  const auto parsed = split_number(v);
+  const auto it = parsed ? kUnits.find(parsed->second) : kUnits.end();
+  if (it == kUnits.end() || parsed->first < 0)
     fail(ErrorKind::kConfig, "{}: '{}' must be a duration such as 30us, 2ms or 0.5s, got '{}'", origin_, key(name), v);
-  return number * it->second;
+  return parsed->first * it->second;
 }
 
 NodeGroup read_group(const Section& s, size_t index) {
@@ -164,25 +174,17 @@ const NodeGroup& Cluster::group(const std::string& name) const {
 }
 
 double parse_rate(const std::string& text, const std::string& key) {
-  size_t end = 0;
-  double number = 0;
-  try {
-    number = std::stod(text, &end);
-  } catch (const std::exception&) {
-    end = 0;
-  }
-  std::string unit = text.substr(end);
-  while (!unit.empty() && std::isspace(static_cast<unsigned char>(unit.front()))) unit.erase(0, 1);
   // Bits (network rates) and bytes (copy rates), decimal or binary prefixes, with or without "/s".
   static const std::map<std::string, double> kUnits = {
       {"Gbit", 1e9 / 8},  {"Gb", 1e9 / 8},    {"Mbit", 1e6 / 8},  {"Mb", 1e6 / 8},  {"Tbit", 1e12 / 8},
       {"TB", 1e12},       {"GB", 1e9},        {"MB", 1e6},        {"KB", 1e3},      {"B", 1},
       {"TiB", 1099511627776.0}, {"GiB", 1073741824.0}, {"MiB", 1048576.0}, {"KiB", 1024.0}};
-  if (unit.size() > 2 && unit.ends_with("/s")) unit.resize(unit.size() - 2);
-  const auto it = kUnits.find(unit);
-  if (end == 0 || it == kUnits.end() || !(number > 0) || !std::isfinite(number))
+  auto parsed = split_number(text);
+  if (parsed && parsed->second.size() > 2 && parsed->second.ends_with("/s")) parsed->second.resize(parsed->second.size() - 2);
+  const auto it = parsed ? kUnits.find(parsed->second) : kUnits.end();
+  if (it == kUnits.end() || !(parsed->first > 0))
     fail(ErrorKind::kConfig, "{}: expected a rate such as 400Gbit, 50GB/s or 900MiB/s, got '{}'", key, text);
-  return number * it->second;
+  return parsed->first * it->second;
 }
 
 Cluster parse_cluster(const std::string& yaml, const std::string& origin) {

@@ -118,7 +118,9 @@ struct ReceiveStats {
 
 class CheckpointEngine {
  public:
-  // Throws Error(kConfig) for a bucket size of 0 or a device this build or machine lacks.
+  // Throws Error(kConfig) for a bucket size of 0, verify_checksums with a cuda device, or holds
+  // without model; check_device()'s errors for a device this build or machine lacks; and
+  // create_transport()'s when no transport is given.
   explicit CheckpointEngine(EngineOptions options);
   ~CheckpointEngine();
   CheckpointEngine(const CheckpointEngine&) = delete;

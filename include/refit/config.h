@@ -53,8 +53,8 @@ Device parse_device(std::string_view text, std::string_view key = "device");
 std::string to_string(const Device& device);
 
 struct RefitConfig {
-  // The checkpoint-engine transport. "nixl" (the staged, paired checkpoint engine) is the
-  // only one refit implements; its scope is refit_cfg.nixl.
+  // The checkpoint-engine transport. "nixl" (the checkpoint engine) is the only one refit
+  // implements; its scope is refit_cfg.nixl.
   std::string refit_transport = "nixl";
   // Fraction of the smallest worker's total memory used by EACH of the two transfer buffers;
   // strictly between 0 and 0.5, since two buffers must fit.
@@ -62,7 +62,7 @@ struct RefitConfig {
   // Transfer-buffer device. The reference defaults to cuda; refit defaults to cpu so that a
   // machine without a GPU works out of the box.
   Device device;
-  // Transport backend plugin: "UCX".
+  // Transport backend: "UCX", "CUDA_IPC" or "NCCL" (any case), checked by create_transport().
   std::string backend_name = "UCX";
   // Passed to the backend, values as strings (the reference converts them with str()).
   std::map<std::string, std::string> backend_init_params;

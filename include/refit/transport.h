@@ -60,9 +60,9 @@ class Transport {
   // Registers [base, base + bytes) for one-sided reads by peers and for local use as a read
   // target. The memory stays owned by the caller and must outlive the registration.
   virtual RegionId register_memory(void* base, size_t bytes) = 0;
-  // Allocates `bytes` of zero-filled memory where this backend's peers read it fastest (host
-  // memory for UCX; the configured GPU for CUDA IPC and NCCL) and registers it;
-  // deregister_memory frees it.
+  // Allocates `bytes` of zero-filled memory where this backend's peers read it fastest (UCX: host
+  // memory, or the configured GPU with device cuda; CUDA IPC and NCCL: the configured GPU) and
+  // registers it; deregister_memory frees it.
   struct Allocation {
     RegionId region = 0;
     std::byte* base = nullptr;

@@ -15,7 +15,7 @@ namespace refit {
 //   ucx_error_handling_mode: "peer" (default) | "none"
 //   device_list:   comma-separated UCX devices (UCX_NET_DEVICES)
 //   tls:           comma-separated UCX transports (UCX_TLS)
-//   engine_config: "KEY=VALUE[;KEY=VALUE...]" applied to the UCP config (keys without "UCX_")
+//   engine_config: "KEY=VALUE[;KEY=VALUE...]" applied to the UCP config (a "UCX_" prefix is dropped)
 // Throws Error(kConfig) naming the key for anything else.
 std::unique_ptr<Transport> create_ucx_transport(const std::map<std::string, std::string>& init_params);
 

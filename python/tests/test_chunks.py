@@ -159,7 +159,8 @@ def test_a_gap_is_reported_with_the_missing_bytes():
 
 
 def test_a_truncated_stream_names_every_incomplete_tensor():
-    batches = [[(meta("a", chunk_offset=0, chunk_size=8), data(8)), (meta("b", chunk_offset=32, chunk_size=8), data(8))]]
+    batches = [[(meta("a", chunk_offset=0, chunk_size=8), data(8)),
+                (meta("b", chunk_offset=32, chunk_size=8), data(8))]]
     with pytest.raises(refit.ProtocolError, match=r"'a' \(8 of 40 bytes; missing \[8, 40\)\); 'b' \(8 of 40 bytes; "
                                                   r"missing \[0, 32\)\)"):
         list(merge_weight_chunk_batches(batches))

@@ -26,8 +26,8 @@ def test_refits_engine_is_a_checkpoint_engine_base():
 
 
 def test_plugin_is_constructed_like_the_reference():
-    engine = refit.create_checkpoint_engine("plugin_engines:LoopbackEngine", 123,
-                                            {"plugin_engines:LoopbackEngine": {"release_after_refit": True, "color": 1}},
+    backend = "plugin_engines:LoopbackEngine"
+    engine = refit.create_checkpoint_engine(backend, 123, {backend: {"release_after_refit": True, "color": 1}},
                                             shape="x")
     assert type(engine) is LoopbackEngine
     assert engine.bucket_size == 123 and engine.release_after_refit
@@ -42,7 +42,8 @@ def test_plugin_is_constructed_like_the_reference():
     ("plugin_engines:NoSuchEngine", r"backend 'plugin_engines:NoSuchEngine': module 'plugin_engines' has no attribute "
                                     r"'NoSuchEngine'"),
     ("plugin_engines:NotAnEngine", r"backend 'plugin_engines:NotAnEngine': 'NotAnEngine' is class "
-                                   r"plugin_engines.NotAnEngine, which does not derive from refit.CheckpointEngineBase"),
+                                   r"plugin_engines.NotAnEngine, which does not derive from "
+                                   r"refit.CheckpointEngineBase; plugins must subclass it"),
     ("collections:OrderedDict", r"'OrderedDict' is class collections.OrderedDict, which does not derive from "
                                 r"refit.CheckpointEngineBase"),
     ("plugin_engines:not_a_class", r"'not_a_class' is a int, which does not derive"),
@@ -70,7 +71,8 @@ def test_sharded_experts_need_get_target_weight_layout():  # the reference's V28
     with pytest.raises(NotImplementedError, match="LoopbackEngine must override"):
         refit.create_checkpoint_engine("plugin_engines:LoopbackEngine", 1024,
                                        {"plugin_engines:LoopbackEngine": {"shard_expert_weights": True}})
-    sharded = refit.create_checkpoint_engine("plugin_engines:ShardedLoopbackEngine", 1024, {"shard_expert_weights": True})
+    sharded = refit.create_checkpoint_engine("plugin_engines:ShardedLoopbackEngine", 1024,
+                                             {"shard_expert_weights": True})
     assert type(sharded) is ShardedLoopbackEngine and sharded.get_target_weight_layout() == {"sharded": True}
     plain = refit.create_checkpoint_engine("plugin_engines:LoopbackEngine", 1024, {"shard_expert_weights": False})
     assert plain.get_target_weight_layout() is None

@@ -16,6 +16,10 @@ from Python, so the refit stops at its next step (the next tensor pulled from th
 next batch); the cancelled task finishes once the worker thread has returned, so the engine is
 idle again when the CancelledError reaches the caller (at most about ``timeout_s`` for refit's
 engine). A second cancel during that wait does not cut it short.
+
+The async forms use the event loop's default executor, one thread per call in flight (two for a
+source and a destination awaited in one loop, plus one while a cancel is handled): an executor
+of a single thread would make them wait on each other.
 """
 
 from __future__ import annotations

@@ -12,6 +12,11 @@ Workers::
         model.load_weights(batch)                                 # views valid until the next batch
     engine.finalize()
 
+Async code: ``await engine.send_weights_async(...)``, ``async for batch in
+engine.receive_weight_batches_async()``. Plugins (``create_checkpoint_engine("module:ClassName",
+...)``) subclass ``refit.CheckpointEngineBase``; ``split_weight_chunks`` and
+``merge_weight_chunk_batches`` cut tensors into bucket-sized chunks and put them back together.
+
 Driver::
 
     sync = refit.WeightSynchronizer(config, worker_group)        # any refit.WorkerGroup
@@ -65,6 +70,8 @@ from ._refit import (  # noqa: F401  (re-exported)
 )
 from .reshard import holdings_of, local_tensors  # noqa: F401,E402
 from ._refit import __version__  # noqa: F401
+from .base import AsyncBatchIterator, CheckpointEngineBase  # noqa: F401
+from .chunks import TensorMeta, merge_weight_chunk_batches, split_weight_chunks  # noqa: F401
 from .engine import (  # noqa: F401
     CheckpointEngine,
     as_config,

@@ -18,6 +18,14 @@ or the end of the ``for`` body); copy what must live longer. A tensor split over
 ("merged") is owned by its Python object and stays valid as long as you keep it. Stopping the
 iteration early (``break``, ``close()``, dropping the iterator) fails the refit: the destination
 stays stale, the source gets an error.
+
+Async code awaits the same calls (refit.base: they run on a worker thread; cancelling one fails
+the refit)::
+
+    stats = await engine.send_weights_async(weights)
+    async with engine.receive_weight_batches_async() as batches:
+        async for batch in batches:
+            model.load_weights(batch)
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ from typing import Any, Iterable, Iterator, Mapping, Optional, Tuple, Union
 
 from . import _refit
 from ._refit import Layout, RefitConfig
+from .base import CheckpointEngineBase
 
 #: The keys of the reference's refit_cfg.nixl scope, plus refit's extensions, that configure an engine.
 CONFIG_KEYS = (
@@ -154,8 +163,10 @@ def split_engine_kwargs(backend: str, engine_kwargs: Union[None, RefitConfig, Ma
     return as_config(kwargs), options
 
 
-class CheckpointEngine:
-    """A checkpoint engine (a source or a destination) with the reference's method names.
+class CheckpointEngine(CheckpointEngineBase):
+    """refit's checkpoint engine (a source or a destination) with the reference's method names.
+    The async forms (``send_weights_async``, ``receive_weight_batches_async``,
+    ``receive_weights_async``) come from CheckpointEngineBase.
 
     Not thread-safe: one thread drives an engine (a receive iterator runs its transfer on a
     thread of its own, which it manages). The GIL is released during every transfer and wait.
@@ -268,7 +279,10 @@ class CheckpointEngine:
 def create_checkpoint_engine(backend: str, bucket_size_bytes: int,
                              engine_kwargs: Union[None, RefitConfig, Mapping[str, Any]] = None, **kwargs: Any):
     """The reference's factory. ``backend``: "nixl" (refit's engine) or "module:ClassName" (a
-    plugin class, called as ``cls(bucket_size=bucket_size_bytes, **engine_kwargs)``).
+    plugin class, called as ``cls(bucket_size=bucket_size_bytes, **engine_kwargs)``). A plugin
+    class must derive from refit.CheckpointEngineBase; a backend that cannot be loaded raises
+    ConfigError naming it (load_plugin_class). A plugin asked for ``shard_expert_weights=True``
+    that does not override get_target_weight_layout() raises NotImplementedError naming the class.
 
     ``engine_kwargs``: the refit_cfg.nixl keys (device, backend_name, backend_init_params,
     release_after_refit, shard_expert_weights, timeout_s, verify_checksums), either directly or
@@ -284,12 +298,16 @@ def create_checkpoint_engine(backend: str, bucket_size_bytes: int,
         if ":" not in backend:
             raise _refit.ConfigError(
                 f"Unknown checkpoint-engine backend '{backend}': expected 'nixl' or a 'module:ClassName' path")
-        module_name, _, class_name = backend.partition(":")
-        cls = getattr(importlib.import_module(module_name), class_name)
+        cls = load_plugin_class(backend)
         scope = dict(engine_kwargs or {})
         if backend in scope and isinstance(scope[backend], Mapping):
             scope = dict(scope[backend])
         scope.update(kwargs)
+        if scope.get("shard_expert_weights") and \
+                getattr(cls, "get_target_weight_layout", None) is CheckpointEngineBase.get_target_weight_layout:
+            raise NotImplementedError(
+                f"{cls.__name__} must override get_target_weight_layout() to run with shard_expert_weights=True "
+                f"(backend '{backend}')")
         return cls(bucket_size=bucket_size_bytes, **scope)
     config, options = split_engine_kwargs(backend, engine_kwargs)
     # Keyword arguments: engine options, or configuration keys applied as overrides.
@@ -298,6 +316,38 @@ def create_checkpoint_engine(backend: str, bucket_size_bytes: int,
         config = as_config(config, [f"{k}={json.dumps(_scope({k: v})[k], default=_json_default)}"
                                     for k, v in kwargs.items()])
     return CheckpointEngine(bucket_size_bytes, config, **options)
+
+
+def load_plugin_class(backend: str) -> type:
+    """The class a ``module:ClassName`` backend names. ConfigError naming the backend when the
+    module cannot be imported, has no such attribute, or the attribute is not a subclass of
+    refit.CheckpointEngineBase. An error raised while the module runs (other than a failed import)
+    propagates unchanged."""
+    module_name, _, class_name = backend.partition(":")
+    if not module_name or not class_name:
+        raise _refit.ConfigError(
+            f"checkpoint-engine backend '{backend}': expected 'module:ClassName' with both parts non-empty")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise _refit.ConfigError(
+            f"checkpoint-engine backend '{backend}': cannot import module '{module_name}': {e}") from e
+    try:
+        cls = getattr(module, class_name)
+    except AttributeError as e:
+        raise _refit.ConfigError(
+            f"checkpoint-engine backend '{backend}': module '{module_name}' has no attribute '{class_name}'") from e
+    if not isinstance(cls, type) or not issubclass(cls, CheckpointEngineBase):
+        what = f"class {cls.__module__}.{cls.__qualname__}" if isinstance(cls, type) else f"a {type(cls).__name__}"
+        raise _refit.ConfigError(
+            f"checkpoint-engine backend '{backend}': '{class_name}' is {what}, which does not derive from "
+            f"refit.CheckpointEngineBase; plugins must subclass it")
+    missing = sorted(getattr(cls, "__abstractmethods__", ()))
+    if missing:
+        raise _refit.ConfigError(
+            f"checkpoint-engine backend '{backend}': {cls.__qualname__} does not implement "
+            f"{', '.join(missing)} (abstract in refit.CheckpointEngineBase)")
+    return cls
 
 
 def iter_weights(weights: Union[Mapping[str, Any], Iterable[Tuple[str, Any]]]) -> Iterator[Tuple[str, Any]]:

@@ -156,9 +156,11 @@ def test_create_checkpoint_engine_shapes_of_engine_kwargs():
         refit.create_checkpoint_engine("nccl", MiB, {})
 
 
-def test_plugin_backend_is_constructed_like_the_reference():
-    engine = refit.create_checkpoint_engine("collections:OrderedDict", 123, {"release_after_refit": True})
-    assert engine == {"bucket_size": 123, "release_after_refit": True}
+def test_plugin_backend_is_constructed_like_the_reference():  # more in test_plugins.py
+    engine = refit.create_checkpoint_engine("plugin_engines:LoopbackEngine", 123, {"release_after_refit": True})
+    assert (engine.bucket_size, engine.release_after_refit, engine.extra) == (123, True, {})
+    with pytest.raises(refit.ConfigError, match="does not derive from refit.CheckpointEngineBase"):
+        refit.create_checkpoint_engine("collections:OrderedDict", 123, {"release_after_refit": True})
 
 
 def test_lifecycle_misuse_is_reported():

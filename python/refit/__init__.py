@@ -27,6 +27,7 @@ from ._refit import (  # noqa: F401  (re-exported)
     BatchIterator,
     BucketSize,
     ConfigError,
+    Fp8QuantizingLoader,
     IntegrityError,
     InternalError,
     InvalidArgumentError,
@@ -52,6 +53,8 @@ from ._refit import (  # noqa: F401  (re-exported)
     TransferPlan,
     dtensor_request as _dtensor_request,  # noqa: F401  (refit.reshard wraps it)
     fill_synthetic,
+    is_fp8_linear_weight,
+    is_kv_scale_name,
     fsdp_source_layout,
     load_config,
     load_model_inventory,

@@ -27,7 +27,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import threading
-from typing import Any, Callable, Iterable, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Iterable, Iterator, List, Mapping, Optional, Tuple
 
 from . import _refit
 
@@ -90,11 +90,13 @@ class CheckpointEngineBase(abc.ABC):
                 close()
         return getattr(it, "stats", None)
 
-    async def send_weights_async(self, weights: Iterable[Tuple[str, Any]]) -> Any:
+    async def send_weights_async(self, weights: Iterable[Tuple[str, Any]],
+                                 kv_scales: Optional[Mapping[str, float]] = None) -> Any:
         """``send_weights`` on a worker thread. ``weights`` is an ordinary iterable, consumed on
-        that thread. Cancelled: the next pull from ``weights`` raises, which fails the refit (if
-        the last tensor was already pulled, the refit may still complete; the call raises
-        CancelledError either way)."""
+        that thread. ``kv_scales`` (FP8 KV-cache scales) is passed on to ``send_weights`` when
+        not None (a plugin's send_weights that takes none is called without it). Cancelled: the
+        next pull from ``weights`` raises, which fails the refit (if the last tensor was already
+        pulled, the refit may still complete; the call raises CancelledError either way)."""
         cancelled = threading.Event()
 
         def guarded() -> Iterator[Tuple[str, Any]]:
@@ -107,7 +109,9 @@ class CheckpointEngineBase(abc.ABC):
             if cancelled.is_set():
                 raise asyncio.CancelledError("send_weights_async() was cancelled")
 
-        return await _in_thread(lambda: self.send_weights(guarded()), on_cancel=cancelled.set)
+        if kv_scales is None:
+            return await _in_thread(lambda: self.send_weights(guarded()), on_cancel=cancelled.set)
+        return await _in_thread(lambda: self.send_weights(guarded(), kv_scales=kv_scales), on_cancel=cancelled.set)
 
     def receive_weight_batches_async(self, *args: Any, **kwargs: Any) -> "AsyncBatchIterator":
         """``async for batch in engine.receive_weight_batches_async(): ...``: the batches of

@@ -56,8 +56,10 @@ CONFIG_KEYS = (
 #: engine_kwargs keys that are not configuration: the driver's session id, the model fingerprint,
 #: the destination layout, the framework received tensors are handed out as, whether the engine
 #: only receives (then it holds transfer buffers only when it cannot map its source's), and for
-#: resharding a source's holdings and the model (a config.json path or a ModelInventory).
-ENGINE_KEYS = ("session", "model_fingerprint", "layout", "framework", "receives_only", "holds", "model")
+#: resharding a source's holdings and the model (a config.json path or a ModelInventory), and for
+#: FP8 KV-cache scales the reference's vllm_cfg.kv_cache_dtype and the number of decoder layers.
+ENGINE_KEYS = ("session", "model_fingerprint", "layout", "framework", "receives_only", "holds", "model",
+               "kv_cache_dtype", "num_layers")
 
 _FRAMEWORKS = ("auto", "numpy", "torch", "cupy", "dlpack")
 _torch_available: Optional[bool] = None
@@ -175,15 +177,26 @@ class CheckpointEngine(CheckpointEngineBase):
     def __init__(self, bucket_size_bytes: int, config: Union[None, RefitConfig, Mapping[str, Any], str] = None, *,
                  session: Optional[bytes] = None, model_fingerprint: int = 0, layout: Optional[Layout] = None,
                  framework: str = "auto", receives_only: bool = False, holds: Optional[Layout] = None,
-                 model: Union[None, str, os.PathLike, "_refit.ModelInventory"] = None):
-        """``holds`` (a source) and ``model`` (every engine of a resharding group): see refit.reshard."""
+                 model: Union[None, str, os.PathLike, "_refit.ModelInventory"] = None,
+                 kv_cache_dtype: str = "auto", num_layers: Optional[int] = None):
+        """``holds`` (a source) and ``model`` (every engine of a resharding group): see refit.reshard.
+
+        ``kv_cache_dtype`` (the reference's vllm_cfg.kv_cache_dtype): a value starting with "fp8"
+        makes every send_weights() append the FP8 KV-cache scales of each decoder layer (see
+        send_weights); the layers are counted from ``model`` or given as ``num_layers`` (both: they
+        must agree). Other values ("auto", the default) append nothing."""
+        if not isinstance(kv_cache_dtype, str):
+            raise _refit.ConfigError(f"kv_cache_dtype must be a str such as 'auto' or 'fp8', got {kv_cache_dtype!r}")
+        if num_layers is not None and (isinstance(num_layers, bool) or not isinstance(num_layers, int)):
+            raise _refit.ConfigError(f"num_layers must be an int, got {num_layers!r}")
         self._config = as_config(config)
         self._framework = framework
         resolve_framework(framework)  # validate early
         if isinstance(model, (str, os.PathLike)):
             model = _refit.load_model_inventory(os.fspath(model))
         self._engine = _refit.CheckpointEngine(int(bucket_size_bytes), self._config, session,
-                                               int(model_fingerprint), layout, bool(receives_only), holds, model)
+                                               int(model_fingerprint), layout, bool(receives_only), holds, model,
+                                               kv_cache_dtype, num_layers)
         self.last_send_stats: Optional[dict] = None
 
     # ---- the reference's API ----
@@ -204,16 +217,34 @@ class CheckpointEngine(CheckpointEngineBase):
         """A destination (rollout rank ``rollout_rank``): connects to source ``rollout_rank``."""
         self._engine.init_destination(rollout_rank, train_world_size, rollout_world_size, list(metadata))
 
-    def send_weights(self, weights: Iterable[Tuple[str, Any]]) -> dict:
+    def send_weights(self, weights: Iterable[Tuple[str, Any]],
+                     kv_scales: Optional[Mapping[str, float]] = None) -> dict:
         """One refit from a source: pulls (name, tensor) pairs on demand and returns when the
         destination has read the last bucket. Tensors: anything with ``__dlpack__`` or the buffer
         protocol (NumPy, PyTorch CPU/CUDA, CuPy); each is kept alive until the next one is pulled.
         Non-contiguous tensors are made contiguous (a copy). A source without a destination drains
         the iterator. Returns send statistics; raises the refit's error (its message names the
-        peer and the phase)."""
+        peer and the phase).
+
+        ``kv_scales`` (``{name: float}``, the reference's calibrated scales): with an fp8
+        ``kv_cache_dtype`` the weights are followed, for every decoder layer i, by
+        ``model.layers.{i}.self_attn.attn.q_scale``, ``...self_attn.k_scale`` and
+        ``...self_attn.v_scale`` (float32, shape [1]), each the value in ``kv_scales`` or 1.0 when
+        absent (also when ``kv_scales`` is None); other names in it are ignored, as the reference
+        does. ConfigError when the engine knows no layer count (model=/num_layers=). With any
+        other kv_cache_dtype, passing ``kv_scales`` (not None) raises InvalidArgumentError:
+        nothing would send them."""
         from .reshard import local_tensors  # DTensors go as their local shards
-        self.last_send_stats = self._engine.send(local_tensors(weights))
+        if kv_scales is not None and isinstance(kv_scales, Mapping) and not isinstance(kv_scales, dict):
+            kv_scales = dict(kv_scales)
+        self.last_send_stats = self._engine.send(local_tensors(weights), kv_scales)
         return self.last_send_stats
+
+    @property
+    def kv_scale_layers(self) -> Optional[int]:
+        """The decoder layers whose KV-cache scales every send appends; None when it appends none
+        (kv_cache_dtype not fp8, or no layer count known)."""
+        return self._engine.kv_scale_layers
 
     def receive_weight_batches(self, framework: Optional[str] = None, copy_merged: bool = True
                                ) -> "_refit.BatchIterator":
@@ -291,7 +322,9 @@ def create_checkpoint_engine(backend: str, bucket_size_bytes: int,
     ``layout`` (a destination's refit.Layout), ``framework`` (default for received tensors) and
     ``receives_only`` (a destination that allocates transfer buffers only when it cannot map its
     source's; init_source() on it is an error), and for resharding ``holds`` (a source's holdings,
-    refit.holdings_of) and ``model`` (refit.reshard).
+    refit.holdings_of) and ``model`` (refit.reshard), and for FP8 KV-cache scales
+    ``kv_cache_dtype`` (default "auto"; "fp8...": sends append the scales) and ``num_layers``
+    (the decoder layers, when ``model`` is not given).
     Extra keyword arguments are merged into engine_kwargs. Raises ConfigError naming a bad key.
     """
     if backend != "nixl":

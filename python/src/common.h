@@ -87,6 +87,7 @@ nb::object export_tensor(const TensorInfo& info, const std::byte* data, MemoryKi
 void register_tensors(nb::module_& m);
 void register_config(nb::module_& m);
 void register_engine(nb::module_& m);
+void register_fp8(nb::module_& m);
 
 // Bytes of a bytes-like object (bytes, bytearray, memoryview). Needs the GIL.
 std::vector<uint8_t> bytes_of(nb::handle obj, std::string_view what);

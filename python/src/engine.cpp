@@ -36,7 +36,9 @@
 #include "common.h"
 #include "refit/checkpoint_engine.h"
 #include "refit/device.h"
+#include "refit/fp8_loading.h"
 #include "refit/layout.h"
+#include "refit/layout_builders.h"
 
 namespace refit::py {
 namespace {
@@ -563,7 +565,8 @@ class PyEngine {
  public:
   PyEngine(uint64_t bucket_bytes, const RefitConfig& config, nb::handle session, uint64_t model_fingerprint,
            std::optional<Layout> layout, bool receives_only, std::optional<Layout> holds,
-           std::optional<ModelInventory> model)
+           std::optional<ModelInventory> model, const std::string& kv_cache_dtype,
+           std::optional<int64_t> num_layers)
       : config_(config),
         bucket_bytes_(bucket_bytes),
         pool_(std::make_shared<BlockPool>()),
@@ -575,6 +578,18 @@ class PyEngine {
     options.layout = std::move(layout);
     options.receives_only = receives_only;
     options.holds = std::move(holds);
+    // KV-cache scales (the reference's kv_cache_dtype.startswith("fp8")): every send appends them
+    // for the model's decoder layers, counted from `model` or given as `num_layers`.
+    kv_cache_dtype_ = kv_cache_dtype;
+    fp8_kv_cache_ = kv_cache_dtype.starts_with("fp8");
+    if (num_layers && *num_layers < 0)
+      throw Error(ErrorKind::kConfig, fmt::format("num_layers must be >= 0, got {}", *num_layers));
+    if (model && num_layers && decoder_layer_count(*model) != *num_layers)
+      throw Error(ErrorKind::kConfig,
+                  fmt::format("num_layers={} disagrees with the {} decoder layers of model '{}'; give one of them",
+                              *num_layers, decoder_layer_count(*model), model->name));
+    kv_layers_ = num_layers;
+    if (model) kv_layers_ = decoder_layer_count(*model);
     if (model) options.model = std::make_shared<const ModelInventory>(std::move(*model));
     if (session.is_valid() && !session.is_none()) {
       auto bytes = bytes_of(session, "session");
@@ -614,21 +629,75 @@ class PyEngine {
     }
   }
 
-  nb::dict send(nb::handle iterable) {
+  std::optional<int64_t> kv_scale_layers() const {
+    return fp8_kv_cache_ ? kv_layers_ : std::nullopt;
+  }
+
+  nb::dict send(nb::handle iterable, nb::handle kv_scales) {
     CheckpointEngine& e = idle("send_weights()");
+    std::optional<KvScales> scales = kv_scales_for_send(kv_scales);
     nb::object iterator = nb::steal(PyObject_GetIter(iterable.ptr()));
     if (!iterator.is_valid()) throw nb::python_error();
     PySource source(std::move(iterator), device_ok_);
     SendStats stats;
     try {
       nb::gil_scoped_release nogil;
-      stats = e.send(source);
+      if (scales) {
+        WeightSourceWithKvScales with_scales(source, std::move(*scales));
+        stats = e.send(with_scales);
+      } else {
+        stats = e.send(source);
+      }
     } catch (const Error& err) {
       nb::object cause = source.finish();
       raise_error(err, cause);
     }
     source.finish();
     return send_stats(stats);
+  }
+
+  // The KV-cache scales a send appends (None: this engine appends none). As the reference does:
+  // with an fp8 kv_cache_dtype every layer's q/k/v scale goes, names missing from `kv_scales`
+  // (or kv_scales None) as 1.0, other names ignored; without one, kv_scales must be None.
+  std::optional<KvScales> kv_scales_for_send(nb::handle kv_scales) const {
+    const bool given = kv_scales.is_valid() && !kv_scales.is_none();
+    if (!fp8_kv_cache_) {
+      if (given)
+        throw Error(ErrorKind::kInvalidArgument,
+                    fmt::format("send_weights(): kv_scales were given but this engine's kv_cache_dtype is '{}'; KV-cache "
+                                "scales are sent only with an fp8 kv_cache_dtype (create the engine with "
+                                "kv_cache_dtype='fp8'), and the reference passes them only then",
+                                kv_cache_dtype_));
+      return std::nullopt;
+    }
+    if (!kv_layers_)
+      throw Error(ErrorKind::kConfig,
+                  fmt::format("send_weights(): kv_cache_dtype '{}' appends the KV-cache scales of every decoder layer, "
+                              "but the engine does not know how many there are: create it with model= (a config.json "
+                              "or refit.ModelInventory) or num_layers=",
+                              kv_cache_dtype_));
+    std::map<std::string, float> values;
+    if (given) {
+      if (!PyDict_Check(kv_scales.ptr()))
+        throw Error(ErrorKind::kInvalidArgument,
+                    fmt::format("send_weights(): kv_scales must be a dict {{name: float}}, got a {}",
+                                Py_TYPE(kv_scales.ptr())->tp_name));
+      for (auto [key, value] : nb::borrow<nb::dict>(kv_scales)) {
+        if (!PyUnicode_Check(key.ptr()))
+          throw Error(ErrorKind::kInvalidArgument,
+                      fmt::format("send_weights(): kv_scales keys must be str, got a {}", Py_TYPE(key.ptr())->tp_name));
+        std::string name = nb::cast<std::string>(key);
+        double v = PyFloat_AsDouble(value.ptr());
+        if (v == -1.0 && PyErr_Occurred()) {
+          PyErr_Clear();
+          throw Error(ErrorKind::kInvalidArgument,
+                      fmt::format("send_weights(): kv_scales['{}'] must be a number, got a {}", name,
+                                  Py_TYPE(value.ptr())->tp_name));
+        }
+        values[std::move(name)] = static_cast<float>(v);
+      }
+    }
+    return kv_scale_tensors(*kv_layers_, values);
   }
 
   BatchIterator receive(nb::handle self, const std::string& framework, bool copy_merged) {
@@ -827,6 +896,9 @@ class PyEngine {
   RefitConfig config_;
   uint64_t bucket_bytes_;
   bool device_ok_ = false;
+  std::string kv_cache_dtype_ = "auto";
+  bool fp8_kv_cache_ = false;
+  std::optional<int64_t> kv_layers_;  // decoder layers whose KV scales a send appends
   int device_id_ = 0;
   std::shared_ptr<BlockPool> pool_;
   std::shared_ptr<PageMover> mover_;
@@ -926,10 +998,11 @@ void register_engine(nb::module_& m) {
                        "The C++ checkpoint engine. Use refit.create_checkpoint_engine(), which wraps it with the "
                        "reference's method names.")
       .def(nb::init<uint64_t, const RefitConfig&, nb::handle, uint64_t, std::optional<Layout>, bool, std::optional<Layout>,
-                    std::optional<ModelInventory>>(),
+                    std::optional<ModelInventory>, const std::string&, std::optional<int64_t>>(),
            nb::arg("bucket_bytes"), nb::arg("config"), nb::arg("session").none() = nb::none(),
            nb::arg("model_fingerprint") = 0, nb::arg("layout").none() = nb::none(), nb::arg("receives_only") = false,
-           nb::arg("holds").none() = nb::none(), nb::arg("model").none() = nb::none())
+           nb::arg("holds").none() = nb::none(), nb::arg("model").none() = nb::none(),
+           nb::arg("kv_cache_dtype") = "auto", nb::arg("num_layers").none() = nb::none())
       .def("prepare", &PyEngine::prepare)
       .def(
           "init_source",
@@ -939,7 +1012,9 @@ void register_engine(nb::module_& m) {
           "init_destination",
           [](PyEngine& e, int rank, int train, int rollout, nb::handle md) { e.init(false, rank, train, rollout, md); },
           nb::arg("rollout_rank"), nb::arg("train_world_size"), nb::arg("rollout_world_size"), nb::arg("metadata"))
-      .def("send", &PyEngine::send, nb::arg("weights"))
+      .def("send", &PyEngine::send, nb::arg("weights"), nb::arg("kv_scales").none() = nb::none())
+      .def_prop_ro("kv_scale_layers", &PyEngine::kv_scale_layers,
+                   "Decoder layers whose KV-cache scales every send appends (None: no scales are appended).")
       .def(
           "receive",
           [](nb::handle self, const std::string& framework, bool copy_merged) {

@@ -7,6 +7,7 @@ NB_MODULE(_refit, m) {
   refit::py::register_config(m);
   refit::py::register_tensors(m);
   refit::py::register_engine(m);
+  refit::py::register_fp8(m);
 #ifdef REFIT_PYTHON_VERSION
   m.attr("__version__") = REFIT_PYTHON_VERSION;
 #endif

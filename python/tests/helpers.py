@@ -25,12 +25,14 @@ class Pair:
     """A connected source and destination engine in this process."""
 
     def __init__(self, bucket_bytes: int, cfg: Optional[refit.RefitConfig] = None, *,
-                 framework: str = "numpy", layout: Optional[refit.Layout] = None, receives_only: bool = False):
+                 framework: str = "numpy", layout: Optional[refit.Layout] = None, receives_only: bool = False,
+                 source_options: Optional[Dict[str, Any]] = None, destination_options: Optional[Dict[str, Any]] = None):
         cfg = cfg or config()
         self.session = session = refit.new_session_id()
-        self.source = refit.CheckpointEngine(bucket_bytes, cfg, session=session)
+        self.source = refit.CheckpointEngine(bucket_bytes, cfg, session=session, **(source_options or {}))
         self.destination = refit.CheckpointEngine(bucket_bytes, cfg, session=session, framework=framework,
-                                                  layout=layout, receives_only=receives_only)
+                                                  layout=layout, receives_only=receives_only,
+                                                  **(destination_options or {}))
         self.connect()
 
     def connect(self) -> None:
@@ -38,12 +40,12 @@ class Pair:
         self.source.init_policy_process_group(0, 1, 1, md)
         self.destination.init_rollout_process_group(0, 1, 1, md)
 
-    def start_send(self, weights) -> "Sender":
-        return Sender(self.source, weights)
+    def start_send(self, weights, **send_kwargs: Any) -> "Sender":
+        return Sender(self.source, weights, **send_kwargs)
 
     def refit(self, weights, load: Callable[[List[Tuple[str, Any]]], None] = None,
-              **receive_kwargs: Any) -> Tuple[dict, dict]:
-        sender = self.start_send(weights)
+              send_kwargs: Optional[Dict[str, Any]] = None, **receive_kwargs: Any) -> Tuple[dict, dict]:
+        sender = self.start_send(weights, **(send_kwargs or {}))
         it = self.destination.receive_weight_batches(**receive_kwargs)
         for batch in it:
             if load:
@@ -58,17 +60,18 @@ class Pair:
 class Sender(threading.Thread):
     """Runs send_weights on a thread; join() returns its stats or raises its error."""
 
-    def __init__(self, engine: refit.CheckpointEngine, weights) -> None:
+    def __init__(self, engine: refit.CheckpointEngine, weights, **send_kwargs: Any) -> None:
         super().__init__(daemon=True)
         self.engine = engine
         self.weights = weights
+        self.send_kwargs = send_kwargs
         self.stats: Optional[dict] = None
         self.error: Optional[BaseException] = None
         self.start()
 
     def run(self) -> None:
         try:
-            self.stats = self.engine.send_weights(self.weights)
+            self.stats = self.engine.send_weights(self.weights, **self.send_kwargs)
         except BaseException as e:  # noqa: BLE001
             self.error = e
 

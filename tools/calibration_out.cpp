@@ -115,6 +115,25 @@ CopyRates engine_copy_rates(const std::vector<std::vector<Event>>& timelines) {
   return {rate(0, 0), rate(1, 0.2), rate(2, 0.2), seconds[1] + seconds[2]};
 }
 
+// What a pack or a load costs beyond its bytes at `rate`: the median over the copies that ran
+// alone (issuing a bucket's copies, a tensor piece each, and waiting for them). -1 when fewer than
+// 8 ran alone.
+double copy_cost(const std::vector<std::vector<Event>>& timelines, double rate) {
+  std::vector<double> residuals;
+  for (const auto& events : timelines) {
+    std::vector<const Event*> copies;
+    for (const auto& e : events)
+      if ((e.phase == "pack" || e.phase == "load") && e.end > e.start) copies.push_back(&e);
+    for (const Event* c : copies) {
+      const bool overlapped = std::any_of(copies.begin(), copies.end(), [&](const Event* o) {
+        return o != c && o->start < c->end && o->end > c->start;
+      });
+      if (!overlapped) residuals.push_back((c->end - c->start) - c->bytes / rate);
+    }
+  }
+  return rate > 0 && residuals.size() >= 8 ? std::max(median(residuals), 0.0) : -1;
+}
+
 // From a bucket's announcement until its destination starts on it (its read, or its load when
 // mapped), over the buckets whose destination was idle by then (its previous load done). The
 // mean, so that the scheduler's occasional stalls count.
@@ -224,15 +243,16 @@ void save_bench_calibration(const std::string& path, const json& run) {
     if (const double v = announcement_latency(timelines); v >= 0) c.latency_s = v;
     if (const double v = acknowledgement_latency(timelines); v >= 0) c.ack_latency_s = v;
     if (const double v = load_turnaround(timelines); v >= 0) c.turnaround_s = v;
+    if (const double v = copy_cost(timelines, c.engine_copy_rate); v >= 0) c.engine_copy_cost_s = v;
   }
   if (const double overhead = control_overhead(run.at("refits")); overhead > 0) c.overhead_s = overhead;
   save_calibration(path, c);
   fmt::print("calibration {}: the engine's copies {:.2f} GB/s alone, {:.2f} GB/s together, {:.2f} GB/s with more than "
              "cores; memcpy {:.2f} GB/s; read {:.2f} GB/s; latency {:.1f} us (acknowledgement {:.1f} us); turnaround "
-             "{:.1f} us; refit overhead {:.2f} ms\n",
+             "{:.1f} us; copy cost {:.1f} us per bucket; refit overhead {:.2f} ms\n",
              path, c.engine_copy_rate / 1e9, c.engine_node_copy_rate / 1e9, c.engine_crowded_copy_rate / 1e9,
              c.host_copy_rate / 1e9, c.read_rate / 1e9, std::max(c.latency_s, 0.0) * 1e6,
-             std::max(c.ack_latency_s, 0.0) * 1e6, std::max(c.turnaround_s, 0.0) * 1e6, std::max(c.overhead_s, 0.0) * 1e3);
+             std::max(c.ack_latency_s, 0.0) * 1e6, std::max(c.turnaround_s, 0.0) * 1e6, std::max(c.engine_copy_cost_s, 0.0) * 1e6, std::max(c.overhead_s, 0.0) * 1e3);
 }
 
 }  // namespace refit::tools

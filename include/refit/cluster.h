@@ -31,6 +31,8 @@ struct NodeGroup {
   double crowded_copy_rate = 0;  // CPU nodes: more copies at once than cores (0: node_copy_rate)
   uint64_t memory = 0;       // per worker: GPU memory, or host memory on a CPU node
   double row_cost_s = 0;     // each row of a strided copy, beyond its bytes (CPU: a memcpy call)
+  double copy_cost_s = 0;    // each pack or load of a bucket, beyond its bytes (issuing its copies,
+                             // one per tensor piece, and waiting for them)
   // CPU nodes that are really one machine (simulated hosts: network namespaces of one kernel)
   // name it here: their copies and TCP share its cores and memory. Empty: every node is its own.
   std::string machine;
@@ -89,6 +91,7 @@ struct Calibration {
   double engine_crowded_copy_rate = 0;  // ... more at once than the host has cores, together
   double host_node_copy_rate = 0;  // memcpy on every core at once
   double row_cost_s = 0;           // each row of a strided host copy (short rows), beyond its bytes
+  double engine_copy_cost_s = -1;  // the engine's packs and loads: each bucket's, beyond its bytes
   int cores = 0;
   uint64_t host_memory = 0;        // total host memory (a CPU node's bucket sizing)
   double read_rate = 0;            // one transport read stream (ucp_get over loopback)

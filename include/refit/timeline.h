@@ -36,6 +36,7 @@ struct TimelineEvent {
   double start = 0;     // seconds (see above)
   double end = 0;       // == start for an instant
   uint64_t bytes = 0;
+  uint32_t pieces = 0;  // pack, read, load: the tensor pieces in the bucket (each a copy of its own)
 };
 
 inline double timeline_now() {

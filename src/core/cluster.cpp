@@ -137,6 +137,7 @@ NodeGroup read_group(const Section& s, size_t index) {
   g.crowded_copy_rate = s.rate("crowded_copy");
   g.memory = s.bytes("memory");
   g.row_cost_s = std::max(s.seconds("row_cost"), 0.0);
+  g.copy_cost_s = s.seconds("copy_cost");
   g.machine = s.text("machine", "");
   g.tcp_rate = s.rate("tcp");
   s.check_all_used();
@@ -277,6 +278,7 @@ constexpr CalibrationField kCalibrationFields[] = {
     {"engine_node_copy_bytes_per_s", &Calibration::engine_node_copy_rate, 0},
     {"engine_crowded_copy_bytes_per_s", &Calibration::engine_crowded_copy_rate, 0},
     {"row_cost_s", &Calibration::row_cost_s, 0},
+    {"engine_copy_cost_s", &Calibration::engine_copy_cost_s, -1},
     {"read_bytes_per_s", &Calibration::read_rate, 0},
     {"tcp_read_bytes_per_s", &Calibration::tcp_rate, 0},
     {"latency_s", &Calibration::latency_s, -1},
@@ -337,6 +339,7 @@ void apply_calibration(Cluster& cluster, const Calibration& cal) {
   for (auto& g : cluster.groups) {
     // The engine's measured copy rates apply to nodes of the kind the measuring bench ran on.
     const bool engine = cal.engine_device == (g.gpu ? "cuda" : "cpu");
+    if (g.copy_cost_s < 0) g.copy_cost_s = engine ? std::max(cal.engine_copy_cost_s, 0.0) : 0;
     if (g.gpu) {
       if (g.copy_rate == 0) g.copy_rate = engine && cal.engine_copy_rate > 0 ? cal.engine_copy_rate : cal.device_copy_rate;
       if (g.node_copy_rate == 0 && engine) g.node_copy_rate = cal.engine_node_copy_rate;

@@ -243,14 +243,16 @@ struct Flush {
   uint64_t packed = 0;   // stream bytes copied since the source's previous flush
   bool last = false;
   uint64_t rows = 0;     // strided rows among those copies (each a copy of its own on a CPU)
+  uint64_t pieces = 0;   // tensor pieces among those copies
 };
 
 struct SimLink {
   uint32_t source = 0, destination = 0;
   std::vector<uint64_t> buckets;  // used bytes
   std::vector<uint64_t> rows;     // strided rows in each bucket: the destination copies them out one by one
-  std::vector<uint64_t> merged;   // bytes in each bucket of tensors that arrive in several chunks: the
-                                  // destination copies them twice (into the whole tensor, then loads it)
+  std::vector<uint64_t> merged;   // tensors whose last chunk is in each bucket, when they arrive in
+                                  // several: the destination then loads the whole tensor it assembled
+  std::vector<uint64_t> pieces;   // tensor pieces in each bucket
   bool mapped = false;
   // Source side.
   int64_t acknowledged = -1;  // highest bucket the source has seen acknowledged
@@ -330,9 +332,18 @@ class PipelineModel {
   static double copy_bytes(const Place& p, uint64_t bytes, uint64_t rows) {
     return static_cast<double>(bytes) + static_cast<double>(rows) * p.group->row_cost_s * p.group->copy_rate;
   }
+  // A bucket's copies cost time beyond their bytes (issuing them, waiting for them), which holds no
+  // resource.
+  static double copy_cost(const Place& p) { return std::max(p.group->copy_cost_s, 0.0); }
+  // Starts a copy's flow; `done` runs once its bytes are through and its fixed costs are paid.
+  void start_copy(double bytes, double cap, std::initializer_list<int> resources, double cost, FlowSim::Callback done) {
+    if (cost <= 0) return sim_.start_flow(bytes, cap, resources, std::move(done));
+    sim_.start_flow(bytes, cap, resources,
+                    [this, cost, done = std::move(done)] { sim_.at(sim_.now() + cost, done); });
+  }
   void event(PredictedWorker& w, TimelinePhase phase, uint32_t peer, uint64_t bucket, double from, double to,
-             uint64_t bytes) {
-    w.events.push_back({phase, peer, bucket, from, to, bytes});
+             uint64_t bytes, uint64_t pieces = 0) {
+    w.events.push_back({phase, peer, bucket, from, to, bytes, static_cast<uint32_t>(pieces)});
     w.seconds = std::max(w.seconds, to);
   }
 
@@ -351,10 +362,10 @@ class PipelineModel {
       memory = -1;
       cap = p.group->pcie_rate;
     }
-    sim_.start_flow(copy_bytes(p, f.packed, f.rows), cap, {cores, memory}, [this, s, f, begun] {
+    start_copy(copy_bytes(p, f.packed, f.rows), cap, {cores, memory}, copy_cost(p), [this, s, f, begun] {
       SimLink& l = links_[f.link];
       const double t = now();
-      event(out_sources_[s], TimelinePhase::kPack, l.destination, f.bucket, begun, t, f.bytes);
+      event(out_sources_[s], TimelinePhase::kPack, l.destination, f.bucket, begun, t, f.bytes, f.pieces);
       event(out_sources_[s], TimelinePhase::kAnnounce, l.destination, f.bucket, t, t, f.bytes);
       out_sources_[s].bytes += f.bytes;
       const uint32_t k = f.link;
@@ -456,7 +467,7 @@ class PipelineModel {
       SimLink& l = links_[k];
       const double t = now();
       auto& w = out_destinations_[d];
-      event(w, TimelinePhase::kLoad, l.source, b, begun, t, l.buckets[b]);
+      event(w, TimelinePhase::kLoad, l.source, b, begun, t, l.buckets[b], l.pieces[b]);
       event(w, TimelinePhase::kRelease, l.source, b, t, t, 0);
       w.bytes += l.buckets[b];
       l.released = static_cast<int64_t>(b);
@@ -469,20 +480,21 @@ class PipelineModel {
       });
     };
     const double bytes = copy_bytes(dst, l.buckets[b] + l.merged[b], l.rows[b]);
+    const double cost = copy_cost(dst);
     const auto [cores, memory] = resources_.copy(dst);
     if (host_buffers(dst)) {
       // Out of pinned host memory (ours, or the source's mapped) into the GPU; merging split
       // tensors happens in host memory, off this path.
-      sim_.start_flow(static_cast<double>(l.buckets[b]), dst.group->pcie_rate, {resources_.pcie(dst, false)}, done);
+      start_copy(static_cast<double>(l.buckets[b]), dst.group->pcie_rate, {resources_.pcie(dst, false)}, cost, done);
     } else if (l.mapped && dst.group->gpu && !same_gpu(src, dst)) {
       // Loading from a peer GPU's mapped buffer pulls the bytes over NVLink; merged tensors are
       // then loaded again from local memory, which costs what those bytes would at NVLink's rate
       // scaled by the local copy's.
       const double local = static_cast<double>(l.merged[b]) * dst.group->nvlink_rate / dst.group->copy_rate;
-      sim_.start_flow(static_cast<double>(l.buckets[b]) + local, dst.group->copy_rate,
-                      {cores, resources_.nvlink(src, false), resources_.nvlink(dst, true)}, done);
+      start_copy(static_cast<double>(l.buckets[b]) + local, dst.group->copy_rate,
+                 {cores, resources_.nvlink(src, false), resources_.nvlink(dst, true)}, cost, done);
     } else {
-      sim_.start_flow(bytes, dst.group->copy_rate, {cores, memory}, done);
+      start_copy(bytes, dst.group->copy_rate, {cores, memory}, cost, done);
     }
   }
 
@@ -527,28 +539,33 @@ uint64_t strided_rows(const PieceRef& p, uint64_t begin, uint64_t size) {
 std::vector<Flush> pack_stream(const std::vector<std::vector<PieceRef>>& by_tensor, PipelineModel& model,
                                const std::vector<uint32_t>& links, const std::vector<uint64_t>& link_bytes) {
   std::map<uint32_t, BucketPacker> packers;
-  std::map<uint32_t, uint64_t> used, count, rows, merged;
+  std::map<uint32_t, uint64_t> used, count, rows, merged, pieces;
   for (size_t i = 0; i < links.size(); ++i) {
     packers.emplace(links[i], BucketPacker(link_bytes[i]));
-    used[links[i]] = count[links[i]] = rows[links[i]] = merged[links[i]] = 0;
+    used[links[i]] = count[links[i]] = rows[links[i]] = merged[links[i]] = pieces[links[i]] = 0;
   }
   std::vector<Flush> flushes;
-  uint64_t since = 0, rows_since = 0;
+  uint64_t since = 0, rows_since = 0, pieces_since = 0;
   auto flush = [&](uint32_t k, bool last) {
-    flushes.push_back({k, count[k], used[k], since, last, rows_since});
+    flushes.push_back({k, count[k], used[k], since, last, rows_since, pieces_since});
     model.link(k).buckets.push_back(used[k]);
     model.link(k).rows.push_back(rows[k]);
     model.link(k).merged.push_back(merged[k]);
-    since = rows_since = 0;
+    model.link(k).pieces.push_back(pieces[k]);
+    since = rows_since = pieces_since = 0;
     ++count[k];
-    used[k] = rows[k] = merged[k] = 0;
+    used[k] = rows[k] = merged[k] = pieces[k] = 0;
   };
-  for (const auto& pieces : by_tensor)
-    for (const auto& p : pieces) {
+  for (const auto& tensor_pieces : by_tensor)
+    for (const auto& p : tensor_pieces) {
       const auto chunks = packers.at(p.link).place(p.info);
       for (const ChunkPlacement& c : chunks) {
         if (c.starts_bucket) flush(p.link, false);
-        if (p.one_of_several || chunks.size() > 1) merged[p.link] += c.size;
+        // A tensor in several chunks is assembled, then loaded whole once its last chunk is in.
+        if ((p.one_of_several || chunks.size() > 1) && c.tensor_offset + c.size == p.info.nbytes())
+          merged[p.link] += p.info.nbytes();
+        ++pieces[p.link];
+        ++pieces_since;
         used[p.link] = c.bucket_offset + c.size;
         since += c.size;
         const uint64_t r = strided_rows(p, c.tensor_offset, c.size);

@@ -601,7 +601,8 @@ class CheckpointEngine::Impl {
         }
         // The load event spans assembling too: both are the destination's copies out of the bucket.
         const double released = timeline_now();
-        stats.events.push_back({TimelinePhase::kLoad, peer, bucket.seq, assembling, released, bucket.used_bytes});
+        stats.events.push_back({TimelinePhase::kLoad, peer, bucket.seq, assembling, released, bucket.used_bytes,
+                                static_cast<uint32_t>(bucket.entries.size())});
         fetchers[k]->release(bucket.seq);
         stats.events.push_back({TimelinePhase::kRelease, peer, bucket.seq, released, released, 0});
         if (bucket.is_last) {

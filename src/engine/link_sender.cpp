@@ -58,7 +58,7 @@ void LinkSender::flush(bool is_last, std::string& phase) {
   phase = fmt::format("announce bucket {} to {}", bucket_.seq, context_.peer_label);
   const double packed = timeline_now();
   events_.push_back({TimelinePhase::kPack, context_.peer_rank, bucket_.seq, pack_start_.value_or(packed), packed,
-                     bucket_.used_bytes});
+                     bucket_.used_bytes, static_cast<uint32_t>(bucket_.entries.size())});
   // Stamped before it goes: the destination may act on it before send() returns here.
   events_.push_back({TimelinePhase::kAnnounce, context_.peer_rank, bucket_.seq, packed, packed, bucket_.used_bytes});
   pack_start_.reset();

@@ -21,14 +21,14 @@ using nlohmann::json;
 
 // A timeline event crosses as a short array: a refit has thousands of them.
 void to_json(json& j, const TimelineEvent& e) {
-  j = json::array({static_cast<int>(e.phase), e.peer, e.bucket, e.start, e.end, e.bytes});
+  j = json::array({static_cast<int>(e.phase), e.peer, e.bucket, e.start, e.end, e.bytes, e.pieces});
 }
 void from_json(const json& j, TimelineEvent& e) {
   const int phase = j.at(0).get<int>();
   if (phase < 0 || phase > static_cast<int>(TimelinePhase::kGather))
     fail(ErrorKind::kProtocol, "a worker reported timeline phase {}, which this driver does not know", phase);
   e = {static_cast<TimelinePhase>(phase), j.at(1).get<uint32_t>(), j.at(2).get<uint64_t>(), j.at(3).get<double>(),
-       j.at(4).get<double>(), j.at(5).get<uint64_t>()};
+       j.at(4).get<double>(), j.at(5).get<uint64_t>(), j.at(6).get<uint32_t>()};
 }
 
 // Engine statistics cross the worker channel as JSON objects keyed by field name.

@@ -104,7 +104,7 @@ TEST(Cluster, RatesParseBitsAndBytes) {
 
 TEST(Cluster, CalibrationFillsWhatTheFileLeavesOutAndRoundTrips) {
   Cluster c = parse_cluster(R"(
-nodes: [{name: host, workers: 4, device: cpu, copy: 3GB/s}, {name: gpu, workers: 2, device: gpu}]
+nodes: [{name: host, workers: 4, device: cpu, copy: 3GB/s}, {name: gpu, workers: 2, device: gpu, copy_cost: 20us}]
 sources: {nodes: host, ranks: 1}
 destinations: {nodes: gpu, ranks: 1}
 )",
@@ -119,6 +119,7 @@ destinations: {nodes: gpu, ranks: 1}
   measured.device_copy_rate = 2e12;
   measured.peer_copy_rate = 390e9;
   measured.latency_s = 1e-4;
+  measured.engine_copy_cost_s = 3e-5;
   save_calibration(path.string(), measured);
   Calibration read;
   load_calibration(path.string(), read);
@@ -133,6 +134,8 @@ destinations: {nodes: gpu, ranks: 1}
   EXPECT_DOUBLE_EQ(c.group("gpu").copy_rate, 2e12);  // the engine's CPU rates are not a GPU's
   EXPECT_DOUBLE_EQ(c.group("gpu").nvlink_rate, 390e9);
   EXPECT_DOUBLE_EQ(c.transfer.latency_s, 1e-4);
+  EXPECT_DOUBLE_EQ(c.group("host").copy_cost_s, 3e-5);  // measured on the engine's device kind
+  EXPECT_DOUBLE_EQ(c.group("gpu").copy_cost_s, 2e-5);   // the file's
 
   Cluster bare = parse_cluster("nodes: [{name: g, workers: 2}]\nsources: {nodes: g, ranks: 1}\ndestinations: {nodes: g, ranks: 1}\n", "bare.yaml");
   EXPECT_THAT(error_of(ErrorKind::kConfig, [&] { apply_calibration(bare, Calibration{}); }),
@@ -170,6 +173,7 @@ transfer: {{bucket: {}, latency: {}, overhead: 0s}}
                                         sources, nic, copy, destinations, nic, copy, sources, destinations, bucket, latency),
                             "model.yaml");
   apply_calibration(c, Calibration{});
+  EXPECT_EQ(c.groups[0].copy_cost_s, 0.0);  // neither the file nor the calibration gives one
   return c;
 }
 
@@ -182,6 +186,31 @@ TEST(Prediction, OneBucketRunsItsStepsOneAfterTheOther) {
   EXPECT_EQ(p.buckets, 1u);
   ASSERT_EQ(p.destinations.size(), 1u);
   EXPECT_EQ(p.destinations[0].bytes, m.total_bytes());
+}
+
+TEST(Prediction, EachPackAndLoadPaysItsCopyCostAndCountsItsPieces) {
+  const ModelInventory m = rows_model(4, 1024, 256);  // 4 tensors of 1 MiB, one bucket
+  Cluster c = two_sides(1, 1, "8Gbit", "1GB/s", "64MiB");
+  const double plain = predict_refit(m, {}, std::vector<Layout>(1), c).seconds;
+  for (auto& g : c.groups) g.copy_cost_s = 1e-3;
+  const Prediction p = predict_refit(m, {}, std::vector<Layout>(1), c);
+  // One pack and one load, each 1 ms more; the read is no copy of the engine's.
+  EXPECT_NEAR(p.seconds - plain, 2e-3, 1e-6);
+  for (const auto* side : {&p.sources, &p.destinations})
+    for (const auto& e : (*side)[0].events)
+      if (e.phase == TimelinePhase::kPack || e.phase == TimelinePhase::kLoad) EXPECT_EQ(e.pieces, 4u);
+}
+
+TEST(Prediction, ATensorInSeveralChunksIsLoadedWholeWithItsLastChunk) {
+  const ModelInventory m = rows_model(1, 4096, 256);  // one tensor of 4 MiB in four 1 MiB buckets
+  const Prediction p = predict_refit(m, {}, std::vector<Layout>(1), two_sides(1, 1, "800Gbit", "1GB/s", "1MiB"));
+  std::vector<double> loads;
+  for (const auto& e : p.destinations[0].events)
+    if (e.phase == TimelinePhase::kLoad) loads.push_back(e.end - e.start);
+  ASSERT_EQ(loads.size(), 4u);
+  // Each chunk is copied into the assembled tensor; the last bucket also loads the whole of it.
+  for (int b = 0; b < 3; ++b) EXPECT_NEAR(loads[b], (1 << 20) / 1e9, 1e-6) << b;
+  EXPECT_NEAR(loads[3], 5.0 * (1 << 20) / 1e9, 1e-6);
 }
 
 TEST(Prediction, SmallBucketsOverlapPackReadAndLoad) {

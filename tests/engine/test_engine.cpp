@@ -147,7 +147,7 @@ TEST(Engine, BothSidesRecordEveryBucketOnTheTimeline) {
     EXPECT_EQ(count(TimelinePhase::kLoad), buckets);
     EXPECT_EQ(count(TimelinePhase::kRelease), 2 * buckets);  // seen by each side
     EXPECT_EQ(count(TimelinePhase::kRead), map ? 0 : buckets);
-    uint64_t packed = 0;
+    uint64_t packed = 0, pieces = 0;
     for (long b = 0; b < buckets; ++b) {
       const auto pack = event(true, TimelinePhase::kPack, b);
       const auto announce = event(true, TimelinePhase::kAnnounce, b);
@@ -163,7 +163,15 @@ TEST(Engine, BothSidesRecordEveryBucketOnTheTimeline) {
         EXPECT_EQ(read.bytes, pack.bytes) << b;
       }
       EXPECT_EQ(load.bytes, pack.bytes) << b;
+      // Both sides count the same tensor pieces in a bucket.
+      EXPECT_GE(pack.pieces, 1u) << b;
+      EXPECT_EQ(load.pieces, pack.pieces) << b;
+      pieces += pack.pieces;
     }
+    // Every tensor is a piece, plus one more wherever a bucket boundary cuts one.
+    EXPECT_GE(pieces, weights.size());
+    EXPECT_LE(pieces, weights.size() + buckets - 1);
+    EXPECT_GT(pieces, weights.size());  // 40-byte buckets do cut tensors
     EXPECT_EQ(packed, stats.wire_bytes);
   }
 }

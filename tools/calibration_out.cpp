@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <filesystem>
 #include <map>
 #include <thread>
@@ -75,43 +76,75 @@ double control_overhead(const json& refits) {
   return median(v);
 }
 
-// The engine's own copy rates, from its packs and loads of 256 KiB or more: while one ran alone, its
-// rate is one worker's; while two or more ran at once, the sum of their rates is what the host
-// sustains for them together (split at the host's core count: beyond it, crowded).
+// The engine's own copy rates, from its packs and loads of 256 KiB or more, as the host's total
+// rate for copies while one ran alone, while two or more ran (no more than cores: together) and
+// while more ran than the host has cores (crowded). A copy's rate changes as others start and end,
+// so the three are fitted together: copy i moved bytes_i = sum over the stretches it ran of
+// length * R(class) / running, linear in R, solved by least squares over every copy.
 struct CopyRates {
   double alone = 0, together = 0, crowded = 0;  // 0: not seen (or too little of the run)
   double overlapped = 0;                        // seconds during which copies overlapped
 };
 CopyRates engine_copy_rates(const std::vector<std::vector<Event>>& timelines) {
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  double bytes[3] = {0, 0, 0}, seconds[3] = {0, 0, 0};  // alone, together, crowded
+  double seconds[3] = {0, 0, 0};                 // alone, together, crowded
+  std::vector<std::array<double, 4>> rows;       // per copy: time-share of each class, bytes
   for (const auto& events : timelines) {
-    std::vector<std::array<double, 3>> copies;  // start, end, rate
+    struct Copy {
+      double start, end, bytes;
+    };
+    std::vector<Copy> copies;
     for (const auto& e : events)
       if ((e.phase == "pack" || e.phase == "load") && e.bytes >= (256 << 10) && e.end > e.start)
-        copies.push_back({e.start, e.end, e.bytes / (e.end - e.start)});
+        copies.push_back({e.start, e.end, e.bytes});
     // Sweep the copies' boundaries: each stretch between two has a set of copies running.
     std::vector<double> edges;
-    for (const auto& c : copies) edges.insert(edges.end(), {c[0], c[1]});
+    for (const auto& c : copies) edges.insert(edges.end(), {c.start, c.end});
     std::sort(edges.begin(), edges.end());
+    std::vector<std::array<double, 4>> share(copies.size(), {0, 0, 0, 0});
     for (size_t i = 0; i + 1 < edges.size(); ++i) {
       const double a = edges[i], b = edges[i + 1];
       if (b <= a) continue;
-      int running = 0;
-      double rate = 0;
-      for (const auto& c : copies)
-        if (c[0] <= a && c[1] >= b) {
-          ++running;
-          rate += c[2];
-        }
-      if (running == 0) continue;
-      const int kind = running == 1 ? 0 : running > cores ? 2 : 1;
-      bytes[kind] += rate * (b - a);
+      std::vector<size_t> running;
+      for (size_t k = 0; k < copies.size(); ++k)
+        if (copies[k].start <= a && copies[k].end >= b) running.push_back(k);
+      if (running.empty()) continue;
+      const int n = static_cast<int>(running.size());
+      const int kind = n == 1 ? 0 : n > cores ? 2 : 1;
       seconds[kind] += b - a;
+      for (size_t k : running) share[k][kind] += (b - a) / n;
+    }
+    for (size_t k = 0; k < copies.size(); ++k) rows.push_back({share[k][0], share[k][1], share[k][2], copies[k].bytes});
+  }
+  // Normal equations over the classes seen, by Gaussian elimination (at most 3 unknowns).
+  std::vector<int> seen;
+  for (int k = 0; k < 3; ++k)
+    if (seconds[k] > 0) seen.push_back(k);
+  const size_t m = seen.size();
+  std::vector<std::vector<double>> a(m, std::vector<double>(m + 1, 0));
+  for (const auto& r : rows)
+    for (size_t i = 0; i < m; ++i) {
+      for (size_t j = 0; j < m; ++j) a[i][j] += r[seen[i]] * r[seen[j]];
+      a[i][m] += r[seen[i]] * r[3];
+    }
+  double fitted[3] = {0, 0, 0};
+  bool solved = m > 0;
+  for (size_t c = 0; c < m && solved; ++c) {
+    size_t pivot = c;
+    for (size_t r = c + 1; r < m; ++r)
+      if (std::abs(a[r][c]) > std::abs(a[pivot][c])) pivot = r;
+    if (std::abs(a[pivot][c]) < 1e-300) solved = false;
+    std::swap(a[c], a[pivot]);
+    for (size_t r = 0; r < m && solved; ++r) {
+      if (r == c) continue;
+      const double f = a[r][c] / a[c][c];
+      for (size_t j = c; j <= m; ++j) a[r][j] -= f * a[c][j];
     }
   }
+  if (solved)
+    for (size_t i = 0; i < m; ++i) fitted[seen[i]] = std::max(a[i][m] / a[i][i], 0.0);
   const double all = seconds[0] + seconds[1] + seconds[2];
-  auto rate = [&](int kind, double share) { return seconds[kind] > share * all ? bytes[kind] / seconds[kind] : 0; };
+  auto rate = [&](int kind, double min_share) { return seconds[kind] > min_share * all ? fitted[kind] : 0; };
   return {rate(0, 0), rate(1, 0.2), rate(2, 0.2), seconds[1] + seconds[2]};
 }
 

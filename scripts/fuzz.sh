@@ -17,9 +17,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 all_targets=(metadata message layout assembler channel)
-# Left over from when channel was not yet a default target; it only lists channel twice in the
-# "no target" message.
-extra_targets=(channel)
 mode=run
 budget=30
 case "${1:-}" in
@@ -86,7 +83,7 @@ echo "fuzz: ${targets[*]}, ${budget} s each, ${jobs} at a time"
 declare -A pids=()
 failed=()
 for t in "${targets[@]}"; do
-  [ -x "$build/fuzz_$t" ] || { echo "fuzz: no target '$t' (targets: ${all_targets[*]} ${extra_targets[*]})"; exit 2; }
+  [ -x "$build/fuzz_$t" ] || { echo "fuzz: no target '$t' (targets: ${all_targets[*]})"; exit 2; }
   while [ "$(jobs -rp | wc -l)" -ge "$jobs" ]; do sleep 1; done
   run_target "$t" &
   pids[$t]=$!

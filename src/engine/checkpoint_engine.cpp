@@ -89,7 +89,12 @@ class CheckpointEngine::Impl {
     } else {
       // Every backend learns the transfer-buffer device from its init params.
       auto params = options_.config.backend_init_params;
-      params.emplace("device", to_string(device));
+      if (auto it = params.find("device"); it != params.end() && parse_device(it->second) != device)
+        fail(ErrorKind::kConfig,
+             "refit_cfg.nixl.backend_init_params.device is '{}' but refit_cfg.nixl.device is '{}': the transport's "
+             "buffers and the engine's copies must be on one device (leave backend_init_params.device out)",
+             it->second, to_string(device));
+      params["device"] = to_string(device);
       transport_ = create_transport(options_.config.backend_name, params);
     }
     // Views, merge buffers and copies take the configured device, whether the bytes are in our

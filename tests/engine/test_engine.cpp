@@ -210,6 +210,16 @@ TEST(Engine, AReceiveOnlyEngineCannotSendNorFeedADestination) {
   EXPECT_NE(message.find("source rank 0 published no transfer buffers"), std::string::npos) << message;
 }
 
+TEST(Engine, ATransportDeviceThatContradictsTheConfiguredDeviceIsRefused) {
+  EngineOptions options;
+  options.bucket_bytes = 1 << 20;
+  options.config.backend_name = "UCX";
+  options.config.backend_init_params["device"] = "cuda:1";  // config.device stays cpu
+  const std::string message = testing::error_of(ErrorKind::kConfig, [&] { CheckpointEngine engine(options); });
+  EXPECT_NE(message.find("backend_init_params.device is 'cuda:1' but refit_cfg.nixl.device is 'cpu'"), std::string::npos)
+      << message;
+}
+
 TEST(Engine, OddBucketSizeOf17Bytes) {
   Pair p(17);
   p.connect();

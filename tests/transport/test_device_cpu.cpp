@@ -205,6 +205,10 @@ TEST(TransportRegistry, GpuBackendsCheckTheirParams) {
   EXPECT_EQ(error_kind_of([&] { create_transport("CUDA_IPC", {{"bogus", "1"}}); }, &message), ErrorKind::kConfig);
   EXPECT_TRUE(contains(message, "backend_init_params.bogus")) << message;
   EXPECT_EQ(error_kind_of([&] { create_transport("CUDA_IPC", {{"connect_timeout_s", "soon"}}); }), ErrorKind::kConfig);
+  // Every wait has a deadline: an infinite one is refused.
+  EXPECT_EQ(error_kind_of([&] { create_transport("CUDA_IPC", {{"connect_timeout_s", "inf"}}); }, &message),
+            ErrorKind::kConfig);
+  EXPECT_TRUE(contains(message, "finite")) << message;
 #ifdef REFIT_HAVE_NCCL
   EXPECT_EQ(error_kind_of([&] { create_transport("NCCL", {{"device", "cuda:x"}}); }), ErrorKind::kConfig);
   EXPECT_EQ(error_kind_of([&] { create_transport("NCCL", {{"timeout_s", "0"}}); }), ErrorKind::kConfig);

@@ -1,6 +1,7 @@
 #include "transport/local_socket/local_peer.h"
 
 #include <charconv>
+#include <cmath>
 
 #include "core/fail.h"
 
@@ -55,8 +56,8 @@ double InitParams::seconds(const std::string& key, double fallback) {
   double value = 0;
   const std::string& text = it->second;
   auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
-  if (ec != std::errc() || end != text.data() + text.size() || !(value > 0))
-    fail(ErrorKind::kConfig, "refit_cfg.nixl.backend_init_params.{}: expected a positive number of seconds, got '{}'",
+  if (ec != std::errc() || end != text.data() + text.size() || !(value > 0) || !std::isfinite(value))
+    fail(ErrorKind::kConfig, "refit_cfg.nixl.backend_init_params.{}: expected a positive, finite number of seconds, got '{}'",
          key, text);
   return value;
 }

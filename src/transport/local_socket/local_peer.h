@@ -36,7 +36,7 @@ class InitParams {
       : backend_(std::move(backend)), params_(params) {}
   // The value of `key`, or `fallback` when absent.
   std::string get(const std::string& key, const std::string& fallback);
-  // A positive number of seconds.
+  // A positive, finite number of seconds (every wait has a deadline).
   double seconds(const std::string& key, double fallback);
   void finish() const;
 

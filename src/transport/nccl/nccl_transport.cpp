@@ -130,10 +130,10 @@ class NcclTransport final : public SynchronousReads {
 
   std::string name() const override { return "NCCL"; }
   TransportCapabilities capabilities() const override {
-    // Reads are send/receive pairs on the GPU, served by the owner's thread; NCCL's own network
-    // plugins reach other hosts.
+    // Reads are send/receive pairs on the GPU, served by the owner's thread. NCCL itself reaches
+    // other hosts, but this backend's control channel is a local socket: peers on one host only.
     return {.async_reads = false, .maps_peer_memory = false, .host_memory = false, .device_memory = true,
-            .remote_peers = true};
+            .remote_peers = false};
   }
 
   RegionId register_memory(void* base, size_t bytes) override {

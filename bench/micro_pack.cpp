@@ -37,7 +37,8 @@ void BM_PlanManyTensors(benchmark::State& state) {
   std::vector<refit::TensorInfo> tensors;
   for (int i = 0; i < 45000; ++i)
     tensors.push_back({"model.layers." + std::to_string(i / 700) + ".mlp.experts." + std::to_string(i % 700) + ".w",
-                       refit::DType::kBFloat16, {2048, 7168}});
+                       refit::DType::kBFloat16,
+                       {2048, 7168}});
   for (auto _ : state) benchmark::DoNotOptimize(refit::plan_buckets(tensors, 4ull << 30));
   state.SetItemsProcessed(static_cast<int64_t>(state.iterations() * tensors.size()));
 }

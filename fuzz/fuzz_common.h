@@ -7,20 +7,19 @@
 
 #include "refit/error.h"
 
-#define FUZZ_CHECK(cond)                                                                       \
-  do {                                                                                         \
-    if (!(cond)) {                                                                             \
-      std::fprintf(stderr, "fuzz check failed: %s (%s:%d)\n", #cond, __FILE__, __LINE__);      \
-      std::abort();                                                                            \
-    }                                                                                          \
+#define FUZZ_CHECK(cond)                                                                  \
+  do {                                                                                    \
+    if (!(cond)) {                                                                        \
+      std::fprintf(stderr, "fuzz check failed: %s (%s:%d)\n", #cond, __FILE__, __LINE__); \
+      std::abort();                                                                       \
+    }                                                                                     \
   } while (0)
 
 // A decoder refused its input: it must say so as a protocol error, nothing else.
-#define FUZZ_EXPECT_PROTOCOL_ERROR(e)                                                          \
-  do {                                                                                         \
-    if ((e).kind() != refit::ErrorKind::kProtocol) {                                           \
-      std::fprintf(stderr, "fuzz: unexpected error kind %d: %s\n", static_cast<int>((e).kind()), \
-                   (e).what());                                                                \
-      std::abort();                                                                            \
-    }                                                                                          \
+#define FUZZ_EXPECT_PROTOCOL_ERROR(e)                                                                         \
+  do {                                                                                                        \
+    if ((e).kind() != refit::ErrorKind::kProtocol) {                                                          \
+      std::fprintf(stderr, "fuzz: unexpected error kind %d: %s\n", static_cast<int>((e).kind()), (e).what()); \
+      std::abort();                                                                                           \
+    }                                                                                                         \
   } while (0)

@@ -123,7 +123,9 @@ protocol::BucketDone done_message(uint64_t refit, uint64_t seq) {
   return d;
 }
 
-TensorInfo tensor(std::string name, DType dtype, std::vector<int64_t> shape) { return {std::move(name), dtype, std::move(shape)}; }
+TensorInfo tensor(std::string name, DType dtype, std::vector<int64_t> shape) {
+  return {std::move(name), dtype, std::move(shape)};
+}
 
 // A small model: whole tensors, one split over buckets, a zero-byte tensor, a scalar.
 std::vector<TensorInfo> sample_model() {
@@ -262,15 +264,20 @@ void channel_seeds() {
   using nlohmann::json;
   Bytes commands;
   put_channel_frame(commands, json{{"cmd", "memory"}});
-  put_channel_frame(commands, json{{"cmd", "create"}, {"bucket_bytes", 4096},
+  put_channel_frame(commands, json{{"cmd", "create"},
+                                   {"bucket_bytes", 4096},
                                    {"session", json::binary({1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16})}});
   put_channel_frame(commands, json{{"cmd", "prepare"}});
-  put_channel_frame(commands, json{{"cmd", "init"}, {"metadata", json::array({json::binary({1, 2}), json::binary({3})})},
-                                   {"train", 1}, {"rollout", 1}});
+  put_channel_frame(commands, json{{"cmd", "init"},
+                                   {"metadata", json::array({json::binary({1, 2}), json::binary({3})})},
+                                   {"train", 1},
+                                   {"rollout", 1}});
   put_channel_frame(commands, json{{"cmd", "exit"}});
   write("channel", "commands", commands);
   Bytes reply;
-  put_channel_frame(reply, json{{"ok", false}, {"error", "destination rank 0 is stale"}, {"kind", "timeout"},
+  put_channel_frame(reply, json{{"ok", false},
+                                {"error", "destination rank 0 is stale"},
+                                {"kind", "timeout"},
                                 {"receive", {{"seconds", 0.25}, {"tensors", 459}}}});
   write("channel", "reply", reply);
   write("channel", "truncated", truncated(commands, 20));

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# The whole test suite: set up, build, run every test (unit tests and multi-process tests over
+# The whole test suite: check the C++ formatting (.clang-format), set up, build, run every test (unit tests and multi-process tests over
 # UCX), then the Python package's tests (pytest, with real Ray), then fuzz the decoders for a short budget, then run the suite again under
 # AddressSanitizer + UndefinedBehaviorSanitizer and under ThreadSanitizer. This is what CI runs.
 #
 # Usage: scripts/test.sh                 everything, in that order (stops at the first failure)
+#        scripts/test.sh format          only the formatting check (scripts/format.sh --check)
 #        scripts/test.sh release|asan|tsan   one suite: the plain build (and the installed package,
 #                                        built into tests/package), or one sanitizer build
 #        scripts/test.sh python          only the Python package (pip install ., pytest)
@@ -36,6 +37,7 @@ what="${1:-all}"
 case "$what" in
   all)
     start=$SECONDS
+    scripts/format.sh --check
     suite release
     package
     echo "=== python package"
@@ -53,9 +55,10 @@ case "$what" in
   release) suite release && package ;;
   asan | tsan) suite "$what" ;;
   fuzz) scripts/fuzz.sh "${2:-20}" ;;
+  format) scripts/format.sh --check ;;
   python) scripts/test_python.sh ;;
   *)
-    echo "usage: scripts/test.sh [release|asan|tsan|python|fuzz [SECONDS]]" >&2
+    echo "usage: scripts/test.sh [format|release|asan|tsan|python|fuzz [SECONDS]]" >&2
     exit 2
     ;;
 esac

@@ -74,8 +74,8 @@ double all_cores_memcpy_rate(uint64_t bytes, unsigned threads) {
 // Runs ucx_perftest server and client on loopback; returns the client's "Final:" fields
 // (iterations, typical and average latency in us, overall latency, average and overall bandwidth
 // in MB/s of 2^20 bytes, message rate).
-std::optional<std::array<double, 7>> perftest(const std::string& test, uint64_t bytes, int iterations, const std::string& tls,
-                                              std::string& note) {
+std::optional<std::array<double, 7>> perftest(const std::string& test, uint64_t bytes, int iterations,
+                                              const std::string& tls, std::string& note) {
   const int port = 20000 + static_cast<int>(std::chrono::steady_clock::now().time_since_epoch().count() % 20000);
   const std::string env = tls.empty() ? "" : fmt::format("UCX_TLS={} ", tls);
   const std::string args = fmt::format("-t {} -s {} -n {} -w 3 -p {}", test, bytes, iterations, port);
@@ -93,14 +93,14 @@ std::optional<std::array<double, 7>> perftest(const std::string& test, uint64_t 
   std::optional<std::array<double, 7>> out;
   while (fgets(line.data(), line.size(), pipe) != nullptr) {
     std::array<double, 7> f;
-    if (std::sscanf(line.data(), " Final: %lf %lf %lf %lf %lf %lf %lf", &f[0], &f[1], &f[2], &f[3], &f[4], &f[5], &f[6]) == 7)
+    if (std::sscanf(line.data(), " Final: %lf %lf %lf %lf %lf %lf %lf", &f[0], &f[1], &f[2], &f[3], &f[4], &f[5],
+                    &f[6]) == 7)
       out = f;
   }
   int rc = pclose(pipe);
   if (!out) note = fmt::format("ucx_perftest gave no result (exit {}): {}", rc, client);
   return out;
 }
-
 
 // ucp_get over TCP on loopback: the median of three runs (one run varies by 20%). None when a run
 // gives no result.
@@ -120,7 +120,8 @@ std::optional<double> tcp_get_rate(uint64_t bytes) {
 
 Baseline measure_baseline(uint64_t bucket_bytes, const std::string& tls) {
   Baseline b;
-  if (auto f = perftest("ucp_get", bucket_bytes, 20, tls, b.ucp_get_note)) b.ucp_get_bytes_per_s = (*f)[5] * 1024 * 1024;
+  if (auto f = perftest("ucp_get", bucket_bytes, 20, tls, b.ucp_get_note))
+    b.ucp_get_bytes_per_s = (*f)[5] * 1024 * 1024;
   const uint64_t tcp_bytes = std::min<uint64_t>(bucket_bytes, 16ull << 20);
   b.tcp_get_bytes_per_s = tcp_get_rate(tcp_bytes);
   std::string latency_note;

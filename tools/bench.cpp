@@ -12,18 +12,18 @@
 #include "baseline.h"
 #include "calibration_out.h"
 #include "median.h"
-#include "timeline_json.h"
 #include "programs.h"
-#include "verify.h"
 #include "refit/bucket_size.h"
-#include "refit/memory.h"
 #include "refit/config.h"
-#include "refit/tensor.h"
 #include "refit/error.h"
 #include "refit/local_group.h"
-#include "refit/rank_group.h"
+#include "refit/memory.h"
 #include "refit/model.h"
+#include "refit/rank_group.h"
 #include "refit/synchronizer.h"
+#include "refit/tensor.h"
+#include "timeline_json.h"
+#include "verify.h"
 
 namespace refit::tools {
 namespace {
@@ -55,9 +55,10 @@ void print_fan(const json& sources, const json& destinations) {
   const auto [slo, shi] = range(sources, "destinations");
   const auto [elo, ehi] = range(sources, "bytes");
   const auto [ilo, ihi] = range(destinations, "bytes");
-  fmt::print("resharding: each destination reads from {}..{} sources and receives {:.1f}..{:.1f} MiB (what it keeps); "
-             "each source serves {}..{} destinations and sends {:.1f}..{:.1f} MiB\n",
-             dlo, dhi, ilo / 1048576.0, ihi / 1048576.0, slo, shi, elo / 1048576.0, ehi / 1048576.0);
+  fmt::print(
+      "resharding: each destination reads from {}..{} sources and receives {:.1f}..{:.1f} MiB (what it keeps); "
+      "each source serves {}..{} destinations and sends {:.1f}..{:.1f} MiB\n",
+      dlo, dhi, ilo / 1048576.0, ihi / 1048576.0, slo, shi, elo / 1048576.0, ehi / 1048576.0);
 }
 
 // Every worker's bucket events, in seconds since the driver started the refit.
@@ -102,8 +103,7 @@ RefitConfig bench_config(const BenchOptions& options) {
 }
 
 MemoryKind bench_tensors(const BenchOptions& options, const RefitConfig& config) {
-  if (options.tensors.empty())
-    return config.device.kind == Device::Kind::kCuda ? MemoryKind::kCuda : MemoryKind::kHost;
+  if (options.tensors.empty()) return config.device.kind == Device::Kind::kCuda ? MemoryKind::kCuda : MemoryKind::kHost;
   if (options.tensors == "cpu") return MemoryKind::kHost;
   if (options.tensors == "cuda") return MemoryKind::kCuda;
   throw Error(ErrorKind::kInvalidArgument, fmt::format("--tensors '{}': expected cpu or cuda", options.tensors));
@@ -120,7 +120,8 @@ int run_bench(const BenchOptions& options) {
   if (!options.kill.empty()) kill = parse_kill_point(options.kill);
   const auto layouts = destination_layouts(path, model.inventory, config, options.parallel, options.destinations);
   const auto holds = source_layouts(path, model.inventory, options.source_parallel, options.sources);
-  if (options.refits < 1) throw Error(ErrorKind::kInvalidArgument, fmt::format("--refits must be >= 1, got {}", options.refits));
+  if (options.refits < 1)
+    throw Error(ErrorKind::kInvalidArgument, fmt::format("--refits must be >= 1, got {}", options.refits));
 
   GroupOptions group_options;
   group_options.config = config;
@@ -145,19 +146,26 @@ int run_bench(const BenchOptions& options) {
     throw Error(ErrorKind::kInvalidArgument, "--rendezvous needs --launcher env");
   }
 
-  fmt::print("refit bench: model {} ({} tensors, {:.2f} GiB{}), {} source(s) -> {} destination(s), {} refit(s); "
-             "transfer buffers on {} ({}), tensors in {} memory\n",
-             model.inventory.name, model.inventory.tensors.size(), model.inventory.total_bytes() / kGiB,
-             model.safetensors_path.empty() ? ", synthetic content" : ", safetensors", options.sources,
-             options.destinations, options.refits, to_string(config.device), config.backend_name,
-             model.tensors == MemoryKind::kCuda ? "GPU" : "host");
+  fmt::print(
+      "refit bench: model {} ({} tensors, {:.2f} GiB{}), {} source(s) -> {} destination(s), {} refit(s); "
+      "transfer buffers on {} ({}), tensors in {} memory\n",
+      model.inventory.name, model.inventory.tensors.size(), model.inventory.total_bytes() / kGiB,
+      model.safetensors_path.empty() ? ", synthetic content" : ", safetensors", options.sources, options.destinations,
+      options.refits, to_string(config.device), config.backend_name,
+      model.tensors == MemoryKind::kCuda ? "GPU" : "host");
 
-  json out = {{"transport", config.backend_name}, {"refit_transport", config.refit_transport},
-              {"device", to_string(config.device)}, {"tensor_memory", model.tensors == MemoryKind::kCuda ? "cuda" : "cpu"},
+  json out = {{"transport", config.backend_name},
+              {"refit_transport", config.refit_transport},
+              {"device", to_string(config.device)},
+              {"tensor_memory", model.tensors == MemoryKind::kCuda ? "cuda" : "cpu"},
               {"sources", options.sources},
-              {"destinations", options.destinations}, {"launcher", options.launcher}, {"model", model.inventory.name},
-              {"model_bytes", model.inventory.total_bytes()}, {"tensors", model.inventory.tensors.size()},
-              {"release_after_refit", config.release_after_refit}, {"refits", json::array()}};
+              {"destinations", options.destinations},
+              {"launcher", options.launcher},
+              {"model", model.inventory.name},
+              {"model_bytes", model.inventory.total_bytes()},
+              {"tensors", model.inventory.tensors.size()},
+              {"release_after_refit", config.release_after_refit},
+              {"refits", json::array()}};
   std::vector<uint64_t> expected_bytes;
   for (const auto& layout : layouts) {
     uint64_t bytes = 0;
@@ -193,8 +201,11 @@ int run_bench(const BenchOptions& options) {
         json per_destination = json::array(), per_source = json::array();
         for (const auto& w : report.workers) {
           if (w.is_source) {
-            per_source.push_back({{"rank", w.rank}, {"bytes", w.send.payload_bytes}, {"destinations", w.send.destinations},
-                                  {"buckets", w.send.buckets}, {"seconds", w.send.seconds}});
+            per_source.push_back({{"rank", w.rank},
+                                  {"bytes", w.send.payload_bytes},
+                                  {"destinations", w.send.destinations},
+                                  {"buckets", w.send.buckets},
+                                  {"seconds", w.send.seconds}});
             continue;
           }
           received += w.receive.payload_bytes;
@@ -202,19 +213,28 @@ int run_bench(const BenchOptions& options) {
           if (w.receive.payload_bytes != expected)
             problems.push_back(fmt::format("destination rank {} received {} bytes, its layout holds {}", w.rank,
                                            w.receive.payload_bytes, expected));
-          per_destination.push_back({{"rank", w.rank}, {"bytes", w.receive.payload_bytes}, {"expected_bytes", expected},
-                                     {"wire_bytes", w.receive.wire_bytes}, {"tensors", w.receive.tensors},
-                                     {"batches", w.receive.batches}, {"receive_seconds", w.receive.receive_seconds()},
-                                     {"load_seconds", w.receive.load_seconds}, {"mapped", w.receive.mapped},
-                                     {"buffer_bytes", w.receive.buffer_bytes}, {"route", w.receive.route},
+          per_destination.push_back({{"rank", w.rank},
+                                     {"bytes", w.receive.payload_bytes},
+                                     {"expected_bytes", expected},
+                                     {"wire_bytes", w.receive.wire_bytes},
+                                     {"tensors", w.receive.tensors},
+                                     {"batches", w.receive.batches},
+                                     {"receive_seconds", w.receive.receive_seconds()},
+                                     {"load_seconds", w.receive.load_seconds},
+                                     {"mapped", w.receive.mapped},
+                                     {"buffer_bytes", w.receive.buffer_bytes},
+                                     {"route", w.receive.route},
                                      {"sources", w.receive.sources}});
         }
         const double rate = received / report.seconds;
         throughputs.push_back(rate);
         if (k == 0 && !holds.empty()) print_fan(per_source, per_destination);
-        entry.update({{"ok", true}, {"seconds", report.seconds}, {"bytes_received", per_destination},
+        entry.update({{"ok", true},
+                      {"seconds", report.seconds},
+                      {"bytes_received", per_destination},
                       {"bytes_sent", per_source},
-                      {"throughput_bytes_per_s", rate}, {"verified", problems.empty()},
+                      {"throughput_bytes_per_s", rate},
+                      {"verified", problems.empty()},
                       {"timeline", timeline_of(report)}});
         if (!problems.empty()) {
           verified = false;
@@ -228,7 +248,10 @@ int run_bench(const BenchOptions& options) {
       } catch (const Error& e) {
         verified = false;
         exit_code = 2;
-        entry.update({{"ok", false}, {"error", e.what()}, {"error_kind", std::string(to_string(e.kind()))}, {"verified", false}});
+        entry.update({{"ok", false},
+                      {"error", e.what()},
+                      {"error_kind", std::string(to_string(e.kind()))},
+                      {"verified", false}});
         spdlog::error("refit {} failed: {}", k, e.what());
         out["refits"].push_back(entry);
         break;
@@ -266,10 +289,13 @@ int run_bench(const BenchOptions& options) {
         if (r.value("ok", false)) v.push_back(r.at("seconds").get<double>());
       return v;
     }());
-    fmt::print("paired path: gather {:.3f} s + paired refit {:.3f} s = {:.3f} s; resharding {:.3f} s ({:.2f}x faster)\n",
-               gather_s, paired_s, gather_s + paired_s, reshard_s, (gather_s + paired_s) / reshard_s);
-    out["compare_paired"] = {{"gather_seconds", gather_s}, {"paired_seconds", paired_s},
-                             {"paired_total_seconds", gather_s + paired_s}, {"resharding_seconds", reshard_s}};
+    fmt::print(
+        "paired path: gather {:.3f} s + paired refit {:.3f} s = {:.3f} s; resharding {:.3f} s ({:.2f}x faster)\n",
+        gather_s, paired_s, gather_s + paired_s, reshard_s, (gather_s + paired_s) / reshard_s);
+    out["compare_paired"] = {{"gather_seconds", gather_s},
+                             {"paired_seconds", paired_s},
+                             {"paired_total_seconds", gather_s + paired_s},
+                             {"resharding_seconds", reshard_s}};
   }
   if (options.baseline && bucket_bytes > 0) {
     auto tls = config.backend_init_params.count("tls") ? config.backend_init_params.at("tls") : "";

@@ -21,7 +21,7 @@ struct BenchOptions {
   std::string json_path;
   bool baseline = false;
   std::string calibration_out;  // with baseline: the planner calibration file to write
-  std::string kill;  // ROLE:RANK:REFIT:STEP, for failure tests
+  std::string kill;             // ROLE:RANK:REFIT:STEP, for failure tests
   // Transfer-buffer device (refit_cfg.nixl.device); cuda also sets backend_name CUDA_IPC. Both
   // apply after the config file and before the command line's overrides. Empty: the config's.
   std::string device;
@@ -41,6 +41,5 @@ struct BenchOptions {
 
 // Returns the process exit code: 0 only when every refit succeeded and verified.
 int run_bench(const BenchOptions& options);
-
 
 }  // namespace refit::tools

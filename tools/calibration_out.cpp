@@ -87,8 +87,8 @@ struct CopyRates {
 };
 CopyRates engine_copy_rates(const std::vector<std::vector<Event>>& timelines) {
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  double seconds[3] = {0, 0, 0};                 // alone, together, crowded
-  std::vector<std::array<double, 4>> rows;       // per copy: time-share of each class, bytes
+  double seconds[3] = {0, 0, 0};            // alone, together, crowded
+  std::vector<std::array<double, 4>> rows;  // per copy: time-share of each class, bytes
   for (const auto& events : timelines) {
     struct Copy {
       double start, end, bytes;
@@ -247,12 +247,14 @@ void save_bench_calibration(const std::string& path, const json& run) {
   if (std::filesystem::exists(path)) load_calibration(path, c);
   const std::string device = run.at("tensor_memory").get<std::string>();
   if (!c.engine_device.empty() && c.engine_device != device)
-    throw Error(ErrorKind::kInvalidArgument, fmt::format("--calibration-out {}: it holds the engine's copy rates on {}, this "
-                                                         "bench copies on {} (one file per kind of run)",
-                                                         path, c.engine_device, device));
+    throw Error(ErrorKind::kInvalidArgument,
+                fmt::format("--calibration-out {}: it holds the engine's copy rates on {}, this "
+                            "bench copies on {} (one file per kind of run)",
+                            path, c.engine_device, device));
   c.engine_device = device;
   const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
-  c.machine = fmt::format("{} cores, {:.0f} GiB, measured by refit bench", cores, total_host_memory_bytes() / 1073741824.0);
+  c.machine =
+      fmt::format("{} cores, {:.0f} GiB, measured by refit bench", cores, total_host_memory_bytes() / 1073741824.0);
   c.host_memory = total_host_memory_bytes();
   if (run.contains("baseline")) {
     const json& b = run["baseline"];
@@ -280,12 +282,14 @@ void save_bench_calibration(const std::string& path, const json& run) {
   }
   if (const double overhead = control_overhead(run.at("refits")); overhead > 0) c.overhead_s = overhead;
   save_calibration(path, c);
-  fmt::print("calibration {}: the engine's copies {:.2f} GB/s alone, {:.2f} GB/s together, {:.2f} GB/s with more than "
-             "cores; memcpy {:.2f} GB/s; read {:.2f} GB/s; latency {:.1f} us (acknowledgement {:.1f} us); turnaround "
-             "{:.1f} us; copy cost {:.1f} us per bucket; refit overhead {:.2f} ms\n",
-             path, c.engine_copy_rate / 1e9, c.engine_node_copy_rate / 1e9, c.engine_crowded_copy_rate / 1e9,
-             c.host_copy_rate / 1e9, c.read_rate / 1e9, std::max(c.latency_s, 0.0) * 1e6,
-             std::max(c.ack_latency_s, 0.0) * 1e6, std::max(c.turnaround_s, 0.0) * 1e6, std::max(c.engine_copy_cost_s, 0.0) * 1e6, std::max(c.overhead_s, 0.0) * 1e3);
+  fmt::print(
+      "calibration {}: the engine's copies {:.2f} GB/s alone, {:.2f} GB/s together, {:.2f} GB/s with more than "
+      "cores; memcpy {:.2f} GB/s; read {:.2f} GB/s; latency {:.1f} us (acknowledgement {:.1f} us); turnaround "
+      "{:.1f} us; copy cost {:.1f} us per bucket; refit overhead {:.2f} ms\n",
+      path, c.engine_copy_rate / 1e9, c.engine_node_copy_rate / 1e9, c.engine_crowded_copy_rate / 1e9,
+      c.host_copy_rate / 1e9, c.read_rate / 1e9, std::max(c.latency_s, 0.0) * 1e6, std::max(c.ack_latency_s, 0.0) * 1e6,
+      std::max(c.turnaround_s, 0.0) * 1e6, std::max(c.engine_copy_cost_s, 0.0) * 1e6,
+      std::max(c.overhead_s, 0.0) * 1e3);
 }
 
 }  // namespace refit::tools

@@ -56,10 +56,14 @@ uint64_t batch_count(const ModelInventory& model) {
 enum class Point { kBeforeConnect, kSourcePack, kDestinationLoad, kBetweenBuckets };
 const char* point_name(Point p) {
   switch (p) {
-    case Point::kBeforeConnect: return "before connect";
-    case Point::kSourcePack: return "mid-bucket (source packing)";
-    case Point::kDestinationLoad: return "during load";
-    case Point::kBetweenBuckets: return "between buckets";
+    case Point::kBeforeConnect:
+      return "before connect";
+    case Point::kSourcePack:
+      return "mid-bucket (source packing)";
+    case Point::kDestinationLoad:
+      return "during load";
+    case Point::kBetweenBuckets:
+      return "between buckets";
   }
   return "?";
 }
@@ -167,8 +171,9 @@ int run_chaos(const ChaosOptions& options) {
              options.trials, detect.size(), options.trials - bad, median, worst);
   fmt::print("{} passed, {} failed\n", options.trials - bad, bad);
   if (!options.json_path.empty()) {
-    json out = {{"trials", options.trials}, {"seed", options.seed}, {"detected", detect.size()},
-                {"behaved", options.trials - bad}, {"detect_median_s", median}, {"detect_worst_s", worst},
+    json out = {{"trials", options.trials},  {"seed", options.seed},
+                {"detected", detect.size()}, {"behaved", options.trials - bad},
+                {"detect_median_s", median}, {"detect_worst_s", worst},
                 {"details", trials}};
     std::ofstream(options.json_path) << out.dump(2) << "\n";
   }

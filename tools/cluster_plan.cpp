@@ -55,11 +55,19 @@ json prediction_json(const Prediction& p) {
     for (const auto& w : *side) workers.push_back({{"worker", w.worker}, {"seconds", w.seconds}, {"bytes", w.bytes}});
   json demands = json::array();
   for (size_t i = 0; i < p.demands.size() && i < 20; ++i)
-    demands.push_back({{"resource", p.demands[i].name}, {"seconds", p.demands[i].seconds}, {"bytes", p.demands[i].bytes},
+    demands.push_back({{"resource", p.demands[i].name},
+                       {"seconds", p.demands[i].seconds},
+                       {"bytes", p.demands[i].bytes},
                        {"capacity_bytes_per_s", p.demands[i].capacity}});
-  return {{"seconds", p.seconds}, {"gather_seconds", p.gather_seconds}, {"overhead_seconds", p.overhead_seconds},
-          {"bound", p.bound}, {"bucket_bytes", p.bucket_bytes}, {"buckets", p.buckets}, {"workers", workers},
-          {"demands", demands}, {"timeline", events_json(p)}};
+  return {{"seconds", p.seconds},
+          {"gather_seconds", p.gather_seconds},
+          {"overhead_seconds", p.overhead_seconds},
+          {"bound", p.bound},
+          {"bucket_bytes", p.bucket_bytes},
+          {"buckets", p.buckets},
+          {"workers", workers},
+          {"demands", demands},
+          {"timeline", events_json(p)}};
 }
 
 // Workers with the same time share a row: "destination 0-31  0.912 s  42.0 GiB".
@@ -103,7 +111,9 @@ int run_cluster_plan(const PlanOptions& options) {
   Calibration calibration;
   for (const auto& path : options.calibrations) load_calibration(path, calibration);
   apply_calibration(cluster, calibration);
-  const std::string path = !options.model.empty() ? options.model : !cluster.model.empty() ? cluster.model : std::string(kDefaultModel);
+  const std::string path = !options.model.empty()   ? options.model
+                           : !cluster.model.empty() ? cluster.model
+                                                    : std::string(kDefaultModel);
   const auto inventory = load_model_inventory(path);
   std::vector<std::string> overrides = options.overrides;
   if (cluster.destinations.shard_experts) overrides.push_back("refit_cfg.nixl.shard_expert_weights=true");
@@ -114,8 +124,9 @@ int run_cluster_plan(const PlanOptions& options) {
     for (const auto* side : {&cluster.sources, &cluster.destinations}) {
       const uint64_t memory = cluster.group(side->nodes).memory;
       if (memory == 0 && !config.bucket_bytes)
-        throw Error(ErrorKind::kConfig, fmt::format("cluster '{}': give transfer.bucket, or the memory of node group '{}'",
-                                                    cluster.name, side->nodes));
+        throw Error(ErrorKind::kConfig,
+                    fmt::format("cluster '{}': give transfer.bucket, or the memory of node group '{}'", cluster.name,
+                                side->nodes));
       totals.push_back(memory);
     }
     cluster.transfer.bucket_bytes = resolve_bucket_size(config, totals).bytes;
@@ -128,14 +139,19 @@ int run_cluster_plan(const PlanOptions& options) {
 
   const NodeGroup& sg = cluster.group(cluster.sources.nodes);
   const NodeGroup& dg = cluster.group(cluster.destinations.nodes);
-  fmt::print("cluster {}: model {} ({:.2f} GiB), {} sources on '{}' ({} node(s) x {} {}), {} destinations on '{}'; "
-             "{:.0f} MiB buckets, transport {}\n",
-             cluster.name, inventory.name, inventory.total_bytes() / kGiB, cluster.sources.ranks, sg.name, sg.count,
-             sg.workers, sg.gpu ? "GPUs" : "processes", cluster.destinations.ranks, dg.name,
-             cluster.transfer.bucket_bytes / 1048576.0, cluster.transfer.transport);
-  json out = {{"cluster", cluster.name}, {"model", inventory.name}, {"model_bytes", inventory.total_bytes()},
-              {"sources", cluster.sources.ranks}, {"destinations", cluster.destinations.ranks},
-              {"bucket_bytes", cluster.transfer.bucket_bytes}, {"transport", cluster.transfer.transport},
+  fmt::print(
+      "cluster {}: model {} ({:.2f} GiB), {} sources on '{}' ({} node(s) x {} {}), {} destinations on '{}'; "
+      "{:.0f} MiB buckets, transport {}\n",
+      cluster.name, inventory.name, inventory.total_bytes() / kGiB, cluster.sources.ranks, sg.name, sg.count,
+      sg.workers, sg.gpu ? "GPUs" : "processes", cluster.destinations.ranks, dg.name,
+      cluster.transfer.bucket_bytes / 1048576.0, cluster.transfer.transport);
+  json out = {{"cluster", cluster.name},
+              {"model", inventory.name},
+              {"model_bytes", inventory.total_bytes()},
+              {"sources", cluster.sources.ranks},
+              {"destinations", cluster.destinations.ranks},
+              {"bucket_bytes", cluster.transfer.bucket_bytes},
+              {"transport", cluster.transfer.transport},
               {"prediction", json::object()}};
   const Prediction refit = predict_refit(inventory, holds, needs, cluster);
   print_prediction(holds.empty() ? "refit (paired: the sources hold the whole model)" : "refit (resharding)", refit);

@@ -17,7 +17,6 @@ namespace {
 const std::vector<Layout> kNoHolds;  // every source holds the whole model
 }  // namespace
 
-
 using nlohmann::json;
 
 std::vector<int> parse_sequence(const std::string& text) {
@@ -94,9 +93,13 @@ int run_elastic_demo(const ElasticOptions& options) {
       else
         receive_s.push_back(w.receive.total_seconds);
     }
-    fmt::print("ELASTIC_NIXL_RESULT {}\n", json{{"phase", phase}, {"rollout_count", target}, {"added", added},
-                                                 {"removed", removed}, {"send_elapsed_s", send_s},
-                                                 {"receive_elapsed_s", receive_s}, {"status", "ok"}}
+    fmt::print("ELASTIC_NIXL_RESULT {}\n", json{{"phase", phase},
+                                                {"rollout_count", target},
+                                                {"added", added},
+                                                {"removed", removed},
+                                                {"send_elapsed_s", send_s},
+                                                {"receive_elapsed_s", receive_s},
+                                                {"status", "ok"}}
                                                .dump());
     std::fflush(stdout);
   }

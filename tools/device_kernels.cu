@@ -16,7 +16,8 @@ constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ull;
 
 void check(cudaError_t status, const char* call) {
   if (status != cudaSuccess)
-    throw Error(ErrorKind::kTransport, fmt::format("{}: {}: {}", call, cudaGetErrorName(status), cudaGetErrorString(status)));
+    throw Error(ErrorKind::kTransport,
+                fmt::format("{}: {}: {}", call, cudaGetErrorName(status), cudaGetErrorString(status)));
 }
 
 __device__ __forceinline__ uint64_t mix64(uint64_t z) {
@@ -30,12 +31,14 @@ __global__ void fill_kernel(unsigned char* data, uint64_t bytes, uint64_t seed) 
   const uint64_t words = bytes / 8;
   const uint64_t base = seed * kGolden;
   const bool aligned = (reinterpret_cast<uintptr_t>(data) & 7) == 0;
-  for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i <= words; i += uint64_t(gridDim.x) * blockDim.x) {
+  for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i <= words;
+       i += uint64_t(gridDim.x) * blockDim.x) {
     const uint64_t value = mix64(base + i);
     if (i < words && aligned) {
       reinterpret_cast<uint64_t*>(data)[i] = value;
     } else {
-      for (uint64_t b = 0; b < 8 && i * 8 + b < bytes; ++b) data[i * 8 + b] = static_cast<unsigned char>(value >> (8 * b));
+      for (uint64_t b = 0; b < 8 && i * 8 + b < bytes; ++b)
+        data[i * 8 + b] = static_cast<unsigned char>(value >> (8 * b));
     }
   }
 }
@@ -87,7 +90,8 @@ std::vector<uint64_t> hash_device_ranges(const std::vector<DeviceRange>& ranges,
     status = cudaGetLastError();
   }
   if (status == cudaSuccess)
-    status = cudaMemcpyAsync(sums.data(), device_sums, sizeof(uint64_t) * ranges.size(), cudaMemcpyDeviceToHost, stream);
+    status =
+        cudaMemcpyAsync(sums.data(), device_sums, sizeof(uint64_t) * ranges.size(), cudaMemcpyDeviceToHost, stream);
   if (status == cudaSuccess) status = cudaStreamSynchronize(stream);
   cudaFreeAsync(device_sums, stream);
   cudaStreamSynchronize(stream);

@@ -1,8 +1,8 @@
 // The `refit` command: bench, plan, demo, chaos, info.
-#include <CLI/CLI.hpp>
 #include <fmt/format.h>
 #include <spdlog/cfg/env.h>
 #include <spdlog/spdlog.h>
+#include <CLI/CLI.hpp>
 
 #include "bench.h"
 #include "chaos.h"
@@ -18,8 +18,11 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
 
   refit::tools::BenchOptions bench;
-  auto* bench_cmd = app.add_subcommand("bench", "Run refits between local source and destination processes and check every tensor");
-  bench_cmd->add_option("--model", bench.model, "config.json, safetensors file or directory, or builtin:refit-tiny-moe (the default, compiled in)");
+  auto* bench_cmd =
+      app.add_subcommand("bench", "Run refits between local source and destination processes and check every tensor");
+  bench_cmd->add_option(
+      "--model", bench.model,
+      "config.json, safetensors file or directory, or builtin:refit-tiny-moe (the default, compiled in)");
   bench_cmd->add_option("--sources", bench.sources, "Source (policy) processes")->capture_default_str();
   bench_cmd->add_option("--destinations", bench.destinations, "Destination (rollout) processes")->capture_default_str();
   bench_cmd->add_option("--refits", bench.refits, "Refits to run")->capture_default_str();
@@ -32,11 +35,14 @@ int main(int argc, char** argv) {
                         "--cluster --calibration); scripts/calibrate.sh runs the two benches it needs");
   bench_cmd->add_option("--kill", bench.kill, "Failure test: ROLE:RANK:REFIT:STEP kills that worker at that point");
   bench_cmd->add_option("--device", bench.device,
-                        "Transfer buffers: cpu, cuda or cuda:N (refit_cfg.nixl.device; cuda also sets backend_name=CUDA_IPC, which an override may change)");
-  bench_cmd->add_option("--tensors", bench.tensors, "Where weights and parameters live: cpu or cuda (default: as --device)");
-  bench_cmd->add_option("--launcher", bench.launcher,
-                        "local: fork the workers here; env: this process is one rank of a job started by mpirun, srun, "
-                        "torchrun or a command per host (RANK/WORLD_SIZE or the launcher's own; rank 0 drives)")
+                        "Transfer buffers: cpu, cuda or cuda:N (refit_cfg.nixl.device; cuda also sets "
+                        "backend_name=CUDA_IPC, which an override may change)");
+  bench_cmd->add_option("--tensors", bench.tensors,
+                        "Where weights and parameters live: cpu or cuda (default: as --device)");
+  bench_cmd
+      ->add_option("--launcher", bench.launcher,
+                   "local: fork the workers here; env: this process is one rank of a job started by mpirun, srun, "
+                   "torchrun or a command per host (RANK/WORLD_SIZE or the launcher's own; rank 0 drives)")
       ->capture_default_str();
   bench_cmd->add_option("--rendezvous", bench.rendezvous,
                         "With --launcher env: HOST:PORT where rank 0 listens (default REFIT_RENDEZVOUS, else "
@@ -46,11 +52,14 @@ int main(int argc, char** argv) {
   bench_cmd->add_flag("--compare-paired", bench.compare_paired,
                       "With --src-*: also time the paired path for the same job (a gather of the shards into one full "
                       "copy per destination, then the paired refit), in this run");
-  bench_cmd->add_option("overrides", bench.overrides, "Config overrides, key=value (e.g. refit_cfg.nixl.bucket_bytes=256MiB)");
+  bench_cmd->add_option("overrides", bench.overrides,
+                        "Config overrides, key=value (e.g. refit_cfg.nixl.bucket_bytes=256MiB)");
 
   refit::tools::PlanOptions plan;
   auto* plan_cmd = app.add_subcommand("plan", "Show how a model is laid out in buckets, without moving bytes");
-  plan_cmd->add_option("--model", plan.model, "config.json, safetensors file or directory, or builtin:refit-tiny-moe (the default, compiled in)");
+  plan_cmd->add_option(
+      "--model", plan.model,
+      "config.json, safetensors file or directory, or builtin:refit-tiny-moe (the default, compiled in)");
   plan_cmd->add_option("--sources", plan.sources, "Source processes")->capture_default_str();
   plan_cmd->add_option("--destinations", plan.destinations, "Destination processes")->capture_default_str();
   plan_cmd->add_option("--config", plan.config_file, "YAML config file");
@@ -63,14 +72,16 @@ int main(int argc, char** argv) {
   plan_cmd->add_option("--cluster", plan.cluster,
                        "Predict one refit on the cluster this YAML file describes (docs/PLANNER.md): refit's path and "
                        "the paired path, with what bounds each");
-  plan_cmd->add_option("--calibration", plan.calibrations,
-                       "Measured rates (refit bench --baseline --calibration-out) for what the cluster file leaves out");
+  plan_cmd->add_option(
+      "--calibration", plan.calibrations,
+      "Measured rates (refit bench --baseline --calibration-out) for what the cluster file leaves out");
   plan_cmd->add_option("overrides", plan.overrides, "Config overrides, key=value");
 
   refit::tools::ElasticOptions elastic;
   auto* demo_cmd = app.add_subcommand("demo", "Demonstrations of the refit lifecycle");
   demo_cmd->require_subcommand(1);
-  auto* elastic_cmd = demo_cmd->add_subcommand("elastic", "Refit while the set of destinations changes (the reference's elastic demo)");
+  auto* elastic_cmd =
+      demo_cmd->add_subcommand("elastic", "Refit while the set of destinations changes (the reference's elastic demo)");
   elastic_cmd->add_option("--sequence", elastic.sequence, "Destination count per phase")->capture_default_str();
   elastic_cmd->add_option("--bucket-mb", elastic.bucket_mb, "Bucket size in MiB")->capture_default_str();
   elastic_cmd->add_option("--tensor-mb", elastic.tensor_mb, "Size of the dense tensor in MiB")->capture_default_str();
@@ -78,7 +89,8 @@ int main(int argc, char** argv) {
   elastic_cmd->add_option("overrides", elastic.overrides, "Config overrides, key=value");
 
   refit::tools::ChaosOptions chaos;
-  auto* chaos_cmd = app.add_subcommand("chaos", "Fault injection: kill workers at random points of refits and check detection and recovery");
+  auto* chaos_cmd = app.add_subcommand(
+      "chaos", "Fault injection: kill workers at random points of refits and check detection and recovery");
   chaos_cmd->add_option("--trials", chaos.trials, "Trials to run")->capture_default_str();
   chaos_cmd->add_option("--seed", chaos.seed, "Random seed")->capture_default_str();
   chaos_cmd->add_option("--sources", chaos.sources, "Source processes")->capture_default_str();
@@ -89,7 +101,8 @@ int main(int argc, char** argv) {
 
   refit::tools::InfoOptions info;
   auto* info_cmd = app.add_subcommand(
-      "info", "Show what refit detects (version, GPUs, transports and why one is unavailable) and the effective config");
+      "info",
+      "Show what refit detects (version, GPUs, transports and why one is unavailable) and the effective config");
   info_cmd->add_option("--config", info.config_file, "YAML config file");
   info_cmd->add_option("overrides", info.overrides, "Config overrides, key=value");
 

@@ -32,7 +32,8 @@ std::string config_json_of(const std::string& model_path) {
   std::string config_json = model_path;
   if (fs::is_directory(model_path)) config_json = (fs::path(model_path) / "config.json").string();
   if (!model_path.starts_with("builtin:") && (!fs::exists(config_json) || fs::path(config_json).extension() != ".json"))
-    fail(ErrorKind::kModel, "sharded layouts need the model's config.json (head counts), not found for '{}'", model_path);
+    fail(ErrorKind::kModel, "sharded layouts need the model's config.json (head counts), not found for '{}'",
+         model_path);
   return config_json;
 }
 
@@ -58,8 +59,8 @@ std::vector<Layout> source_layouts(const std::string& model_path, const ModelInv
   if (p.etp) t.expert_tp_size = p.etp;
   const int world = t.tp_size * t.pp_size * t.dp_size;
   if (world != sources)
-    fail(ErrorKind::kTopology, "--src-tp {} x --src-dp {} x --src-pp {} = {} source ranks, but --sources is {}", t.tp_size,
-         t.dp_size, t.pp_size, world, sources);
+    fail(ErrorKind::kTopology, "--src-tp {} x --src-dp {} x --src-pp {} = {} source ranks, but --sources is {}",
+         t.tp_size, t.dp_size, t.pp_size, world, sources);
   return megatron_source_layouts(inventory, model_dims_from_hf_config(config_json_of(model_path)), t);
 }
 
@@ -81,8 +82,8 @@ std::vector<std::optional<Layout>> destination_layouts(const std::string& model_
     return out;
   }
   if (p.tp * p.ep * p.pp != destinations)
-    fail(ErrorKind::kTopology, "--tp {} x --ep {} x --pp {} = {} destination ranks, but --destinations is {}", p.tp, p.ep,
-         p.pp, p.tp * p.ep * p.pp, destinations);
+    fail(ErrorKind::kTopology, "--tp {} x --ep {} x --pp {} = {} destination ranks, but --destinations is {}", p.tp,
+         p.ep, p.pp, p.tp * p.ep * p.pp, destinations);
   const ModelDims dims = model_dims_from_hf_config(config_json_of(model_path));
   for (int r = 0; r < destinations; ++r) {
     const ParallelRank rank = parallel_rank(p, r);

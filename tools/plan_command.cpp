@@ -5,8 +5,8 @@
 #include <algorithm>
 #include <chrono>
 #include <fstream>
-#include <numeric>
 #include <nlohmann/json.hpp>
+#include <numeric>
 
 #include "bench.h"
 #include "cluster_plan.h"
@@ -25,7 +25,9 @@ namespace {
 
 constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 
-std::string span_of(int first, int last) { return first == last ? std::to_string(first) : fmt::format("{}-{}", first, last); }
+std::string span_of(int first, int last) {
+  return first == last ? std::to_string(first) : fmt::format("{}-{}", first, last);
+}
 
 // Resharding: the transfer plan from the sources' shards to the destinations, and what each side
 // moves.
@@ -43,8 +45,11 @@ void print_transfer_plan(const PlanOptions& options, const ModelInventory& inven
              sources.size(), destinations.size(), plan.pieces().size(), links, seconds);
   const double full = static_cast<double>(inventory.total_bytes());
   fmt::print("{:>12} {:>14} {:>12} {:>10}\n", "destination", "reads from", "ingress GiB", "reduction");
-  out["transfer_plan"] = {{"pieces", plan.pieces().size()}, {"links", links}, {"plan_seconds", seconds},
-                          {"destinations", nlohmann::json::array()}, {"sources", nlohmann::json::array()}};
+  out["transfer_plan"] = {{"pieces", plan.pieces().size()},
+                          {"links", links},
+                          {"plan_seconds", seconds},
+                          {"destinations", nlohmann::json::array()},
+                          {"sources", nlohmann::json::array()}};
   // Rows with the same numbers collapse into one.
   auto print_rows = [&](uint32_t count, auto numbers, auto print) {
     for (uint32_t first = 0; first < count;) {
@@ -87,8 +92,8 @@ int run_plan(const PlanOptions& options) {
   const auto inventory = load_model_inventory(path);
   // Bucket sizing takes the smallest total memory of any worker's transfer device: the target's
   // when given, else this host's (every worker of a local run shares it).
-  const uint64_t memory =
-      options.target_memory.empty() ? total_host_memory_bytes() : parse_byte_count(options.target_memory, "--target-memory");
+  const uint64_t memory = options.target_memory.empty() ? total_host_memory_bytes()
+                                                        : parse_byte_count(options.target_memory, "--target-memory");
   std::vector<uint64_t> totals(options.sources + options.destinations, memory);
   const BucketSize size = resolve_bucket_size(config, totals);
   fmt::print("{}\n", bucket_size_line(size, config.device));
@@ -96,7 +101,9 @@ int run_plan(const PlanOptions& options) {
   const auto sources = source_layouts(path, inventory, options.source_parallel, options.sources);
   const double full_bytes = static_cast<double>(inventory.total_bytes());
 
-  nlohmann::json out = {{"model", inventory.name}, {"bucket_bytes", size.bytes}, {"full_bytes", inventory.total_bytes()},
+  nlohmann::json out = {{"model", inventory.name},
+                        {"bucket_bytes", size.bytes},
+                        {"full_bytes", inventory.total_bytes()},
                         {"destinations", nlohmann::json::array()}};
   struct Row {
     int first = 0, last = 0, first_source = 0, last_source = 0;
@@ -114,10 +121,19 @@ int run_plan(const PlanOptions& options) {
     const ParallelRank rank = parallel_rank(options.parallel, r);
     const auto tensors = selected_tensors(inventory, layouts[r]);
     const BucketPlan plan = plan_buckets(tensors, size.bytes);
-    Row row{r, r, source, source, rank, rank, tensors.size(), plan.buckets.size(), plan.payload_bytes,
+    Row row{r,
+            r,
+            source,
+            source,
+            rank,
+            rank,
+            tensors.size(),
+            plan.buckets.size(),
+            plan.payload_bytes,
             plan.transferred_bytes};
     // Destinations that receive the same amounts share one row.
-    if (!rows.empty() && rows.back().same_numbers(row) && rows.back().last == r - 1 && rows.back().last_source == source - 1) {
+    if (!rows.empty() && rows.back().same_numbers(row) && rows.back().last == r - 1 &&
+        rows.back().last_source == source - 1) {
       rows.back().last = r;
       rows.back().last_source = source;
       rows.back().last_rank = rank;
@@ -128,24 +144,34 @@ int run_plan(const PlanOptions& options) {
     total.buckets += row.buckets;
     total.payload += row.payload;
     total.wire += row.wire;
-    out["destinations"].push_back({{"rank", r}, {"source", source}, {"tp_rank", rank.tp}, {"ep_rank", rank.ep},
-                                   {"pp_rank", rank.pp}, {"tensors", tensors.size()}, {"payload_bytes", plan.payload_bytes},
-                                   {"wire_bytes", plan.transferred_bytes}, {"buckets", plan.buckets.size()},
-                                   {"reduction_vs_full", plan.payload_bytes > 0 ? full_bytes / plan.payload_bytes : 0}});
+    out["destinations"].push_back(
+        {{"rank", r},
+         {"source", source},
+         {"tp_rank", rank.tp},
+         {"ep_rank", rank.ep},
+         {"pp_rank", rank.pp},
+         {"tensors", tensors.size()},
+         {"payload_bytes", plan.payload_bytes},
+         {"wire_bytes", plan.transferred_bytes},
+         {"buckets", plan.buckets.size()},
+         {"reduction_vs_full", plan.payload_bytes > 0 ? full_bytes / plan.payload_bytes : 0}});
   }
-  fmt::print("{:>12} {:>9} {:>20} {:>9} {:>12} {:>12} {:>8} {:>10}\n", "destination", "source", "tp/ep/pp rank", "tensors",
-             "payload GiB", "wire GiB", "buckets", "reduction");
+  fmt::print("{:>12} {:>9} {:>20} {:>9} {:>12} {:>12} {:>8} {:>10}\n", "destination", "source", "tp/ep/pp rank",
+             "tensors", "payload GiB", "wire GiB", "buckets", "reduction");
   for (const Row& row : rows) {
     const auto r = [](const ParallelRank& p) { return fmt::format("{}/{}/{}", p.tp, p.ep, p.pp); };
     const std::string rank = row.first == row.last ? r(row.first_rank) : r(row.first_rank) + ".." + r(row.last_rank);
     fmt::print("{:>12} {:>9} {:>20} {:>9} {:>12.3f} {:>12.3f} {:>8} {:>9.2f}x\n", span_of(row.first, row.last),
-               row.first_source < 0 ? std::string("(plan)") : span_of(row.first_source, row.last_source), rank, row.tensors, row.payload / kGiB, row.wire / kGiB,
-               row.buckets, row.payload > 0 ? full_bytes / row.payload : 0);
+               row.first_source < 0 ? std::string("(plan)") : span_of(row.first_source, row.last_source), rank,
+               row.tensors, row.payload / kGiB, row.wire / kGiB, row.buckets,
+               row.payload > 0 ? full_bytes / row.payload : 0);
   }
   fmt::print("{:>12} {:>9} {:>20} {:>9} {:>12.3f} {:>12.3f} {:>8} {:>10}\n", "total", "", "", total.tensors,
              total.payload / kGiB, total.wire / kGiB, total.buckets, "");
   if (!sources.empty()) print_transfer_plan(options, inventory, sources, layouts, out);
-  out["total"] = {{"tensors", total.tensors}, {"payload_bytes", total.payload}, {"wire_bytes", total.wire},
+  out["total"] = {{"tensors", total.tensors},
+                  {"payload_bytes", total.payload},
+                  {"wire_bytes", total.wire},
                   {"buckets", total.buckets}};
   if (!options.json_path.empty()) {
     std::ofstream f(options.json_path);

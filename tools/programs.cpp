@@ -65,7 +65,6 @@ constexpr uint64_t kTensorAlignment = 256;
 
 uint64_t aligned(uint64_t n) { return (n + kTensorAlignment - 1) / kTensorAlignment * kTensorAlignment; }
 
-
 [[noreturn]] void die_on_purpose() {
   std::fflush(nullptr);
   raise(SIGKILL);
@@ -75,7 +74,8 @@ uint64_t aligned(uint64_t n) { return (n + kTensorAlignment - 1) / kTensorAlignm
 // Streams a list of views; kills the process at the kill point, if one is set for it.
 class ViewSource final : public WeightSource {
  public:
-  ViewSource(const std::vector<TensorView>& views, std::optional<uint64_t> kill_at) : views_(views), kill_at_(kill_at) {}
+  ViewSource(const std::vector<TensorView>& views, std::optional<uint64_t> kill_at)
+      : views_(views), kill_at_(kill_at) {}
   bool next(TensorView* out) override {
     if (kill_at_ && index_ == *kill_at_) die_on_purpose();
     if (index_ == views_.size()) return false;
@@ -122,7 +122,8 @@ class SourceProgram final : public WorkerProgram {
       uint64_t offset = 0;
       for (size_t i = 0; i < infos.size(); ++i) {
         placed.push_back({infos[i], storage_.data() + offset, kind_});
-        if (!synthetic()) copies_.copy(storage_.data() + offset, views_[i].data, infos[i]->nbytes(), kind_, views_[i].memory);
+        if (!synthetic())
+          copies_.copy(storage_.data() + offset, views_[i].data, infos[i]->nbytes(), kind_, views_[i].memory);
         offset += aligned(infos[i]->nbytes());
       }
       copies_.synchronize(deadline_after(kGpuWait));
@@ -172,7 +173,8 @@ class SourceProgram final : public WorkerProgram {
     std::vector<std::pair<const TensorView*, Selection>> slices;
     for (size_t i = 0; i < views_.size(); ++i) {
       const auto& v = views_[i];
-      if (synthetic()) fill_device_pattern(const_cast<std::byte*>(v.data), v.info->nbytes(), index * 1000003 + i, nullptr);
+      if (synthetic())
+        fill_device_pattern(const_cast<std::byte*>(v.data), v.info->nbytes(), index * 1000003 + i, nullptr);
       const Selection s = expected(*v.info);
       if (s.take == Take::kWhole) {
         whole.push_back({v.data, v.info->nbytes()});
@@ -184,7 +186,8 @@ class SourceProgram final : public WorkerProgram {
     const auto sums = hash_device_ranges(whole, nullptr);  // on the fills' stream: waits for them
     for (size_t i = 0; i < whole.size(); ++i) hashes_[names[i]] = hex(sums[i]);
     for (const auto& [v, s] : slices) {
-      if (gpu_scratch_.size() < s.info.nbytes()) gpu_scratch_ = DeviceBuffer(Device{Device::Kind::kCuda, -1}, s.info.nbytes());
+      if (gpu_scratch_.size() < s.info.nbytes())
+        gpu_scratch_ = DeviceBuffer(Device{Device::Kind::kCuda, -1}, s.info.nbytes());
       const SliceRows rows = slice_rows(*v->info, s.slice);
       copies_.copy_2d(gpu_scratch_.data(), rows.row_bytes, v->data + rows.offset, rows.pitch, rows.row_bytes, rows.rows,
                       MemoryKind::kCuda, MemoryKind::kCuda);
@@ -249,7 +252,9 @@ class DestinationProgram final : public WorkerProgram {
                      const std::optional<Layout>* checks)
       : kill_(kill), kind_(kind), model_(model), checks_(checks) {}
 
-  std::unique_ptr<WeightSource> weights(uint64_t) override { fail(ErrorKind::kInternal, "a destination has no weights"); }
+  std::unique_ptr<WeightSource> weights(uint64_t) override {
+    fail(ErrorKind::kInternal, "a destination has no weights");
+  }
 
   BatchLoader loader(uint64_t index) override {
     hashes_.clear();
@@ -342,7 +347,7 @@ class DestinationProgram final : public WorkerProgram {
 
   std::optional<KillPoint> kill_;
   MemoryKind kind_;
-  const ModelInventory* model_;                 // resharding: the model, to check against
+  const ModelInventory* model_;  // resharding: the model, to check against
   const std::optional<Layout>* checks_;
   std::map<std::string, std::vector<std::byte>> host_parameters_;
   uint64_t batches_ = 0;

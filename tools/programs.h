@@ -10,8 +10,8 @@
 #include <string>
 #include <vector>
 
-#include "refit/local_group.h"
 #include "refit/layout.h"
+#include "refit/local_group.h"
 #include "refit/model.h"
 
 namespace refit::tools {

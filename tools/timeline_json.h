@@ -16,9 +16,14 @@ namespace refit::tools {
 inline void append_timeline(nlohmann::json& out, const std::string& worker, std::span<const TimelineEvent> events,
                             double origin = 0) {
   for (const TimelineEvent& e : events)
-    out.push_back({{"worker", worker}, {"phase", to_string(e.phase)}, {"peer", e.peer}, {"bucket", e.bucket},
-                   {"start", e.start - origin}, {"end", e.end - origin}, {"bytes", e.bytes},
-                    {"pieces", e.pieces}});
+    out.push_back({{"worker", worker},
+                   {"phase", to_string(e.phase)},
+                   {"peer", e.peer},
+                   {"bucket", e.bucket},
+                   {"start", e.start - origin},
+                   {"end", e.end - origin},
+                   {"bytes", e.bytes},
+                   {"pieces", e.pieces}});
 }
 
 }  // namespace refit::tools

@@ -27,11 +27,13 @@ std::vector<std::string> verify(const RefitReport& report) {
       if (!got.contains(name))
         problems.push_back(fmt::format("destination rank {} never received '{}'", rank, name));
       else if (got[name] != hash)
-        problems.push_back(checked_itself ? fmt::format("destination rank {}: '{}' differs from the model", rank, name)
-                                          : fmt::format("destination rank {}: '{}' differs from source rank {}", rank, name, rank));
+        problems.push_back(
+            checked_itself ? fmt::format("destination rank {}: '{}' differs from the model", rank, name)
+                           : fmt::format("destination rank {}: '{}' differs from source rank {}", rank, name, rank));
     }
     for (const auto& [name, hash] : got.items())
-      if (!want.contains(name)) problems.push_back(fmt::format("destination rank {} received unknown '{}'", rank, name));
+      if (!want.contains(name))
+        problems.push_back(fmt::format("destination rank {} received unknown '{}'", rank, name));
   }
   return problems;
 }

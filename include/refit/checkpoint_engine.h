@@ -55,8 +55,8 @@ SessionId new_session_id();
 
 struct EngineOptions {
   RefitConfig config;
-  uint64_t bucket_bytes = 0;   // per buffer; from the driver's bucket sizing
-  SessionId session{};         // shared by all engines of one group
+  uint64_t bucket_bytes = 0;       // per buffer; from the driver's bucket sizing
+  SessionId session{};             // shared by all engines of one group
   uint64_t model_fingerprint = 0;  // ModelInventory::fingerprint(); 0: not checked
   // The transport to use; null creates one from config.backend_name/backend_init_params.
   std::shared_ptr<Transport> transport;
@@ -96,7 +96,7 @@ struct SendStats {
   uint64_t payload_bytes = 0;
   double seconds = 0;
   bool had_peer = false;
-  uint32_t destinations = 0;  // destinations served
+  uint32_t destinations = 0;          // destinations served
   std::vector<TimelineEvent> events;  // pack, announce and release of every bucket on every link
 };
 
@@ -127,8 +127,7 @@ class CheckpointEngine {
   CheckpointEngine& operator=(const CheckpointEngine&) = delete;
 
   Metadata prepare();
-  void init_source(int worker_rank, int train_world_size, int rollout_world_size,
-                   std::span<const Metadata> metadata);
+  void init_source(int worker_rank, int train_world_size, int rollout_world_size, std::span<const Metadata> metadata);
   void init_destination(int rollout_rank, int train_world_size, int rollout_world_size,
                         std::span<const Metadata> metadata);
   SendStats send(WeightSource& weights);

@@ -16,31 +16,31 @@ namespace refit {
 // Rates in bytes per second; 0: not given (a calibration may fill it in).
 struct NodeGroup {
   std::string name;
-  int count = 1;             // nodes
-  int workers = 1;           // worker slots per node: GPUs, or processes on a CPU node
-  bool gpu = false;          // workers are GPUs (else host processes)
-  int gpus = 0;              // GPU nodes: GPUs per node (default: workers); workers share them round-robin
-  int cores = 0;             // CPU nodes: the cores every copy on the node shares
-  bool nic_per_worker = true;  // each GPU has its own rails (else one NIC per node)
-  int rails = 1;             // NICs per GPU (or per node)
-  double rail_rate = 0;      // each rail, each way
-  double nvlink_rate = 0;    // GPU to GPU within a node, each way per GPU
-  double pcie_rate = 0;      // GPU to pinned host memory
-  double copy_rate = 0;      // one worker's copy (device copy on a GPU, memcpy on one core)
-  double node_copy_rate = 0; // several copies at once, together (CPU: every core; GPU: one GPU's copies)
+  int count = 1;                 // nodes
+  int workers = 1;               // worker slots per node: GPUs, or processes on a CPU node
+  bool gpu = false;              // workers are GPUs (else host processes)
+  int gpus = 0;                  // GPU nodes: GPUs per node (default: workers); workers share them round-robin
+  int cores = 0;                 // CPU nodes: the cores every copy on the node shares
+  bool nic_per_worker = true;    // each GPU has its own rails (else one NIC per node)
+  int rails = 1;                 // NICs per GPU (or per node)
+  double rail_rate = 0;          // each rail, each way
+  double nvlink_rate = 0;        // GPU to GPU within a node, each way per GPU
+  double pcie_rate = 0;          // GPU to pinned host memory
+  double copy_rate = 0;          // one worker's copy (device copy on a GPU, memcpy on one core)
+  double node_copy_rate = 0;     // several copies at once, together (CPU: every core; GPU: one GPU's copies)
   double crowded_copy_rate = 0;  // CPU nodes: more copies at once than cores (0: node_copy_rate)
-  uint64_t memory = 0;       // per worker: GPU memory, or host memory on a CPU node
-  double row_cost_s = 0;     // each row of a strided copy, beyond its bytes (CPU: a memcpy call)
-  double copy_cost_s = 0;    // each pack or load of a bucket, beyond its bytes (issuing its copies,
-                             // one per tensor piece, and waiting for them)
+  uint64_t memory = 0;           // per worker: GPU memory, or host memory on a CPU node
+  double row_cost_s = 0;         // each row of a strided copy, beyond its bytes (CPU: a memcpy call)
+  double copy_cost_s = 0;        // each pack or load of a bucket, beyond its bytes (issuing its copies,
+                                 // one per tensor piece, and waiting for them)
   // CPU nodes that are really one machine (simulated hosts: network namespaces of one kernel)
   // name it here: their copies and TCP share its cores and memory. Empty: every node is its own.
   std::string machine;
-  double tcp_rate = 0;       // CPU nodes: TCP both ends on one node (ucp_get over TCP loopback)
+  double tcp_rate = 0;  // CPU nodes: TCP both ends on one node (ucp_get over TCP loopback)
 };
 
 struct ClusterSide {
-  std::string nodes;   // the node group it runs on
+  std::string nodes;  // the node group it runs on
   int ranks = 0;
   int first_slot = 0;  // the group's worker slot of rank 0 (slots run node by node)
   // Parallel sizes. Sources: tp, pp, dp, ep, etp (Megatron) or fsdp; none: every source holds the
@@ -84,26 +84,26 @@ Cluster parse_cluster(const std::string& yaml, const std::string& origin);
 // Measured copy and transport rates of one machine kind, in bytes per second (0: not measured).
 struct Calibration {
   std::string machine;
-  double host_copy_rate = 0;       // memcpy, one core, large buffers
-  std::string engine_device;       // where the bench that measured the engine's copies ran: cpu or cuda
-  double engine_copy_rate = 0;     // the engine's own packs and loads, one at a time (a bench's timeline)
+  double host_copy_rate = 0;            // memcpy, one core, large buffers
+  std::string engine_device;            // where the bench that measured the engine's copies ran: cpu or cuda
+  double engine_copy_rate = 0;          // the engine's own packs and loads, one at a time (a bench's timeline)
   double engine_node_copy_rate = 0;     // ... several at once (no more than cores), together
   double engine_crowded_copy_rate = 0;  // ... more at once than the host has cores, together
-  double host_node_copy_rate = 0;  // memcpy on every core at once
-  double row_cost_s = 0;           // each row of a strided host copy (short rows), beyond its bytes
-  double engine_copy_cost_s = -1;  // the engine's packs and loads: each bucket's, beyond its bytes
+  double host_node_copy_rate = 0;       // memcpy on every core at once
+  double row_cost_s = 0;                // each row of a strided host copy (short rows), beyond its bytes
+  double engine_copy_cost_s = -1;       // the engine's packs and loads: each bucket's, beyond its bytes
   int cores = 0;
-  uint64_t host_memory = 0;        // total host memory (a CPU node's bucket sizing)
-  double read_rate = 0;            // one transport read stream (ucp_get over loopback)
-  double tcp_rate = 0;             // ucp_get over TCP, both ends on this machine: its CPU's TCP capacity
-  double latency_s = -1;           // one control message
-  double ack_latency_s = -1;       // a destination's acknowledgement, until its waiting source sees it
-  double turnaround_s = -1;        // a destination between one load and the next
-  double overhead_s = -1;          // the driver's per-refit start and collection
-  double device_copy_rate = 0;     // GPU device-to-device copy
-  double pinned_copy_rate = 0;     // GPU to pinned host memory
-  double peer_copy_rate = 0;       // GPU to GPU over NVLink
-  double nccl_rate = 0;            // NCCL send/recv between two GPUs
+  uint64_t host_memory = 0;     // total host memory (a CPU node's bucket sizing)
+  double read_rate = 0;         // one transport read stream (ucp_get over loopback)
+  double tcp_rate = 0;          // ucp_get over TCP, both ends on this machine: its CPU's TCP capacity
+  double latency_s = -1;        // one control message
+  double ack_latency_s = -1;    // a destination's acknowledgement, until its waiting source sees it
+  double turnaround_s = -1;     // a destination between one load and the next
+  double overhead_s = -1;       // the driver's per-refit start and collection
+  double device_copy_rate = 0;  // GPU device-to-device copy
+  double pinned_copy_rate = 0;  // GPU to pinned host memory
+  double peer_copy_rate = 0;    // GPU to GPU over NVLink
+  double nccl_rate = 0;         // NCCL send/recv between two GPUs
 };
 
 // A JSON file; reading merges into `into` (a later file's measured values win).

@@ -10,18 +10,18 @@
 namespace refit {
 
 enum class ErrorKind {
-  kConfig,      // a configuration key has a bad value, or an unknown key was given
+  kConfig,  // a configuration key has a bad value, or an unknown key was given
   kInvalidArgument,
-  kModel,       // a model description (config.json, safetensors) is missing or malformed
-  kTopology,    // world sizes and ranks do not form a valid pairing
-  kLayout,      // a destination layout does not match the model
-  kTransport,   // the transport failed to set up or to move bytes
-  kTimeout,     // a wait passed its deadline
-  kPeerLost,    // a peer process went away
-  kIntegrity,   // received bytes do not match what was sent
-  kProtocol,    // a peer sent metadata or a message that is malformed or does not match ours
+  kModel,      // a model description (config.json, safetensors) is missing or malformed
+  kTopology,   // world sizes and ranks do not form a valid pairing
+  kLayout,     // a destination layout does not match the model
+  kTransport,  // the transport failed to set up or to move bytes
+  kTimeout,    // a wait passed its deadline
+  kPeerLost,   // a peer process went away
+  kIntegrity,  // received bytes do not match what was sent
+  kProtocol,   // a peer sent metadata or a message that is malformed or does not match ours
   kIo,
-  kUnsupported, // asked for something this build or machine cannot do
+  kUnsupported,  // asked for something this build or machine cannot do
   kInternal,
 };
 
@@ -29,8 +29,7 @@ std::string_view to_string(ErrorKind kind);
 
 class Error : public std::runtime_error {
  public:
-  Error(ErrorKind kind, const std::string& message)
-      : std::runtime_error(message), kind_(kind) {}
+  Error(ErrorKind kind, const std::string& message) : std::runtime_error(message), kind_(kind) {}
   ErrorKind kind() const noexcept { return kind_; }
 
  private:

@@ -131,9 +131,9 @@ struct ModelParallel {
   int pp_size = 1;
   int pp_rank = 0;
   std::vector<std::string> missing_prefixes;  // added to the stage split's (e.g. vLLM's own list)
-  bool shard_experts = false;                 // select owned experts, TP-narrowed (the reference's shard_expert_weights)
-  bool shard_dense = false;                   // TP-narrow dense tensors
-  int64_t vocab_padding = 64;                 // vLLM's DEFAULT_VOCAB_PADDING_SIZE
+  bool shard_experts = false;  // select owned experts, TP-narrowed (the reference's shard_expert_weights)
+  bool shard_dense = false;    // TP-narrow dense tensors
+  int64_t vocab_padding = 64;  // vLLM's DEFAULT_VOCAB_PADDING_SIZE
 };
 
 // The destination's layout: dropped pipeline prefixes, sharded experts if shard_experts, dense

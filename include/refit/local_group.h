@@ -4,11 +4,11 @@
 // worker process after the fork.
 #pragma once
 
+#include <sys/types.h>
 #include <functional>
 #include <memory>
 #include <optional>
 #include <string>
-#include <sys/types.h>
 #include <vector>
 
 #include "refit/process_group.h"

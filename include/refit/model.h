@@ -17,7 +17,7 @@ namespace refit {
 inline constexpr const char* kDefaultModel = "builtin:refit-tiny-moe";
 
 struct ModelInventory {
-  std::string name;                // model_type or the directory name
+  std::string name;                 // model_type or the directory name
   std::vector<TensorInfo> tensors;  // in the order a policy would stream them
 
   uint64_t total_bytes() const;

@@ -29,9 +29,9 @@
 namespace refit {
 
 struct PredictedWorker {
-  std::string worker;  // "source 3", "destination 0"
-  double seconds = 0;  // from the refit's start until this worker is done
-  uint64_t bytes = 0;  // sent (sources) or received (destinations)
+  std::string worker;                 // "source 3", "destination 0"
+  double seconds = 0;                 // from the refit's start until this worker is done
+  uint64_t bytes = 0;                 // sent (sources) or received (destinations)
   std::vector<TimelineEvent> events;  // times in seconds since the refit's start
 };
 

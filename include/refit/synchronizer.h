@@ -32,8 +32,8 @@ struct WorkerRefitReport {
 
 struct RefitReport {
   uint64_t index = 0;
-  double seconds = 0;  // wall time of the whole refit, seen by the driver
-  double start_time = 0;  // when the driver started it, on the timeline clock (timeline.h)
+  double seconds = 0;                      // wall time of the whole refit, seen by the driver
+  double start_time = 0;                   // when the driver started it, on the timeline clock (timeline.h)
   std::vector<WorkerRefitReport> workers;  // sources first, then destinations, by rank
 };
 

@@ -5,10 +5,10 @@
 // refit::Error into the Python exception class of its kind with the same message.
 #pragma once
 
+#include <fmt/format.h>
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>
-#include <fmt/format.h>
 
 #include <cstddef>
 #include <cstdint>
@@ -59,8 +59,8 @@ struct ImportedTensor {
   TensorInfo info;
   const std::byte* data = nullptr;
   MemoryKind memory = MemoryKind::kHost;
-  nb::object keep;                  // the (possibly converted) Python object
-  nb::ndarray<nb::ro> array;        // the DLPack view of it
+  nb::object keep;            // the (possibly converted) Python object
+  nb::ndarray<nb::ro> array;  // the DLPack view of it
 };
 
 // Reads `obj` as a contiguous tensor named `name`. Needs the GIL. Torch tensors that require

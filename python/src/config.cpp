@@ -11,9 +11,9 @@
 #include "refit/device.h"
 #include "refit/dtype.h"
 #include "refit/layout.h"
+#include "refit/layout_builders.h"
 #include "refit/memory.h"
 #include "refit/model.h"
-#include "refit/layout_builders.h"
 #include "refit/transfer_plan.h"
 
 namespace refit::py {
@@ -21,9 +21,12 @@ namespace {
 
 nb::tuple request_tuple(const Request& r) {
   switch (r.take) {
-    case Take::kWhole: return nb::make_tuple("whole");
-    case Take::kDrop: return nb::make_tuple("drop");
-    case Take::kSlice: return nb::make_tuple("narrow", r.slice.dim, r.slice.start, r.slice.length);
+    case Take::kWhole:
+      return nb::make_tuple("whole");
+    case Take::kDrop:
+      return nb::make_tuple("drop");
+    case Take::kSlice:
+      return nb::make_tuple("narrow", r.slice.dim, r.slice.start, r.slice.length);
   }
   return nb::make_tuple("whole");
 }
@@ -40,7 +43,8 @@ Request parse_request(nb::handle obj, const std::string& name) {
   const std::string what = fmt::format("layout entry '{}'", name);
   if (nb::isinstance<nb::str>(obj)) {
     Take t = parse_take(nb::cast<std::string>(obj), what);
-    if (t == Take::kSlice) throw Error(ErrorKind::kInvalidArgument, what + ": 'narrow' needs (\"narrow\", dim, start, length)");
+    if (t == Take::kSlice)
+      throw Error(ErrorKind::kInvalidArgument, what + ": 'narrow' needs (\"narrow\", dim, start, length)");
     return t == Take::kDrop ? Request::drop() : Request::whole();
   }
   nb::tuple t = nb::tuple(obj);
@@ -66,15 +70,18 @@ Layout make_layout(nb::handle tensors, std::vector<std::string> drop_prefixes, c
   return layout;
 }
 
-nb::bytes to_bytes(const std::vector<uint8_t>& v) { return nb::bytes(reinterpret_cast<const char*>(v.data()), v.size()); }
+nb::bytes to_bytes(const std::vector<uint8_t>& v) {
+  return nb::bytes(reinterpret_cast<const char*>(v.data()), v.size());
+}
 
 }  // namespace
 
 void register_config(nb::module_& m) {
   // ---- configuration ----
-  nb::class_<RefitConfig>(m, "RefitConfig",
-                          "The refit configuration (the reference's refit_cfg.nixl keys plus refit's extensions). Build "
-                          "it with parse_config() or load_config(); it is read-only and picklable.")
+  nb::class_<RefitConfig>(
+      m, "RefitConfig",
+      "The refit configuration (the reference's refit_cfg.nixl keys plus refit's extensions). Build "
+      "it with parse_config() or load_config(); it is read-only and picklable.")
       .def(nb::init<>())
       .def_ro("refit_transport", &RefitConfig::refit_transport)
       .def_ro("update_weights_bucket_memory_ratio", &RefitConfig::update_weights_bucket_memory_ratio)
@@ -87,15 +94,18 @@ void register_config(nb::module_& m) {
       .def_ro("timeout_s", &RefitConfig::timeout_s)
       .def_ro("verify_checksums", &RefitConfig::verify_checksums)
       .def_ro("map_source_buffers", &RefitConfig::map_source_buffers)
-      .def("to_yaml", [](const RefitConfig& c) { return to_yaml(c); }, "YAML that parse_config() reads back.")
+      .def(
+          "to_yaml", [](const RefitConfig& c) { return to_yaml(c); }, "YAML that parse_config() reads back.")
       .def("__eq__", [](const RefitConfig& a, const RefitConfig& b) { return a == b; })
-      .def("__repr__", [](const RefitConfig& c) {
-        return fmt::format("RefitConfig(device='{}', backend_name='{}', ratio={}, bucket_bytes={}, release_after_refit={}, "
-                           "timeout_s={})",
-                           to_string(c.device), c.backend_name, c.update_weights_bucket_memory_ratio,
-                           c.bucket_bytes ? std::to_string(*c.bucket_bytes) : "None",
-                           c.release_after_refit ? "True" : "False", c.timeout_s);
-      })
+      .def("__repr__",
+           [](const RefitConfig& c) {
+             return fmt::format(
+                 "RefitConfig(device='{}', backend_name='{}', ratio={}, bucket_bytes={}, release_after_refit={}, "
+                 "timeout_s={})",
+                 to_string(c.device), c.backend_name, c.update_weights_bucket_memory_ratio,
+                 c.bucket_bytes ? std::to_string(*c.bucket_bytes) : "None", c.release_after_refit ? "True" : "False",
+                 c.timeout_s);
+           })
       .def("__getstate__", [](const RefitConfig& c) { return to_yaml(c); })
       .def("__setstate__", [](RefitConfig& c, const std::string& yaml) { new (&c) RefitConfig(parse_config(yaml)); });
 
@@ -103,7 +113,8 @@ void register_config(nb::module_& m) {
       "parse_config",
       [](const std::string& text, const std::vector<std::string>& overrides) { return parse_config(text, overrides); },
       nb::arg("yaml_text") = "", nb::arg("overrides") = std::vector<std::string>{},
-      "Parses refit YAML (or a NeMo RL config) and applies dotted key=value overrides. Raises ConfigError naming the key.");
+      "Parses refit YAML (or a NeMo RL config) and applies dotted key=value overrides. Raises ConfigError naming the "
+      "key.");
   m.def(
       "load_config",
       [](const std::string& path, const std::vector<std::string>& overrides) { return load_config(path, overrides); },
@@ -120,11 +131,15 @@ void register_config(nb::module_& m) {
       });
   m.def(
       "resolve_bucket_size",
-      [](const RefitConfig& config, const std::vector<uint64_t>& memory) { return resolve_bucket_size(config, memory); },
+      [](const RefitConfig& config, const std::vector<uint64_t>& memory) {
+        return resolve_bucket_size(config, memory);
+      },
       nb::arg("config"), nb::arg("worker_total_memory"),
-      "min(worker_total_memory) * ratio floored to whole MiB (or config.bucket_bytes); raises ConfigError below 1 MiB.");
+      "min(worker_total_memory) * ratio floored to whole MiB (or config.bucket_bytes); raises ConfigError below 1 "
+      "MiB.");
   m.def(
-      "bucket_size_line", [](const BucketSize& size, const RefitConfig& config) { return bucket_size_line(size, config.device); },
+      "bucket_size_line",
+      [](const BucketSize& size, const RefitConfig& config) { return bucket_size_line(size, config.device); },
       nb::arg("size"), nb::arg("config"), "The reference's '[checkpoint engine] Bucket size: ...' log line.");
 
   // ---- machine ----
@@ -161,18 +176,21 @@ void register_config(nb::module_& m) {
         "The source rank that feeds a destination (the reference's pairing); raises TopologyError.");
 
   // ---- dtypes and models ----
-  m.def("dtype_size", [](const std::string& name) { return dtype_size(parse_dtype(name)); }, nb::arg("dtype"));
-  m.def("canonical_dtype", [](const std::string& name) { return std::string(dtype_name(parse_dtype(name))); },
-        nb::arg("dtype"), "PyTorch's name of a dtype ('BF16' -> 'bfloat16').");
+  m.def(
+      "dtype_size", [](const std::string& name) { return dtype_size(parse_dtype(name)); }, nb::arg("dtype"));
+  m.def(
+      "canonical_dtype", [](const std::string& name) { return std::string(dtype_name(parse_dtype(name))); },
+      nb::arg("dtype"), "PyTorch's name of a dtype ('BF16' -> 'bfloat16').");
 
   nb::class_<TensorInfo>(m, "TensorInfo", "A tensor's name, dtype and shape.")
       .def_ro("name", &TensorInfo::name)
       .def_prop_ro("dtype", [](const TensorInfo& t) { return std::string(dtype_name(t.dtype)); })
-      .def_prop_ro("shape", [](const TensorInfo& t) {
-        nb::list l;
-        for (int64_t d : t.shape) l.append(d);
-        return nb::tuple(l);
-      })
+      .def_prop_ro("shape",
+                   [](const TensorInfo& t) {
+                     nb::list l;
+                     for (int64_t d : t.shape) l.append(d);
+                     return nb::tuple(l);
+                   })
       .def_prop_ro("nbytes", &TensorInfo::nbytes)
       .def_prop_ro("numel", &TensorInfo::numel)
       .def("__repr__", [](const TensorInfo& t) {
@@ -194,12 +212,13 @@ void register_config(nb::module_& m) {
   nb::class_<Layout>(m, "Layout",
                      "What a destination holds of each source tensor: 'whole', 'drop' or ('narrow', dim, start, "
                      "length), by name; names under drop_prefixes are dropped; the rest get `fallback`.")
-      .def("__init__",
-           [](Layout* self, nb::handle tensors, std::vector<std::string> drop_prefixes, const std::string& fallback) {
-             new (self) Layout(make_layout(tensors, std::move(drop_prefixes), fallback));
-           },
-           nb::arg("tensors") = nb::none(), nb::arg("drop_prefixes") = std::vector<std::string>{},
-           nb::arg("fallback") = "whole")
+      .def(
+          "__init__",
+          [](Layout* self, nb::handle tensors, std::vector<std::string> drop_prefixes, const std::string& fallback) {
+            new (self) Layout(make_layout(tensors, std::move(drop_prefixes), fallback));
+          },
+          nb::arg("tensors") = nb::none(), nb::arg("drop_prefixes") = std::vector<std::string>{},
+          nb::arg("fallback") = "whole")
       .def_prop_ro("tensors",
                    [](const Layout& l) {
                      nb::dict d;
@@ -207,14 +226,17 @@ void register_config(nb::module_& m) {
                      return d;
                    })
       .def_ro("drop_prefixes", &Layout::drop_prefixes)
-      .def_prop_ro("fallback", [](const Layout& l) { return std::string(l.fallback == Take::kDrop ? "drop" : "whole"); })
-      .def("request_for", [](const Layout& l, const std::string& name) { return request_tuple(l.request_for(name)); },
-           nb::arg("name"), "The rule for one tensor name.")
+      .def_prop_ro("fallback",
+                   [](const Layout& l) { return std::string(l.fallback == Take::kDrop ? "drop" : "whole"); })
+      .def(
+          "request_for", [](const Layout& l, const std::string& name) { return request_tuple(l.request_for(name)); },
+          nb::arg("name"), "The rule for one tensor name.")
       .def("to_bytes", [](const Layout& l) { return to_bytes(encode_layout(l)); })
       .def_static("from_bytes", [](nb::handle b) { return decode_layout(bytes_of(b, "layout"), "layout"); })
       .def("__eq__", [](const Layout& a, const Layout& b) { return a == b; })
       .def("__getstate__", [](const Layout& l) { return to_bytes(encode_layout(l)); })
-      .def("__setstate__", [](Layout& l, nb::handle b) { new (&l) Layout(decode_layout(bytes_of(b, "layout"), "layout")); });
+      .def("__setstate__",
+           [](Layout& l, nb::handle b) { new (&l) Layout(decode_layout(bytes_of(b, "layout"), "layout")); });
 
   // ---- resharding: what sources hold, and the transfer plan ----
   m.def(
@@ -240,7 +262,8 @@ void register_config(nb::module_& m) {
       },
       nb::arg("name"), nb::arg("shape"), nb::arg("placements"), nb::arg("mesh_shape"), nb::arg("coordinate"),
       "What the rank at `coordinate` of a device mesh holds of a DTensor of global `shape` with `placements` "
-      "(('shard', dim) or ('replicate',) per mesh dim): ('whole',) or ('narrow', dim, start, length), as torch shards.");
+      "(('shard', dim) or ('replicate',) per mesh dim): ('whole',) or ('narrow', dim, start, length), as torch "
+      "shards.");
   m.def(
       "megatron_source_layouts",
       [](const std::string& config_path, int tp, int pp, int dp, int ep, std::optional<int> expert_tp) {
@@ -256,8 +279,10 @@ void register_config(nb::module_& m) {
   nb::class_<TransferPlan>(m, "TransferPlan",
                            "Which bytes each destination reads from which source (refit.plan_transfers).")
       .def_prop_ro("pieces", [](const TransferPlan& p) { return p.pieces().size(); })
-      .def_prop_ro("egress", [](const TransferPlan& p) { return p.egress(); }, "Bytes each source sends.")
-      .def_prop_ro("ingress", [](const TransferPlan& p) { return p.ingress(); }, "Bytes each destination receives.")
+      .def_prop_ro(
+          "egress", [](const TransferPlan& p) { return p.egress(); }, "Bytes each source sends.")
+      .def_prop_ro(
+          "ingress", [](const TransferPlan& p) { return p.ingress(); }, "Bytes each destination receives.")
       .def("sources_of", &TransferPlan::sources_of, nb::arg("destination"))
       .def("destinations_of", &TransferPlan::destinations_of, nb::arg("source"));
   m.def(
@@ -276,8 +301,9 @@ void register_config(nb::module_& m) {
       [](const std::string& level) {
         auto l = spdlog::level::from_str(level);
         if (l == spdlog::level::off && level != "off")
-          throw Error(ErrorKind::kInvalidArgument,
-                      fmt::format("log level must be trace, debug, info, warning, error, critical or off, got '{}'", level));
+          throw Error(
+              ErrorKind::kInvalidArgument,
+              fmt::format("log level must be trace, debug, info, warning, error, critical or off, got '{}'", level));
         spdlog::set_level(l);
       },
       nb::arg("level"), "Level of refit's C++ log (spdlog, on stderr).");

@@ -56,7 +56,8 @@ constexpr size_t kMapThreshold = size_t{1} << 20;
 void* allocate_block(size_t bytes) {
   if (bytes >= kMapThreshold) {
     void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (p == MAP_FAILED) throw Error(ErrorKind::kTransport, fmt::format("cannot allocate {} bytes for a merged tensor", bytes));
+    if (p == MAP_FAILED)
+      throw Error(ErrorKind::kTransport, fmt::format("cannot allocate {} bytes for a merged tensor", bytes));
 #ifdef MADV_HUGEPAGE
     madvise(p, bytes, MADV_HUGEPAGE);
 #endif
@@ -170,7 +171,7 @@ class PageMover {
       enabled_ = false;
       void* again = mmap(from, l, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0);
       if (again == MAP_FAILED) std::abort();  // the engine's buffer is gone and cannot be restored
-      std::memcpy(from, moved, n);  // put the tensor back; the caller copies it the usual way
+      std::memcpy(from, moved, n);            // put the tensor back; the caller copies it the usual way
       munmap(moved, l);
       return nullptr;
     }
@@ -360,8 +361,7 @@ class PySource final : public WeightSource {
       current_ = import_tensor(tensor_obj, name, device_ok_);
     } catch (nb::python_error& e) {
       exception_ = nb::borrow(e.value());
-      throw Error(ErrorKind::kInvalidArgument,
-                  fmt::format("tensor '{}': {}", name, describe_exception(exception_)));
+      throw Error(ErrorKind::kInvalidArgument, fmt::format("tensor '{}': {}", name, describe_exception(exception_)));
     }
     out->info = &current_.info;
     out->data = current_.data;
@@ -565,8 +565,7 @@ class PyEngine {
  public:
   PyEngine(uint64_t bucket_bytes, const RefitConfig& config, nb::handle session, uint64_t model_fingerprint,
            std::optional<Layout> layout, bool receives_only, std::optional<Layout> holds,
-           std::optional<ModelInventory> model, const std::string& kv_cache_dtype,
-           std::optional<int64_t> num_layers)
+           std::optional<ModelInventory> model, const std::string& kv_cache_dtype, std::optional<int64_t> num_layers)
       : config_(config),
         bucket_bytes_(bucket_bytes),
         pool_(std::make_shared<BlockPool>()),
@@ -629,9 +628,7 @@ class PyEngine {
     }
   }
 
-  std::optional<int64_t> kv_scale_layers() const {
-    return fp8_kv_cache_ ? kv_layers_ : std::nullopt;
-  }
+  std::optional<int64_t> kv_scale_layers() const { return fp8_kv_cache_ ? kv_layers_ : std::nullopt; }
 
   nb::dict send(nb::handle iterable, nb::handle kv_scales) {
     CheckpointEngine& e = idle("send_weights()");
@@ -663,11 +660,12 @@ class PyEngine {
     const bool given = kv_scales.is_valid() && !kv_scales.is_none();
     if (!fp8_kv_cache_) {
       if (given)
-        throw Error(ErrorKind::kInvalidArgument,
-                    fmt::format("send_weights(): kv_scales were given but this engine's kv_cache_dtype is '{}'; KV-cache "
-                                "scales are sent only with an fp8 kv_cache_dtype (create the engine with "
-                                "kv_cache_dtype='fp8'), and the reference passes them only then",
-                                kv_cache_dtype_));
+        throw Error(
+            ErrorKind::kInvalidArgument,
+            fmt::format("send_weights(): kv_scales were given but this engine's kv_cache_dtype is '{}'; KV-cache "
+                        "scales are sent only with an fp8 kv_cache_dtype (create the engine with "
+                        "kv_cache_dtype='fp8'), and the reference passes them only then",
+                        kv_cache_dtype_));
       return std::nullopt;
     }
     if (!kv_layers_)
@@ -754,9 +752,10 @@ class PyEngine {
   void start_receive(const std::shared_ptr<ReceiveSession>& session, bool copy_merged) {
     CheckpointEngine* engine = &this->engine();
     if (active_.get() != session.get() || session->cancelled)
-      throw Error(ErrorKind::kInvalidArgument,
-                  "this receive_weight_batches() iterator was superseded (a later call, finalize() or close()) before it "
-                  "started; call receive_weight_batches() again");
+      throw Error(
+          ErrorKind::kInvalidArgument,
+          "this receive_weight_batches() iterator was superseded (a later call, finalize() or close()) before it "
+          "started; call receive_weight_batches() again");
     pool_->begin_refit();
     mover_->begin_refit();
     auto pool = pool_;
@@ -872,8 +871,9 @@ class PyEngine {
   CheckpointEngine& idle(const char* what) {
     CheckpointEngine& e = engine();
     if (in_receive_)
-      throw Error(ErrorKind::kInvalidArgument,
-                  fmt::format("{}: receive_weights() is running on this engine (called from its load callback?)", what));
+      throw Error(
+          ErrorKind::kInvalidArgument,
+          fmt::format("{}: receive_weights() is running on this engine (called from its load callback?)", what));
     if (active_) {
       // An iterator that never started is superseded; a running one must end first.
       if (!active_->is_finished() && active_->thread.joinable())
@@ -987,8 +987,9 @@ void register_engine(nb::module_& m) {
       .def("close", &BatchIterator::close,
            "Stops the refit if it is still running (it then fails and the destination stays stale).")
       .def("__enter__", [](nb::handle self) { return self; })
-      .def("__exit__", [](BatchIterator& it, nb::handle, nb::handle, nb::handle) { it.close(); }, nb::arg().none(),
-           nb::arg().none(), nb::arg().none())
+      .def(
+          "__exit__", [](BatchIterator& it, nb::handle, nb::handle, nb::handle) { it.close(); }, nb::arg().none(),
+          nb::arg().none(), nb::arg().none())
       .def_prop_ro("stats", &BatchIterator::stats, "Receive statistics once the refit succeeded, else None.")
       .def_prop_ro("error", &BatchIterator::error, "The refit's error message once it failed, else None.")
       .def_prop_ro("batches", &BatchIterator::batches, "Batches handed out so far.")
@@ -997,8 +998,8 @@ void register_engine(nb::module_& m) {
   nb::class_<PyEngine>(m, "CheckpointEngine",
                        "The C++ checkpoint engine. Use refit.create_checkpoint_engine(), which wraps it with the "
                        "reference's method names.")
-      .def(nb::init<uint64_t, const RefitConfig&, nb::handle, uint64_t, std::optional<Layout>, bool, std::optional<Layout>,
-                    std::optional<ModelInventory>, const std::string&, std::optional<int64_t>>(),
+      .def(nb::init<uint64_t, const RefitConfig&, nb::handle, uint64_t, std::optional<Layout>, bool,
+                    std::optional<Layout>, std::optional<ModelInventory>, const std::string&, std::optional<int64_t>>(),
            nb::arg("bucket_bytes"), nb::arg("config"), nb::arg("session").none() = nb::none(),
            nb::arg("model_fingerprint") = 0, nb::arg("layout").none() = nb::none(), nb::arg("receives_only") = false,
            nb::arg("holds").none() = nb::none(), nb::arg("model").none() = nb::none(),

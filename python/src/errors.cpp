@@ -11,8 +11,8 @@ namespace {
 
 struct KindSpec {
   ErrorKind kind;
-  const char* name;     // class name in module `refit`
-  PyObject* extra;      // second base class, or null
+  const char* name;  // class name in module `refit`
+  PyObject* extra;   // second base class, or null
   const char* doc;
 };
 
@@ -66,8 +66,8 @@ void register_errors(nb::module_& m) {
   for (const auto& spec : specs) {
     nb::dict dict;
     dict["kind"] = kind_name(spec.kind);
-    nb::object bases = spec.extra ? nb::object(nb::make_tuple(nb::handle(g_base), nb::handle(spec.extra)))
-                                  : nb::borrow(g_base);
+    nb::object bases =
+        spec.extra ? nb::object(nb::make_tuple(nb::handle(g_base), nb::handle(spec.extra))) : nb::borrow(g_base);
     const std::string qualified = std::string("refit.") + spec.name;
     PyObject* type = PyErr_NewExceptionWithDoc(qualified.c_str(), spec.doc, bases.ptr(), dict.ptr());
     if (!type) throw nb::python_error();

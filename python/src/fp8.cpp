@@ -21,8 +21,7 @@ namespace {
 Fp8Scaling parse_scaling(const std::string& name) {
   if (name == "block128") return Fp8Scaling::kBlock128;
   if (name == "per_tensor") return Fp8Scaling::kPerTensor;
-  throw Error(ErrorKind::kInvalidArgument,
-              fmt::format("scaling must be 'block128' or 'per_tensor', got '{}'", name));
+  throw Error(ErrorKind::kInvalidArgument, fmt::format("scaling must be 'block128' or 'per_tensor', got '{}'", name));
 }
 
 class PyFp8Loader {
@@ -111,9 +110,10 @@ class PyFp8Loader {
 }  // namespace
 
 void register_fp8(nb::module_& m) {
-  m.def("is_kv_scale_name", [](const std::string& name) { return is_kv_scale_name(name); }, nb::arg("name"),
-        "True for the reference's FP8 KV-cache scale names (model.layers.{i}.self_attn.attn.q_scale, "
-        "...self_attn.k_scale, ...self_attn.v_scale).");
+  m.def(
+      "is_kv_scale_name", [](const std::string& name) { return is_kv_scale_name(name); }, nb::arg("name"),
+      "True for the reference's FP8 KV-cache scale names (model.layers.{i}.self_attn.attn.q_scale, "
+      "...self_attn.k_scale, ...self_attn.v_scale).");
   m.def(
       "is_fp8_linear_weight",
       [](const std::string& name, const std::string& dtype, const std::vector<int64_t>& shape) {

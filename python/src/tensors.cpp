@@ -26,18 +26,33 @@ constexpr int kDevCuda = nb::device::cuda::value;
 constexpr int kDevCudaHost = nb::device::cuda_host::value;
 constexpr int kDevCudaManaged = nb::device::cuda_managed::value;
 
-dl::dtype make_dtype(Code code, int bits) { return dl::dtype{static_cast<uint8_t>(code), static_cast<uint8_t>(bits), 1}; }
+dl::dtype make_dtype(Code code, int bits) {
+  return dl::dtype{static_cast<uint8_t>(code), static_cast<uint8_t>(bits), 1};
+}
 
 std::string dlpack_dtype_name(dl::dtype d) {
   const char* code = "code";
   switch (static_cast<Code>(d.code)) {
-    case Code::Int: code = "int"; break;
-    case Code::UInt: code = "uint"; break;
-    case Code::Float: code = "float"; break;
-    case Code::Bfloat: code = "bfloat"; break;
-    case Code::Complex: code = "complex"; break;
-    case Code::Bool: code = "bool"; break;
-    default: return fmt::format("DLPack dtype code {} with {} bits", d.code, d.bits);
+    case Code::Int:
+      code = "int";
+      break;
+    case Code::UInt:
+      code = "uint";
+      break;
+    case Code::Float:
+      code = "float";
+      break;
+    case Code::Bfloat:
+      code = "bfloat";
+      break;
+    case Code::Complex:
+      code = "complex";
+      break;
+    case Code::Bool:
+      code = "bool";
+      break;
+    default:
+      return fmt::format("DLPack dtype code {} with {} bits", d.code, d.bits);
   }
   return fmt::format("{}{}{}", code, d.bits, d.lanes != 1 ? fmt::format("x{}", d.lanes) : "");
 }
@@ -45,53 +60,78 @@ std::string dlpack_dtype_name(dl::dtype d) {
 std::optional<DType> dtype_from_dlpack(dl::dtype d) {
   if (d.lanes != 1) return std::nullopt;
   switch (static_cast<Code>(d.code)) {
-    case Code::Bool: return d.bits == 8 ? std::optional(DType::kBool) : std::nullopt;
-    case Code::UInt: return d.bits == 8 ? std::optional(DType::kUInt8) : std::nullopt;
+    case Code::Bool:
+      return d.bits == 8 ? std::optional(DType::kBool) : std::nullopt;
+    case Code::UInt:
+      return d.bits == 8 ? std::optional(DType::kUInt8) : std::nullopt;
     case Code::Int:
       switch (d.bits) {
-        case 8: return DType::kInt8;
-        case 16: return DType::kInt16;
-        case 32: return DType::kInt32;
-        case 64: return DType::kInt64;
-        default: return std::nullopt;
+        case 8:
+          return DType::kInt8;
+        case 16:
+          return DType::kInt16;
+        case 32:
+          return DType::kInt32;
+        case 64:
+          return DType::kInt64;
+        default:
+          return std::nullopt;
       }
     case Code::Float:
       switch (d.bits) {
-        case 16: return DType::kFloat16;
-        case 32: return DType::kFloat32;
-        case 64: return DType::kFloat64;
-        default: return std::nullopt;
+        case 16:
+          return DType::kFloat16;
+        case 32:
+          return DType::kFloat32;
+        case 64:
+          return DType::kFloat64;
+        default:
+          return std::nullopt;
       }
-    case Code::Bfloat: return d.bits == 16 ? std::optional(DType::kBFloat16) : std::nullopt;
-    case Code::Float8_E4M3FN: return d.bits == 8 ? std::optional(DType::kFloat8E4M3FN) : std::nullopt;
-    case Code::Float8_E5M2: return d.bits == 8 ? std::optional(DType::kFloat8E5M2) : std::nullopt;
-    default: return std::nullopt;
+    case Code::Bfloat:
+      return d.bits == 16 ? std::optional(DType::kBFloat16) : std::nullopt;
+    case Code::Float8_E4M3FN:
+      return d.bits == 8 ? std::optional(DType::kFloat8E4M3FN) : std::nullopt;
+    case Code::Float8_E5M2:
+      return d.bits == 8 ? std::optional(DType::kFloat8E5M2) : std::nullopt;
+    default:
+      return std::nullopt;
   }
 }
 
 dl::dtype dtype_to_dlpack(DType t) {
   switch (t) {
-    case DType::kBool: return make_dtype(Code::Bool, 8);
-    case DType::kUInt8: return make_dtype(Code::UInt, 8);
-    case DType::kInt8: return make_dtype(Code::Int, 8);
-    case DType::kInt16: return make_dtype(Code::Int, 16);
-    case DType::kInt32: return make_dtype(Code::Int, 32);
-    case DType::kInt64: return make_dtype(Code::Int, 64);
-    case DType::kFloat16: return make_dtype(Code::Float, 16);
-    case DType::kBFloat16: return make_dtype(Code::Bfloat, 16);
-    case DType::kFloat32: return make_dtype(Code::Float, 32);
-    case DType::kFloat64: return make_dtype(Code::Float, 64);
-    case DType::kFloat8E4M3FN: return make_dtype(Code::Float8_E4M3FN, 8);
-    case DType::kFloat8E5M2: return make_dtype(Code::Float8_E5M2, 8);
+    case DType::kBool:
+      return make_dtype(Code::Bool, 8);
+    case DType::kUInt8:
+      return make_dtype(Code::UInt, 8);
+    case DType::kInt8:
+      return make_dtype(Code::Int, 8);
+    case DType::kInt16:
+      return make_dtype(Code::Int, 16);
+    case DType::kInt32:
+      return make_dtype(Code::Int, 32);
+    case DType::kInt64:
+      return make_dtype(Code::Int, 64);
+    case DType::kFloat16:
+      return make_dtype(Code::Float, 16);
+    case DType::kBFloat16:
+      return make_dtype(Code::Bfloat, 16);
+    case DType::kFloat32:
+      return make_dtype(Code::Float, 32);
+    case DType::kFloat64:
+      return make_dtype(Code::Float, 64);
+    case DType::kFloat8E4M3FN:
+      return make_dtype(Code::Float8_E4M3FN, 8);
+    case DType::kFloat8E5M2:
+      return make_dtype(Code::Float8_E5M2, 8);
   }
   return make_dtype(Code::UInt, 8);
 }
 
 // Dtypes NumPy lacks (and torch's DLPack may lack, for float8): exported as unsigned integers
 // of the same width and re-viewed as the framework's own type.
-bool numpy_lacks(DType t) {
-  return t == DType::kBFloat16 || t == DType::kFloat8E4M3FN || t == DType::kFloat8E5M2;
-}
+bool numpy_lacks(DType t) { return t == DType::kBFloat16 || t == DType::kFloat8E4M3FN || t == DType::kFloat8E5M2; }
 bool torch_dlpack_lacks(DType t) { return t == DType::kFloat8E4M3FN || t == DType::kFloat8E5M2; }
 
 dl::dtype raw_bits(DType t) { return make_dtype(Code::UInt, static_cast<int>(dtype_size(t)) * 8); }
@@ -143,9 +183,12 @@ std::optional<DType> ml_dtype_fast(nb::handle obj) {
     return std::nullopt;
   }
   std::optional<DType> out;
-  if (scalar == kinds[0]) out = DType::kBFloat16;
-  else if (scalar == kinds[1]) out = DType::kFloat8E4M3FN;
-  else if (scalar == kinds[2]) out = DType::kFloat8E5M2;
+  if (scalar == kinds[0])
+    out = DType::kBFloat16;
+  else if (scalar == kinds[1])
+    out = DType::kFloat8E4M3FN;
+  else if (scalar == kinds[2])
+    out = DType::kFloat8E5M2;
   Py_DECREF(scalar);
   return out;
 }
@@ -201,9 +244,12 @@ nb::handle ml_dtype(DType t) {
   static nb::handle bf16, e4m3, e5m2;
   try {
     switch (t) {
-      case DType::kBFloat16: return cached_attr("ml_dtypes", "bfloat16", &bf16);
-      case DType::kFloat8E4M3FN: return cached_attr("ml_dtypes", "float8_e4m3fn", &e4m3);
-      default: return cached_attr("ml_dtypes", "float8_e5m2", &e5m2);
+      case DType::kBFloat16:
+        return cached_attr("ml_dtypes", "bfloat16", &bf16);
+      case DType::kFloat8E4M3FN:
+        return cached_attr("ml_dtypes", "float8_e4m3fn", &e4m3);
+      default:
+        return cached_attr("ml_dtypes", "float8_e5m2", &e5m2);
     }
   } catch (const nb::python_error&) {
     throw Error(ErrorKind::kUnsupported,
@@ -346,9 +392,9 @@ WritableTensor import_writable(nb::handle obj) {
     }
     if (!nb::try_cast(target, a, false)) {
       PyErr_Clear();
-      throw Error(ErrorKind::kInvalidArgument,
-                  fmt::format("expected a writable host tensor (NumPy array, CPU torch.Tensor...), got {}",
-                              py_type_name(obj)));
+      throw Error(
+          ErrorKind::kInvalidArgument,
+          fmt::format("expected a writable host tensor (NumPy array, CPU torch.Tensor...), got {}", py_type_name(obj)));
     }
   }
   if (a.device_type() != kDevCpu && a.device_type() != kDevCudaHost)
@@ -388,14 +434,23 @@ nb::object export_tensor(const TensorInfo& info, const std::byte* data, MemoryKi
     throw Error(ErrorKind::kUnsupported,
                 fmt::format("tensor '{}' is in GPU memory: receive it with framework='torch' or 'cupy', not 'numpy'",
                             info.name));
-  nb::ndarray<> array(ptr, ndim, shape, owner, nullptr, dtype, device_type, memory == MemoryKind::kCuda ? device_id : 0);
+  nb::ndarray<> array(ptr, ndim, shape, owner, nullptr, dtype, device_type,
+                      memory == MemoryKind::kCuda ? device_id : 0);
 
   nb::object out;
   switch (framework) {
-    case Framework::kNumpy: out = nb::ndarray<nb::numpy>(array).cast(); break;
-    case Framework::kTorch: out = nb::ndarray<nb::pytorch>(array).cast(); break;
-    case Framework::kCupy: out = nb::ndarray<nb::cupy>(array).cast(); break;
-    case Framework::kDlpack: out = nb::ndarray<nb::array_api>(array).cast(); break;
+    case Framework::kNumpy:
+      out = nb::ndarray<nb::numpy>(array).cast();
+      break;
+    case Framework::kTorch:
+      out = nb::ndarray<nb::pytorch>(array).cast();
+      break;
+    case Framework::kCupy:
+      out = nb::ndarray<nb::cupy>(array).cast();
+      break;
+    case Framework::kDlpack:
+      out = nb::ndarray<nb::array_api>(array).cast();
+      break;
   }
   if (reinterpret) {
     nb::handle target = framework == Framework::kNumpy ? ml_dtype(info.dtype) : torch_dtype(info.dtype);

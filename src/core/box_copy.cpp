@@ -11,7 +11,8 @@ void for_each_box_block(std::span<const int64_t> shape, uint64_t element_bytes, 
   const size_t rank = shape.size();
   const std::vector<int64_t> extent = box.shape_in(shape);
   std::vector<uint64_t> stride(rank + 1, element_bytes);  // stride[d]: bytes per step along d
-  for (size_t d = rank; d-- > 0;) stride[d] = d + 1 < rank ? stride[d + 1] * static_cast<uint64_t>(shape[d + 1]) : element_bytes;
+  for (size_t d = rank; d-- > 0;)
+    stride[d] = d + 1 < rank ? stride[d + 1] * static_cast<uint64_t>(shape[d + 1]) : element_bytes;
   // The innermost dim the box does not span whole: its rows of `run` bytes are contiguous in the
   // tensor, and consecutive rows along the dim before it are `pitch` apart.
   int inner = -1;

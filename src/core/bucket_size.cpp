@@ -44,13 +44,15 @@ std::string bucket_size_line(const BucketSize& size, const Device& device) {
     return size.bytes % kMiB == 0
                ? fmt::format("[checkpoint engine] Bucket size: {} MiB per buffer (set by refit_cfg.nixl.bucket_bytes).",
                              size.bytes / kMiB)
-               : fmt::format("[checkpoint engine] Bucket size: {} bytes per buffer (set by refit_cfg.nixl.bucket_bytes).",
-                             size.bytes);
+               : fmt::format(
+                     "[checkpoint engine] Bucket size: {} bytes per buffer (set by refit_cfg.nixl.bucket_bytes).",
+                     size.bytes);
   }
   // Python's {:.1%} is the value times 100 in fixed notation with one decimal.
-  return fmt::format("[checkpoint engine] Bucket size: {} MiB per buffer ({:.1f}% of {:.2f} GiB minimum total {} memory).",
-                     size.bytes / kMiB, size.ratio * 100, static_cast<double>(size.min_total_memory) / kGiB,
-                     device.kind == Device::Kind::kCpu ? "host" : "GPU");
+  return fmt::format(
+      "[checkpoint engine] Bucket size: {} MiB per buffer ({:.1f}% of {:.2f} GiB minimum total {} memory).",
+      size.bytes / kMiB, size.ratio * 100, static_cast<double>(size.min_total_memory) / kGiB,
+      device.kind == Device::Kind::kCpu ? "host" : "GPU");
 }
 
 }  // namespace refit

@@ -5,8 +5,8 @@
 #include <cctype>
 #include <cmath>
 #include <fstream>
-#include <optional>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <set>
 #include <sstream>
 
@@ -35,7 +35,8 @@ std::optional<std::pair<double, std::string>> split_number(const std::string& te
 // One YAML mapping being read: every key must be known, and errors name the key's full path.
 class Section {
  public:
-  Section(const YAML::Node& node, std::string path, const std::string& origin) : node_(node), path_(std::move(path)), origin_(origin) {
+  Section(const YAML::Node& node, std::string path, const std::string& origin)
+      : node_(node), path_(std::move(path)), origin_(origin) {
     if (node_ && !node_.IsMap()) fail(ErrorKind::kConfig, "{}: '{}' must be a mapping", origin_, path_);
   }
   std::string key(const std::string& name) const { return path_.empty() ? name : path_ + "." + name; }
@@ -64,7 +65,8 @@ class Section {
     } catch (const std::exception&) {
       end = 0;
     }
-    if (end != v.size() || v.empty()) fail(ErrorKind::kConfig, "{}: '{}' must be an integer, got '{}'", origin_, key(name), v);
+    if (end != v.size() || v.empty())
+      fail(ErrorKind::kConfig, "{}: '{}' must be an integer, got '{}'", origin_, key(name), v);
     if (n < minimum) fail(ErrorKind::kConfig, "{}: '{}' must be >= {}, got {}", origin_, key(name), minimum, n);
     return n;
   }
@@ -74,7 +76,9 @@ class Section {
     if (v == "false") return false;
     fail(ErrorKind::kConfig, "{}: '{}' must be true or false, got '{}'", origin_, key(name), v);
   }
-  double rate(const std::string& name) const { return has(name) ? parse_rate(text(name), origin_ + ": " + key(name)) : 0; }
+  double rate(const std::string& name) const {
+    return has(name) ? parse_rate(text(name), origin_ + ": " + key(name)) : 0;
+  }
   double seconds(const std::string& name) const;
   uint64_t bytes(const std::string& name) const {
     return has(name) ? parse_byte_count(text(name), origin_ + ": " + key(name)) : 0;
@@ -122,7 +126,8 @@ NodeGroup read_group(const Section& s, size_t index) {
   if (s.has("nic")) {
     const Section nic = s.sub("nic");
     const std::string per = nic.text("per", g.gpu ? "worker" : "node");
-    if (per != "worker" && per != "node") fail(ErrorKind::kConfig, "{}: must be worker or node, got '{}'", nic.key("per"), per);
+    if (per != "worker" && per != "node")
+      fail(ErrorKind::kConfig, "{}: must be worker or node, got '{}'", nic.key("per"), per);
     g.nic_per_worker = per == "worker";
     g.rails = nic.integer("rails", 1);
     g.rail_rate = nic.rate("rate");
@@ -148,11 +153,13 @@ ClusterSide read_side(const Section& s, bool sources) {
   ClusterSide side;
   side.nodes = s.text("nodes");
   side.ranks = s.integer("ranks");
-  if (s.has("first_slot")) side.first_slot = s.integer("first_slot", 0, 0);
-  else side.first_slot = -1;  // placed after the other side when both share a group
+  if (s.has("first_slot"))
+    side.first_slot = s.integer("first_slot", 0, 0);
+  else
+    side.first_slot = -1;  // placed after the other side when both share a group
   const Section p = s.sub("parallel");
-  const std::vector<std::string> keys =
-      sources ? std::vector<std::string>{"tp", "pp", "dp", "ep", "etp", "fsdp"} : std::vector<std::string>{"tp", "ep", "pp"};
+  const std::vector<std::string> keys = sources ? std::vector<std::string>{"tp", "pp", "dp", "ep", "etp", "fsdp"}
+                                                : std::vector<std::string>{"tp", "ep", "pp"};
   for (const auto& k : keys)
     if (p.has(k)) side.parallel[k] = p.integer(k);
   if (!sources) {
@@ -176,12 +183,23 @@ const NodeGroup& Cluster::group(const std::string& name) const {
 
 double parse_rate(const std::string& text, const std::string& key) {
   // Bits (network rates) and bytes (copy rates), decimal or binary prefixes, with or without "/s".
-  static const std::map<std::string, double> kUnits = {
-      {"Gbit", 1e9 / 8},  {"Gb", 1e9 / 8},    {"Mbit", 1e6 / 8},  {"Mb", 1e6 / 8},  {"Tbit", 1e12 / 8},
-      {"TB", 1e12},       {"GB", 1e9},        {"MB", 1e6},        {"KB", 1e3},      {"B", 1},
-      {"TiB", 1099511627776.0}, {"GiB", 1073741824.0}, {"MiB", 1048576.0}, {"KiB", 1024.0}};
+  static const std::map<std::string, double> kUnits = {{"Gbit", 1e9 / 8},
+                                                       {"Gb", 1e9 / 8},
+                                                       {"Mbit", 1e6 / 8},
+                                                       {"Mb", 1e6 / 8},
+                                                       {"Tbit", 1e12 / 8},
+                                                       {"TB", 1e12},
+                                                       {"GB", 1e9},
+                                                       {"MB", 1e6},
+                                                       {"KB", 1e3},
+                                                       {"B", 1},
+                                                       {"TiB", 1099511627776.0},
+                                                       {"GiB", 1073741824.0},
+                                                       {"MiB", 1048576.0},
+                                                       {"KiB", 1024.0}};
   auto parsed = split_number(text);
-  if (parsed && parsed->second.size() > 2 && parsed->second.ends_with("/s")) parsed->second.resize(parsed->second.size() - 2);
+  if (parsed && parsed->second.size() > 2 && parsed->second.ends_with("/s"))
+    parsed->second.resize(parsed->second.size() - 2);
   const auto it = parsed ? kUnits.find(parsed->second) : kUnits.end();
   if (it == kUnits.end() || !(parsed->first > 0))
     fail(ErrorKind::kConfig, "{}: expected a rate such as 400Gbit, 50GB/s or 900MiB/s, got '{}'", key, text);
@@ -206,7 +224,8 @@ Cluster parse_cluster(const std::string& yaml, const std::string& origin) {
   for (size_t i = 0; i < nodes.size(); ++i) {
     c.groups.push_back(read_group(Section(nodes[i], fmt::format("nodes[{}]", i), origin), i));
     for (size_t j = 0; j < i; ++j)
-      if (c.groups[j].name == c.groups[i].name) fail(ErrorKind::kConfig, "{}: two node groups are named '{}'", origin, c.groups[i].name);
+      if (c.groups[j].name == c.groups[i].name)
+        fail(ErrorKind::kConfig, "{}: two node groups are named '{}'", origin, c.groups[i].name);
   }
   c.sources = read_side(top.sub("sources"), true);
   c.destinations = read_side(top.sub("destinations"), false);
@@ -214,7 +233,8 @@ Cluster parse_cluster(const std::string& yaml, const std::string& origin) {
   c.transfer.bucket_bytes = t.bytes("bucket");
   c.transfer.transport = t.text("transport", "ucx");
   if (c.transfer.transport != "ucx" && c.transfer.transport != "cuda_ipc" && c.transfer.transport != "nccl")
-    fail(ErrorKind::kConfig, "{}: 'transfer.transport' must be ucx, cuda_ipc or nccl, got '{}'", origin, c.transfer.transport);
+    fail(ErrorKind::kConfig, "{}: 'transfer.transport' must be ucx, cuda_ipc or nccl, got '{}'", origin,
+         c.transfer.transport);
   c.transfer.mapped = t.flag("mapped", true);
   c.transfer.tcp = t.flag("tcp", false);
   const std::string buffers = t.text("buffers", "device");
@@ -234,23 +254,24 @@ Cluster parse_cluster(const std::string& yaml, const std::string& origin) {
   for (int k = 0; k < 2; ++k) {
     ClusterSide& side = *sides[k];
     const ClusterSide& other = *sides[1 - k];
-    if (side.first_slot < 0) side.first_slot = (k == 1 && other.nodes == side.nodes) ? std::max(other.first_slot, 0) + other.ranks : 0;
+    if (side.first_slot < 0)
+      side.first_slot = (k == 1 && other.nodes == side.nodes) ? std::max(other.first_slot, 0) + other.ranks : 0;
   }
   for (int k = 0; k < 2; ++k) {
     const ClusterSide& side = *sides[k];
     const NodeGroup& g = c.group(side.nodes);
     const int slots = g.count * g.workers;
     if (side.first_slot + side.ranks > slots)
-      fail(ErrorKind::kConfig, "{}: the {} need slots {}..{} of node group '{}', which has {} ({} nodes x {} workers)", origin,
-           k == 0 ? "sources" : "destinations", side.first_slot, side.first_slot + side.ranks - 1, g.name, slots, g.count,
-           g.workers);
+      fail(ErrorKind::kConfig, "{}: the {} need slots {}..{} of node group '{}', which has {} ({} nodes x {} workers)",
+           origin, k == 0 ? "sources" : "destinations", side.first_slot, side.first_slot + side.ranks - 1, g.name,
+           slots, g.count, g.workers);
   }
   if (c.sources.nodes == c.destinations.nodes) {
     const int a0 = c.sources.first_slot, a1 = a0 + c.sources.ranks, b0 = c.destinations.first_slot,
               b1 = b0 + c.destinations.ranks;
     if (a0 < b1 && b0 < a1)
-      fail(ErrorKind::kConfig, "{}: sources (slots {}..{}) and destinations (slots {}..{}) share worker slots of '{}'", origin,
-           a0, a1 - 1, b0, b1 - 1, c.sources.nodes);
+      fail(ErrorKind::kConfig, "{}: sources (slots {}..{}) and destinations (slots {}..{}) share worker slots of '{}'",
+           origin, a0, a1 - 1, b0, b1 - 1, c.sources.nodes);
   }
   return c;
 }
@@ -313,7 +334,8 @@ void load_calibration(const std::string& path, Calibration& into) {
   if (auto v = number("cores"); v && *v > 0) into.cores = static_cast<int>(*v);
   if (auto v = number("host_memory_bytes"); v && *v > 0) into.host_memory = static_cast<uint64_t>(*v);
   if (j.contains("machine") && j["machine"].is_string()) into.machine = j["machine"].get<std::string>();
-  if (j.contains("engine_device") && j["engine_device"].is_string()) into.engine_device = j["engine_device"].get<std::string>();
+  if (j.contains("engine_device") && j["engine_device"].is_string())
+    into.engine_device = j["engine_device"].get<std::string>();
 }
 
 void save_calibration(const std::string& path, const Calibration& c) {
@@ -341,7 +363,8 @@ void apply_calibration(Cluster& cluster, const Calibration& cal) {
     const bool engine = cal.engine_device == (g.gpu ? "cuda" : "cpu");
     if (g.copy_cost_s < 0) g.copy_cost_s = engine ? std::max(cal.engine_copy_cost_s, 0.0) : 0;
     if (g.gpu) {
-      if (g.copy_rate == 0) g.copy_rate = engine && cal.engine_copy_rate > 0 ? cal.engine_copy_rate : cal.device_copy_rate;
+      if (g.copy_rate == 0)
+        g.copy_rate = engine && cal.engine_copy_rate > 0 ? cal.engine_copy_rate : cal.device_copy_rate;
       if (g.node_copy_rate == 0 && engine) g.node_copy_rate = cal.engine_node_copy_rate;
       // The engine's copies reach a share of the device copy's ceiling (many tensors, each its own
       // copy); measured on one GPU, the same share is assumed of NVLink's.
@@ -353,9 +376,11 @@ void apply_calibration(Cluster& cluster, const Calibration& cal) {
       need(g, g.copy_rate, "copy");
       if (g.node_copy_rate == 0) g.node_copy_rate = g.copy_rate;
     } else {
-      if (g.copy_rate == 0) g.copy_rate = engine && cal.engine_copy_rate > 0 ? cal.engine_copy_rate : cal.host_copy_rate;
+      if (g.copy_rate == 0)
+        g.copy_rate = engine && cal.engine_copy_rate > 0 ? cal.engine_copy_rate : cal.host_copy_rate;
       if (g.node_copy_rate == 0)
-        g.node_copy_rate = engine && cal.engine_node_copy_rate > 0 ? cal.engine_node_copy_rate : cal.host_node_copy_rate;
+        g.node_copy_rate =
+            engine && cal.engine_node_copy_rate > 0 ? cal.engine_node_copy_rate : cal.host_node_copy_rate;
       if (g.cores == 0) g.cores = cal.cores;
       if (g.memory == 0) g.memory = cal.host_memory;
       if (g.row_cost_s == 0) g.row_cost_s = cal.row_cost_s;
@@ -366,7 +391,7 @@ void apply_calibration(Cluster& cluster, const Calibration& cal) {
     }
   }
   if (cluster.transfer.read_rate == 0)
-    cluster.transfer.read_rate = cluster.transfer.transport == "ucx" ? cal.read_rate
+    cluster.transfer.read_rate = cluster.transfer.transport == "ucx"    ? cal.read_rate
                                  : cluster.transfer.transport == "nccl" ? cal.nccl_rate
                                                                         : 0;
   if (cluster.transfer.latency_s < 0) cluster.transfer.latency_s = std::max(cal.latency_s, 0.0);

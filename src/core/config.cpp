@@ -20,13 +20,18 @@
 namespace refit {
 namespace {
 
-constexpr std::array<std::string_view, 10> kNixlKeys = {
-    "update_weights_bucket_memory_ratio", "device", "backend_name", "backend_init_params",
-    "release_after_refit", "shard_expert_weights", "bucket_bytes", "timeout_s", "verify_checksums", "map_source_buffers"};
+constexpr std::array<std::string_view, 10> kNixlKeys = {"update_weights_bucket_memory_ratio",
+                                                        "device",
+                                                        "backend_name",
+                                                        "backend_init_params",
+                                                        "release_after_refit",
+                                                        "shard_expert_weights",
+                                                        "bucket_bytes",
+                                                        "timeout_s",
+                                                        "verify_checksums",
+                                                        "map_source_buffers"};
 
-bool is_nixl_key(std::string_view key) {
-  return std::find(kNixlKeys.begin(), kNixlKeys.end(), key) != kNixlKeys.end();
-}
+bool is_nixl_key(std::string_view key) { return std::find(kNixlKeys.begin(), kNixlKeys.end(), key) != kNixlKeys.end(); }
 
 // A value as the user wrote it, for error messages.
 std::string describe(const YAML::Node& node) {
@@ -59,7 +64,8 @@ std::vector<std::pair<std::string, YAML::Node>> entries(const YAML::Node& map, s
   for (auto it = map.begin(); it != map.end(); ++it) {
     if (!it->first.IsScalar()) fail(ErrorKind::kConfig, "{} has a key that is not a string", path);
     std::string key = it->first.Scalar();
-    if (!seen.insert(key).second) fail(ErrorKind::kConfig, "duplicate key {}{}", path.empty() ? "" : fmt::format("{}.", path), key);
+    if (!seen.insert(key).second)
+      fail(ErrorKind::kConfig, "duplicate key {}{}", path.empty() ? "" : fmt::format("{}.", path), key);
     out.emplace_back(std::move(key), it->second);
   }
   return out;
@@ -72,8 +78,8 @@ void gather_refit_cfg(Raw& raw, const YAML::Node& refit_cfg) {
   for (const auto& [scope, nixl] : entries(refit_cfg, path)) {
     if (scope != "nixl") {
       fail(ErrorKind::kConfig,
-           "unknown key {}.{}: refit_cfg holds only the 'nixl' scope (refit implements only the nixl transport)",
-           path, scope);
+           "unknown key {}.{}: refit_cfg holds only the 'nixl' scope (refit implements only the nixl transport)", path,
+           scope);
     }
     if (nixl.IsNull()) continue;
     if (!nixl.IsMap()) fail(ErrorKind::kConfig, "{}.nixl must be a mapping, got {}", path, describe(nixl));
@@ -97,8 +103,8 @@ Raw gather(const YAML::Node& root, std::string_view source) {
     // belong to NeMo and are ignored.
     for (const auto& [key, value] : root_entries) {
       if (key == "refit_transport" || key == "refit_cfg") {
-        fail(ErrorKind::kConfig, "{}: '{}' is at the root of a config that also has 'policy'; put it under policy.generation",
-             source, key);
+        fail(ErrorKind::kConfig,
+             "{}: '{}' is at the root of a config that also has 'policy'; put it under policy.generation", source, key);
       }
     }
     YAML::Node generation = root["policy"].IsMap() ? root["policy"]["generation"] : YAML::Node();
@@ -121,8 +127,8 @@ Raw gather(const YAML::Node& root, std::string_view source) {
   // V1 of the reference.
   const YAML::Node& s = scope;  // const lookups never insert keys
   if (s["checkpoint_engine"] && !s["checkpoint_engine"].IsNull()) {
-    fail(ErrorKind::kConfig,
-         "{0}checkpoint_engine was replaced by {0}refit_transport='nixl' and {0}refit_cfg.nixl.", raw.prefix);
+    fail(ErrorKind::kConfig, "{0}checkpoint_engine was replaced by {0}refit_transport='nixl' and {0}refit_cfg.nixl.",
+         raw.prefix);
   }
   if (s["refit_transport"]) raw.transport.emplace(s["refit_transport"]);
   gather_refit_cfg(raw, s["refit_cfg"]);
@@ -147,7 +153,8 @@ void apply_override(Raw& raw, const std::string& text) {
     fail(ErrorKind::kConfig, "override '{}' has no '=': expected key=value, e.g. refit_cfg.nixl.device=cpu", text);
   }
   std::string_view key = trim(std::string_view(text).substr(0, eq));
-  while (strip_prefix(key, "+")) {}  // Hydra's "+key=" / "++key=" spellings
+  while (strip_prefix(key, "+")) {
+  }  // Hydra's "+key=" / "++key=" spellings
   YAML::Node value;
   try {
     value = YAML::Load(text.substr(eq + 1));
@@ -162,8 +169,8 @@ void apply_override(Raw& raw, const std::string& text) {
     put(raw.nixl, std::string(key), value);
   } else if (strip_prefix(key, "backend_init_params.") && !key.empty()) {
     auto it = raw.nixl.find("backend_init_params");
-    YAML::Node params = it != raw.nixl.end() && it->second.IsMap() ? YAML::Clone(it->second)
-                                                                     : YAML::Node(YAML::NodeType::Map);
+    YAML::Node params =
+        it != raw.nixl.end() && it->second.IsMap() ? YAML::Clone(it->second) : YAML::Node(YAML::NodeType::Map);
     params[std::string(key)] = value;
     put(raw.nixl, "backend_init_params", params);
   } else {
@@ -186,8 +193,8 @@ std::string check_transport(const YAML::Node& node, const std::string& prefix) {
   const std::string& t = node.Scalar();
   if (t == "nixl") return t;
   if (t == "nccl_reshard" || t == "vllm_s3_sparse" || t == "vllm_zmq_sparse" || t.find(':') != std::string::npos) {
-    fail(ErrorKind::kConfig, "{} '{}' is a transport of the reference that refit does not implement; refit implements only 'nixl'",
-         key, t);
+    fail(ErrorKind::kConfig,
+         "{} '{}' is a transport of the reference that refit does not implement; refit implements only 'nixl'", key, t);
   }
   fail(ErrorKind::kConfig, "Unknown refit transport '{}': expected 'nixl' ({})", t, key);
 }
@@ -283,8 +290,8 @@ RefitConfig parse(std::string_view text, std::string_view source, std::span<cons
   try {
     root = YAML::Load(std::string(text));
   } catch (const YAML::ParserException& e) {
-    fail(ErrorKind::kConfig, "invalid YAML in {} at line {}, column {}: {}", source, e.mark.line + 1,
-         e.mark.column + 1, e.msg);
+    fail(ErrorKind::kConfig, "invalid YAML in {} at line {}, column {}: {}", source, e.mark.line + 1, e.mark.column + 1,
+         e.msg);
   }
   Raw raw = gather(root, source);
   for (const auto& o : overrides) apply_override(raw, o);

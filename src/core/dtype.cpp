@@ -52,9 +52,9 @@ DType parse_dtype(std::string_view name) {
     DType dtype;
   };
   static constexpr Alias kAliases[] = {
-      {"bf16", DType::kBFloat16}, {"fp16", DType::kFloat16},  {"half", DType::kFloat16},
-      {"float", DType::kFloat32}, {"fp32", DType::kFloat32},  {"double", DType::kFloat64},
-      {"fp8", DType::kFloat8E4M3FN}, {"long", DType::kInt64}, {"int", DType::kInt32},
+      {"bf16", DType::kBFloat16},    {"fp16", DType::kFloat16}, {"half", DType::kFloat16},
+      {"float", DType::kFloat32},    {"fp32", DType::kFloat32}, {"double", DType::kFloat64},
+      {"fp8", DType::kFloat8E4M3FN}, {"long", DType::kInt64},   {"int", DType::kInt32},
   };
   for (const auto& a : kAliases) {
     if (name == a.name) return a.dtype;

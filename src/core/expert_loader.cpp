@@ -38,14 +38,16 @@ CompactLayout expert_layout_from_storage(std::span<const ExpertStorage> storage,
            name);
     if (p.transposed)  // V31
       fail(ErrorKind::kUnsupported,
-           "Sharded expert refit requires canonical expert-weight orientation, but {} is transposed (destination rank {}).",
+           "Sharded expert refit requires canonical expert-weight orientation, but {} is transposed (destination rank "
+           "{}).",
            name, dest);
     if (!p.loader_inspectable)  // V32
-      fail(ErrorKind::kLayout, "Could not inspect the vLLM expert weight loader for {} (destination rank {}).", name, dest);
+      fail(ErrorKind::kLayout, "Could not inspect the vLLM expert weight loader for {} (destination rank {}).", name,
+           dest);
     if (p.shape.size() != 3 || (is_w13(name) && p.shape[1] % 2 != 0) ||
         std::any_of(p.shape.begin(), p.shape.end(), [](int64_t d) { return d < 0; }))  // V33
-      fail(ErrorKind::kLayout, "Unsupported vLLM expert storage for {}: shape={} (destination rank {}); expected {}.", name,
-           shape_string(p.shape), dest, is_w13(name) ? "[E_local, 2*I/tp, H]" : "[E_local, H, I/tp]");
+      fail(ErrorKind::kLayout, "Unsupported vLLM expert storage for {}: shape={} (destination rank {}); expected {}.",
+           name, shape_string(p.shape), dest, is_w13(name) ? "[E_local, 2*I/tp, H]" : "[E_local, H, I/tp]");
     if (!p.quant_method.empty() || (p.moe_backend != "TRITON" && p.moe_backend != "BATCHED_TRITON"))  // V34
       fail(ErrorKind::kUnsupported,
            "Sharded expert refit requires canonical unquantized Triton expert weights, but {} uses {}/{} "
@@ -55,7 +57,8 @@ CompactLayout expert_layout_from_storage(std::span<const ExpertStorage> storage,
     if (p.use_ep) {
       if (p.eplb)  // V35
         fail(ErrorKind::kUnsupported,
-             "Sharded refit does not support dynamic vLLM expert load balancing (EPLB), which moves experts between ranks; "
+             "Sharded refit does not support dynamic vLLM expert load balancing (EPLB), which moves experts between "
+             "ranks; "
              "{} on destination rank {} has it enabled.",
              name, dest);
       if (!p.expert_map)  // V36
@@ -70,16 +73,16 @@ CompactLayout expert_layout_from_storage(std::span<const ExpertStorage> storage,
              "(destination rank {}).",
              name, logical, global, dest);
       if (logical > map_size)
-        fail(ErrorKind::kLayout, "destination rank {}: expert map of {} has {} entries for {} logical experts", dest, name,
-             map_size, logical);
+        fail(ErrorKind::kLayout, "destination rank {}: expert map of {} has {} entries for {} logical experts", dest,
+             name, map_size, logical);
       std::vector<int64_t> ids;
       for (int64_t g = 0; g < logical; ++g)
         if ((*p.expert_map)[g] >= 0) ids.push_back(g);
       e.local_expert_ids = std::move(ids);
     }
     if (p.tp_size < 1 || p.tp_rank < 0 || p.tp_rank >= p.tp_size)
-      fail(ErrorKind::kLayout, "destination rank {}: expert storage {} has tp_rank {} outside [0, tp_size {})", dest, name,
-           p.tp_rank, p.tp_size);
+      fail(ErrorKind::kLayout, "destination rank {}: expert storage {} has tp_rank {} outside [0, tp_size {})", dest,
+           name, p.tp_rank, p.tp_size);
     e.tp_rank = p.tp_rank;
     e.tp_size = p.tp_size;
     if (!out.expert_params.emplace(name, std::move(e)).second)
@@ -93,7 +96,8 @@ CompactLayout expert_layout_from_storage(std::span<const ExpertStorage> storage,
   if (!odd.empty()) {
     odd.resize(std::min<size_t>(odd.size(), 3));
     fail(ErrorKind::kLayout,
-         "vLLM expert parameters are not under the expected '.routed_experts.' submodule (saw {}) on destination rank {}; "
+         "vLLM expert parameters are not under the expected '.routed_experts.' submodule (saw {}) on destination rank "
+         "{}; "
          "refit would silently skip them, leaving the engine serving stale experts.",
          fmt::join(odd, ", "), dest);
   }
@@ -104,7 +108,8 @@ ExpertLoader::ExpertLoader(const ModelInventory& inventory, std::vector<ExpertSt
     : destination_rank_(destination_rank) {
   expert_layout_from_storage(storage, destination_rank);
   for (auto& s : storage) {
-    check_sharded_experts_not_fp8(true, s.dtype == DType::kFloat8E4M3FN || s.dtype == DType::kFloat8E5M2, destination_rank);
+    check_sharded_experts_not_fp8(true, s.dtype == DType::kFloat8E4M3FN || s.dtype == DType::kFloat8E5M2,
+                                  destination_rank);
     if (s.data == nullptr && TensorInfo{s.name, s.dtype, s.shape}.numel() > 0)
       fail(ErrorKind::kInvalidArgument, "destination rank {}: expert storage {} has no data pointer", destination_rank,
            s.name);
@@ -145,8 +150,9 @@ ExpertLoadResult ExpertLoader::load(std::span<const TensorView> batch) {
     const std::string param_name = expert->param_name();
     auto pit = params_.find(param_name);
     if (pit == params_.end())
-      fail(ErrorKind::kLayout, "destination rank {} received expert tensor '{}' for parameter '{}', which it does not hold",
-           dest, t.name, param_name);
+      fail(ErrorKind::kLayout,
+           "destination rank {} received expert tensor '{}' for parameter '{}', which it does not hold", dest, t.name,
+           param_name);
     Param& param = pit->second;
     const ExpertStorage& s = param.storage;
     if (v.memory != MemoryKind::kHost)
@@ -157,7 +163,8 @@ ExpertLoadResult ExpertLoader::load(std::span<const TensorView> batch) {
            dtype_name(t.dtype), s.name, dtype_name(s.dtype));
     if (t.shape.size() != 2)  // V42
       fail(ErrorKind::kLayout,
-           "Sharded expert {} requires a 3-D vLLM parameter and 2-D source tensor, got {}-D and {}-D (destination rank {}).",
+           "Sharded expert {} requires a 3-D vLLM parameter and 2-D source tensor, got {}-D and {}-D (destination rank "
+           "{}).",
            t.name, s.shape.size(), t.shape.size(), dest);
     auto fit = full_shapes_.find(t.name);
     if (fit == full_shapes_.end())
@@ -170,18 +177,20 @@ ExpertLoadResult ExpertLoader::load(std::span<const TensorView> batch) {
     expected[dim] /= s.tp_size;
     if (t.shape != expected)  // V43
       fail(ErrorKind::kLayout,
-           "Received sharded expert {} with shape {}, expected {} from full shape {} and TP size {} (destination rank {}).",
+           "Received sharded expert {} with shape {}, expected {} from full shape {} and TP size {} (destination rank "
+           "{}).",
            t.name, shape_string(t.shape), shape_string(expected), shape_string(fit->second), s.tp_size, dest);
 
     int64_t slot = expert->expert_id;
     if (!param.slot_of.empty())
       slot = expert->expert_id < static_cast<int64_t>(param.slot_of.size()) ? param.slot_of[expert->expert_id] : -1;
     if (slot < 0)
-      fail(ErrorKind::kLayout, "destination rank {} received expert tensor '{}' but does not own expert {} (its expert map)",
-           dest, t.name, expert->expert_id);
+      fail(ErrorKind::kLayout,
+           "destination rank {} received expert tensor '{}' but does not own expert {} (its expert map)", dest, t.name,
+           expert->expert_id);
     if (slot >= s.shape[0])
-      fail(ErrorKind::kLayout, "destination rank {}: expert tensor '{}' maps to slot {} but {} has {} slots", dest, t.name,
-           slot, s.name, s.shape[0]);
+      fail(ErrorKind::kLayout, "destination rank {}: expert tensor '{}' maps to slot {} but {} has {} slots", dest,
+           t.name, slot, s.name, s.shape[0]);
     const bool w13 = is_w13(s.name);
     if (w13 == (expert->shard == ExpertShard::kW2))
       fail(ErrorKind::kLayout, "destination rank {}: expert tensor '{}' does not belong in {}", dest, t.name, s.name);

@@ -34,8 +34,8 @@ float quantize_group(const std::byte* src, const TensorInfo& info, uint64_t cols
     for (uint64_t c = c0; c < c1; ++c) {
       float v = load<D>(src, r * cols + c);
       if (!std::isfinite(v))
-        fail(ErrorKind::kInvalidArgument, "cannot quantize tensor '{}' to fp8: element {} is {}", info.name, r * cols + c,
-             v);
+        fail(ErrorKind::kInvalidArgument, "cannot quantize tensor '{}' to fp8: element {} is {}", info.name,
+             r * cols + c, v);
       amax = std::max(amax, std::fabs(v));
     }
   amax = std::max(amax, 1e-4f);  // DeepGEMM's clamp: an all-zero group gets a finite scale

@@ -34,7 +34,8 @@ HfConfig read_hf_config(const std::string& path) {
     return {path, parse_object(text, path)};
   }
   std::error_code ec;
-  std::string file = std::filesystem::is_directory(path, ec) ? (std::filesystem::path(path) / "config.json").string() : path;
+  std::string file =
+      std::filesystem::is_directory(path, ec) ? (std::filesystem::path(path) / "config.json").string() : path;
   std::ifstream in(file);
   if (!in) fail(ErrorKind::kModel, "config '{}': cannot open (missing or unreadable)", file);
   std::stringstream text;

@@ -33,11 +33,12 @@ void check_name(const ByteReader& r, std::string_view name, const char* field) {
 std::string slice_problem(const TensorInfo& info, const Slice& s) {
   const auto ndim = static_cast<int64_t>(info.shape.size());
   if (s.dim < 0 || s.dim >= ndim)
-    return fmt::format("slice dim {} is out of range for a {}-D tensor of shape {}", s.dim, ndim, shape_string(info.shape));
+    return fmt::format("slice dim {} is out of range for a {}-D tensor of shape {}", s.dim, ndim,
+                       shape_string(info.shape));
   const int64_t size = info.shape[s.dim];
   if (s.start < 0 || s.length < 0 || s.start > size || s.length > size - s.start)
-    return fmt::format("slice [{}, {}+{}) of dim {} is outside its size {} (shape {})", s.start, s.start, s.length, s.dim,
-                       size, shape_string(info.shape));
+    return fmt::format("slice [{}, {}+{}) of dim {} is outside its size {} (shape {})", s.start, s.start, s.length,
+                       s.dim, size, shape_string(info.shape));
   return {};
 }
 
@@ -172,13 +173,15 @@ Layout decode_layout(std::span<const uint8_t> bytes, std::string_view what) {
   Layout layout;
   auto fallback = r.get<uint8_t>("fallback");
   if (fallback != static_cast<uint8_t>(Take::kWhole) && fallback != static_cast<uint8_t>(Take::kDrop))
-    fail(ErrorKind::kProtocol, "malformed {}: field 'fallback' is {} (expected 0 = whole or 2 = drop)", r.what(), fallback);
+    fail(ErrorKind::kProtocol, "malformed {}: field 'fallback' is {} (expected 0 = whole or 2 = drop)", r.what(),
+         fallback);
   layout.fallback = static_cast<Take>(fallback);
 
   // Each string costs at least its 8-byte length.
   uint64_t prefixes = r.get_count("drop_prefixes", 8);
   if (prefixes > kMaxPrefixes)
-    fail(ErrorKind::kProtocol, "malformed {}: field 'drop_prefixes' count {} exceeds {}", r.what(), prefixes, kMaxPrefixes);
+    fail(ErrorKind::kProtocol, "malformed {}: field 'drop_prefixes' count {} exceeds {}", r.what(), prefixes,
+         kMaxPrefixes);
   layout.drop_prefixes.reserve(prefixes);
   for (uint64_t i = 0; i < prefixes; ++i) {
     auto p = r.get_string("drop_prefix");
@@ -196,14 +199,16 @@ Layout decode_layout(std::span<const uint8_t> bytes, std::string_view what) {
     Request req;
     auto take = r.get<uint8_t>("tensor.take");
     if (take > static_cast<uint8_t>(Take::kDrop))
-      fail(ErrorKind::kProtocol, "malformed {}: field 'tensor.take' of '{}' is {} (expected 0..2)", r.what(), name, take);
+      fail(ErrorKind::kProtocol, "malformed {}: field 'tensor.take' of '{}' is {} (expected 0..2)", r.what(), name,
+           take);
     req.take = static_cast<Take>(take);
     if (req.take == Take::kSlice) {
       req.slice.dim = r.get<int32_t>("tensor.slice.dim");
       req.slice.start = r.get<int64_t>("tensor.slice.start");
       req.slice.length = r.get<int64_t>("tensor.slice.length");
       if (req.slice.dim < 0 || req.slice.dim >= kMaxDims)
-        fail(ErrorKind::kProtocol, "malformed {}: field 'tensor.slice.dim' of '{}' is {}", r.what(), name, req.slice.dim);
+        fail(ErrorKind::kProtocol, "malformed {}: field 'tensor.slice.dim' of '{}' is {}", r.what(), name,
+             req.slice.dim);
       if (req.slice.start < 0 || req.slice.length < 0 || req.slice.length > INT64_MAX - req.slice.start)
         fail(ErrorKind::kProtocol, "malformed {}: field 'tensor.slice' of '{}' is start {} length {}", r.what(), name,
              req.slice.start, req.slice.length);

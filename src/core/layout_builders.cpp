@@ -24,8 +24,8 @@ std::pair<std::string_view, std::string_view> split_last(std::string_view s) {
 
 void check_rank(const char* what, int size, int rank, int destination_rank) {
   if (size < 1 || rank < 0 || rank >= size)
-    fail(ErrorKind::kLayout, "destination rank {}: {} rank {} is not in [0, {}) (size must be >= 1)", destination_rank, what,
-         rank, size);
+    fail(ErrorKind::kLayout, "destination rank {}: {} rank {} is not in [0, {}) (size must be >= 1)", destination_rank,
+         what, rank, size);
 }
 
 // Adds a narrow entry, unless it covers the whole tensor (then the fallback already sends it).
@@ -45,8 +45,8 @@ int64_t dim_size(const TensorInfo& t, int32_t dim, int destination_rank) {
 void put_even(Layout& layout, const TensorInfo& t, int32_t dim, int tp_size, int tp_rank, int destination_rank) {
   int64_t n = dim_size(t, dim, destination_rank);
   if (n % tp_size != 0)
-    fail(ErrorKind::kLayout, "Cannot shard {} dimension {} of size {} across TP size {} (destination rank {}).", t.name, dim,
-         n, tp_size, destination_rank);
+    fail(ErrorKind::kLayout, "Cannot shard {} dimension {} of size {} across TP size {} (destination rank {}).", t.name,
+         dim, n, tp_size, destination_rank);
   int64_t part = n / tp_size;
   put_slice(layout, t, dim, tp_rank * part, part);
 }
@@ -61,7 +61,8 @@ Dense classify_dense(std::string_view name) {
   if (ends({".self_attn.q_proj.weight", ".self_attn.q_proj.bias", ".self_attn.q_b_proj.weight",
             ".self_attn.kv_b_proj.weight"}))
     return Dense::kHeadsColumn;
-  if (ends({".self_attn.k_proj.weight", ".self_attn.k_proj.bias", ".self_attn.v_proj.weight", ".self_attn.v_proj.bias"}))
+  if (ends(
+          {".self_attn.k_proj.weight", ".self_attn.k_proj.bias", ".self_attn.v_proj.weight", ".self_attn.v_proj.bias"}))
     return Dense::kKvHeads;
   if (ends({".self_attn.o_proj.weight"})) return Dense::kHeadsRow;
   if (ends({".gate_proj.weight", ".gate_proj.bias", ".up_proj.weight", ".up_proj.bias"})) return Dense::kColumn;
@@ -73,10 +74,10 @@ void put_dense(Layout& layout, const TensorInfo& t, const ModelDims& dims, const
   const int tp = p.tp_size, r = p.tp_rank, dest = p.destination_rank;
   auto need_heads_divisible = [&] {
     if (dims.num_attention_heads % tp != 0)
-      fail(
-          ErrorKind::kLayout,
-          "Cannot shard {} by attention heads: num_attention_heads {} is not divisible by TP size {} (destination rank {}).",
-          t.name, dims.num_attention_heads, tp, dest);
+      fail(ErrorKind::kLayout,
+           "Cannot shard {} by attention heads: num_attention_heads {} is not divisible by TP size {} (destination "
+           "rank {}).",
+           t.name, dims.num_attention_heads, tp, dest);
   };
   switch (classify_dense(t.name)) {
     case Dense::kWhole:
@@ -96,7 +97,8 @@ void put_dense(Layout& layout, const TensorInfo& t, const ModelDims& dims, const
       if (tp <= kv) {
         if (kv % tp != 0)
           fail(ErrorKind::kLayout,
-               "Cannot shard {} by KV heads: num_key_value_heads {} is not divisible by TP size {} (destination rank {}).",
+               "Cannot shard {} by KV heads: num_key_value_heads {} is not divisible by TP size {} (destination rank "
+               "{}).",
                t.name, kv, tp, dest);
         return put_even(layout, t, 0, tp, r, dest);
       }
@@ -108,8 +110,8 @@ void put_dense(Layout& layout, const TensorInfo& t, const ModelDims& dims, const
              t.name, tp, kv, dest);
       int64_t n = dim_size(t, 0, dest);
       if (n % kv != 0)
-        fail(ErrorKind::kLayout, "Cannot shard {} dimension 0 of size {} into {} KV heads (destination rank {}).", t.name, n,
-             kv, dest);
+        fail(ErrorKind::kLayout, "Cannot shard {} dimension 0 of size {} into {} KV heads (destination rank {}).",
+             t.name, n, kv, dest);
       int64_t head = static_cast<int64_t>(r) * kv / tp;
       return put_slice(layout, t, 0, head * (n / kv), n / kv);
     }
@@ -184,8 +186,8 @@ Layout layout_from_compact(const CompactLayout& compact, const ModelInventory& i
       continue;
     }
     const ExpertParamLayout& e = it->second;
-    if (e.local_expert_ids &&
-        std::find(e.local_expert_ids->begin(), e.local_expert_ids->end(), expert->expert_id) == e.local_expert_ids->end()) {
+    if (e.local_expert_ids && std::find(e.local_expert_ids->begin(), e.local_expert_ids->end(), expert->expert_id) ==
+                                  e.local_expert_ids->end()) {
       layout.tensors[t.name] = Request::drop();
       continue;
     }
@@ -200,8 +202,8 @@ std::vector<int64_t> expert_ids_from_map(const std::vector<int64_t>& expert_map,
   std::vector<int64_t> slots;
   for (size_t g = 0; g < expert_map.size(); ++g) {
     if (expert_map[g] < -1)
-      fail(ErrorKind::kLayout, "destination rank {}: expert_map[{}] is {} (expected a local slot or -1)", destination_rank,
-           g, expert_map[g]);
+      fail(ErrorKind::kLayout, "destination rank {}: expert_map[{}] is {} (expected a local slot or -1)",
+           destination_rank, g, expert_map[g]);
     if (expert_map[g] >= 0) {
       ids.push_back(static_cast<int64_t>(g));
       slots.push_back(expert_map[g]);
@@ -306,12 +308,12 @@ Layout build_layout(const ModelInventory& inventory, const ModelDims& dims, cons
   check_rank("pp", p.pp_size, p.pp_rank, dest);
   if (p.vocab_padding < 1) fail(ErrorKind::kLayout, "destination rank {}: vocab_padding must be >= 1", dest);
   if (p.shard_dense && p.tp_size > 1 && dims.num_attention_heads < 1)
-    fail(ErrorKind::kLayout, "destination rank {}: shard_dense needs num_attention_heads (ModelDims) to split attention",
-         dest);
+    fail(ErrorKind::kLayout,
+         "destination rank {}: shard_dense needs num_attention_heads (ModelDims) to split attention", dest);
 
   if (p.pp_size > 1 && decoder_layer_count(inventory) < p.pp_size)
-    fail(ErrorKind::kLayout, "destination rank {}: pp_size {} exceeds the {} decoder layers of model '{}'", dest, p.pp_size,
-         decoder_layer_count(inventory), inventory.name);
+    fail(ErrorKind::kLayout, "destination rank {}: pp_size {} exceeds the {} decoder layers of model '{}'", dest,
+         p.pp_size, decoder_layer_count(inventory), inventory.name);
   std::vector<std::string> prefixes = pp_missing_prefixes(inventory, p.pp_size, p.pp_rank);
   for (const auto& extra : p.missing_prefixes)
     if (std::find(prefixes.begin(), prefixes.end(), extra) == prefixes.end()) prefixes.push_back(extra);
@@ -327,8 +329,8 @@ Layout build_layout(const ModelInventory& inventory, const ModelDims& dims, cons
     std::optional<std::vector<int64_t>> owned;
     if (!p.expert_map.empty()) {
       if (static_cast<int64_t>(p.expert_map.size()) != num_experts)
-        fail(ErrorKind::kLayout, "destination rank {}: expert_map has {} entries but model '{}' has {} routed experts", dest,
-             p.expert_map.size(), inventory.name, num_experts);
+        fail(ErrorKind::kLayout, "destination rank {}: expert_map has {} entries but model '{}' has {} routed experts",
+             dest, p.expert_map.size(), inventory.name, num_experts);
       owned = expert_ids_from_map(p.expert_map, dest);
     } else if (ep) {
       owned = linear_expert_ids(num_experts, p.ep_size, p.ep_rank);
@@ -367,8 +369,8 @@ std::vector<Layout> megatron_source_layouts(const ModelInventory& inventory, con
                                             const TrainingParallel& p) {
   const int etp = p.expert_tp_size.value_or(p.tp_size);
   if (p.tp_size < 1 || p.pp_size < 1 || p.dp_size < 1 || p.ep_size < 1 || etp < 1)
-    fail(ErrorKind::kLayout, "training parallelism: tp {}, pp {}, dp {}, ep {}, expert tp {} must all be >= 1", p.tp_size,
-         p.pp_size, p.dp_size, p.ep_size, etp);
+    fail(ErrorKind::kLayout, "training parallelism: tp {}, pp {}, dp {}, ep {}, expert tp {} must all be >= 1",
+         p.tp_size, p.pp_size, p.dp_size, p.ep_size, etp);
   const int stage_ranks = p.tp_size * p.dp_size;
   if (stage_ranks % (etp * p.ep_size) != 0)
     fail(ErrorKind::kLayout,
@@ -405,16 +407,16 @@ Request dtensor_request(std::string_view tensor, std::span<const int64_t> shape,
   std::optional<Slice> held;
   for (size_t m = 0; m < mesh_shape.size(); ++m) {
     if (mesh_shape[m] < 1 || coordinate[m] < 0 || coordinate[m] >= mesh_shape[m])
-      fail(ErrorKind::kLayout, "tensor '{}': mesh coordinate {} is outside mesh dim {} of size {}", tensor, coordinate[m],
-           m, mesh_shape[m]);
+      fail(ErrorKind::kLayout, "tensor '{}': mesh coordinate {} is outside mesh dim {} of size {}", tensor,
+           coordinate[m], m, mesh_shape[m]);
     if (!placements[m].shard) continue;
     const int32_t dim = placements[m].dim;
     if (dim < 0 || dim >= static_cast<int32_t>(shape.size()))
       fail(ErrorKind::kLayout, "tensor '{}' of {} dims cannot be Shard({})", tensor, shape.size(), dim);
     if (held && held->dim != dim)
       fail(ErrorKind::kLayout,
-           "tensor '{}' is sharded along dims {} and {}: a layout narrows one dim per tensor (shard it along one)", tensor,
-           held->dim, dim);
+           "tensor '{}' is sharded along dims {} and {}: a layout narrows one dim per tensor (shard it along one)",
+           tensor, held->dim, dim);
     const Slice current = held.value_or(Slice{dim, 0, shape[dim]});
     const int64_t chunk = (current.length + mesh_shape[m] - 1) / mesh_shape[m];
     const int64_t start = std::min(current.length, chunk * coordinate[m]);

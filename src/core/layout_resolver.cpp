@@ -13,7 +13,8 @@ const std::vector<uint32_t>& LayoutResolver::sorted() const {
     const auto& tensors = inventory_.tensors;
     sorted_.resize(tensors.size());
     for (uint32_t i = 0; i < tensors.size(); ++i) sorted_[i] = i;
-    std::sort(sorted_.begin(), sorted_.end(), [&](uint32_t a, uint32_t b) { return tensors[a].name < tensors[b].name; });
+    std::sort(sorted_.begin(), sorted_.end(),
+              [&](uint32_t a, uint32_t b) { return tensors[a].name < tensors[b].name; });
   });
   return sorted_;
 }

@@ -65,25 +65,30 @@ class Config {
     if (!v) fail(ErrorKind::kModel, "config '{}': missing key '{}'", path_, key);
     return *v;
   }
-  int64_t int_or(const char* key, int64_t fallback, int64_t min = 1) const { return opt_int(key, min).value_or(fallback); }
+  int64_t int_or(const char* key, int64_t fallback, int64_t min = 1) const {
+    return opt_int(key, min).value_or(fallback);
+  }
 
   bool flag(const char* key, bool fallback) const {
     const auto* v = find(key);
     if (!v) return fallback;
-    if (!v->is_boolean()) fail(ErrorKind::kModel, "config '{}': key '{}' must be a boolean, got {}", path_, key, v->dump());
+    if (!v->is_boolean())
+      fail(ErrorKind::kModel, "config '{}': key '{}' must be a boolean, got {}", path_, key, v->dump());
     return v->get<bool>();
   }
   std::optional<std::string> opt_string(const char* key) const {
     const auto* v = find(key);
     if (!v) return std::nullopt;
-    if (!v->is_string()) fail(ErrorKind::kModel, "config '{}': key '{}' must be a string, got {}", path_, key, v->dump());
+    if (!v->is_string())
+      fail(ErrorKind::kModel, "config '{}': key '{}' must be a string, got {}", path_, key, v->dump());
     return v->get<std::string>();
   }
   std::set<int64_t> int_set(const char* key) const {
     std::set<int64_t> out;
     const auto* v = find(key);
     if (!v) return out;
-    if (!v->is_array()) fail(ErrorKind::kModel, "config '{}': key '{}' must be a list of integers, got {}", path_, key, v->dump());
+    if (!v->is_array())
+      fail(ErrorKind::kModel, "config '{}': key '{}' must be a list of integers, got {}", path_, key, v->dump());
     for (const auto& e : *v) {
       if (!e.is_number_integer())
         fail(ErrorKind::kModel, "config '{}': key '{}' must be a list of integers, got {}", path_, key, v->dump());
@@ -136,8 +141,9 @@ Dims read_dims(const Config& c) {
   d.kv_heads = c.int_or("num_key_value_heads", d.heads);
   auto head_dim = c.opt_int("head_dim");
   if (!head_dim && d.hidden % d.heads != 0)
-    fail(ErrorKind::kModel, "config '{}': hidden_size {} is not divisible by num_attention_heads {} and there is no head_dim",
-         c.path(), d.hidden, d.heads);
+    fail(ErrorKind::kModel,
+         "config '{}': hidden_size {} is not divisible by num_attention_heads {} and there is no head_dim", c.path(),
+         d.hidden, d.heads);
   d.head_dim = head_dim.value_or(d.hidden / d.heads);
   return d;
 }
@@ -156,7 +162,8 @@ void gqa_attention(Builder& b, const std::string& p, const Dims& d, bool qkv_bia
 
 // embed_tokens, then each layer (its attention and MLP from `layer`, then its two norms),
 // then the final norm and lm_head; the same skeleton for every supported family.
-void decoder(Builder& b, const Config& c, const Dims& d, const std::function<void(const std::string&, int64_t)>& layer) {
+void decoder(Builder& b, const Config& c, const Dims& d,
+             const std::function<void(const std::string&, int64_t)>& layer) {
   b.add("model.embed_tokens.weight", {d.vocab, d.hidden});
   for (int64_t i = 0; i < d.layers; ++i) {
     std::string p = fmt::format("model.layers.{}.", i);
@@ -339,7 +346,8 @@ ModelInventory inventory_from_safetensors(const std::string& path) {
     }
     if (ec) fail(ErrorKind::kModel, "model directory '{}': cannot list: {}", path, ec.message());
     if (files.empty()) fail(ErrorKind::kModel, "model directory '{}' holds no *.safetensors files", path);
-    std::sort(files.begin(), files.end(), [](const fs::path& a, const fs::path& b) { return a.filename() < b.filename(); });
+    std::sort(files.begin(), files.end(),
+              [](const fs::path& a, const fs::path& b) { return a.filename() < b.filename(); });
   } else {
     files.push_back(path);
   }
@@ -351,8 +359,8 @@ ModelInventory inventory_from_safetensors(const std::string& path) {
     SafetensorsFile file(f.string());
     for (const auto& t : file.tensors()) {
       if (!seen.insert(t.name).second)
-        fail(ErrorKind::kModel, "safetensors '{}': tensor '{}' also appears in an earlier file of '{}'", f.string(), t.name,
-             path);
+        fail(ErrorKind::kModel, "safetensors '{}': tensor '{}' also appears in an earlier file of '{}'", f.string(),
+             t.name, path);
       inv.tensors.push_back(t);
     }
   }

@@ -9,8 +9,8 @@
 #include <queue>
 #include <set>
 
-#include "core/fail.h"
 #include "core/box_copy.h"
+#include "core/fail.h"
 #include "refit/plan.h"
 #include "refit/transfer_plan.h"
 
@@ -157,8 +157,8 @@ class FlowSim {
 
 struct Place {
   const NodeGroup* group = nullptr;
-  int node = 0;    // within its group
-  int slot = 0;    // within its node
+  int node = 0;          // within its group
+  int slot = 0;          // within its node
   std::string node_key;  // "group/node"
 };
 
@@ -201,23 +201,27 @@ class Resources {
   int nic(const Place& p, bool in) {
     const double rate = p.group->rails * p.group->rail_rate;
     if (rate <= 0)
-      fail(ErrorKind::kConfig, "node group '{}': bytes cross its nodes' NICs, but nic.rate is not given", p.group->name);
+      fail(ErrorKind::kConfig, "node group '{}': bytes cross its nodes' NICs, but nic.rate is not given",
+           p.group->name);
     const std::string who = p.group->nic_per_worker ? fmt::format("worker {} NIC", p.slot) : std::string("NIC");
     return get(fmt::format("{} {} (node {})", who, in ? "in" : "out", p.node_key), rate);
   }
   // A GPU's PCIe link to pinned host memory, each way.
   int pcie(const Place& p, bool to_host) {
     if (p.group->pcie_rate <= 0)
-      fail(ErrorKind::kConfig, "node group '{}': transfer buffers in host memory, but pcie is not given", p.group->name);
-    return get(fmt::format("GPU {} PCIe {} (node {})", p.slot % std::max(p.group->gpus, 1), to_host ? "to host" : "from host",
-                           p.node_key),
+      fail(ErrorKind::kConfig, "node group '{}': transfer buffers in host memory, but pcie is not given",
+           p.group->name);
+    return get(fmt::format("GPU {} PCIe {} (node {})", p.slot % std::max(p.group->gpus, 1),
+                           to_host ? "to host" : "from host", p.node_key),
                p.group->pcie_rate);
   }
   int nvlink(const Place& p, bool in) {
     if (p.group->nvlink_rate <= 0)
-      fail(ErrorKind::kConfig, "node group '{}': GPUs of one node exchange bytes, but nvlink is not given", p.group->name);
-    return get(fmt::format("GPU {} NVLink {} (node {})", p.slot % std::max(p.group->gpus, 1), in ? "in" : "out", p.node_key),
-               p.group->nvlink_rate);
+      fail(ErrorKind::kConfig, "node group '{}': GPUs of one node exchange bytes, but nvlink is not given",
+           p.group->name);
+    return get(
+        fmt::format("GPU {} NVLink {} (node {})", p.slot % std::max(p.group->gpus, 1), in ? "in" : "out", p.node_key),
+        p.group->nvlink_rate);
   }
 
  private:
@@ -239,11 +243,11 @@ bool same_gpu(const Place& a, const Place& b) {
 struct Flush {
   uint32_t link = 0;
   uint64_t bucket = 0;
-  uint64_t bytes = 0;    // the bucket's used bytes
-  uint64_t packed = 0;   // stream bytes copied since the source's previous flush
+  uint64_t bytes = 0;   // the bucket's used bytes
+  uint64_t packed = 0;  // stream bytes copied since the source's previous flush
   bool last = false;
-  uint64_t rows = 0;     // strided rows among those copies (each a copy of its own on a CPU)
-  uint64_t pieces = 0;   // tensor pieces among those copies
+  uint64_t rows = 0;    // strided rows among those copies (each a copy of its own on a CPU)
+  uint64_t pieces = 0;  // tensor pieces among those copies
 };
 
 struct SimLink {
@@ -260,8 +264,8 @@ struct SimLink {
   std::vector<bool> announced;
   uint64_t next_fetch = 0;
   bool fetching = false;
-  int64_t ready = -1;      // handed to the engine, not yet taken
-  int64_t released = -1;   // highest bucket the engine is done with
+  int64_t ready = -1;     // handed to the engine, not yet taken
+  int64_t released = -1;  // highest bucket the engine is done with
   double ready_since = 0;
 };
 
@@ -338,8 +342,7 @@ class PipelineModel {
   // Starts a copy's flow; `done` runs once its bytes are through and its fixed costs are paid.
   void start_copy(double bytes, double cap, std::initializer_list<int> resources, double cost, FlowSim::Callback done) {
     if (cost <= 0) return sim_.start_flow(bytes, cap, resources, std::move(done));
-    sim_.start_flow(bytes, cap, resources,
-                    [this, cost, done = std::move(done)] { sim_.at(sim_.now() + cost, done); });
+    sim_.start_flow(bytes, cap, resources, [this, cost, done = std::move(done)] { sim_.at(sim_.now() + cost, done); });
   }
   void event(PredictedWorker& w, TimelinePhase phase, uint32_t peer, uint64_t bucket, double from, double to,
              uint64_t bytes, uint64_t pieces = 0) {
@@ -431,9 +434,11 @@ class PipelineModel {
       sim_.start_flow(bytes, cluster_.transfer.read_rate,
                       {resources_.nic(src, false), resources_.nic(dst, true), a, a == b ? -1 : b}, done);
     } else if (src.node_key != dst.node_key) {
-      sim_.start_flow(bytes, cluster_.transfer.read_rate, {resources_.nic(src, false), resources_.nic(dst, true)}, done);
+      sim_.start_flow(bytes, cluster_.transfer.read_rate, {resources_.nic(src, false), resources_.nic(dst, true)},
+                      done);
     } else if (src.group->gpu && !same_gpu(src, dst) && !host_buffers(src)) {
-      sim_.start_flow(bytes, cluster_.transfer.read_rate, {resources_.nvlink(src, false), resources_.nvlink(dst, true)}, done);
+      sim_.start_flow(bytes, cluster_.transfer.read_rate, {resources_.nvlink(src, false), resources_.nvlink(dst, true)},
+                      done);
     } else {
       // Within one GPU or one host: a copy through its memory.
       const auto [cores, memory] = resources_.copy(dst);
@@ -520,11 +525,11 @@ uint64_t link_bucket_bytes(uint64_t bucket, size_t ways) {
 // Packs one source's pieces as its engine would: tensors in inventory order, each tensor's pieces
 // to its links, every link with its own packer; returns the flushes in stream order.
 struct PieceRef {
-  uint32_t link;  // index into the model's links
-  TensorInfo info;      // the piece, packed
+  uint32_t link;                      // index into the model's links
+  TensorInfo info;                    // the piece, packed
   const TensorInfo* whole = nullptr;  // the tensor it is cut from
-  Box box;              // ... and where
-  bool one_of_several = false;  // the destination gets this tensor in several pieces
+  Box box;                            // ... and where
+  bool one_of_several = false;        // the destination gets this tensor in several pieces
 };
 
 // Rows of a strided copy of bytes [begin, begin + size) of `box`: 0 when they are contiguous.
@@ -593,15 +598,17 @@ Prediction finish(PipelineModel& model, const Cluster& cluster, double gather, u
   out.demands = model.demands();
   if (!out.demands.empty()) {
     const auto& top = out.demands.front();
-    out.bound = fmt::format("{} ({:.3f} s at {:.1f} GB/s); pipeline fill, drain, latencies and control {:.3f} s", top.name,
-                            top.seconds, top.capacity / 1e9, std::max(0.0, out.seconds - gather - top.seconds));
+    out.bound =
+        fmt::format("{} ({:.3f} s at {:.1f} GB/s); pipeline fill, drain, latencies and control {:.3f} s", top.name,
+                    top.seconds, top.capacity / 1e9, std::max(0.0, out.seconds - gather - top.seconds));
   }
   return out;
 }
 
 void check_ranks(const Cluster& c, size_t holds, size_t needs, bool paired) {
   if (needs != static_cast<size_t>(c.destinations.ranks))
-    fail(ErrorKind::kConfig, "cluster '{}': {} destination layouts for {} destination ranks", c.name, needs, c.destinations.ranks);
+    fail(ErrorKind::kConfig, "cluster '{}': {} destination layouts for {} destination ranks", c.name, needs,
+         c.destinations.ranks);
   if (!paired && holds != static_cast<size_t>(c.sources.ranks))
     fail(ErrorKind::kConfig, "cluster '{}': {} source layouts for {} source ranks", c.name, holds, c.sources.ranks);
   if (c.transfer.bucket_bytes == 0) fail(ErrorKind::kConfig, "cluster '{}': the bucket size is not set", c.name);
@@ -612,8 +619,9 @@ Prediction simulate_paired(const ModelInventory& model, std::span<const Layout> 
                            double start) {
   const uint32_t pairs = static_cast<uint32_t>(needs.size());
   if (cluster.sources.ranks < static_cast<int>(pairs))
-    fail(ErrorKind::kConfig, "cluster '{}': the paired path needs a source per destination ({} sources, {} destinations)",
-         cluster.name, cluster.sources.ranks, pairs);
+    fail(ErrorKind::kConfig,
+         "cluster '{}': the paired path needs a source per destination ({} sources, {} destinations)", cluster.name,
+         cluster.sources.ranks, pairs);
   PipelineModel pipeline(cluster, pairs, pairs, start);
   for (uint32_t i = 0; i < pairs; ++i) {
     const uint32_t k = pipeline.add_link(i, i);
@@ -621,7 +629,8 @@ Prediction simulate_paired(const ModelInventory& model, std::span<const Layout> 
     for (const auto& t : model.tensors) {
       Selection s = select(needs[i], t);
       if (s.take == Take::kDrop) continue;
-      const Box box = s.take == Take::kSlice ? Box::of(Request::narrow(s.slice.dim, s.slice.start, s.slice.length)) : Box::whole();
+      const Box box =
+          s.take == Take::kSlice ? Box::of(Request::narrow(s.slice.dim, s.slice.start, s.slice.length)) : Box::whole();
       by_tensor.push_back({{k, std::move(s.info), &t, box}});
     }
     pipeline.add_flushes(i, pack_stream(by_tensor, pipeline, {k}, {cluster.transfer.bucket_bytes}));
@@ -648,13 +657,13 @@ Prediction predict_refit(const ModelInventory& model, std::span<const Layout> ho
     for (uint32_t d : plan.destinations_of(s)) {
       const uint32_t k = pipeline.add_link(s, d);
       links.push_back(k);
-      link_bytes.push_back(link_bucket_bytes(
-          cluster.transfer.bucket_bytes, std::max(plan.destinations_of(s).size(), plan.sources_of(d).size())));
+      link_bytes.push_back(link_bucket_bytes(cluster.transfer.bucket_bytes,
+                                             std::max(plan.destinations_of(s).size(), plan.sources_of(d).size())));
       largest = std::max(largest, link_bytes.back());
       for (const TransferPiece& p : plan.link(s, d)) {
         const TensorInfo& t = model.tensors[p.tensor];
-        by_tensor[p.tensor].push_back({k, TensorInfo{t.name, t.dtype, p.box.shape_in(t.shape)}, &t, p.box,
-                                       pieces_of.at({d, p.tensor}) > 1});
+        by_tensor[p.tensor].push_back(
+            {k, TensorInfo{t.name, t.dtype, p.box.shape_in(t.shape)}, &t, p.box, pieces_of.at({d, p.tensor}) > 1});
       }
     }
     std::vector<std::vector<PieceRef>> ordered;
@@ -703,7 +712,8 @@ Prediction predict_paired(const ModelInventory& model, std::span<const Layout> h
         const Request r = holds[s].request_for(model.tensors[t].name);
         if (r.take == Take::kDrop) continue;
         const Box box = Box::of(r);
-        if (it->second.held.insert({t, to_string(box)}).second) it->second.held_bytes += box.nbytes_in(model.tensors[t]);
+        if (it->second.held.insert({t, to_string(box)}).second)
+          it->second.held_bytes += box.nbytes_in(model.tensors[t]);
       }
     }
     for (const auto& [key, n] : nodes) {
@@ -713,14 +723,17 @@ Prediction predict_paired(const ModelInventory& model, std::span<const Layout> h
       const double nic = n.group->rails * n.group->rail_rate * (n.group->nic_per_worker ? n.group->workers : 1);
       double t = 0;
       if (incoming > 0) {
-        if (nic <= 0) fail(ErrorKind::kConfig, "node group '{}': the gather crosses its NICs, but nic.rate is not given", n.group->name);
+        if (nic <= 0)
+          fail(ErrorKind::kConfig, "node group '{}': the gather crosses its NICs, but nic.rate is not given",
+               n.group->name);
         t = incoming / nic;
       }
       const double local = n.group->gpu ? n.group->nvlink_rate : n.group->node_copy_rate;
       if (local > 0) t = std::max(t, n.group->gpu ? 0.0 : n.rank_bytes / local);
       if (n.group->gpu && n.group->nvlink_rate > 0)
         for (uint32_t i = 0; i < needs.size(); ++i)
-          if (place_of(cluster, cluster.sources, static_cast<int>(i)).node_key == key) t = std::max(t, gathered[i] / n.group->nvlink_rate);
+          if (place_of(cluster, cluster.sources, static_cast<int>(i)).node_key == key)
+            t = std::max(t, gathered[i] / n.group->nvlink_rate);
       gather = std::max(gather, t);
     }
   }

@@ -34,7 +34,9 @@ bool safetensors_dtype(std::string_view name, DType* out) {
   return false;
 }
 
-bool is_uint(const nlohmann::json& j) { return j.is_number_unsigned() || (j.is_number_integer() && j.get<int64_t>() >= 0); }
+bool is_uint(const nlohmann::json& j) {
+  return j.is_number_unsigned() || (j.is_number_integer() && j.get<int64_t>() >= 0);
+}
 
 struct Entry {
   TensorInfo info;
@@ -54,7 +56,8 @@ Entry parse_entry(const std::string& path, const std::string& name, const nlohma
     fail(ErrorKind::kModel, "safetensors '{}': tensor '{}': missing or non-array 'shape'", path, name);
   if (offsets_it == v.end() || !offsets_it->is_array() || offsets_it->size() != 2 || !is_uint((*offsets_it)[0]) ||
       !is_uint((*offsets_it)[1]))
-    fail(ErrorKind::kModel, "safetensors '{}': tensor '{}': 'data_offsets' must be two non-negative integers", path, name);
+    fail(ErrorKind::kModel, "safetensors '{}': tensor '{}': 'data_offsets' must be two non-negative integers", path,
+         name);
 
   Entry e;
   e.info.name = name;
@@ -62,19 +65,22 @@ Entry parse_entry(const std::string& path, const std::string& name, const nlohma
   if (!safetensors_dtype(dtype_name, &e.info.dtype))
     fail(ErrorKind::kModel, "safetensors '{}': tensor '{}': unknown dtype '{}'", path, name, dtype_name);
   for (const auto& d : *shape_it) {
-    if (!is_uint(d)) fail(ErrorKind::kModel, "safetensors '{}': tensor '{}': bad shape {}", path, name, shape_it->dump());
+    if (!is_uint(d))
+      fail(ErrorKind::kModel, "safetensors '{}': tensor '{}': bad shape {}", path, name, shape_it->dump());
     e.info.shape.push_back(d.get<int64_t>());
   }
   e.begin = (*offsets_it)[0].get<uint64_t>();
   e.end = (*offsets_it)[1].get<uint64_t>();
   if (e.end < e.begin)
-    fail(ErrorKind::kModel, "safetensors '{}': tensor '{}': data_offsets [{}, {}] end before begin", path, name, e.begin, e.end);
+    fail(ErrorKind::kModel, "safetensors '{}': tensor '{}': data_offsets [{}, {}] end before begin", path, name,
+         e.begin, e.end);
   if (e.end - e.begin != e.info.nbytes())
-    fail(ErrorKind::kModel, "safetensors '{}': tensor '{}': data_offsets [{}, {}] hold {} bytes but {} {} needs {}", path,
-         name, e.begin, e.end, e.end - e.begin, dtype_name, shape_string(e.info.shape), e.info.nbytes());
+    fail(ErrorKind::kModel, "safetensors '{}': tensor '{}': data_offsets [{}, {}] hold {} bytes but {} {} needs {}",
+         path, name, e.begin, e.end, e.end - e.begin, dtype_name, shape_string(e.info.shape), e.info.nbytes());
   if (e.end > data_size)
-    fail(ErrorKind::kModel, "safetensors '{}': tensor '{}': data_offsets [{}, {}] run past the end of the data ({} bytes)",
-         path, name, e.begin, e.end, data_size);
+    fail(ErrorKind::kModel,
+         "safetensors '{}': tensor '{}': data_offsets [{}, {}] run past the end of the data ({} bytes)", path, name,
+         e.begin, e.end, data_size);
   return e;
 }
 
@@ -92,7 +98,8 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
   auto file_size = static_cast<uint64_t>(st.st_size);
   if (file_size < 8) {
     ::close(fd);
-    fail(ErrorKind::kModel, "safetensors '{}': file is {} bytes, shorter than the 8-byte header length", path, file_size);
+    fail(ErrorKind::kModel, "safetensors '{}': file is {} bytes, shorter than the 8-byte header length", path,
+         file_size);
   }
   void* map = ::mmap(nullptr, file_size, PROT_READ, MAP_PRIVATE, fd, 0);
   int map_err = errno;
@@ -123,15 +130,16 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
       if (name == "__metadata__") continue;
       entries.push_back(parse_entry(path, name, v, data_size));
     }
-    std::stable_sort(entries.begin(), entries.end(),
-                     [](const Entry& a, const Entry& b) { return std::tie(a.begin, a.end) < std::tie(b.begin, b.end); });
+    std::stable_sort(entries.begin(), entries.end(), [](const Entry& a, const Entry& b) {
+      return std::tie(a.begin, a.end) < std::tie(b.begin, b.end);
+    });
     // Zero-size tensors occupy no bytes, so they cannot overlap anything.
     const Entry* prev = nullptr;
     for (const auto& e : entries) {
       if (e.begin == e.end) continue;
       if (prev && e.begin < prev->end)
-        fail(ErrorKind::kModel, "safetensors '{}': tensor '{}' [{}, {}] overlaps tensor '{}' [{}, {}]", path, e.info.name,
-             e.begin, e.end, prev->info.name, prev->begin, prev->end);
+        fail(ErrorKind::kModel, "safetensors '{}': tensor '{}' [{}, {}] overlaps tensor '{}' [{}, {}]", path,
+             e.info.name, e.begin, e.end, prev->info.name, prev->begin, prev->end);
       prev = &e;
     }
     for (auto& e : entries) {
@@ -181,7 +189,8 @@ void write_safetensors(const std::string& path, std::span<const SafetensorsEntry
   uint64_t offset = 0;
   for (const auto& e : entries) {
     if (e.info.name == "__metadata__" || !names.insert(e.info.name).second)
-      fail(ErrorKind::kInvalidArgument, "safetensors '{}': tensor name '{}' is repeated or reserved", path, e.info.name);
+      fail(ErrorKind::kInvalidArgument, "safetensors '{}': tensor name '{}' is repeated or reserved", path,
+           e.info.name);
     uint64_t nbytes = e.info.nbytes();
     if (e.data.size() != nbytes)
       fail(ErrorKind::kInvalidArgument, "safetensors '{}': tensor '{}' {} {} needs {} bytes but {} were given", path,

@@ -10,7 +10,8 @@ namespace refit {
 uint64_t TensorInfo::numel() const {
   uint64_t n = 1;
   for (int64_t d : shape) {
-    if (d < 0) fail(ErrorKind::kInvalidArgument, "tensor '{}' has a negative dimension in shape {}", name, shape_string(shape));
+    if (d < 0)
+      fail(ErrorKind::kInvalidArgument, "tensor '{}' has a negative dimension in shape {}", name, shape_string(shape));
     n *= static_cast<uint64_t>(d);
   }
   return n;

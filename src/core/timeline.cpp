@@ -14,8 +14,8 @@ std::string_view to_string(TimelinePhase phase) { return kNames.at(static_cast<s
 TimelinePhase parse_timeline_phase(std::string_view text) {
   for (size_t i = 0; i < kNames.size(); ++i)
     if (kNames[i] == text) return static_cast<TimelinePhase>(i);
-  fail(ErrorKind::kInvalidArgument, "unknown timeline phase '{}' (expected pack, announce, read, load, release or gather)",
-       text);
+  fail(ErrorKind::kInvalidArgument,
+       "unknown timeline phase '{}' (expected pack, announce, read, load, release or gather)", text);
 }
 
 }  // namespace refit

@@ -39,7 +39,8 @@ Holdings group_holders(const TensorInfo& info, std::vector<Holder>& holders) {
   };
   auto overlap = [&](const Holder& a, const Holder& b) {
     fail(ErrorKind::kLayout,
-         "source layouts overlap on tensor '{}' (shape {}): source rank {} holds {} and source rank {} holds {}; sources "
+         "source layouts overlap on tensor '{}' (shape {}): source rank {} holds {} and source rank {} holds {}; "
+         "sources "
          "must hold identical slices (replicas) or disjoint ones (shards)",
          info.name, shape_string(info.shape), a.source, describe(a), b.source, describe(b));
   };
@@ -64,7 +65,8 @@ Holdings group_holders(const TensorInfo& info, std::vector<Holder>& holders) {
   for (const auto& x : live)
     if (x.request.slice.dim != h.dim) overlap(live.front(), x);  // slices of two dims always intersect
   std::stable_sort(live.begin(), live.end(), [](const Holder& a, const Holder& b) {
-    return std::pair(a.request.slice.start, a.request.slice.length) < std::pair(b.request.slice.start, b.request.slice.length);
+    return std::pair(a.request.slice.start, a.request.slice.length) <
+           std::pair(b.request.slice.start, b.request.slice.length);
   });
   const Holder* previous = nullptr;
   for (const auto& x : live) {
@@ -178,7 +180,8 @@ TransferPlan plan_transfers(const ModelInventory& model, std::span<const Layout>
   };
 
   for (uint32_t d = 0; d < D; ++d) {
-    if (d % batch_size() == 0) resolve_batch(resolver, destinations, d, std::min<size_t>(batch_size(), D - d), "destination", resolved);
+    if (d % batch_size() == 0)
+      resolve_batch(resolver, destinations, d, std::min<size_t>(batch_size(), D - d), "destination", resolved);
     const std::vector<Request>& requests = resolved[d % batch_size()];
     pieces.clear();
     for (uint32_t i = 0; i < requests.size(); ++i) {
@@ -191,8 +194,9 @@ TransferPlan plan_transfers(const ModelInventory& model, std::span<const Layout>
       const Holdings& h = held[i];
       const Box need = Box::of(requests[i]);
       if (h.empty)
-        fail(ErrorKind::kLayout, "destination rank {} needs {} of tensor '{}' (shape {}), but no source holds any of it",
-             d, to_string(need), info.name, shape_string(info.shape));
+        fail(ErrorKind::kLayout,
+             "destination rank {} needs {} of tensor '{}' (shape {}), but no source holds any of it", d,
+             to_string(need), info.name, shape_string(info.shape));
       if (need.nbytes_in(info) == 0) {
         emit(i, h.groups.empty() ? h.any_source : pick(h.groups.front().sources, d), d, need);
         continue;

@@ -26,9 +26,7 @@ class ByteWriter {
     put<uint64_t>(bytes.size());
     out_.insert(out_.end(), bytes.begin(), bytes.end());
   }
-  void put_string(std::string_view s) {
-    put_bytes({reinterpret_cast<const uint8_t*>(s.data()), s.size()});
-  }
+  void put_string(std::string_view s) { put_bytes({reinterpret_cast<const uint8_t*>(s.data()), s.size()}); }
   std::vector<uint8_t> take() { return std::move(out_); }
 
  private:
@@ -69,8 +67,7 @@ class ByteReader {
     return n;
   }
   void expect_end() const {
-    if (pos_ != in_.size())
-      fail(ErrorKind::kProtocol, "malformed {}: {} trailing bytes", what_, in_.size() - pos_);
+    if (pos_ != in_.size()) fail(ErrorKind::kProtocol, "malformed {}: {} trailing bytes", what_, in_.size() - pos_);
   }
   uint64_t remaining() const { return in_.size() - pos_; }
   const std::string& what() const { return what_; }

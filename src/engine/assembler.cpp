@@ -45,15 +45,15 @@ std::vector<TensorView> TensorAssembler::add_bucket(const protocol::BucketReady&
     Merge& m = merge->second;
     claim(m, e, bucket.seq, who);
     if (e.size > nbytes - m.received)
-      fail(ErrorKind::kProtocol, "bucket {} from {}: a chunk of {} bytes of '{}' exceeds its {} bytes ({} here already)",
-           bucket.seq, who, e.size, e.tensor.name, nbytes, m.received);
+      fail(ErrorKind::kProtocol,
+           "bucket {} from {}: a chunk of {} bytes of '{}' exceeds its {} bytes ({} here already)", bucket.seq, who,
+           e.size, e.tensor.name, nbytes, m.received);
     const std::byte* chunk = data + e.bucket_offset;
-    for_each_box_block(e.tensor.shape, dtype_size(e.tensor.dtype), e.box, e.tensor_offset, e.size,
-                       [&](const BoxBlock& b) {
-                         stream_->copy_2d(m.buffer->data() + b.tensor_offset, b.pitch,
-                                          chunk + (b.packed_offset - e.tensor_offset), b.row_bytes, b.row_bytes, b.rows,
-                                          kind_, kind_);
-                       });
+    for_each_box_block(
+        e.tensor.shape, dtype_size(e.tensor.dtype), e.box, e.tensor_offset, e.size, [&](const BoxBlock& b) {
+          stream_->copy_2d(m.buffer->data() + b.tensor_offset, b.pitch, chunk + (b.packed_offset - e.tensor_offset),
+                           b.row_bytes, b.row_bytes, b.rows, kind_, kind_);
+        });
     m.received += e.size;
     if (m.received == nbytes) {
       names_.insert(e.tensor.name);
@@ -97,16 +97,16 @@ void TensorAssembler::claim(Merge& m, const protocol::ManifestEntry& e, uint64_t
   const bool overlaps_next = next != piece->ranges.end() && next->first < end;
   const bool overlaps_previous = next != piece->ranges.begin() && std::prev(next)->second > begin;
   if (overlaps_next || overlaps_previous)
-    fail(ErrorKind::kProtocol, "bucket {} from {}: bytes [{}, {}) of piece {} of '{}' arrived twice", seq, who, begin, end,
-         to_string(e.box), e.tensor.name);
+    fail(ErrorKind::kProtocol, "bucket {} from {}: bytes [{}, {}) of piece {} of '{}' arrived twice", seq, who, begin,
+         end, to_string(e.box), e.tensor.name);
   piece->ranges.emplace(begin, end);
 }
 
 void TensorAssembler::finish(const std::string& who) const {
   if (!merging_.empty()) {
     const Merge& m = merging_.begin()->second;
-    fail(ErrorKind::kProtocol, "refit from {} ended with {} tensor(s) incomplete, among them '{}' ({} of {} bytes)", who,
-         merging_.size(), m.info.name, m.received, m.info.nbytes());
+    fail(ErrorKind::kProtocol, "refit from {} ended with {} tensor(s) incomplete, among them '{}' ({} of {} bytes)",
+         who, merging_.size(), m.info.name, m.received, m.info.nbytes());
   }
 }
 

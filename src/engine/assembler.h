@@ -21,9 +21,9 @@
 #include <vector>
 
 #include "engine/protocol.h"
+#include "memory/tensor_memory.h"
 #include "refit/deadline.h"
 #include "refit/device.h"
-#include "memory/tensor_memory.h"
 #include "refit/memory.h"
 #include "refit/tensor.h"
 
@@ -37,8 +37,8 @@ class TensorAssembler {
 
   // Returns the tensors completed by this bucket, in bucket order. Views stay valid until the
   // next add_bucket() or reset(). `bucket` holds the bucket's used bytes.
-  std::vector<TensorView> add_bucket(const protocol::BucketReady& bucket, const std::byte* data,
-                                     const std::string& who, Deadline deadline);
+  std::vector<TensorView> add_bucket(const protocol::BucketReady& bucket, const std::byte* data, const std::string& who,
+                                     Deadline deadline);
 
   // At the end of a refit: throws Error(kProtocol) naming the first incomplete tensor.
   void finish(const std::string& who) const;
@@ -70,7 +70,7 @@ class TensorAssembler {
   Device device_;
   std::unique_ptr<CopyStream> stream_ = std::make_unique<CopyStream>();
   std::map<std::string, Merge, std::less<>> merging_;  // tensors with some, not all, bytes here
-  std::unordered_set<std::string> names_;  // tensors delivered this refit
+  std::unordered_set<std::string> names_;              // tensors delivered this refit
   // By tensor name, kept across refits; host memory is page-locked when a GPU is usable, so that a
   // loader copies merged tensors to the GPU at PCIe speed.
   std::map<std::string, TensorMemory> merge_buffers_;

@@ -108,8 +108,8 @@ bool BucketFetcher::fetch(uint64_t seq, std::string& phase) {
   } else if (bucket.used_bytes > 0) {
     phase = fmt::format("read bucket {}", seq);
     const double started = timeline_now();
-    context_.transport->read(context_.peer, context_.peer_metadata->buffers, bucket.offset,
-                             context_.buffers[local], context_.region, bucket.used_bytes, deadline);
+    context_.transport->read(context_.peer, context_.peer_metadata->buffers, bucket.offset, context_.buffers[local],
+                             context_.region, bucket.used_bytes, deadline);
     events_.push_back({TimelinePhase::kRead, context_.peer_rank, seq, started, timeline_now(), bucket.used_bytes,
                        static_cast<uint32_t>(bucket.entries.size())});
   }

@@ -107,13 +107,13 @@ class BucketFetcher {
   FetchContext context_;
   std::mutex mutex_;
   std::condition_variable changed_;
-  std::optional<Fetched> ready_;          // fetched, not yet taken by next()
-  std::optional<uint64_t> released_;      // highest bucket the engine is done with
+  std::optional<Fetched> ready_;      // fetched, not yet taken by next()
+  std::optional<uint64_t> released_;  // highest bucket the engine is done with
   std::exception_ptr error_;
   std::string error_phase_;
   bool stop_ = false;
-  bool finished_ = false;                 // the last bucket was fetched, or an error happened
-  std::vector<TimelineEvent> events_;     // written by the thread only, read after finish()
+  bool finished_ = false;              // the last bucket was fetched, or an error happened
+  std::vector<TimelineEvent> events_;  // written by the thread only, read after finish()
   std::thread thread_;
 };
 

@@ -5,8 +5,8 @@
 
 #include <algorithm>
 #include <cstring>
-#include <map>
 #include <deque>
+#include <map>
 #include <random>
 #include <set>
 
@@ -62,7 +62,8 @@ int source_rank_for_destination(int rollout_rank, int train_world_size, int roll
     fail(ErrorKind::kTopology, "rollout_rank must be in [0, {}), got {}", rollout_world_size, rollout_rank);
   if (train_world_size < rollout_world_size)
     fail(ErrorKind::kTopology,
-         "paired refit needs train_world_size >= rollout_world_size (every destination needs its own source), got {} < {}",
+         "paired refit needs train_world_size >= rollout_world_size (every destination needs its own source), got {} < "
+         "{}",
          train_world_size, rollout_world_size);
   return rollout_rank;
 }
@@ -82,8 +83,9 @@ class CheckpointEngine::Impl {
            "(device: cpu); with device {} set verify_checksums=false",
            to_string(device));
     if (options_.holds && !options_.model)
-      fail(ErrorKind::kConfig, "a source that declares what it holds (EngineOptions::holds) needs the model's inventory "
-                               "(EngineOptions::model) to plan the transfers");
+      fail(ErrorKind::kConfig,
+           "a source that declares what it holds (EngineOptions::holds) needs the model's inventory "
+           "(EngineOptions::model) to plan the transfers");
     if (options_.transport) {
       transport_ = options_.transport;
     } else {
@@ -137,8 +139,9 @@ class CheckpointEngine::Impl {
         fail(ErrorKind::kTopology, "worker_rank must be in [0, {}), got {}", train, worker_rank);
       check_group(train, rollout, metadata);
       if (options_.receives_only)
-        fail(ErrorKind::kInvalidArgument, "this engine was created to receive only (receives_only): it cannot be a "
-                                          "source");
+        fail(ErrorKind::kInvalidArgument,
+             "this engine was created to receive only (receives_only): it cannot be a "
+             "source");
       if (auto plan = plan_if_resharding(train, rollout, metadata)) {
         for (uint32_t d : plan->destinations_of(worker_rank))
           add_link(metadata, train + d, d, fmt::format("destination rank {}", d), link_bytes(*plan, worker_rank, d));
@@ -211,11 +214,14 @@ class CheckpointEngine::Impl {
       run_send(weights, stats, phase);
     } catch (const Error& e) {
       abort_links(e.kind(), e.what());
-      throw Error(e.kind(), fmt::format("{}, refit {} of this connection, phase {}: {}", self_, refits_, phase, e.what()));
+      throw Error(e.kind(),
+                  fmt::format("{}, refit {} of this connection, phase {}: {}", self_, refits_, phase, e.what()));
     } catch (const std::exception& e) {
       // The weight iterator (caller code) failed.
       abort_links(ErrorKind::kInvalidArgument, e.what());
-      throw Error(ErrorKind::kInvalidArgument, fmt::format("{}, refit {} of this connection, phase {}: weight stream failed: {}", self_, refits_, phase, e.what()));
+      throw Error(ErrorKind::kInvalidArgument,
+                  fmt::format("{}, refit {} of this connection, phase {}: weight stream failed: {}", self_, refits_,
+                              phase, e.what()));
     }
     stats.seconds = seconds_since(start);
     return stats;
@@ -227,7 +233,8 @@ class CheckpointEngine::Impl {
     const auto start = Clock::now();
     ++refits_;
     if (links_.empty() && !needs_nothing_)
-      fail(ErrorKind::kTopology, "{}: receive() before init_destination(): the destination is not connected to a source",
+      fail(ErrorKind::kTopology,
+           "{}: receive() before init_destination(): the destination is not connected to a source",
            self_.empty() ? "destination" : self_);
     if (needs_nothing_) {  // resharding, and this destination's layout holds nothing
       stale_ = false;
@@ -245,9 +252,11 @@ class CheckpointEngine::Impl {
     }
     stats.total_seconds = seconds_since(start);
     stale_ = false;
-    spdlog::info("[vLLM refit] Loaded {} tensors in {} batches via checkpoint engine; bytes={:.2f}GiB total={:.2f}s receive={:.2f}s load={:.2f}s",
-                 stats.tensors, stats.batches, stats.payload_bytes / double(1ull << 30), stats.total_seconds,
-                 stats.receive_seconds(), stats.load_seconds);
+    spdlog::info(
+        "[vLLM refit] Loaded {} tensors in {} batches via checkpoint engine; bytes={:.2f}GiB total={:.2f}s "
+        "receive={:.2f}s load={:.2f}s",
+        stats.tensors, stats.batches, stats.payload_bytes / double(1ull << 30), stats.total_seconds,
+        stats.receive_seconds(), stats.load_seconds);
     return stats;
   }
 
@@ -269,10 +278,10 @@ class CheckpointEngine::Impl {
   // a destination.
   struct Link {
     PeerId peer = 0;
-    std::string label;  // "source rank 3 on host h2"
+    std::string label;       // "source rank 3 on host h2"
     uint32_t peer_rank = 0;  // its rank among the sources (or destinations)
     protocol::EngineMetadata metadata;
-    uint64_t first_refit = 0;  // protocol::first_refit() of the connection; refit k is first_refit + k on the wire
+    uint64_t first_refit = 0;   // protocol::first_refit() of the connection; refit k is first_refit + k on the wire
     uint64_t bucket_bytes = 0;  // of this link: both ends derive the same
     uint64_t offset = 0;        // of this link's two buffers in our transfer region
     const std::byte* mapped = nullptr;  // on a destination: the source's transfer region, mapped (or null)
@@ -296,7 +305,8 @@ class CheckpointEngine::Impl {
   void check_group(int train, int rollout, std::span<const Metadata> metadata) {
     if (!prepared_) fail(ErrorKind::kInvalidArgument, "prepare() must run before init (buffers are not registered)");
     if (train < 1 || rollout < 1)
-      fail(ErrorKind::kTopology, "world sizes must be >= 1, got train_world_size={} rollout_world_size={}", train, rollout);
+      fail(ErrorKind::kTopology, "world sizes must be >= 1, got train_world_size={} rollout_world_size={}", train,
+           rollout);
     if (metadata.size() != static_cast<size_t>(train + rollout))
       fail(ErrorKind::kTopology, "got {} metadata entries for train_world_size={} + rollout_world_size={}",
            metadata.size(), train, rollout);
@@ -317,13 +327,15 @@ class CheckpointEngine::Impl {
     }
     if (!resharding) return std::nullopt;
     if (!options_.model)
-      fail(ErrorKind::kConfig, "the sources declare what they hold (resharding), so this engine needs the model's "
-                               "inventory (EngineOptions::model) to plan the transfers");
+      fail(ErrorKind::kConfig,
+           "the sources declare what they hold (resharding), so this engine needs the model's "
+           "inventory (EngineOptions::model) to plan the transfers");
     std::vector<Layout> holds(train), needs(rollout);
     for (int i = 0; i < train; ++i)
       if (!all[i].holds.empty()) holds[i] = decode_layout(all[i].holds, "holdings of " + label_of(i, train));
     for (int d = 0; d < rollout; ++d)
-      if (!all[train + d].layout.empty()) needs[d] = decode_layout(all[train + d].layout, "layout of " + label_of(train + d, train));
+      if (!all[train + d].layout.empty())
+        needs[d] = decode_layout(all[train + d].layout, "layout of " + label_of(train + d, train));
     holds_ = holds;
     needs_ = needs;
     return plan_transfers(*options_.model, holds, needs);
@@ -345,13 +357,16 @@ class CheckpointEngine::Impl {
     auto md = protocol::decode_metadata(metadata[index], "metadata of " + label);
     if (md.session != options_.session)
       fail(ErrorKind::kProtocol, "metadata of {} comes from another refit session (stale or foreign metadata)", label);
-    if (options_.model_fingerprint != 0 && md.model_fingerprint != 0 && md.model_fingerprint != options_.model_fingerprint)
+    if (options_.model_fingerprint != 0 && md.model_fingerprint != 0 &&
+        md.model_fingerprint != options_.model_fingerprint)
       fail(ErrorKind::kProtocol, "metadata of {} describes another model (fingerprint {:016x}, ours {:016x})", label,
            md.model_fingerprint, options_.model_fingerprint);
     if (md.bucket_bytes != options_.bucket_bytes)
-      fail(ErrorKind::kProtocol, "{} uses {}-byte buckets, this engine {}", label, md.bucket_bytes, options_.bucket_bytes);
+      fail(ErrorKind::kProtocol, "{} uses {}-byte buckets, this engine {}", label, md.bucket_bytes,
+           options_.bucket_bytes);
     if (md.transport_name != transport_->name())
-      fail(ErrorKind::kProtocol, "{} uses transport '{}', this engine '{}'", label, md.transport_name, transport_->name());
+      fail(ErrorKind::kProtocol, "{} uses transport '{}', this engine '{}'", label, md.transport_name,
+           transport_->name());
     // Errors name the peer's host too: across hosts that is what an operator looks for first.
     const std::string where = same_host(md.process) ? label : fmt::format("{} on host {}", label, md.process.hostname);
     Link link;
@@ -502,7 +517,8 @@ class CheckpointEngine::Impl {
       // The weight stream runs while the open bucket fills (the one bucket, paired).
       phase = senders_.size() == 1 ? fmt::format("pack bucket {}", senders_[0]->bucket()) : std::string("pack");
       if (!weights.next(&view)) break;
-      if (view.info == nullptr) fail(ErrorKind::kInvalidArgument, "the weight stream yielded a tensor without metadata");
+      if (view.info == nullptr)
+        fail(ErrorKind::kInvalidArgument, "the weight stream yielded a tensor without metadata");
       const TensorInfo& info = *view.info;
       const uint64_t nbytes = info.nbytes();
       if (nbytes > 0 && view.data == nullptr)
@@ -517,7 +533,8 @@ class CheckpointEngine::Impl {
         const SendTensor& t = it->second;
         if (info.shape != t.held_shape || info.dtype != t.dtype)
           fail(ErrorKind::kLayout, "the weight stream yielded '{}' as {} {}, but this source declared it holds {} {}",
-               info.name, dtype_name(info.dtype), shape_string(info.shape), dtype_name(t.dtype), shape_string(t.held_shape));
+               info.name, dtype_name(info.dtype), shape_string(info.shape), dtype_name(t.dtype),
+               shape_string(t.held_shape));
         if (!sent.insert(info.name).second)
           fail(ErrorKind::kInvalidArgument, "tensor '{}' appears twice in one refit", info.name);
         for (const SendPiece& p : t.pieces) senders_[p.link]->add(view, p.in_view, p.tensor, p.in_tensor, phase);
@@ -531,9 +548,9 @@ class CheckpointEngine::Impl {
         ++stats.dropped;
         continue;
       }
-      const Box box = selection.take == Take::kSlice ? Box::of(Request::narrow(selection.slice.dim, selection.slice.start,
-                                                                               selection.slice.length))
-                                                     : Box::whole();
+      const Box box = selection.take == Take::kSlice
+                          ? Box::of(Request::narrow(selection.slice.dim, selection.slice.start, selection.slice.length))
+                          : Box::whole();
       senders_[0]->add(view, box, selection.info, Box::whole(), phase);
       sent.insert(info.name);
       ++stats.tensors;
@@ -564,10 +581,19 @@ class CheckpointEngine::Impl {
     FetchSignal signal;
     std::vector<std::unique_ptr<BucketFetcher>> fetchers;
     for (auto& link : links_) {
-      FetchContext context{transport_.get(), link.peer, link.label, link.peer_rank, &link.metadata,
-                           {region_base_ + link.offset, region_base_ + link.offset + link.bucket_bytes}, region_,
-                           link.mapped, link.bucket_bytes, link.first_refit + refits_, options_.config.timeout_s,
-                           options_.config.verify_checksums, &signal};
+      FetchContext context{transport_.get(),
+                           link.peer,
+                           link.label,
+                           link.peer_rank,
+                           &link.metadata,
+                           {region_base_ + link.offset, region_base_ + link.offset + link.bucket_bytes},
+                           region_,
+                           link.mapped,
+                           link.bucket_bytes,
+                           link.first_refit + refits_,
+                           options_.config.timeout_s,
+                           options_.config.verify_checksums,
+                           &signal};
       fetchers.push_back(std::make_unique<BucketFetcher>(std::move(context)));
     }
     stats.mapped = std::all_of(links_.begin(), links_.end(), [](const Link& l) { return l.mapped != nullptr; });
@@ -621,7 +647,8 @@ class CheckpointEngine::Impl {
         idle_deadline = deadline_after(backstop);
       } else if (remaining > 0) {
         if (expired(idle_deadline))
-          fail(ErrorKind::kTimeout, "no bucket arrived from any of {} source(s) in {:.0f} s", remaining, backstop.count());
+          fail(ErrorKind::kTimeout, "no bucket arrived from any of {} source(s) in {:.0f} s", remaining,
+               backstop.count());
         signal.wait(seen, std::min(idle_deadline, deadline_after(std::chrono::milliseconds(200))));
       }
     }
@@ -630,28 +657,29 @@ class CheckpointEngine::Impl {
       fail(ErrorKind::kProtocol, "the plan sends this destination {} tensors, but {} arrived", expected_tensors_.size(),
            assembler_.tensors_completed());
     std::set<std::string> routes;
-    for (auto& link : links_) routes.insert(link.mapped ? transport_->name() + " mapped" : transport_->route(link.peer));
+    for (auto& link : links_)
+      routes.insert(link.mapped ? transport_->name() + " mapped" : transport_->route(link.peer));
     for (const auto& r : routes) stats.route += (stats.route.empty() ? "" : "; ") + r;
   }
 
   EngineOptions options_;
   std::shared_ptr<Transport> transport_;
-  RegionId region_ = 0;              // one allocation of the transport holds every link's two buffers
+  RegionId region_ = 0;  // one allocation of the transport holds every link's two buffers
   std::byte* region_base_ = nullptr;
   // Where transfer buffers (ours, or the source's mapped) live: the configured device's kind.
   const MemoryKind buffer_kind_ =
       options_.config.device.kind == Device::Kind::kCuda ? MemoryKind::kCuda : MemoryKind::kHost;
   bool has_buffers_ = false;
-  HostPin pin_;                            // host buffers, page-locked when a GPU is usable
+  HostPin pin_;                              // host buffers, page-locked when a GPU is usable
   std::unique_ptr<CopyStream> pack_stream_;  // on a source: copies into the transfer buffers
-  bool prepared_ = false;  // prepare() ran since the buffers were last released
+  bool prepared_ = false;                    // prepare() ran since the buffers were last released
 
   std::string self_;
   bool is_destination_ = false;
   std::vector<Link> links_;
   std::vector<std::unique_ptr<LinkSender>> senders_;  // on a source: one per link
-  uint64_t refits_ = 0;       // since connect; names refits in errors
-  uint64_t generation_ = 0;   // of this engine's latest metadata
+  uint64_t refits_ = 0;                               // since connect; names refits in errors
+  uint64_t generation_ = 0;                           // of this engine's latest metadata
   bool stale_ = true;
   TensorAssembler assembler_;
   std::optional<Layout> target_layout_;  // on a paired source: what its destination holds

@@ -34,8 +34,8 @@ bool is_fp8_linear_weight(const TensorInfo& info) {
   const std::string& n = info.name;
   if (info.shape.size() != 2 || !ends_with(n, ".weight")) return false;
   if (info.dtype != DType::kBFloat16 && info.dtype != DType::kFloat32) return false;
-  for (std::string_view skip : {"embed_tokens", "lm_head", "norm", ".mlp.gate.weight", "block_sparse_moe.gate.",
-                                "shared_expert_gate"})
+  for (std::string_view skip :
+       {"embed_tokens", "lm_head", "norm", ".mlp.gate.weight", "block_sparse_moe.gate.", "shared_expert_gate"})
     if (contains(n, skip)) return false;
   return true;
 }
@@ -60,8 +60,8 @@ void Fp8QuantizingLoader::load(LoadBatch batch) {
     const TensorInfo& info = *v.info;
     if (is_kv_scale_name(info.name)) {
       if (info.dtype != DType::kFloat32 || info.numel() != 1)
-        fail(ErrorKind::kLayout, "KV-cache scale '{}' must be one float32, got {} {}", info.name, dtype_name(info.dtype),
-             shape_string(info.shape));
+        fail(ErrorKind::kLayout, "KV-cache scale '{}' must be one float32, got {} {}", info.name,
+             dtype_name(info.dtype), shape_string(info.shape));
       float value;
       std::memcpy(&value, v.data, sizeof(value));
       kv_scales_[info.name] = value;

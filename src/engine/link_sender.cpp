@@ -78,8 +78,8 @@ void LinkSender::flush(bool is_last, std::string& phase) {
     wait_acknowledged(unacknowledged_.front(), phase);
     unacknowledged_.pop_front();
   }
-  spdlog::debug("bucket {} for {}: announced after {:.2f} ms, then {:.2f} ms waiting for a free buffer", bucket_.seq - 1,
-                context_.peer_label, std::chrono::duration<double>(announced - start).count() * 1e3,
+  spdlog::debug("bucket {} for {}: announced after {:.2f} ms, then {:.2f} ms waiting for a free buffer",
+                bucket_.seq - 1, context_.peer_label, std::chrono::duration<double>(announced - start).count() * 1e3,
                 std::chrono::duration<double>(Clock::now() - announced).count() * 1e3);
 }
 
@@ -94,7 +94,8 @@ void LinkSender::wait_acknowledged(uint64_t seq, std::string& phase) {
   const Deadline deadline = deadline_after(std::chrono::duration<double>(context_.timeout_s));
   const std::string expecting = fmt::format("bucket {} done", seq);
   while (true) {
-    auto bytes = receive_watching(*context_.transport, context_.peer, context_.peer_label, context_.peer_process, deadline);
+    auto bytes =
+        receive_watching(*context_.transport, context_.peer, context_.peer_label, context_.peer_process, deadline);
     auto msg = protocol::decode_message(*bytes, context_.peer_label);
     if (msg.refit() != refit_) {
       spdlog::debug("discarding a message of an earlier refit from {}", context_.peer_label);

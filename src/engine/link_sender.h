@@ -25,14 +25,14 @@ namespace refit {
 struct LinkContext {
   Transport* transport = nullptr;
   PeerId peer = 0;
-  std::string peer_label;             // "destination rank 2 on host h3"
-  uint32_t peer_rank = 0;             // the destination's rank, for timeline events
-  ProcessIdentity peer_process;       // to notice a dead peer on this host at once
-  std::byte* buffers[2] = {};         // this link's two buffers
-  uint64_t offsets[2] = {};           // ... at these offsets of the source's transfer region
-  uint64_t bucket_bytes = 0;          // of this link
+  std::string peer_label;        // "destination rank 2 on host h3"
+  uint32_t peer_rank = 0;        // the destination's rank, for timeline events
+  ProcessIdentity peer_process;  // to notice a dead peer on this host at once
+  std::byte* buffers[2] = {};    // this link's two buffers
+  uint64_t offsets[2] = {};      // ... at these offsets of the source's transfer region
+  uint64_t bucket_bytes = 0;     // of this link
   MemoryKind buffer_kind = MemoryKind::kHost;
-  CopyStream* stream = nullptr;       // the engine's packing stream, shared by its links
+  CopyStream* stream = nullptr;  // the engine's packing stream, shared by its links
   double timeout_s = 0;
   bool verify_checksums = false;
 };

@@ -8,7 +8,7 @@ namespace {
 
 constexpr uint32_t kMetadataMagic = 0x4d544652;  // "RFTM"
 constexpr uint32_t kMessageMagic = 0x47534d52;   // "RMSG"
-constexpr uint64_t kMaxRank = 8;                  // dimensions of a tensor shape
+constexpr uint64_t kMaxRank = 8;                 // dimensions of a tensor shape
 
 void put_tensor(ByteWriter& w, const TensorInfo& t) {
   w.put_string(t.name);
@@ -21,10 +21,12 @@ TensorInfo get_tensor(ByteReader& r) {
   TensorInfo t;
   t.name = r.get_string("tensor name");
   auto code = r.get<uint8_t>("dtype");
-  if (code >= kDTypeCount) fail(ErrorKind::kProtocol, "malformed {}: tensor '{}' has dtype code {}", r.what(), t.name, code);
+  if (code >= kDTypeCount)
+    fail(ErrorKind::kProtocol, "malformed {}: tensor '{}' has dtype code {}", r.what(), t.name, code);
   t.dtype = static_cast<DType>(code);
   uint64_t rank = r.get_count("shape rank", sizeof(int64_t));
-  if (rank > kMaxRank) fail(ErrorKind::kProtocol, "malformed {}: tensor '{}' has {} dimensions", r.what(), t.name, rank);
+  if (rank > kMaxRank)
+    fail(ErrorKind::kProtocol, "malformed {}: tensor '{}' has {} dimensions", r.what(), t.name, rank);
   t.shape.resize(rank);
   for (auto& d : t.shape) {
     d = r.get<int64_t>("shape");
@@ -86,7 +88,8 @@ EngineMetadata decode_metadata(std::span<const uint8_t> blob, const std::string&
   if (m.version != kVersion)
     fail(ErrorKind::kProtocol, "{} has protocol version {}, this engine speaks {}", who, m.version, kVersion);
   auto session = r.get_bytes("session");
-  if (session.size() != m.session.size()) fail(ErrorKind::kProtocol, "malformed {}: session id of {} bytes", who, session.size());
+  if (session.size() != m.session.size())
+    fail(ErrorKind::kProtocol, "malformed {}: session id of {} bytes", who, session.size());
   std::copy(session.begin(), session.end(), m.session.begin());
   m.model_fingerprint = r.get<uint64_t>("model fingerprint");
   m.bucket_bytes = r.get<uint64_t>("bucket bytes");
@@ -158,7 +161,8 @@ Message decode_message(std::span<const uint8_t> bytes, const std::string& who) {
   ByteReader r(bytes, "message from " + who);
   if (r.get<uint32_t>("magic") != kMessageMagic) fail(ErrorKind::kProtocol, "garbled message from {} (bad magic)", who);
   auto version = r.get<uint32_t>("version");
-  if (version != kVersion) fail(ErrorKind::kProtocol, "message from {} has protocol version {}, expected {}", who, version, kVersion);
+  if (version != kVersion)
+    fail(ErrorKind::kProtocol, "message from {} has protocol version {}, expected {}", who, version, kVersion);
   Message msg{};
   auto type = r.get<uint8_t>("type");
   switch (static_cast<MessageType>(type)) {
@@ -231,9 +235,12 @@ uint64_t first_refit(uint64_t source_generation, uint64_t destination_generation
 
 uint64_t Message::refit() const {
   switch (type) {
-    case MessageType::kBucketReady: return ready.refit;
-    case MessageType::kBucketDone: return done.refit;
-    case MessageType::kAbort: return abort.refit;
+    case MessageType::kBucketReady:
+      return ready.refit;
+    case MessageType::kBucketDone:
+      return done.refit;
+    case MessageType::kAbort:
+      return abort.refit;
   }
   return 0;
 }
@@ -244,8 +251,8 @@ void raise_abort(const Abort& m, const std::string& who, const std::string& wait
 
 void validate(const BucketReady& m, uint64_t bucket_bytes, uint64_t region_bytes, const std::string& who) {
   if (m.used_bytes > bucket_bytes)
-    fail(ErrorKind::kProtocol, "bucket {} from {} uses {} bytes, more than the bucket size {}", m.seq, who, m.used_bytes,
-         bucket_bytes);
+    fail(ErrorKind::kProtocol, "bucket {} from {} uses {} bytes, more than the bucket size {}", m.seq, who,
+         m.used_bytes, bucket_bytes);
   if (m.offset > region_bytes || m.used_bytes > region_bytes - m.offset)
     fail(ErrorKind::kProtocol, "bucket {} from {} at [{}, +{}) lies outside its {}-byte transfer buffers", m.seq, who,
          m.offset, m.used_bytes, region_bytes);
@@ -259,8 +266,8 @@ void validate(const BucketReady& m, uint64_t bucket_bytes, uint64_t region_bytes
       const Slice& cut = e.box.cuts[c];
       if (cut.dim < 0 || cut.dim >= rank || (c > 0 && cut.dim <= e.box.cuts[c - 1].dim) || cut.start < 0 ||
           cut.length < 0 || cut.start > e.tensor.shape[cut.dim] || cut.length > e.tensor.shape[cut.dim] - cut.start)
-        fail(ErrorKind::kProtocol, "bucket {} from {}: the piece {} of tensor '{}' does not fit its shape {}", m.seq, who,
-             to_string(e.box), e.tensor.name, shape_string(e.tensor.shape));
+        fail(ErrorKind::kProtocol, "bucket {} from {}: the piece {} of tensor '{}' does not fit its shape {}", m.seq,
+             who, to_string(e.box), e.tensor.name, shape_string(e.tensor.shape));
     }
     if (e.box.count > 0) nbytes = e.box.nbytes_in(e.tensor);  // the chunk lies in the piece
     if (e.size > nbytes || e.tensor_offset > nbytes - e.size)

@@ -29,10 +29,10 @@ struct EngineMetadata {
   // Both transfer buffers, from one allocation: buffer b is the bucket_bytes at b * bucket_bytes.
   // Empty (length 0) for an engine that only receives and has none.
   RemoteRegion buffers;
-  Bytes layout;                       // a destination's encoded layout (what it needs); empty: whole tensors
-  Bytes holds;                        // a source's encoded layout (what it holds); empty: the whole model
-  ProcessIdentity process;            // lets a peer on the same host see at once that we are gone
-  uint64_t generation = 0;            // random per prepare(): tells one connection from the next
+  Bytes layout;             // a destination's encoded layout (what it needs); empty: whole tensors
+  Bytes holds;              // a source's encoded layout (what it holds); empty: the whole model
+  ProcessIdentity process;  // lets a peer on the same host see at once that we are gone
+  uint64_t generation = 0;  // random per prepare(): tells one connection from the next
 };
 
 // The refit number before the first refit of a connection, the same on both sides: derived from
@@ -58,11 +58,11 @@ struct ManifestEntry {
 enum class MessageType : uint8_t { kBucketReady = 1, kBucketDone = 2, kAbort = 3 };
 
 struct BucketReady {
-  uint64_t refit = 0;  // refit number: first_refit() of the connection, plus one per refit
-  uint64_t seq = 0;    // bucket number within the refit
+  uint64_t refit = 0;   // refit number: first_refit() of the connection, plus one per refit
+  uint64_t seq = 0;     // bucket number within the refit
   uint64_t offset = 0;  // where the bucket starts in the source's transfer region (metadata `buffers`)
   bool is_last = false;
-  uint64_t used_bytes = 0;  // only this prefix of the buffer is read
+  uint64_t used_bytes = 0;           // only this prefix of the buffer is read
   std::optional<uint64_t> checksum;  // xxh3-64 of the used bytes, with verify_checksums
   std::vector<ManifestEntry> entries;
 };

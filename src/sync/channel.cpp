@@ -4,9 +4,9 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
-#include <algorithm>
 #include <utility>
 
 #include "core/fail.h"
@@ -105,7 +105,9 @@ bool Channel::read_exact(void* out, size_t n, Deadline deadline, bool forever) {
     if (r == 0) continue;
     ssize_t k = ::recv(fd_, p + got, n - got, 0);
     if (k < 0 && (errno == EINTR || errno == EAGAIN)) continue;
-    if (k <= 0) fail(ErrorKind::kPeerLost, "{} closed its channel{}", peer_, k < 0 ? fmt::format(" ({})", std::strerror(errno)) : "");
+    if (k <= 0)
+      fail(ErrorKind::kPeerLost, "{} closed its channel{}", peer_,
+           k < 0 ? fmt::format(" ({})", std::strerror(errno)) : "");
     got += static_cast<size_t>(k);
   }
   return true;

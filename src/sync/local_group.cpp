@@ -19,8 +19,7 @@ namespace {
 using Seconds = std::chrono::duration<double>;
 }  // namespace
 
-LocalProcessGroup::LocalProcessGroup(GroupOptions options)
-    : ProcessGroup(std::move(options)) {
+LocalProcessGroup::LocalProcessGroup(GroupOptions options) : ProcessGroup(std::move(options)) {
   if (options_.sources < 1 || options_.destinations < 1)
     fail(ErrorKind::kTopology, "a local group needs at least one source and one destination, got {} and {}",
          options_.sources, options_.destinations);
@@ -84,9 +83,11 @@ void LocalProcessGroup::stop(WorkerLink& w, Deadline deadline) {
 }
 
 void LocalProcessGroup::set_destinations(int destinations) {
-  if (destinations < 1) fail(ErrorKind::kTopology, "a local group needs at least one destination, got {}", destinations);
+  if (destinations < 1)
+    fail(ErrorKind::kTopology, "a local group needs at least one destination, got {}", destinations);
   if (destinations > options_.sources)
-    fail(ErrorKind::kTopology, "{} destinations need as many sources, the group has {}", destinations, options_.sources);
+    fail(ErrorKind::kTopology, "{} destinations need as many sources, the group has {}", destinations,
+         options_.sources);
   auto& workers = links_->links();
   for (auto it = workers.begin(); it != workers.end();) {
     if (!(*it)->is_source && (*it)->rank >= destinations) {
@@ -128,6 +129,5 @@ std::vector<pid_t> LocalProcessGroup::pids() const {
   for (const auto& w : links_->links()) out.push_back(w->pid);
   return out;
 }
-
 
 }  // namespace refit

@@ -118,7 +118,8 @@ RankEnvironment rank_environment(const std::string& rendezvous) {
 RankGroup::RankGroup(GroupOptions options, RankEnvironment env)
     : ProcessGroup(std::move(options)), env_(std::move(env)) {
   check_world(options_, env_);
-  if (env_.rank != 0) fail(ErrorKind::kTopology, "rank {} is not rank 0: only rank 0 drives the group (serve_rank)", env_.rank);
+  if (env_.rank != 0)
+    fail(ErrorKind::kTopology, "rank {} is not rank 0: only rank 0 drives the group (serve_rank)", env_.rank);
   if (!options_.program) fail(ErrorKind::kInvalidArgument, "a rank group needs a worker program");
   const int listener = tcp_listen(env_.rendezvous_host, env_.rendezvous_port);
   spdlog::info("rank 0 on host {}: waiting for {} ranks at {}:{}", this_hostname(), env_.world_size,
@@ -176,9 +177,10 @@ RankGroup::RankGroup(GroupOptions options, RankEnvironment env)
         refusal = fmt::format("rank {} joined already (from host {})", rank, by_rank[rank]->host);
       } else if (hello.value("world_size", -1) != env_.world_size || hello.value("sources", -1) != options_.sources ||
                  hello.value("destinations", -1) != options_.destinations) {
-        refusal = fmt::format("it has world size {}, {} sources and {} destinations; rank 0 has {}, {} and {}",
-                              hello.value("world_size", -1), hello.value("sources", -1), hello.value("destinations", -1),
-                              env_.world_size, options_.sources, options_.destinations);
+        refusal =
+            fmt::format("it has world size {}, {} sources and {} destinations; rank 0 has {}, {} and {}",
+                        hello.value("world_size", -1), hello.value("sources", -1), hello.value("destinations", -1),
+                        env_.world_size, options_.sources, options_.destinations);
       } else if (hello.value("fingerprint", uint64_t{0}) != options_.model_fingerprint) {
         refusal = fmt::format("it has another model (fingerprint {:016x}, rank 0 has {:016x})",
                               hello.value("fingerprint", uint64_t{0}), options_.model_fingerprint);
@@ -235,7 +237,6 @@ std::vector<std::string> RankGroup::hosts() const {
   return out;
 }
 
-
 int serve_rank(const GroupOptions& options, const RankEnvironment& env) {
   check_world(options, env);
   const bool is_source = worker_is_source(options, env.rank);
@@ -246,13 +247,20 @@ int serve_rank(const GroupOptions& options, const RankEnvironment& env) {
   const auto deadline = deadline_after(std::chrono::duration<double>(join_timeout_s(options.config)));
   const std::string driver = fmt::format("the driver (rank 0) at {}:{}", env.rendezvous_host, env.rendezvous_port);
   Channel channel(
-      tcp_connect(env.rendezvous_host, env.rendezvous_port, deadline, options.config.timeout_s, self + " joining"), driver);
-  channel.send({{"hello", kHello}, {"rank", env.rank}, {"world_size", env.world_size}, {"sources", options.sources},
-                {"destinations", options.destinations}, {"fingerprint", options.model_fingerprint}, {"host", host},
+      tcp_connect(env.rendezvous_host, env.rendezvous_port, deadline, options.config.timeout_s, self + " joining"),
+      driver);
+  channel.send({{"hello", kHello},
+                {"rank", env.rank},
+                {"world_size", env.world_size},
+                {"sources", options.sources},
+                {"destinations", options.destinations},
+                {"fingerprint", options.model_fingerprint},
+                {"host", host},
                 {"pid", static_cast<int>(getpid())}},
                deadline);
   json welcome = channel.receive(deadline);
-  if (!welcome.value("ok", false)) fail(ErrorKind::kProtocol, "{}", welcome.value("error", driver + " refused this rank"));
+  if (!welcome.value("ok", false))
+    fail(ErrorKind::kProtocol, "{}", welcome.value("error", driver + " refused this rank"));
   return serve_worker(is_source, rank, channel, options);
 }
 

@@ -27,8 +27,13 @@ void from_json(const json& j, TimelineEvent& e) {
   const int phase = j.at(0).get<int>();
   if (phase < 0 || phase > static_cast<int>(TimelinePhase::kGather))
     fail(ErrorKind::kProtocol, "a worker reported timeline phase {}, which this driver does not know", phase);
-  e = {static_cast<TimelinePhase>(phase), j.at(1).get<uint32_t>(), j.at(2).get<uint64_t>(), j.at(3).get<double>(),
-       j.at(4).get<double>(), j.at(5).get<uint64_t>(), j.at(6).get<uint32_t>()};
+  e = {static_cast<TimelinePhase>(phase),
+       j.at(1).get<uint32_t>(),
+       j.at(2).get<uint64_t>(),
+       j.at(3).get<double>(),
+       j.at(4).get<double>(),
+       j.at(5).get<uint64_t>(),
+       j.at(6).get<uint32_t>()};
 }
 
 // Engine statistics cross the worker channel as JSON objects keyed by field name.
@@ -50,10 +55,10 @@ constexpr Seconds kFailureGrace{2.0};
 json binary(const Bytes& b) { return json::binary(std::vector<uint8_t>(b.begin(), b.end())); }
 
 json create_command(uint64_t bucket_bytes, const SessionId& session) {
-  return json{{"cmd", "create"}, {"bucket_bytes", bucket_bytes}, {"session", binary(Bytes(session.begin(), session.end()))}};
+  return json{
+      {"cmd", "create"}, {"bucket_bytes", bucket_bytes}, {"session", binary(Bytes(session.begin(), session.end()))}};
 }
 Bytes from_binary(const json& j) { return j.get_binary(); }
-
 
 // The device of a worker: the configured one, except that a plain "cuda" deals the workers
 // (sources first, then destinations) round-robin over the visible GPUs.
@@ -105,7 +110,8 @@ int serve_worker(bool is_source, int rank, Channel& channel, const GroupOptions&
         eo.model_fingerprint = options.model_fingerprint;
         if (!is_source && rank < static_cast<int>(options.destination_layouts.size()))
           eo.layout = options.destination_layouts[rank];
-        if (is_source && rank < static_cast<int>(options.source_layouts.size())) eo.holds = options.source_layouts[rank];
+        if (is_source && rank < static_cast<int>(options.source_layouts.size()))
+          eo.holds = options.source_layouts[rank];
         eo.model = options.model;
         eo.receives_only = !is_source;
         engine = std::make_unique<CheckpointEngine>(std::move(eo));
@@ -142,7 +148,8 @@ int serve_worker(bool is_source, int rank, Channel& channel, const GroupOptions&
       }
     } catch (const std::exception& e) {
       const auto* err = dynamic_cast<const Error*>(&e);
-      reply = {{"ok", false}, {"error", e.what()}, {"kind", static_cast<int>(err ? err->kind() : ErrorKind::kInternal)}};
+      reply = {
+          {"ok", false}, {"error", e.what()}, {"kind", static_cast<int>(err ? err->kind() : ErrorKind::kInternal)}};
     }
     try {
       channel.send(reply, deadline_after(Seconds(options.config.timeout_s)));
@@ -165,7 +172,8 @@ std::string WorkerLink::exit_description() {
     pid_t r = waitpid(pid, &status, WNOHANG);
     if (r == pid) {
       reaped = true;
-      if (WIFSIGNALED(status)) return fmt::format("was killed by signal {} ({})", WTERMSIG(status), strsignal(WTERMSIG(status)));
+      if (WIFSIGNALED(status))
+        return fmt::format("was killed by signal {} ({})", WTERMSIG(status), strsignal(WTERMSIG(status)));
       return fmt::format("exited with status {}", WEXITSTATUS(status));
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
@@ -210,8 +218,8 @@ std::vector<json> broadcast(std::vector<std::unique_ptr<WorkerLink>>& workers, c
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
     if (left <= 0) {
       for (size_t i : pending)
-        record_failure(fmt::format("{} (pid {}) did not answer during phase {} within the deadline", workers[i]->label(),
-                                   workers[i]->pid, phase),
+        record_failure(fmt::format("{} (pid {}) did not answer during phase {} within the deadline",
+                                   workers[i]->label(), workers[i]->pid, phase),
                        ErrorKind::kTimeout);
       break;
     }
@@ -251,7 +259,9 @@ std::vector<json> broadcast(std::vector<std::unique_ptr<WorkerLink>>& workers, c
 }  // namespace
 
 std::vector<uint64_t> WorkerLinks::total_memory_bytes() {
-  auto replies = broadcast(links_, options_.config, "memory query", [](const WorkerLink&) { return json{{"cmd", "memory"}}; });
+  auto replies = broadcast(links_, options_.config, "memory query", [](const WorkerLink&) {
+    return json{{"cmd", "memory"}};
+  });
   std::vector<uint64_t> out;
   for (const auto& r : replies) out.push_back(r.at("bytes").get<uint64_t>());
   return out;
@@ -264,7 +274,9 @@ void WorkerLinks::create_engines(uint64_t bucket_bytes, const SessionId& session
 }
 
 std::vector<Metadata> WorkerLinks::prepare() {
-  auto replies = broadcast(links_, options_.config, "prepare", [](const WorkerLink&) { return json{{"cmd", "prepare"}}; });
+  auto replies = broadcast(links_, options_.config, "prepare", [](const WorkerLink&) {
+    return json{{"cmd", "prepare"}};
+  });
   std::vector<Metadata> out;
   for (const auto& r : replies) out.push_back(from_binary(r.at("metadata")));
   return out;
@@ -280,17 +292,22 @@ void WorkerLinks::init_process_groups(std::span<const Metadata> metadata) {
 
 RefitReport WorkerLinks::refit(uint64_t index) {
   const std::string phase = fmt::format("refit {}", index);
-  broadcast(links_, options_.config, phase + " staging", [&](const WorkerLink&) { return json{{"cmd", "stage"}, {"index", index}}; });
+  broadcast(links_, options_.config, phase + " staging", [&](const WorkerLink&) {
+    return json{{"cmd", "stage"}, {"index", index}};
+  });
   const auto start = Clock::now();
   const double start_time = timeline_now();
-  auto replies = broadcast(links_, options_.config, phase, [&](const WorkerLink&) { return json{{"cmd", "refit"}, {"index", index}}; });
+  auto replies = broadcast(links_, options_.config, phase, [&](const WorkerLink&) {
+    return json{{"cmd", "refit"}, {"index", index}};
+  });
   RefitReport report;
   report.index = index;
   report.start_time = start_time;
   report.seconds = Seconds(Clock::now() - start).count();
   // The programs' reports (e.g. hashes of every received tensor) are not part of the refit's time.
-  auto details = broadcast(links_, options_.config, phase + " report",
-                           [&](const WorkerLink&) { return json{{"cmd", "report"}, {"index", index}}; });
+  auto details = broadcast(links_, options_.config, phase + " report", [&](const WorkerLink&) {
+    return json{{"cmd", "report"}, {"index", index}};
+  });
   for (size_t i = 0; i < links_.size(); ++i) {
     WorkerRefitReport w;
     w.is_source = links_[i]->is_source;

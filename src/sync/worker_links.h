@@ -22,9 +22,9 @@ namespace refit {
 struct WorkerLink {
   bool is_source = false;
   int rank = 0;
-  pid_t pid = -1;           // in its host's PID namespace
-  std::string host;         // empty: a child process on this host
-  bool reaped = false;      // a local child whose exit was collected by waitpid
+  pid_t pid = -1;       // in its host's PID namespace
+  std::string host;     // empty: a child process on this host
+  bool reaped = false;  // a local child whose exit was collected by waitpid
   Channel channel;
 
   // "source rank 0", or "source rank 0 on host h1" for a worker elsewhere.
@@ -56,7 +56,7 @@ class WorkerLinks {
 
  private:
   const GroupOptions& options_;
-  std::vector<std::unique_ptr<WorkerLink>> links_;  // sources, then destinations, each by rank
+  std::vector<std::unique_ptr<WorkerLink>> links_;         // sources, then destinations, each by rank
   std::optional<std::pair<uint64_t, SessionId>> engines_;  // bucket size and session, once created
 };
 

@@ -29,7 +29,9 @@ class HandleTable {
     return id;
   }
   T& find(uint64_t id, std::string_view doing) { return *checked(id, doing); }
-  const T& find(uint64_t id, std::string_view doing) const { return *const_cast<HandleTable*>(this)->checked(id, doing); }
+  const T& find(uint64_t id, std::string_view doing) const {
+    return *const_cast<HandleTable*>(this)->checked(id, doing);
+  }
   // Null for an unknown id, for callers with their own answer to it.
   T* find_if_present(uint64_t id) {
     auto it = items_.find(id);
@@ -50,7 +52,8 @@ class HandleTable {
  private:
   T* checked(uint64_t id, std::string_view doing) {
     auto it = items_.find(id);
-    if (it == items_.end()) fail(ErrorKind::kInvalidArgument, "{}: {} {} {} is not {}", doing, backend_, kind_, id, missing_);
+    if (it == items_.end())
+      fail(ErrorKind::kInvalidArgument, "{}: {} {} {} is not {}", doing, backend_, kind_, id, missing_);
     return &it->second;
   }
 

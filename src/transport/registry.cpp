@@ -45,9 +45,9 @@ std::vector<TransportBackendInfo> transport_backends() {
   std::vector<TransportBackendInfo> out;
   const UcxCapabilities ucx = ucx_capabilities({});
   if (ucx.error.empty())
-    out.push_back({"UCX", true,
-                   fmt::format("UCX {}; transports: {}; memory: {}", ucx.version, join(ucx.transports),
-                               join(ucx.memory_types))});
+    out.push_back(
+        {"UCX", true,
+         fmt::format("UCX {}; transports: {}; memory: {}", ucx.version, join(ucx.transports), join(ucx.memory_types))});
   else
     out.push_back({"UCX", false, fmt::format("UCX {}: {}", ucx.version, ucx.error)});
   std::string no_gpu;
@@ -63,8 +63,9 @@ std::vector<TransportBackendInfo> transport_backends() {
   else
     out.push_back({"NCCL", false, gpu_reason});
 #else
-  out.push_back({"NCCL", false, cuda_built() ? "this build has no NCCL (REFIT_WITH_NCCL: nccl.h or libnccl not found)"
-                                             : "this build has no CUDA, which NCCL needs"});
+  out.push_back({"NCCL", false,
+                 cuda_built() ? "this build has no NCCL (REFIT_WITH_NCCL: nccl.h or libnccl not found)"
+                              : "this build has no CUDA, which NCCL needs"});
 #endif
   return out;
 }

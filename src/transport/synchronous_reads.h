@@ -15,8 +15,8 @@ namespace refit {
 
 class SynchronousReads : public Transport {
  public:
-  ReadId post_read(PeerId peer, const RemoteRegion& remote, uint64_t remote_offset, void* local,
-                   RegionId local_region, uint64_t length, Deadline deadline) final {
+  ReadId post_read(PeerId peer, const RemoteRegion& remote, uint64_t remote_offset, void* local, RegionId local_region,
+                   uint64_t length, Deadline deadline) final {
     std::exception_ptr error;
     try {
       read_now(peer, remote, remote_offset, local, local_region, length, deadline);

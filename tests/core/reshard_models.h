@@ -57,7 +57,6 @@ inline const Model& deepseek() {
   return m;
 }
 
-
 // The whole model's bytes: byte b of tensor i is a hash of (i, b), so a misplaced byte shows.
 inline std::vector<std::vector<std::byte>> patterned(const ModelInventory& inv) {
   std::vector<std::vector<std::byte>> out;

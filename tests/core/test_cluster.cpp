@@ -16,8 +16,8 @@ namespace refit {
 namespace {
 
 using ::testing::AllOf;
-using ::testing::HasSubstr;
 using testing::error_of;
+using ::testing::HasSubstr;
 
 constexpr const char* kTwoNodes = R"(
 name: two-nodes
@@ -72,22 +72,28 @@ destinations: {nodes: host, ranks: 2}
 }
 
 TEST(Cluster, MistakesAreNamedWithTheirKey) {
-  auto err = [](const std::string& yaml) { return error_of(ErrorKind::kConfig, [&] { parse_cluster(yaml, "c.yaml"); }); };
+  auto err = [](const std::string& yaml) {
+    return error_of(ErrorKind::kConfig, [&] { parse_cluster(yaml, "c.yaml"); });
+  };
   const std::string base = "nodes: [{name: n, workers: 4, device: cpu}]\n";
-  EXPECT_THAT(err(base + "sources: {nodes: n, ranks: 1}\ndestinations: {nodes: n, ranks: 1}\ntransfer: {buckt: 1GiB}\n"),
-              AllOf(HasSubstr("c.yaml"), HasSubstr("unknown key 'transfer.buckt'")));
+  EXPECT_THAT(
+      err(base + "sources: {nodes: n, ranks: 1}\ndestinations: {nodes: n, ranks: 1}\ntransfer: {buckt: 1GiB}\n"),
+      AllOf(HasSubstr("c.yaml"), HasSubstr("unknown key 'transfer.buckt'")));
   EXPECT_THAT(err(base + "sources: {nodes: m, ranks: 1}\ndestinations: {nodes: n, ranks: 1}\n"),
               AllOf(HasSubstr("no node group named 'm'"), HasSubstr("groups: n")));
   EXPECT_THAT(err(base + "sources: {nodes: n, ranks: 3}\ndestinations: {nodes: n, ranks: 2}\n"),
               AllOf(HasSubstr("destinations need slots 3..4"), HasSubstr("which has 4")));
   EXPECT_THAT(err(base + "sources: {nodes: n, ranks: 1, parallel: {tp: 0}}\ndestinations: {nodes: n, ranks: 1}\n"),
               HasSubstr("'sources.parallel.tp' must be >= 1, got 0"));
-  EXPECT_THAT(err(base + "sources: {nodes: n, ranks: 1, parallel: {shard_dense: true}}\ndestinations: {nodes: n, ranks: 1}\n"),
-              HasSubstr("unknown key 'sources.parallel.shard_dense'"));
-  EXPECT_THAT(err("nodes: [{name: n, workers: 2, nic: {rate: 400}}]\nsources: {nodes: n, ranks: 1}\ndestinations: {nodes: n, ranks: 1}\n"),
+  EXPECT_THAT(
+      err(base + "sources: {nodes: n, ranks: 1, parallel: {shard_dense: true}}\ndestinations: {nodes: n, ranks: 1}\n"),
+      HasSubstr("unknown key 'sources.parallel.shard_dense'"));
+  EXPECT_THAT(err("nodes: [{name: n, workers: 2, nic: {rate: 400}}]\nsources: {nodes: n, ranks: 1}\ndestinations: "
+                  "{nodes: n, ranks: 1}\n"),
               AllOf(HasSubstr("nodes[0].nic.rate"), HasSubstr("'400'")));
-  EXPECT_THAT(err(base + "sources: {nodes: n, ranks: 1}\ndestinations: {nodes: n, ranks: 1}\ntransfer: {latency: 5 parsecs}\n"),
-              HasSubstr("'transfer.latency' must be a duration"));
+  EXPECT_THAT(
+      err(base + "sources: {nodes: n, ranks: 1}\ndestinations: {nodes: n, ranks: 1}\ntransfer: {latency: 5 parsecs}\n"),
+      HasSubstr("'transfer.latency' must be a duration"));
   EXPECT_THAT(err("nodes: {name: n}\n"), HasSubstr("'nodes' must be a list"));
   EXPECT_THAT(err("[unclosed"), HasSubstr("not valid YAML"));
 }
@@ -137,7 +143,9 @@ destinations: {nodes: gpu, ranks: 1}
   EXPECT_DOUBLE_EQ(c.group("host").copy_cost_s, 3e-5);  // measured on the engine's device kind
   EXPECT_DOUBLE_EQ(c.group("gpu").copy_cost_s, 2e-5);   // the file's
 
-  Cluster bare = parse_cluster("nodes: [{name: g, workers: 2}]\nsources: {nodes: g, ranks: 1}\ndestinations: {nodes: g, ranks: 1}\n", "bare.yaml");
+  Cluster bare = parse_cluster(
+      "nodes: [{name: g, workers: 2}]\nsources: {nodes: g, ranks: 1}\ndestinations: {nodes: g, ranks: 1}\n",
+      "bare.yaml");
   EXPECT_THAT(error_of(ErrorKind::kConfig, [&] { apply_calibration(bare, Calibration{}); }),
               AllOf(HasSubstr("node group 'g'"), HasSubstr("'copy' is not given")));
 }
@@ -160,9 +168,10 @@ std::vector<Layout> row_shards(const ModelInventory& m, int n) {
   return out;
 }
 
-Cluster two_sides(int sources, int destinations, const std::string& nic, const std::string& copy, const std::string& bucket,
-                  const std::string& latency = "0s") {
-  Cluster c = parse_cluster(fmt::format(R"(
+Cluster two_sides(int sources, int destinations, const std::string& nic, const std::string& copy,
+                  const std::string& bucket, const std::string& latency = "0s") {
+  Cluster c =
+      parse_cluster(fmt::format(R"(
 nodes:
   - {{name: a, count: {}, workers: 1, device: gpu, nic: {{rate: {}}}, copy: {}}}
   - {{name: b, count: {}, workers: 1, device: gpu, nic: {{rate: {}}}, copy: {}}}
@@ -170,8 +179,8 @@ sources: {{nodes: a, ranks: {}}}
 destinations: {{nodes: b, ranks: {}}}
 transfer: {{bucket: {}, latency: {}, overhead: 0s}}
 )",
-                                        sources, nic, copy, destinations, nic, copy, sources, destinations, bucket, latency),
-                            "model.yaml");
+                                sources, nic, copy, destinations, nic, copy, sources, destinations, bucket, latency),
+                    "model.yaml");
   apply_calibration(c, Calibration{});
   EXPECT_EQ(c.groups[0].copy_cost_s, 0.0);  // neither the file nor the calibration gives one
   return c;

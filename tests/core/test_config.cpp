@@ -34,13 +34,13 @@ std::string nixl(const std::string& key_value) {
 }
 
 // Asserts a kConfig error whose message contains every piece.
-#define EXPECT_CONFIG_ERROR(call, ...)                                                   \
-  do {                                                                                   \
-    Error e_ = call;                                                                     \
-    EXPECT_EQ(e_.kind(), ErrorKind::kConfig) << e_.what();                               \
-    for (const std::string& piece_ : std::initializer_list<std::string>{__VA_ARGS__}) {  \
-      EXPECT_THAT(e_.what(), HasSubstr(piece_));                                         \
-    }                                                                                    \
+#define EXPECT_CONFIG_ERROR(call, ...)                                                  \
+  do {                                                                                  \
+    Error e_ = call;                                                                    \
+    EXPECT_EQ(e_.kind(), ErrorKind::kConfig) << e_.what();                              \
+    for (const std::string& piece_ : std::initializer_list<std::string>{__VA_ARGS__}) { \
+      EXPECT_THAT(e_.what(), HasSubstr(piece_));                                        \
+    }                                                                                   \
   } while (0)
 
 TEST(Config, DefaultsFromEmptyText) {
@@ -170,8 +170,7 @@ TEST(Config, Transport) {
   EXPECT_CONFIG_ERROR(config_error("refit_transport: null\n"), "refit_transport is null", "nixl");
   EXPECT_CONFIG_ERROR(config_error("refit_transport:\n"), "refit_transport is null");
   for (const char* t : {"nccl_reshard", "vllm_s3_sparse", "vllm_zmq_sparse", "my.module:MyEngine"}) {
-    EXPECT_CONFIG_ERROR(config_error(std::string("refit_transport: '") + t + "'\n"), t,
-                        "refit implements only 'nixl'");
+    EXPECT_CONFIG_ERROR(config_error(std::string("refit_transport: '") + t + "'\n"), t, "refit implements only 'nixl'");
   }
   EXPECT_CONFIG_ERROR(config_error("refit_transport: nixl2\n"), "Unknown refit transport 'nixl2': expected 'nixl'");
   EXPECT_CONFIG_ERROR(config_error("refit_transport: NIXL\n"), "Unknown refit transport 'NIXL'");
@@ -235,16 +234,14 @@ TEST(Config, BackendInitParams) {
   EXPECT_TRUE(parse_config(nixl("backend_init_params: {}")).backend_init_params.empty());
   auto p = parse_config(nixl("backend_init_params: {a: 8, b: true, c: 1.5, d: 'x y'}")).backend_init_params;
   EXPECT_EQ(p, (std::map<std::string, std::string>{{"a", "8"}, {"b", "true"}, {"c", "1.5"}, {"d", "x y"}}));
-  EXPECT_CONFIG_ERROR(config_error(nixl("backend_init_params: {a: {b: 1}}")),
-                      "refit_cfg.nixl.backend_init_params.a", "a mapping");
-  EXPECT_CONFIG_ERROR(config_error(nixl("backend_init_params: {a: [1, 2]}")),
-                      "refit_cfg.nixl.backend_init_params.a", "a list");
-  EXPECT_CONFIG_ERROR(config_error(nixl("backend_init_params: {a: null}")),
-                      "refit_cfg.nixl.backend_init_params.a", "null");
-  EXPECT_CONFIG_ERROR(config_error(nixl("backend_init_params: peer")), "refit_cfg.nixl.backend_init_params",
-                      "'peer'");
-  EXPECT_CONFIG_ERROR(config_error(nixl("backend_init_params: [a]")), "refit_cfg.nixl.backend_init_params",
+  EXPECT_CONFIG_ERROR(config_error(nixl("backend_init_params: {a: {b: 1}}")), "refit_cfg.nixl.backend_init_params.a",
+                      "a mapping");
+  EXPECT_CONFIG_ERROR(config_error(nixl("backend_init_params: {a: [1, 2]}")), "refit_cfg.nixl.backend_init_params.a",
                       "a list");
+  EXPECT_CONFIG_ERROR(config_error(nixl("backend_init_params: {a: null}")), "refit_cfg.nixl.backend_init_params.a",
+                      "null");
+  EXPECT_CONFIG_ERROR(config_error(nixl("backend_init_params: peer")), "refit_cfg.nixl.backend_init_params", "'peer'");
+  EXPECT_CONFIG_ERROR(config_error(nixl("backend_init_params: [a]")), "refit_cfg.nixl.backend_init_params", "a list");
 }
 
 TEST(Config, Bools) {
@@ -275,8 +272,8 @@ TEST(Config, BucketBytes) {
   EXPECT_EQ(bytes("1GiB"), 1u << 30);
   EXPECT_EQ(bytes("2TiB"), uint64_t{2} << 40);
   EXPECT_EQ(bytes("100B"), 100u);
-  for (const char* bad : {"0", "-5", "1.5GiB", "256MB", "256mib", "GiB", "abc", "1e9", "99999999999TiB",
-                          "18446744073709551616"}) {
+  for (const char* bad :
+       {"0", "-5", "1.5GiB", "256MB", "256mib", "GiB", "abc", "1e9", "99999999999TiB", "18446744073709551616"}) {
     EXPECT_CONFIG_ERROR(config_error(nixl(std::string("bucket_bytes: ") + bad)), "refit_cfg.nixl.bucket_bytes",
                         std::string("'") + bad + "'", "positive byte count");
   }
@@ -290,8 +287,7 @@ TEST(Config, Timeout) {
     EXPECT_CONFIG_ERROR(config_error(nixl(std::string("timeout_s: ") + bad)), "refit_cfg.nixl.timeout_s",
                         std::string("'") + bad + "'", "positive finite");
   }
-  EXPECT_CONFIG_ERROR(config_error(nixl("timeout_s: soon")), "refit_cfg.nixl.timeout_s", "must be a number",
-                      "'soon'");
+  EXPECT_CONFIG_ERROR(config_error(nixl("timeout_s: soon")), "refit_cfg.nixl.timeout_s", "must be a number", "'soon'");
 }
 
 TEST(Config, OverridesOfEveryKey) {
@@ -313,8 +309,8 @@ TEST(Config, OverridesOfEveryKey) {
   EXPECT_DOUBLE_EQ(c.update_weights_bucket_memory_ratio, 0.2);
   EXPECT_EQ(c.device, (Device{Device::Kind::kCuda, 1}));
   EXPECT_EQ(c.backend_name, "LIBFABRIC");
-  EXPECT_EQ(c.backend_init_params,
-            (std::map<std::string, std::string>{{"ucx_error_handling_mode", "peer"}, {"device_list", "mlx5_0,mlx5_1"}}));
+  EXPECT_EQ(c.backend_init_params, (std::map<std::string, std::string>{{"ucx_error_handling_mode", "peer"},
+                                                                       {"device_list", "mlx5_0,mlx5_1"}}));
   EXPECT_TRUE(c.release_after_refit);
   EXPECT_TRUE(c.shard_expert_weights);
   EXPECT_EQ(c.bucket_bytes, 1u << 30);
@@ -366,8 +362,8 @@ TEST(Config, RoundTrip) {
   c.update_weights_bucket_memory_ratio = 0.123456789;
   c.device = {Device::Kind::kCuda, 5};
   c.backend_name = "null";  // would read back as null if written plain
-  c.backend_init_params = {{"engine_config", "MAX_RMA_RAILS=8;UCX_TLS=rc"}, {"n", "8"}, {"quote", "a \"b\": c"},
-                           {"empty", ""}};
+  c.backend_init_params = {
+      {"engine_config", "MAX_RMA_RAILS=8;UCX_TLS=rc"}, {"n", "8"}, {"quote", "a \"b\": c"}, {"empty", ""}};
   c.release_after_refit = true;
   c.shard_expert_weights = true;
   c.bucket_bytes = 17;
@@ -377,10 +373,9 @@ TEST(Config, RoundTrip) {
   const std::string yaml = to_yaml(c);
   EXPECT_EQ(parse_config(yaml), c) << yaml;
   EXPECT_EQ(parse_config(to_yaml(RefitConfig{})), RefitConfig{});
-  EXPECT_THAT(to_yaml(RefitConfig{}), AllOf(HasSubstr("refit_transport: nixl"),
-                                            HasSubstr("update_weights_bucket_memory_ratio: 0.05"),
-                                            HasSubstr("device: cpu"), HasSubstr("bucket_bytes: null"),
-                                            HasSubstr("timeout_s: 300")));
+  EXPECT_THAT(to_yaml(RefitConfig{}),
+              AllOf(HasSubstr("refit_transport: nixl"), HasSubstr("update_weights_bucket_memory_ratio: 0.05"),
+                    HasSubstr("device: cpu"), HasSubstr("bucket_bytes: null"), HasSubstr("timeout_s: 300")));
 }
 
 TEST(Config, MalformedYaml) {
@@ -394,9 +389,10 @@ TEST(Config, MalformedYaml) {
 
 class ConfigFile : public ::testing::Test {
  protected:
-  std::filesystem::path path_ = std::filesystem::temp_directory_path() /
-                                ("refit_test_config_" + std::to_string(::testing::UnitTest::GetInstance()->random_seed()) +
-                                 "_" + ::testing::UnitTest::GetInstance()->current_test_info()->name() + ".yaml");
+  std::filesystem::path path_ =
+      std::filesystem::temp_directory_path() /
+      ("refit_test_config_" + std::to_string(::testing::UnitTest::GetInstance()->random_seed()) + "_" +
+       ::testing::UnitTest::GetInstance()->current_test_info()->name() + ".yaml");
   void write(const std::string& text) { std::ofstream(path_) << text; }
   void TearDown() override { std::filesystem::remove(path_); }
 };

@@ -1,7 +1,7 @@
 #include "refit/expert_loader.h"
 
-#include <gmock/gmock.h>
 #include <fmt/format.h>
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -42,7 +42,8 @@ struct Model {
     for (int l = 0; l < kLayers; ++l) {
       add(fmt::format("model.layers.{}.input_layernorm.weight", l), {kH});
       for (int e = 0; e < kE; ++e)
-        for (int p = 0; p < 3; ++p) add(expert_name(l, e, p), p == 2 ? std::vector<int64_t>{kH, kI} : std::vector<int64_t>{kI, kH});
+        for (int p = 0; p < 3; ++p)
+          add(expert_name(l, e, p), p == 2 ? std::vector<int64_t>{kH, kI} : std::vector<int64_t>{kI, kH});
     }
   }
   void add(std::string name, std::vector<int64_t> shape) {
@@ -53,7 +54,8 @@ struct Model {
     inv.tensors.push_back(std::move(t));
   }
   float at(const std::string& name, int64_t row, int64_t col) const {
-    const auto& t = *std::find_if(inv.tensors.begin(), inv.tensors.end(), [&](const TensorInfo& x) { return x.name == name; });
+    const auto& t =
+        *std::find_if(inv.tensors.begin(), inv.tensors.end(), [&](const TensorInfo& x) { return x.name == name; });
     return data.at(name)[row * t.shape[1] + col];
   }
 };
@@ -72,7 +74,8 @@ Bucket pack(const Model& m, const Layout& layout, const std::vector<std::string>
   if (!order.empty()) {
     tensors.clear();
     for (const auto& n : order)
-      tensors.push_back(&*std::find_if(m.inv.tensors.begin(), m.inv.tensors.end(), [&](const TensorInfo& t) { return t.name == n; }));
+      tensors.push_back(
+          &*std::find_if(m.inv.tensors.begin(), m.inv.tensors.end(), [&](const TensorInfo& t) { return t.name == n; }));
   }
   std::vector<std::pair<Selection, const TensorInfo*>> sel;
   uint64_t total = 0;
@@ -86,8 +89,10 @@ Bucket pack(const Model& m, const Layout& layout, const std::vector<std::string>
   uint64_t offset = 0;
   for (auto& [s, t] : sel) {
     const auto* src = reinterpret_cast<const std::byte*>(m.data.at(t->name).data());
-    if (s.take == Take::kSlice) copy_slice(src, *t, s.slice, b.bytes.data() + offset);
-    else std::memcpy(b.bytes.data() + offset, src, t->nbytes());
+    if (s.take == Take::kSlice)
+      copy_slice(src, *t, s.slice, b.bytes.data() + offset);
+    else
+      std::memcpy(b.bytes.data() + offset, src, t->nbytes());
     b.infos.push_back(s.info);
     b.views.push_back({&b.infos.back(), b.bytes.data() + offset});
     offset += s.info.nbytes();
@@ -162,17 +167,20 @@ void expect_matches_full_tp_loading(const Model& m, const Destination& d, int tp
           float expected = kUntouched;
           if (r < s && c < kH) expected = m.at(expert_name(l, g, 0), tp_rank * s + r, c);
           if (r >= half && r < half + s && c < kH) expected = m.at(expert_name(l, g, 1), tp_rank * s + r - half, c);
-          ASSERT_EQ(d.w13_at(l, slot, r, c), expected) << "layer " << l << " expert " << g << " w13[" << r << "," << c << "]";
+          ASSERT_EQ(d.w13_at(l, slot, r, c), expected)
+              << "layer " << l << " expert " << g << " w13[" << r << "," << c << "]";
         }
       for (int64_t r = 0; r < sh2[1]; ++r)
         for (int64_t c = 0; c < sh2[2]; ++c) {
           float expected = r < kH && c < s ? m.at(expert_name(l, g, 2), r, tp_rank * s + c) : kUntouched;
-          ASSERT_EQ(d.w2_at(l, slot, r, c), expected) << "layer " << l << " expert " << g << " w2[" << r << "," << c << "]";
+          ASSERT_EQ(d.w2_at(l, slot, r, c), expected)
+              << "layer " << l << " expert " << g << " w2[" << r << "," << c << "]";
         }
     }
     for (int64_t slot = 0; slot < sh13[0]; ++slot)
       if (!written_slots.contains(slot))
-        for (int64_t i = 0; i < sh13[1] * sh13[2]; ++i) ASSERT_EQ(d.w13_data[l][slot * sh13[1] * sh13[2] + i], kUntouched);
+        for (int64_t i = 0; i < sh13[1] * sh13[2]; ++i)
+          ASSERT_EQ(d.w13_data[l][slot * sh13[1] * sh13[2] + i], kUntouched);
   }
 }
 
@@ -300,11 +308,13 @@ TEST(ExpertLoaderRejects, UnownedExpertUnknownNameDtypeDuplicateMemory) {
   Bucket full = pack(m, Layout{});
   // Expert 0 is not owned (map[0] = -1); give it the sharded shape so only ownership fails.
   auto unowned = f.altered(expert_name(0, 1, 0), {expert_name(0, 0, 0), DType::kFloat32, {kI / 2, kH}});
-  EXPECT_THAT(f.load_error(ErrorKind::kLayout, {unowned}),
-              AllOf(HasSubstr(expert_name(0, 0, 0)), HasSubstr("does not own expert 0"), HasSubstr("destination rank 3")));
+  EXPECT_THAT(
+      f.load_error(ErrorKind::kLayout, {unowned}),
+      AllOf(HasSubstr(expert_name(0, 0, 0)), HasSubstr("does not own expert 0"), HasSubstr("destination rank 3")));
 
   auto unknown = f.altered(expert_name(0, 1, 0), {expert_name(0, 9, 0), DType::kFloat32, {kI / 2, kH}});
-  EXPECT_THAT(f.load_error(ErrorKind::kLayout, {unknown}), AllOf(HasSubstr(expert_name(0, 9, 0)), HasSubstr("not in the model")));
+  EXPECT_THAT(f.load_error(ErrorKind::kLayout, {unknown}),
+              AllOf(HasSubstr(expert_name(0, 9, 0)), HasSubstr("not in the model")));
 
   auto bf16 = f.altered(expert_name(0, 1, 0), {expert_name(0, 1, 0), DType::kBFloat16, {kI / 2, kH}});
   EXPECT_THAT(f.load_error(ErrorKind::kLayout, {bf16}), AllOf(HasSubstr("is bfloat16"), HasSubstr("holds float32")));
@@ -368,12 +378,15 @@ TEST(ExpertStorageValidation, ReportsTheLayout) {
   ASSERT_TRUE(e.local_expert_ids);
   EXPECT_THAT(*e.local_expert_ids, ElementsAre(1, 3));
   // Without EP: all experts.
-  EXPECT_FALSE(expert_layout_from_storage(std::vector<ExpertStorage>{good_storage()}, 0).expert_params.begin()->second.local_expert_ids);
+  EXPECT_FALSE(expert_layout_from_storage(std::vector<ExpertStorage>{good_storage()}, 0)
+                   .expert_params.begin()
+                   ->second.local_expert_ids);
   // num_logical_experts bounds the map (vLLM's expert_map[:logical]).
   a.expert_map = std::vector<int64_t>{-1, 0, -1, 1, 2};
   a.num_logical_experts = 4;
-  EXPECT_THAT(*expert_layout_from_storage(std::vector<ExpertStorage>{a}, 0).expert_params.begin()->second.local_expert_ids,
-              ElementsAre(1, 3));
+  EXPECT_THAT(
+      *expert_layout_from_storage(std::vector<ExpertStorage>{a}, 0).expert_params.begin()->second.local_expert_ids,
+      ElementsAre(1, 3));
 }
 
 TEST(ExpertStorageValidation, RejectsWhatTheReferenceRejects) {
@@ -387,33 +400,43 @@ TEST(ExpertStorageValidation, RejectsWhatTheReferenceRejects) {
               AllOf(HasSubstr("requires canonical expert-weight orientation"), HasSubstr("w13_weight is transposed"),
                     HasSubstr("destination rank 5")));
   // V32
-  EXPECT_THAT(storage_error(ErrorKind::kLayout, with([](ExpertStorage& s) { s.loader_inspectable = false; })),
-              HasSubstr("Could not inspect the vLLM expert weight loader for model.layers.0.mlp.experts.routed_experts.w13_weight"));
+  EXPECT_THAT(
+      storage_error(ErrorKind::kLayout, with([](ExpertStorage& s) { s.loader_inspectable = false; })),
+      HasSubstr(
+          "Could not inspect the vLLM expert weight loader for model.layers.0.mlp.experts.routed_experts.w13_weight"));
   // V33
-  EXPECT_THAT(storage_error(ErrorKind::kLayout, with([](ExpertStorage& s) { s.shape = {4, 48}; })),
+  EXPECT_THAT(storage_error(ErrorKind::kLayout, with([](ExpertStorage& s) {
+                              s.shape = {4, 48};
+                            })),
               AllOf(HasSubstr("Unsupported vLLM expert storage"), HasSubstr("shape=[4, 48]")));
-  EXPECT_THAT(storage_error(ErrorKind::kLayout, with([](ExpertStorage& s) { s.shape = {4, 7, 6}; })),
+  EXPECT_THAT(storage_error(ErrorKind::kLayout, with([](ExpertStorage& s) {
+                              s.shape = {4, 7, 6};
+                            })),
               HasSubstr("shape=[4, 7, 6]"));
   // V34
   EXPECT_THAT(storage_error(ErrorKind::kUnsupported, with([](ExpertStorage& s) { s.quant_method = "Fp8MoEMethod"; })),
-              AllOf(HasSubstr("requires canonical unquantized Triton expert weights"), HasSubstr("uses Fp8MoEMethod/TRITON"),
-                    HasSubstr("moe_backend=triton")));
-  EXPECT_THAT(storage_error(ErrorKind::kUnsupported, with([](ExpertStorage& s) { s.moe_backend = "FLASHINFER_TRTLLM"; })),
-              HasSubstr("uses unquantized/FLASHINFER_TRTLLM"));
+              AllOf(HasSubstr("requires canonical unquantized Triton expert weights"),
+                    HasSubstr("uses Fp8MoEMethod/TRITON"), HasSubstr("moe_backend=triton")));
+  EXPECT_THAT(
+      storage_error(ErrorKind::kUnsupported, with([](ExpertStorage& s) { s.moe_backend = "FLASHINFER_TRTLLM"; })),
+      HasSubstr("uses unquantized/FLASHINFER_TRTLLM"));
   EXPECT_NO_THROW(expert_layout_from_storage(with([](ExpertStorage& s) { s.moe_backend = "BATCHED_TRITON"; }), 0));
   // V35
   EXPECT_THAT(storage_error(ErrorKind::kUnsupported, with([](ExpertStorage& s) {
-                s.use_ep = true, s.eplb = true, s.expert_map = std::vector<int64_t>{0, 1, 2, 3};
-              })),
+                              s.use_ep = true, s.eplb = true, s.expert_map = std::vector<int64_t>{0, 1, 2, 3};
+                            })),
               HasSubstr("does not support dynamic vLLM expert load balancing"));
   // V36
-  EXPECT_THAT(storage_error(ErrorKind::kLayout, with([](ExpertStorage& s) { s.use_ep = true; })),
-              HasSubstr("vLLM reports EP for model.layers.0.mlp.experts.routed_experts.w13_weight without an expert ownership map"));
+  EXPECT_THAT(
+      storage_error(ErrorKind::kLayout, with([](ExpertStorage& s) { s.use_ep = true; })),
+      HasSubstr(
+          "vLLM reports EP for model.layers.0.mlp.experts.routed_experts.w13_weight without an expert ownership map"));
   // V37
-  EXPECT_THAT(storage_error(ErrorKind::kUnsupported, with([](ExpertStorage& s) {
-                s.use_ep = true, s.expert_map = std::vector<int64_t>{0, 1, 2, 3}, s.global_num_experts = 6;
-              })),
-              AllOf(HasSubstr("does not support redundant vLLM experts"), HasSubstr("4 logical and 6 physical")));
+  EXPECT_THAT(
+      storage_error(ErrorKind::kUnsupported, with([](ExpertStorage& s) {
+                      s.use_ep = true, s.expert_map = std::vector<int64_t>{0, 1, 2, 3}, s.global_num_experts = 6;
+                    })),
+      AllOf(HasSubstr("does not support redundant vLLM experts"), HasSubstr("4 logical and 6 physical")));
   // V38: first three, sorted
   std::vector<ExpertStorage> odd;
   for (int l : {3, 1, 2, 0}) {
@@ -427,8 +450,9 @@ TEST(ExpertStorageValidation, RejectsWhatTheReferenceRejects) {
                               "model.layers.2.mlp.experts.w13_weight)"),
                     HasSubstr("stale experts")));
   // Not a fused expert parameter; listed twice; bad tp rank.
-  EXPECT_THAT(storage_error(ErrorKind::kLayout, with([](ExpertStorage& s) { s.name = "model.layers.0.mlp.gate.weight"; })),
-              HasSubstr("not a fused expert parameter"));
+  EXPECT_THAT(
+      storage_error(ErrorKind::kLayout, with([](ExpertStorage& s) { s.name = "model.layers.0.mlp.gate.weight"; })),
+      HasSubstr("not a fused expert parameter"));
   EXPECT_THAT(storage_error(ErrorKind::kLayout, {good_storage(), good_storage()}), HasSubstr("listed twice"));
   EXPECT_THAT(storage_error(ErrorKind::kLayout, with([](ExpertStorage& s) { s.tp_size = 2, s.tp_rank = 2; })),
               HasSubstr("tp_rank 2"));

@@ -71,7 +71,8 @@ TEST(Fp8, EncodeRandomFloatsAndTies) {
   std::mt19937 rng(5);
   for (int i = 0; i < 200000; ++i) {
     float x = std::bit_cast<float>(static_cast<uint32_t>(rng()));
-    if (i % 2) x = std::ldexp(static_cast<float>(rng()) / 4294967296.0f, static_cast<int>(rng() % 30) - 20);  // fp8 range
+    if (i % 2)
+      x = std::ldexp(static_cast<float>(rng()) / 4294967296.0f, static_cast<int>(rng() % 30) - 20);  // fp8 range
     ASSERT_EQ(fp8_e4m3fn_from_float(x), ref_encode(x)) << x;
   }
   // Exact midpoints between neighbours go to the even code; one ulp either side does not tie.
@@ -92,9 +93,9 @@ TEST(Fp8, SaturatesAndKeepsNan) {
   EXPECT_EQ(fp8_e4m3fn_from_float(-std::numeric_limits<float>::infinity()), 0xfe);
   EXPECT_EQ(fp8_e4m3fn_from_float(std::numeric_limits<float>::quiet_NaN()), 0x7f);
   EXPECT_EQ(fp8_e4m3fn_from_float(-0.0f), 0x80);
-  EXPECT_EQ(fp8_e4m3fn_from_float(std::ldexp(1.0f, -10)), 0x00);            // tie between 0 and 2^-9: even
-  EXPECT_EQ(fp8_e4m3fn_from_float(std::ldexp(3.0f, -10)), 0x02);            // tie between 1 and 2 subnormal steps
-  EXPECT_EQ(fp8_e4m3fn_from_float(std::ldexp(15.0f, -10)), 0x08);           // rounds up into the smallest normal
+  EXPECT_EQ(fp8_e4m3fn_from_float(std::ldexp(1.0f, -10)), 0x00);   // tie between 0 and 2^-9: even
+  EXPECT_EQ(fp8_e4m3fn_from_float(std::ldexp(3.0f, -10)), 0x02);   // tie between 1 and 2 subnormal steps
+  EXPECT_EQ(fp8_e4m3fn_from_float(std::ldexp(15.0f, -10)), 0x08);  // rounds up into the smallest normal
 }
 
 TEST(Bf16, Conversions) {
@@ -128,7 +129,8 @@ RefResult ref_quantize(const std::vector<float>& x, int64_t rows, int64_t cols, 
       if (amax < 1e-4f) amax = 1e-4f;
       float inv = 448.0f / amax;
       for (int64_t r = r0; r < std::min(rows, r0 + block); ++r)
-        for (int64_t c = c0; c < std::min(cols, c0 + block); ++c) out.q[r * cols + c] = ref_encode(x[r * cols + c] * inv);
+        for (int64_t c = c0; c < std::min(cols, c0 + block); ++c)
+          out.q[r * cols + c] = ref_encode(x[r * cols + c] * inv);
       out.scales.push_back(amax / 448.0f);
     }
   return out;
@@ -202,14 +204,20 @@ TEST(Fp8Quantize, Rejections) {
   std::vector<float> v = {1.0f, std::numeric_limits<float>::infinity(), 2.0f, 3.0f};
   const auto* src = reinterpret_cast<const std::byte*>(v.data());
   EXPECT_THAT(error_of(ErrorKind::kInvalidArgument,
-                       [&] { quantize_fp8(src, {"lm_head.weight", DType::kFloat32, {2, 2}}, Fp8Scaling::kPerTensor); }),
+                       [&] {
+                         quantize_fp8(src, {"lm_head.weight", DType::kFloat32, {2, 2}}, Fp8Scaling::kPerTensor);
+                       }),
               AllOf(HasSubstr("lm_head.weight"), HasSubstr("element 1 is inf")));
   v[1] = 0.0f;
   EXPECT_THAT(error_of(ErrorKind::kInvalidArgument,
-                       [&] { quantize_fp8(src, {"n.weight", DType::kFloat32, {1, 2, 2}}, Fp8Scaling::kBlock128); }),
+                       [&] {
+                         quantize_fp8(src, {"n.weight", DType::kFloat32, {1, 2, 2}}, Fp8Scaling::kBlock128);
+                       }),
               AllOf(HasSubstr("n.weight"), HasSubstr("2-D")));
   EXPECT_THAT(error_of(ErrorKind::kInvalidArgument,
-                       [&] { quantize_fp8(src, {"i", DType::kInt32, {4}}, Fp8Scaling::kPerTensor); }),
+                       [&] {
+                         quantize_fp8(src, {"i", DType::kInt32, {4}}, Fp8Scaling::kPerTensor);
+                       }),
               AllOf(HasSubstr("'i'"), HasSubstr("int32")));
 }
 
@@ -234,8 +242,8 @@ TEST(KvScales, NamesOrderAndDefaults) {
 
 TEST(Fp8, ShardedExpertsAreRejectedForFp8Models) {
   EXPECT_THAT(error_of(ErrorKind::kUnsupported, [] { check_sharded_experts_not_fp8(true, true, 4); }),
-              AllOf(HasSubstr("Sharded NIXL expert refit is not supported for FP8 vLLM models"), HasSubstr("destination rank 4"),
-                    HasSubstr("shard_expert_weights=false")));
+              AllOf(HasSubstr("Sharded NIXL expert refit is not supported for FP8 vLLM models"),
+                    HasSubstr("destination rank 4"), HasSubstr("shard_expert_weights=false")));
   EXPECT_NO_THROW(check_sharded_experts_not_fp8(false, true, 4));
   EXPECT_NO_THROW(check_sharded_experts_not_fp8(true, false, 4));
 }

@@ -1,7 +1,7 @@
 #include "refit/layout.h"
 
-#include <gmock/gmock.h>
 #include <fmt/format.h>
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -16,7 +16,9 @@ namespace {
 using ::testing::AllOf;
 using ::testing::HasSubstr;
 
-TensorInfo t(std::string name, DType dtype, std::vector<int64_t> shape) { return {std::move(name), dtype, std::move(shape)}; }
+TensorInfo t(std::string name, DType dtype, std::vector<int64_t> shape) {
+  return {std::move(name), dtype, std::move(shape)};
+}
 
 // Runs `f`, expects Error of `kind`, returns its message.
 using testing::error_of;
@@ -54,8 +56,8 @@ TEST(Layout, SelectAppliesEntryThenPrefixThenFallback) {
   s = select(l, inv.tensors[1]);
   EXPECT_EQ(s.info.shape, (std::vector<int64_t>{8, 4}));
   EXPECT_EQ(select(l, inv.tensors[2]).take, Take::kWhole);
-  EXPECT_EQ(select(l, inv.tensors[3]).take, Take::kDrop);  // prefix
-  EXPECT_EQ(select(l, inv.tensors[5]).take, Take::kDrop);  // entry
+  EXPECT_EQ(select(l, inv.tensors[3]).take, Take::kDrop);                                                // prefix
+  EXPECT_EQ(select(l, inv.tensors[5]).take, Take::kDrop);                                                // entry
   EXPECT_EQ(select(l, t("model.layers.0.self_attn.k_scale", DType::kFloat32, {1})).take, Take::kWhole);  // fallback
   l.fallback = Take::kDrop;
   EXPECT_EQ(select(l, t("model.layers.0.self_attn.k_scale", DType::kFloat32, {1})).take, Take::kDrop);
@@ -109,8 +111,9 @@ TEST(Layout, ValidateRejectionsNameTensorAndRank) {
   auto inv = small_model();
   Layout l;
   l.tensors["model.layers.99.foo.weight"] = Request::whole();
-  EXPECT_THAT(error_of(ErrorKind::kLayout, [&] { validate_layout(l, inv, "destination rank 3"); }),
-              AllOf(HasSubstr("model.layers.99.foo.weight"), HasSubstr("destination rank 3"), HasSubstr("does not have")));
+  EXPECT_THAT(
+      error_of(ErrorKind::kLayout, [&] { validate_layout(l, inv, "destination rank 3"); }),
+      AllOf(HasSubstr("model.layers.99.foo.weight"), HasSubstr("destination rank 3"), HasSubstr("does not have")));
 
   l = {};
   l.tensors["lm_head.weight"] = Request::narrow(2, 0, 1);
@@ -156,8 +159,9 @@ TEST(LayoutCodec, RandomLayoutsRoundTrip) {
     for (int i = 0, n = rng() % 5; i < n; ++i) l.drop_prefixes.push_back(fmt::format("p{}.", rng() % 1000));
     for (int i = 0, n = rng() % 40; i < n; ++i) {
       auto kind = rng() % 3;
-      Request r = kind == 0 ? Request::whole() : kind == 1 ? Request::drop()
-                                                          : Request::narrow(rng() % 4, rng() % 1000, rng() % 1000);
+      Request r = kind == 0   ? Request::whole()
+                  : kind == 1 ? Request::drop()
+                              : Request::narrow(rng() % 4, rng() % 1000, rng() % 1000);
       l.tensors[fmt::format("model.layers.{}.t{}", rng() % 64, i)] = r;
     }
     ASSERT_EQ(decode_layout(encode_layout(l)), l);
@@ -167,8 +171,9 @@ TEST(LayoutCodec, RandomLayoutsRoundTrip) {
 TEST(LayoutCodec, EveryTruncationIsRejected) {
   auto bytes = encode_layout(sample_layout());
   for (size_t n = 0; n < bytes.size(); ++n) {
-    auto msg = error_of(ErrorKind::kProtocol,
-                        [&] { decode_layout(std::span<const uint8_t>(bytes.data(), n), "layout from destination rank 5"); });
+    auto msg = error_of(ErrorKind::kProtocol, [&] {
+      decode_layout(std::span<const uint8_t>(bytes.data(), n), "layout from destination rank 5");
+    });
     EXPECT_THAT(msg, HasSubstr("layout from destination rank 5")) << n;
   }
   bytes.push_back(0);
@@ -225,7 +230,8 @@ TEST(LayoutCodec, MalformedFieldsAreNamed) {
     if (c.width == 2) poke<uint16_t>(b, c.at, static_cast<uint16_t>(c.value));
     if (c.width == 4) poke<int32_t>(b, c.at, static_cast<int32_t>(c.value));
     if (c.width == 8) poke<int64_t>(b, c.at, c.value);
-    EXPECT_THAT(error_of(ErrorKind::kProtocol, [&] { decode_layout(b); }), HasSubstr(c.field)) << c.field << " at " << c.at;
+    EXPECT_THAT(error_of(ErrorKind::kProtocol, [&] { decode_layout(b); }), HasSubstr(c.field))
+        << c.field << " at " << c.at;
   }
 }
 

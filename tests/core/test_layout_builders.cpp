@@ -1,7 +1,7 @@
 #include "refit/layout_builders.h"
 
-#include <gmock/gmock.h>
 #include <fmt/format.h>
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -67,18 +67,18 @@ TEST(HfExpertName, MapsMixtralNames) {
 
 TEST(HfExpertName, OtherNamesAreNotExperts) {
   for (const char* name : {
-           "model.layers.3.mlp.experts.1.gate_proj.bias",          // bias
-           "model.layers.3.mlp.shared_experts.gate_proj.weight",   // DeepSeek shared experts
-           "model.layers.3.mlp.shared_expert.up_proj.weight",      // qwen2_moe shared expert
-           "model.layers.3.mlp.experts.gate_up_proj",               // fused
+           "model.layers.3.mlp.experts.1.gate_proj.bias",         // bias
+           "model.layers.3.mlp.shared_experts.gate_proj.weight",  // DeepSeek shared experts
+           "model.layers.3.mlp.shared_expert.up_proj.weight",     // qwen2_moe shared expert
+           "model.layers.3.mlp.experts.gate_up_proj",             // fused
            "model.layers.3.mlp.experts.gate_up_proj.weight",
            "model.layers.3.mlp.experts.1.gate_up_proj.weight",
-           "model.layers.3.mlp.gate.weight",                        // router
-           "model.layers.3.mlp.gate_proj.weight",                   // dense MLP
-           "model.layers.3.mlp.experts.x1.gate_proj.weight",        // id not digits
-           "model.layers.3.mlp.experts..gate_proj.weight",          // empty id
-           "model.layers.3.mlp.experts.1.gate_proj.weight.extra",   // full match only
-           ".mlp.experts.1.gate_proj.weight",                       // `.+` needs a character
+           "model.layers.3.mlp.gate.weight",                       // router
+           "model.layers.3.mlp.gate_proj.weight",                  // dense MLP
+           "model.layers.3.mlp.experts.x1.gate_proj.weight",       // id not digits
+           "model.layers.3.mlp.experts..gate_proj.weight",         // empty id
+           "model.layers.3.mlp.experts.1.gate_proj.weight.extra",  // full match only
+           ".mlp.experts.1.gate_proj.weight",                      // `.+` needs a character
            "mlp.experts.1.gate_proj.weight",
            "model.layers.3.mlp.experts.99999999999999999999.down_proj.weight",  // past int64
            "model.layers.0.block_sparse_moe.experts.7.w4.weight",
@@ -87,7 +87,8 @@ TEST(HfExpertName, OtherNamesAreNotExperts) {
        })
     EXPECT_FALSE(parse_hf_expert_name(name)) << name;
   EXPECT_TRUE(parse_hf_expert_name("x.mlp.experts.0.gate_proj.weight"));
-  EXPECT_EQ(parse_hf_expert_name("a.mlp.experts.b.mlp.experts.007.down_proj.weight")->prefix, "a.mlp.experts.b.mlp.experts");
+  EXPECT_EQ(parse_hf_expert_name("a.mlp.experts.b.mlp.experts.007.down_proj.weight")->prefix,
+            "a.mlp.experts.b.mlp.experts");
   EXPECT_EQ(parse_hf_expert_name("a.mlp.experts.007.down_proj.weight")->expert_id, 7);
 }
 
@@ -98,7 +99,10 @@ TEST(ExpertOwnership, FromAStaticMap) {
   EXPECT_THAT(expert_ids_from_map({0, 1, 2, 3}, 0), ElementsAre(0, 1, 2, 3));
   EXPECT_THAT(expert_ids_from_map({-1, -1}, 0), ElementsAre());
   EXPECT_THAT(expert_ids_from_map({1, -1, 0}, 0), ElementsAre(0, 2));  // slots need not follow ids
-  EXPECT_THAT(error_of(ErrorKind::kLayout, [] { expert_ids_from_map({0, -2}, 4); }),
+  EXPECT_THAT(error_of(ErrorKind::kLayout,
+                       [] {
+                         expert_ids_from_map({0, -2}, 4);
+                       }),
               AllOf(HasSubstr("expert_map[1] is -2"), HasSubstr("destination rank 4")));
   EXPECT_THAT(error_of(ErrorKind::kLayout, [] { expert_ids_from_map({0, 0}, 4); }), HasSubstr("local slots"));
   EXPECT_THAT(error_of(ErrorKind::kLayout, [] { expert_ids_from_map({-1, 1}, 4); }), HasSubstr("local slots"));
@@ -135,11 +139,11 @@ TEST(Pipeline, MissingPrefixesPerStage) {
   EXPECT_THAT(pp_missing_prefixes(inv, 1, 0), ElementsAre());
   EXPECT_THAT(pp_missing_prefixes(inv, 2, 0), ElementsAre("model.layers.4.", "model.layers.5.", "model.layers.6.",
                                                           "model.layers.7.", "model.norm.", "lm_head."));
-  EXPECT_THAT(pp_missing_prefixes(inv, 2, 1),
-              ElementsAre("model.embed_tokens.", "model.layers.0.", "model.layers.1.", "model.layers.2.", "model.layers.3."));
+  EXPECT_THAT(pp_missing_prefixes(inv, 2, 1), ElementsAre("model.embed_tokens.", "model.layers.0.", "model.layers.1.",
+                                                          "model.layers.2.", "model.layers.3."));
   EXPECT_THAT(pp_missing_prefixes(inv, 4, 1),
-              ElementsAre("model.embed_tokens.", "model.layers.0.", "model.layers.1.", "model.layers.4.", "model.layers.5.",
-                          "model.layers.6.", "model.layers.7.", "model.norm.", "lm_head."));
+              ElementsAre("model.embed_tokens.", "model.layers.0.", "model.layers.1.", "model.layers.4.",
+                          "model.layers.5.", "model.layers.6.", "model.layers.7.", "model.norm.", "lm_head."));
 }
 
 TEST(Pipeline, TiedEmbeddingsStayOnTheLastStage) {
@@ -156,7 +160,8 @@ TEST(Pipeline, TiedEmbeddingsStayOnTheLastStage) {
 // missing but must not drop layer 1.
 TEST(Pipeline, Layer1IsNotDroppedByLayer10sPrefix) {
   ModelInventory inv;
-  for (int i = 0; i < 12; ++i) inv.tensors.push_back({fmt::format("model.layers.{}.mlp.down_proj.weight", i), DType::kBFloat16, {4, 4}});
+  for (int i = 0; i < 12; ++i)
+    inv.tensors.push_back({fmt::format("model.layers.{}.mlp.down_proj.weight", i), DType::kBFloat16, {4, 4}});
   ModelParallel p;
   p.pp_size = 6;
   Layout l = build_layout(inv, {}, p);
@@ -217,7 +222,7 @@ TEST(CompactLayout, SelectsAsTheReference) {
   EXPECT_EQ(sel("model.layers.2.mlp.experts.5.down_proj.weight").take, Take::kDrop);   // unlisted parameter
   EXPECT_EQ(sel("model.layers.2.self_attn.q_proj.weight").take, Take::kWhole);         // not an expert
   EXPECT_EQ(sel("model.layers.2.mlp.gate.weight").take, Take::kWhole);
-  EXPECT_EQ(sel("model.layers.7.self_attn.q_proj.weight").take, Take::kDrop);          // missing prefix
+  EXPECT_EQ(sel("model.layers.7.self_attn.q_proj.weight").take, Take::kDrop);  // missing prefix
   EXPECT_EQ(sel("model.layers.7.mlp.experts.1.gate_proj.weight").take, Take::kDrop);
 }
 
@@ -225,10 +230,11 @@ TEST(CompactLayout, NonDivisibleTpIsAnError) {
   auto inv = inventory_from_hf_config(model_dir("refit-tiny-moe"));
   CompactLayout c;
   c.expert_params["model.layers.0.mlp.experts.routed_experts.w13_weight"] = {0, 3, std::nullopt};
-  EXPECT_THAT(error_of(ErrorKind::kLayout, [&] { layout_from_compact(c, inv, 6); }),
-              AllOf(HasSubstr("Cannot shard model.layers.0.mlp.experts.0.gate_proj.weight dimension 0 of size 256 across "
-                              "TP size 3"),
-                    HasSubstr("destination rank 6")));
+  EXPECT_THAT(
+      error_of(ErrorKind::kLayout, [&] { layout_from_compact(c, inv, 6); }),
+      AllOf(HasSubstr("Cannot shard model.layers.0.mlp.experts.0.gate_proj.weight dimension 0 of size 256 across "
+                      "TP size 3"),
+            HasSubstr("destination rank 6")));
   c.expert_params.begin()->second = {3, 2, std::nullopt};
   EXPECT_THAT(error_of(ErrorKind::kLayout, [&] { layout_from_compact(c, inv, 6); }), HasSubstr("tp_rank 3"));
 }
@@ -322,7 +328,8 @@ TEST(BuildLayout, InvalidSizesAndRanks) {
     edit(p);
     return error_of(ErrorKind::kLayout, [&] { build_layout(inv, {8, 4}, p); });
   };
-  EXPECT_THAT(build([](ModelParallel& p) { p.tp_size = 0; }), AllOf(HasSubstr("tp rank"), HasSubstr("destination rank 9")));
+  EXPECT_THAT(build([](ModelParallel& p) { p.tp_size = 0; }),
+              AllOf(HasSubstr("tp rank"), HasSubstr("destination rank 9")));
   EXPECT_THAT(build([](ModelParallel& p) { p.tp_size = 2, p.tp_rank = 2; }), HasSubstr("tp rank 2 is not in [0, 2)"));
   EXPECT_THAT(build([](ModelParallel& p) { p.tp_rank = -1; }), HasSubstr("tp rank -1"));
   EXPECT_THAT(build([](ModelParallel& p) { p.ep_size = 4, p.ep_rank = 4; }), HasSubstr("ep rank 4"));
@@ -352,7 +359,7 @@ TEST(ModelDims, FromConfig) {
 struct Coverage {
   bool replicated = false;  // every rank whole
   int32_t dim = -1;
-  int copies = 0;           // how many ranks hold each element along `dim` (1, or tp / kv for KV heads)
+  int copies = 0;  // how many ranks hold each element along `dim` (1, or tp / kv for KV heads)
 };
 
 // Checks that the ranks' slices of `t` tile its sliced dimension `copies` times and returns it.
@@ -426,8 +433,8 @@ TEST(DenseTp, EveryModelTilesExactlyOnce) {
         if (ends(n, {".k_proj.weight", ".k_proj.bias", ".v_proj.weight", ".v_proj.bias"})) {
           EXPECT_EQ(c.dim, 0) << n;
           EXPECT_EQ(c.copies, tp > kv ? tp / kv : 1) << n;
-        } else if (ends(n, {".q_proj.weight", ".q_proj.bias", ".q_b_proj.weight", ".kv_b_proj.weight", ".gate_proj.weight",
-                            ".up_proj.weight", "embed_tokens.weight", "lm_head.weight"})) {
+        } else if (ends(n, {".q_proj.weight", ".q_proj.bias", ".q_b_proj.weight", ".kv_b_proj.weight",
+                            ".gate_proj.weight", ".up_proj.weight", "embed_tokens.weight", "lm_head.weight"})) {
           EXPECT_EQ(c.dim, 0) << n;
           EXPECT_EQ(c.copies, 1) << n;
         } else if (ends(n, {".o_proj.weight", ".down_proj.weight"})) {
@@ -454,7 +461,10 @@ TEST(DenseTp, GqaHeadsAreReplicatedByRank) {
   layouts = tp_layouts(inv, {8, 4}, 4);
   EXPECT_EQ(select(layouts[3], k).slice, (Slice{0, 384, 128}));
   // tp not a multiple of kv when tp > kv.
-  EXPECT_THAT(error_of(ErrorKind::kLayout, [&] { tp_layouts(inv, {8, 3}, 8); }),
+  EXPECT_THAT(error_of(ErrorKind::kLayout,
+                       [&] {
+                         tp_layouts(inv, {8, 3}, 8);
+                       }),
               AllOf(HasSubstr("k_proj"), HasSubstr("not a multiple of num_key_value_heads 3")));
 }
 
@@ -498,7 +508,8 @@ TEST(DenseTp, SpecificTensorsOfEachFamily) {
 // last ranks get what is left.
 TEST(DenseTp, VocabularyRemainder) {
   ModelInventory inv;
-  inv.tensors = {{"model.embed_tokens.weight", DType::kBFloat16, {1000, 8}}, {"lm_head.weight", DType::kBFloat16, {1000, 8}}};
+  inv.tensors = {{"model.embed_tokens.weight", DType::kBFloat16, {1000, 8}},
+                 {"lm_head.weight", DType::kBFloat16, {1000, 8}}};
   auto rows = [&](int tp, int64_t padding) {
     std::vector<std::pair<int64_t, int64_t>> out;
     for (int r = 0; r < tp; ++r) {
@@ -533,9 +544,13 @@ TEST(DenseTp, NonDivisibleIntermediateIsAnError) {
   p.tp_size = 4;
   p.shard_dense = true;
   p.destination_rank = 2;
-  EXPECT_THAT(error_of(ErrorKind::kLayout, [&] { build_layout(inv, {4, 4}, p); }),
-              AllOf(HasSubstr("Cannot shard model.layers.0.mlp.gate_proj.weight dimension 0 of size 30 across TP size 4"),
-                    HasSubstr("destination rank 2")));
+  EXPECT_THAT(
+      error_of(ErrorKind::kLayout,
+               [&] {
+                 build_layout(inv, {4, 4}, p);
+               }),
+      AllOf(HasSubstr("Cannot shard model.layers.0.mlp.gate_proj.weight dimension 0 of size 30 across TP size 4"),
+            HasSubstr("destination rank 2")));
 }
 
 TEST(BuildLayout, EverythingTogetherValidatesAndRoundTrips) {
@@ -556,7 +571,8 @@ TEST(BuildLayout, EverythingTogetherValidatesAndRoundTrips) {
   EXPECT_GT(sum.dropped, 0u);
   EXPECT_GT(sum.sliced, 0u);
   EXPECT_LT(sum.bytes, inv.total_bytes() / 4);
-  EXPECT_EQ(select(l, find(inv, "model.layers.6.mlp.experts.9.gate_proj.weight")).take, Take::kWhole);  // ep 2 owns 8..11
+  EXPECT_EQ(select(l, find(inv, "model.layers.6.mlp.experts.9.gate_proj.weight")).take,
+            Take::kWhole);  // ep 2 owns 8..11
   EXPECT_EQ(select(l, find(inv, "model.layers.6.mlp.experts.4.gate_proj.weight")).take, Take::kDrop);
   EXPECT_EQ(select(l, find(inv, "model.layers.1.mlp.experts.9.gate_proj.weight")).take, Take::kDrop);  // stage 0
   EXPECT_EQ(select(l, find(inv, "model.layers.6.self_attn.kv_b_proj.weight")).take, Take::kSlice);

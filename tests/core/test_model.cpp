@@ -1,5 +1,5 @@
-#include "refit/model.h"
 #include "refit/layout_builders.h"
+#include "refit/model.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -99,11 +99,11 @@ TEST(ModelConfig, Llama31_8B) {
   EXPECT_EQ(shape_of(inv, "model.layers.0.self_attn.k_proj.weight"), (std::vector<int64_t>{1024, 4096}));
   EXPECT_EQ(shape_of(inv, "model.layers.31.mlp.down_proj.weight"), (std::vector<int64_t>{4096, 14336}));
   // named_parameters() order inside a layer.
-  EXPECT_EQ(names_with_prefix(inv, "model.layers.0."),
-            (std::vector<std::string>{"self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-                                      "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
-                                      "mlp.down_proj.weight", "input_layernorm.weight",
-                                      "post_attention_layernorm.weight"}));
+  EXPECT_EQ(
+      names_with_prefix(inv, "model.layers.0."),
+      (std::vector<std::string>{"self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                                "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+                                "mlp.down_proj.weight", "input_layernorm.weight", "post_attention_layernorm.weight"}));
 }
 
 TEST(ModelConfig, Qwen25_7B_HasQkvBiases) {
@@ -188,7 +188,8 @@ TEST(ModelConfig, BuiltinDefaultModelIsTheShippedTinyMoe) {
   EXPECT_EQ(builtin.fingerprint(), shipped.fingerprint());
   EXPECT_EQ(builtin.tensors.size(), 459u);
   EXPECT_EQ(model_dims_from_hf_config(kDefaultModel).num_attention_heads, 8);
-  EXPECT_NE(testing::error_of(ErrorKind::kModel, [] { load_model_inventory("builtin:no-such-model"); }).find("builtin:no-such-model"),
+  EXPECT_NE(testing::error_of(ErrorKind::kModel, [] { load_model_inventory("builtin:no-such-model"); })
+                .find("builtin:no-such-model"),
             std::string::npos);
 }
 
@@ -313,7 +314,8 @@ TEST(ModelConfig, Errors) {
 
   auto missing = dir.write("missing.json", R"({"model_type": "llama", "vocab_size": 10, "hidden_size": 8,
     "num_attention_heads": 2, "intermediate_size": 16})");
-  expect_error([&] { inventory_from_hf_config(missing); }, ErrorKind::kModel, {missing, "missing key 'num_hidden_layers'"});
+  expect_error([&] { inventory_from_hf_config(missing); }, ErrorKind::kModel,
+               {missing, "missing key 'num_hidden_layers'"});
 
   auto ill = dir.write("ill.json", R"({"model_type": "qwen3", "vocab_size": "10", "hidden_size": 8})");
   expect_error([&] { inventory_from_hf_config(ill); }, ErrorKind::kModel, {ill, "'vocab_size'", "integer"});

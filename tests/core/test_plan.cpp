@@ -6,7 +6,9 @@
 namespace refit {
 namespace {
 
-TensorInfo t(std::string name, DType dtype, std::vector<int64_t> shape) { return {std::move(name), dtype, std::move(shape)}; }
+TensorInfo t(std::string name, DType dtype, std::vector<int64_t> shape) {
+  return {std::move(name), dtype, std::move(shape)};
+}
 
 TEST(Plan, TensorOfExactlyOneBucketFillsIt) {
   std::vector<TensorInfo> ts = {t("a", DType::kFloat32, {16}), t("b", DType::kFloat32, {1})};
@@ -32,9 +34,8 @@ TEST(Plan, TensorOverTwoBucketsSplitsInOrder) {
 
 TEST(Plan, MixedDtypesAreAlignedToTheirElementSize) {
   // bf16[3] ends at byte 6; fp32 must start at 8, int64 at 16, fp8 right after.
-  std::vector<TensorInfo> ts = {t("a", DType::kBFloat16, {3}), t("b", DType::kFloat32, {1}),
-                                t("c", DType::kInt64, {1}), t("d", DType::kFloat8E4M3FN, {3}),
-                                t("e", DType::kFloat64, {1})};
+  std::vector<TensorInfo> ts = {t("a", DType::kBFloat16, {3}), t("b", DType::kFloat32, {1}), t("c", DType::kInt64, {1}),
+                                t("d", DType::kFloat8E4M3FN, {3}), t("e", DType::kFloat64, {1})};
   auto plan = plan_buckets(ts, 1024);
   ASSERT_EQ(plan.buckets.size(), 1u);
   const auto& c = plan.buckets[0].chunks;
@@ -100,7 +101,8 @@ TEST(Plan, RepeatedNameIsAnError) {
 TEST(Plan, ZeroBucketIsRejected) { EXPECT_THROW(BucketPacker(0), Error); }
 
 TEST(Plan, SamePlanForSameInput) {
-  std::vector<TensorInfo> ts = {t("a", DType::kBFloat16, {1000}), t("b", DType::kFloat32, {7}), t("c", DType::kInt8, {333})};
+  std::vector<TensorInfo> ts = {t("a", DType::kBFloat16, {1000}), t("b", DType::kFloat32, {7}),
+                                t("c", DType::kInt8, {333})};
   auto p1 = plan_buckets(ts, 500);
   auto p2 = plan_buckets(ts, 500);
   ASSERT_EQ(p1.buckets.size(), p2.buckets.size());

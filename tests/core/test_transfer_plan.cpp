@@ -21,9 +21,9 @@ namespace refit {
 namespace {
 
 using ::testing::AllOf;
-using ::testing::HasSubstr;
-using testing::error_of;
 using testing::deepseek;
+using testing::error_of;
+using ::testing::HasSubstr;
 using testing::Model;
 using testing::patterned;
 using testing::qwen_moe;
@@ -207,9 +207,10 @@ TEST(TransferPlan, OverlappingSourceSlicesAreRefusedNamingBothSources) {
   b.tensors[name] = Request::narrow(0, 16, 16);
   const Layout sources[] = {a, b};
   const Layout dest[] = {Layout{}};
-  EXPECT_THAT(error_of(ErrorKind::kLayout, [&] { plan_transfers(m.inventory, sources, dest); }),
-              AllOf(HasSubstr("source layouts overlap on tensor '" + name + "'"), HasSubstr("source rank 0 holds its dim 0 [0, 20)"),
-                    HasSubstr("source rank 1 holds its dim 0 [16, 32)")));
+  EXPECT_THAT(
+      error_of(ErrorKind::kLayout, [&] { plan_transfers(m.inventory, sources, dest); }),
+      AllOf(HasSubstr("source layouts overlap on tensor '" + name + "'"),
+            HasSubstr("source rank 0 holds its dim 0 [0, 20)"), HasSubstr("source rank 1 holds its dim 0 [16, 32)")));
   // Slices of two different dims always overlap, as do a whole tensor and a slice of it.
   b.tensors[name] = Request::narrow(1, 0, 8);
   const Layout two_dims[] = {a, b};
@@ -254,7 +255,10 @@ TEST(TransferPlan, LayoutsThatDoNotFitTheModelAreRefusedNamingTheirOwner) {
   Layout unknown;
   unknown.tensors["model.layers.99.nothing.weight"] = Request::whole();
   const Layout dest_unknown[] = {unknown};
-  EXPECT_THAT(error_of(ErrorKind::kLayout, [&] { plan_transfers(m.inventory, {sources, 1}, dest_unknown); }),
+  EXPECT_THAT(error_of(ErrorKind::kLayout,
+                       [&] {
+                         plan_transfers(m.inventory, {sources, 1}, dest_unknown);
+                       }),
               HasSubstr("layout of destination rank 0 lists tensor 'model.layers.99.nothing.weight'"));
 }
 
@@ -290,7 +294,10 @@ TEST(SourceLayouts, MegatronRanksSplitExpertsWithinAStage) {
   EXPECT_EQ(l.request_for("model.layers.3.mlp.experts.2.down_proj.weight").take, Take::kWhole);
   EXPECT_EQ(l.request_for("model.layers.3.mlp.experts.4.down_proj.weight").take, Take::kDrop);
   EXPECT_EQ(l.request_for("model.layers.3.self_attn.o_proj.weight"), Request::narrow(1, 32, 32));
-  EXPECT_THAT(error_of(ErrorKind::kLayout, [&] { megatron_source_layouts(m.inventory, m.dims, {1, 1, 2, 4, 1}); }),
+  EXPECT_THAT(error_of(ErrorKind::kLayout,
+                       [&] {
+                         megatron_source_layouts(m.inventory, m.dims, {1, 1, 2, 4, 1});
+                       }),
               HasSubstr("cannot be split into expert tp 1 x ep 4 groups"));
 }
 

@@ -3,15 +3,15 @@
 #include <algorithm>
 #include <future>
 #include <map>
-#include <tuple>
 #include <optional>
 #include <thread>
+#include <tuple>
 
 #include "core/error_of.h"
 #include "engine/protocol.h"
-#include "transport/fault_injection.h"
 #include "engine_harness.h"
 #include "refit/error.h"
+#include "transport/fault_injection.h"
 
 namespace refit {
 namespace {
@@ -24,7 +24,7 @@ using testing::VectorSource;
 
 std::vector<OwnedTensor> mixed_model(uint32_t seed) {
   return {
-      make_tensor("model.embed_tokens.weight", DType::kBFloat16, {64, 16}, seed + 1),   // 2048 B: split
+      make_tensor("model.embed_tokens.weight", DType::kBFloat16, {64, 16}, seed + 1),  // 2048 B: split
       make_tensor("model.layers.0.norm.weight", DType::kFloat32, {16}, seed + 2),
       make_tensor("model.layers.0.empty", DType::kFloat32, {0, 4}, seed + 3),
       make_tensor("model.layers.0.bias", DType::kFloat8E4M3FN, {7}, seed + 4),
@@ -216,7 +216,8 @@ TEST(Engine, ATransportDeviceThatContradictsTheConfiguredDeviceIsRefused) {
   options.config.backend_name = "UCX";
   options.config.backend_init_params["device"] = "cuda:1";  // config.device stays cpu
   const std::string message = testing::error_of(ErrorKind::kConfig, [&] { CheckpointEngine engine(options); });
-  EXPECT_NE(message.find("backend_init_params.device is 'cuda:1' but refit_cfg.nixl.device is 'cpu'"), std::string::npos)
+  EXPECT_NE(message.find("backend_init_params.device is 'cuda:1' but refit_cfg.nixl.device is 'cpu'"),
+            std::string::npos)
       << message;
 }
 
@@ -284,7 +285,8 @@ TEST(Engine, SourceWithoutPeerDrainsItsWeights) {
 TEST(Engine, RepeatedNameFailsTheRefitOnBothSides) {
   Pair p(256);
   p.connect();
-  std::vector<OwnedTensor> weights = {make_tensor("w", DType::kFloat32, {4}, 1), make_tensor("w", DType::kFloat32, {4}, 2)};
+  std::vector<OwnedTensor> weights = {make_tensor("w", DType::kFloat32, {4}, 1),
+                                      make_tensor("w", DType::kFloat32, {4}, 2)};
   Received got;
   EXPECT_THROW(p.refit(weights, got), Error);
   EXPECT_TRUE(p.destination->stale());

@@ -31,22 +31,22 @@ TEST(Fp8Loading, FullWeightRefitQuantizesLinearWeightsAndCarriesKvScales) {
   destination.init_destination(0, 1, 1, md);
 
   std::vector<OwnedTensor> weights = {
-      bf16_tensor("model.embed_tokens.weight", {64, 32}, 1.0f),              // kept as is
+      bf16_tensor("model.embed_tokens.weight", {64, 32}, 1.0f),                 // kept as is
       bf16_tensor("model.layers.0.self_attn.q_proj.weight", {200, 130}, 3.0f),  // quantized, partial blocks
-      bf16_tensor("model.layers.0.input_layernorm.weight", {32}, 1.0f),     // kept as is
-      bf16_tensor("model.layers.1.mlp.down_proj.weight", {40, 300}, 0.01f),  // quantized
+      bf16_tensor("model.layers.0.input_layernorm.weight", {32}, 1.0f),         // kept as is
+      bf16_tensor("model.layers.1.mlp.down_proj.weight", {40, 300}, 0.01f),     // quantized
   };
   auto scales = kv_scale_tensors(2, {{"model.layers.1.self_attn.k_scale", 0.25f}});
 
   std::map<std::string, Fp8Tensor> fp8;
   std::map<std::string, std::vector<std::byte>> other;
   std::vector<std::map<std::string, float>> post_loads;
-  Fp8QuantizingLoader loader({Fp8Scaling::kBlock128, {},
-                              [&](const TensorInfo& info, const Fp8Tensor& q) { fp8[info.name] = q; },
-                              [&](const TensorView& v) {
-                                other[v.info->name].assign(v.data, v.data + v.info->nbytes());
-                              },
-                              [&](const std::map<std::string, float>& kv) { post_loads.push_back(kv); }});
+  Fp8QuantizingLoader loader(
+      {Fp8Scaling::kBlock128,
+       {},
+       [&](const TensorInfo& info, const Fp8Tensor& q) { fp8[info.name] = q; },
+       [&](const TensorView& v) { other[v.info->name].assign(v.data, v.data + v.info->nbytes()); },
+       [&](const std::map<std::string, float>& kv) { post_loads.push_back(kv); }});
 
   auto sent = std::async(std::launch::async, [&] {
     VectorSource plain(weights);
@@ -76,8 +76,8 @@ TEST(Fp8Loading, FullWeightRefitQuantizesLinearWeightsAndCarriesKvScales) {
 }
 
 TEST(Fp8Loading, MalformedKvScaleIsRejected) {
-  Fp8QuantizingLoader loader({Fp8Scaling::kPerTensor, {}, [](const TensorInfo&, const Fp8Tensor&) {},
-                              [](const TensorView&) {}, {}});
+  Fp8QuantizingLoader loader(
+      {Fp8Scaling::kPerTensor, {}, [](const TensorInfo&, const Fp8Tensor&) {}, [](const TensorView&) {}, {}});
   TensorInfo bad{"model.layers.0.self_attn.k_scale", DType::kFloat32, {2}};
   float values[2] = {1, 2};
   TensorView v{&bad, reinterpret_cast<const std::byte*>(values), MemoryKind::kHost};

@@ -64,7 +64,8 @@ TEST(Protocol, APieceRoundTripsAndMustFitItsTensor) {
 }
 
 TEST(Protocol, EveryTruncationOfEveryMessageIsAProtocolError) {
-  std::vector<Bytes> messages = {encode(sample_bucket()), encode(BucketDone{1, 2}), encode(Abort{1, ErrorKind::kIntegrity, "why"})};
+  std::vector<Bytes> messages = {encode(sample_bucket()), encode(BucketDone{1, 2}),
+                                 encode(Abort{1, ErrorKind::kIntegrity, "why"})};
   for (const auto& full : messages) {
     for (size_t n = 0; n < full.size(); ++n) {
       Bytes cut(full.begin(), full.begin() + n);

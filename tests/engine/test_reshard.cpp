@@ -91,9 +91,8 @@ Outcome refit_once(Group& g, const std::vector<std::vector<OwnedTensor>>& shards
       out.sent[s] = g.sources[s]->send(source);
     }));
   for (size_t d = 0; d < g.destinations.size(); ++d)
-    running.push_back(std::async(std::launch::async, [&, d] {
-      out.received_stats[d] = g.destinations[d]->receive(out.received[d].loader());
-    }));
+    running.push_back(std::async(
+        std::launch::async, [&, d] { out.received_stats[d] = g.destinations[d]->receive(out.received[d].loader()); }));
   for (auto& r : running) r.get();  // rethrows the first failure
   return out;
 }
@@ -145,7 +144,7 @@ TEST(Reshard, EightShardedSourcesToFourTensorParallelDestinations) {
 
 TEST(Reshard, TwoSourcesFeedSixDestinations) {
   const auto& m = testing::deepseek();
-  const auto holds = megatron(m, {2, 1, 1, 1, std::nullopt});  // TP2
+  const auto holds = megatron(m, {2, 1, 1, 1, std::nullopt});          // TP2
   const auto needs = testing::vllm_side(m, 2, 3, true, true).layouts;  // TP2 x PP3, EP
   auto g = make_group(m, holds, needs, 8 << 10);
   auto outcome = refit_once(g, shards_of(m.inventory, holds));
@@ -191,7 +190,7 @@ TEST(Reshard, AShardOfTheWrongShapeFailsNamingTheTensor) {
 TEST(Reshard, AHoldingNobodyCoversFailsAtInitNamingTheDestination) {
   const auto& m = testing::qwen_moe();
   auto holds = megatron(m, {1, 2, 1, 1, std::nullopt});  // two stages
-  holds[1].drop_prefixes.push_back("lm_head.");            // lm_head is nowhere (tied: embed_tokens)
+  holds[1].drop_prefixes.push_back("lm_head.");          // lm_head is nowhere (tied: embed_tokens)
   holds[1].drop_prefixes.push_back("model.norm.");
   const auto needs = testing::vllm_side(m, 1, 1, false, false).layouts;
   EXPECT_THAT(testing::error_of(ErrorKind::kLayout, [&] { make_group(m, holds, needs, 1 << 20); }),
@@ -214,19 +213,19 @@ TEST(Reshard, TheAssemblerRefusesBytesSentTwice) {
   {
     TensorAssembler a;
     a.add_bucket(bucket(Box::whole(), 0, 8), data.data(), "source rank 0", deadline);
-    EXPECT_THAT(testing::error_of(ErrorKind::kProtocol, [&] {
-                  a.add_bucket(bucket(Box::whole(), 4, 8), data.data(), "source rank 1", deadline);
-                }),
-                HasSubstr("bytes [4, 12) of piece whole of 'w' arrived twice"));
+    EXPECT_THAT(
+        testing::error_of(ErrorKind::kProtocol,
+                          [&] { a.add_bucket(bucket(Box::whole(), 4, 8), data.data(), "source rank 1", deadline); }),
+        HasSubstr("bytes [4, 12) of piece whole of 'w' arrived twice"));
   }
   {
     TensorAssembler a;
     const Box rows_0_2 = Box::of(Request::narrow(0, 0, 2)), rows_1_3 = Box::of(Request::narrow(0, 1, 2));
     a.add_bucket(bucket(rows_0_2, 0, 8), data.data(), "source rank 0", deadline);
-    EXPECT_THAT(testing::error_of(ErrorKind::kProtocol, [&] {
-                  a.add_bucket(bucket(rows_1_3, 0, 8), data.data(), "source rank 1", deadline);
-                }),
-                HasSubstr("overlaps piece dim 0 [0, 2)"));
+    EXPECT_THAT(
+        testing::error_of(ErrorKind::kProtocol,
+                          [&] { a.add_bucket(bucket(rows_1_3, 0, 8), data.data(), "source rank 1", deadline); }),
+        HasSubstr("overlaps piece dim 0 [0, 2)"));
     // The other half completes it.
     auto views = a.add_bucket(bucket(Box::of(Request::narrow(0, 2, 2)), 0, 8), data.data(), "source rank 1", deadline);
     ASSERT_EQ(views.size(), 1u);

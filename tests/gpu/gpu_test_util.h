@@ -25,15 +25,15 @@ namespace refit::gpu_test {
 // Skips the test unless this machine has at least `count` usable GPUs. With REFIT_REQUIRE_GPU=1
 // in the environment (scripts/gpu_test.sh sets it) a machine without any usable GPU fails instead,
 // so that a broken driver cannot pass as "all skipped".
-#define REFIT_REQUIRE_GPUS(count)                                                                      \
-  do {                                                                                                 \
-    std::string refit_reason;                                                                          \
-    int refit_gpus = ::refit::cuda_device_count(&refit_reason);                                        \
-    if (refit_gpus == 0 && ::refit::gpu_test::gpu_required())                                          \
-      FAIL() << "REFIT_REQUIRE_GPU is set but no GPU is usable: " << refit_reason;                     \
-    if (refit_gpus < (count))                                                                          \
-      GTEST_SKIP() << "needs " << (count) << " GPU(s), this machine has " << refit_gpus << " ("       \
-                   << refit_reason << ")";                                                             \
+#define REFIT_REQUIRE_GPUS(count)                                                                               \
+  do {                                                                                                          \
+    std::string refit_reason;                                                                                   \
+    int refit_gpus = ::refit::cuda_device_count(&refit_reason);                                                 \
+    if (refit_gpus == 0 && ::refit::gpu_test::gpu_required())                                                   \
+      FAIL() << "REFIT_REQUIRE_GPU is set but no GPU is usable: " << refit_reason;                              \
+    if (refit_gpus < (count))                                                                                   \
+      GTEST_SKIP() << "needs " << (count) << " GPU(s), this machine has " << refit_gpus << " (" << refit_reason \
+                   << ")";                                                                                      \
   } while (0)
 
 bool gpu_required();
@@ -80,11 +80,10 @@ std::map<std::string, PeerRole>& peer_roles();
 struct RegisterRole {
   RegisterRole(const std::string& name, PeerRole role) { peer_roles()[name] = std::move(role); }
 };
-#define REFIT_PEER_ROLE(name)                                                                              \
-  static void name(std::vector<std::unique_ptr<::refit::gpu_test::Channel>>& channels,                     \
-                   std::vector<std::string> args);                                                         \
-  static ::refit::gpu_test::RegisterRole name##_registered(#name, name);                                   \
-  static void name([[maybe_unused]] std::vector<std::unique_ptr<::refit::gpu_test::Channel>>& channels,    \
+#define REFIT_PEER_ROLE(name)                                                                                          \
+  static void name(std::vector<std::unique_ptr<::refit::gpu_test::Channel>>& channels, std::vector<std::string> args); \
+  static ::refit::gpu_test::RegisterRole name##_registered(#name, name);                                               \
+  static void name([[maybe_unused]] std::vector<std::unique_ptr<::refit::gpu_test::Channel>>& channels,                \
                    [[maybe_unused]] std::vector<std::string> args)
 
 // Runs a role if argv asks for one (gpu_main.cpp); returns the exit code, or -1 when not a peer.

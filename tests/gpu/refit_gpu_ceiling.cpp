@@ -114,7 +114,9 @@ Result measure_nccl(size_t bytes, int iterations, int to, int from) {
 #endif
 
 void usage() {
-  std::fprintf(stderr, "usage: refit_gpu_ceiling [--device N] [--bytes BYTES] [--iterations K] [--json FILE] [--calibration-out FILE]\n");
+  std::fprintf(stderr,
+               "usage: refit_gpu_ceiling [--device N] [--bytes BYTES] [--iterations K] [--json FILE] "
+               "[--calibration-out FILE]\n");
   std::exit(64);
 }
 

@@ -21,10 +21,13 @@ constexpr size_t kBufferBytes = (32 << 20) + 5;
 constexpr size_t kInteriorOffset = 4096 + 8;
 constexpr size_t kInteriorBytes = (1 << 20) + 3;
 
-std::unique_ptr<Transport> ipc_on(int device) { return create_transport("CUDA_IPC", {{"device", "cuda:" + std::to_string(device)}}); }
+std::unique_ptr<Transport> ipc_on(int device) {
+  return create_transport("CUDA_IPC", {{"device", "cuda:" + std::to_string(device)}});
+}
 
 std::vector<uint8_t> slice(const std::vector<uint8_t>& all, size_t offset, size_t length) {
-  return {all.begin() + static_cast<std::ptrdiff_t>(offset), all.begin() + static_cast<std::ptrdiff_t>(offset + length)};
+  return {all.begin() + static_cast<std::ptrdiff_t>(offset),
+          all.begin() + static_cast<std::ptrdiff_t>(offset + length)};
 }
 
 TEST(CudaIpc, AllocatesZeroedDeviceMemory) {
@@ -65,9 +68,12 @@ TEST(CudaIpc, ReadsWithinOneProcess) {
   EXPECT_EQ(source->receive(to_destination, deadline_after(5s)), Bytes{});
 
   std::string message;
-  EXPECT_EQ(error_kind_of([&] {
-              destination->read(to_source, region, kBufferBytes - 10, local.base, local.region, 11, deadline_after(5s));
-            }, &message),
+  EXPECT_EQ(error_kind_of(
+                [&] {
+                  destination->read(to_source, region, kBufferBytes - 10, local.base, local.region, 11,
+                                    deadline_after(5s));
+                },
+                &message),
             ErrorKind::kInvalidArgument);
   EXPECT_NE(message.find("source rank 0"), std::string::npos) << message;
   EXPECT_EQ(error_kind_of([&] {
@@ -90,15 +96,18 @@ TEST(CudaIpc, HostMemoryIsALocalTargetOnly) {
   RegionId target_region = destination->register_memory(target.data(), target.size());
   PeerId peer = destination->connect(source->address(), "source rank 0");
   // Device to host memory works...
-  destination->read(peer, source->describe(remote.region), 0, target.data(), target_region, 1 << 20, deadline_after(30s));
+  destination->read(peer, source->describe(remote.region), 0, target.data(), target_region, 1 << 20,
+                    deadline_after(30s));
   std::vector<uint8_t> expected = pattern(1 << 20, 4);
   EXPECT_EQ(std::memcmp(target.data(), expected.data(), 1 << 20), 0);
   // ... but host memory cannot be mapped by a peer.
   std::string message;
-  EXPECT_EQ(error_kind_of([&] {
-              destination->read(peer, source->describe(host_region), 0, target.data(), target_region, 16,
-                                deadline_after(5s));
-            }, &message),
+  EXPECT_EQ(error_kind_of(
+                [&] {
+                  destination->read(peer, source->describe(host_region), 0, target.data(), target_region, 16,
+                                    deadline_after(5s));
+                },
+                &message),
             ErrorKind::kUnsupported);
   EXPECT_NE(message.find("host memory"), std::string::npos) << message;
 }
@@ -118,7 +127,8 @@ TEST(CudaIpc, RefusesPeersOnAnotherHostAndForeignAddresses) {
   EXPECT_NE(message.find("CUDA IPC needs both peers on one host"), std::string::npos) << message;
   EXPECT_NE(message.find("source rank 4"), std::string::npos) << message;
   auto ucx = create_transport("UCX", {});
-  EXPECT_EQ(error_kind_of([&] { transport->connect(ucx->address(), "source rank 5"); }, &message), ErrorKind::kProtocol);
+  EXPECT_EQ(error_kind_of([&] { transport->connect(ucx->address(), "source rank 5"); }, &message),
+            ErrorKind::kProtocol);
   EXPECT_NE(message.find("source rank 5"), std::string::npos) << message;
   EXPECT_EQ(error_kind_of([&] { create_transport("CUDA_IPC", {{"device", "cpu"}}); }), ErrorKind::kConfig);
 }
@@ -193,8 +203,8 @@ REFIT_PEER_ROLE(ipc_destination) {
     require_equal(read_device(local.base, kBufferBytes), pattern(kBufferBytes, 1), "buffer a");
   }
   transport->read(source, b, 12345, local.base + kBufferBytes, local.region, (1 << 20) + 3, deadline());
-  require_equal(read_device(local.base + kBufferBytes, (1 << 20) + 3), slice(pattern(kBufferBytes, 2), 12345, (1 << 20) + 3),
-                "part of buffer b");
+  require_equal(read_device(local.base + kBufferBytes, (1 << 20) + 3),
+                slice(pattern(kBufferBytes, 2), 12345, (1 << 20) + 3), "part of buffer b");
   transport->read(source, interior, 0, local.base, local.region, kInteriorBytes, deadline());
   require_equal(read_device(local.base, kInteriorBytes), pattern(kInteriorBytes, 3), "the interior region");
   transport->read(source, b, 0, local.base, local.region, 0, deadline());  // nothing, no error

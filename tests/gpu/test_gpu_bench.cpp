@@ -56,15 +56,17 @@ TEST(GpuBench, TensorsSplitOverBucketsAreMergedOnTheGpu) {
 TEST(GpuBench, ShardedDestinationsGetTheirGpuSlices) {
   REFIT_REQUIRE_GPUS(1);
   // Row-parallel (dim 1) slices are gathered on the GPU by a 2-D copy.
-  expect_verified(refit_cli("bench --device cuda --sources 2 --destinations 2 --tp 2 --shard-dense --refits 2 "
-                            "refit_cfg.nixl.shard_expert_weights=true refit_cfg.nixl.bucket_bytes=16MiB"));
+  expect_verified(
+      refit_cli("bench --device cuda --sources 2 --destinations 2 --tp 2 --shard-dense --refits 2 "
+                "refit_cfg.nixl.shard_expert_weights=true refit_cfg.nixl.bucket_bytes=16MiB"));
 }
 
 TEST(GpuBench, PinnedHostBuffersMoveGpuTensors) {
   REFIT_REQUIRE_GPUS(1);
   expect_verified(refit_cli("bench --device cpu --tensors cuda --refits 2 refit_cfg.nixl.bucket_bytes=16MiB"));
-  expect_verified(refit_cli("bench --device cpu --tensors cuda --refits 2 refit_cfg.nixl.bucket_bytes=16MiB "
-                            "refit_cfg.nixl.map_source_buffers=false"));
+  expect_verified(
+      refit_cli("bench --device cpu --tensors cuda --refits 2 refit_cfg.nixl.bucket_bytes=16MiB "
+                "refit_cfg.nixl.map_source_buffers=false"));
 }
 
 TEST(GpuBench, AnOutOfRangeDeviceFailsBeforeAnyTransfer) {

@@ -40,7 +40,9 @@ TEST(GpuDetection, AnOutOfRangeIndexIsAConfigErrorNamingTheRange) {
   EXPECT_NE(message.find(expected), std::string::npos) << message;
   EXPECT_EQ(error_kind_of([&] { DeviceBuffer buffer(cuda(count + 7), 1024); }), ErrorKind::kConfig);
   EXPECT_EQ(error_kind_of([&] { total_device_memory_bytes(cuda(count)); }), ErrorKind::kConfig);
-  EXPECT_EQ(error_kind_of([&] { create_transport("CUDA_IPC", {{"device", "cuda:" + std::to_string(count)}}); }),
+  EXPECT_EQ(error_kind_of([&] {
+              create_transport("CUDA_IPC", {{"device", "cuda:" + std::to_string(count)}});
+            }),
             ErrorKind::kConfig);
 }
 
@@ -61,8 +63,7 @@ TEST(GpuDetection, TwoBuffersThatDoNotFitAreRefusedBeforeAllocating) {
   REFIT_REQUIRE_GPUS(1);
   const uint64_t total = total_device_memory_bytes(cuda(0));
   std::string message;
-  EXPECT_EQ(error_kind_of([&] { check_buffers_fit(cuda(0), total / 2 + (1 << 20), 2); }, &message),
-            ErrorKind::kConfig);
+  EXPECT_EQ(error_kind_of([&] { check_buffers_fit(cuda(0), total / 2 + (1 << 20), 2); }, &message), ErrorKind::kConfig);
   EXPECT_NE(message.find("device cuda:0 has"), std::string::npos) << message;
   EXPECT_NE(message.find("2 transfer buffers"), std::string::npos) << message;
   EXPECT_NE(message.find("lower update_weights_bucket_memory_ratio or set bucket_bytes"), std::string::npos) << message;

@@ -75,8 +75,8 @@ REFIT_PEER_ROLE(nccl_destination) {
     require_equal(read_device(local.base, kBufferBytes), pattern(kBufferBytes, 1), "buffer a");
     transport->read(source, b, 999, local.base + 7, local.region, 1 << 20, deadline());
     std::vector<uint8_t> all = pattern(kBufferBytes, 2);
-    require_equal(read_device(local.base + 7, 1 << 20), std::vector<uint8_t>(all.begin() + 999, all.begin() + 999 + (1 << 20)),
-                  "part of buffer b");
+    require_equal(read_device(local.base + 7, 1 << 20),
+                  std::vector<uint8_t>(all.begin() + 999, all.begin() + 999 + (1 << 20)), "part of buffer b");
   }
   transport->send(source, Bytes{'d', 'o', 'n', 'e'}, deadline());
   require(transport->receive(source, deadline()) == Bytes{'g', 'o', 'n', 'e'}, "expected 'gone'");

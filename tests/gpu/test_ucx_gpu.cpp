@@ -16,7 +16,11 @@ TEST(UcxGpu, GpuBuffersNeedAUcxWithCuda) {
   REFIT_REQUIRE_GPUS(1);
   if (!ucx_capabilities({}).cuda) {
     std::string message;
-    EXPECT_EQ(error_kind_of([&] { create_transport("UCX", {{"device", "cuda:0"}}); }, &message),
+    EXPECT_EQ(error_kind_of(
+                  [&] {
+                    create_transport("UCX", {{"device", "cuda:0"}});
+                  },
+                  &message),
               ErrorKind::kUnsupported);
     EXPECT_NE(message.find("the UCX build here has no CUDA support"), std::string::npos) << message;
     EXPECT_NE(message.find("CUDA_IPC"), std::string::npos) << message;

@@ -120,7 +120,9 @@ class SimHosts {
   }
 
   void kill_host(int host) { check(run_command({REFIT_SIMHOSTS, "kill", tag_, std::to_string(host)}), "kill"); }
-  void restart_host(int host) { check(run_command({REFIT_SIMHOSTS, "restart", tag_, std::to_string(host)}), "restart"); }
+  void restart_host(int host) {
+    check(run_command({REFIT_SIMHOSTS, "restart", tag_, std::to_string(host)}), "restart");
+  }
   void link(int host, bool up) {
     check(run_command({REFIT_SIMHOSTS, "link", tag_, std::to_string(host), up ? "up" : "down"}), "link");
   }

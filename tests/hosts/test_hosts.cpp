@@ -7,8 +7,8 @@
 
 #include <algorithm>
 #include <cerrno>
-#include <cstring>
 #include <cstdio>
+#include <cstring>
 #include <ctime>
 #include <filesystem>
 #include <functional>
@@ -52,11 +52,11 @@ class Hosts : public ::testing::Test {
   }
 
   struct Job {
-    int status = -1;           // rank 0's exit status; -1: it hung past the test's limit
-    std::string output;        // rank 0's output
+    int status = -1;                        // rank 0's exit status; -1: it hung past the test's limit
+    std::string output;                     // rank 0's output
     std::vector<std::string> rank_outputs;  // every rank's, rank 0 first
     std::vector<int> rank_status;
-    json result;               // rank 0's --json
+    json result;  // rank 0's --json
 
     // Every rank's exit status and output, for a failure message.
     std::string all_outputs() const {
@@ -81,11 +81,24 @@ class Hosts : public ::testing::Test {
     for (int r = 0; r < world; ++r) std::filesystem::remove(log(r));
     std::vector<pid_t> pids;
     for (int r = 0; r < world; ++r) {
-      std::vector<std::string> argv = {"env", "RANK=" + std::to_string(r), "WORLD_SIZE=" + std::to_string(world),
-                                       "MASTER_ADDR=" + master, "MASTER_PORT=" + port, REFIT_CLI_PATH, "bench",
-                                       "--launcher", "env", "--model", dir_ + "/config.json", "--sources",
-                                       std::to_string(sources), "--destinations", std::to_string(destinations),
-                                       "--refits", std::to_string(refits), "refit_cfg.nixl.bucket_bytes=4MiB"};
+      std::vector<std::string> argv = {"env",
+                                       "RANK=" + std::to_string(r),
+                                       "WORLD_SIZE=" + std::to_string(world),
+                                       "MASTER_ADDR=" + master,
+                                       "MASTER_PORT=" + port,
+                                       REFIT_CLI_PATH,
+                                       "bench",
+                                       "--launcher",
+                                       "env",
+                                       "--model",
+                                       dir_ + "/config.json",
+                                       "--sources",
+                                       std::to_string(sources),
+                                       "--destinations",
+                                       std::to_string(destinations),
+                                       "--refits",
+                                       std::to_string(refits),
+                                       "refit_cfg.nixl.bucket_bytes=4MiB"};
       if (r == 0) argv.insert(argv.end(), {"--json", json_path});
       argv.insert(argv.end(), extra.begin(), extra.end());
       pids.push_back(hosts.start(on_host[r], argv, log(r)));
@@ -167,9 +180,18 @@ TEST_F(Hosts, ARankWithAnotherModelIsRefusedNamingItsHost) {
   // Rank 1 is given another model: the same command line otherwise.
   const std::string master = hosts.address(1), port = "29977";
   auto argv = [&](int rank, const std::string& model) {
-    return std::vector<std::string>{"env", "RANK=" + std::to_string(rank), "WORLD_SIZE=2", "MASTER_ADDR=" + master,
-                                    "MASTER_PORT=" + port, REFIT_CLI_PATH, "bench", "--launcher", "env", "--model",
-                                    model, "refit_cfg.nixl.timeout_s=20"};
+    return std::vector<std::string>{"env",
+                                    "RANK=" + std::to_string(rank),
+                                    "WORLD_SIZE=2",
+                                    "MASTER_ADDR=" + master,
+                                    "MASTER_PORT=" + port,
+                                    REFIT_CLI_PATH,
+                                    "bench",
+                                    "--launcher",
+                                    "env",
+                                    "--model",
+                                    model,
+                                    "refit_cfg.nixl.timeout_s=20"};
   };
   pid_t p1 = hosts.start(2, argv(1, other), log(1));
   pid_t p0 = hosts.start(1, argv(0, dir_ + "/config.json"), log(0));
@@ -182,8 +204,9 @@ TEST_F(Hosts, ARankWithAnotherModelIsRefusedNamingItsHost) {
 
 TEST_F(Hosts, WrongWorldSizeIsRefusedBeforeAnyProcessJoins) {
   SimHosts hosts(1);
-  pid_t p = hosts.start(1, {"env", "RANK=0", "WORLD_SIZE=3", "MASTER_ADDR=127.0.0.1", "MASTER_PORT=29001",
-                            REFIT_CLI_PATH, "bench", "--launcher", "env", "--sources", "1", "--destinations", "1"},
+  pid_t p = hosts.start(1,
+                        {"env", "RANK=0", "WORLD_SIZE=3", "MASTER_ADDR=127.0.0.1", "MASTER_PORT=29001", REFIT_CLI_PATH,
+                         "bench", "--launcher", "env", "--sources", "1", "--destinations", "1"},
                         log(0));
   EXPECT_NE(hosts.wait(p, 30), 0);
   EXPECT_NE(read_file(log(0)).find("the launcher started 3 ranks, but 1 sources + 1 destinations need 2"),
@@ -198,7 +221,8 @@ double detection_seconds(const std::string& output, std::chrono::system_clock::t
   if (!std::regex_search(output, m, line)) return -1;
   std::tm tm{};
   strptime(m[1].str().c_str(), "%Y-%m-%d %H:%M:%S", &tm);
-  const auto at = std::chrono::system_clock::from_time_t(mktime(&tm)) + std::chrono::milliseconds(std::stoi(m[2].str()));
+  const auto at =
+      std::chrono::system_clock::from_time_t(mktime(&tm)) + std::chrono::milliseconds(std::stoi(m[2].str()));
   return std::chrono::duration<double>(at - fault).count();
 }
 
@@ -212,20 +236,20 @@ double trial(Hosts* test, SimHosts& hosts, Fault fault, uint32_t seed, double ti
   const int victim_host = victim_rank + 1;
   const double delay_s = std::uniform_real_distribution<double>(0.05, 0.5)(rng);
   std::chrono::system_clock::time_point at;
-  auto job = test->run(hosts, {1, 2, 3, 4}, 2, 2, 40,
-                       {"refit_cfg.nixl.timeout_s=" + std::to_string(timeout_s)}, [&] {
-                         // After the first refit, part way into a later one.
-                         if (!test->wait_for_refits(1)) return;
-                         std::this_thread::sleep_for(std::chrono::duration<double>(delay_s));
-                         at = std::chrono::system_clock::now();
-                         if (fault == Fault::kKillHost)
-                           hosts.kill_host(victim_host);
-                         else
-                           hosts.link(victim_host, false);
-                       });
+  auto job = test->run(hosts, {1, 2, 3, 4}, 2, 2, 40, {"refit_cfg.nixl.timeout_s=" + std::to_string(timeout_s)}, [&] {
+    // After the first refit, part way into a later one.
+    if (!test->wait_for_refits(1)) return;
+    std::this_thread::sleep_for(std::chrono::duration<double>(delay_s));
+    at = std::chrono::system_clock::now();
+    if (fault == Fault::kKillHost)
+      hosts.kill_host(victim_host);
+    else
+      hosts.link(victim_host, false);
+  });
   EXPECT_NE(job.status, -1) << "rank 0 hung: " << job.output;
   EXPECT_EQ(job.status, 2) << "seed " << seed << ", victim rank " << victim_rank << "\n"
-                           << job.all_outputs() << (job.status == 2 ? "" : hosts.diagnose(victim_host) + hosts.diagnose(1));
+                           << job.all_outputs()
+                           << (job.status == 2 ? "" : hosts.diagnose(victim_host) + hosts.diagnose(1));
   for (int r = 1; r < 4; ++r)
     if (r != victim_rank || fault == Fault::kLinkDown) EXPECT_NE(job.rank_status[r], -1) << "rank " << r << " hung";
   const std::string victim = victim_rank < 2 ? "source rank " + std::to_string(victim_rank)
@@ -247,7 +271,6 @@ double trial(Hosts* test, SimHosts& hosts, Fault fault, uint32_t seed, double ti
   if (again.status == 0) EXPECT_TRUE(again.result.at("verified").get<bool>());
   return detected;
 }
-
 
 int trials_per_fault() {
   const char* n = std::getenv("REFIT_HOST_TRIALS");

@@ -17,7 +17,8 @@ void expect_error(const std::vector<std::string>& args, const std::vector<std::s
   auto r = run_cli(args, 60);
   EXPECT_NE(r.exit_code, 0) << r.output;
   EXPECT_NE(r.exit_code, -1) << "hung: " << r.output;
-  for (const auto& n : needles) EXPECT_NE(r.output.find(n), std::string::npos) << "missing '" << n << "' in: " << r.output;
+  for (const auto& n : needles)
+    EXPECT_NE(r.output.find(n), std::string::npos) << "missing '" << n << "' in: " << r.output;
   EXPECT_EQ(r.output.find("verified: yes"), std::string::npos) << r.output;
 }
 

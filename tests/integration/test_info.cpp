@@ -34,8 +34,8 @@ TEST(Info, ReportsEachTransportAndTheEffectiveConfig) {
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find(std::string("refit        ") + kVersionString), std::string::npos) << r.output;
   for (const auto& backend : transport_backends()) {
-    const std::string line = fmt::format("  {:<10} {:<12} {}", backend.name, backend.available ? "available" : "unavailable",
-                                         backend.detail);
+    const std::string line = fmt::format("  {:<10} {:<12} {}", backend.name,
+                                         backend.available ? "available" : "unavailable", backend.detail);
     EXPECT_NE(r.output.find(line), std::string::npos) << "missing: " << line << "\nin:\n" << r.output;
   }
   // UCX is always built in; what it offers here is read from UCX itself.

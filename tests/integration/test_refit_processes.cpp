@@ -2,9 +2,9 @@
 #include <gtest/gtest.h>
 
 #include "cli_runner.h"
-#include "small_models.h"
 #include "refit/model.h"
 #include "refit/safetensors.h"
+#include "small_models.h"
 
 namespace refit {
 namespace {
@@ -25,15 +25,26 @@ struct Bench {
 
   testing::CliResult run(int sources, int destinations, int refits, std::vector<std::string> extra = {},
                          double timeout_s = 120) {
-    std::vector<std::string> args = {"bench", "--model", model, "--sources", std::to_string(sources),
-                                     "--destinations", std::to_string(destinations), "--refits", std::to_string(refits),
-                                     "--json", json, "refit_cfg.nixl.bucket_bytes=1MiB", "refit_cfg.nixl.timeout_s=20"};
+    std::vector<std::string> args = {"bench",
+                                     "--model",
+                                     model,
+                                     "--sources",
+                                     std::to_string(sources),
+                                     "--destinations",
+                                     std::to_string(destinations),
+                                     "--refits",
+                                     std::to_string(refits),
+                                     "--json",
+                                     json,
+                                     "refit_cfg.nixl.bucket_bytes=1MiB",
+                                     "refit_cfg.nixl.timeout_s=20"};
     args.insert(args.end(), extra.begin(), extra.end());
     return run_cli(args, timeout_s);
   }
 };
 
-void expect_verified(const testing::CliResult& r, const nlohmann::json& j, int destinations, int refits, uint64_t model_bytes) {
+void expect_verified(const testing::CliResult& r, const nlohmann::json& j, int destinations, int refits,
+                     uint64_t model_bytes) {
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_TRUE(j.at("verified").get<bool>());
   ASSERT_EQ(j.at("refits").size(), static_cast<size_t>(refits));
@@ -71,8 +82,10 @@ TEST(RefitProcesses, ACopiedBinaryRefitsTheBuiltinDefaultModel) {
   std::filesystem::copy_file(REFIT_CLI_PATH, copy);
   std::filesystem::permissions(copy, std::filesystem::perms::owner_exec, std::filesystem::perm_options::add);
   const std::string json = dir.file("result.json");
-  auto r = testing::run_program(copy, {"bench", "--refits", "1", "--json", json, "refit_cfg.nixl.bucket_bytes=64MiB",
-                                       "refit_cfg.nixl.timeout_s=60", kShm}, 180);
+  auto r = testing::run_program(copy,
+                                {"bench", "--refits", "1", "--json", json, "refit_cfg.nixl.bucket_bytes=64MiB",
+                                 "refit_cfg.nixl.timeout_s=60", kShm},
+                                180);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const auto result = read_json(json);
   EXPECT_TRUE(result.at("verified").get<bool>());
@@ -164,7 +177,8 @@ TEST(RefitProcesses, ShardedTp2Pp2) {
 
 TEST(RefitProcesses, ShardedTp2Ep2WithDenseSlices) {
   Bench b;
-  auto r = b.run(4, 4, 2, {kShm, "--tp", "2", "--ep", "2", "--shard-dense", "refit_cfg.nixl.shard_expert_weights=true"});
+  auto r =
+      b.run(4, 4, 2, {kShm, "--tp", "2", "--ep", "2", "--shard-dense", "refit_cfg.nixl.shard_expert_weights=true"});
   expect_sharded(r, read_json(b.json), inventory_from_hf_config(b.model).total_bytes());
 }
 

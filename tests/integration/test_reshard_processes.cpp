@@ -21,9 +21,19 @@ struct Bench {
   std::string json = dir.file("result.json");
 
   testing::CliResult run(int sources, int destinations, std::vector<std::string> extra, int refits = 2) {
-    std::vector<std::string> args = {"bench", "--model", model, "--sources", std::to_string(sources),
-                                     "--destinations", std::to_string(destinations), "--refits", std::to_string(refits),
-                                     "--json", json, "refit_cfg.nixl.bucket_bytes=1MiB", "refit_cfg.nixl.timeout_s=20"};
+    std::vector<std::string> args = {"bench",
+                                     "--model",
+                                     model,
+                                     "--sources",
+                                     std::to_string(sources),
+                                     "--destinations",
+                                     std::to_string(destinations),
+                                     "--refits",
+                                     std::to_string(refits),
+                                     "--json",
+                                     json,
+                                     "refit_cfg.nixl.bucket_bytes=1MiB",
+                                     "refit_cfg.nixl.timeout_s=20"};
     args.insert(args.end(), extra.begin(), extra.end());
     return run_cli(args, 180);
   }
@@ -56,8 +66,9 @@ void expect_resharded(const testing::CliResult& r, const nlohmann::json& j, size
 
 TEST(ReshardProcesses, EightMegatronShardsToFourTensorParallelDestinations) {
   Bench b;
-  auto r = b.run(8, 4, {"--src-tp", "2", "--src-dp", "4", "--src-ep", "4", "--src-etp", "1", "--tp", "4",
-                        "--shard-dense", "refit_cfg.nixl.shard_expert_weights=true"});
+  auto r = b.run(8, 4,
+                 {"--src-tp", "2", "--src-dp", "4", "--src-ep", "4", "--src-etp", "1", "--tp", "4", "--shard-dense",
+                  "refit_cfg.nixl.shard_expert_weights=true"});
   expect_resharded(r, read_json(b.json), 2, 1);
 }
 

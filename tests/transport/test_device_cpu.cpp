@@ -66,7 +66,8 @@ TEST(DeviceDetection, CudaWithoutAGpuIsAClearError) {
       // The runtime's own words follow ("CUDA driver version is insufficient ...", "no CUDA-capable device ...").
       EXPECT_TRUE(contains(message, "CUDA is not available: ")) << message;
     } else {
-      EXPECT_TRUE(contains(message, "this build has no CUDA support; rebuild with REFIT_WITH_CUDA=ON or use device=cpu"))
+      EXPECT_TRUE(
+          contains(message, "this build has no CUDA support; rebuild with REFIT_WITH_CUDA=ON or use device=cpu"))
           << message;
     }
     EXPECT_EQ(error_kind_of([&] { total_device_memory_bytes(device); }), ErrorKind::kUnsupported);
@@ -115,7 +116,7 @@ TEST(CopyStream, CopiesHostMemoryAtOnceInIssueOrder) {
   for (size_t i = 0; i < a.size(); ++i) a[i] = static_cast<uint8_t>(i * 7);
   stream.copy(b.data(), a.data(), a.size(), MemoryKind::kHost, MemoryKind::kHost);
   stream.copy(c.data(), b.data(), b.size(), MemoryKind::kHost, MemoryKind::kHost);  // reads what the first wrote
-  stream.copy(c.data(), a.data(), 0, MemoryKind::kHost, MemoryKind::kHost);        // nothing
+  stream.copy(c.data(), a.data(), 0, MemoryKind::kHost, MemoryKind::kHost);         // nothing
   EXPECT_FALSE(stream.pending());
   stream.synchronize(deadline_after(std::chrono::seconds(1)));
   EXPECT_EQ(c, a);
@@ -147,13 +148,15 @@ TEST(CopyStream, GpuCopiesWithoutAGpuAreAClearError) {
   SKIP_IF_GPU();
   CopyStream stream(cuda(0));
   std::vector<uint8_t> a(64), b(64);
-  for (auto [dst, src] : {std::pair{MemoryKind::kCuda, MemoryKind::kHost}, std::pair{MemoryKind::kHost, MemoryKind::kCuda},
-                          std::pair{MemoryKind::kCuda, MemoryKind::kCuda}}) {
+  for (auto [dst, src] :
+       {std::pair{MemoryKind::kCuda, MemoryKind::kHost}, std::pair{MemoryKind::kHost, MemoryKind::kCuda},
+        std::pair{MemoryKind::kCuda, MemoryKind::kCuda}}) {
     std::string message;
     EXPECT_EQ(error_kind_of([&] { stream.copy(b.data(), a.data(), a.size(), dst, src); }, &message),
               ErrorKind::kUnsupported);
     EXPECT_TRUE(contains(message, "copying GPU memory needs CUDA")) << message;
-    EXPECT_EQ(error_kind_of([&] { stream.copy_2d(b.data(), 8, a.data(), 16, 8, 4, dst, src); }), ErrorKind::kUnsupported);
+    EXPECT_EQ(error_kind_of([&] { stream.copy_2d(b.data(), 8, a.data(), 16, 8, 4, dst, src); }),
+              ErrorKind::kUnsupported);
   }
   EXPECT_FALSE(stream.pending());
   // Host copies still work on the same stream.
@@ -176,7 +179,11 @@ TEST(TransportRegistry, GpuBackendsWithoutAGpuAreUnsupportedNamingWhy) {
   for (const char* backend : {"CUDA_IPC", "cuda_ipc", "NCCL"}) {
     for (const char* device : {"cuda", "cuda:0", "cuda:5"}) {
       std::string message;
-      EXPECT_EQ(error_kind_of([&] { create_transport(backend, {{"device", device}}); }, &message),
+      EXPECT_EQ(error_kind_of(
+                    [&] {
+                      create_transport(backend, {{"device", device}});
+                    },
+                    &message),
                 ErrorKind::kUnsupported)
           << backend << " " << device;
       if (!cuda_built()) {
@@ -206,7 +213,11 @@ TEST(TransportRegistry, GpuBackendsCheckTheirParams) {
   EXPECT_TRUE(contains(message, "backend_init_params.bogus")) << message;
   EXPECT_EQ(error_kind_of([&] { create_transport("CUDA_IPC", {{"connect_timeout_s", "soon"}}); }), ErrorKind::kConfig);
   // Every wait has a deadline: an infinite one is refused.
-  EXPECT_EQ(error_kind_of([&] { create_transport("CUDA_IPC", {{"connect_timeout_s", "inf"}}); }, &message),
+  EXPECT_EQ(error_kind_of(
+                [&] {
+                  create_transport("CUDA_IPC", {{"connect_timeout_s", "inf"}});
+                },
+                &message),
             ErrorKind::kConfig);
   EXPECT_TRUE(contains(message, "finite")) << message;
 #ifdef REFIT_HAVE_NCCL
@@ -218,8 +229,7 @@ TEST(TransportRegistry, GpuBackendsCheckTheirParams) {
 TEST(TransportRegistry, UcxWithGpuBuffersWithoutAGpuIsAClearError) {
   SKIP_IF_GPU();
   std::string message;
-  EXPECT_EQ(error_kind_of([&] { create_transport("UCX", {{"device", "cuda:0"}}); }, &message),
-            ErrorKind::kUnsupported);
+  EXPECT_EQ(error_kind_of([&] { create_transport("UCX", {{"device", "cuda:0"}}); }, &message), ErrorKind::kUnsupported);
   EXPECT_TRUE(contains(message, "device cuda:0 requested but")) << message;
   EXPECT_EQ(error_kind_of([&] { create_transport("UCX", {{"device", "tpu"}}); }, &message), ErrorKind::kConfig);
   EXPECT_TRUE(contains(message, "backend_init_params.device")) << message;

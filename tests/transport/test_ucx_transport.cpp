@@ -90,9 +90,7 @@ struct ServingPeer {
         remote(child.pipe().get_region()) {
     read(deadline_after(10s));
   }
-  void read(Deadline deadline) {
-    transport->read(peer, remote, 0, local.data(), local_region, local.size(), deadline);
-  }
+  void read(Deadline deadline) { transport->read(peer, remote, 0, local.data(), local_region, local.size(), deadline); }
 
   Child child;
   std::unique_ptr<Transport> transport;
@@ -130,7 +128,7 @@ TEST_P(UcxProcesses, ReadsRegisteredRegionsBitwise) {
   for (Case c : {Case{0, 0, 0}, Case{3, 0, 1}, Case{12345, 1, 1000003}, Case{0, 0, 64u << 20}, Case{0, 1, kRegionBytes},
                  Case{kRegionBytes - 1, 0, 1}}) {
     SCOPED_TRACE(::testing::Message() << "remote offset " << c.remote_offset << ", local offset " << c.local_offset
-                                    << ", length " << c.length);
+                                      << ", length " << c.length);
     std::memset(local, 0, local_buffer.size());
     transport->read(peer, remote, c.remote_offset, local + c.local_offset, local_region, c.length, deadline_after(60s));
     EXPECT_EQ(std::memcmp(local + c.local_offset, source + c.remote_offset, c.length), 0);
@@ -361,8 +359,8 @@ TEST_P(UcxProcesses, KeepsReadsFromSeveralPeersInFlight) {
   }
   // A finished read's id is gone; a cancelled one ends without an error.
   EXPECT_EQ(error_kind_of([&] { transport->wait_read(reads[0], deadline_after(1s)); }), ErrorKind::kInvalidArgument);
-  transport->cancel_read(transport->post_read(peers[1], remotes[1], 0, local.base, local.region, kBytes,
-                                              deadline_after(30s)));
+  transport->cancel_read(
+      transport->post_read(peers[1], remotes[1], 0, local.base, local.region, kBytes, deadline_after(30s)));
   first.pipe().put("done");
   second.pipe().put("done");
   EXPECT_EQ(first.wait(), 0);

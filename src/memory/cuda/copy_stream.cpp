@@ -148,7 +148,8 @@ void* CopyStream::cuda_stream() const {
 void CopyStream::copy(void* dst, const void* src, size_t bytes, MemoryKind dst_kind, MemoryKind src_kind) {
   if (bytes == 0) return;
   if (dst == nullptr || src == nullptr)
-    fail(ErrorKind::kInvalidArgument, "copy of {} bytes with a null {} pointer", bytes, dst == nullptr ? "destination" : "source");
+    fail(ErrorKind::kInvalidArgument, "copy of {} bytes with a null {} pointer", bytes,
+         dst == nullptr ? "destination" : "source");
   const Range d = range_of(dst, bytes);
   const Range s = range_of(src, bytes);
   if (dst_kind == MemoryKind::kHost && src_kind == MemoryKind::kHost) {
@@ -164,12 +165,13 @@ void CopyStream::copy(void* dst, const void* src, size_t bytes, MemoryKind dst_k
 #endif
 }
 
-void CopyStream::copy_2d(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t row_bytes,
-                         size_t rows, MemoryKind dst_kind, MemoryKind src_kind) {
+void CopyStream::copy_2d(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t row_bytes, size_t rows,
+                         MemoryKind dst_kind, MemoryKind src_kind) {
   if (rows == 0 || row_bytes == 0) return;
   if (rows == 1) return copy(dst, src, row_bytes, dst_kind, src_kind);
   if (dst == nullptr || src == nullptr)
-    fail(ErrorKind::kInvalidArgument, "2-D copy of {} rows with a null {} pointer", rows, dst == nullptr ? "destination" : "source");
+    fail(ErrorKind::kInvalidArgument, "2-D copy of {} rows with a null {} pointer", rows,
+         dst == nullptr ? "destination" : "source");
   if (dst_pitch < row_bytes || src_pitch < row_bytes)
     fail(ErrorKind::kInvalidArgument, "2-D copy of rows of {} bytes with pitches {} (destination) and {} (source)",
          row_bytes, dst_pitch, src_pitch);

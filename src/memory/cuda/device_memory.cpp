@@ -55,8 +55,8 @@ DeviceBuffer::DeviceBuffer(const Device& device, size_t bytes) {
 void DeviceBuffer::release() noexcept {
   if (data_ != nullptr) {
     int previous = -1;
-    const bool switched = cudaGetDevice(&previous) == cudaSuccess && previous != device_ &&
-                          cudaSetDevice(device_) == cudaSuccess;
+    const bool switched =
+        cudaGetDevice(&previous) == cudaSuccess && previous != device_ && cudaSetDevice(device_) == cudaSuccess;
     cudaFree(data_);  // an error here (a dead context) leaves nothing we could free anyway
     if (switched) cudaSetDevice(previous);
     cudaGetLastError();
@@ -103,10 +103,14 @@ bool pin_host_memory(void* base, size_t bytes, std::string* reason) {
     cudaGetLastError();
     if (reason != nullptr) {
       *reason = first_locked && last_locked
-                    ? fmt::format("{} of host memory at {} is page-locked already (registered by someone else, who "
-                                  "unregisters it)", cuda::gib(bytes), base)
-                    : fmt::format("part of {} of host memory at {} is page-locked already by another registration; "
-                                  "the rest stays pageable (the driver stages copies of it)", cuda::gib(bytes), base);
+                    ? fmt::format(
+                          "{} of host memory at {} is page-locked already (registered by someone else, who "
+                          "unregisters it)",
+                          cuda::gib(bytes), base)
+                    : fmt::format(
+                          "part of {} of host memory at {} is page-locked already by another registration; "
+                          "the rest stays pageable (the driver stages copies of it)",
+                          cuda::gib(bytes), base);
     }
     return false;
   }

@@ -16,7 +16,8 @@
 namespace refit {
 namespace {
 
-constexpr const char* kNoCudaBuild = "this build has no CUDA support; rebuild with REFIT_WITH_CUDA=ON or use device=cpu";
+constexpr const char* kNoCudaBuild =
+    "this build has no CUDA support; rebuild with REFIT_WITH_CUDA=ON or use device=cpu";
 
 std::string format_gib(uint64_t bytes) { return fmt::format("{:.1f} GiB", static_cast<double>(bytes) / (1ull << 30)); }
 
@@ -122,8 +123,7 @@ void check_device(const Device& device) {
 }
 
 int resolve_cuda_device(const Device& device) {
-  if (device.kind == Device::Kind::kCpu)
-    fail(ErrorKind::kInvalidArgument, "device cpu has no CUDA device index");
+  if (device.kind == Device::Kind::kCpu) fail(ErrorKind::kInvalidArgument, "device cpu has no CUDA device index");
   check_device(device);
   if (device.index >= 0) return device.index;
   int current = 0;
@@ -173,7 +173,7 @@ MemoryKind memory_kind_of(const void* pointer) {
     return MemoryKind::kHost;
   }
   return attributes.type == cudaMemoryTypeDevice || attributes.type == cudaMemoryTypeManaged ? MemoryKind::kCuda
-                                                                                               : MemoryKind::kHost;
+                                                                                             : MemoryKind::kHost;
 }
 
 #else  // no CUDA in this build
@@ -191,8 +191,7 @@ void check_device(const Device& device) {
 }
 
 int resolve_cuda_device(const Device& device) {
-  if (device.kind == Device::Kind::kCpu)
-    fail(ErrorKind::kInvalidArgument, "device cpu has no CUDA device index");
+  if (device.kind == Device::Kind::kCpu) fail(ErrorKind::kInvalidArgument, "device cpu has no CUDA device index");
   check_device(device);
   return -1;  // not reached
 }

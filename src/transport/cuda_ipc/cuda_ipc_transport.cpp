@@ -154,7 +154,8 @@ std::pair<std::byte*, size_t> allocation_of(const void* pointer) {
     return reinterpret_cast<GetAddressRange>(function);
   }();
   if (get_range == nullptr)
-    fail(ErrorKind::kUnsupported, "the CUDA driver does not offer cuMemGetAddressRange: cannot register GPU memory for IPC");
+    fail(ErrorKind::kUnsupported,
+         "the CUDA driver does not offer cuMemGetAddressRange: cannot register GPU memory for IPC");
   CUdeviceptr base = 0;
   size_t size = 0;
   CUresult result = get_range(&base, &size, reinterpret_cast<CUdeviceptr>(pointer));
@@ -211,7 +212,10 @@ class CudaIpcTransport final : public SynchronousReads {
 
   std::string name() const override { return "CUDA_IPC"; }
   TransportCapabilities capabilities() const override {
-    return {.async_reads = false, .maps_peer_memory = true, .host_memory = false, .device_memory = true,
+    return {.async_reads = false,
+            .maps_peer_memory = true,
+            .host_memory = false,
+            .device_memory = true,
             .remote_peers = false};
   }
 
@@ -234,11 +238,13 @@ class CudaIpcTransport final : public SynchronousReads {
       auto [allocation, allocation_size] = allocation_of(base);
       region.key.offset = static_cast<uint64_t>(region.base - allocation);
       if (region.key.offset + bytes > allocation_size)
-        fail(ErrorKind::kInvalidArgument, "cannot register {} bytes at {}: the GPU allocation there ends after {} bytes",
-             bytes, base, allocation_size - region.key.offset);
+        fail(ErrorKind::kInvalidArgument,
+             "cannot register {} bytes at {}: the GPU allocation there ends after {} bytes", bytes, base,
+             allocation_size - region.key.offset);
       cuda::check(cudaIpcGetMemHandle(&region.key.handle, allocation), "cudaIpcGetMemHandle",
                   fmt::format("exporting {} bytes at {} (memory from cudaMallocAsync pools or cuMemCreate cannot be "
-                              "shared with CUDA IPC)", bytes, base));
+                              "shared with CUDA IPC)",
+                              bytes, base));
       region.key.exported = true;
     }
     return add(std::move(region));
@@ -348,8 +354,10 @@ class CudaIpcTransport final : public SynchronousReads {
     if (key.owner != peer.address.endpoint)
       fail(ErrorKind::kProtocol, "{}: the region was described by another endpoint than {}", what, peer.label);
     if (!key.exported) {
-      fail(ErrorKind::kUnsupported, "{}: the region lives in host memory of {}, which CUDA IPC cannot map; use device "
-                                    "memory (allocate_memory) or backend_name UCX", what, peer.label);
+      fail(ErrorKind::kUnsupported,
+           "{}: the region lives in host memory of {}, which CUDA IPC cannot map; use device "
+           "memory (allocate_memory) or backend_name UCX",
+           what, peer.label);
     }
     if (peer.same_process) return reinterpret_cast<const std::byte*>(remote.address);
     Bytes handle = handle_bytes(key.handle);

@@ -62,7 +62,10 @@ class InProcTransport final : public SynchronousReads {
 
   std::string name() const override { return "INPROC"; }
   TransportCapabilities capabilities() const override {
-    return {.async_reads = false, .maps_peer_memory = true, .host_memory = true, .device_memory = false,
+    return {.async_reads = false,
+            .maps_peer_memory = true,
+            .host_memory = true,
+            .device_memory = false,
             .remote_peers = false};
   }
 
@@ -143,7 +146,8 @@ class InProcTransport final : public SynchronousReads {
         queue.pop_front();
         return m;
       }
-      if (!fabric_->endpoints.count(peer)) fail(ErrorKind::kPeerLost, "lost {} while waiting for a message", label(peer));
+      if (!fabric_->endpoints.count(peer))
+        fail(ErrorKind::kPeerLost, "lost {} while waiting for a message", label(peer));
       if (fabric_->changed.wait_until(lock, deadline) == std::cv_status::timeout && self().inbox[peer].empty())
         fail(ErrorKind::kTimeout, "no message from {} before the deadline", label(peer));
     }

@@ -57,8 +57,8 @@ double InitParams::seconds(const std::string& key, double fallback) {
   const std::string& text = it->second;
   auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
   if (ec != std::errc() || end != text.data() + text.size() || !(value > 0) || !std::isfinite(value))
-    fail(ErrorKind::kConfig, "refit_cfg.nixl.backend_init_params.{}: expected a positive, finite number of seconds, got '{}'",
-         key, text);
+    fail(ErrorKind::kConfig,
+         "refit_cfg.nixl.backend_init_params.{}: expected a positive, finite number of seconds, got '{}'", key, text);
   return value;
 }
 

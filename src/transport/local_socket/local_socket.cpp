@@ -113,8 +113,8 @@ struct Link {
   std::string label;
   std::mutex send_mutex;  // one frame at a time
   // Under the endpoint's mutex:
-  bool closed = false;        // the peer closed its end (it exited or was killed)
-  std::string broken;         // set when a send timed out mid-frame: the stream is torn
+  bool closed = false;  // the peer closed its end (it exited or was killed)
+  std::string broken;   // set when a send timed out mid-frame: the stream is torn
 };
 
 // An accepted connection: the peer writes, we read frames.
@@ -301,14 +301,16 @@ LocalSocketEndpoint::LinkId LocalSocketEndpoint::connect(const EndpointId& peer,
   link->peer = peer;
   link->label = label;
   link->fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-  if (link->fd < 0) fail(ErrorKind::kTransport, "cannot create a control socket to {}: {}", label, std::strerror(errno));
+  if (link->fd < 0)
+    fail(ErrorKind::kTransport, "cannot create a control socket to {}: {}", label, std::strerror(errno));
   socklen_t length = 0;
   sockaddr_un address = abstract_address(name, &length);
   while (::connect(link->fd, reinterpret_cast<sockaddr*>(&address), length) != 0) {
     const int e = errno;
     if (e == EINTR) continue;
     if (e == EAGAIN) {  // the listener's backlog is full: it has not caught up yet
-      if (expired(deadline)) fail(ErrorKind::kTimeout, "timed out connecting to {} at @{}: it does not accept", label, name);
+      if (expired(deadline))
+        fail(ErrorKind::kTimeout, "timed out connecting to {} at @{}: it does not accept", label, name);
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
       continue;
     }
@@ -334,8 +336,10 @@ LocalSocketEndpoint::LinkId LocalSocketEndpoint::connect(const EndpointId& peer,
   size_t written = 0;
   int error = 0;
   switch (write_all(link->fd, {iovec{hello, sizeof(hello)}}, deadline, &written, &error)) {
-    case WriteResult::kDone: break;
-    case WriteResult::kTimeout: fail(ErrorKind::kTimeout, "timed out introducing ourselves to {} at @{}", label, name);
+    case WriteResult::kDone:
+      break;
+    case WriteResult::kTimeout:
+      fail(ErrorKind::kTimeout, "timed out introducing ourselves to {} at @{}", label, name);
     case WriteResult::kClosed:
       fail(ErrorKind::kPeerLost, "lost {} while connecting to it at @{}: {}", label, name, std::strerror(error));
   }
@@ -400,7 +404,8 @@ void LocalSocketEndpoint::send(LinkId id, uint8_t channel, std::span<const uint8
   size_t written = 0;
   int error = 0;
   switch (write_all(link->fd, std::move(iov), deadline, &written, &error)) {
-    case WriteResult::kDone: return;
+    case WriteResult::kDone:
+      return;
     case WriteResult::kTimeout: {
       std::string what = fmt::format("a {}-byte message timed out after {} bytes", message.size(), written);
       if (written > 0) {
@@ -438,8 +443,7 @@ std::optional<Bytes> LocalSocketEndpoint::try_receive(LinkId id, uint8_t channel
   std::shared_ptr<Link> link = s.find(id, "receiving a control message");
   std::lock_guard lock(s.mutex);
   if (auto message = s.pop(*link, channel)) return message;
-  if (std::string why = s.lost_reason(*link); !why.empty())
-    fail(ErrorKind::kPeerLost, "lost {}: {}", link->label, why);
+  if (std::string why = s.lost_reason(*link); !why.empty()) fail(ErrorKind::kPeerLost, "lost {}: {}", link->label, why);
   return std::nullopt;
 }
 
@@ -565,8 +569,7 @@ void LocalSocketEndpoint::State::close_inbound(Inbound& in, const std::string& w
   changed.notify_all();
 }
 
-bool LocalSocketEndpoint::State::read_inbound(Inbound& in,
-                                              std::vector<HandledMessage>& handled) {
+bool LocalSocketEndpoint::State::read_inbound(Inbound& in, std::vector<HandledMessage>& handled) {
   bool open = true;
   while (true) {
     const size_t old_size = in.buffer.size();
@@ -605,8 +608,8 @@ bool LocalSocketEndpoint::State::read_inbound(Inbound& in,
     const size_t payload_size = length - 2;
     in.consumed += 4 + length;
     if (!in.introduced) {
-      if (type != kHello || length != kHelloBody ||
-          !std::equal(kHelloMagic.begin(), kHelloMagic.end(), payload) || payload[kHelloMagic.size()] != kVersion) {
+      if (type != kHello || length != kHelloBody || !std::equal(kHelloMagic.begin(), kHelloMagic.end(), payload) ||
+          payload[kHelloMagic.size()] != kVersion) {
         malformed = "a connection that did not start with a refit HELLO";
         break;
       }

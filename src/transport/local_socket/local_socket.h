@@ -94,8 +94,8 @@ class LocalSocketEndpoint {
 // What identifies this host and process to a peer. CUDA IPC and the local control channel work
 // only between processes of one host (and one network namespace).
 struct LocalIdentity {
-  std::string host;       // boot id + "/" + hostname
-  EndpointId process{};   // random per process (regenerated after fork), to tell "same process"
+  std::string host;      // boot id + "/" + hostname
+  EndpointId process{};  // random per process (regenerated after fork), to tell "same process"
   uint32_t pid = 0;
 };
 LocalIdentity local_identity();

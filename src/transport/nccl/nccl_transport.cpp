@@ -11,9 +11,9 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstring>
-#include <optional>
 #include <deque>
 #include <mutex>
+#include <optional>
 #include <thread>
 
 #include "memory/cuda/cuda_util.h"
@@ -61,8 +61,8 @@ struct Peer {
   int peer_rank = 1;
   std::mutex comm_mutex;  // one NCCL operation at a time on the communicator
   ncclComm_t comm = nullptr;
-  std::string broken;     // why the communicator was aborted; under comm_mutex
-  bool ready = false;     // the communicator is initialized; under the transport's peers_mutex_
+  std::string broken;  // why the communicator was aborted; under comm_mutex
+  bool ready = false;  // the communicator is initialized; under the transport's peers_mutex_
 };
 
 struct Request {
@@ -132,14 +132,17 @@ class NcclTransport final : public SynchronousReads {
   TransportCapabilities capabilities() const override {
     // Reads are send/receive pairs on the GPU, served by the owner's thread. NCCL itself reaches
     // other hosts, but this backend's control channel is a local socket: peers on one host only.
-    return {.async_reads = false, .maps_peer_memory = false, .host_memory = false, .device_memory = true,
+    return {.async_reads = false,
+            .maps_peer_memory = false,
+            .host_memory = false,
+            .device_memory = true,
             .remote_peers = false};
   }
 
   RegionId register_memory(void* base, size_t bytes) override {
     if (bytes > 0 && memory_kind_of(base) != MemoryKind::kCuda)
-      fail(ErrorKind::kUnsupported, "the NCCL transport moves GPU memory only; {} bytes at {} are not GPU memory", bytes,
-           base);
+      fail(ErrorKind::kUnsupported, "the NCCL transport moves GPU memory only; {} bytes at {} are not GPU memory",
+           bytes, base);
     Region region;
     region.base = static_cast<std::byte*>(base);
     region.bytes = bytes;
@@ -195,7 +198,8 @@ class NcclTransport final : public SynchronousReads {
       ncclUniqueId id{};
       if (first) {
         ncclResult_t result = ncclGetUniqueId(&id);
-        if (result != ncclSuccess) fail(ErrorKind::kTransport, "{}: ncclGetUniqueId: {}", what, ncclGetErrorString(result));
+        if (result != ncclSuccess)
+          fail(ErrorKind::kTransport, "{}: ncclGetUniqueId: {}", what, ncclGetErrorString(result));
         BlobWriter w;
         w.u64(generation);
         w.raw({reinterpret_cast<const uint8_t*>(&id), sizeof(id)});
@@ -288,8 +292,8 @@ class NcclTransport final : public SynchronousReads {
       const auto* target = static_cast<const std::byte*>(local);
       if (target < region.base || length > region.bytes ||
           target - region.base > static_cast<ptrdiff_t>(region.bytes - length)) {
-        fail(ErrorKind::kInvalidArgument, "{}: the local buffer {} lies outside local region {} ({} bytes at {})",
-             what, local, local_region, region.bytes, static_cast<void*>(region.base));
+        fail(ErrorKind::kInvalidArgument, "{}: the local buffer {} lies outside local region {} ({} bytes at {})", what,
+             local, local_region, region.bytes, static_cast<void*>(region.base));
       }
     }
     if (remote_offset > remote.length || length > remote.length - remote_offset)
@@ -320,15 +324,18 @@ class NcclTransport final : public SynchronousReads {
 
     cuda::DeviceGuard guard(device_);
     ncclResult_t result = ncclRecv(local, length, ncclUint8, peer->peer_rank, peer->comm, recv_stream_);
-    if (result != ncclSuccess && result != ncclInProgress) abort_comm(*peer, what, ErrorKind::kTransport, "ncclRecv: " + nccl_text(result, peer->comm));
+    if (result != ncclSuccess && result != ncclInProgress)
+      abort_comm(*peer, what, ErrorKind::kTransport, "ncclRecv: " + nccl_text(result, peer->comm));
     uint64_t spins = 0;
     bool posted = false;
     while (true) {
       if (!posted) {
         ncclResult_t state = ncclSuccess;
         ncclCommGetAsyncError(peer->comm, &state);
-        if (state == ncclSuccess) posted = true;
-        else if (state != ncclInProgress) abort_comm(*peer, what, ErrorKind::kTransport, nccl_text(state, peer->comm));
+        if (state == ncclSuccess)
+          posted = true;
+        else if (state != ncclInProgress)
+          abort_comm(*peer, what, ErrorKind::kTransport, nccl_text(state, peer->comm));
       }
       if (posted && stream_finished(*peer, recv_stream_, what)) break;
       std::optional<Bytes> reply;
@@ -344,7 +351,8 @@ class NcclTransport final : public SynchronousReads {
         if (answered == request_id)
           abort_comm(*peer, what, ErrorKind::kTransport, fmt::format("{} refused the read: {}", peer->label, error));
       }
-      if (expired(deadline)) abort_comm(*peer, what, ErrorKind::kTimeout, "the transfer did not finish before the deadline");
+      if (expired(deadline))
+        abort_comm(*peer, what, ErrorKind::kTimeout, "the transfer did not finish before the deadline");
       cuda::poll_pause(spins);
     }
   }
@@ -488,8 +496,8 @@ class NcclTransport final : public SynchronousReads {
       if (region == nullptr) {
         refusal = fmt::format("region {} is not registered (it was released)", request.region);
       } else if (request.offset > region->bytes || request.length > region->bytes - request.offset) {
-        refusal = fmt::format("{} bytes at offset {} lie outside region {} of {} bytes", request.length,
-                              request.offset, request.region, region->bytes);
+        refusal = fmt::format("{} bytes at offset {} lie outside region {} of {} bytes", request.length, request.offset,
+                              request.region, region->bytes);
       } else {
         std::lock_guard comm_lock(peer->comm_mutex);
         usable(*peer, what);
@@ -504,7 +512,8 @@ class NcclTransport final : public SynchronousReads {
           if (stream_finished(*peer, send_stream_, what)) break;
           if (!control_.alive(peer->link)) abort_comm(*peer, what, ErrorKind::kPeerLost, "the reader went away");
           if (stopping_) abort_comm(*peer, what, ErrorKind::kTransport, "the transport is shutting down");
-          if (expired(deadline)) abort_comm(*peer, what, ErrorKind::kTimeout, "the transfer did not finish before the deadline");
+          if (expired(deadline))
+            abort_comm(*peer, what, ErrorKind::kTimeout, "the transfer did not finish before the deadline");
           cuda::poll_pause(spins);
         }
         return;

@@ -446,8 +446,8 @@ std::string UcxTransport::route(PeerId id) {
 
 TransportCapabilities UcxTransport::capabilities() const {
   // GPU memory needs a UCX built with CUDA (registry.cpp wraps this transport for GPU buffers).
-  return {.async_reads = true, .maps_peer_memory = true, .host_memory = true, .device_memory = false,
-          .remote_peers = true};
+  return {
+      .async_reads = true, .maps_peer_memory = true, .host_memory = true, .device_memory = false, .remote_peers = true};
 }
 
 ReadId UcxTransport::post_read(PeerId id, const RemoteRegion& remote, uint64_t remote_offset, void* local,

@@ -13,6 +13,7 @@
 #include "core/box_copy.h"
 #include "core/fail.h"
 #include "device_kernels.h"
+#include "memory/device_memory.h"
 #include "memory/tensor_memory.h"
 #include "refit/device.h"
 #include "refit/memory.h"

@@ -121,7 +121,7 @@ LayoutSummary layout_bytes(const Layout& layout, const ModelInventory& inventory
 
 // A slice of a row-major tensor as strided rows: `rows` rows of `row_bytes` each, row r at byte
 // `offset + r * pitch` of the tensor, packed one after another in the slice (what
-// CopyStream::copy_2d takes). rows == 1 when the slice is one block (dim 0, or leading dims of 1).
+// the engine's 2-D copies take). rows == 1 when the slice is one block (dim 0, or leading dims of 1).
 // Throws Error(kLayout) for a slice that does not fit `info`.
 struct SliceRows {
   uint64_t rows = 0;

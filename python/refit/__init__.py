@@ -49,6 +49,7 @@ from ._refit import (  # noqa: F401  (re-exported)
     canonical_dtype,
     cuda_built,
     cuda_device_count,
+    destination_layout,
     dtype_size,
     TransferPlan,
     dtensor_request as _dtensor_request,  # noqa: F401  (refit.reshard wraps it)
@@ -56,6 +57,7 @@ from ._refit import (  # noqa: F401  (re-exported)
     is_fp8_linear_weight,
     is_kv_scale_name,
     fsdp_source_layout,
+    layout_from_compact,
     load_config,
     load_model_inventory,
     megatron_source_layouts,

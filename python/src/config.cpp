@@ -273,6 +273,61 @@ void register_config(nb::module_& m) {
       nb::arg("config_path"), nb::arg("tp") = 1, nb::arg("pp") = 1, nb::arg("dp") = 1, nb::arg("ep") = 1,
       nb::arg("expert_tp").none() = nb::none(),
       "Every Megatron rank's holdings (rank = tp_rank + tp * (dp_rank + dp * pp_rank)) for a model's config.json.");
+  // ---- what a destination keeps (its layout: EngineOptions::layout, the `layout=` engine option) ----
+  m.def(
+      "destination_layout",
+      [](const std::string& config_path, int tp_size, int tp_rank, int ep_size, int ep_rank,
+         std::vector<int64_t> expert_map, std::optional<int> expert_tp_size, std::optional<int> expert_tp_rank,
+         int pp_size, int pp_rank, std::vector<std::string> missing_prefixes, bool shard_experts, bool shard_dense,
+         std::optional<int> destination_rank) {
+        ModelParallel p;
+        p.tp_size = tp_size;
+        p.tp_rank = tp_rank;
+        p.ep_size = ep_size;
+        p.ep_rank = ep_rank;
+        p.expert_map = std::move(expert_map);
+        p.expert_tp_size = expert_tp_size;
+        p.expert_tp_rank = expert_tp_rank;
+        p.pp_size = pp_size;
+        p.pp_rank = pp_rank;
+        p.missing_prefixes = std::move(missing_prefixes);
+        p.shard_experts = shard_experts;
+        p.shard_dense = shard_dense;
+        p.destination_rank = destination_rank.value_or(tp_rank + tp_size * pp_rank);
+        return build_layout(config_path, p);
+      },
+      nb::arg("config_path"), nb::kw_only(), nb::arg("tp_size") = 1, nb::arg("tp_rank") = 0, nb::arg("ep_size") = 1,
+      nb::arg("ep_rank") = 0, nb::arg("expert_map") = std::vector<int64_t>{},
+      nb::arg("expert_tp_size").none() = nb::none(), nb::arg("expert_tp_rank").none() = nb::none(),
+      nb::arg("pp_size") = 1, nb::arg("pp_rank") = 0, nb::arg("missing_prefixes") = std::vector<std::string>{},
+      nb::arg("shard_experts") = false, nb::arg("shard_dense") = false, nb::arg("destination_rank").none() = nb::none(),
+      "A vLLM destination's layout for a model's config.json: pipeline stages drop other stages' layers; "
+      "shard_experts (the reference's shard_expert_weights) keeps the routed experts this rank owns (EP by "
+      "linear placement, or vLLM's expert_map), TP-sliced; shard_dense TP-slices dense tensors as vLLM does. "
+      "Raises LayoutError naming the rank for sizes that do not divide.");
+  m.def(
+      "layout_from_compact",
+      [](const std::map<std::string, nb::tuple>& expert_params, std::vector<std::string> missing_weight_prefixes,
+         const ModelInventory& model, int destination_rank) {
+        CompactLayout compact;
+        compact.missing_weight_prefixes = std::move(missing_weight_prefixes);
+        for (const auto& [name, t] : expert_params) {
+          if (t.size() != 3)
+            throw Error(
+                ErrorKind::kLayout,
+                fmt::format("expert_params['{}']: expected (tp_rank, tp_size, local_expert_ids or None)", name));
+          ExpertParamLayout e;
+          e.tp_rank = nb::cast<int>(t[0]);
+          e.tp_size = nb::cast<int>(t[1]);
+          if (!t[2].is_none()) e.local_expert_ids = nb::cast<std::vector<int64_t>>(t[2]);
+          compact.expert_params[name] = std::move(e);
+        }
+        return layout_from_compact(compact, model, destination_rank);
+      },
+      nb::arg("expert_params"), nb::arg("missing_weight_prefixes"), nb::arg("model"), nb::arg("destination_rank"),
+      "The reference's compact layout (VllmWeightLayout: per vLLM expert parameter name (tp_rank, tp_size, "
+      "local_expert_ids or None for all), and the missing weight prefixes) as a Layout over `model` "
+      "(refit.load_model_inventory). Raises LayoutError naming the rank.");
   m.def("fsdp_source_layout", &fsdp_source_layout, nb::arg("model"), nb::arg("world"), nb::arg("rank"),
         "FSDP2's holdings of `rank` of `world`: every tensor Shard(0).");
 

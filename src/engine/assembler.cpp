@@ -4,6 +4,7 @@
 
 #include "core/box_copy.h"
 #include "core/fail.h"
+#include "memory/device_memory.h"
 
 namespace refit {
 

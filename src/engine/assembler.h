@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "engine/protocol.h"
+#include "memory/device_memory.h"
 #include "memory/tensor_memory.h"
 #include "refit/deadline.h"
 #include "refit/device.h"

@@ -16,6 +16,7 @@
 #include "engine/link_sender.h"
 #include "engine/peer_wait.h"
 #include "engine/protocol.h"
+#include "memory/device_memory.h"
 #include "refit/device.h"
 #include "refit/plan.h"
 #include "refit/transfer_plan.h"
@@ -170,6 +171,14 @@ class CheckpointEngine::Impl {
       check_group(train, rollout, metadata);
       if (rollout_rank < 0 || rollout_rank >= rollout)
         fail(ErrorKind::kTopology, "rollout_rank must be in [0, {}), got {}", rollout, rollout_rank);
+      // The reference's destinations report their layout whenever experts are sharded; without one
+      // this destination would silently receive every expert.
+      if (options_.config.shard_expert_weights && !options_.layout)
+        fail(ErrorKind::kConfig,
+             "refit_cfg.nixl.shard_expert_weights is true, but {} declared no layout: give it one "
+             "(EngineOptions::layout; in Python layout=refit.destination_layout(..., shard_experts=True) or "
+             "refit.layout_from_compact(...))",
+             self);
       if (auto plan = plan_if_resharding(train, rollout, metadata)) {
         for (uint32_t s : plan->sources_of(rollout_rank))
           add_link(metadata, s, s, fmt::format("source rank {}", s), link_bytes(*plan, s, rollout_rank));

@@ -14,6 +14,7 @@
 
 #include "core/process_identity.h"
 #include "engine/protocol.h"
+#include "memory/device_memory.h"
 #include "refit/device.h"
 #include "refit/plan.h"
 #include "refit/tensor.h"

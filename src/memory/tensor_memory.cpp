@@ -1,4 +1,5 @@
 #include "memory/tensor_memory.h"
+#include "memory/device_memory.h"
 
 #include <utility>
 

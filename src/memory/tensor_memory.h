@@ -5,6 +5,7 @@
 
 #include <cstddef>
 
+#include "memory/device_memory.h"
 #include "refit/config.h"
 #include "refit/device.h"
 #include "refit/memory.h"

@@ -3,6 +3,7 @@
 #include <map>
 
 #include "core/fail.h"
+#include "memory/device_memory.h"
 #include "refit/device.h"
 
 namespace refit {

@@ -6,6 +6,7 @@
 
 #include <memory>
 
+#include "memory/device_memory.h"
 #include "refit/config.h"
 #include "refit/transport.h"
 

@@ -31,6 +31,7 @@
 
 #include <filesystem>
 
+#include "memory/device_memory.h"
 #include "refit/cluster.h"
 #include "refit/device.h"
 #include "refit/memory.h"

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "core/error_of.h"
+#include "memory/device_memory.h"
 #include "refit/device.h"
 #include "refit/error.h"
 #include "refit/memory.h"

@@ -7,6 +7,7 @@
 
 #include "core/fail.h"
 #include "memory/cuda/cuda_util.h"
+#include "memory/device_memory.h"
 #include "refit/device.h"
 
 namespace refit {

@@ -12,6 +12,7 @@
 #include <mutex>
 
 #include "memory/cuda/cuda_util.h"
+#include "memory/device_memory.h"
 #include "transport/handle_table.h"
 #include "transport/local_socket/local_peer.h"
 #include "transport/local_socket/local_socket.h"

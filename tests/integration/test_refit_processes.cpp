@@ -1,6 +1,7 @@
 // Refits between real processes over UCX, driven through the `refit bench` command.
 #include <gtest/gtest.h>
 
+#include "bench_runner.h"
 #include "cli_runner.h"
 #include "refit/model.h"
 #include "refit/safetensors.h"
@@ -18,30 +19,7 @@ using testing::kSmallMoe;
 const std::string kShm = "refit_cfg.nixl.backend_init_params.tls=posix,sysv,cma,self";
 const std::string kTcp = "refit_cfg.nixl.backend_init_params.tls=tcp,self";
 
-struct Bench {
-  TempDir dir;
-  std::string model = dir.write("config.json", kSmallMoe);
-  std::string json = dir.file("result.json");
-
-  testing::CliResult run(int sources, int destinations, int refits, std::vector<std::string> extra = {},
-                         double timeout_s = 120) {
-    std::vector<std::string> args = {"bench",
-                                     "--model",
-                                     model,
-                                     "--sources",
-                                     std::to_string(sources),
-                                     "--destinations",
-                                     std::to_string(destinations),
-                                     "--refits",
-                                     std::to_string(refits),
-                                     "--json",
-                                     json,
-                                     "refit_cfg.nixl.bucket_bytes=1MiB",
-                                     "refit_cfg.nixl.timeout_s=20"};
-    args.insert(args.end(), extra.begin(), extra.end());
-    return run_cli(args, timeout_s);
-  }
-};
+using Bench = testing::SmallBench;
 
 void expect_verified(const testing::CliResult& r, const nlohmann::json& j, int destinations, int refits,
                      uint64_t model_bytes) {

@@ -3,6 +3,7 @@
 // sources at once and checks every byte against the model afterwards.
 #include <gtest/gtest.h>
 
+#include "bench_runner.h"
 #include "cli_runner.h"
 #include "small_models.h"
 
@@ -15,27 +16,10 @@ using testing::TempDir;
 
 using testing::kSmallMoe;
 
-struct Bench {
-  TempDir dir;
-  std::string model = dir.write("config.json", kSmallMoe);
-  std::string json = dir.file("result.json");
-
-  testing::CliResult run(int sources, int destinations, std::vector<std::string> extra, int refits = 2) {
-    std::vector<std::string> args = {"bench",
-                                     "--model",
-                                     model,
-                                     "--sources",
-                                     std::to_string(sources),
-                                     "--destinations",
-                                     std::to_string(destinations),
-                                     "--refits",
-                                     std::to_string(refits),
-                                     "--json",
-                                     json,
-                                     "refit_cfg.nixl.bucket_bytes=1MiB",
-                                     "refit_cfg.nixl.timeout_s=20"};
-    args.insert(args.end(), extra.begin(), extra.end());
-    return run_cli(args, 180);
+// Resharding runs take longer: more processes, and a wider deadline.
+struct Bench : testing::SmallBench {
+  testing::CliResult run(int sources, int destinations, const std::vector<std::string>& extra, int refits = 2) {
+    return SmallBench::run(sources, destinations, refits, extra, 180);
   }
 };
 

@@ -7,7 +7,8 @@
 //                        with every worker's metadata in order (sources first): validate the
 //                        pairing and the peers' metadata, connect to the peer;
 //   send(weights) / receive(loader)
-//                        one refit; repeat as often as needed;
+//                        one refit; repeat as often as needed (a destination may instead pull
+//                        the refit's batches itself: begin_receive() ... finish_receive());
 //   finalize()           disconnect; with release_after_refit also free the buffers, after
 //                        which prepare() must run again (with a fresh metadata exchange).
 // Two topologies, chosen by what the sources declare (every peer reaches the same choice):
@@ -39,6 +40,7 @@
 #include <vector>
 
 #include "refit/config.h"
+#include "refit/deadline.h"
 #include "refit/layout.h"
 #include "refit/tensor.h"
 #include "refit/timeline.h"
@@ -89,6 +91,22 @@ class WeightSource {
 using LoadBatch = std::span<const TensorView>;
 using BatchLoader = std::function<void(LoadBatch batch)>;
 
+// One batch of a pull-style receive (CheckpointEngine::next_batch).
+struct ReceivedBatch {
+  uint64_t index = 0;  // of this refit's batches, from 0
+  LoadBatch tensors;   // views into transfer buffers are valid until release_batch()
+  // Parallel to `tensors`: for a tensor merged from chunks, the memory it lives in, which the
+  // engine gives up to whoever holds this pointer (the engine merges into fresh memory next
+  // time), so it stays valid as long as it is held; null for a view into a transfer buffer.
+  std::span<const std::shared_ptr<const void>> owners;
+};
+
+enum class ReceiveProgress {
+  kBatch,    // a batch was handed out
+  kWaiting,  // the caller's deadline came first; ask again
+  kDone,     // every source has sent everything: call finish_receive()
+};
+
 struct SendStats {
   uint64_t tensors = 0;  // sent (whole, sliced, or as pieces to several destinations)
   uint64_t dropped = 0;  // not held by the destination
@@ -131,7 +149,32 @@ class CheckpointEngine {
   void init_destination(int rollout_rank, int train_world_size, int rollout_world_size,
                         std::span<const Metadata> metadata);
   SendStats send(WeightSource& weights);
+  // One refit at a destination: `loader` gets every batch, in the order they complete. The same
+  // as the pull-style receive below with a loop around it.
   ReceiveStats receive(const BatchLoader& loader);
+
+  // Pull-style receive, for callers that drive the refit themselves (an iterator, an event loop):
+  //   begin_receive();
+  //   for (;;) {
+  //     ReceivedBatch batch;
+  //     auto p = next_batch(deadline_after(100ms), &batch);
+  //     if (p == ReceiveProgress::kDone) break;
+  //     if (p == ReceiveProgress::kBatch) { load(batch); release_batch(); }
+  //   }
+  //   ReceiveStats stats = finish_receive();
+  // next_batch() returns kWaiting when `until` passes before a batch is ready; the refit's own
+  // deadlines (timeout_s) apply meanwhile, and a batch held longer than timeout_s fails the
+  // refit at release_batch(). A batch must be released before the next is asked for. Any error
+  // ends the receive: it is thrown, the sources are told, and the destination stays stale until
+  // a later refit succeeds. abort_receive() gives up (the same, with the caller's reason).
+  void begin_receive();
+  ReceiveProgress next_batch(Deadline until, ReceivedBatch* batch);
+  void release_batch();
+  ReceiveStats finish_receive();
+  void abort_receive(const std::string& reason);
+  bool receiving() const;  // between begin_receive() and finish_receive() or an error
+
+  // Disconnects (aborting a receive in progress).
   void finalize();
 
   bool stale() const;

@@ -19,6 +19,7 @@ void TensorAssembler::set_memory(MemoryKind kind, const Device& device) {
 std::vector<TensorView> TensorAssembler::add_bucket(const protocol::BucketReady& bucket, const std::byte* data,
                                                     const std::string& who, Deadline deadline) {
   batch_infos_.clear();
+  owners_.clear();
   std::vector<TensorView> out;
   for (const auto& e : bucket.entries) {
     const uint64_t nbytes = e.tensor.nbytes();
@@ -30,15 +31,17 @@ std::vector<TensorView> TensorAssembler::add_bucket(const protocol::BucketReady&
     if (whole) {
       names_.insert(e.tensor.name);
       out.push_back({&e.tensor, data + e.bucket_offset, kind_});
+      owners_.emplace_back();
       continue;
     }
     if (merge == merging_.end()) {
-      TensorMemory& buffer = merge_buffers_[e.tensor.name];
-      if (buffer.size() != nbytes) {
-        buffer = TensorMemory();  // the old one goes before the new one is allocated
-        buffer = TensorMemory(kind_, device_, nbytes, /*pin=*/true);
+      auto& buffer = merge_buffers_[e.tensor.name];
+      // A buffer someone else still holds (a tensor handed out before) is theirs now.
+      if (!buffer || buffer.use_count() > 1 || buffer->size() != nbytes) {
+        buffer.reset();  // the old one goes before the new one is allocated
+        buffer = std::make_shared<TensorMemory>(kind_, device_, nbytes, /*pin=*/true);
       }
-      merge = merging_.emplace(e.tensor.name, Merge{e.tensor, &buffer, 0}).first;
+      merge = merging_.emplace(e.tensor.name, Merge{e.tensor, buffer, 0}).first;
     } else if (merge->second.info != e.tensor) {
       fail(ErrorKind::kProtocol, "bucket {} from {}: chunks of '{}' disagree on dtype or shape", bucket.seq, who,
            e.tensor.name);
@@ -60,6 +63,7 @@ std::vector<TensorView> TensorAssembler::add_bucket(const protocol::BucketReady&
       names_.insert(e.tensor.name);
       batch_infos_.push_back(std::move(m.info));
       out.push_back({&batch_infos_.back(), m.buffer->data(), kind_});
+      owners_.push_back(std::move(m.buffer));
       merging_.erase(merge);
     }
   }
@@ -115,6 +119,7 @@ void TensorAssembler::reset() {
   merging_.clear();
   names_.clear();
   batch_infos_.clear();
+  owners_.clear();
 }
 
 void TensorAssembler::release() {

@@ -6,9 +6,9 @@
 //
 // Buffers for split tensors are kept from one refit to the next (a refit of the same model
 // splits the same tensors), so that only the first refit pays for allocating and faulting in
-// their pages; release() frees them. They live where the transfer buffers live (host memory or
-// the GPU), and chunks are copied into them on a CopyStream that is synchronized before
-// add_bucket() returns.
+// their pages; release() frees them. A caller may keep a merged tensor's buffer (owners()): the
+// assembler then merges that tensor into a fresh buffer next time. They live where the transfer buffers live (host
+// memory or the GPU), and chunks are copied into them on a CopyStream that is synchronized before add_bucket() returns.
 #pragma once
 
 #include <cstddef>
@@ -41,6 +41,11 @@ class TensorAssembler {
   std::vector<TensorView> add_bucket(const protocol::BucketReady& bucket, const std::byte* data, const std::string& who,
                                      Deadline deadline);
 
+  // Parallel to the views the latest add_bucket() returned: the buffer of a merged tensor (holding
+  // it keeps the tensor's bytes valid after the next add_bucket(), reset() or release()), null
+  // for a view into the bucket.
+  const std::vector<std::shared_ptr<const void>>& owners() const { return owners_; }
+
   // At the end of a refit: throws Error(kProtocol) naming the first incomplete tensor.
   void finish(const std::string& who) const;
 
@@ -59,7 +64,7 @@ class TensorAssembler {
   };
   struct Merge {
     TensorInfo info;
-    TensorMemory* buffer = nullptr;
+    std::shared_ptr<TensorMemory> buffer;
     uint64_t received = 0;
     // Pieces must be disjoint and a piece's chunks too; then `received` reaching the tensor's size
     // means every byte is here, once (a peer that sent a byte twice and another never is refused).
@@ -72,10 +77,11 @@ class TensorAssembler {
   std::unique_ptr<CopyStream> stream_ = std::make_unique<CopyStream>();
   std::map<std::string, Merge, std::less<>> merging_;  // tensors with some, not all, bytes here
   std::unordered_set<std::string> names_;              // tensors delivered this refit
-  // By tensor name, kept across refits; host memory is page-locked when a GPU is usable, so that a
-  // loader copies merged tensors to the GPU at PCIe speed.
-  std::map<std::string, TensorMemory> merge_buffers_;
-  std::deque<TensorInfo> batch_infos_;  // storage behind the merged views of the latest batch
+  // By tensor name, kept across refits unless a caller holds one; host memory is page-locked
+  // when a GPU is usable, so that a loader copies merged tensors to the GPU at PCIe speed.
+  std::map<std::string, std::shared_ptr<TensorMemory>> merge_buffers_;
+  std::vector<std::shared_ptr<const void>> owners_;  // of the latest batch
+  std::deque<TensorInfo> batch_infos_;               // storage behind the merged views of the latest batch
 };
 
 }  // namespace refit

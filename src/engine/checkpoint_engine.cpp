@@ -237,39 +237,141 @@ class CheckpointEngine::Impl {
   }
 
   ReceiveStats receive(const BatchLoader& loader) {
+    begin_receive();
+    for (;;) {
+      ReceivedBatch batch;
+      const ReceiveProgress progress = next_batch(deadline_after(std::chrono::hours(1)), &batch);
+      if (progress == ReceiveProgress::kDone) break;
+      if (progress == ReceiveProgress::kWaiting) continue;
+      guarded([&] {
+        const auto load_start = Clock::now();
+        loader(batch.tensors);
+        receive_->stats.load_seconds += seconds_since(load_start);
+      });
+      release_batch();
+    }
+    return finish_receive();
+  }
+
+  void begin_receive() {
+    if (receive_) fail(ErrorKind::kInvalidArgument, "{}: begin_receive() while a receive is in progress", self_label());
     stale_ = true;
-    ReceiveStats stats;
-    const auto start = Clock::now();
     ++refits_;
     if (links_.empty() && !needs_nothing_)
       fail(ErrorKind::kTopology,
-           "{}: receive() before init_destination(): the destination is not connected to a source",
-           self_.empty() ? "destination" : self_);
-    if (needs_nothing_) {  // resharding, and this destination's layout holds nothing
-      stale_ = false;
-      return stats;
+           "{}: receive() before init_destination(): the destination is not connected to a source", self_label());
+    auto run = std::make_unique<ReceiveRun>();
+    run->start = Clock::now();
+    run->phase = "wait for bucket 0";
+    assembler_.reset();
+    for (auto& link : links_) {
+      FetchContext context{transport_.get(),
+                           link.peer,
+                           link.label,
+                           link.peer_rank,
+                           &link.metadata,
+                           {region_base_ + link.offset, region_base_ + link.offset + link.bucket_bytes},
+                           region_,
+                           link.mapped,
+                           link.bucket_bytes,
+                           link.first_refit + refits_,
+                           options_.config.timeout_s,
+                           options_.config.verify_checksums,
+                           &run->signal};
+      run->fetchers.push_back(std::make_unique<BucketFetcher>(std::move(context)));
     }
-    std::string phase = "wait for bucket 0";
-    try {
-      run_receive(loader, stats, phase);
-    } catch (const std::exception& e) {
-      ErrorKind kind = ErrorKind::kInvalidArgument;  // the loader (caller code) failed
-      if (const auto* err = dynamic_cast<const Error*>(&e)) kind = err->kind();
-      abort_links(kind, e.what());
-      spdlog::error("{} is stale: refit {} of this connection failed in phase {}: {}", self_, refits_, phase, e.what());
-      throw Error(kind, fmt::format("{}, refit {} of this connection, phase {}: {}", self_, refits_, phase, e.what()));
-    }
-    stats.total_seconds = seconds_since(start);
+    run->done.assign(links_.size(), false);
+    run->remaining = needs_nothing_ ? 0 : links_.size();  // resharding, and this destination holds nothing
+    run->stats.mapped = std::all_of(links_.begin(), links_.end(), [](const Link& l) { return l.mapped != nullptr; });
+    run->stats.buffer_bytes = has_buffers_ ? kBufferCount * options_.bucket_bytes : 0;
+    run->stats.sources = static_cast<uint32_t>(links_.size());
+    // Each fetcher ends its own waits by their deadlines; this one only backs them up.
+    run->idle_deadline = deadline_after(backstop());
+    receive_ = std::move(run);
+  }
+
+  ReceiveProgress next_batch(Deadline until, ReceivedBatch* out) {
+    ReceiveRun& run = active_receive("next_batch()");
+    if (run.held)
+      fail(ErrorKind::kInvalidArgument, "{}: next_batch() while batch {} is still held: release_batch() it first",
+           self_, run.batches_out - 1);
+    return guarded([&] {
+      for (;;) {
+        if (run.remaining == 0) return ReceiveProgress::kDone;
+        const uint64_t seen = run.signal.version();
+        if (take_bucket(run)) {
+          if (!run.views.empty()) {
+            *out = ReceivedBatch{run.batches_out++, run.views, assembler_.owners()};
+            run.held = true;
+            run.handed_out = Clock::now();
+            return ReceiveProgress::kBatch;
+          }
+          finish_bucket(run);  // it completed no tensor
+          continue;
+        }
+        if (expired(run.idle_deadline))
+          fail(ErrorKind::kTimeout, "no bucket arrived from any of {} source(s) in {:.0f} s", run.remaining,
+               backstop().count());
+        if (expired(until)) return ReceiveProgress::kWaiting;
+        run.signal.wait(seen, std::min({until, run.idle_deadline, deadline_after(std::chrono::milliseconds(200))}));
+      }
+    });
+  }
+
+  void release_batch() {
+    ReceiveRun& run = active_receive("release_batch()");
+    if (!run.held) fail(ErrorKind::kInvalidArgument, "{}: release_batch() without a batch held", self_);
+    guarded([&] {
+      const double held = seconds_since(run.handed_out);
+      if (held > options_.config.timeout_s)
+        fail(ErrorKind::kTimeout, "the caller held batch {} for more than timeout_s={} s ({:.1f} s)",
+             run.batches_out - 1, options_.config.timeout_s, held);
+      run.held = false;
+      ++run.stats.batches;
+      run.stats.tensors += run.views.size();
+      for (const auto& v : run.views) run.stats.payload_bytes += v.info->nbytes();
+      finish_bucket(run);
+    });
+  }
+
+  ReceiveStats finish_receive() {
+    ReceiveRun& run = active_receive("finish_receive()");
+    if (run.held || run.remaining > 0)
+      fail(ErrorKind::kInvalidArgument, "{}: finish_receive() before the refit's last batch was released ({})", self_,
+           run.held ? "a batch is held" : fmt::format("{} source(s) still sending", run.remaining));
+    guarded([&] {
+      if (needs_nothing_) return;
+      assembler_.finish(links_.size() == 1 ? links_[0].label : "its sources");
+      if (!expected_tensors_.empty() && assembler_.tensors_completed() != expected_tensors_.size())
+        fail(ErrorKind::kProtocol, "the plan sends this destination {} tensors, but {} arrived",
+             expected_tensors_.size(), assembler_.tensors_completed());
+    });
+    std::unique_ptr<ReceiveRun> done = std::move(receive_);
+    ReceiveStats stats = std::move(done->stats);
+    std::set<std::string> routes;
+    for (auto& link : links_)
+      routes.insert(link.mapped ? transport_->name() + " mapped" : transport_->route(link.peer));
+    for (const auto& r : routes) stats.route += (stats.route.empty() ? "" : "; ") + r;
+    stats.total_seconds = seconds_since(done->start);
     stale_ = false;
-    spdlog::info(
-        "[vLLM refit] Loaded {} tensors in {} batches via checkpoint engine; bytes={:.2f}GiB total={:.2f}s "
-        "receive={:.2f}s load={:.2f}s",
-        stats.tensors, stats.batches, stats.payload_bytes / double(1ull << 30), stats.total_seconds,
-        stats.receive_seconds(), stats.load_seconds);
+    if (!needs_nothing_)
+      spdlog::info(
+          "[vLLM refit] Loaded {} tensors in {} batches via checkpoint engine; bytes={:.2f}GiB total={:.2f}s "
+          "receive={:.2f}s load={:.2f}s",
+          stats.tensors, stats.batches, stats.payload_bytes / double(1ull << 30), stats.total_seconds,
+          stats.receive_seconds(), stats.load_seconds);
     return stats;
   }
 
+  void abort_receive(const std::string& reason) {
+    if (!receive_) return;
+    end_receive(ErrorKind::kInvalidArgument, reason);
+  }
+
+  bool receiving() const { return receive_ != nullptr; }
+
   void finalize() {
+    abort_receive("finalize() was called during the receive");
     disconnect();
     if (options_.config.release_after_refit) {
       release_buffers();
@@ -585,90 +687,106 @@ class CheckpointEngine::Impl {
     }
   }
 
-  void run_receive(const BatchLoader& loader, ReceiveStats& stats, std::string& phase) {
-    assembler_.reset();
+  // A pull-style receive in progress.
+  struct ReceiveRun {
     FetchSignal signal;
     std::vector<std::unique_ptr<BucketFetcher>> fetchers;
-    for (auto& link : links_) {
-      FetchContext context{transport_.get(),
-                           link.peer,
-                           link.label,
-                           link.peer_rank,
-                           &link.metadata,
-                           {region_base_ + link.offset, region_base_ + link.offset + link.bucket_bytes},
-                           region_,
-                           link.mapped,
-                           link.bucket_bytes,
-                           link.first_refit + refits_,
-                           options_.config.timeout_s,
-                           options_.config.verify_checksums,
-                           &signal};
-      fetchers.push_back(std::make_unique<BucketFetcher>(std::move(context)));
+    std::vector<bool> done;  // per link: its last bucket was released
+    size_t remaining = 0;    // links not done
+    size_t cursor = 0;       // the link to look at first, so that no source starves the others
+    Clock::time_point start;
+    Deadline idle_deadline;
+    ReceiveStats stats;
+    std::string phase;
+    // The bucket being assembled or loaded, and the batch it completed.
+    std::optional<BucketFetcher::Fetched> bucket;
+    size_t link = 0;
+    double assembling = 0;  // on the timeline
+    std::vector<TensorView> views;
+    bool held = false;  // handed out, not yet released
+    uint64_t batches_out = 0;
+    Clock::time_point handed_out;
+  };
+
+  Seconds backstop() const { return Seconds(2 * options_.config.timeout_s + 1); }
+  std::string self_label() const { return self_.empty() ? "destination" : self_; }
+
+  ReceiveRun& active_receive(const char* what) {
+    if (!receive_)
+      fail(ErrorKind::kInvalidArgument, "{}: {} without a receive in progress (begin_receive() first, or it failed)",
+           self_label(), what);
+    return *receive_;
+  }
+
+  // Runs a step of the receive; an error ends it (the sources are told) and is rethrown with the
+  // refit and phase in front.
+  template <typename F>
+  std::invoke_result_t<F> guarded(F&& step) {
+    try {
+      return step();
+    } catch (const std::exception& e) {
+      ErrorKind kind = ErrorKind::kInvalidArgument;  // the loader (caller code) failed
+      if (const auto* err = dynamic_cast<const Error*>(&e)) kind = err->kind();
+      const std::string phase = receive_ ? receive_->phase : "receive";
+      end_receive(kind, e.what());
+      throw Error(kind, fmt::format("{}, refit {} of this connection, phase {}: {}", self_, refits_, phase, e.what()));
     }
-    stats.mapped = std::all_of(links_.begin(), links_.end(), [](const Link& l) { return l.mapped != nullptr; });
-    stats.buffer_bytes = has_buffers_ ? kBufferCount * options_.bucket_bytes : 0;
-    stats.sources = static_cast<uint32_t>(links_.size());
-    std::vector<bool> done(links_.size(), false);
-    size_t remaining = links_.size();
-    // Each fetcher ends its own waits by their deadlines; this one only backs them up.
-    const Seconds backstop(2 * options_.config.timeout_s + 1);
-    auto idle_deadline = deadline_after(backstop);
-    while (remaining > 0) {
-      const uint64_t seen = signal.version();
-      bool progressed = false;
-      for (size_t k = 0; k < fetchers.size(); ++k) {
-        if (done[k]) continue;
-        auto fetched = fetchers[k]->try_next(phase);
-        if (!fetched) continue;
-        progressed = true;
-        const auto& bucket = fetched->bucket;
-        stats.wire_bytes += bucket.used_bytes;
-        ++stats.buckets;
-        phase = fmt::format("assemble bucket {} from {}", bucket.seq, links_[k].label);
-        const uint32_t peer = links_[k].peer_rank;
-        const double assembling = timeline_now();
-        auto batch = assembler_.add_bucket(bucket, fetched->data, links_[k].label, next_deadline());
-        if (!batch.empty()) {
-          phase = fmt::format("load bucket {} from {}", bucket.seq, links_[k].label);
-          const auto load_start = Clock::now();
-          loader(batch);
-          stats.load_seconds += seconds_since(load_start);
-          spdlog::debug("{}: bucket {} ({} bytes) from {} loaded in {:.2f} ms", self_, bucket.seq, bucket.used_bytes,
-                        links_[k].label, seconds_since(load_start) * 1e3);
-          ++stats.batches;
-          stats.tensors += batch.size();
-          for (const auto& v : batch) stats.payload_bytes += v.info->nbytes();
-        }
-        // The load event spans assembling too: both are the destination's copies out of the bucket.
-        const double released = timeline_now();
-        stats.events.push_back({TimelinePhase::kLoad, peer, bucket.seq, assembling, released, bucket.used_bytes,
+  }
+
+  // Ends a receive that failed or was given up: the sources are told why, the destination stays stale.
+  void end_receive(ErrorKind kind, const std::string& reason) noexcept {
+    if (!receive_) return;
+    abort_links(kind, reason);
+    spdlog::error("{} is stale: refit {} of this connection failed in phase {}: {}", self_, refits_, receive_->phase,
+                  reason);
+    receive_.reset();  // stops the fetchers
+    stale_ = true;
+  }
+
+  // Takes the next bucket any source has ready and assembles it into run.views; false when none is.
+  bool take_bucket(ReceiveRun& run) {
+    for (size_t n = 0; n < run.fetchers.size(); ++n) {
+      const size_t k = (run.cursor + n) % run.fetchers.size();
+      if (run.done[k]) continue;
+      auto fetched = run.fetchers[k]->try_next(run.phase);
+      if (!fetched) continue;
+      run.cursor = (k + 1) % run.fetchers.size();
+      run.idle_deadline = deadline_after(backstop());
+      run.link = k;
+      run.bucket = std::move(fetched);
+      const auto& bucket = run.bucket->bucket;
+      run.stats.wire_bytes += bucket.used_bytes;
+      ++run.stats.buckets;
+      run.phase = fmt::format("assemble bucket {} from {}", bucket.seq, links_[k].label);
+      run.assembling = timeline_now();
+      run.views = assembler_.add_bucket(bucket, run.bucket->data, links_[k].label, next_deadline());
+      if (!run.views.empty()) run.phase = fmt::format("load bucket {} from {}", bucket.seq, links_[k].label);
+      return true;
+    }
+    return false;
+  }
+
+  // The bucket's tensors are loaded: its buffer goes back to its source.
+  void finish_bucket(ReceiveRun& run) {
+    const auto& bucket = run.bucket->bucket;
+    const size_t k = run.link;
+    const uint32_t peer = links_[k].peer_rank;
+    // The load event spans assembling too: both are the destination's copies out of the bucket.
+    const double released = timeline_now();
+    run.stats.events.push_back({TimelinePhase::kLoad, peer, bucket.seq, run.assembling, released, bucket.used_bytes,
                                 static_cast<uint32_t>(bucket.entries.size())});
-        fetchers[k]->release(bucket.seq);
-        stats.events.push_back({TimelinePhase::kRelease, peer, bucket.seq, released, released, 0});
-        if (bucket.is_last) {
-          fetchers[k]->finish(phase);
-          stats.events.insert(stats.events.end(), fetchers[k]->events().begin(), fetchers[k]->events().end());
-          done[k] = true;
-          --remaining;
-        }
-      }
-      if (progressed) {
-        idle_deadline = deadline_after(backstop);
-      } else if (remaining > 0) {
-        if (expired(idle_deadline))
-          fail(ErrorKind::kTimeout, "no bucket arrived from any of {} source(s) in {:.0f} s", remaining,
-               backstop.count());
-        signal.wait(seen, std::min(idle_deadline, deadline_after(std::chrono::milliseconds(200))));
-      }
+    run.fetchers[k]->release(bucket.seq);
+    run.stats.events.push_back({TimelinePhase::kRelease, peer, bucket.seq, released, released, 0});
+    spdlog::debug("{}: bucket {} ({} bytes) from {} done", self_, bucket.seq, bucket.used_bytes, links_[k].label);
+    if (bucket.is_last) {
+      run.fetchers[k]->finish(run.phase);
+      run.stats.events.insert(run.stats.events.end(), run.fetchers[k]->events().begin(),
+                              run.fetchers[k]->events().end());
+      run.done[k] = true;
+      --run.remaining;
     }
-    assembler_.finish(links_.size() == 1 ? links_[0].label : "its sources");
-    if (!expected_tensors_.empty() && assembler_.tensors_completed() != expected_tensors_.size())
-      fail(ErrorKind::kProtocol, "the plan sends this destination {} tensors, but {} arrived", expected_tensors_.size(),
-           assembler_.tensors_completed());
-    std::set<std::string> routes;
-    for (auto& link : links_)
-      routes.insert(link.mapped ? transport_->name() + " mapped" : transport_->route(link.peer));
-    for (const auto& r : routes) stats.route += (stats.route.empty() ? "" : "; ") + r;
+    run.views.clear();
+    run.bucket.reset();
   }
 
   EngineOptions options_;
@@ -698,6 +816,7 @@ class CheckpointEngine::Impl {
   std::map<std::string, SendTensor, std::less<>> send_tensors_;
   std::set<uint32_t> expected_tensors_;
   bool needs_nothing_ = false;  // a resharding destination whose layout holds no tensor
+  std::unique_ptr<ReceiveRun> receive_;
 };
 
 CheckpointEngine::CheckpointEngine(EngineOptions options) : impl_(std::make_unique<Impl>(std::move(options))) {}
@@ -713,6 +832,14 @@ void CheckpointEngine::init_destination(int rollout_rank, int train_world_size, 
 }
 SendStats CheckpointEngine::send(WeightSource& weights) { return impl_->send(weights); }
 ReceiveStats CheckpointEngine::receive(const BatchLoader& loader) { return impl_->receive(loader); }
+void CheckpointEngine::begin_receive() { impl_->begin_receive(); }
+ReceiveProgress CheckpointEngine::next_batch(Deadline until, ReceivedBatch* batch) {
+  return impl_->next_batch(until, batch);
+}
+void CheckpointEngine::release_batch() { impl_->release_batch(); }
+ReceiveStats CheckpointEngine::finish_receive() { return impl_->finish_receive(); }
+void CheckpointEngine::abort_receive(const std::string& reason) { impl_->abort_receive(reason); }
+bool CheckpointEngine::receiving() const { return impl_->receiving(); }
 void CheckpointEngine::finalize() { impl_->finalize(); }
 bool CheckpointEngine::stale() const { return impl_->stale(); }
 uint64_t CheckpointEngine::bucket_bytes() const { return impl_->bucket_bytes(); }

@@ -1,6 +1,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstring>
 #include <future>
 #include <map>
 #include <optional>
@@ -16,6 +17,7 @@
 namespace refit {
 namespace {
 
+using testing::error_kind_of;
 using testing::inproc_options;
 using testing::make_tensor;
 using testing::OwnedTensor;
@@ -313,6 +315,184 @@ TEST(Engine, LoaderFailureAbortsTheSourceAndLeavesDestinationStale) {
     FAIL() << "source should fail after the abort";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("aborted"), std::string::npos) << e.what();
+  }
+}
+
+// The pull-style receive: the caller takes batch after batch; the bytes are those receive() gives.
+// Merged tensors come with their memory, which stays valid (and unchanged) while it is held, even
+// across later refits; views into the transfer buffers come without.
+TEST(EnginePull, BatchByBatchWithMergedTensorsTheCallerMayKeep) {
+  for (bool map : {false, true}) {
+    Pair p(256, false, 10.0, map);
+    p.connect();
+    std::shared_ptr<const void> kept;  // the memory of the split embedding of refit 0
+    const std::byte* kept_data = nullptr;
+    std::vector<std::byte> kept_bytes;
+    for (uint32_t r = 0; r < 3; ++r) {
+      auto weights = mixed_model(10 * r + 1);
+      auto sent = std::async(std::launch::async, [&] {
+        VectorSource src(weights);
+        return p.source->send(src);
+      });
+      Received got;
+      p.destination->begin_receive();
+      EXPECT_TRUE(p.destination->receiving());
+      uint64_t batches = 0;
+      for (;;) {
+        ReceivedBatch batch;
+        const auto progress = p.destination->next_batch(deadline_after(std::chrono::seconds(10)), &batch);
+        if (progress == ReceiveProgress::kDone) break;
+        ASSERT_EQ(progress, ReceiveProgress::kBatch);
+        EXPECT_EQ(batch.index, batches++);
+        ASSERT_EQ(batch.owners.size(), batch.tensors.size());
+        for (size_t i = 0; i < batch.tensors.size(); ++i) {
+          const bool merged = batch.tensors[i].info->nbytes() > 256;
+          EXPECT_EQ(batch.owners[i] != nullptr, merged) << batch.tensors[i].info->name;
+          if (merged && r == 0) {
+            kept = batch.owners[i];
+            kept_data = batch.tensors[i].data;
+            kept_bytes.assign(batch.tensors[i].data, batch.tensors[i].data + batch.tensors[i].info->nbytes());
+          }
+        }
+        got.loader()(batch.tensors);
+        p.destination->release_batch();
+      }
+      const ReceiveStats stats = p.destination->finish_receive();
+      EXPECT_FALSE(p.destination->receiving());
+      sent.get();
+      expect_same(weights, got);
+      EXPECT_EQ(stats.batches, batches);
+      EXPECT_EQ(stats.tensors, weights.size());
+      EXPECT_FALSE(p.destination->stale());
+      ASSERT_TRUE(kept);
+      // Refits 1 and 2 merged the embedding again, with other content: not into the kept memory.
+      EXPECT_EQ(std::memcmp(kept_data, kept_bytes.data(), kept_bytes.size()), 0) << "refit " << r;
+    }
+  }
+}
+
+TEST(EnginePull, ASlowSourceMakesNextBatchReturnWaitingUntilItsBatchesCome) {
+  Pair p(256);
+  p.connect();
+  auto weights = mixed_model(2);
+  std::promise<void> go;
+  auto sent = std::async(std::launch::async, [&] {
+    go.get_future().wait();
+    VectorSource src(weights);
+    return p.source->send(src);
+  });
+  p.destination->begin_receive();
+  ReceivedBatch batch;
+  EXPECT_EQ(p.destination->next_batch(deadline_after(std::chrono::milliseconds(50)), &batch),
+            ReceiveProgress::kWaiting);
+  EXPECT_TRUE(p.destination->stale());
+  go.set_value();
+  Received got;
+  int waits = 0;
+  for (;;) {
+    const auto progress = p.destination->next_batch(deadline_after(std::chrono::milliseconds(5)), &batch);
+    if (progress == ReceiveProgress::kDone) break;
+    if (progress == ReceiveProgress::kWaiting) {
+      ASSERT_LT(++waits, 2000);
+      continue;
+    }
+    got.loader()(batch.tensors);
+    p.destination->release_batch();
+  }
+  p.destination->finish_receive();
+  sent.get();
+  expect_same(weights, got);
+}
+
+TEST(EnginePull, CallsOutOfOrderAreErrorsThatNameTheCall) {
+  Pair p(256);
+  p.connect();
+  ReceivedBatch batch;
+  std::string message;
+  EXPECT_EQ(
+      error_kind_of([&] { p.destination->next_batch(deadline_after(std::chrono::seconds(1)), &batch); }, &message),
+      ErrorKind::kInvalidArgument);
+  EXPECT_NE(message.find("next_batch() without a receive in progress"), std::string::npos) << message;
+  EXPECT_EQ(error_kind_of([&] { p.destination->release_batch(); }), ErrorKind::kInvalidArgument);
+  EXPECT_EQ(error_kind_of([&] { p.destination->finish_receive(); }), ErrorKind::kInvalidArgument);
+
+  auto weights = mixed_model(3);
+  auto sent = std::async(std::launch::async, [&] {
+    VectorSource src(weights);
+    return p.source->send(src);
+  });
+  p.destination->begin_receive();
+  EXPECT_EQ(error_kind_of([&] { p.destination->begin_receive(); }), ErrorKind::kInvalidArgument);
+  ASSERT_EQ(p.destination->next_batch(deadline_after(std::chrono::seconds(10)), &batch), ReceiveProgress::kBatch);
+  EXPECT_EQ(
+      error_kind_of([&] { p.destination->next_batch(deadline_after(std::chrono::seconds(1)), &batch); }, &message),
+      ErrorKind::kInvalidArgument);
+  EXPECT_NE(message.find("batch 0 is still held"), std::string::npos) << message;
+  EXPECT_EQ(error_kind_of([&] { p.destination->finish_receive(); }, &message), ErrorKind::kInvalidArgument);
+  EXPECT_NE(message.find("a batch is held"), std::string::npos) << message;
+  // Misuse ends nothing: the refit goes on.
+  Received got;
+  got.loader()(batch.tensors);
+  p.destination->release_batch();
+  for (;;) {
+    const auto progress = p.destination->next_batch(deadline_after(std::chrono::seconds(10)), &batch);
+    if (progress == ReceiveProgress::kDone) break;
+    got.loader()(batch.tensors);
+    p.destination->release_batch();
+  }
+  p.destination->finish_receive();
+  sent.get();
+  expect_same(weights, got);
+}
+
+TEST(EnginePull, ABatchHeldPastTheDeadlineFailsTheRefitOnBothSides) {
+  Pair p(64, false, /*timeout_s=*/0.5);
+  p.connect();
+  auto weights = mixed_model(5);
+  auto sent = std::async(std::launch::async, [&] {
+    VectorSource src(weights);
+    return p.source->send(src);
+  });
+  p.destination->begin_receive();
+  ReceivedBatch batch;
+  ASSERT_EQ(p.destination->next_batch(deadline_after(std::chrono::seconds(10)), &batch), ReceiveProgress::kBatch);
+  std::this_thread::sleep_for(std::chrono::milliseconds(800));
+  std::string message;
+  EXPECT_EQ(error_kind_of([&] { p.destination->release_batch(); }, &message), ErrorKind::kTimeout);
+  EXPECT_NE(message.find("held batch 0 for more than timeout_s=0.5"), std::string::npos) << message;
+  EXPECT_NE(message.find("destination rank 0"), std::string::npos) << message;
+  EXPECT_FALSE(p.destination->receiving());
+  EXPECT_TRUE(p.destination->stale());
+  EXPECT_THROW(sent.get(), Error);
+}
+
+TEST(EnginePull, GivingUpOrFinalizingFailsTheSourceAndLeavesTheDestinationStale) {
+  for (bool finalize : {false, true}) {
+    Pair p(64);
+    p.connect();
+    auto weights = mixed_model(6);
+    auto sent = std::async(std::launch::async, [&] {
+      VectorSource src(weights);
+      return p.source->send(src);
+    });
+    p.destination->begin_receive();
+    ReceivedBatch batch;
+    ASSERT_EQ(p.destination->next_batch(deadline_after(std::chrono::seconds(10)), &batch), ReceiveProgress::kBatch);
+    const auto start = Clock::now();
+    if (finalize) {
+      p.destination->finalize();
+    } else {
+      p.destination->abort_receive("the consumer went away");
+    }
+    EXPECT_FALSE(p.destination->receiving());
+    EXPECT_TRUE(p.destination->stale());
+    std::string message;
+    error_kind_of([&] { sent.get(); }, &message);
+    EXPECT_NE(message.find("aborted"), std::string::npos) << message;
+    EXPECT_NE(message.find(finalize ? "finalize() was called during the receive" : "the consumer went away"),
+              std::string::npos)
+        << message;
+    EXPECT_LT(std::chrono::duration<double>(Clock::now() - start).count(), 5.0) << "at once, not at a deadline";
   }
 }
 

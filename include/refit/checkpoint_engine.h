@@ -41,6 +41,7 @@
 
 #include "refit/config.h"
 #include "refit/deadline.h"
+#include "refit/error.h"
 #include "refit/layout.h"
 #include "refit/tensor.h"
 #include "refit/timeline.h"
@@ -164,14 +165,16 @@ class CheckpointEngine {
   //   ReceiveStats stats = finish_receive();
   // next_batch() returns kWaiting when `until` passes before a batch is ready; the refit's own
   // deadlines (timeout_s) apply meanwhile, and a batch held longer than timeout_s fails the
-  // refit at release_batch(). A batch must be released before the next is asked for. Any error
-  // ends the receive: it is thrown, the sources are told, and the destination stays stale until
-  // a later refit succeeds. abort_receive() gives up (the same, with the caller's reason).
+  // refit at release_batch(); the time a batch is held counts as load time. A batch must be
+  // released before the next is asked for. Any error ends the receive: it is thrown, the sources
+  // are told, and the destination stays stale until a later refit succeeds. abort_receive()
+  // gives up the same way, with the caller's reason, and returns the error (refit and phase in
+  // front) for the caller to throw or not.
   void begin_receive();
   ReceiveProgress next_batch(Deadline until, ReceivedBatch* batch);
   void release_batch();
   ReceiveStats finish_receive();
-  void abort_receive(const std::string& reason);
+  Error abort_receive(const std::string& reason);
   bool receiving() const;  // between begin_receive() and finish_receive() or an error
 
   // Disconnects (aborting a receive in progress).

@@ -70,12 +70,12 @@ def run_cpp(binary: str, model: str, refits: int, bucket: str, overrides: List[s
             "load_seconds": [d["load_seconds"] for d in dest], "receive_seconds": [d["receive_seconds"] for d in dest]}
 
 
-def run_python(model: str, refits: int, bucket: str, overrides: List[str], framework: str, copy_merged: bool,
+def run_python(model: str, refits: int, bucket: str, overrides: List[str], framework: str,
                receive: str) -> dict:
     config = refit.as_config({"bucket_bytes": bucket}, overrides)
     programs = SyntheticPrograms(model)
     rates, seconds, verified, load, receive_s, send = [], [], True, [], [], []
-    with ProcessWorkerGroup(1, 1, programs, framework=framework, copy_merged=copy_merged, receive=receive,
+    with ProcessWorkerGroup(1, 1, programs, framework=framework, receive=receive,
                             log_level="warning") as group:
         sync = refit.WeightSynchronizer(config, group, model_fingerprint=refit.load_model_inventory(model).fingerprint)
         for _ in range(refits):
@@ -106,8 +106,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--bucket", default="256MiB", help="bucket_bytes of both sides")
     p.add_argument("--refit", default=None, help="the refit binary (default: found in build/)")
     p.add_argument("--framework", default="numpy", help="how the Python destination receives tensors")
-    p.add_argument("--no-copy-merged", action="store_true",
-                   help="hand merged tensors out as views (default: owned copies, the documented contract)")
     p.add_argument("--receive", default="callback", choices=["callback", "iterator"],
                    help="how the Python destination drives a refit: receive_weights(load) (default) or "
                         "iterating receive_weight_batches()")
@@ -119,7 +117,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     inventory = refit.load_model_inventory(args.model)
     print(f"bench_python: model {inventory.name} ({len(inventory)} tensors, {inventory.total_bytes / GiB:.2f} GiB), "
           f"1 source -> 1 destination, bucket {args.bucket}, {args.refits} refits x {args.rounds} rounds per side, "
-          f"Python receives {args.framework} with {args.receive} (copy_merged={not args.no_copy_merged}); "
+          f"Python receives {args.framework} with {args.receive}; "
           f"C++: {binary}", flush=True)
     refit.set_log_level("warning")
     cpp_medians, py_medians, rounds = [], [], []
@@ -133,7 +131,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 result[side] = run_cpp(binary, args.model, args.refits, args.bucket, args.overrides)
             else:
                 result[side] = run_python(args.model, args.refits, args.bucket, args.overrides, args.framework,
-                                          not args.no_copy_merged, args.receive)
+                                          args.receive)
             result[side]["wall"] = time.monotonic() - start
         ok = ok and result["cpp"]["verified"] and result["python"]["verified"]
         cpp_medians.append(result["cpp"]["median"])
@@ -160,7 +158,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         with open(args.json, "w") as f:
             json.dump({"model": inventory.name, "bucket": args.bucket, "refits": args.refits, "rounds": rounds,
                        "cpp_median_bytes_per_s": cpp, "python_median_bytes_per_s": py, "ratio": ratio,
-                       "copy_merged": not args.no_copy_merged, "framework": args.framework, "receive": args.receive,
+                       "framework": args.framework, "receive": args.receive,
                        "verified": ok}, f, indent=2)
     return 0 if ok else 1
 

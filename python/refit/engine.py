@@ -243,16 +243,15 @@ class CheckpointEngine(CheckpointEngineBase):
         (kv_cache_dtype not fp8, or no layer count known)."""
         return self._engine.kv_scale_layers
 
-    def receive_weight_batches(self, framework: Optional[str] = None, copy_merged: bool = True
-                               ) -> "_refit.BatchIterator":
+    def receive_weight_batches(self, framework: Optional[str] = None) -> "_refit.BatchIterator":
         """One refit at a destination: an iterator over batches (lists of (name, tensor)), one
         per bucket that completes a tensor. ``framework``: "torch", "numpy", "cupy", "dlpack" or
         "auto" (the engine's default: torch when installed). Zero-copy views are valid until the
-        next batch is requested; merged tensors are owned (``copy_merged=False`` hands them out
-        as views too, valid until the next batch, saving a copy). Stopping early fails the refit.
+        next batch is requested; a tensor merged from chunks keeps its own memory (the engine
+        merges into fresh memory while it lives), without a copy. Stopping early fails the refit.
         After the loop, the iterator's ``stats`` has the receive statistics."""
         fw = resolve_framework(framework if framework is not None else self._framework)
-        return self._engine.receive(fw, copy_merged)
+        return self._engine.receive(fw)
 
     def get_target_weight_layout(self) -> Optional[Layout]:
         """On a source: the layout its destination declared (None: whole tensors, or no destination)."""
@@ -282,15 +281,14 @@ class CheckpointEngine(CheckpointEngineBase):
     def transport_name(self) -> str:
         return self._engine.transport_name()
 
-    def receive_weights(self, load, framework: Optional[str] = None, copy_merged: bool = True) -> dict:
+    def receive_weights(self, load, framework: Optional[str] = None) -> dict:
         """One refit at a destination with a callback: ``load(batch)`` is called for every batch
         (a list of (name, tensor)); returns the receive statistics. The same lifetime rules as
-        receive_weight_batches() (views are valid until ``load`` returns; merged tensors are owned),
-        without its hand-off between threads: the transfer runs on the calling thread and each
-        call of ``load`` takes the GIL. An exception raised by ``load`` fails the refit (both
+        receive_weight_batches() (views are valid until ``load`` returns; merged tensors keep their
+        memory), and the same loop on the calling thread. An exception raised by ``load`` fails the refit (both
         sides) and is the ``__cause__`` of the error raised here."""
         fw = resolve_framework(framework if framework is not None else self._framework)
-        return self._engine.receive_into(load, fw, copy_merged)
+        return self._engine.receive_into(load, fw)
 
     def close(self) -> None:
         """Frees the engine (buffers, transport) now, instead of at garbage collection. Views

@@ -89,19 +89,19 @@ class ProcessWorkerGroup(BroadcastWorkerGroup):
     """``sources`` policy workers and ``destinations`` rollout workers, each its own process.
 
     ``program``: a picklable callable ``program(role, rank)`` run inside each worker, returning
-    its WorkerProgram (refit.worker). ``framework``/``copy_merged``/``receive``: how destinations
+    its WorkerProgram (refit.worker). ``framework``/``receive``: how destinations
     receive (refit.EngineWorker).
     ``timeout_s``: the longest the driver waits for one call (None: forever; the engines' own
     deadlines bound every transfer anyway).
     """
 
     def __init__(self, sources: int, destinations: int, program: ProgramFactory, *, framework: str = "auto",
-                 copy_merged: bool = True, receive: str = "callback", timeout_s: Optional[float] = None,
+                 receive: str = "callback", timeout_s: Optional[float] = None,
                  log_level: Optional[str] = None):
         if sources < 1 or destinations < 1:
             raise _refit.TopologyError(f"need at least one source and one destination, got {sources} and {destinations}")
         ctx = mp.get_context("spawn")
-        options = {"framework": framework, "copy_merged": copy_merged, "receive": receive}
+        options = {"framework": framework, "receive": receive}
         self._timeout = timeout_s
         self._workers: List[_Worker] = []
         try:

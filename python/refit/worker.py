@@ -36,13 +36,12 @@ class EngineWorker:
     """One worker: role "policy" (a source) or "rollout" (a destination), its rank, its program.
 
     ``framework`` is how a destination receives tensors ("numpy", "torch", ... or "auto");
-    ``copy_merged`` whether tensors split over buckets are owned (see
-    CheckpointEngine.receive_weight_batches); ``receive`` how a destination drives a refit:
-    "callback" (CheckpointEngine.receive_weights, no thread hand-off) or "iterator"
+    ``receive`` how a destination drives a refit:
+    "callback" (CheckpointEngine.receive_weights) or "iterator"
     (receive_weight_batches, the reference's generator)."""
 
     def __init__(self, role: str, rank: int, program: Optional[WorkerProgram] = None, *,
-                 framework: str = "auto", copy_merged: bool = True, receive: str = "callback"):
+                 framework: str = "auto", receive: str = "callback"):
         if receive not in ("callback", "iterator"):
             raise _refit.InvalidArgumentError(f"receive must be 'callback' or 'iterator', got {receive!r}")
         self.receive = receive
@@ -52,7 +51,6 @@ class EngineWorker:
         self.rank = int(rank)
         self.program = program
         self.framework = framework
-        self.copy_merged = copy_merged
         self.engine: Optional[CheckpointEngine] = None
         self._engine_args: Optional[tuple] = None
         self._failed = False  # the last refit failed: replace the engine at the next prepare()
@@ -105,10 +103,9 @@ class EngineWorker:
                 stats = engine.send_weights(self.program.weights(index))
             elif self.receive == "callback":
                 program = self.program
-                stats = engine.receive_weights(lambda batch: program.load(index, batch), self.framework,
-                                               self.copy_merged)
+                stats = engine.receive_weights(lambda batch: program.load(index, batch), self.framework)
             else:
-                it = engine.receive_weight_batches(self.framework, self.copy_merged)
+                it = engine.receive_weight_batches(self.framework)
                 with it:
                     for batch in it:
                         self.program.load(index, batch)

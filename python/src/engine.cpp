@@ -4,28 +4,21 @@
 // next (name, tensor) pair from the Python iterator on demand, holding the GIL only for that
 // call and the DLPack import, and keeps the tensor alive until the following pull.
 //
-// Receiving: the C++ receive() hands batches to a callback; Python wants an iterator. A
-// BatchIterator runs receive() on a C++ thread (started at the first __next__). The callback
-// publishes each batch and waits until the consumer asks for the next one (then the batch's
-// views die) or gives up: a consumer that stops iterating (close(), garbage collection,
-// finalize()) or holds a batch longer than timeout_s makes the refit fail, never hang, and the
-// destination stays stale. The receive thread never touches Python; the consumer converts the
-// batch to Python objects itself, with the GIL, while the callback waits.
-//
-// Tensors that were split over buckets are merged by the engine into memory it reuses on the
-// next refit; by default they are copied into memory the Python object owns (a pool of such
-// blocks avoids faulting in fresh pages every refit).
+// Receiving: the engine's pull-style receive (begin_receive / next_batch / release_batch /
+// finish_receive) drives both forms: a BatchIterator takes one batch per __next__ (waiting with
+// the GIL released, in slices that let Ctrl-C through) and releases it at the following one;
+// receive_into() runs the same loop with a callback. A batch's views into transfer buffers keep
+// the engine object alive and are valid until the next batch; tensors merged from chunks keep
+// their own memory, which the engine gives up to them. A consumer that stops iterating (close(),
+// garbage collection, finalize()) or holds a batch longer than timeout_s fails the refit, never
+// hangs, and the destination stays stale.
+
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
-#include <sys/mman.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
-#include <cerrno>
 #include <chrono>
 #include <condition_variable>
-#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -44,230 +37,6 @@ namespace refit::py {
 namespace {
 
 using namespace std::chrono_literals;
-
-#ifndef MREMAP_DONTUNMAP
-#define MREMAP_DONTUNMAP 4  // Linux >= 5.7; older kernels refuse it (EINVAL) and the binding copies
-#endif
-
-// ---- owned blocks for merged tensors -----------------------------------------------------------
-
-constexpr size_t kMapThreshold = size_t{1} << 20;
-
-void* allocate_block(size_t bytes) {
-  if (bytes >= kMapThreshold) {
-    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (p == MAP_FAILED)
-      throw Error(ErrorKind::kTransport, fmt::format("cannot allocate {} bytes for a merged tensor", bytes));
-#ifdef MADV_HUGEPAGE
-    madvise(p, bytes, MADV_HUGEPAGE);
-#endif
-    return p;
-  }
-  void* p = std::aligned_alloc(64, (std::max<size_t>(bytes, 1) + 63) / 64 * 64);
-  if (!p) throw Error(ErrorKind::kTransport, fmt::format("cannot allocate {} bytes for a merged tensor", bytes));
-  return p;
-}
-
-void free_block(void* p, size_t bytes) noexcept {
-  if (bytes >= kMapThreshold) {
-    munmap(p, bytes);
-  } else {
-    std::free(p);
-  }
-}
-
-// Keeps freed blocks for reuse, up to the most one refit has needed (merged tensors have the same
-// sizes every refit). Thread-safe: blocks are taken on the receive thread and given back
-// wherever Python drops the last reference.
-class BlockPool : public std::enable_shared_from_this<BlockPool> {
- public:
-  void* take(size_t bytes) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      taken_this_refit_ += bytes;
-      limit_ = std::max(limit_, taken_this_refit_);
-      auto it = free_.find(bytes);
-      if (it != free_.end()) {
-        void* p = it->second;
-        free_.erase(it);
-        pooled_ -= bytes;
-        return p;
-      }
-    }
-    return allocate_block(bytes);
-  }
-  void give(void* p, size_t bytes) noexcept {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (pooled_ + bytes <= limit_) {
-        free_.emplace(bytes, p);
-        pooled_ += bytes;
-        return;
-      }
-    }
-    free_block(p, bytes);
-  }
-  void begin_refit() {
-    std::lock_guard<std::mutex> lock(mu_);
-    taken_this_refit_ = 0;
-  }
-  void clear() noexcept {
-    std::multimap<size_t, void*> blocks;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      blocks.swap(free_);
-      pooled_ = 0;
-      limit_ = 0;
-      taken_this_refit_ = 0;
-    }
-    for (auto& [bytes, p] : blocks) free_block(p, bytes);
-  }
-  ~BlockPool() { clear(); }
-
- private:
-  std::mutex mu_;
-  std::multimap<size_t, void*> free_;
-  uint64_t pooled_ = 0;
-  uint64_t limit_ = 0;
-  uint64_t taken_this_refit_ = 0;
-};
-
-// Moves the pages of a merged tensor out of the engine's merge buffer instead of copying them.
-//
-// The engine merges a split tensor into a private anonymous mapping (HostBuffer) that it keeps
-// for the same tensor in later refits, does not read once the loader has the tensor, and
-// rewrites whole in the next refit. So the binding can give the Python object those pages:
-// mremap(MREMAP_DONTUNMAP) moves them to a new mapping the object owns and leaves the engine's
-// range mapped but empty. When the object dies before the next refit starts (the usual case: the
-// model copied it), its pages go back home at the start of that refit, so the engine neither
-// copies nor faults in memory; when the object lives on, the engine's range faults in fresh pages
-// and the object keeps its own. Any failure (a kernel without MREMAP_DONTUNMAP, an unaligned
-// buffer) falls back to a copy. Not used in builds with the CUDA data path, which may page-lock
-// host buffers, nor when REFIT_PY_MOVE_MERGED=0.
-class PageMover {
- public:
-  PageMover() {
-    const char* env = std::getenv("REFIT_PY_MOVE_MERGED");
-    enabled_ = !cuda_built() && !(env && std::string_view(env) == "0");
-    page_ = static_cast<size_t>(sysconf(_SC_PAGESIZE));
-  }
-  ~PageMover() { invalidate(); }
-
-  // On the receive thread: moves the pages of [p, p + n) to a new mapping and returns it (its
-  // length in *len, the refit it belongs to in *epoch), or null when that cannot be done.
-  void* steal(const std::byte* p, size_t n, size_t* len, uint64_t* epoch) {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (!enabled_ || n == 0 || reinterpret_cast<uintptr_t>(p) % page_ != 0) return nullptr;
-    const size_t l = (n + page_ - 1) / page_ * page_;
-    auto* from = const_cast<std::byte*>(p);
-    void* moved = raw_mremap(from, l, MREMAP_MAYMOVE | MREMAP_DONTUNMAP, nullptr);
-    if (moved == MAP_FAILED) {
-      enabled_ = false;  // this kernel (or mapping) does not allow it: copy from now on
-      return nullptr;
-    }
-    // The engine's range must still be mapped (DONTUNMAP); if an emulated kernel unmapped it,
-    // map it again (empty) and stop moving pages.
-    if (!mapped(from) || !mapped(from + l - page_)) {
-      enabled_ = false;
-      void* again = mmap(from, l, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0);
-      if (again == MAP_FAILED) std::abort();  // the engine's buffer is gone and cannot be restored
-      std::memcpy(from, moved, n);            // put the tensor back; the caller copies it the usual way
-      munmap(moved, l);
-      return nullptr;
-    }
-    *len = l;
-    *epoch = epoch_;
-    return moved;
-  }
-
-  // The Python object died: keep the pages for their home if the next refit has not started yet.
-  void release(void* data, size_t len, void* home, uint64_t epoch) noexcept {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (epoch == epoch_) {
-        returnable_.push_back({data, len, home});
-        return;
-      }
-    }
-    munmap(data, len);
-  }
-
-  // At the start of a receive, while the engine touches no merge buffer: pages whose objects died
-  // go back to the engine's ranges they came from. Then a new refit (epoch) begins.
-  void begin_refit() noexcept {
-    std::vector<Block> blocks;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      blocks.swap(returnable_);
-      ++epoch_;
-    }
-    for (const Block& b : blocks) {
-      void* r = raw_mremap(b.data, b.len, MREMAP_MAYMOVE | MREMAP_FIXED, b.home);
-      if (r == MAP_FAILED) {
-        munmap(b.data, b.len);  // the home range stays mapped (empty): the engine faults pages in
-      } else if (r != b.home) {
-        munmap(r, b.len);
-      }
-    }
-  }
-
-  // The engine's merge buffers may be gone (finalize with release_after_refit, close): nothing
-  // may go back to them any more.
-  void invalidate() noexcept {
-    std::vector<Block> blocks;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      blocks.swap(returnable_);
-      ++epoch_;
-    }
-    for (const Block& b : blocks) munmap(b.data, b.len);
-  }
-
- private:
-  struct Block {
-    void* data;
-    size_t len;
-    void* home;
-  };
-  // mremap(2) itself, not the libc symbol: UCX's memory hooks (ucm) interpose on mremap and drop
-  // MREMAP_FIXED's fifth argument, which moved pages to a wrong address. These ranges are never
-  // registered with UCX, so its registration cache needs no word of them.
-  static void* raw_mremap(void* old_address, size_t len, int flags, void* new_address) {
-    long r = syscall(SYS_mremap, old_address, len, len, flags, new_address);
-    return r == -1 ? MAP_FAILED : reinterpret_cast<void*>(r);
-  }
-  bool mapped(void* page) const {
-    unsigned char v = 0;
-    return mincore(page, page_, &v) == 0 || errno != ENOMEM;
-  }
-  std::mutex mu_;
-  bool enabled_ = false;
-  size_t page_ = 4096;
-  uint64_t epoch_ = 1;
-  std::vector<Block> returnable_;
-};
-
-// Memory a Python object owns: a pooled copy, or pages moved out of the engine's merge buffer.
-struct OwnedBlock {
-  OwnedBlock(std::shared_ptr<BlockPool> p, size_t n) : pool(std::move(p)), size(n), data(pool->take(n)) {}
-  OwnedBlock(std::shared_ptr<PageMover> m, void* moved, size_t len, void* from, uint64_t e)
-      : mover(std::move(m)), size(len), data(moved), home(from), epoch(e) {}
-  ~OwnedBlock() {
-    if (mover) {
-      mover->release(data, size, home, epoch);
-    } else {
-      pool->give(data, size);
-    }
-  }
-  OwnedBlock(const OwnedBlock&) = delete;
-  OwnedBlock& operator=(const OwnedBlock&) = delete;
-  std::shared_ptr<BlockPool> pool;
-  std::shared_ptr<PageMover> mover;
-  size_t size;
-  void* data;
-  void* home = nullptr;
-  uint64_t epoch = 0;
-};
 
 // ---- stats --------------------------------------------------------------------------------------
 
@@ -386,190 +155,203 @@ class PySource final : public WeightSource {
 
 // ---- the receive side ---------------------------------------------------------------------------
 
-struct Pending {
-  const TensorInfo* info = nullptr;
-  const std::byte* data = nullptr;
-  MemoryKind memory = MemoryKind::kHost;
-  OwnedBlock* owned = nullptr;  // owned copy of a merged tensor, until a capsule takes it
-};
-
-void free_pending(std::vector<Pending>& batch) {
-  for (auto& p : batch) {
-    delete p.owned;
-    p.owned = nullptr;
-  }
-  batch.clear();
-}
-
-// The tensors of one batch, with merged tensors (split over buckets) made owned when asked:
-// their pages moved out of the engine's merge buffer, or copied. No GIL needed.
-std::vector<Pending> collect_batch(LoadBatch batch, BlockPool& pool, const std::shared_ptr<PageMover>& mover,
-                                   uint64_t bucket_bytes, bool copy_merged) {
-  std::vector<Pending> items;
-  items.reserve(batch.size());
-  try {
-    for (const TensorView& v : batch) {
-      Pending p{v.info, v.data, v.memory, nullptr};
-      const uint64_t n = v.info->nbytes();
-      if (copy_merged && v.memory == MemoryKind::kHost && n > bucket_bytes) {
-        size_t len = 0;
-        uint64_t epoch = 0;
-        if (void* moved = mover->steal(v.data, n, &len, &epoch)) {
-          p.owned = new OwnedBlock(mover, moved, len, const_cast<std::byte*>(v.data), epoch);
-        } else {
-          p.owned = new OwnedBlock(pool.shared_from_this(), n);
-          std::memcpy(p.owned->data, v.data, n);
-        }
-        p.data = static_cast<const std::byte*>(p.owned->data);
-      }
-      items.push_back(p);
-    }
-  } catch (...) {
-    free_pending(items);
-    throw;
-  }
-  return items;
-}
-
-// Python (name, tensor) pairs for a batch; owned blocks go to capsules, views keep `engine_obj`
-// (the engine, and so its buffers) alive. Needs the GIL.
-nb::list convert_batch(std::vector<Pending>& batch, Framework framework, int device_id, nb::handle engine_obj) {
+// Python (name, tensor) pairs for a batch. Views keep `engine_obj` (the engine, and so its
+// buffers) alive; a merged tensor keeps its memory. Needs the GIL.
+nb::list convert_batch(const ReceivedBatch& batch, Framework framework, int device_id, nb::handle engine_obj) {
   nb::list out;
-  for (auto& p : batch) {
-    nb::object owner;
-    if (p.owned) {
-      OwnedBlock* block = p.owned;
-      p.owned = nullptr;
-      owner = nb::capsule(block, [](void* b) noexcept { delete static_cast<OwnedBlock*>(b); });
-    } else {
-      owner = nb::borrow(engine_obj);
+  for (size_t i = 0; i < batch.tensors.size(); ++i) {
+    const TensorView& v = batch.tensors[i];
+    nb::object owner = nb::borrow(engine_obj);
+    if (batch.owners[i]) {
+      auto* memory = new std::shared_ptr<const void>(batch.owners[i]);
+      owner = nb::capsule(memory, [](void* p) noexcept { delete static_cast<std::shared_ptr<const void>*>(p); });
     }
-    nb::object tensor = export_tensor(*p.info, p.data, p.memory, device_id, owner, framework);
-    out.append(nb::make_tuple(nb::str(p.info->name.data(), p.info->name.size()), tensor));
+    nb::object tensor = export_tensor(*v.info, v.data, v.memory, device_id, owner, framework);
+    out.append(nb::make_tuple(nb::str(v.info->name.data(), v.info->name.size()), tensor));
   }
   return out;
 }
 
-struct ReceiveSession {
-  std::mutex mu;
-  std::condition_variable cv;
-  std::vector<Pending> batch;  // the published batch
-  bool batch_ready = false;    // published and not yet taken by the consumer
-  uint64_t published = 0;      // batches published so far
-  uint64_t released = 0;       // batches the consumer is done with
-  bool cancelled = false;
-  std::string cancel_reason;
-  bool finished = false;  // receive() returned or threw
-  std::optional<Error> error;
-  ReceiveStats stats;
+// One refit pulled batch by batch. One thread at a time takes batches; close() may come from any
+// thread (an async consumer's cancellation): while a take is waiting it asks that thread to give
+// up and waits for it, since the engine is driven by one thread at a time.
+class PullSession {
+ public:
+  explicit PullSession(CheckpointEngine* engine) : engine_(engine) {}
 
-  std::mutex join_mu;
-  std::thread thread;
-
-  ~ReceiveSession() {
-    free_pending(batch);
-    // Every owner joins before letting go; never std::terminate if one did not.
-    if (thread.joinable()) thread.detach();
-  }
-
-  bool is_finished() {
-    std::lock_guard<std::mutex> lock(mu);
-    return finished;
-  }
-
-  // Joins the receive thread (if any). Releases the GIL while waiting unless the interpreter is
-  // shutting down (the thread never needs the GIL, so holding it cannot deadlock).
-  void join() {
-    auto do_join = [this] {
-      std::lock_guard<std::mutex> lock(join_mu);
-      if (thread.joinable()) thread.join();
-    };
-    if (PyGILState_Check() && !interpreter_finalizing()) {
-      nb::gil_scoped_release nogil;
-      do_join();
-    } else {
-      do_join();
+  // The next batch, or nothing at the end of the refit (then stats() is set). Needs the GIL;
+  // releases it while waiting. Raises the refit's error, or KeyboardInterrupt.
+  std::optional<ReceivedBatch> take() {
+    {
+      std::lock_guard lock(mu_);
+      if (finished_ && !started_ && error_) throw Error(ErrorKind::kInvalidArgument, *error_);
+      if (finished_) return std::nullopt;
+      if (busy_)
+        throw Error(ErrorKind::kInvalidArgument,
+                    "receive_weight_batches(): two threads asked for the next batch at once");
+      busy_ = true;
+    }
+    struct NotBusy {
+      PullSession& s;
+      ~NotBusy() {
+        std::lock_guard lock(s.mu_);
+        s.busy_ = false;
+        s.idle_.notify_all();
+      }
+    } not_busy{*this};
+    try {
+      for (;;) {
+        ReceivedBatch batch;
+        ReceiveProgress progress;
+        {
+          nb::gil_scoped_release nogil;
+          if (!started_) {
+            started_ = true;
+            engine_->begin_receive();
+          }
+          if (holding_) {
+            holding_ = false;
+            engine_->release_batch();
+          }
+          if (auto reason = cancel_requested()) throw engine_->abort_receive(*reason);
+          progress = engine_->next_batch(deadline_after(std::chrono::milliseconds(100)), &batch);
+          if (progress == ReceiveProgress::kDone) stats_ = engine_->finish_receive();
+        }
+        if (progress == ReceiveProgress::kBatch) {
+          holding_ = true;
+          ++taken_;
+          return batch;
+        }
+        if (progress == ReceiveProgress::kDone) {
+          finish(std::nullopt);
+          return std::nullopt;
+        }
+        // Waiting: let Ctrl-C through (main thread only); an interrupt fails the refit.
+        if (PyErr_CheckSignals() != 0) {
+          nb::python_error interrupt;
+          {
+            nb::gil_scoped_release nogil;
+            engine_->abort_receive("receive_weight_batches() was interrupted by a signal");
+          }
+          finish("interrupted by a signal");
+          interrupt.restore();
+          throw nb::python_error();
+        }
+      }
+    } catch (const Error& e) {
+      finish(e.what());
+      throw;
     }
   }
 
-  void cancel(const std::string& reason) {
-    std::lock_guard<std::mutex> lock(mu);
-    if (finished || cancelled) return;
-    cancelled = true;
-    cancel_reason = reason;
-    cv.notify_all();
+  // Fails the refit with `reason` unless it ended already; returns the error it made (none when
+  // the refit had ended). Needs the GIL; releases it while it waits.
+  std::optional<Error> close(const std::string& reason) {
+    // Without the GIL when we have it (a destructor at interpreter exit may not).
+    std::optional<nb::gil_scoped_release> nogil;
+    if (PyGILState_Check() && !interpreter_finalizing()) nogil.emplace();
+    std::unique_lock lock(mu_);
+    if (finished_) return std::nullopt;
+    if (busy_) {
+      cancel_ = reason;
+      idle_.wait(lock, [&] { return !busy_; });
+      return std::nullopt;
+    }
+    std::optional<Error> error;
+    if (started_) error = engine_->abort_receive(reason);
+    finished_ = true;
+    error_ = reason;
+    return error;
   }
-};
 
-class PyEngine;
+  bool finished() {
+    std::lock_guard lock(mu_);
+    return finished_;
+  }
+  bool started() const { return started_; }
+  const std::optional<ReceiveStats>& stats() const { return stats_; }
+  const std::optional<std::string>& error() const { return error_; }
+  uint64_t taken() const { return taken_; }
+
+ private:
+  std::optional<std::string> cancel_requested() {
+    std::lock_guard lock(mu_);
+    return cancel_;
+  }
+  void finish(std::optional<std::string> error) {
+    std::lock_guard lock(mu_);
+    finished_ = true;
+    error_ = std::move(error);
+  }
+
+  CheckpointEngine* engine_;
+  std::mutex mu_;
+  std::condition_variable idle_;
+  bool busy_ = false;                  // a thread is in take()
+  std::optional<std::string> cancel_;  // close() asked the taking thread to give up
+  bool finished_ = false;              // ended: done, failed or closed
+  std::optional<std::string> error_;   // why it failed
+  // Touched by the taking thread only.
+  bool started_ = false;
+  bool holding_ = false;  // the consumer has the latest batch
+  uint64_t taken_ = 0;
+  std::optional<ReceiveStats> stats_;
+};
 
 class BatchIterator {
  public:
-  BatchIterator(nb::object engine_obj, PyEngine* engine, std::shared_ptr<ReceiveSession> session, Framework framework,
-                bool copy_merged)
+  BatchIterator(nb::object engine_obj, std::shared_ptr<PullSession> session, Framework framework, int device_id)
       : engine_obj_(std::move(engine_obj)),
-        engine_(engine),
         session_(std::move(session)),
         framework_(framework),
-        copy_merged_(copy_merged) {}
+        device_id_(device_id) {}
   BatchIterator(BatchIterator&&) = default;
   BatchIterator& operator=(BatchIterator&&) = delete;
   ~BatchIterator() {
-    if (session_) close_impl(closed_reason());
+    if (session_) close();
   }
 
-  nb::object next();
-  void close() { close_impl(closed_reason()); }
-
-  nb::object stats() const {
-    if (!session_ || !session_->is_finished() || session_->error) return nb::none();
-    return receive_stats(session_->stats);
+  nb::object next() {
+    std::optional<ReceivedBatch> batch = session_->take();
+    if (!batch) throw nb::stop_iteration();
+    try {
+      return convert_batch(*batch, framework_, device_id_, engine_obj_);
+    } catch (const std::exception& e) {
+      session_->close(fmt::format("receive_weight_batches(): converting batch {} to Python objects failed: {}",
+                                  batch->index, e.what()));
+      throw;
+    }
   }
-  nb::object error() const {
-    if (!session_ || !session_->is_finished() || !session_->error) return nb::none();
-    return nb::str(session_->error->what());
-  }
-  uint64_t batches() const { return taken_; }
-  bool running() const { return started_ && session_ && !session_->is_finished(); }
-
- private:
-  void start();
-  nb::list convert(std::vector<Pending>& batch);
-  std::string closed_reason() const {
-    return fmt::format(
+  void close() {
+    session_->close(fmt::format(
         "receive_weight_batches(): the consumer stopped iterating after {} batch(es), before the refit ended "
         "(the iterator was closed or garbage-collected); the refit is incomplete",
-        taken_);
-  }
-  void close_impl(const std::string& reason) {
-    if (!session_) return;
-    if (started_) {
-      session_->cancel(reason);
-      session_->join();
-    }
-    done_ = true;
+        session_->taken()));
   }
 
+  nb::object stats() const {
+    const auto& s = session_->stats();
+    return s ? nb::object(receive_stats(*s)) : nb::none();
+  }
+  nb::object error() const {
+    const auto& e = session_->error();
+    return e ? nb::object(nb::str(e->c_str())) : nb::none();
+  }
+  uint64_t batches() const { return session_->taken(); }
+  bool running() const { return session_->started() && !session_->finished(); }
+
+ private:
   nb::object engine_obj_;  // keeps the engine (and its transfer buffers) alive
-  PyEngine* engine_;
-  std::shared_ptr<ReceiveSession> session_;
+  std::shared_ptr<PullSession> session_;
   Framework framework_;
-  bool copy_merged_;
-  bool started_ = false;
-  bool holding_ = false;  // the consumer has batch number `taken_`
-  bool done_ = false;
-  uint64_t taken_ = 0;
+  int device_id_;
 };
-
 class PyEngine {
  public:
   PyEngine(uint64_t bucket_bytes, const RefitConfig& config, nb::handle session, uint64_t model_fingerprint,
            std::optional<Layout> layout, bool receives_only, std::optional<Layout> holds,
            std::optional<ModelInventory> model, const std::string& kv_cache_dtype, std::optional<int64_t> num_layers)
-      : config_(config),
-        bucket_bytes_(bucket_bytes),
-        pool_(std::make_shared<BlockPool>()),
-        mover_(std::make_shared<PageMover>()) {
+      : config_(config), bucket_bytes_(bucket_bytes) {
     EngineOptions options;
     options.config = config;
     options.bucket_bytes = bucket_bytes;
@@ -698,17 +480,16 @@ class PyEngine {
     return kv_scale_tensors(*kv_layers_, values);
   }
 
-  BatchIterator receive(nb::handle self, const std::string& framework, bool copy_merged) {
-    idle("receive_weight_batches()");
+  BatchIterator receive(nb::handle self, const std::string& framework) {
+    CheckpointEngine& e = idle("receive_weight_batches()");
     Framework fw = parse_framework(framework);
-    active_ = std::make_shared<ReceiveSession>();
-    return BatchIterator(nb::borrow(self), this, active_, fw, copy_merged);
+    active_ = std::make_shared<PullSession>(&e);
+    return BatchIterator(nb::borrow(self), active_, fw, device_id_);
   }
 
-  // One refit with a Python callback: engine.receive() runs on the calling thread with the GIL
-  // released; each batch takes the GIL, becomes Python objects and goes to `load(batch)`. No
-  // thread hand-off (the iterator's), the same lifetime rules: views die when load returns.
-  nb::dict receive_into(nb::handle self, nb::handle load, const std::string& framework, bool copy_merged) {
+  // One refit with a Python callback: the iterator's loop, each batch going to `load(batch)` on
+  // the calling thread. The same lifetime rules: views die when load returns.
+  nb::dict receive_into(nb::handle self, nb::handle load, const std::string& framework) {
     CheckpointEngine& e = idle("receive_weights()");
     const Framework fw = parse_framework(framework);
     struct Busy {
@@ -716,105 +497,18 @@ class PyEngine {
       explicit Busy(bool& f) : flag(f) { flag = true; }
       ~Busy() { flag = false; }
     } busy(in_receive_);
-    pool_->begin_refit();
-    mover_->begin_refit();
-    nb::object cause;
-    const int device_id = device_id_;
-    BlockPool& pool = *pool_;
-    const auto& mover = mover_;
-    const uint64_t bucket_bytes = bucket_bytes_;
-    BatchLoader loader = [&](LoadBatch batch) {
-      std::vector<Pending> items = collect_batch(batch, pool, mover, bucket_bytes, copy_merged);
-      nb::gil_scoped_acquire gil;
+    PullSession session(&e);
+    while (std::optional<ReceivedBatch> batch = session.take()) {
+      nb::list out = convert_batch(*batch, fw, device_id_, self);
       try {
-        nb::list out = convert_batch(items, fw, device_id, self);
         load(out);
       } catch (nb::python_error& err) {
-        free_pending(items);
-        cause = nb::borrow(err.value());
-        throw Error(ErrorKind::kInvalidArgument, fmt::format("the loader raised {}", describe_exception(cause)));
-      } catch (...) {
-        free_pending(items);
-        throw;
+        nb::object cause = nb::borrow(err.value());
+        std::optional<Error> error = session.close(fmt::format("the loader raised {}", describe_exception(cause)));
+        raise_error(*error, cause);
       }
-    };
-    ReceiveStats stats;
-    try {
-      nb::gil_scoped_release nogil;
-      stats = e.receive(loader);
-    } catch (const Error& err) {
-      raise_error(err, cause);
     }
-    return receive_stats(stats);
-  }
-
-  // Runs engine.receive(loader) on the session's thread.
-  void start_receive(const std::shared_ptr<ReceiveSession>& session, bool copy_merged) {
-    CheckpointEngine* engine = &this->engine();
-    if (active_.get() != session.get() || session->cancelled)
-      throw Error(
-          ErrorKind::kInvalidArgument,
-          "this receive_weight_batches() iterator was superseded (a later call, finalize() or close()) before it "
-          "started; call receive_weight_batches() again");
-    pool_->begin_refit();
-    mover_->begin_refit();
-    auto pool = pool_;
-    auto mover = mover_;
-    const uint64_t bucket_bytes = bucket_bytes_;
-    const double timeout = config_.timeout_s;
-    BatchLoader loader = [session, pool, mover, bucket_bytes, copy_merged, timeout](LoadBatch batch) {
-      std::vector<Pending> items = collect_batch(batch, *pool, mover, bucket_bytes, copy_merged);
-      std::unique_lock<std::mutex> lock(session->mu);
-      if (session->cancelled) {
-        free_pending(items);
-        throw Error(ErrorKind::kInvalidArgument, session->cancel_reason);
-      }
-      session->batch = std::move(items);
-      session->batch_ready = true;
-      const uint64_t mine = ++session->published;
-      session->cv.notify_all();
-      const Deadline deadline = deadline_after(std::chrono::duration<double>(timeout));
-      auto withdraw = [&] {
-        if (session->batch_ready) {
-          free_pending(session->batch);
-          session->batch_ready = false;
-        }
-      };
-      while (session->released < mine && !session->cancelled) {
-        if (session->cv.wait_until(lock, deadline) == std::cv_status::timeout && session->released < mine &&
-            !session->cancelled) {
-          withdraw();
-          session->cancelled = true;
-          session->cancel_reason = fmt::format(
-              "receive_weight_batches(): the consumer held batch {} for more than timeout_s={} s without asking for "
-              "the next batch",
-              mine - 1, timeout);
-          throw Error(ErrorKind::kTimeout, session->cancel_reason);
-        }
-      }
-      if (session->released < mine) {
-        withdraw();
-        throw Error(ErrorKind::kInvalidArgument, session->cancel_reason);
-      }
-    };
-    session->thread = std::thread([session, engine, loader = std::move(loader)] {
-      ReceiveStats stats;
-      std::optional<Error> error;
-      try {
-        stats = engine->receive(loader);
-      } catch (const Error& e) {
-        error = e;
-      } catch (const std::exception& e) {
-        error = Error(ErrorKind::kInternal, e.what());
-      }
-      std::lock_guard<std::mutex> lock(session->mu);
-      session->stats = stats;
-      session->error = std::move(error);
-      session->finished = true;
-      free_pending(session->batch);
-      session->batch_ready = false;
-      session->cv.notify_all();
-    });
+    return receive_stats(*session.stats());
   }
 
   void finalize() {
@@ -824,10 +518,6 @@ class PyEngine {
     {
       nb::gil_scoped_release nogil;
       e.finalize();
-    }
-    if (config_.release_after_refit) {
-      pool_->clear();
-      mover_->invalidate();
     }
   }
 
@@ -841,7 +531,6 @@ class PyEngine {
   void close_now() noexcept {
     cancel_active("the checkpoint engine was closed during receive_weight_batches()");
     if (!engine_) return;
-    mover_->invalidate();
     if (PyGILState_Check() && !interpreter_finalizing()) {
       nb::gil_scoped_release nogil;
       engine_.reset();
@@ -876,11 +565,14 @@ class PyEngine {
           fmt::format("{}: receive_weights() is running on this engine (called from its load callback?)", what));
     if (active_) {
       // An iterator that never started is superseded; a running one must end first.
-      if (!active_->is_finished() && active_->thread.joinable())
+      if (active_->started() && !active_->finished())
         throw Error(ErrorKind::kInvalidArgument,
                     fmt::format("{}: a receive_weight_batches() iteration is still running on this engine; iterate it "
                                 "to the end or close() it first",
                                 what));
+      active_->close(
+          "this receive_weight_batches() iterator was superseded (a later call, finalize() or close()) before it "
+          "started; call receive_weight_batches() again");
       active_.reset();
     }
     return e;
@@ -889,8 +581,7 @@ class PyEngine {
   void cancel_active(const std::string& reason) {
     if (!active_) return;
     auto session = std::move(active_);
-    session->cancel(reason);
-    session->join();
+    session->close(reason);
   }
 
   RefitConfig config_;
@@ -900,80 +591,10 @@ class PyEngine {
   bool fp8_kv_cache_ = false;
   std::optional<int64_t> kv_layers_;  // decoder layers whose KV scales a send appends
   int device_id_ = 0;
-  std::shared_ptr<BlockPool> pool_;
-  std::shared_ptr<PageMover> mover_;
   std::unique_ptr<CheckpointEngine> engine_;
-  std::shared_ptr<ReceiveSession> active_;
+  std::shared_ptr<PullSession> active_;
   bool in_receive_ = false;  // receive_into() is running (its callback holds the GIL)
 };
-
-void BatchIterator::start() {
-  started_ = true;
-  engine_->start_receive(session_, copy_merged_);
-}
-
-nb::list BatchIterator::convert(std::vector<Pending>& batch) {
-  return convert_batch(batch, framework_, engine_->device_id(), engine_obj_);
-}
-
-nb::object BatchIterator::next() {
-  if (!session_ || done_) throw nb::stop_iteration();
-  ReceiveSession& s = *session_;
-  if (!started_) start();
-  for (bool first = true;; first = false) {
-    {
-      nb::gil_scoped_release nogil;
-      std::unique_lock<std::mutex> lock(s.mu);
-      if (first && holding_) {
-        // The consumer is done with the batch it holds: its views die now.
-        s.released = taken_;
-        holding_ = false;
-        s.cv.notify_all();
-      }
-      s.cv.wait_for(lock, 100ms, [&] { return s.batch_ready || s.finished; });
-      if (s.batch_ready || s.finished) break;
-    }
-    // Waiting: let Ctrl-C through (main thread only); an interrupt cancels the refit.
-    if (PyErr_CheckSignals() != 0) {
-      nb::python_error interrupt;
-      close_impl("receive_weight_batches() was interrupted by a signal");
-      interrupt.restore();
-      throw nb::python_error();
-    }
-  }
-
-  std::unique_lock<std::mutex> lock(s.mu);
-  if (s.batch_ready) {
-    s.batch_ready = false;
-    std::vector<Pending> batch = std::move(s.batch);
-    s.batch.clear();
-    holding_ = true;
-    ++taken_;
-    try {
-      return convert(batch);
-    } catch (...) {
-      free_pending(batch);
-      lock.unlock();
-      std::string reason = "receive_weight_batches(): converting a batch to Python objects failed";
-      try {
-        throw;
-      } catch (const Error& e) {
-        reason = fmt::format("receive_weight_batches(): {}", e.what());
-        close_impl(reason);
-        throw;
-      } catch (const std::exception& e) {
-        close_impl(reason + ": " + e.what());
-        throw;
-      }
-    }
-  }
-  // Finished: the receive thread has returned or thrown.
-  lock.unlock();
-  s.join();
-  done_ = true;
-  if (s.error) throw *s.error;
-  throw nb::stop_iteration();
-}
 
 }  // namespace
 
@@ -981,7 +602,7 @@ void register_engine(nb::module_& m) {
   nb::class_<BatchIterator>(m, "BatchIterator",
                             "Iterator over the batches of one refit (lists of (name, tensor)). Each batch's zero-copy "
                             "views are valid until the next batch is requested; merged tensors (split over buckets) "
-                            "are owned. Stopping early (close(), garbage collection) fails the refit.")
+                            "keep their own memory. Stopping early (close(), garbage collection) fails the refit.")
       .def("__iter__", [](nb::handle self) { return self; })
       .def("__next__", &BatchIterator::next)
       .def("close", &BatchIterator::close,
@@ -1018,16 +639,16 @@ void register_engine(nb::module_& m) {
                    "Decoder layers whose KV-cache scales every send appends (None: no scales are appended).")
       .def(
           "receive",
-          [](nb::handle self, const std::string& framework, bool copy_merged) {
-            return nb::cast<PyEngine&>(self).receive(self, framework, copy_merged);
+          [](nb::handle self, const std::string& framework) {
+            return nb::cast<PyEngine&>(self).receive(self, framework);
           },
-          nb::arg("framework") = "numpy", nb::arg("copy_merged") = true)
+          nb::arg("framework") = "numpy")
       .def(
           "receive_into",
-          [](nb::handle self, nb::handle load, const std::string& framework, bool copy_merged) {
-            return nb::cast<PyEngine&>(self).receive_into(self, load, framework, copy_merged);
+          [](nb::handle self, nb::handle load, const std::string& framework) {
+            return nb::cast<PyEngine&>(self).receive_into(self, load, framework);
           },
-          nb::arg("load"), nb::arg("framework") = "numpy", nb::arg("copy_merged") = true)
+          nb::arg("load"), nb::arg("framework") = "numpy")
       .def("finalize", &PyEngine::finalize)
       .def("close", &PyEngine::close)
       .def_prop_ro("stale", &PyEngine::stale)

@@ -41,7 +41,7 @@ std::vector<TensorView> TensorAssembler::add_bucket(const protocol::BucketReady&
         buffer.reset();  // the old one goes before the new one is allocated
         buffer = std::make_shared<TensorMemory>(kind_, device_, nbytes, /*pin=*/true);
       }
-      merge = merging_.emplace(e.tensor.name, Merge{e.tensor, buffer, 0}).first;
+      merge = merging_.emplace(e.tensor.name, Merge{e.tensor, buffer, 0, {}}).first;
     } else if (merge->second.info != e.tensor) {
       fail(ErrorKind::kProtocol, "bucket {} from {}: chunks of '{}' disagree on dtype or shape", bucket.seq, who,
            e.tensor.name);

@@ -243,11 +243,7 @@ class CheckpointEngine::Impl {
       const ReceiveProgress progress = next_batch(deadline_after(std::chrono::hours(1)), &batch);
       if (progress == ReceiveProgress::kDone) break;
       if (progress == ReceiveProgress::kWaiting) continue;
-      guarded([&] {
-        const auto load_start = Clock::now();
-        loader(batch.tensors);
-        receive_->stats.load_seconds += seconds_since(load_start);
-      });
+      guarded([&] { loader(batch.tensors); });
       release_batch();
     }
     return finish_receive();
@@ -327,6 +323,7 @@ class CheckpointEngine::Impl {
         fail(ErrorKind::kTimeout, "the caller held batch {} for more than timeout_s={} s ({:.1f} s)",
              run.batches_out - 1, options_.config.timeout_s, held);
       run.held = false;
+      run.stats.load_seconds += held;
       ++run.stats.batches;
       run.stats.tensors += run.views.size();
       for (const auto& v : run.views) run.stats.payload_bytes += v.info->nbytes();
@@ -363,9 +360,10 @@ class CheckpointEngine::Impl {
     return stats;
   }
 
-  void abort_receive(const std::string& reason) {
-    if (!receive_) return;
+  Error abort_receive(const std::string& reason) {
+    Error error = receive_error(ErrorKind::kInvalidArgument, reason);
     end_receive(ErrorKind::kInvalidArgument, reason);
+    return error;
   }
 
   bool receiving() const { return receive_ != nullptr; }
@@ -727,10 +725,16 @@ class CheckpointEngine::Impl {
     } catch (const std::exception& e) {
       ErrorKind kind = ErrorKind::kInvalidArgument;  // the loader (caller code) failed
       if (const auto* err = dynamic_cast<const Error*>(&e)) kind = err->kind();
-      const std::string phase = receive_ ? receive_->phase : "receive";
+      Error error = receive_error(kind, e.what());
       end_receive(kind, e.what());
-      throw Error(kind, fmt::format("{}, refit {} of this connection, phase {}: {}", self_, refits_, phase, e.what()));
+      throw error;
     }
+  }
+
+  // An error of the receive in progress, with the refit and phase in front.
+  Error receive_error(ErrorKind kind, const std::string& what) const {
+    return Error(kind, fmt::format("{}, refit {} of this connection, phase {}: {}", self_label(), refits_,
+                                   receive_ ? receive_->phase : "receive", what));
   }
 
   // Ends a receive that failed or was given up: the sources are told why, the destination stays stale.
@@ -838,7 +842,7 @@ ReceiveProgress CheckpointEngine::next_batch(Deadline until, ReceivedBatch* batc
 }
 void CheckpointEngine::release_batch() { impl_->release_batch(); }
 ReceiveStats CheckpointEngine::finish_receive() { return impl_->finish_receive(); }
-void CheckpointEngine::abort_receive(const std::string& reason) { impl_->abort_receive(reason); }
+Error CheckpointEngine::abort_receive(const std::string& reason) { return impl_->abort_receive(reason); }
 bool CheckpointEngine::receiving() const { return impl_->receiving(); }
 void CheckpointEngine::finalize() { impl_->finalize(); }
 bool CheckpointEngine::stale() const { return impl_->stale(); }

@@ -3,7 +3,10 @@
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <chrono>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -70,6 +73,74 @@ json timeline_of(const RefitReport& report) {
   }
   return events;
 }
+
+// Forwards every call to the group it wraps, and says what the driver is waiting for: on a
+// terminal, a line on stderr as each set-up step starts (set-up of a large model takes seconds;
+// each refit then shows as its row); everywhere, one line with the set-up's steps and times,
+// printed before the first refit together with the table's header. Status lines are whole lines:
+// the workers write to the same terminal.
+class ProgressGroup final : public WorkerGroup {
+ public:
+  ProgressGroup(WorkerGroup& group, double start_seconds) : group_(group), tty_(isatty(STDERR_FILENO) == 1) {
+    steps_.emplace_back("start workers", start_seconds);
+  }
+
+  int train_world_size() const override { return group_.train_world_size(); }
+  int rollout_world_size() const override { return group_.rollout_world_size(); }
+  std::vector<uint64_t> total_memory_bytes() override {
+    return step("memory query", "asking the workers for their memory", [&] { return group_.total_memory_bytes(); });
+  }
+  void create_engines(uint64_t bucket_bytes, const SessionId& session) override {
+    step("engines", fmt::format("creating engines ({} MiB buckets)", bucket_bytes >> 20),
+         [&] { group_.create_engines(bucket_bytes, session); });
+  }
+  std::vector<Metadata> prepare() override {
+    return step("buffers", "allocating and registering transfer buffers", [&] { return group_.prepare(); });
+  }
+  void init_process_groups(std::span<const Metadata> metadata) override {
+    step("connect", "connecting sources and destinations", [&] { group_.init_process_groups(metadata); });
+  }
+  RefitReport refit(uint64_t index) override {
+    if (!header_printed_) {
+      header_printed_ = true;
+      double total = 0;
+      std::string parts;
+      for (const auto& [name, seconds] : steps_) {
+        total += seconds;
+        parts += fmt::format("{}{} {:.2f} s", parts.empty() ? "" : ", ", name, seconds);
+      }
+      fmt::print("set-up: {:.2f} s ({})\n", total, parts);
+      fmt::print("{:>6} {:>10} {:>12} {:>14} {:>9}\n", "refit", "seconds", "GiB/dest", "GiB/s (all)", "verified");
+      std::fflush(stdout);
+    }
+    return group_.refit(index);
+  }
+  void finalize() override { group_.finalize(); }
+
+ private:
+  // Runs one set-up call, saying so on a terminal, and times it.
+  template <typename F>
+  std::invoke_result_t<F> step(const std::string& name, const std::string& status, F&& call) {
+    if (tty_ && !header_printed_) fmt::print(stderr, "[refit bench] {} ...\n", status);
+    const auto start = std::chrono::steady_clock::now();
+    struct Time {
+      ProgressGroup& self;
+      const std::string& name;
+      std::chrono::steady_clock::time_point start;
+      ~Time() {
+        if (!self.header_printed_)
+          self.steps_.emplace_back(name,
+                                   std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+      }
+    } time{*this, name, start};
+    return call();
+  }
+
+  WorkerGroup& group_;
+  bool tty_;
+  bool header_printed_ = false;
+  std::vector<std::pair<std::string, double>> steps_;  // set-up steps and their seconds
+};
 
 // Median seconds of `refits` refits of a local group, every one verified.
 double timed_refits(const RefitConfig& config, GroupOptions options, int refits, const char* what) {
@@ -180,6 +251,9 @@ int run_bench(const BenchOptions& options) {
   std::vector<double> throughputs;
   uint64_t bucket_bytes = 0;
   {
+    const auto start = std::chrono::steady_clock::now();
+    if (isatty(STDERR_FILENO) == 1)
+      fmt::print(stderr, "[refit bench] starting {} worker processes ...\n", options.sources + options.destinations);
     std::unique_ptr<WorkerGroup> group;
     if (ranks) {
       auto rank_group = std::make_unique<RankGroup>(group_options, *ranks);
@@ -188,9 +262,8 @@ int run_bench(const BenchOptions& options) {
     } else {
       group = std::make_unique<LocalProcessGroup>(group_options);
     }
-    WeightSynchronizer sync(config, *group);
-
-    fmt::print("{:>6} {:>10} {:>12} {:>14} {:>9}\n", "refit", "seconds", "GiB/dest", "GiB/s (all)", "verified");
+    ProgressGroup progress(*group, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    WeightSynchronizer sync(config, progress);
     for (int k = 0; k < options.refits; ++k) {
       json entry = {{"index", k}};
       try {

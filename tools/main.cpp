@@ -6,6 +6,7 @@
 
 #include "bench.h"
 #include "chaos.h"
+#include "core/log_pattern.h"
 #include "demo.h"
 #include "info.h"
 #include "plan_command.h"
@@ -108,6 +109,7 @@ int main(int argc, char** argv) {
 
   CLI11_PARSE(app, argc, argv);
   spdlog::cfg::load_env_levels();  // SPDLOG_LEVEL=debug shows per-bucket timings
+  spdlog::set_pattern(refit::log_pattern("driver"));
   try {
     if (bench_cmd->parsed()) return refit::tools::run_bench(bench);
     if (plan_cmd->parsed()) return refit::tools::run_plan(plan);

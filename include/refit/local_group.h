@@ -17,8 +17,6 @@
 
 namespace refit {
 
-struct WorkerLink;  // private to src/sync
-
 class LocalProcessGroup final : public ProcessGroup {
  public:
   // Forks the workers. Throws Error(kTopology) for non-positive counts.
@@ -38,10 +36,6 @@ class LocalProcessGroup final : public ProcessGroup {
   // exited, with the same role and rank; returns their labels. Then shut the synchronizer down
   // and refit again: survivors and replacements exchange fresh metadata.
   std::vector<std::string> replace_lost_workers();
-
- private:
-  std::unique_ptr<WorkerLink> spawn(bool is_source, int rank);
-  static void stop(WorkerLink& worker, Deadline deadline);
 };
 
 }  // namespace refit

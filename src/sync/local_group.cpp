@@ -12,24 +12,18 @@
 #include <thread>
 
 #include "core/fail.h"
+#include "core/log_pattern.h"
 #include "sync/worker_links.h"
 
 namespace refit {
 namespace {
+
 using Seconds = std::chrono::duration<double>;
-}  // namespace
 
-LocalProcessGroup::LocalProcessGroup(GroupOptions options) : ProcessGroup(std::move(options)) {
-  if (options_.sources < 1 || options_.destinations < 1)
-    fail(ErrorKind::kTopology, "a local group needs at least one source and one destination, got {} and {}",
-         options_.sources, options_.destinations);
-  if (!options_.program) fail(ErrorKind::kInvalidArgument, "a local group needs a worker program");
-  check_topology(options_);  // before any fork
-  for (int i = 0; i < options_.sources; ++i) links_->links().push_back(spawn(true, i));
-  for (int i = 0; i < options_.destinations; ++i) links_->links().push_back(spawn(false, i));
-}
-
-std::unique_ptr<WorkerLink> LocalProcessGroup::spawn(bool is_source, int rank) {
+// Forks the worker of `is_source`/`rank`; the child closes the channels of `others` (the
+// driver's ends) and serves its WorkerProgram until told to exit.
+std::unique_ptr<WorkerLink> spawn(bool is_source, int rank, const GroupOptions& options,
+                                  const std::vector<std::unique_ptr<WorkerLink>>& others) {
   std::fflush(nullptr);
   spdlog::default_logger()->flush();
   const pid_t driver = getpid();
@@ -46,12 +40,12 @@ std::unique_ptr<WorkerLink> LocalProcessGroup::spawn(bool is_source, int rank) {
     prctl(PR_SET_PDEATHSIG, SIGKILL);
     if (getppid() != driver) _exit(1);
     ::close(fds[0]);
-    for (auto& other : links_->links()) other->channel.close();
-    spdlog::set_pattern(fmt::format("[%H:%M:%S.%e] [{}] %v", w->label()));
+    for (auto& other : others) other->channel.close();
+    spdlog::set_pattern(log_pattern(w->label()));
     Channel channel(fds[1], "driver");
     int code = 1;
     try {
-      code = serve_worker(w->is_source, w->rank, channel, options_);
+      code = serve_worker(w->is_source, w->rank, channel, options);
     } catch (const std::exception& e) {
       spdlog::error("{}", e.what());
     }
@@ -65,7 +59,7 @@ std::unique_ptr<WorkerLink> LocalProcessGroup::spawn(bool is_source, int rank) {
   return w;
 }
 
-void LocalProcessGroup::stop(WorkerLink& w, Deadline deadline) {
+void stop(WorkerLink& w, Deadline deadline) {
   if (w.reaped) return;
   try {
     w.channel.send({{"cmd", "exit"}});
@@ -80,6 +74,18 @@ void LocalProcessGroup::stop(WorkerLink& w, Deadline deadline) {
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
+}
+
+}  // namespace
+
+LocalProcessGroup::LocalProcessGroup(GroupOptions options) : ProcessGroup(std::move(options)) {
+  if (options_.sources < 1 || options_.destinations < 1)
+    fail(ErrorKind::kTopology, "a local group needs at least one source and one destination, got {} and {}",
+         options_.sources, options_.destinations);
+  if (!options_.program) fail(ErrorKind::kInvalidArgument, "a local group needs a worker program");
+  check_topology(options_);  // before any fork
+  for (int i = 0; i < options_.sources; ++i) links_->links().push_back(spawn(true, i, options_, links_->links()));
+  for (int i = 0; i < options_.destinations; ++i) links_->links().push_back(spawn(false, i, options_, links_->links()));
 }
 
 void LocalProcessGroup::set_destinations(int destinations) {
@@ -100,7 +106,7 @@ void LocalProcessGroup::set_destinations(int destinations) {
   const int first_new = options_.destinations;
   options_.destinations = destinations;
   for (int rank = first_new; rank < destinations; ++rank) {
-    links_->links().push_back(spawn(false, rank));
+    links_->links().push_back(spawn(false, rank, options_, links_->links()));
     links_->create_engine(*links_->links().back());
   }
 }
@@ -111,7 +117,7 @@ std::vector<std::string> LocalProcessGroup::replace_lost_workers() {
     int status;
     if (!w->reaped && waitpid(w->pid, &status, WNOHANG) != w->pid) continue;
     replaced.push_back(w->label());
-    w = spawn(w->is_source, w->rank);
+    w = spawn(w->is_source, w->rank, options_, links_->links());
     links_->create_engine(*w);
   }
   return replaced;

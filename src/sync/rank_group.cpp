@@ -14,6 +14,7 @@
 #include <thread>
 
 #include "core/fail.h"
+#include "core/log_pattern.h"
 #include "sync/tcp.h"
 #include "sync/worker_links.h"
 
@@ -243,7 +244,7 @@ int serve_rank(const GroupOptions& options, const RankEnvironment& env) {
   const int rank = worker_rank(options, env.rank);
   const std::string host = this_hostname();
   const std::string self = fmt::format("{} rank {} on host {}", is_source ? "source" : "destination", rank, host);
-  spdlog::set_pattern(fmt::format("[%H:%M:%S.%e] [{}] %v", self));
+  spdlog::set_pattern(log_pattern(self));
   const auto deadline = deadline_after(std::chrono::duration<double>(join_timeout_s(options.config)));
   const std::string driver = fmt::format("the driver (rank 0) at {}:{}", env.rendezvous_host, env.rendezvous_port);
   Channel channel(

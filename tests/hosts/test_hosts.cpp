@@ -217,7 +217,7 @@ TEST_F(Hosts, WrongWorldSizeIsRefusedBeforeAnyProcessJoins) {
 // Seconds from `fault` to rank 0's "refit N failed" log line.
 double detection_seconds(const std::string& output, std::chrono::system_clock::time_point fault) {
   std::smatch m;
-  const std::regex line(R"(\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)\.(\d{3})\] \[error\] refit \d+ failed)");
+  const std::regex line(R"(\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)\.(\d{3})\] \[driver\] \[error\] refit \d+ failed)");
   if (!std::regex_search(output, m, line)) return -1;
   std::tm tm{};
   strptime(m[1].str().c_str(), "%Y-%m-%d %H:%M:%S", &tm);

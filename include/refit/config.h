@@ -23,9 +23,13 @@
 //    every key outside policy.generation (grpo, cluster, ...) and NeMo's own keys inside it
 //    (backend, colocated, vllm_cfg, ...) are ignored; `defaults:` is not followed. refit_transport
 //    or refit_cfg at the root of such a file is an error (which one would win is unclear).
-// In both, refit_cfg holds only the `nixl` scope and refit_cfg.nixl only the keys below.
-// An absent refit_transport means "nixl"; an explicit null (the reference's default, refit
-// without a checkpoint engine) is an error, as is any transport other than "nixl".
+// In both, refit_cfg holds the `nixl` scope, with only the keys below, and for a plugin transport
+// (refit_transport: "module:ClassName", a Python class deriving from refit.CheckpointEngineBase)
+// the plugin's scope, refit_cfg["module:ClassName"], which it requires: its
+// update_weights_bucket_memory_ratio (0 < r < 1) and release_after_refit take the place of the
+// nixl scope's, and every other key goes to the plugin's constructor. An absent refit_transport
+// means "nixl"; an explicit null (the reference's default, refit without a checkpoint engine) is
+// an error, as is any other transport of the reference (nccl_reshard, vllm_*_sparse).
 // Quoted scalars are strings: `release_after_refit: "true"` is rejected, not coerced.
 // docs/CONFIG.md lists every key, its validation and the differences from the reference.
 #pragma once
@@ -53,11 +57,16 @@ Device parse_device(std::string_view text, std::string_view key = "device");
 std::string to_string(const Device& device);
 
 struct RefitConfig {
-  // The checkpoint-engine transport. "nixl" (the checkpoint engine) is the only one refit
-  // implements; its scope is refit_cfg.nixl.
+  // The checkpoint-engine transport: "nixl" (refit's checkpoint engine; its scope is
+  // refit_cfg.nixl) or "module:ClassName" (a Python plugin; the C++ engine and process groups
+  // refuse it, refit.WeightSynchronizer creates it).
   std::string refit_transport = "nixl";
+  // A plugin transport's scope, but for the two keys it shares with nixl: each value as JSON text
+  // (types as YAML read them), for the plugin's constructor.
+  std::map<std::string, std::string> plugin_params;
+  bool uses_plugin() const { return refit_transport != "nixl"; }
   // Fraction of the smallest worker's total memory used by EACH of the two transfer buffers;
-  // strictly between 0 and 0.5, since two buffers must fit.
+  // strictly between 0 and 0.5, since two buffers must fit (a plugin's: between 0 and 1).
   double update_weights_bucket_memory_ratio = 0.05;
   // Transfer-buffer device. The reference defaults to cuda; refit defaults to cpu so that a
   // machine without a GPU works out of the box.

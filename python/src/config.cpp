@@ -84,6 +84,10 @@ void register_config(nb::module_& m) {
       "it with parse_config() or load_config(); it is read-only and picklable.")
       .def(nb::init<>())
       .def_ro("refit_transport", &RefitConfig::refit_transport)
+      .def_prop_ro("uses_plugin", &RefitConfig::uses_plugin,
+                   "Whether refit_transport is a 'module:ClassName' checkpoint-engine plugin.")
+      .def_ro("plugin_params", &RefitConfig::plugin_params,
+              "A plugin transport's constructor arguments from its refit_cfg scope, each value as JSON text.")
       .def_ro("update_weights_bucket_memory_ratio", &RefitConfig::update_weights_bucket_memory_ratio)
       .def_prop_ro("device", [](const RefitConfig& c) { return to_string(c.device); })
       .def_ro("backend_name", &RefitConfig::backend_name)

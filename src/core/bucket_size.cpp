@@ -22,7 +22,11 @@ BucketSize resolve_bucket_size(const RefitConfig& config, std::span<const uint64
   }
   // Checked again here because a RefitConfig may be built in code, not only by parse_config.
   const double ratio = config.update_weights_bucket_memory_ratio;
-  if (!(ratio > 0 && 2 * ratio < 1)) {
+  if (config.uses_plugin()) {
+    if (!(ratio > 0 && ratio < 1))
+      fail(ErrorKind::kConfig, "refit_cfg['{}'].update_weights_bucket_memory_ratio must be > 0 and < 1, got {}",
+           config.refit_transport, ratio);
+  } else if (!(ratio > 0 && 2 * ratio < 1)) {
     fail(ErrorKind::kConfig, "refit_cfg.nixl.update_weights_bucket_memory_ratio must be > 0 and < 0.5, got {}", ratio);
   }
   const uint64_t min_total = *std::min_element(worker_total_memory.begin(), worker_total_memory.end());

@@ -14,6 +14,7 @@
 #include <utility>
 
 #include <fmt/ranges.h>
+#include <nlohmann/json.hpp>
 
 #include "core/fail.h"
 
@@ -49,7 +50,10 @@ struct Raw {
   std::string prefix;  // "" or "policy.generation.", for key names in messages
   std::optional<YAML::Node> transport;
   std::map<std::string, YAML::Node> nixl;
+  std::optional<std::pair<std::string, YAML::Node>> plugin;  // refit_cfg["module:ClassName"]
 };
+
+bool is_plugin_path(std::string_view s) { return s.find(':') != std::string_view::npos; }
 
 // Rebinds the entry; yaml-cpp's Node::operator= would instead write through into the old node.
 void put(std::map<std::string, YAML::Node>& map, const std::string& key, const YAML::Node& value) {
@@ -76,10 +80,18 @@ void gather_refit_cfg(Raw& raw, const YAML::Node& refit_cfg) {
   if (!refit_cfg.IsDefined() || refit_cfg.IsNull()) return;
   if (!refit_cfg.IsMap()) fail(ErrorKind::kConfig, "{} must be a mapping, got {}", path, describe(refit_cfg));
   for (const auto& [scope, nixl] : entries(refit_cfg, path)) {
+    if (is_plugin_path(scope)) {
+      if (raw.plugin)
+        fail(ErrorKind::kConfig, "{} has two plugin scopes, '{}' and '{}': keep the one refit_transport names", path,
+             raw.plugin->first, scope);
+      raw.plugin.emplace(scope, nixl);
+      continue;
+    }
     if (scope != "nixl") {
       fail(ErrorKind::kConfig,
-           "unknown key {}.{}: refit_cfg holds only the 'nixl' scope (refit implements only the nixl transport)", path,
-           scope);
+           "unknown key {}.{}: refit_cfg holds the 'nixl' scope and, for a plugin transport, its 'module:ClassName' "
+           "scope",
+           path, scope);
     }
     if (nixl.IsNull()) continue;
     if (!nixl.IsMap()) fail(ErrorKind::kConfig, "{}.nixl must be a mapping, got {}", path, describe(nixl));
@@ -192,11 +204,44 @@ std::string check_transport(const YAML::Node& node, const std::string& prefix) {
   if (!node.IsScalar()) fail(ErrorKind::kConfig, "{} must be a string, got {}", key, describe(node));
   const std::string& t = node.Scalar();
   if (t == "nixl") return t;
-  if (t == "nccl_reshard" || t == "vllm_s3_sparse" || t == "vllm_zmq_sparse" || t.find(':') != std::string::npos) {
-    fail(ErrorKind::kConfig,
-         "{} '{}' is a transport of the reference that refit does not implement; refit implements only 'nixl'", key, t);
+  if (is_plugin_path(t)) {
+    const auto colon = t.find(':');
+    if (colon == 0 || colon + 1 == t.size() || t.find(':', colon + 1) != std::string::npos)
+      fail(ErrorKind::kConfig, "{} '{}': a plugin transport is 'module:ClassName' with both parts non-empty", key, t);
+    return t;
   }
-  fail(ErrorKind::kConfig, "Unknown refit transport '{}': expected 'nixl' ({})", t, key);
+  if (t == "nccl_reshard" || t == "vllm_s3_sparse" || t == "vllm_zmq_sparse") {
+    fail(ErrorKind::kConfig,
+         "{} '{}' is a transport of the reference that refit does not implement; refit implements 'nixl' and "
+         "'module:ClassName' checkpoint-engine plugins",
+         key, t);
+  }
+  fail(ErrorKind::kConfig, "Unknown refit transport '{}': expected 'nixl' or a 'module:ClassName' plugin path ({})", t,
+       key);
+}
+
+// A YAML value as JSON, with the types YAML gives plain scalars (quoted scalars are strings).
+nlohmann::json to_json(const YAML::Node& node) {
+  if (!node.IsDefined() || node.IsNull()) return nullptr;
+  if (node.IsSequence()) {
+    auto out = nlohmann::json::array();
+    for (const auto& item : node) out.push_back(to_json(item));
+    return out;
+  }
+  if (node.IsMap()) {
+    auto out = nlohmann::json::object();
+    for (const auto& [key, value] : entries(node, "plugin parameter")) out[key] = to_json(value);
+    return out;
+  }
+  if (is_plain(node)) {
+    bool b = false;
+    int64_t i = 0;
+    double d = 0;
+    if (YAML::convert<bool>::decode(node, b)) return b;
+    if (YAML::convert<int64_t>::decode(node, i)) return i;
+    if (YAML::convert<double>::decode(node, d) && std::isfinite(d)) return d;
+  }
+  return node.Scalar();
 }
 
 // "got '0.05'" alone would puzzle the user when the value was quoted.
@@ -235,6 +280,42 @@ std::string string_value(const YAML::Node& node, const std::string& key) {
   }
   return node.Scalar();
 }
+
+// The plugin scope: the two keys it shares with nixl fill `config`, the others are the plugin's.
+void build_plugin(const Raw& raw, RefitConfig& config) {
+  const std::string path = raw.prefix + "refit_cfg";
+  if (!config.uses_plugin()) {
+    if (raw.plugin)
+      fail(ErrorKind::kConfig, "{} has the plugin scope '{}' but {}refit_transport is '{}'", path, raw.plugin->first,
+           raw.prefix, config.refit_transport);
+    return;
+  }
+  if (!raw.plugin)
+    fail(ErrorKind::kConfig, "{}refit_transport '{}' needs its scope {}['{}'] (a mapping, may be empty)", raw.prefix,
+         config.refit_transport, path, config.refit_transport);
+  if (raw.plugin->first != config.refit_transport)
+    fail(ErrorKind::kConfig, "{} has the plugin scope '{}' but {}refit_transport is '{}'", path, raw.plugin->first,
+         raw.prefix, config.refit_transport);
+  const std::string scope = fmt::format("{}['{}']", path, raw.plugin->first);
+  const YAML::Node& node = raw.plugin->second;
+  config.update_weights_bucket_memory_ratio = RefitConfig{}.update_weights_bucket_memory_ratio;
+  config.release_after_refit = false;
+  if (node.IsNull()) return;
+  if (!node.IsMap()) fail(ErrorKind::kConfig, "{} must be a mapping, got {}", scope, describe(node));
+  for (const auto& [name, value] : entries(node, scope)) {
+    const std::string key = scope + "." + name;
+    if (name == "update_weights_bucket_memory_ratio") {
+      const double r = number(value, key);
+      if (!(r > 0 && r < 1)) fail(ErrorKind::kConfig, "{} must be > 0 and < 1, got {}", key, describe(value));
+      config.update_weights_bucket_memory_ratio = r;
+    } else if (name == "release_after_refit") {
+      config.release_after_refit = boolean(value, key);
+    } else {
+      config.plugin_params[name] = to_json(value).dump();
+    }
+  }
+}
+
 
 RefitConfig build(const Raw& raw) {
   RefitConfig config;
@@ -282,6 +363,7 @@ RefitConfig build(const Raw& raw) {
       config.timeout_s = t;
     }
   }
+  build_plugin(raw, config);
   return config;
 }
 
@@ -334,6 +416,32 @@ RefitConfig load_config(const std::string& yaml_path, std::span<const std::strin
   return parse(text.str(), yaml_path, overrides);
 }
 
+namespace {
+
+// Writes a plugin parameter back with its type: strings quoted, so that they stay strings.
+void emit_json(YAML::Emitter& out, const nlohmann::json& value) {
+  if (value.is_null()) {
+    out << YAML::Null;
+  } else if (value.is_string()) {
+    out << YAML::DoubleQuoted << value.get<std::string>();
+  } else if (value.is_array()) {
+    out << YAML::Flow << YAML::BeginSeq;
+    for (const auto& item : value) emit_json(out, item);
+    out << YAML::EndSeq;
+  } else if (value.is_object()) {
+    out << YAML::Flow << YAML::BeginMap;
+    for (const auto& [k, v] : value.items()) {
+      out << YAML::Key << YAML::DoubleQuoted << k << YAML::Value;
+      emit_json(out, v);
+    }
+    out << YAML::EndMap;
+  } else {
+    out << value.dump();  // a number or bool: its JSON text is plain YAML of the same type
+  }
+}
+
+}  // namespace
+
 std::string to_yaml(const RefitConfig& config) {
   YAML::Emitter out;
   out.SetNullFormat(YAML::LowerNull);
@@ -341,9 +449,11 @@ std::string to_yaml(const RefitConfig& config) {
   out << YAML::Key << "refit_transport" << YAML::Value << config.refit_transport;
   out << YAML::Key << "refit_cfg" << YAML::Value << YAML::BeginMap << YAML::Key << "nixl" << YAML::Value
       << YAML::BeginMap;
-  // Numbers as fmt's shortest round-trip text, so parsing gives back the same double.
-  out << YAML::Key << "update_weights_bucket_memory_ratio" << YAML::Value
-      << fmt::format("{}", config.update_weights_bucket_memory_ratio);
+ // Numbers as fmt's shortest round-trip text, so parsing gives back the same double. A plugin's
+  // ratio and release_after_refit are in its own scope.
+  if (!config.uses_plugin())
+    out << YAML::Key << "update_weights_bucket_memory_ratio" << YAML::Value
+        << fmt::format("{}", config.update_weights_bucket_memory_ratio);
   out << YAML::Key << "device" << YAML::Value << to_string(config.device);
   out << YAML::Key << "backend_name" << YAML::Value << YAML::DoubleQuoted << config.backend_name;
   out << YAML::Key << "backend_init_params" << YAML::Value;
@@ -356,7 +466,7 @@ std::string to_yaml(const RefitConfig& config) {
     }
     out << YAML::EndMap;
   }
-  out << YAML::Key << "release_after_refit" << YAML::Value << config.release_after_refit;
+  if (!config.uses_plugin()) out << YAML::Key << "release_after_refit" << YAML::Value << config.release_after_refit;
   out << YAML::Key << "shard_expert_weights" << YAML::Value << config.shard_expert_weights;
   out << YAML::Key << "bucket_bytes" << YAML::Value;
   if (config.bucket_bytes) {
@@ -367,7 +477,19 @@ std::string to_yaml(const RefitConfig& config) {
   out << YAML::Key << "timeout_s" << YAML::Value << fmt::format("{}", config.timeout_s);
   out << YAML::Key << "verify_checksums" << YAML::Value << config.verify_checksums;
   out << YAML::Key << "map_source_buffers" << YAML::Value << config.map_source_buffers;
-  out << YAML::EndMap << YAML::EndMap << YAML::EndMap;
+  out << YAML::EndMap;
+  if (config.uses_plugin()) {
+    out << YAML::Key << YAML::DoubleQuoted << config.refit_transport << YAML::Value << YAML::BeginMap;
+    out << YAML::Key << "update_weights_bucket_memory_ratio" << YAML::Value
+        << fmt::format("{}", config.update_weights_bucket_memory_ratio);
+    out << YAML::Key << "release_after_refit" << YAML::Value << config.release_after_refit;
+    for (const auto& [k, v] : config.plugin_params) {
+      out << YAML::Key << YAML::DoubleQuoted << k << YAML::Value;
+      emit_json(out, nlohmann::json::parse(v));
+    }
+    out << YAML::EndMap;
+  }
+  out << YAML::EndMap << YAML::EndMap;
   return std::string(out.c_str()) + "\n";
 }
 

@@ -76,6 +76,11 @@ class CheckpointEngine::Impl {
     // library is not instrumented): make it here, before a send and the fetch threads log at once.
     spdlog::default_logger_raw();
     if (options_.bucket_bytes == 0) fail(ErrorKind::kConfig, "bucket size must be at least 1 byte");
+    if (options_.config.uses_plugin())
+      fail(ErrorKind::kConfig,
+           "refit_transport '{}' is a Python checkpoint-engine plugin, not refit's engine: create it with "
+           "refit.create_checkpoint_engine('{}', ...)",
+           options_.config.refit_transport, options_.config.refit_transport);
     const Device& device = options_.config.device;
     in_phase("refit_cfg.nixl.device", [&] { check_device(device); });
     if (device.kind == Device::Kind::kCuda && options_.config.verify_checksums)

@@ -11,6 +11,11 @@ ProcessGroup::ProcessGroup(GroupOptions options)
     : options_(std::move(options)), links_(std::make_unique<WorkerLinks>(options_)) {}
 
 void ProcessGroup::check_topology(const GroupOptions& o) {
+  if (o.config.uses_plugin())
+    fail(ErrorKind::kConfig,
+         "refit_transport '{}' is a Python checkpoint-engine plugin: refit's process groups run the C++ engine; "
+         "drive a plugin from Python (refit.WeightSynchronizer with a Python worker group)",
+         o.config.refit_transport);
   if (o.source_layouts.empty()) {
     source_rank_for_destination(0, o.sources, o.destinations);
     return;

@@ -45,6 +45,15 @@ TEST(BucketSize, ReferenceExample80GiB) {
             "[checkpoint engine] Bucket size: 4096 MiB per buffer (5.0% of 80.00 GiB minimum total host memory).");
 }
 
+TEST(BucketSize, APluginsRatioMayReachOne) {
+  // A plugin keeps its own buffers: the reference bounds its ratio by 1, not by two buffers' 0.5.
+  RefitConfig config = with_ratio(0.7);
+  config.refit_transport = "my.engines:Loopback";
+  std::vector<uint64_t> memory = {10 * kGiB};
+  EXPECT_EQ(resolve_bucket_size(config, memory).bytes, 7168 * kMiB);
+  EXPECT_THROW(resolve_bucket_size(with_ratio(0.7), memory), Error);  // nixl: two buffers must fit
+}
+
 TEST(BucketSize, MinimumOverWorkers) {
   // An H100 80 GB reports 85520809984 bytes; an H200 150754820096.
   std::vector<uint64_t> memory = {150754820096, 85520809984, 150754820096};

@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -153,7 +154,8 @@ TEST(Config, UnknownKeys) {
                       "update_weights_bucket_memory_ratio, device, backend_name, backend_init_params",
                       "bucket_bytes, timeout_s");
   EXPECT_CONFIG_ERROR(config_error("refit_cfg:\n  foo: {a: 1}\n"), "refit_cfg.foo", "nixl");
-  EXPECT_CONFIG_ERROR(config_error("refit_cfg:\n  'mod:Cls': {a: 1}\n"), "refit_cfg.mod:Cls");
+  EXPECT_CONFIG_ERROR(config_error("refit_cfg:\n  'mod:Cls': {a: 1}\n"),
+                      "refit_cfg has the plugin scope 'mod:Cls' but refit_transport is 'nixl'");
   EXPECT_CONFIG_ERROR(config_error("refit_cfg:\n  nixl:\n    device: cpu\n    device: cuda\n"),
                       "duplicate key refit_cfg.nixl.device");
 }
@@ -169,12 +171,70 @@ TEST(Config, Transport) {
   EXPECT_EQ(parse_config("refit_cfg: {nixl: {device: cpu}}").refit_transport, "nixl");  // absent: nixl
   EXPECT_CONFIG_ERROR(config_error("refit_transport: null\n"), "refit_transport is null", "nixl");
   EXPECT_CONFIG_ERROR(config_error("refit_transport:\n"), "refit_transport is null");
-  for (const char* t : {"nccl_reshard", "vllm_s3_sparse", "vllm_zmq_sparse", "my.module:MyEngine"}) {
-    EXPECT_CONFIG_ERROR(config_error(std::string("refit_transport: '") + t + "'\n"), t, "refit implements only 'nixl'");
+  for (const char* t : {"nccl_reshard", "vllm_s3_sparse", "vllm_zmq_sparse"}) {
+    EXPECT_CONFIG_ERROR(config_error(std::string("refit_transport: '") + t + "'\n"), t, "refit does not implement");
+  }
+  for (const char* t : {":Engine", "my.module:", "a:b:c"}) {
+    EXPECT_CONFIG_ERROR(config_error(std::string("refit_transport: '") + t + "'\n"), t,
+                        "'module:ClassName' with both parts non-empty");
   }
   EXPECT_CONFIG_ERROR(config_error("refit_transport: nixl2\n"), "Unknown refit transport 'nixl2': expected 'nixl'");
   EXPECT_CONFIG_ERROR(config_error("refit_transport: NIXL\n"), "Unknown refit transport 'NIXL'");
   EXPECT_CONFIG_ERROR(config_error("refit_transport: [nixl]\n"), "refit_transport must be a string", "a list");
+}
+
+// The reference's plugin transport: refit_cfg["module:ClassName"] holds the ratio and
+// release_after_refit (in place of the nixl scope's) and whatever else the plugin's constructor
+// takes, with the types YAML gives them.
+TEST(Config, PluginTransportAndItsScope) {
+  const RefitConfig c = parse_config(R"(
+refit_transport: "my.engines:LoopbackEngine"
+refit_cfg:
+  nixl: {device: cpu, update_weights_bucket_memory_ratio: 0.1}
+  "my.engines:LoopbackEngine":
+    update_weights_bucket_memory_ratio: 0.7
+    release_after_refit: true
+    rails: 8
+    scale: 0.5
+    name: fast
+    quoted: "true"
+    hosts: [a, b]
+    nothing: null
+)");
+  EXPECT_TRUE(c.uses_plugin());
+  EXPECT_EQ(c.refit_transport, "my.engines:LoopbackEngine");
+  EXPECT_DOUBLE_EQ(c.update_weights_bucket_memory_ratio, 0.7);
+  EXPECT_TRUE(c.release_after_refit);
+  const std::map<std::string, std::string> params = {{"rails", "8"},         {"scale", "0.5"},
+                                                     {"name", "\"fast\""},  {"quoted", "\"true\""},
+                                                     {"hosts", R"(["a","b"])"}, {"nothing", "null"}};
+  EXPECT_EQ(c.plugin_params, params);
+  EXPECT_EQ(parse_config(to_yaml(c)), c);  // written and read back with the same types
+
+  // An empty scope: the reference's defaults.
+  const RefitConfig d = parse_config("refit_transport: 'm:C'\nrefit_cfg: {'m:C': {}}\n");
+  EXPECT_DOUBLE_EQ(d.update_weights_bucket_memory_ratio, 0.05);
+  EXPECT_FALSE(d.release_after_refit);
+  EXPECT_TRUE(d.plugin_params.empty());
+  EXPECT_FALSE(parse_config("").uses_plugin());
+
+  EXPECT_CONFIG_ERROR(config_error("refit_transport: 'm:C'\n"), "refit_transport 'm:C' needs its scope",
+                      "refit_cfg['m:C']");
+  EXPECT_CONFIG_ERROR(config_error("refit_transport: 'm:C'\nrefit_cfg: {'m:D': {}}\n"),
+                      "plugin scope 'm:D' but refit_transport is 'm:C'");
+  EXPECT_CONFIG_ERROR(config_error("refit_cfg: {'m:D': {}}\n"), "plugin scope 'm:D' but refit_transport is 'nixl'");
+  EXPECT_CONFIG_ERROR(config_error("refit_transport: 'm:C'\nrefit_cfg: {'m:C': {update_weights_bucket_memory_ratio: 1}}\n"),
+                      "refit_cfg['m:C'].update_weights_bucket_memory_ratio must be > 0 and < 1");
+  EXPECT_CONFIG_ERROR(config_error("refit_transport: 'm:C'\nrefit_cfg: {'m:C': {release_after_refit: 'yes'}}\n"),
+                      "refit_cfg['m:C'].release_after_refit must be true or false");
+  EXPECT_CONFIG_ERROR(config_error("refit_transport: 'm:C'\nrefit_cfg: {'m:C': [1]}\n"),
+                      "refit_cfg['m:C'] must be a mapping");
+  EXPECT_CONFIG_ERROR(config_error("refit_transport: 'm:C'\nrefit_cfg: {'m:C': {}, 'm:D': {}}\n"),
+                      "two plugin scopes");
+  // NeMo RL layout: the same, under policy.generation.
+  EXPECT_EQ(parse_config("policy:\n  generation:\n    refit_transport: 'm:C'\n    refit_cfg: {'m:C': {x: 1}}\n")
+                .plugin_params.at("x"),
+            "1");
 }
 
 TEST(Config, Ratio) {

@@ -223,6 +223,14 @@ TEST(Engine, ATransportDeviceThatContradictsTheConfiguredDeviceIsRefused) {
       << message;
 }
 
+TEST(Engine, APluginTransportIsRefusedNamingTheFactoryThatCreatesIt) {
+  EngineOptions options;
+  options.bucket_bytes = 1 << 20;
+  options.config = parse_config("refit_transport: 'my.engines:Loopback'\nrefit_cfg: {'my.engines:Loopback': {}}\n");
+  const std::string message = testing::error_of(ErrorKind::kConfig, [&] { CheckpointEngine engine(options); });
+  EXPECT_NE(message.find("refit.create_checkpoint_engine('my.engines:Loopback'"), std::string::npos) << message;
+}
+
 TEST(Engine, OddBucketSizeOf17Bytes) {
   Pair p(17);
   p.connect();

@@ -27,6 +27,7 @@ from ._refit import (  # noqa: F401  (re-exported)
     BatchIterator,
     BucketSize,
     ConfigError,
+    ExpertLoader,
     Fp8QuantizingLoader,
     IntegrityError,
     InternalError,

@@ -20,7 +20,7 @@ import multiprocessing as mp
 import multiprocessing.connection
 import signal
 import time
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Mapping, Optional, Sequence
 
 from . import _refit
 from .worker import BroadcastWorkerGroup, EngineWorker
@@ -90,18 +90,20 @@ class ProcessWorkerGroup(BroadcastWorkerGroup):
 
     ``program``: a picklable callable ``program(role, rank)`` run inside each worker, returning
     its WorkerProgram (refit.worker). ``framework``/``receive``: how destinations
-    receive (refit.EngineWorker).
+    receive (refit.EngineWorker). ``engine_kwargs``: engine options every worker adds to the
+    driver's (refit.EngineWorker), e.g. ``{"kv_cache_dtype": "fp8", "model": path}``.
     ``timeout_s``: the longest the driver waits for one call (None: forever; the engines' own
     deadlines bound every transfer anyway).
     """
 
     def __init__(self, sources: int, destinations: int, program: ProgramFactory, *, framework: str = "auto",
                  receive: str = "callback", timeout_s: Optional[float] = None,
-                 log_level: Optional[str] = None):
+                 log_level: Optional[str] = None, engine_kwargs: Optional[Mapping[str, Any]] = None):
         if sources < 1 or destinations < 1:
             raise _refit.TopologyError(f"need at least one source and one destination, got {sources} and {destinations}")
         ctx = mp.get_context("spawn")
-        options = {"framework": framework, "receive": receive}
+        options = {"framework": framework, "receive": receive,
+                   "engine_kwargs": dict(engine_kwargs or {})}
         self._timeout = timeout_s
         self._workers: List[_Worker] = []
         try:

@@ -12,15 +12,17 @@ MPI ranks or anything else can drive refits.
                            after a failure)
     shutdown():            finalize every worker; the next sync prepares again with fresh metadata
 
-This mirrors the C++ refit::WeightSynchronizer (include/refit/synchronizer.h) and NeMo RL's
-CheckpointEngineWeightSynchronizer.
+The lifecycle is the C++ refit::WeightSynchronizer's (include/refit/synchronizer.h), the one
+driver of refit: this class binds it to a Python WorkerGroup (each call of the group runs with the
+GIL, the driver without it; an exception the group raises comes out of sync_weights() as itself).
+It follows NeMo RL's CheckpointEngineWeightSynchronizer.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import time
-from typing import Any, List, Mapping, Optional, Protocol, Sequence, Union, runtime_checkable
+import weakref
+from typing import Any, List, Mapping, Protocol, Sequence, Union, runtime_checkable
 
 from . import _refit
 from ._refit import BucketSize, RefitConfig
@@ -40,9 +42,10 @@ class WorkerGroup(Protocol):
       sources first;
     - ``create_engines(backend, bucket_size_bytes, engine_kwargs)``:
       ``refit.create_checkpoint_engine(backend, bucket_size_bytes, engine_kwargs)`` on every
-      worker, once (a worker that has an engine keeps it); engine_kwargs carries the session id;
+      worker that has none (a worker that has an engine keeps it); called once, and again with
+      the same arguments after a failed refit; engine_kwargs carries the session id;
     - ``prepare()``: every worker's ``engine.prepare()``, sources first then destinations, each by
-      rank (metadata are bytes);
+      rank (metadata are bytes); a worker whose last refit failed replaces its engine first;
     - ``init_process_groups(metadata)``: sources ``init_policy_process_group(rank, T, R, metadata)``,
       destinations ``init_rollout_process_group(rank, T, R, metadata)``;
     - ``refit(index)``: one refit on every worker at once (sources ``send_weights``, destinations
@@ -93,10 +96,6 @@ class RefitReport:
         return self.results[self.train_world_size:]
 
 
-def _log(message: str) -> None:
-    _refit.log("info", message)
-
-
 class WeightSynchronizer:
     """Drives refits over a WorkerGroup.
 
@@ -112,30 +111,26 @@ class WeightSynchronizer:
         self.workers = workers
         self.backend = backend
         self.model_fingerprint = int(model_fingerprint)
-        self._bucket_size: Optional[BucketSize] = None
-        self._session: Optional[bytes] = None
-        self._engines_created = False
-        self._ready = False
-        self._stale = True
-        self._refits = 0
+        this = weakref.ref(self)  # the driver must not keep this object alive (no cycle through C++)
+
+        def engine_kwargs(session: bytes) -> dict:
+            return this().engine_kwargs(session)
+
+        self._driver = _refit.WeightSynchronizer(self.config, workers, backend, engine_kwargs)
 
     @property
     def stale(self) -> bool:
         """True until a refit succeeds, and again from the start of every refit until it succeeds."""
-        return self._stale
+        return self._driver.stale
 
     @property
     def ready(self) -> bool:
-        return self._ready
+        return self._driver.ready
 
     @property
     def bucket_size(self) -> BucketSize:
         """Resolved on first use from every worker's total memory, then fixed (as in the reference)."""
-        if self._bucket_size is None:
-            memory = [int(m) for m in self.workers.total_memory_bytes(self.config.device)]
-            self._bucket_size = _refit.resolve_bucket_size(self.config, memory)
-            _log(_refit.bucket_size_line(self._bucket_size, self.config))
-        return self._bucket_size
+        return self._driver.bucket_size
 
     def engine_kwargs(self, session: bytes) -> dict:
         """The engine_kwargs every worker gets: the configuration scope keyed by backend, and the
@@ -148,72 +143,25 @@ class WeightSynchronizer:
 
     def ensure_ready(self) -> None:
         """Creates engines (once, and again after a failed refit), prepares, exchanges metadata and
-        connects (once per ready epoch).
+        connects (once per ready epoch). Raises TopologyError when the group's metadata do not
+        number train_world_size + rollout_world_size.
 
         After a failed refit, create_engines() runs again with the same session and bucket size:
         workers that have an engine keep it (the WorkerGroup contract), and a worker the group put
         in place of a lost one (a new actor on a restarted host) gets its engine. The log line
         comes once."""
-        if self._ready:
-            return
-        if not self._engines_created:
-            size = self.bucket_size.bytes
-            first = self._session is None
-            if first:
-                self._session = _refit.new_session_id()
-            self.workers.create_engines(self.backend, size, self.engine_kwargs(self._session))
-            self._engines_created = True
-            if first:
-                _log(f"Using checkpoint-engine refit backend: {self.config.refit_transport}")
-        metadata = [bytes(m) for m in self.workers.prepare()]
-        expected = self.workers.train_world_size + self.workers.rollout_world_size
-        if len(metadata) != expected:
-            raise _refit.TopologyError(
-                f"the worker group returned {len(metadata)} metadata entries for train_world_size="
-                f"{self.workers.train_world_size} + rollout_world_size={self.workers.rollout_world_size}")
-        self.workers.init_process_groups(metadata)
-        self._ready = True
+        self._driver.ensure_ready()
 
     def sync_weights(self) -> RefitReport:
-        """One refit. Raises when any worker failed (the synchronizer then stays stale); with
-        release_after_refit the workers are finalized afterwards either way (a failure of that
-        is logged, never reported in place of the refit's own error)."""
-        self._stale = True
-        failed = True
-        try:
-            self.ensure_ready()
-            index = self._refits
-            self._refits += 1
-            start = time.perf_counter()
-            results = list(self.workers.refit(index))
-            seconds = time.perf_counter() - start
-            # A group that prepares its workers' weights inside refit() (untimed) reports the
-            # transfer's own wall time.
-            seconds = getattr(self.workers, "last_refit_seconds", None) or seconds
-            report = RefitReport(index, seconds, results, self.workers.train_world_size,
-                                 self.workers.rollout_world_size)
-            if any(r is False for r in report.destination_results):
-                raise _refit.RefitError(f"Weight transfer failed during {self.backend} checkpoint-engine sync.")
-            self._stale = False
-            failed = False
-            return report
-        finally:
-            if failed:
-                # A worker may be replaced before the next sync (a lost host): give every worker
-                # an engine again then (those that have one keep it).
-                self._engines_created = False
-            if self.config.release_after_refit or failed:
-                # After a failure, the next sync exchanges fresh metadata (beyond the reference,
-                # which keeps the broken connections).
-                try:
-                    self.shutdown()
-                except Exception as e:  # the refit's own error (if any) is the one to report
-                    _refit.log("warning", f"{'release after refit' if not failed else 'shutdown after a failed refit'}"
-                                          f" failed: {e}")
+        """One refit. Raises when any worker failed (the synchronizer then stays stale): the
+        group's own exception, or RefitError("Weight transfer failed during <backend>
+        checkpoint-engine sync: ...") when a destination's result is False. After a failure, and
+        after every refit with release_after_refit, the workers are finalized (a failure of that
+        is logged, never reported in place of the refit's own error). RefitReport.seconds is the
+        group's ``last_refit_seconds`` when it has one, else the driver's wall time of refit()."""
+        index, seconds, results, train, rollout = self._driver.sync_weights()
+        return RefitReport(index, seconds, results, train, rollout)
 
     def shutdown(self) -> None:
         """Finalizes every worker (engines and bucket size are kept); the next sync prepares again."""
-        if not self._ready:
-            return
-        self._ready = False
-        self.workers.finalize()
+        self._driver.shutdown()

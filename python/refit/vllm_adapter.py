@@ -27,12 +27,20 @@ Limits, plainly:
   reference);
 - one engine per vLLM worker; rollout ranks follow the reference's ``resolve_rollout_rank``
   (external data parallelism or DP leader prefix + local rank);
-- not ported from the reference: the sharded-expert direct loader (shard_expert_weights), FP8
-  KV-cache scale post-processing, and the async engine's RPC flavour.
+- FP8 KV-cache scales: the policy side sends them (``send_weights(weights, kv_scales=...)``;
+  a refit.EngineWorker source does so with its program's ``kv_scales(index)``), and they reach
+  ``load_weights`` as ``model.layers.{i}.self_attn.attn.q_scale`` / ``...self_attn.k_scale`` /
+  ``...self_attn.v_scale`` tensors; vLLM's post-processing of them after loading is not ported;
+- not ported from the reference: wiring the sharded-expert direct loader (refit.ExpertLoader)
+  into vLLM's fused expert parameters, and the async engine's RPC flavour.
+
+python/tests/test_vllm_adapter.py drives VllmRolloutGroup with stand-ins for vLLM's workers and
+``collective_rpc`` (NumPy tensors): it checks the adapter's plumbing, not vLLM.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any, List, Mapping, Optional, Sequence
 
 import refit
@@ -41,8 +49,10 @@ import refit
 def resolve_rollout_rank(rank_prefix: int, rollout_world_size: int) -> int:
     """The reference's rollout rank of this vLLM worker: its global rank when the worker's process
     group already spans every rollout rank (external DP), else rank_prefix + local rank."""
-    import torch.distributed as dist
-
+    try:
+        import torch.distributed as dist
+    except ImportError:  # no torch.distributed: one worker per engine
+        return rank_prefix
     if dist.is_available() and dist.is_initialized():
         if dist.get_world_size() == rollout_world_size:
             return dist.get_rank()
@@ -55,6 +65,8 @@ class RefitWorkerExtension:
     ``llm.collective_rpc("refit_...", args=(...))``. ``self`` is the vLLM worker."""
 
     _refit_engine: Optional[refit.CheckpointEngine] = None
+    #: How received tensors reach load_weights (torch tensors for vLLM).
+    refit_framework: str = "torch"
 
     def refit_total_memory_bytes(self, device: str = "cuda") -> int:
         """Total memory of this worker's transfer device (the reference asks torch for the GPU's)."""
@@ -68,7 +80,7 @@ class RefitWorkerExtension:
         """Creates this worker's engine once (later calls do nothing, as in the reference)."""
         if self._refit_engine is None:
             kwargs = dict(engine_kwargs)
-            kwargs.setdefault("framework", "torch")
+            kwargs.setdefault("framework", self.refit_framework)
             self._refit_engine = refit.create_checkpoint_engine(backend, bucket_size_bytes, kwargs)
 
     def refit_prepare(self) -> bytes:
@@ -80,18 +92,19 @@ class RefitWorkerExtension:
         self._refit_engine.init_rollout_process_group(rank, train_world_size, rollout_world_size, list(metadata))
 
     def refit_update_weights(self) -> bool:
-        """One refit: every batch goes to the model's load_weights. Returns True on success (a
-        failure raises, and the reference's driver treats a falsy result as a failure too)."""
-        import torch
-
+        """One refit: every batch (the FP8 KV-cache scales too, when the policy sends them) goes
+        to the model's load_weights. Returns True on success (a failure raises, and the driver
+        treats a destination's False result as a failure too)."""
+        torch = sys.modules.get("torch")
+        sync = torch is not None and torch.cuda.is_available()
         model = self.model_runner.model
 
         def load(batch):
             model.load_weights(weights=batch)
-            if torch.cuda.is_available():
+            if sync:
                 torch.cuda.synchronize()  # the batch's views die when load returns
 
-        self._refit_engine.receive_weights(load, framework="torch")
+        self._refit_engine.receive_weights(load, framework=self.refit_framework)
         return True
 
     def refit_finalize(self) -> None:
@@ -115,7 +128,9 @@ class PolicySide:
         """init_policy_process_group(rank, T, R, metadata) on every policy worker."""
 
     def refit(self, index: int) -> List[Any]:
-        """send_weights(...) on every policy worker."""
+        """send_weights(weights, kv_scales=...) on every policy worker: a refit.EngineWorker
+        source sends its program's weights(index) and, with an fp8 kv_cache_dtype engine, the
+        FP8 KV-cache scales its program's kv_scales(index) gives."""
 
     def finalize(self) -> None: ...
 

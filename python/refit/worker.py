@@ -6,8 +6,15 @@ with what it receives:
     class MyPolicyProgram:
         def stage(self, index): ...               # before refit `index` (not timed): get ready
         def weights(self, index): ...             # a source: iterable of (name, tensor)
+        def kv_scales(self, index): ...           # a source, optional: {name: float} FP8 KV-cache scales
         def load(self, index, batch): ...         # a destination: one batch, a list of (name, tensor)
         def report(self, index): ...              # anything picklable, returned to the driver
+
+A source's ``kv_scales(index)`` (called after ``weights(index)``, before the send) gives the
+calibrated FP8 KV-cache scales that ``send_weights(weights, kv_scales=...)`` appends to the
+weights; its engine needs ``kv_cache_dtype="fp8"`` and a layer count (``engine_kwargs`` of
+EngineWorker, e.g. ``{"kv_cache_dtype": "fp8", "model": path}``). None, or no such method: no
+scales (an fp8 engine then sends 1.0 for every layer, as the reference does).
 
 Ray actors, multiprocessing workers and the like subclass (or wrap) EngineWorker and forward the
 driver's calls to it; refit.multiprocessing_group and python/examples/ray_refit.py do exactly that.
@@ -27,6 +34,8 @@ class WorkerProgram(Protocol):
 
     def weights(self, index: int) -> Iterable[Tuple[str, Any]]: ...
 
+    def kv_scales(self, index: int) -> Optional[Mapping[str, float]]: ...
+
     def load(self, index: int, batch: List[Tuple[str, Any]]) -> None: ...
 
     def report(self, index: int) -> Any: ...
@@ -38,10 +47,13 @@ class EngineWorker:
     ``framework`` is how a destination receives tensors ("numpy", "torch", ... or "auto");
     ``receive`` how a destination drives a refit:
     "callback" (CheckpointEngine.receive_weights) or "iterator"
-    (receive_weight_batches, the reference's generator)."""
+    (receive_weight_batches, the reference's generator); ``engine_kwargs``: engine options of this
+    worker added to the driver's (e.g. ``kv_cache_dtype`` and ``model`` or ``num_layers`` for FP8
+    KV-cache scales, ``layout`` for a destination), the driver's winning where both give a key."""
 
     def __init__(self, role: str, rank: int, program: Optional[WorkerProgram] = None, *,
-                 framework: str = "auto", receive: str = "callback"):
+                 framework: str = "auto", receive: str = "callback",
+                 engine_kwargs: Optional[Mapping[str, Any]] = None):
         if receive not in ("callback", "iterator"):
             raise _refit.InvalidArgumentError(f"receive must be 'callback' or 'iterator', got {receive!r}")
         self.receive = receive
@@ -51,6 +63,7 @@ class EngineWorker:
         self.rank = int(rank)
         self.program = program
         self.framework = framework
+        self.engine_kwargs = dict(engine_kwargs or {})
         self.engine: Optional[CheckpointEngine] = None
         self._engine_args: Optional[tuple] = None
         self._failed = False  # the last refit failed: replace the engine at the next prepare()
@@ -70,7 +83,7 @@ class EngineWorker:
     def create_engine(self, backend: str, bucket_size_bytes: int, engine_kwargs: Mapping[str, Any]) -> None:
         """Creates the engine once; a worker that already has one keeps it (as in the reference)."""
         if self.engine is None:
-            kwargs = dict(engine_kwargs)
+            kwargs = {**self.engine_kwargs, **engine_kwargs}
             kwargs.setdefault("framework", self.framework)
             self._engine_args = (backend, bucket_size_bytes, kwargs)
             self.engine = create_checkpoint_engine(backend, bucket_size_bytes, kwargs)
@@ -100,7 +113,11 @@ class EngineWorker:
         engine = self._engine()
         try:
             if self.is_source:
-                stats = engine.send_weights(self.program.weights(index))
+                weights = self.program.weights(index)
+                kv_scales = self.program.kv_scales(index) if hasattr(self.program, "kv_scales") else None
+                # Only when there are some: a plugin engine's send_weights may take weights alone.
+                stats = engine.send_weights(weights) if kv_scales is None else \
+                    engine.send_weights(weights, kv_scales=kv_scales)
             elif self.receive == "callback":
                 program = self.program
                 stats = engine.receive_weights(lambda batch: program.load(index, batch), self.framework)

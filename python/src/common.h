@@ -88,6 +88,8 @@ void register_tensors(nb::module_& m);
 void register_config(nb::module_& m);
 void register_engine(nb::module_& m);
 void register_fp8(nb::module_& m);
+void register_synchronizer(nb::module_& m);
+void register_expert_loader(nb::module_& m);
 
 // Bytes of a bytes-like object (bytes, bytearray, memoryview). Needs the GIL.
 std::vector<uint8_t> bytes_of(nb::handle obj, std::string_view what);

@@ -8,6 +8,8 @@ NB_MODULE(_refit, m) {
   refit::py::register_tensors(m);
   refit::py::register_engine(m);
   refit::py::register_fp8(m);
+  refit::py::register_synchronizer(m);
+  refit::py::register_expert_loader(m);
 #ifdef REFIT_PYTHON_VERSION
   m.attr("__version__") = REFIT_PYTHON_VERSION;
 #endif

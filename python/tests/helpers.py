@@ -84,6 +84,53 @@ class Sender(threading.Thread):
         return self.stats
 
 
+class ThreadWorkerGroup(refit.BroadcastWorkerGroup):
+    """A refit.WorkerGroup over refit.EngineWorker objects of this process (sources first), each
+    call made on one thread per worker (the engines talk over UCX as between processes)."""
+
+    def __init__(self, workers: List[refit.EngineWorker]):
+        self.workers = workers
+
+    @property
+    def train_world_size(self) -> int:
+        return sum(1 for w in self.workers if w.is_source)
+
+    @property
+    def rollout_world_size(self) -> int:
+        return sum(1 for w in self.workers if not w.is_source)
+
+    def call_all(self, method: str, *args: Any) -> List[Any]:
+        return call_on_threads([getattr(w, method) for w in self.workers], *args)
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.close()
+
+
+def call_on_threads(calls: List[Callable[..., Any]], *args: Any) -> List[Any]:
+    """Runs every call with `args` at once, one thread each; returns their results in order or
+    raises the first failure."""
+    results: List[Any] = [None] * len(calls)
+    errors: List[Optional[BaseException]] = [None] * len(calls)
+
+    def run(i: int) -> None:
+        try:
+            results[i] = calls[i](*args)
+        except BaseException as e:  # noqa: BLE001
+            errors[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(calls))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+        assert not t.is_alive(), "a worker call did not return"
+    for e in errors:
+        if e is not None:
+            raise e
+    return results
+
+
 def hashes(weights) -> Dict[str, int]:
     return {name: refit.xxh3_64(np.ascontiguousarray(t) if isinstance(t, np.ndarray) else t) for name, t in weights}
 

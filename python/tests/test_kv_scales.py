@@ -271,3 +271,76 @@ def test_fp8_loader_options_and_errors():
         refit.Fp8QuantizingLoader(lambda *a: None, lambda *a: None, scaling="block64")
     with pytest.raises(ZeroDivisionError):  # a callback's exception propagates
         refit.Fp8QuantizingLoader(lambda *a: None, lambda *a: 1 / 0)([("x", np.ones(3, np.float32))])
+
+
+# ---- through the driver: refit.EngineWorker sends its program's kv_scales -------------------------
+
+class ScaledSource:
+    """A source program whose kv_scales change every refit."""
+
+    def __init__(self, scales: bool = True):
+        self.scales = scales
+
+    def weights(self, index):
+        return make_weights(seed=index)
+
+    def kv_scales(self, index):
+        if not self.scales:
+            return None
+        return {"model.layers.0.self_attn.k_scale": 0.5 + index, "model.layers.1.self_attn.attn.q_scale": 4.0}
+
+
+class Recorder:
+    """A destination program that keeps a copy of every tensor of the last refit."""
+
+    def __init__(self):
+        self.got = {}
+
+    def load(self, index, batch):
+        self.got.update((name, np.array(t, copy=True)) for name, t in batch)
+
+
+def driver_group(source_program, kv_cache_dtype="fp8"):
+    from helpers import ThreadWorkerGroup
+
+    source = refit.EngineWorker("policy", 0, source_program,
+                                engine_kwargs={"kv_cache_dtype": kv_cache_dtype, "num_layers": 2})
+    destination = refit.EngineWorker("rollout", 0, Recorder(), framework="numpy")
+    return ThreadWorkerGroup([source, destination]), destination.program
+
+
+def test_an_engine_worker_sends_its_programs_kv_scales():
+    group, recorder = driver_group(ScaledSource())
+    try:
+        sync = refit.WeightSynchronizer({"bucket_bytes": "1MiB", "timeout_s": 30}, group)
+        for index in range(2):
+            report = sync.sync_weights()
+            assert report.destination_results[0]["stats"]["tensors"] == len(make_weights()) + 6
+            scales = {name: float(t[0]) for name, t in recorder.got.items() if refit.is_kv_scale_name(name)}
+            expected = {name: 1.0 for name in scale_names(2)}
+            expected["model.layers.0.self_attn.k_scale"] = 0.5 + index
+            expected["model.layers.1.self_attn.attn.q_scale"] = 4.0
+            assert scales == expected
+            assert hashes([(n, recorder.got[n]) for n, _ in make_weights(seed=index)]) == hashes(make_weights(seed=index))
+    finally:
+        group.close()
+
+
+def test_without_kv_scales_an_fp8_worker_sends_ones():
+    group, recorder = driver_group(ScaledSource(scales=False))
+    try:
+        refit.WeightSynchronizer({"bucket_bytes": "1MiB", "timeout_s": 30}, group).sync_weights()
+        assert {float(recorder.got[name][0]) for name in scale_names(2)} == {1.0}
+    finally:
+        group.close()
+
+
+def test_kv_scales_for_an_engine_without_fp8_fail_the_refit():
+    group, _ = driver_group(ScaledSource(), kv_cache_dtype="auto")
+    try:
+        sync = refit.WeightSynchronizer({"bucket_bytes": "1MiB", "timeout_s": 5}, group)
+        with pytest.raises(refit.InvalidArgumentError, match="kv_scales were given"):
+            sync.sync_weights()
+        assert sync.stale and not sync.ready
+    finally:
+        group.close()

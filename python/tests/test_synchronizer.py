@@ -138,3 +138,99 @@ def test_bucket_sizing_errors_come_before_any_engine():
     sync = refit.WeightSynchronizer({"update_weights_bucket_memory_ratio": 0.05}, TinyGroup())
     with pytest.raises(refit.ConfigError, match="Checkpoint-engine bucket sizing produced less than 1 MiB per buffer"):
         sync.sync_weights()
+
+
+class ScriptedGroup:
+    """A group whose calls succeed unless told otherwise; records them."""
+
+    train_world_size = 1
+    rollout_world_size = 1
+
+    def __init__(self):
+        self.calls = []
+        self.raise_in = {}  # call name -> exception to raise (once)
+        self.metadata = [b"a", b"b"]
+
+    def _step(self, name):
+        self.calls.append(name)
+        error = self.raise_in.pop(name, None)
+        if error is not None:
+            raise error
+
+    def total_memory_bytes(self, device):
+        self._step("total_memory_bytes")
+        return [1 << 34, 1 << 34]
+
+    def create_engines(self, backend, bucket_size_bytes, engine_kwargs):
+        self._step("create_engines")
+
+    def prepare(self):
+        self._step("prepare")
+        return self.metadata
+
+    def init_process_groups(self, metadata):
+        self._step("init_process_groups")
+
+    def refit(self, index):
+        self._step("refit")
+        return [None, True]
+
+    def finalize(self):
+        self._step("finalize")
+
+
+def test_the_groups_own_exception_is_raised_as_itself():
+    class LostHost(Exception):
+        pass
+
+    group = ScriptedGroup()
+    sync = refit.WeightSynchronizer(None, group)
+    sync.sync_weights()
+    error = LostHost("destination rank 0 on host h4 is gone")
+    error.add_note("also source rank 0 failed")
+    group.raise_in["refit"] = error
+    with pytest.raises(LostHost) as raised:
+        sync.sync_weights()
+    assert raised.value is error and raised.value.__notes__ == ["also source rank 0 failed"]
+    assert sync.stale and not sync.ready
+    # It shut down at once; the next sync creates engines again and prepares.
+    sync.sync_weights()
+    assert group.calls == ["total_memory_bytes", "create_engines", "prepare", "init_process_groups", "refit",
+                           "refit", "finalize", "create_engines", "prepare", "init_process_groups", "refit"]
+    assert not sync.stale
+
+
+def test_a_failing_shutdown_after_a_failed_refit_is_only_logged():
+    group = ScriptedGroup()
+    sync = refit.WeightSynchronizer({"release_after_refit": True}, group)
+    group.raise_in["refit"] = refit.PeerLostError("destination rank 0 was killed")
+    group.raise_in["finalize"] = KeyError("finalize broke")
+    with pytest.raises(refit.PeerLostError, match="destination rank 0 was killed"):
+        sync.sync_weights()
+    assert group.calls[-2:] == ["refit", "finalize"] and not sync.ready
+    # With release_after_refit, a failing finalize after a good refit is logged too.
+    group.raise_in["finalize"] = RuntimeError("finalize broke again")
+    report = sync.sync_weights()
+    assert report.destination_results == [True] and not sync.stale and not sync.ready
+
+
+def test_metadata_that_do_not_number_the_workers_are_a_topology_error():
+    group = ScriptedGroup()
+    group.metadata = [b"a"]
+    sync = refit.WeightSynchronizer(None, group)
+    with pytest.raises(refit.TopologyError, match="returned 1 metadata entries for train_world_size=1 \\+ "
+                                                   "rollout_world_size=1"):
+        sync.ensure_ready()
+    assert not sync.ready
+    group.metadata = [b"a", b"b"]
+    sync.ensure_ready()
+    assert sync.ready and sync.stale
+
+
+def test_the_groups_last_refit_seconds_is_the_reports():
+    group = ScriptedGroup()
+    group.last_refit_seconds = 12.5
+    sync = refit.WeightSynchronizer(None, group)
+    assert sync.sync_weights().seconds == 12.5
+    del group.last_refit_seconds
+    assert 0 < sync.sync_weights().seconds < 12.5

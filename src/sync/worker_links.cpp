@@ -79,6 +79,8 @@ Device worker_device(const Device& configured, bool is_source, int rank, const G
 int serve_worker(bool is_source, int rank, Channel& channel, const GroupOptions& options) {
   std::unique_ptr<WorkerProgram> program;
   std::unique_ptr<CheckpointEngine> engine;
+  std::optional<EngineOptions> engine_options;  // what the engine was created with
+  bool refit_failed = false;                    // the last refit failed: replace the engine at the next prepare
   json last_stats;
   const std::string self = fmt::format("{} rank {}", is_source ? "source" : "destination", rank);
   while (true) {
@@ -98,6 +100,9 @@ int serve_worker(bool is_source, int rank, Channel& channel, const GroupOptions&
       } else if (name == "memory") {
         // Bucket sizing takes the minimum over every worker of its transfer-buffer device's memory.
         reply["bytes"] = total_device_memory_bytes(worker_device(options.config.device, is_source, rank, options));
+      } else if (name == "create" && engine) {
+        // A worker that has an engine keeps it (the driver creates engines again after a failed
+        // refit, for workers put in place of lost ones).
       } else if (name == "create") {
         EngineOptions eo;
         eo.config = options.config;
@@ -114,11 +119,19 @@ int serve_worker(bool is_source, int rank, Channel& channel, const GroupOptions&
           eo.holds = options.source_layouts[rank];
         eo.model = options.model;
         eo.receives_only = !is_source;
+        engine_options = eo;
         engine = std::make_unique<CheckpointEngine>(std::move(eo));
         program = options.program(is_source, rank);
       } else if (!engine) {
         fail(ErrorKind::kInvalidArgument, "{} got '{}' before its engine was created", self, name);
       } else if (name == "prepare") {
+        if (refit_failed) {
+          // Messages of the failed refit may still be in flight to the old engine; a fresh one
+          // (a fresh transport endpoint) never sees them.
+          engine.reset();
+          engine = std::make_unique<CheckpointEngine>(*engine_options);
+          refit_failed = false;
+        }
         reply["metadata"] = binary(engine->prepare());
       } else if (name == "init") {
         std::vector<Metadata> md;
@@ -133,12 +146,14 @@ int serve_worker(bool is_source, int rank, Channel& channel, const GroupOptions&
         program->stage(cmd.at("index").get<uint64_t>());
       } else if (name == "refit") {
         uint64_t index = cmd.at("index").get<uint64_t>();
+        refit_failed = true;
         if (is_source) {
           auto weights = program->weights(index);
           reply["send"] = engine->send(*weights);
         } else {
           reply["receive"] = engine->receive(program->loader(index));
         }
+        refit_failed = false;
       } else if (name == "report") {
         reply["detail"] = program->report(cmd.at("index").get<uint64_t>());
       } else if (name == "finalize") {

@@ -1,6 +1,8 @@
 // Refits between real processes over UCX, driven through the `refit bench` command.
 #include <gtest/gtest.h>
 
+#include <regex>
+
 #include "bench_runner.h"
 #include "cli_runner.h"
 #include "refit/model.h"
@@ -43,6 +45,18 @@ TEST(RefitProcesses, OneToOneOverSharedMemory) {
   EXPECT_NE(r.output.find("[vLLM refit] Loaded"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("Using checkpoint-engine refit backend: nixl"), std::string::npos);
   EXPECT_NE(r.output.find("[checkpoint engine] Bucket size: 1 MiB per buffer"), std::string::npos);
+  // Set-up is reported with its steps, then the table's header, then the rows; every process's
+  // log lines share one format (time, who, level).
+  const size_t setup = r.output.find("set-up: "), header = r.output.find(" refit    seconds"),
+               row = r.output.find("     0 ");
+  ASSERT_NE(setup, std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("engines ", setup), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("buffers ", setup), std::string::npos) << r.output;
+  EXPECT_LT(setup, header) << r.output;
+  EXPECT_LT(header, row) << r.output;
+  EXPECT_TRUE(std::regex_search(r.output, std::regex(R"(\] \[driver\] \[info\] Using checkpoint-engine)"))) << r.output;
+  EXPECT_TRUE(std::regex_search(r.output, std::regex(R"(\] \[destination rank 0\] \[info\] \[vLLM refit\] Loaded)")))
+      << r.output;
   // The destination loaded straight from the source's shared-memory buffers, and so holds no
   // transfer buffers of its own.
   const auto result = read_json(b.json);

@@ -143,9 +143,11 @@ class ProgressGroup final : public WorkerGroup {
 };
 
 // Median seconds of `refits` refits of a local group, every one verified.
-double timed_refits(const RefitConfig& config, GroupOptions options, int refits, const char* what) {
+double timed_refits(const RefitConfig& config, GroupOptions options, int refits, const char* what,
+                    uint64_t model_bytes) {
   LocalProcessGroup group(std::move(options));
   WeightSynchronizer sync(config, group);
+  sync.set_model_bytes(model_bytes);
   std::vector<double> seconds;
   for (int k = 0; k < refits; ++k) {
     RefitReport report = sync.sync_weights();
@@ -264,6 +266,7 @@ int run_bench(const BenchOptions& options) {
     }
     ProgressGroup progress(*group, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
     WeightSynchronizer sync(config, progress);
+    sync.set_model_bytes(model.inventory.total_bytes());
     for (int k = 0; k < options.refits; ++k) {
       json entry = {{"index", k}};
       try {
@@ -348,14 +351,15 @@ int run_bench(const BenchOptions& options) {
     GroupOptions gather = group_options;
     gather.destination_layouts = whole;
     gather.program = bench_programs(model, whole, holds, std::nullopt);
-    const double gather_s = timed_refits(config, gather, options.refits, "the gather");
+    const double gather_s = timed_refits(config, gather, options.refits, "the gather", model.inventory.total_bytes());
     GroupOptions paired = group_options;
     paired.sources = options.destinations;
     paired.source_layouts.clear();
     paired.model.reset();
     static const std::vector<Layout> kNoHolds;
     paired.program = bench_programs(model, layouts, kNoHolds, std::nullopt);
-    const double paired_s = timed_refits(config, paired, options.refits, "the paired refit");
+    const double paired_s =
+        timed_refits(config, paired, options.refits, "the paired refit", model.inventory.total_bytes());
     const double reshard_s = median([&] {
       std::vector<double> v;
       for (const auto& r : out["refits"])

@@ -95,7 +95,7 @@ int run_plan(const PlanOptions& options) {
   const uint64_t memory = options.target_memory.empty() ? total_host_memory_bytes()
                                                         : parse_byte_count(options.target_memory, "--target-memory");
   std::vector<uint64_t> totals(options.sources + options.destinations, memory);
-  const BucketSize size = resolve_bucket_size(config, totals);
+  const BucketSize size = resolve_bucket_size(config, totals, inventory.total_bytes());
   fmt::print("{}\n", bucket_size_line(size, config.device));
   const auto layouts = destination_layouts(path, inventory, config, options.parallel, options.destinations);
   const auto sources = source_layouts(path, inventory, options.source_parallel, options.sources);

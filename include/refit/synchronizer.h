@@ -93,6 +93,9 @@ class WeightSynchronizer {
   bool ready() const { return ready_; }
   // Resolved on first use from every worker's total memory and then fixed, as in the reference.
   const BucketSize& bucket_size();
+  // The most bytes one source sends in a refit (the model's size, or its largest shard): bucket
+  // sizing then makes no buffer larger (resolve_bucket_size). Call before the first refit.
+  void set_model_bytes(uint64_t bytes) { model_bytes_ = bytes; }
   const std::string& backend() const { return backend_; }
 
  private:
@@ -104,6 +107,7 @@ class WeightSynchronizer {
   WorkerGroup& workers_;
   std::string backend_;
   std::optional<BucketSize> bucket_size_;
+  uint64_t model_bytes_ = 0;
   std::optional<SessionId> session_;
   bool backend_logged_ = false;
   bool engines_created_ = false;

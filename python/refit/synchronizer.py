@@ -21,8 +21,9 @@ It follows NeMo RL's CheckpointEngineWeightSynchronizer.
 from __future__ import annotations
 
 import dataclasses
+import json
 import weakref
-from typing import Any, List, Mapping, Protocol, Sequence, Union, runtime_checkable
+from typing import Any, List, Mapping, Optional, Protocol, Sequence, Union, runtime_checkable
 
 from . import _refit
 from ._refit import BucketSize, RefitConfig
@@ -100,15 +101,25 @@ class WeightSynchronizer:
     """Drives refits over a WorkerGroup.
 
     ``config``: a RefitConfig, a mapping of refit_cfg.nixl keys, a YAML path or text, or None
-    (defaults). ``backend``: the checkpoint-engine backend the workers create ("nixl").
+    (defaults). ``backend``: the checkpoint-engine backend the workers create; by default the
+    configuration's refit_transport: "nixl" (refit's engine) or a "module:ClassName" plugin, which
+    then gets its refit_cfg scope (release_after_refit and the plugin's own keys) as constructor
+    arguments, as in the reference.
+    ``model_bytes``: the most one source sends in a refit (the model's size, e.g.
+    refit.load_model_inventory(path).total_bytes); no bucket is made larger (0: unknown).
     ``model_fingerprint``: passed to every engine (refit.load_model_inventory(path).fingerprint),
     so that workers with another model refuse each other's metadata; 0 disables the check.
     """
 
     def __init__(self, config: Union[None, RefitConfig, Mapping[str, Any], str], workers: WorkerGroup, *,
-                 backend: str = "nixl", model_fingerprint: int = 0):
+                 backend: Optional[str] = None, model_fingerprint: int = 0, model_bytes: int = 0):
         self.config: RefitConfig = as_config(config)
         self.workers = workers
+        if backend is None:
+            backend = self.config.refit_transport
+        elif self.config.uses_plugin and backend != self.config.refit_transport:
+            raise _refit.ConfigError(f"backend '{backend}' contradicts refit_transport "
+                                     f"'{self.config.refit_transport}' of the configuration: give one of them")
         self.backend = backend
         self.model_fingerprint = int(model_fingerprint)
         this = weakref.ref(self)  # the driver must not keep this object alive (no cycle through C++)
@@ -116,7 +127,7 @@ class WeightSynchronizer:
         def engine_kwargs(session: bytes) -> dict:
             return this().engine_kwargs(session)
 
-        self._driver = _refit.WeightSynchronizer(self.config, workers, backend, engine_kwargs)
+        self._driver = _refit.WeightSynchronizer(self.config, workers, backend, engine_kwargs, int(model_bytes))
 
     @property
     def stale(self) -> bool:
@@ -133,10 +144,15 @@ class WeightSynchronizer:
         return self._driver.bucket_size
 
     def engine_kwargs(self, session: bytes) -> dict:
-        """The engine_kwargs every worker gets: the configuration scope keyed by backend, and the
-        group's session id and model fingerprint."""
+        """The engine_kwargs every worker gets: the configuration scope keyed by backend (a plugin's:
+        release_after_refit and its own keys), and the group's session id and model fingerprint."""
+        if self.config.uses_plugin:
+            scope = {"release_after_refit": self.config.release_after_refit,
+                     **{k: json.loads(v) for k, v in self.config.plugin_params.items()}}
+        else:
+            scope = engine_kwargs_from_config(self.config)
         return {
-            self.backend: engine_kwargs_from_config(self.config),
+            self.backend: scope,
             "session": session,
             "model_fingerprint": self.model_fingerprint,
         }

@@ -22,6 +22,8 @@ driver's calls to it; refit.multiprocessing_group and python/examples/ray_refit.
 
 from __future__ import annotations
 
+import contextlib
+
 import time
 from typing import Any, Iterable, List, Mapping, Optional, Protocol, Sequence, Tuple
 
@@ -93,7 +95,7 @@ class EngineWorker:
         the failed refit may still be in flight to the old one, and a fresh engine (a fresh
         transport endpoint) never sees them."""
         if self._failed and self._engine_args is not None:
-            self._engine().close()
+            _close(self._engine())
             self.engine = create_checkpoint_engine(*self._engine_args)
             self._failed = False
         return self._engine().prepare()
@@ -119,14 +121,15 @@ class EngineWorker:
                 stats = engine.send_weights(weights) if kv_scales is None else \
                     engine.send_weights(weights, kv_scales=kv_scales)
             elif self.receive == "callback":
+                # The framework is the engine's default (create_engine); a plugin takes `load` alone.
                 program = self.program
-                stats = engine.receive_weights(lambda batch: program.load(index, batch), self.framework)
+                stats = engine.receive_weights(lambda batch: program.load(index, batch))
             else:
-                it = engine.receive_weight_batches(self.framework)
-                with it:
+                it = engine.receive_weight_batches()
+                with contextlib.closing(it):  # leaving early fails the refit, at once
                     for batch in it:
                         self.program.load(index, batch)
-                stats = it.stats
+                stats = getattr(it, "stats", None)
         except BaseException:
             self._failed = True
             raise
@@ -139,13 +142,21 @@ class EngineWorker:
 
     def close(self) -> None:
         if self.engine is not None:
-            self.engine.close()
+            _close(self.engine)
             self.engine = None
 
     def _engine(self) -> CheckpointEngine:
         if self.engine is None:
             raise _refit.InvalidArgumentError(f"{self.label}: create_engine() has not run")
         return self.engine
+
+
+
+def _close(engine: Any) -> None:
+    """Frees an engine now: refit's have close(); a plugin may not (it is then only dropped)."""
+    close = getattr(engine, "close", None)
+    if close is not None:
+        close()
 
 
 class BroadcastWorkerGroup:

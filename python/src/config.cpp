@@ -130,17 +130,19 @@ void register_config(nb::module_& m) {
       .def_ro("bytes", &BucketSize::bytes)
       .def_ro("min_total_memory", &BucketSize::min_total_memory)
       .def_ro("ratio", &BucketSize::ratio)
+      .def_ro("uncapped_bytes", &BucketSize::uncapped_bytes)
       .def("__repr__", [](const BucketSize& b) {
-        return fmt::format("BucketSize(bytes={}, min_total_memory={}, ratio={})", b.bytes, b.min_total_memory, b.ratio);
+        return fmt::format("BucketSize(bytes={}, min_total_memory={}, ratio={}, uncapped_bytes={})", b.bytes,
+                           b.min_total_memory, b.ratio, b.uncapped_bytes);
       });
   m.def(
       "resolve_bucket_size",
-      [](const RefitConfig& config, const std::vector<uint64_t>& memory) {
-        return resolve_bucket_size(config, memory);
+      [](const RefitConfig& config, const std::vector<uint64_t>& memory, uint64_t model_bytes) {
+        return resolve_bucket_size(config, memory, model_bytes);
       },
-      nb::arg("config"), nb::arg("worker_total_memory"),
-      "min(worker_total_memory) * ratio floored to whole MiB (or config.bucket_bytes); raises ConfigError below 1 "
-      "MiB.");
+      nb::arg("config"), nb::arg("worker_total_memory"), nb::arg("model_bytes") = 0,
+      "min(worker_total_memory) * ratio floored to whole MiB, no larger than model_bytes rounded up to whole MiB "
+      "when given (or config.bucket_bytes); raises ConfigError below 1 MiB.");
   m.def(
       "bucket_size_line",
       [](const BucketSize& size, const RefitConfig& config) { return bucket_size_line(size, config.device); },

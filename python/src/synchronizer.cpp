@@ -90,6 +90,7 @@ class PyWorkerGroup final : public WorkerGroup {
   ~PyWorkerGroup() override {
     nb::gil_scoped_acquire gil;
     results_.reset();
+    metadata_.reset();
     engine_kwargs_.reset();
     group_.reset();
   }
@@ -120,19 +121,21 @@ class PyWorkerGroup final : public WorkerGroup {
     });
   }
 
+  // The metadata stay Python objects, handed back as they came: refit's engines give bytes, a
+  // module:ClassName plugin whatever it likes (the reference's give dicts). The driver sees only
+  // how many there are.
   std::vector<Metadata> prepare() override {
     return call_python("prepare", [&] {
-      std::vector<Metadata> out;
-      for (nb::handle m : group_.attr("prepare")()) out.push_back(bytes_of(m, "a worker's metadata"));
-      return out;
+      metadata_ = nb::list(group_.attr("prepare")());
+      return std::vector<Metadata>(nb::len(metadata_));
     });
   }
 
   void init_process_groups(std::span<const Metadata> metadata) override {
     call_python("init_process_groups", [&] {
-      nb::list all;
-      for (const auto& m : metadata) all.append(nb::bytes(reinterpret_cast<const char*>(m.data()), m.size()));
-      group_.attr("init_process_groups")(all);
+      if (nb::len(metadata_) != metadata.size())
+        throw Error(ErrorKind::kInternal, "init_process_groups() without the metadata of the latest prepare()");
+      group_.attr("init_process_groups")(metadata_);
     });
   }
 
@@ -182,6 +185,7 @@ class PyWorkerGroup final : public WorkerGroup {
   std::string backend_;
   nb::object engine_kwargs_;
   nb::object results_;
+  nb::list metadata_;  // of the latest prepare()
   int train_ = 0;
 };
 
@@ -199,9 +203,12 @@ auto drive(F&& f) {
 
 class PySynchronizer {
  public:
-  PySynchronizer(const RefitConfig& config, nb::object group, const std::string& backend, nb::object engine_kwargs)
+  PySynchronizer(const RefitConfig& config, nb::object group, const std::string& backend, nb::object engine_kwargs,
+                 uint64_t model_bytes)
       : group_(std::move(group), to_string(config.device), backend, std::move(engine_kwargs)),
-        sync_(config, group_, backend) {}
+        sync_(config, group_, backend) {
+    sync_.set_model_bytes(model_bytes);
+  }
 
   nb::tuple sync_weights() {
     RefitReport report = drive([&] { return sync_.sync_weights(); });
@@ -232,9 +239,10 @@ void register_synchronizer(nb::module_& m) {
   nb::class_<PySynchronizer>(m, "WeightSynchronizer",
                              "refit::WeightSynchronizer (the C++ driver) over a Python refit.WorkerGroup. Use "
                              "refit.WeightSynchronizer, which wraps it.")
-      .def(nb::init<const RefitConfig&, nb::object, const std::string&, nb::object>(), nb::arg("config"),
-           nb::arg("workers"), nb::arg("backend"), nb::arg("engine_kwargs"),
-           "engine_kwargs(session: bytes) -> the mapping create_engines() passes to the workers.")
+      .def(nb::init<const RefitConfig&, nb::object, const std::string&, nb::object, uint64_t>(), nb::arg("config"),
+           nb::arg("workers"), nb::arg("backend"), nb::arg("engine_kwargs"), nb::arg("model_bytes") = 0,
+           "engine_kwargs(session: bytes) -> the mapping create_engines() passes to the workers; model_bytes: the "
+           "most one source sends (0: unknown), which caps the bucket size.")
       .def("sync_weights", &PySynchronizer::sync_weights,
            "One refit; returns (index, seconds, results, train_world_size, rollout_world_size). Raises the worker "
            "group's own exception, or a RefitError of the driver's.")

@@ -131,3 +131,55 @@ def test_async_forms_of_a_plugin():
     stats, got = asyncio.run(main())
     assert stats["buckets"] > 10
     check(sent, got)
+
+
+# ---- the plugin transport in the configuration, driven by refit.WeightSynchronizer ---------------
+
+class NumberedSource:
+    def weights(self, index):
+        return [("a", np.full(1000, index, np.float32)), ("b", np.arange(3000, dtype=np.float32) + index)]
+
+
+class Keeper:
+    def __init__(self):
+        self.got = {}
+
+    def load(self, index, batch):
+        self.got.update((name, np.array(t, copy=True)) for name, t in batch)
+
+
+def test_the_synchronizer_creates_the_plugin_the_configuration_names_with_its_scope():
+    from helpers import ThreadWorkerGroup
+
+    config = {"refit_transport": "plugin_engines:LoopbackEngine",
+              "refit_cfg": {"plugin_engines:LoopbackEngine": {"update_weights_bucket_memory_ratio": 0.6,
+                                                              "rails": 8, "name": "fast", "quoted": "true"}}}
+    source = refit.EngineWorker("policy", 0, NumberedSource())
+    destination = refit.EngineWorker("rollout", 0, Keeper(), framework="numpy")
+    group = ThreadWorkerGroup([source, destination])
+    try:
+        sync = refit.WeightSynchronizer(config, group)
+        assert sync.backend == "plugin_engines:LoopbackEngine"
+        for index in (0, 1):  # the driver's refit index
+            sync.sync_weights()
+            got = destination.program.got
+            assert np.array_equal(got["a"], np.full(1000, index, np.float32))
+            assert np.array_equal(got["b"], np.arange(3000, dtype=np.float32) + index)
+        for worker in (source, destination):
+            assert isinstance(worker.engine, LoopbackEngine)
+            # The scope's keys, typed as YAML read them; the session and fingerprint are not the plugin's.
+            assert worker.engine.extra == {"rails": 8, "name": "fast", "quoted": "true"}
+            assert worker.engine.release_after_refit is False
+        # A plugin's ratio may exceed the two-buffer bound of nixl's: 0.6 of the smallest memory.
+        memory = refit.total_device_memory_bytes("cpu")
+        assert sync.bucket_size.bytes == (int(memory * 0.6) >> 20) << 20
+    finally:
+        group.close()
+
+
+def test_a_backend_that_contradicts_the_configured_plugin_is_refused():
+    config = {"refit_transport": "plugin_engines:LoopbackEngine", "refit_cfg": {"plugin_engines:LoopbackEngine": {}}}
+    with pytest.raises(refit.ConfigError, match="backend 'nixl' contradicts refit_transport 'plugin_engines:Loop"):
+        refit.WeightSynchronizer(config, object(), backend="nixl")
+    with pytest.raises(refit.ConfigError, match=r"needs its scope refit_cfg\['m:C'\]"):
+        refit.as_config({"refit_transport": "m:C"})

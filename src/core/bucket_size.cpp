@@ -12,7 +12,8 @@ constexpr double kGiB = double(uint64_t{1} << 30);
 
 }  // namespace
 
-BucketSize resolve_bucket_size(const RefitConfig& config, std::span<const uint64_t> worker_total_memory) {
+BucketSize resolve_bucket_size(const RefitConfig& config, std::span<const uint64_t> worker_total_memory,
+                               uint64_t model_bytes) {
   if (worker_total_memory.empty()) {
     fail(ErrorKind::kConfig, "bucket sizing needs the total memory of at least one worker, got none");
   }
@@ -40,6 +41,8 @@ BucketSize resolve_bucket_size(const RefitConfig& config, std::span<const uint64
          "or set refit_cfg.nixl.bucket_bytes",
          ratio, min_total, static_cast<double>(min_total) / kGiB, worker_total_memory.size(), raw);
   }
+  const uint64_t model_mib = (model_bytes + kMiB - 1) / kMiB * kMiB;
+  if (model_bytes > 0 && model_mib < bytes) return {model_mib, min_total, ratio, bytes};
   return {bytes, min_total, ratio};
 }
 
@@ -53,6 +56,12 @@ std::string bucket_size_line(const BucketSize& size, const Device& device) {
                      size.bytes);
   }
   // Python's {:.1%} is the value times 100 in fixed notation with one decimal.
+  if (size.uncapped_bytes > 0)
+    return fmt::format(
+        "[checkpoint engine] Bucket size: {} MiB per buffer (the model's size; {:.1f}% of {:.2f} GiB minimum total {} "
+        "memory would be {} MiB).",
+        size.bytes / kMiB, size.ratio * 100, static_cast<double>(size.min_total_memory) / kGiB,
+        device.kind == Device::Kind::kCpu ? "host" : "GPU", size.uncapped_bytes / kMiB);
   return fmt::format(
       "[checkpoint engine] Bucket size: {} MiB per buffer ({:.1f}% of {:.2f} GiB minimum total {} memory).",
       size.bytes / kMiB, size.ratio * 100, static_cast<double>(size.min_total_memory) / kGiB,

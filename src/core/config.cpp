@@ -316,7 +316,6 @@ void build_plugin(const Raw& raw, RefitConfig& config) {
   }
 }
 
-
 RefitConfig build(const Raw& raw) {
   RefitConfig config;
   if (raw.transport) config.refit_transport = check_transport(*raw.transport, raw.prefix);
@@ -449,7 +448,7 @@ std::string to_yaml(const RefitConfig& config) {
   out << YAML::Key << "refit_transport" << YAML::Value << config.refit_transport;
   out << YAML::Key << "refit_cfg" << YAML::Value << YAML::BeginMap << YAML::Key << "nixl" << YAML::Value
       << YAML::BeginMap;
- // Numbers as fmt's shortest round-trip text, so parsing gives back the same double. A plugin's
+  // Numbers as fmt's shortest round-trip text, so parsing gives back the same double. A plugin's
   // ratio and release_after_refit are in its own scope.
   if (!config.uses_plugin())
     out << YAML::Key << "update_weights_bucket_memory_ratio" << YAML::Value

@@ -16,7 +16,7 @@ WeightSynchronizer::WeightSynchronizer(RefitConfig config, WorkerGroup& workers,
 
 const BucketSize& WeightSynchronizer::bucket_size() {
   if (!bucket_size_) {
-    bucket_size_ = resolve_bucket_size(config_, workers_.total_memory_bytes());
+    bucket_size_ = resolve_bucket_size(config_, workers_.total_memory_bytes(), model_bytes_);
     spdlog::info("{}", bucket_size_line(*bucket_size_, config_.device));
   }
   return *bucket_size_;

@@ -54,6 +54,23 @@ TEST(BucketSize, APluginsRatioMayReachOne) {
   EXPECT_THROW(resolve_bucket_size(with_ratio(0.7), memory), Error);  // nixl: two buffers must fit
 }
 
+TEST(BucketSize, NoLargerThanTheModelNeeds) {
+  std::vector<uint64_t> memory = {80 * kGiB};
+  // 366.5 MiB of model: buckets of 367 MiB, not 4096 MiB that would never fill.
+  const uint64_t model = 366 * kMiB + kMiB / 2;
+  BucketSize size = resolve_bucket_size(with_ratio(0.05), memory, model);
+  EXPECT_EQ(size.bytes, 367 * kMiB);
+  EXPECT_EQ(size.uncapped_bytes, 4096 * kMiB);
+  EXPECT_EQ(bucket_size_line(size, Device{Device::Kind::kCuda, -1}),
+            "[checkpoint engine] Bucket size: 367 MiB per buffer (the model's size; 5.0% of 80.00 GiB minimum total "
+            "GPU memory would be 4096 MiB).");
+  // A model larger than the ratio's bucket changes nothing; nor does it cap an explicit size.
+  EXPECT_EQ(resolve_bucket_size(with_ratio(0.05), memory, 100 * kGiB), resolve_bucket_size(with_ratio(0.05), memory));
+  RefitConfig fixed;
+  fixed.bucket_bytes = 1 * kGiB;
+  EXPECT_EQ(resolve_bucket_size(fixed, memory, model).bytes, 1 * kGiB);
+}
+
 TEST(BucketSize, MinimumOverWorkers) {
   // An H100 80 GB reports 85520809984 bytes; an H200 150754820096.
   std::vector<uint64_t> memory = {150754820096, 85520809984, 150754820096};

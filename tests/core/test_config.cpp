@@ -205,9 +205,9 @@ refit_cfg:
   EXPECT_EQ(c.refit_transport, "my.engines:LoopbackEngine");
   EXPECT_DOUBLE_EQ(c.update_weights_bucket_memory_ratio, 0.7);
   EXPECT_TRUE(c.release_after_refit);
-  const std::map<std::string, std::string> params = {{"rails", "8"},         {"scale", "0.5"},
-                                                     {"name", "\"fast\""},  {"quoted", "\"true\""},
-                                                     {"hosts", R"(["a","b"])"}, {"nothing", "null"}};
+  const std::map<std::string, std::string> params = {
+      {"rails", "8"},         {"scale", "0.5"},          {"name", "\"fast\""},
+      {"quoted", "\"true\""}, {"hosts", R"(["a","b"])"}, {"nothing", "null"}};
   EXPECT_EQ(c.plugin_params, params);
   EXPECT_EQ(parse_config(to_yaml(c)), c);  // written and read back with the same types
 
@@ -223,14 +223,14 @@ refit_cfg:
   EXPECT_CONFIG_ERROR(config_error("refit_transport: 'm:C'\nrefit_cfg: {'m:D': {}}\n"),
                       "plugin scope 'm:D' but refit_transport is 'm:C'");
   EXPECT_CONFIG_ERROR(config_error("refit_cfg: {'m:D': {}}\n"), "plugin scope 'm:D' but refit_transport is 'nixl'");
-  EXPECT_CONFIG_ERROR(config_error("refit_transport: 'm:C'\nrefit_cfg: {'m:C': {update_weights_bucket_memory_ratio: 1}}\n"),
-                      "refit_cfg['m:C'].update_weights_bucket_memory_ratio must be > 0 and < 1");
+  EXPECT_CONFIG_ERROR(
+      config_error("refit_transport: 'm:C'\nrefit_cfg: {'m:C': {update_weights_bucket_memory_ratio: 1}}\n"),
+      "refit_cfg['m:C'].update_weights_bucket_memory_ratio must be > 0 and < 1");
   EXPECT_CONFIG_ERROR(config_error("refit_transport: 'm:C'\nrefit_cfg: {'m:C': {release_after_refit: 'yes'}}\n"),
                       "refit_cfg['m:C'].release_after_refit must be true or false");
   EXPECT_CONFIG_ERROR(config_error("refit_transport: 'm:C'\nrefit_cfg: {'m:C': [1]}\n"),
                       "refit_cfg['m:C'] must be a mapping");
-  EXPECT_CONFIG_ERROR(config_error("refit_transport: 'm:C'\nrefit_cfg: {'m:C': {}, 'm:D': {}}\n"),
-                      "two plugin scopes");
+  EXPECT_CONFIG_ERROR(config_error("refit_transport: 'm:C'\nrefit_cfg: {'m:C': {}, 'm:D': {}}\n"), "two plugin scopes");
   // NeMo RL layout: the same, under policy.generation.
   EXPECT_EQ(parse_config("policy:\n  generation:\n    refit_transport: 'm:C'\n    refit_cfg: {'m:C': {x: 1}}\n")
                 .plugin_params.at("x"),

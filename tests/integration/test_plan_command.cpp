@@ -21,7 +21,9 @@ TEST(PlanCommand, SizesForTheTargetAndCollapsesIdenticalDestinations) {
                     "refit_cfg.nixl.device=cuda", "--target-memory", "80GiB", "--json", json},
                    240);
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_NE(r.output.find("Bucket size: 4096 MiB per buffer (5.0% of 80.00 GiB minimum total GPU memory)"),
+  // The 358 MiB model caps the 4096 MiB that 5% of an 80 GiB GPU would give.
+  EXPECT_NE(r.output.find("Bucket size: 358 MiB per buffer (the model's size; 5.0% of 80.00 GiB minimum total GPU "
+                          "memory would be 4096 MiB)"),
             std::string::npos)
       << r.output;
   // Every destination receives the same amounts: one row for all 8, then the totals.

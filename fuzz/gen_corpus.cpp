@@ -1,7 +1,7 @@
 // Writes the seed corpus: small valid inputs for every fuzz target, made with refit's own
 // encoders and bucket packer, plus edge cases (empty, truncated, bad magic, odd sizes).
 // Deterministic: running it again rewrites the same files.
-// Usage: fuzz_seed_corpus DIR     (writes DIR/{metadata,message,layout,assembler,channel}/NAME)
+// Usage: fuzz_seed_corpus DIR     (writes DIR/<target>/NAME for every target of fuzz/CMakeLists.txt)
 #include <cstdint>
 #include <cstdio>
 #include <filesystem>
@@ -11,9 +11,17 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/wire.h"
 #include "engine/protocol.h"
 #include "refit/layout.h"
 #include "refit/plan.h"
+#include "refit/safetensors.h"
+#include "sync/channel_frame.h"
+#include "transport/cuda_ipc/cuda_ipc_key.h"
+#include "transport/local_socket/control_frame.h"
+#include "transport/local_socket/local_peer.h"
+#include "transport/nccl/nccl_wire.h"
+#include "transport/ucx/ucx_address.h"
 
 using namespace refit;
 namespace fs = std::filesystem;
@@ -254,10 +262,8 @@ void assembler_seeds() {
 // --- driver <-> worker channel frames ------------------------------------------------------------
 
 void put_channel_frame(Bytes& stream, const nlohmann::json& message) {
-  const auto body = nlohmann::json::to_cbor(message);
-  const uint64_t size = body.size();
-  for (int i = 0; i < 8; ++i) stream.push_back(static_cast<uint8_t>(size >> (8 * i)));
-  stream.insert(stream.end(), body.begin(), body.end());
+  const auto frame = channel_frame::encode(message);
+  stream.insert(stream.end(), frame.begin(), frame.end());
 }
 
 void channel_seeds() {
@@ -284,6 +290,167 @@ void channel_seeds() {
   write("channel", "empty", {});
 }
 
+// --- local control socket frames -----------------------------------------------------------------
+
+EndpointId sample_id(uint8_t first) {
+  EndpointId id;
+  for (size_t i = 0; i < id.size(); ++i) id[i] = static_cast<uint8_t>(first + 7 * i);
+  return id;
+}
+
+void put_bytes(Bytes& stream, const Bytes& bytes) { stream.insert(stream.end(), bytes.begin(), bytes.end()); }
+
+void put_data_frame(Bytes& stream, uint8_t channel, const Bytes& payload) {
+  put_bytes(stream, control_frame::encode_header(control_frame::FrameType::kData, channel, payload.size()));
+  put_bytes(stream, payload);
+}
+
+void local_frame_seeds() {
+  using control_frame::FrameType;
+  const Bytes hello = control_frame::encode_hello(sample_id(1), sample_id(100));
+  Bytes session = hello;
+  put_data_frame(session, 0, {1, 2, 3, 4, 5});
+  put_data_frame(session, 2, protocol::encode(done_message(1, 2)));
+  put_data_frame(session, 7, {});
+  put_bytes(session, control_frame::encode_header(FrameType::kBye, 0, 0));
+  write("local_frame", "session", session);
+  write("local_frame", "hello", hello);
+  Bytes data_first;
+  put_data_frame(data_first, 0, {9, 9});
+  write("local_frame", "data_before_hello", data_first);
+  Bytes two_hellos = hello;
+  put_bytes(two_hellos, hello);
+  write("local_frame", "second_hello", two_hellos);
+  write("local_frame", "hello_bad_magic", flipped(hello, 7));
+  write("local_frame", "hello_old_version", flipped(hello, 10));
+  write("local_frame", "truncated", truncated(session, session.size() - 3));
+  Bytes unknown_type = hello;
+  put_bytes(unknown_type, {2, 0, 0, 0, 9, 0});
+  write("local_frame", "unknown_type", unknown_type);
+  write("local_frame", "4gib_frame", {0xff, 0xff, 0xff, 0xff, 2, 0});
+  write("local_frame", "empty", {});
+}
+
+// --- local peer addresses, CUDA IPC keys, NCCL messages, UCX addresses --------------------------
+
+LocalPeerAddress sample_peer_address() {
+  LocalPeerAddress a;
+  a.endpoint = sample_id(3);
+  a.identity.process = sample_id(50);
+  a.identity.pid = 4242;
+  a.identity.host = "6d3b6a0e-8f1c-4b8e-9d7a-2f6c1e0b9a54/node-7";
+  a.device = 3;
+  a.bus_id = "0000:19:00.0";
+  return a;
+}
+
+void local_peer_seeds() {
+  write("local_peer", "cuda_ipc", encode_local_peer_address(kCudaIpcAddressMagic, sample_peer_address()));
+  write("local_peer", "nccl", encode_local_peer_address(kNcclAddressMagic, sample_peer_address()));
+  LocalPeerAddress bare;
+  write("local_peer", "empty_strings", encode_local_peer_address(kNcclAddressMagic, bare));
+  const Bytes good = encode_local_peer_address(kCudaIpcAddressMagic, sample_peer_address());
+  write("local_peer", "old_version", flipped(good, 4));
+  write("local_peer", "truncated", truncated(good, good.size() - 5));
+  Bytes long_host = good;
+  long_host[4 + 1 + 32 + 4 + 3] = 0x7f;  // the host's u32 length, high byte
+  write("local_peer", "host_length_past_end", long_host);
+  write("local_peer", "empty", {});
+}
+
+void cuda_ipc_key_seeds() {
+  CudaIpcRegionKey key;
+  key.exported = true;
+  for (size_t i = 0; i < key.handle.size(); ++i) key.handle[i] = static_cast<uint8_t>(i * 13);
+  key.offset = 1 << 20;
+  key.owner = sample_id(9);
+  key.process = sample_id(90);
+  key.device = 1;
+  write("cuda_ipc_key", "exported", encode_cuda_ipc_key(key));
+  CudaIpcRegionKey host;
+  host.owner = sample_id(9);
+  write("cuda_ipc_key", "host_memory", encode_cuda_ipc_key(host));
+  const Bytes good = encode_cuda_ipc_key(key);
+  Bytes bad_flag = good;
+  bad_flag[5] = 2;
+  write("cuda_ipc_key", "exported_2", bad_flag);
+  write("cuda_ipc_key", "old_version", flipped(good, 4));
+  write("cuda_ipc_key", "truncated", truncated(good, 40));
+  write("cuda_ipc_key", "empty", {});
+}
+
+void nccl_request_seeds() {
+  write("nccl_request", "request", encode_nccl_request({7, 3, 4096, 1 << 20}));
+  write("nccl_request", "request_extreme", encode_nccl_request({UINT64_MAX, UINT64_MAX, UINT64_MAX, UINT64_MAX}));
+  write("nccl_request", "key", encode_nccl_key({sample_id(5), 12}));
+  NcclSetup setup;
+  setup.generation = 2;
+  for (size_t i = 0; i < setup.id.size(); ++i) setup.id[i] = static_cast<uint8_t>(255 - i);
+  write("nccl_request", "setup", encode_nccl_setup(setup));
+  write("nccl_request", "reply", encode_nccl_reply({7, "region 3 is not registered (it was released)"}));
+  write("nccl_request", "reply_empty", encode_nccl_reply({0, ""}));
+  write("nccl_request", "truncated", truncated(encode_nccl_request({1, 2, 3, 4}), 31));
+  write("nccl_request", "empty", {});
+}
+
+void ucx_address_seeds() {
+  InstanceId id;
+  for (size_t i = 0; i < id.size(); ++i) id[i] = static_cast<uint8_t>(0x40 + i);
+  Bytes worker(57);
+  for (size_t i = 0; i < worker.size(); ++i) worker[i] = static_cast<uint8_t>(i * 31);
+  const Bytes good = encode_ucx_address(id, worker);
+  write("ucx_address", "address", good);
+  write("ucx_address", "one_byte_worker", encode_ucx_address(id, Bytes{1}));
+  write("ucx_address", "empty_worker", encode_ucx_address(id, {}));
+  write("ucx_address", "header", Bytes(id.begin(), id.end()));
+  write("ucx_address", "bad_magic", flipped(good, 0));
+  write("ucx_address", "truncated", truncated(good, good.size() - 1));
+  write("ucx_address", "empty", {});
+}
+
+// --- safetensors headers -------------------------------------------------------------------------
+
+// A file written by write_safetensors, read back as the seed.
+void write_safetensors_seed(const std::string& name, const std::vector<SafetensorsEntry>& entries) {
+  fs::create_directories(g_root / "safetensors");
+  write_safetensors((g_root / "safetensors" / name).string(), entries);
+  ++g_files;
+}
+
+// A hand-made file: 8-byte little-endian length, `header`, `data_bytes` of data.
+void raw_safetensors(const std::string& name, const std::string& header, size_t data_bytes) {
+  ByteWriter w;
+  w.put_string<uint64_t>(header);
+  Bytes file = w.take();
+  file.resize(file.size() + data_bytes, 0x5a);
+  write("safetensors", name, file);
+}
+
+void safetensors_seeds() {
+  std::vector<std::byte> data(256);
+  for (size_t i = 0; i < data.size(); ++i) data[i] = static_cast<std::byte>(i);
+  const std::span<const std::byte> all(data);
+  write_safetensors_seed("model", {{tensor("model.embed_tokens.weight", DType::kBFloat16, {4, 8}), all.first(64)},
+                                   {tensor("model.norm.weight", DType::kFloat32, {8}), all.subspan(64, 32)},
+                                   {tensor("empty", DType::kFloat16, {0, 3}), {}},
+                                   {tensor("scale", DType::kFloat64, {}), all.subspan(96, 8)},
+                                   {tensor("fp8", DType::kFloat8E4M3FN, {2, 3}), all.subspan(104, 6)}});
+  write_safetensors_seed("no_tensors", {});
+  raw_safetensors("overlap",
+                  R"({"a":{"dtype":"U8","shape":[8],"data_offsets":[0,8]},"b":{"dtype":"U8","shape":[8],)"
+                  R"("data_offsets":[4,12]}})",
+                  12);
+  raw_safetensors("bad_dtype", R"({"w":{"dtype":"bfloat16","shape":[2],"data_offsets":[0,4]}})", 4);
+  raw_safetensors("huge_shape", R"({"w":{"dtype":"F32","shape":[4294967296,4294967296],"data_offsets":[0,0]}})", 0);
+  raw_safetensors("dim_past_int64", R"({"w":{"dtype":"U8","shape":[18446744073709551615],"data_offsets":[0,0]}})", 0);
+  raw_safetensors("past_end", R"({"w":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}})", 15);
+  raw_safetensors("metadata_only", R"({"__metadata__":{"format":"pt"}})", 0);
+  raw_safetensors("not_object", "[1,2,3]", 0);
+  raw_safetensors("nested_shape", R"({"w":{"dtype":"U8","shape":[[[[[1]]]]],"data_offsets":[0,1]}})", 1);
+  write("safetensors", "length_past_end", {0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, '{', '}'});
+  write("safetensors", "short", {2, 0, 0});
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -297,6 +464,12 @@ int main(int argc, char** argv) {
   message_seeds();
   assembler_seeds();
   channel_seeds();
+  local_frame_seeds();
+  local_peer_seeds();
+  cuda_ipc_key_seeds();
+  nccl_request_seeds();
+  ucx_address_seeds();
+  safetensors_seeds();
   std::printf("wrote %d seed files under %s\n", g_files, g_root.c_str());
   return 0;
 }

@@ -15,6 +15,8 @@
 #include <utility>
 
 #include "core/fail.h"
+#include "core/safetensors_header.h"
+#include "core/wire.h"
 
 namespace refit {
 namespace {
@@ -64,10 +66,18 @@ Entry parse_entry(const std::string& path, const std::string& name, const nlohma
   auto dtype_name = dtype_it->get<std::string>();
   if (!safetensors_dtype(dtype_name, &e.info.dtype))
     fail(ErrorKind::kModel, "safetensors '{}': tensor '{}': unknown dtype '{}'", path, name, dtype_name);
+  // dtype x shape must fit 64 bits, so that nbytes() is exact.
+  uint64_t nbytes = dtype_size(e.info.dtype);
   for (const auto& d : *shape_it) {
-    if (!is_uint(d))
-      fail(ErrorKind::kModel, "safetensors '{}': tensor '{}': bad shape {}", path, name, shape_it->dump());
-    e.info.shape.push_back(d.get<int64_t>());
+    if (!is_uint(d) || d.get<uint64_t>() > static_cast<uint64_t>(INT64_MAX))
+      fail(ErrorKind::kModel, "safetensors '{}': tensor '{}': bad shape: dimension {} is not an integer in [0, 2^63)",
+           path, name, e.info.shape.size());
+    const auto dim = d.get<uint64_t>();
+    if (dim != 0 && nbytes > UINT64_MAX / dim)
+      fail(ErrorKind::kModel, "safetensors '{}': tensor '{}': shape {}... of {} holds more than 2^64 bytes", path, name,
+           shape_string(e.info.shape), dtype_name);
+    nbytes *= dim;
+    e.info.shape.push_back(static_cast<int64_t>(dim));
   }
   e.begin = (*offsets_it)[0].get<uint64_t>();
   e.end = (*offsets_it)[1].get<uint64_t>();
@@ -85,6 +95,51 @@ Entry parse_entry(const std::string& path, const std::string& name, const nlohma
 }
 
 }  // namespace
+
+SafetensorsHeader decode_safetensors_header(std::span<const uint8_t> file, const std::string& path) {
+  const uint64_t file_size = file.size();
+  ByteReader r(file, fmt::format("safetensors '{}'", path));
+  if (file_size < 8)
+    fail(ErrorKind::kModel, "safetensors '{}': file is {} bytes, shorter than the 8-byte header length", path,
+         file_size);
+  const auto header_len = r.get<uint64_t>("header length");
+  if (header_len > kMaxHeaderBytes || header_len > r.remaining())
+    fail(ErrorKind::kModel, "safetensors '{}': header length {} runs past the end of the file ({} bytes)", path,
+         header_len, file_size);
+  const auto header = r.get_raw(header_len, "header");
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(header.begin(), header.end());
+  } catch (const nlohmann::json::exception& e) {
+    fail(ErrorKind::kModel, "safetensors '{}': header is not valid JSON: {}", path, e.what());
+  }
+  if (!j.is_object()) fail(ErrorKind::kModel, "safetensors '{}': header is not a JSON object", path);
+
+  const uint64_t data_start = r.position();
+  const uint64_t data_size = r.remaining();
+  std::vector<Entry> entries;
+  for (const auto& [name, v] : j.items()) {
+    if (name == "__metadata__") continue;
+    entries.push_back(parse_entry(path, name, v, data_size));
+  }
+  std::stable_sort(entries.begin(), entries.end(),
+                   [](const Entry& a, const Entry& b) { return std::tie(a.begin, a.end) < std::tie(b.begin, b.end); });
+  // Zero-size tensors occupy no bytes, so they cannot overlap anything.
+  const Entry* prev = nullptr;
+  for (const auto& e : entries) {
+    if (e.begin == e.end) continue;
+    if (prev && e.begin < prev->end)
+      fail(ErrorKind::kModel, "safetensors '{}': tensor '{}' [{}, {}] overlaps tensor '{}' [{}, {}]", path, e.info.name,
+           e.begin, e.end, prev->info.name, prev->begin, prev->end);
+    prev = &e;
+  }
+  SafetensorsHeader out;
+  for (auto& e : entries) {
+    out.offsets.push_back(data_start + e.begin);
+    out.tensors.push_back(std::move(e.info));
+  }
+  return out;
+}
 
 SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
   int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
@@ -109,43 +164,10 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
   map_size_ = file_size;
 
   try {
-    uint64_t header_len = 0;
-    std::memcpy(&header_len, map_, 8);  // little-endian on every platform refit targets
-    if (header_len > kMaxHeaderBytes || header_len > file_size - 8)
-      fail(ErrorKind::kModel, "safetensors '{}': header length {} runs past the end of the file ({} bytes)", path,
-           header_len, file_size);
-    const char* header = reinterpret_cast<const char*>(map_ + 8);
-    nlohmann::json j;
-    try {
-      j = nlohmann::json::parse(header, header + header_len);
-    } catch (const nlohmann::json::exception& e) {
-      fail(ErrorKind::kModel, "safetensors '{}': header is not valid JSON: {}", path, e.what());
-    }
-    if (!j.is_object()) fail(ErrorKind::kModel, "safetensors '{}': header is not a JSON object", path);
-
-    uint64_t data_start = 8 + header_len;
-    uint64_t data_size = file_size - data_start;
-    std::vector<Entry> entries;
-    for (const auto& [name, v] : j.items()) {
-      if (name == "__metadata__") continue;
-      entries.push_back(parse_entry(path, name, v, data_size));
-    }
-    std::stable_sort(entries.begin(), entries.end(), [](const Entry& a, const Entry& b) {
-      return std::tie(a.begin, a.end) < std::tie(b.begin, b.end);
-    });
-    // Zero-size tensors occupy no bytes, so they cannot overlap anything.
-    const Entry* prev = nullptr;
-    for (const auto& e : entries) {
-      if (e.begin == e.end) continue;
-      if (prev && e.begin < prev->end)
-        fail(ErrorKind::kModel, "safetensors '{}': tensor '{}' [{}, {}] overlaps tensor '{}' [{}, {}]", path,
-             e.info.name, e.begin, e.end, prev->info.name, prev->begin, prev->end);
-      prev = &e;
-    }
-    for (auto& e : entries) {
-      offsets_.push_back(static_cast<size_t>(data_start + e.begin));
-      tensors_.push_back(std::move(e.info));
-    }
+    SafetensorsHeader header =
+        decode_safetensors_header({reinterpret_cast<const uint8_t*>(map_), static_cast<size_t>(file_size)}, path);
+    tensors_ = std::move(header.tensors);
+    offsets_.assign(header.offsets.begin(), header.offsets.end());
   } catch (...) {
     unmap();
     throw;
@@ -203,11 +225,14 @@ void write_safetensors(const std::string& path, std::span<const SafetensorsEntry
   // Like the reference writer: pad the header with spaces so that the data starts 8-aligned.
   std::string text = header.dump();
   text.append((8 - text.size() % 8) % 8, ' ');
-  uint64_t header_len = text.size();
+  ByteWriter length;
+  length.put<uint64_t>(text.size());
+  const std::vector<uint8_t> header_len = length.take();
 
   std::FILE* f = std::fopen(path.c_str(), "wb");
   if (!f) fail(ErrorKind::kIo, "safetensors '{}': cannot create: {}", path, std::strerror(errno));
-  bool ok = std::fwrite(&header_len, 8, 1, f) == 1 && std::fwrite(text.data(), 1, text.size(), f) == text.size();
+  bool ok = std::fwrite(header_len.data(), 1, header_len.size(), f) == header_len.size() &&
+            std::fwrite(text.data(), 1, text.size(), f) == text.size();
   for (const auto& e : entries) {
     if (!ok) break;
     ok = e.data.empty() || std::fwrite(e.data.data(), 1, e.data.size(), f) == e.data.size();

@@ -5,29 +5,29 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <cerrno>
 #include <cstring>
 #include <utility>
 
 #include "core/fail.h"
+#include "core/wire.h"
+#include "sync/channel_frame.h"
 
 namespace refit {
 
 namespace {
 
-constexpr uint64_t kMaxFrame = 1ull << 30;  // metadata of thousands of workers still fits
 // The body is read in pieces, so a peer that announces a huge frame and sends little of it
 // costs no more memory than it sent.
 constexpr uint64_t kReadPiece = 16ull << 20;
-// nlohmann's CBOR reader recurses per nesting level; deeper input is refused before parsing.
-constexpr int kMaxDepth = 64;
 
 // A SAX pass that accepts anything but nesting deeper than kMaxDepth.
 struct DepthCheck : nlohmann::json_sax<nlohmann::json> {
   int depth = 0;
   bool too_deep = false;
   bool open() {
-    too_deep = ++depth > kMaxDepth;
+    too_deep = ++depth > channel_frame::kMaxDepth;
     return !too_deep;
   }
   bool null() override { return true; }
@@ -46,6 +46,37 @@ struct DepthCheck : nlohmann::json_sax<nlohmann::json> {
 };
 
 }  // namespace
+
+namespace channel_frame {
+
+std::vector<uint8_t> encode(const nlohmann::json& message) {
+  const std::vector<uint8_t> body = nlohmann::json::to_cbor(message);
+  ByteWriter w;
+  w.put_bytes<uint64_t>(body);
+  return w.take();
+}
+
+uint64_t decode_length(std::span<const uint8_t, kLengthBytes> header, const std::string& peer) {
+  ByteReader r(header, "channel frame from " + peer);
+  const auto size = r.get<uint64_t>("length");
+  if (size > kMaxBodyBytes)
+    fail(ErrorKind::kProtocol, "malformed {}: field 'length' is {} bytes (the limit is {})", r.what(), size,
+         kMaxBodyBytes);
+  return size;
+}
+
+nlohmann::json decode_body(std::span<const uint8_t> body, const std::string& peer) {
+  DepthCheck check;
+  if (!nlohmann::json::sax_parse(body, &check, nlohmann::json::input_format_t::cbor, false) && check.too_deep)
+    fail(ErrorKind::kProtocol, "malformed channel message from {}: nested deeper than {} levels", peer, kMaxDepth);
+  try {
+    return nlohmann::json::from_cbor(body);
+  } catch (const nlohmann::json::exception& e) {
+    fail(ErrorKind::kProtocol, "malformed channel message from {}: {}", peer, e.what());
+  }
+}
+
+}  // namespace channel_frame
 
 Channel::~Channel() { close(); }
 
@@ -66,11 +97,7 @@ void Channel::close() {
 }
 
 void Channel::send(const nlohmann::json& message, Deadline deadline) {
-  auto body = nlohmann::json::to_cbor(message);
-  uint64_t size = body.size();
-  std::vector<uint8_t> frame(sizeof(size) + body.size());
-  std::memcpy(frame.data(), &size, sizeof(size));
-  std::memcpy(frame.data() + sizeof(size), body.data(), body.size());
+  const std::vector<uint8_t> frame = channel_frame::encode(message);
   size_t sent = 0;
   while (sent < frame.size()) {
     ssize_t n = ::send(fd_, frame.data() + sent, frame.size() - sent, MSG_NOSIGNAL | MSG_DONTWAIT);
@@ -114,10 +141,10 @@ bool Channel::read_exact(void* out, size_t n, Deadline deadline, bool forever) {
 }
 
 nlohmann::json Channel::receive_frame(Deadline deadline, bool forever) {
-  uint64_t size = 0;
-  if (!read_exact(&size, sizeof(size), deadline, forever))
+  std::array<uint8_t, channel_frame::kLengthBytes> header{};
+  if (!read_exact(header.data(), header.size(), deadline, forever))
     fail(ErrorKind::kTimeout, "no answer from {} before the deadline", peer_);
-  if (size > kMaxFrame) fail(ErrorKind::kProtocol, "{} sent a frame of {} bytes", peer_, size);
+  const uint64_t size = channel_frame::decode_length(header, peer_);
   std::vector<uint8_t> body;
   while (body.size() < size) {
     const size_t have = body.size();
@@ -125,14 +152,7 @@ nlohmann::json Channel::receive_frame(Deadline deadline, bool forever) {
     if (!read_exact(body.data() + have, body.size() - have, deadline, forever))
       fail(ErrorKind::kTimeout, "{} stopped mid-message", peer_);
   }
-  DepthCheck check;
-  if (!nlohmann::json::sax_parse(body, &check, nlohmann::json::input_format_t::cbor, false) && check.too_deep)
-    fail(ErrorKind::kProtocol, "garbled message from {}: nested deeper than {} levels", peer_, kMaxDepth);
-  try {
-    return nlohmann::json::from_cbor(body);
-  } catch (const nlohmann::json::exception& e) {
-    fail(ErrorKind::kProtocol, "garbled message from {}: {}", peer_, e.what());
-  }
+  return channel_frame::decode_body(body, peer_);
 }
 
 nlohmann::json Channel::receive(Deadline deadline) { return receive_frame(deadline, false); }

@@ -9,12 +9,16 @@
 #include <fstream>
 #include <optional>
 
+#include "core/error_of.h"
+#include "core/safetensors_header.h"
+#include "core/wire.h"
 #include "refit/error.h"
 
 namespace refit {
 namespace {
 
 namespace fs = std::filesystem;
+using ::testing::AllOf;
 using ::testing::HasSubstr;
 
 class Safetensors : public ::testing::Test {
@@ -34,8 +38,10 @@ class Safetensors : public ::testing::Test {
   std::string raw(const std::string& name, const std::string& header, size_t data_bytes,
                   std::optional<uint64_t> header_len = std::nullopt) const {
     std::ofstream out(file(name), std::ios::binary);
-    uint64_t n = header_len.value_or(header.size());
-    out.write(reinterpret_cast<const char*>(&n), 8);
+    ByteWriter w;
+    w.put<uint64_t>(header_len.value_or(header.size()));
+    const auto length = w.take();
+    out.write(reinterpret_cast<const char*>(length.data()), static_cast<std::streamsize>(length.size()));
     out << header << std::string(data_bytes, '\x7f');
     return file(name);
   }
@@ -203,6 +209,49 @@ TEST_F(Safetensors, Overlap) {
                      "b": {"dtype": "U8", "shape": [8], "data_offsets": [4, 12]}})",
                  12),
              {"'a'", "'b'", "overlaps"});
+}
+
+TEST_F(Safetensors, HeaderLengthIsLittleEndian) {
+  std::vector<std::byte> data(3);
+  write_safetensors(file("w.safetensors"), std::vector<SafetensorsEntry>{{{"w", DType::kUInt8, {3}}, data}});
+  std::ifstream in(file("w.safetensors"), std::ios::binary);
+  std::vector<uint8_t> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  ASSERT_GT(bytes.size(), 11u);
+  const uint64_t header_len = bytes.size() - 8 - 3;
+  ASSERT_LT(header_len, 256u);
+  EXPECT_THAT(std::vector<uint8_t>(bytes.begin(), bytes.begin() + 8),
+              ::testing::ElementsAre(header_len, 0, 0, 0, 0, 0, 0, 0));
+
+  const std::vector<uint8_t> little = {2, 0, 0, 0, 0, 0, 0, 0, '{', '}'};
+  EXPECT_TRUE(decode_safetensors_header(little, "little.safetensors").tensors.empty());
+  // The same length big-endian is 2^57: past the end of the file.
+  const std::vector<uint8_t> big = {0, 0, 0, 0, 0, 0, 0, 2, '{', '}'};
+  EXPECT_THAT(testing::error_of(ErrorKind::kModel, [&] { decode_safetensors_header(big, "big.safetensors"); }),
+              AllOf(HasSubstr("big.safetensors"), HasSubstr("header length 144115188075855872")));
+}
+
+TEST_F(Safetensors, ShapesMustFitSixtyFourBits) {
+  expect_bad(raw("huge.safetensors",
+                 R"({"w": {"dtype": "F32", "shape": [4294967296, 4294967296], "data_offsets": [0, 0]}})", 0),
+             {"'w'", "more than 2^64 bytes"});
+  expect_bad(
+      raw("dim.safetensors", R"({"w": {"dtype": "U8", "shape": [9223372036854775808], "data_offsets": [0, 0]}})", 0),
+      {"'w'", "bad shape"});
+  expect_bad(raw("nested.safetensors", R"({"w": {"dtype": "U8", "shape": [[[1]]], "data_offsets": [0, 1]}})", 1),
+             {"'w'", "bad shape"});
+}
+
+// A shape nested a million deep parses (nlohmann's parser is iterative) and is refused without
+// being printed: the message once dumped it, recursively.
+TEST_F(Safetensors, DeeplyNestedShapeIsRefusedWithoutRecursion) {
+  const size_t depth = 1'000'000;
+  const std::string header = R"({"w": {"dtype": "U8", "shape": )" + std::string(depth, '[') + std::string(depth, ']') +
+                             R"(, "data_offsets": [0, 0]}})";
+  ByteWriter w;
+  w.put_string<uint64_t>(header);
+  const auto file = w.take();
+  EXPECT_THAT(testing::error_of(ErrorKind::kModel, [&] { decode_safetensors_header(file, "deep.safetensors"); }),
+              AllOf(HasSubstr("deep.safetensors"), HasSubstr("'w'"), HasSubstr("bad shape")));
 }
 
 TEST_F(Safetensors, WriterErrors) {

@@ -41,6 +41,19 @@ TEST(Protocol, BucketMessageRoundTrips) {
   EXPECT_NO_THROW(validate(decoded.ready, 1024, 2048, "source rank 0"));
 }
 
+// The byte layout of a message, little-endian whatever the host: magic "RMSG", u32 version, u8
+// type, u64 refit, u64 seq.
+TEST(Protocol, MessagesAreLittleEndianOnTheWire) {
+  BucketDone done;
+  done.refit = 0x0102030405060708;
+  done.seq = 0x1122;
+  const Bytes expected = {
+      'R', 'M', 'S', 'G', static_cast<uint8_t>(kVersion), 0, 0, 0, 2, 8, 7, 6, 5, 4, 3, 2, 1, 0x22, 0x11, 0, 0,
+      0,   0,   0,   0};
+  EXPECT_EQ(encode(done), expected);
+  EXPECT_EQ(decode_message(expected, "source rank 0").done.refit, 0x0102030405060708u);
+}
+
 TEST(Protocol, APieceRoundTripsAndMustFitItsTensor) {
   auto m = sample_bucket();
   // Rows [1, 3) x columns [2, 4) of a 4 x 4 tensor: 8 bytes of bf16.

@@ -13,6 +13,7 @@
 
 #include "memory/cuda/cuda_util.h"
 #include "memory/device_memory.h"
+#include "transport/cuda_ipc/cuda_ipc_key.h"
 #include "transport/handle_table.h"
 #include "transport/local_socket/local_peer.h"
 #include "transport/local_socket/local_socket.h"
@@ -21,15 +22,22 @@
 namespace refit {
 namespace {
 
-constexpr std::string_view kAddressMagic = "RFCI";
-constexpr std::string_view kKeyMagic = "RCIK";
-constexpr uint8_t kKeyVersion = 1;
 constexpr std::string_view kSocketTag = "cuda-ipc";
 constexpr uint8_t kMessages = 0;
 
-Bytes handle_bytes(const cudaIpcMemHandle_t& handle) {
-  const auto* p = reinterpret_cast<const uint8_t*>(&handle);
-  return Bytes(p, p + sizeof(handle));
+static_assert(CUDA_IPC_HANDLE_SIZE == kIpcHandleBytes);
+
+// An IPC handle is 64 opaque bytes (cudaIpcMemHandle_t::reserved): copied as bytes, both ways.
+IpcHandleBytes handle_bytes(const cudaIpcMemHandle_t& handle) {
+  IpcHandleBytes bytes;
+  for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = static_cast<uint8_t>(handle.reserved[i]);
+  return bytes;
+}
+
+cudaIpcMemHandle_t ipc_handle(const IpcHandleBytes& bytes) {
+  cudaIpcMemHandle_t handle{};
+  for (size_t i = 0; i < bytes.size(); ++i) handle.reserved[i] = static_cast<char>(bytes[i]);
+  return handle;
 }
 
 // The process-wide table of opened IPC handles: a handle may be opened once per process and
@@ -42,9 +50,9 @@ class IpcMappings {
     return *mappings;
   }
 
-  std::byte* open(const cudaIpcMemHandle_t& handle, int device, const std::string& label) {
+  std::byte* open(const IpcHandleBytes& handle, int device, const std::string& label) {
     std::lock_guard lock(mutex_);
-    auto key = std::make_pair(handle_bytes(handle), device);
+    auto key = std::make_pair(handle, device);
     auto it = open_.find(key);
     if (it != open_.end()) {
       ++it->second.references;
@@ -52,7 +60,7 @@ class IpcMappings {
     }
     cuda::DeviceGuard guard(device);
     void* base = nullptr;
-    cudaError_t status = cudaIpcOpenMemHandle(&base, handle, cudaIpcMemLazyEnablePeerAccess);
+    cudaError_t status = cudaIpcOpenMemHandle(&base, ipc_handle(handle), cudaIpcMemLazyEnablePeerAccess);
     if (status != cudaSuccess) {
       cudaGetLastError();
       fail(ErrorKind::kTransport,
@@ -64,7 +72,7 @@ class IpcMappings {
     return static_cast<std::byte*>(base);
   }
 
-  void close(const Bytes& handle, int device) noexcept {
+  void close(const IpcHandleBytes& handle, int device) noexcept {
     std::lock_guard lock(mutex_);
     auto it = open_.find(std::make_pair(handle, device));
     if (it == open_.end() || --it->second.references > 0) return;
@@ -84,48 +92,8 @@ class IpcMappings {
     int references = 0;
   };
   std::mutex mutex_;
-  std::map<std::pair<Bytes, int>, Mapping> open_;
+  std::map<std::pair<IpcHandleBytes, int>, Mapping> open_;
 };
-
-// What describe() packs into RemoteRegion::key.
-struct RegionKey {
-  bool exported = false;        // device memory with an IPC handle (false: host memory, or empty)
-  cudaIpcMemHandle_t handle{};  // of the whole allocation
-  uint64_t offset = 0;          // of the region inside that allocation
-  EndpointId owner{};           // the owner's control endpoint
-  EndpointId process{};         // the owner's process token
-  int device = -1;
-};
-
-Bytes encode_key(const RegionKey& key) {
-  BlobWriter w;
-  w.raw({reinterpret_cast<const uint8_t*>(kKeyMagic.data()), kKeyMagic.size()});
-  w.u8(kKeyVersion);
-  w.u8(key.exported ? 1 : 0);
-  w.raw(handle_bytes(key.handle));
-  w.u64(key.offset);
-  w.raw(key.owner);
-  w.raw(key.process);
-  w.i32(key.device);
-  return w.take();
-}
-
-RegionKey decode_key(std::span<const uint8_t> bytes, const std::string& label) {
-  BlobReader r(bytes, "CUDA IPC region key of " + label);
-  r.expect_magic(kKeyMagic);
-  if (uint8_t version = r.u8(); version != kKeyVersion)
-    fail(ErrorKind::kProtocol, "CUDA IPC region key of {} has version {}, this build speaks {}", label, version,
-         kKeyVersion);
-  RegionKey key;
-  key.exported = r.u8() != 0;
-  r.raw({reinterpret_cast<uint8_t*>(&key.handle), sizeof(key.handle)});
-  key.offset = r.u64();
-  r.raw(key.owner);
-  r.raw(key.process);
-  key.device = r.i32();
-  r.expect_end();
-  return key;
-}
 
 // The GPU that device memory at `pointer` lives on.
 int device_of(const void* pointer) {
@@ -169,8 +137,8 @@ std::pair<std::byte*, size_t> allocation_of(const void* pointer) {
 struct Region {
   std::byte* base = nullptr;
   size_t bytes = 0;
-  DeviceBuffer owned;  // set by allocate_memory
-  RegionKey key;
+  DeviceBuffer owned;    // set by allocate_memory
+  CudaIpcRegionKey key;  // what describe() packs into RemoteRegion::key
 };
 
 struct Peer {
@@ -178,7 +146,7 @@ struct Peer {
   LocalSocketEndpoint::LinkId link = 0;
   LocalPeerAddress address;
   bool same_process = false;
-  std::map<Bytes, std::byte*> mapped;  // by IPC handle: the allocation's base in our address space
+  std::map<IpcHandleBytes, std::byte*> mapped;  // by IPC handle: the allocation's base in our address space
 };
 
 class CudaIpcTransport final : public SynchronousReads {
@@ -197,7 +165,7 @@ class CudaIpcTransport final : public SynchronousReads {
     self.device = device_;
     self.bus_id = bus;
     identity_ = self.identity;
-    address_ = encode_local_peer_address(kAddressMagic, self);
+    address_ = encode_local_peer_address(kCudaIpcAddressMagic, self);
   }
 
   ~CudaIpcTransport() override {
@@ -242,10 +210,12 @@ class CudaIpcTransport final : public SynchronousReads {
         fail(ErrorKind::kInvalidArgument,
              "cannot register {} bytes at {}: the GPU allocation there ends after {} bytes", bytes, base,
              allocation_size - region.key.offset);
-      cuda::check(cudaIpcGetMemHandle(&region.key.handle, allocation), "cudaIpcGetMemHandle",
+      cudaIpcMemHandle_t handle{};
+      cuda::check(cudaIpcGetMemHandle(&handle, allocation), "cudaIpcGetMemHandle",
                   fmt::format("exporting {} bytes at {} (memory from cudaMallocAsync pools or cuMemCreate cannot be "
                               "shared with CUDA IPC)",
                               bytes, base));
+      region.key.handle = handle_bytes(handle);
       region.key.exported = true;
     }
     return add(std::move(region));
@@ -259,8 +229,10 @@ class CudaIpcTransport final : public SynchronousReads {
     region.key = self_key();
     if (bytes > 0) {
       cuda::DeviceGuard guard(device_);
-      cuda::check(cudaIpcGetMemHandle(&region.key.handle, region.base), "cudaIpcGetMemHandle",
+      cudaIpcMemHandle_t handle{};
+      cuda::check(cudaIpcGetMemHandle(&handle, region.base), "cudaIpcGetMemHandle",
                   fmt::format("exporting a {}-byte transfer buffer on cuda:{}", bytes, device_));
+      region.key.handle = handle_bytes(handle);
       region.key.exported = true;
     }
     std::byte* base = region.base;
@@ -270,7 +242,7 @@ class CudaIpcTransport final : public SynchronousReads {
 
   RemoteRegion describe(RegionId id) const override {
     const Region& r = find_region(id, "describing a region");
-    return {reinterpret_cast<uint64_t>(r.base), r.bytes, encode_key(r.key)};
+    return {reinterpret_cast<uint64_t>(r.base), r.bytes, encode_cuda_ipc_key(r.key)};
   }
 
   void deregister_memory(RegionId id) override {
@@ -280,7 +252,7 @@ class CudaIpcTransport final : public SynchronousReads {
   Bytes address() const override { return address_; }
 
   PeerId connect(std::span<const uint8_t> peer_address, const std::string& label) override {
-    LocalPeerAddress remote = decode_local_peer_address(kAddressMagic, "CUDA_IPC", peer_address, label);
+    LocalPeerAddress remote = decode_local_peer_address(kCudaIpcAddressMagic, "CUDA_IPC", peer_address, label);
     if (remote.identity.host != identity_.host) {
       fail(ErrorKind::kTransport,
            "CUDA IPC needs both peers on one host: {} runs on host '{}', this process on '{}'; use backend_name NCCL "
@@ -337,8 +309,8 @@ class CudaIpcTransport final : public SynchronousReads {
   }
 
  private:
-  RegionKey self_key() const {
-    RegionKey key;
+  CudaIpcRegionKey self_key() const {
+    CudaIpcRegionKey key;
     key.owner = control_.id();
     key.process = identity_.process;
     key.device = device_;
@@ -351,7 +323,7 @@ class CudaIpcTransport final : public SynchronousReads {
 
   // Where the remote region starts in our address space.
   const std::byte* remote_base(Peer& peer, const RemoteRegion& remote, const std::string& what) {
-    RegionKey key = decode_key(remote.key, peer.label);
+    const CudaIpcRegionKey key = decode_cuda_ipc_key(remote.key, peer.label);
     if (key.owner != peer.address.endpoint)
       fail(ErrorKind::kProtocol, "{}: the region was described by another endpoint than {}", what, peer.label);
     if (!key.exported) {
@@ -361,11 +333,10 @@ class CudaIpcTransport final : public SynchronousReads {
            what, peer.label);
     }
     if (peer.same_process) return reinterpret_cast<const std::byte*>(remote.address);
-    Bytes handle = handle_bytes(key.handle);
-    auto it = peer.mapped.find(handle);
+    auto it = peer.mapped.find(key.handle);
     if (it == peer.mapped.end()) {
       std::byte* base = IpcMappings::instance().open(key.handle, device_, peer.label);
-      it = peer.mapped.emplace(std::move(handle), base).first;
+      it = peer.mapped.emplace(key.handle, base).first;
     }
     return it->second + key.offset;
   }

@@ -7,6 +7,7 @@
 #include <mutex>
 
 #include "core/fail.h"
+#include "core/wire.h"
 #include "refit/memory.h"
 #include "transport/synchronous_reads.h"
 
@@ -33,16 +34,17 @@ class InProcFabric {
 
 namespace {
 
+// Addresses and region keys are one u64 id each.
 Bytes id_bytes(uint64_t id) {
-  Bytes b(sizeof(id));
-  std::memcpy(b.data(), &id, sizeof(id));
-  return b;
+  ByteWriter w;
+  w.put<uint64_t>(id);
+  return w.take();
 }
 
 uint64_t id_from(std::span<const uint8_t> b, const char* what) {
-  if (b.size() != sizeof(uint64_t)) fail(ErrorKind::kProtocol, "malformed in-process {} ({} bytes)", what, b.size());
-  uint64_t id;
-  std::memcpy(&id, b.data(), sizeof(id));
+  ByteReader r(b, fmt::format("in-process {}", what));
+  const auto id = r.get<uint64_t>("id");
+  r.expect_end();
   return id;
 }
 

@@ -21,16 +21,14 @@
 #include <vector>
 
 #include "core/fail.h"
+#include "core/wire.h"
+#include "transport/local_socket/control_frame.h"
 
 namespace refit {
 namespace {
 
-constexpr std::array<uint8_t, 4> kHelloMagic = {'R', 'F', 'L', 'S'};
-constexpr uint8_t kVersion = 1;
-constexpr uint8_t kHello = 1;
-constexpr uint8_t kData = 2;
-constexpr uint8_t kBye = 3;
-constexpr size_t kHelloBody = 2 + kHelloMagic.size() + 1 + 2 * sizeof(EndpointId);
+using control_frame::FrameType;
+
 constexpr auto kByeTimeout = std::chrono::milliseconds(200);
 constexpr size_t kReadChunk = 1 << 16;
 
@@ -47,16 +45,6 @@ sockaddr_un abstract_address(const std::string& name, socklen_t* length) {
   std::memcpy(address.sun_path + 1, name.data(), name.size());
   *length = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size());
   return address;
-}
-
-void put_u32(uint8_t* out, uint32_t v) {
-  for (int i = 0; i < 4; ++i) out[i] = static_cast<uint8_t>(v >> (8 * i));
-}
-
-uint32_t get_u32(const uint8_t* in) {
-  uint32_t v = 0;
-  for (int i = 0; i < 4; ++i) v |= static_cast<uint32_t>(in[i]) << (8 * i);
-  return v;
 }
 
 // Milliseconds until the deadline for poll(), at least 0 and at most a minute per call.
@@ -205,8 +193,8 @@ EndpointId random_endpoint_id() {
   std::random_device device;
   EndpointId id;
   for (size_t i = 0; i < id.size(); i += sizeof(uint32_t)) {
-    uint32_t word = device();
-    std::memcpy(id.data() + i, &word, sizeof(word));
+    const auto word = wire::encode<uint32_t>(device());
+    std::copy(word.begin(), word.end(), id.begin() + static_cast<std::ptrdiff_t>(i));
   }
   return id;
 }
@@ -256,13 +244,10 @@ namespace {
 // Tells the peer we are leaving on purpose (a BYE frame), best effort within kByeTimeout; the
 // caller holds the link's send lock.
 void say_bye(const Link& link) {
-  uint8_t frame[6];
-  put_u32(frame, 2);
-  frame[4] = kBye;
-  frame[5] = 0;
+  Bytes frame = control_frame::encode_header(FrameType::kBye, 0, 0);
   size_t written = 0;
   int error = 0;
-  write_all(link.fd, {iovec{frame, sizeof(frame)}}, deadline_after(kByeTimeout), &written, &error);
+  write_all(link.fd, {iovec{frame.data(), frame.size()}}, deadline_after(kByeTimeout), &written, &error);
 }
 
 }  // namespace
@@ -322,20 +307,10 @@ LocalSocketEndpoint::LinkId LocalSocketEndpoint::connect(const EndpointId& peer,
     }
     fail(ErrorKind::kTransport, "cannot connect to {} at @{}: {}", label, name, std::strerror(e));
   }
-  uint8_t hello[4 + kHelloBody];
-  put_u32(hello, static_cast<uint32_t>(kHelloBody));
-  uint8_t* p = hello + 4;
-  *p++ = kHello;
-  *p++ = 0;
-  std::memcpy(p, kHelloMagic.data(), kHelloMagic.size());
-  p += kHelloMagic.size();
-  *p++ = kVersion;
-  std::memcpy(p, s.id.data(), s.id.size());
-  p += s.id.size();
-  std::memcpy(p, peer.data(), peer.size());
+  Bytes hello = control_frame::encode_hello(s.id, peer);
   size_t written = 0;
   int error = 0;
-  switch (write_all(link->fd, {iovec{hello, sizeof(hello)}}, deadline, &written, &error)) {
+  switch (write_all(link->fd, {iovec{hello.data(), hello.size()}}, deadline, &written, &error)) {
     case WriteResult::kDone:
       break;
     case WriteResult::kTimeout:
@@ -395,11 +370,8 @@ void LocalSocketEndpoint::send(LinkId id, uint8_t channel, std::span<const uint8
     if (std::string why = s.lost_reason(*link); !why.empty())
       fail(ErrorKind::kPeerLost, "lost {} before sending a {}-byte message: {}", link->label, message.size(), why);
   }
-  uint8_t header[6];
-  put_u32(header, static_cast<uint32_t>(message.size() + 2));
-  header[4] = kData;
-  header[5] = channel;
-  std::vector<iovec> iov{{header, sizeof(header)}};
+  Bytes header = control_frame::encode_header(FrameType::kData, channel, message.size());
+  std::vector<iovec> iov{{header.data(), header.size()}};
   if (!message.empty()) iov.push_back({const_cast<uint8_t*>(message.data()), message.size()});
   size_t written = 0;
   int error = 0;
@@ -591,57 +563,47 @@ bool LocalSocketEndpoint::State::read_inbound(Inbound& in, std::vector<HandledMe
 
   bool delivered = false;
   std::string malformed;
-  while (in.buffer.size() - in.consumed >= 4) {
-    const uint8_t* frame = in.buffer.data() + in.consumed;
-    const uint32_t length = get_u32(frame);
-    if (length < 2 || length > kMaxMessageBytes + 2) {
-      malformed = fmt::format("a frame of {} bytes", length);
-      break;
-    }
-    if (in.buffer.size() - in.consumed < 4 + static_cast<size_t>(length)) {
-      in.buffer.reserve(in.consumed + 4 + length);
-      break;
-    }
-    const uint8_t type = frame[4];
-    const uint8_t channel = frame[5];
-    const uint8_t* payload = frame + 6;
-    const size_t payload_size = length - 2;
-    in.consumed += 4 + length;
-    if (!in.introduced) {
-      if (type != kHello || length != kHelloBody || !std::equal(kHelloMagic.begin(), kHelloMagic.end(), payload) ||
-          payload[kHelloMagic.size()] != kVersion) {
-        malformed = "a connection that did not start with a refit HELLO";
+  try {
+    while (true) {
+      const std::string from = in.introduced ? "endpoint " + to_hex(in.sender) : "a new connection";
+      const auto frame = control_frame::decode_frame(std::span<const uint8_t>(in.buffer).subspan(in.consumed), from);
+      if (!frame.complete) {
+        if (frame.bytes > 0) in.buffer.reserve(in.consumed + frame.bytes);
         break;
       }
-      EndpointId target;
-      std::memcpy(in.sender.data(), payload + kHelloMagic.size() + 1, in.sender.size());
-      std::memcpy(target.data(), payload + kHelloMagic.size() + 1 + in.sender.size(), target.size());
-      if (target != id) {
-        malformed = fmt::format("a connection meant for endpoint {}", to_hex(target));
+      in.consumed += frame.bytes;
+      if (!in.introduced) {
+        const control_frame::Hello hello = control_frame::decode_hello(frame, from);
+        if (hello.target != id) {
+          malformed = fmt::format("it was meant for endpoint {}", to_hex(hello.target));
+          break;
+        }
+        in.sender = hello.sender;
+        in.introduced = true;
+        std::lock_guard lock(mutex);
+        ++senders[in.sender].open;
+        continue;
+      }
+      if (frame.type == FrameType::kBye) {
+        in.said_bye = true;
+        continue;
+      }
+      if (frame.type != FrameType::kData) {
+        malformed = "it sent a second HELLO";
         break;
       }
-      in.introduced = true;
+      Bytes message(frame.payload.begin(), frame.payload.end());
       std::lock_guard lock(mutex);
-      ++senders[in.sender].open;
-      continue;
+      auto handler = handlers.find(frame.channel);
+      if (handler != handlers.end()) {
+        handled.push_back({handler->second, in.sender, std::move(message)});
+      } else {
+        senders[in.sender].queues[frame.channel].push_back(std::move(message));
+        delivered = true;
+      }
     }
-    if (type == kBye) {
-      in.said_bye = true;
-      continue;
-    }
-    if (type != kData) {
-      malformed = fmt::format("a frame of unknown type {}", type);
-      break;
-    }
-    Bytes message(payload, payload + payload_size);
-    std::lock_guard lock(mutex);
-    auto handler = handlers.find(channel);
-    if (handler != handlers.end()) {
-      handled.push_back({handler->second, in.sender, std::move(message)});
-    } else {
-      senders[in.sender].queues[channel].push_back(std::move(message));
-      delivered = true;
-    }
+  } catch (const Error& e) {
+    malformed = e.what();
   }
   // Drop what was consumed once it is the larger part, so that a long stream stays small.
   if (in.consumed > 0 && in.consumed * 2 >= in.buffer.size()) {
@@ -650,7 +612,7 @@ bool LocalSocketEndpoint::State::read_inbound(Inbound& in, std::vector<HandledMe
   }
   if (delivered) changed.notify_all();
   if (!malformed.empty()) {
-    close_inbound(in, fmt::format("closing a control connection{} that sent {}",
+    close_inbound(in, fmt::format("closing a control connection{}: {}",
                                   in.introduced ? " from " + to_hex(in.sender) : "", malformed));
     return false;
   }
@@ -661,7 +623,7 @@ bool LocalSocketEndpoint::State::read_inbound(Inbound& in, std::vector<HandledMe
   return true;
 }
 
-// ---- identity and blobs ----
+// ---- identity ----
 
 LocalIdentity local_identity() {
   static std::mutex mutex;
@@ -687,59 +649,6 @@ LocalIdentity local_identity() {
     host = (boot_id.empty() ? "unknown-boot" : boot_id) + "/" + name;
   }
   return {host, token, static_cast<uint32_t>(pid)};
-}
-
-void BlobWriter::u32(uint32_t v) {
-  for (int i = 0; i < 4; ++i) bytes_.push_back(static_cast<uint8_t>(v >> (8 * i)));
-}
-
-void BlobWriter::u64(uint64_t v) {
-  for (int i = 0; i < 8; ++i) bytes_.push_back(static_cast<uint8_t>(v >> (8 * i)));
-}
-
-void BlobWriter::str(std::string_view s) {
-  u32(static_cast<uint32_t>(s.size()));
-  bytes_.insert(bytes_.end(), s.begin(), s.end());
-}
-
-const uint8_t* BlobReader::take(size_t n) {
-  if (left() < n)
-    fail(ErrorKind::kProtocol, "malformed {}: needs {} more bytes at offset {}, has {}", what_, n, offset_, left());
-  const uint8_t* p = data_.data() + offset_;
-  offset_ += n;
-  return p;
-}
-
-uint8_t BlobReader::u8() { return *take(1); }
-
-uint32_t BlobReader::u32() { return get_u32(take(4)); }
-
-uint64_t BlobReader::u64() {
-  const uint8_t* p = take(8);
-  uint64_t v = 0;
-  for (int i = 0; i < 8; ++i) v |= static_cast<uint64_t>(p[i]) << (8 * i);
-  return v;
-}
-
-void BlobReader::raw(std::span<uint8_t> out) {
-  const uint8_t* p = take(out.size());
-  std::memcpy(out.data(), p, out.size());
-}
-
-std::string BlobReader::str() {
-  const uint32_t n = u32();
-  const uint8_t* p = take(n);
-  return {reinterpret_cast<const char*>(p), n};
-}
-
-void BlobReader::expect_magic(std::string_view magic) {
-  if (left() < magic.size() || std::memcmp(data_.data() + offset_, magic.data(), magic.size()) != 0)
-    fail(ErrorKind::kProtocol, "malformed {}: it does not start with '{}'", what_, magic);
-  offset_ += magic.size();
-}
-
-void BlobReader::expect_end() {
-  if (left() != 0) fail(ErrorKind::kProtocol, "malformed {}: {} unexpected trailing bytes", what_, left());
 }
 
 }  // namespace refit

@@ -8,10 +8,11 @@
 // id and channel. So receive() works as soon as the peer has connected to us, whether or not we
 // connected to it first, and messages from one endpoint to another arrive in order, whole.
 //
-// Wire format (little-endian): every frame is u32 length, then `length` bytes of body; a body is
-// u8 type, u8 channel, payload. The first frame on a connection is HELLO: magic "RFLS", u8
-// version, the sender id (16 bytes) and the id it expects to reach (16 bytes). DATA frames carry
-// a message; BYE says that the sender closes on purpose (disconnect or destruction).
+// Wire format (little-endian, encoded and decoded in control_frame.h with core/wire.h): every
+// frame is u32 length, then `length` bytes of body; a body is u8 type, u8 channel, payload. The
+// first frame on a connection is HELLO: magic "RFLS", u8 version, the sender id (16 bytes) and the
+// id it expects to reach (16 bytes). DATA frames carry a message; BYE says that the sender closes
+// on purpose (disconnect or destruction). A connection that sends anything else is closed.
 //
 // Peer loss: when a peer's process exits or is killed the kernel closes its sockets; our link to
 // it and its connection to us end (the latter without BYE), and receive() on that peer fails with
@@ -99,41 +100,5 @@ struct LocalIdentity {
   uint32_t pid = 0;
 };
 LocalIdentity local_identity();
-
-// A tiny bounds-checked writer/reader for the binary blobs these backends exchange.
-class BlobWriter {
- public:
-  void u8(uint8_t v) { bytes_.push_back(v); }
-  void u32(uint32_t v);
-  void u64(uint64_t v);
-  void i32(int32_t v) { u32(static_cast<uint32_t>(v)); }
-  void raw(std::span<const uint8_t> data) { bytes_.insert(bytes_.end(), data.begin(), data.end()); }
-  void str(std::string_view s);  // u32 length + bytes
-  Bytes take() { return std::move(bytes_); }
-
- private:
-  Bytes bytes_;
-};
-
-class BlobReader {
- public:
-  // `what` names the blob in errors: Error(kProtocol) "malformed <what>: ...".
-  BlobReader(std::span<const uint8_t> data, std::string what) : data_(data), what_(std::move(what)) {}
-  uint8_t u8();
-  uint32_t u32();
-  uint64_t u64();
-  int32_t i32() { return static_cast<int32_t>(u32()); }
-  void raw(std::span<uint8_t> out);
-  std::string str();
-  void expect_magic(std::string_view magic);
-  void expect_end();
-  size_t left() const { return data_.size() - offset_; }
-
- private:
-  const uint8_t* take(size_t n);
-  std::span<const uint8_t> data_;
-  size_t offset_ = 0;
-  std::string what_;
-};
 
 }  // namespace refit

@@ -21,6 +21,7 @@
 #include "transport/handle_table.h"
 #include "transport/local_socket/local_peer.h"
 #include "transport/local_socket/local_socket.h"
+#include "transport/nccl/nccl_wire.h"
 #include "transport/synchronous_reads.h"
 
 #if NCCL_VERSION_CODE < NCCL_VERSION(2, 14, 0)
@@ -30,9 +31,6 @@
 namespace refit {
 namespace {
 
-constexpr std::string_view kAddressMagic = "RFNC";
-constexpr std::string_view kKeyMagic = "RNCK";
-constexpr uint8_t kKeyVersion = 1;
 constexpr std::string_view kSocketTag = "nccl";
 // Control-channel channels.
 constexpr uint8_t kMessages = 0;  // the transport's send()/receive()
@@ -66,21 +64,23 @@ struct Peer {
   bool ready = false;  // the communicator is initialized; under the transport's peers_mutex_
 };
 
-struct Request {
+struct Request : NcclReadRequest {
   EndpointId sender{};
-  uint64_t id = 0;
-  uint64_t region = 0;
-  uint64_t offset = 0;
-  uint64_t length = 0;
 };
 
-Bytes encode_key(const EndpointId& owner, RegionId region) {
-  BlobWriter w;
-  w.raw({reinterpret_cast<const uint8_t*>(kKeyMagic.data()), kKeyMagic.size()});
-  w.u8(kKeyVersion);
-  w.raw(owner);
-  w.u64(region);
-  return w.take();
+static_assert(sizeof(ncclUniqueId::internal) == kNcclUniqueIdBytes);
+
+// An ncclUniqueId is 128 opaque bytes (ncclUniqueId::internal): copied as bytes, both ways.
+NcclUniqueIdBytes unique_id_bytes(const ncclUniqueId& id) {
+  NcclUniqueIdBytes bytes;
+  for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = static_cast<uint8_t>(id.internal[i]);
+  return bytes;
+}
+
+ncclUniqueId unique_id(const NcclUniqueIdBytes& bytes) {
+  ncclUniqueId id{};
+  for (size_t i = 0; i < bytes.size(); ++i) id.internal[i] = static_cast<char>(bytes[i]);
+  return id;
 }
 
 class NcclTransport final : public SynchronousReads {
@@ -101,7 +101,7 @@ class NcclTransport final : public SynchronousReads {
     self.device = device_;
     self.bus_id = bus;
     self_ = self;
-    address_ = encode_local_peer_address(kAddressMagic, self);
+    address_ = encode_local_peer_address(kNcclAddressMagic, self);
     control_.set_handler(kRequest, [this](const EndpointId& sender, Bytes message) { enqueue(sender, message); });
     service_ = std::thread([this] { serve(); });
   }
@@ -162,7 +162,7 @@ class NcclTransport final : public SynchronousReads {
   RemoteRegion describe(RegionId id) const override {
     std::lock_guard lock(regions_mutex_);
     const Region& r = find_region(id, "describing a region");
-    return {reinterpret_cast<uint64_t>(r.base), r.bytes, encode_key(control_.id(), id)};
+    return {reinterpret_cast<uint64_t>(r.base), r.bytes, encode_nccl_key({control_.id(), id})};
   }
 
   void deregister_memory(RegionId id) override {
@@ -173,7 +173,7 @@ class NcclTransport final : public SynchronousReads {
   Bytes address() const override { return address_; }
 
   PeerId connect(std::span<const uint8_t> peer_address, const std::string& label) override {
-    LocalPeerAddress remote = decode_local_peer_address(kAddressMagic, "NCCL", peer_address, label);
+    LocalPeerAddress remote = decode_local_peer_address(kNcclAddressMagic, "NCCL", peer_address, label);
     if (remote.identity.host != self_.identity.host) {
       fail(ErrorKind::kTransport,
            "the NCCL transport's control channel is local: {} runs on host '{}', this process on '{}'", label,
@@ -201,18 +201,15 @@ class NcclTransport final : public SynchronousReads {
         ncclResult_t result = ncclGetUniqueId(&id);
         if (result != ncclSuccess)
           fail(ErrorKind::kTransport, "{}: ncclGetUniqueId: {}", what, ncclGetErrorString(result));
-        BlobWriter w;
-        w.u64(generation);
-        w.raw({reinterpret_cast<const uint8_t*>(&id), sizeof(id)});
-        control_.send(peer->link, kSetup, w.take(), deadline);
+        control_.send(peer->link, kSetup, encode_nccl_setup({generation, unique_id_bytes(id)}), deadline);
       } else {
         while (true) {
-          Bytes message = control_.receive(peer->link, kSetup, deadline);
-          BlobReader r(message, "NCCL setup message of " + label);
-          const uint64_t theirs = r.u64();
-          r.raw({reinterpret_cast<uint8_t*>(&id), sizeof(id)});
-          r.expect_end();
-          if (theirs == generation) break;
+          const NcclSetup setup = decode_nccl_setup(control_.receive(peer->link, kSetup, deadline), label);
+          const uint64_t theirs = setup.generation;
+          if (theirs == generation) {
+            id = unique_id(setup.id);
+            break;
+          }
           if (theirs > generation)
             fail(ErrorKind::kProtocol, "{}: it is at connection {}, this process at {}", what, theirs, generation);
           // An older attempt's id (that attempt failed): skip it.
@@ -299,16 +296,8 @@ class NcclTransport final : public SynchronousReads {
     }
     if (remote_offset > remote.length || length > remote.length - remote_offset)
       fail(ErrorKind::kInvalidArgument, "{}: the remote region holds only {} bytes", what, remote.length);
-    BlobReader key(remote.key, "NCCL region key of " + peer->label);
-    key.expect_magic(kKeyMagic);
-    if (uint8_t version = key.u8(); version != kKeyVersion)
-      fail(ErrorKind::kProtocol, "NCCL region key of {} has version {}, this build speaks {}", peer->label, version,
-           kKeyVersion);
-    EndpointId owner;
-    key.raw(owner);
-    const uint64_t region_id = key.u64();
-    key.expect_end();
-    if (owner != peer->address.endpoint)
+    const NcclRegionKey key = decode_nccl_key(remote.key, peer->label);
+    if (key.owner != peer->address.endpoint)
       fail(ErrorKind::kProtocol, "{}: the region was described by another endpoint than {}", what, peer->label);
     if (length == 0) return;
     control_.check_alive(peer->link, what);
@@ -316,12 +305,7 @@ class NcclTransport final : public SynchronousReads {
     std::lock_guard comm_lock(peer->comm_mutex);
     usable(*peer, what);
     const uint64_t request_id = ++next_request_;
-    BlobWriter w;
-    w.u64(request_id);
-    w.u64(region_id);
-    w.u64(remote_offset);
-    w.u64(length);
-    control_.send(peer->link, kRequest, w.take(), deadline);
+    control_.send(peer->link, kRequest, encode_nccl_request({request_id, key.region, remote_offset, length}), deadline);
 
     cuda::DeviceGuard guard(device_);
     ncclResult_t result = ncclRecv(local, length, ncclUint8, peer->peer_rank, peer->comm, recv_stream_);
@@ -346,11 +330,15 @@ class NcclTransport final : public SynchronousReads {
         abort_comm(*peer, what, ErrorKind::kPeerLost, e.what());
       }
       if (reply) {
-        BlobReader r(*reply, "NCCL reply of " + peer->label);
-        const uint64_t answered = r.u64();
-        std::string error = r.str();
-        if (answered == request_id)
-          abort_comm(*peer, what, ErrorKind::kTransport, fmt::format("{} refused the read: {}", peer->label, error));
+        NcclReply answer;
+        try {
+          answer = decode_nccl_reply(*reply, peer->label);
+        } catch (const Error& e) {
+          abort_comm(*peer, what, ErrorKind::kProtocol, e.what());
+        }
+        if (answer.request == request_id)
+          abort_comm(*peer, what, ErrorKind::kTransport,
+                     fmt::format("{} refused the read: {}", peer->label, answer.error));
       }
       if (expired(deadline))
         abort_comm(*peer, what, ErrorKind::kTimeout, "the transfer did not finish before the deadline");
@@ -433,14 +421,9 @@ class NcclTransport final : public SynchronousReads {
     Request request;
     request.sender = sender;
     try {
-      BlobReader r(message, "NCCL read request");
-      request.id = r.u64();
-      request.region = r.u64();
-      request.offset = r.u64();
-      request.length = r.u64();
-      r.expect_end();
+      static_cast<NcclReadRequest&>(request) = decode_nccl_request(message, "endpoint " + to_hex(sender));
     } catch (const Error& e) {
-      spdlog::warn("dropping a malformed NCCL read request from endpoint {}: {}", to_hex(sender), e.what());
+      spdlog::warn("dropping a read request: {}", e.what());
       return;
     }
     {
@@ -524,10 +507,8 @@ class NcclTransport final : public SynchronousReads {
     }
     spdlog::warn("NCCL transport: {}: {}", what, refusal);
     try {
-      BlobWriter w;
-      w.u64(request.id);
-      w.str(refusal);
-      control_.send(peer->link, kReply, w.take(), deadline_after(std::chrono::seconds(2)));
+      control_.send(peer->link, kReply, encode_nccl_reply({request.id, refusal}),
+                    deadline_after(std::chrono::seconds(2)));
     } catch (const std::exception&) {
       // The reader may be the reason; its own deadline ends its wait.
     }

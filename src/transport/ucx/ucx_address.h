@@ -1,6 +1,9 @@
-// The address blob a UCX transport publishes: a random instance id followed by the UCP worker
-// address. The instance id travels in every control message's header, so that a receiver can
-// queue messages per sender even before (or without) connecting back to it.
+// The address blob a UCX transport publishes: magic "RFU1", a random instance id (16 bytes), the
+// UCP worker address's length (u32, little-endian) and the worker address, which refit passes to
+// UCX as it is. The instance id travels as the header of every control message (an active
+// message), so that a receiver can queue messages per sender even before (or without) connecting
+// back to it. Encoded with the wire codec (core/wire.h); nothing here needs UCX, so that tests and
+// the fuzz target fuzz/fuzz_ucx_address.cpp reach the decoders without it.
 #pragma once
 
 #include <array>
@@ -23,7 +26,12 @@ struct UcxAddress {
   Bytes worker_address;
 };
 
-// Throws Error(kProtocol) naming `label` when the blob is not one that encode_ucx_address wrote.
+// Throws Error(kProtocol) "malformed UCX address for <label>: ..." when the blob is not one that
+// encode_ucx_address wrote (an empty worker address included).
 UcxAddress decode_ucx_address(std::span<const uint8_t> blob, const std::string& label);
+
+// The sender's instance id from a control message's header (the id's 16 bytes, nothing more).
+// Throws Error(kProtocol) "malformed UCX message header: ..." otherwise.
+InstanceId decode_ucx_message_header(std::span<const uint8_t> header);
 
 }  // namespace refit

@@ -656,11 +656,12 @@ ucs_status_t UcxTransport::on_message(void* arg, const void* header, size_t head
                                       const ucp_am_recv_param_t* param) {
   auto* self = static_cast<UcxTransport*>(arg);
   InstanceId sender;
-  if (header_length != sender.size()) {
-    spdlog::warn("dropping a UCX message with a {}-byte header: not from a refit UCX transport", header_length);
+  try {
+    sender = decode_ucx_message_header({static_cast<const uint8_t*>(header), header_length});
+  } catch (const Error& e) {
+    spdlog::warn("dropping a UCX message not from a refit UCX transport: {}", e.what());
     return UCS_OK;
   }
-  std::memcpy(sender.data(), header, sender.size());
   const bool rendezvous = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
   // Copy or allocate before locking: messages may be tens of MB.
   Bytes bytes;

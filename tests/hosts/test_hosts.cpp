@@ -159,8 +159,9 @@ TEST_F(Hosts, TwoSourcesToTwoDestinationsOnFourHosts) {
   EXPECT_EQ(job.result.at("hosts").get<std::vector<std::string>>(), expected);
   EXPECT_EQ(job.result.at("launcher").get<std::string>(), "env");
   // Each destination logs the reference's line on its own host.
-  EXPECT_NE(job.rank_outputs[2].find("[destination rank 0 on host " + hosts.hostname(3) + "] [info] [vLLM refit] Loaded"),
-            std::string::npos)
+  EXPECT_NE(
+      job.rank_outputs[2].find("[destination rank 0 on host " + hosts.hostname(3) + "] [info] [vLLM refit] Loaded"),
+      std::string::npos)
       << job.rank_outputs[2];
 }
 

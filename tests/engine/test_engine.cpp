@@ -67,11 +67,15 @@ struct Pair {
     source->init_source(0, 1, 1, metadata);
     destination->init_destination(0, 1, 1, metadata);
   }
-  ReceiveStats refit(const std::vector<OwnedTensor>& weights, Received& got) {
-    auto sent = std::async(std::launch::async, [&] {
+  // Sends `weights` from the source on a thread of its own.
+  std::future<SendStats> start_send(const std::vector<OwnedTensor>& weights) {
+    return std::async(std::launch::async, [this, &weights] {
       VectorSource src(weights);
       return source->send(src);
     });
+  }
+  ReceiveStats refit(const std::vector<OwnedTensor>& weights, Received& got) {
+    auto sent = start_send(weights);
     ReceiveStats stats;
     try {
       stats = destination->receive(got.loader());
@@ -306,10 +310,7 @@ TEST(Engine, LoaderFailureAbortsTheSourceAndLeavesDestinationStale) {
   Pair p(64);
   p.connect();
   auto weights = mixed_model(4);
-  auto sent = std::async(std::launch::async, [&] {
-    VectorSource src(weights);
-    return p.source->send(src);
-  });
+  auto sent = p.start_send(weights);
   try {
     p.destination->receive([](LoadBatch) { throw std::runtime_error("loader exploded"); });
     FAIL() << "expected an error";
@@ -338,10 +339,7 @@ TEST(EnginePull, BatchByBatchWithMergedTensorsTheCallerMayKeep) {
     std::vector<std::byte> kept_bytes;
     for (uint32_t r = 0; r < 3; ++r) {
       auto weights = mixed_model(10 * r + 1);
-      auto sent = std::async(std::launch::async, [&] {
-        VectorSource src(weights);
-        return p.source->send(src);
-      });
+      auto sent = p.start_send(weights);
       Received got;
       p.destination->begin_receive();
       EXPECT_TRUE(p.destination->receiving());
@@ -425,10 +423,7 @@ TEST(EnginePull, CallsOutOfOrderAreErrorsThatNameTheCall) {
   EXPECT_EQ(error_kind_of([&] { p.destination->finish_receive(); }), ErrorKind::kInvalidArgument);
 
   auto weights = mixed_model(3);
-  auto sent = std::async(std::launch::async, [&] {
-    VectorSource src(weights);
-    return p.source->send(src);
-  });
+  auto sent = p.start_send(weights);
   p.destination->begin_receive();
   EXPECT_EQ(error_kind_of([&] { p.destination->begin_receive(); }), ErrorKind::kInvalidArgument);
   ASSERT_EQ(p.destination->next_batch(deadline_after(std::chrono::seconds(10)), &batch), ReceiveProgress::kBatch);
@@ -457,10 +452,7 @@ TEST(EnginePull, ABatchHeldPastTheDeadlineFailsTheRefitOnBothSides) {
   Pair p(64, false, /*timeout_s=*/0.5);
   p.connect();
   auto weights = mixed_model(5);
-  auto sent = std::async(std::launch::async, [&] {
-    VectorSource src(weights);
-    return p.source->send(src);
-  });
+  auto sent = p.start_send(weights);
   p.destination->begin_receive();
   ReceivedBatch batch;
   ASSERT_EQ(p.destination->next_batch(deadline_after(std::chrono::seconds(10)), &batch), ReceiveProgress::kBatch);
@@ -479,10 +471,7 @@ TEST(EnginePull, GivingUpOrFinalizingFailsTheSourceAndLeavesTheDestinationStale)
     Pair p(64);
     p.connect();
     auto weights = mixed_model(6);
-    auto sent = std::async(std::launch::async, [&] {
-      VectorSource src(weights);
-      return p.source->send(src);
-    });
+    auto sent = p.start_send(weights);
     p.destination->begin_receive();
     ReceivedBatch batch;
     ASSERT_EQ(p.destination->next_batch(deadline_after(std::chrono::seconds(10)), &batch), ReceiveProgress::kBatch);

@@ -209,6 +209,16 @@ REFIT_PEER_ROLE(ipc_destination) {
   transport->read(source, interior, 0, local.base, local.region, kInteriorBytes, deadline());
   require_equal(read_device(local.base, kInteriorBytes), pattern(kInteriorBytes, 3), "the interior region");
   transport->read(source, b, 0, local.base, local.region, 0, deadline());  // nothing, no error
+  // A peer that claims more bytes than its GPU allocation holds is refused before any copy.
+  RemoteRegion forged = interior;
+  forged.length = 8 << 20;  // the whole 8 MiB allocation, but starting at the interior offset
+  try {
+    transport->read(source, forged, 0, local.base, local.region, 1, deadline());
+    throw std::runtime_error("a region reaching past its GPU allocation was read");
+  } catch (const Error& e) {
+    require(e.kind() == ErrorKind::kProtocol, std::string("expected kProtocol, got: ") + e.what());
+    require(std::string(e.what()).find("of a GPU allocation of 8388608 bytes") != std::string::npos, e.what());
+  }
   transport->send(source, Bytes{'d', 'o', 'n', 'e'}, deadline());
   require(transport->receive(source, deadline()) == Bytes{'b', 'y', 'e'}, "expected 'bye'");
   transport->disconnect(source);

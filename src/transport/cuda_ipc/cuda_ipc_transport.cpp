@@ -146,7 +146,11 @@ struct Peer {
   LocalSocketEndpoint::LinkId link = 0;
   LocalPeerAddress address;
   bool same_process = false;
-  std::map<IpcHandleBytes, std::byte*> mapped;  // by IPC handle: the allocation's base in our address space
+  struct Mapping {
+    std::byte* base = nullptr;  // of the allocation, in our address space
+    size_t bytes = 0;           // of the allocation
+  };
+  std::map<IpcHandleBytes, Mapping> mapped;  // by IPC handle
 };
 
 class CudaIpcTransport final : public SynchronousReads {
@@ -336,13 +340,19 @@ class CudaIpcTransport final : public SynchronousReads {
     auto it = peer.mapped.find(key.handle);
     if (it == peer.mapped.end()) {
       std::byte* base = IpcMappings::instance().open(key.handle, device_, peer.label);
-      it = peer.mapped.emplace(key.handle, base).first;
+      cuda::DeviceGuard guard(device_);  // the mapping lives in our GPU's context
+      it = peer.mapped.emplace(key.handle, Peer::Mapping{base, allocation_of(base).second}).first;
     }
-    return it->second + key.offset;
+    // The key and the length come from the peer: the region must lie inside what was mapped.
+    const size_t bytes = it->second.bytes;
+    if (key.offset > bytes || remote.length > bytes - key.offset)
+      fail(ErrorKind::kProtocol, "{}: {} describes {} bytes at offset {} of a GPU allocation of {} bytes", what,
+           peer.label, remote.length, key.offset, bytes);
+    return it->second.base + key.offset;
   }
 
   void release_mappings(Peer& peer) noexcept {
-    for (auto& [handle, base] : peer.mapped) IpcMappings::instance().close(handle, device_);
+    for (auto& [handle, mapping] : peer.mapped) IpcMappings::instance().close(handle, device_);
     peer.mapped.clear();
   }
 

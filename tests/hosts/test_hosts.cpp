@@ -260,7 +260,10 @@ double trial(Hosts* test, SimHosts& hosts, Fault fault, uint32_t seed, double ti
       << job.output;
   const double detected = detection_seconds(job.output, at);
   EXPECT_GE(detected, 0) << job.output;
-  EXPECT_LE(detected, timeout_s + 3.0) << "seed " << seed << ": detected after " << detected << " s\n" << job.output;
+  // The deadline, plus up to 2 s for the other ranks after a first failure, plus up to 2 s for the
+  // driver's shutdown after a failed refit (closing a UCX connection to a lost peer is bounded by
+  // 2 s) before the failure is reported, plus slack for slow (sanitized) builds.
+  EXPECT_LE(detected, timeout_s + 5.0) << "seed " << seed << ": detected after " << detected << " s\n" << job.output;
 
   // The host comes back (a fresh one, for a host that died): a new job refits bitwise.
   if (fault == Fault::kKillHost)

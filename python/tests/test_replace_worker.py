@@ -7,7 +7,6 @@ The group here runs refit.EngineWorker objects of this process, each call on one
 
 from __future__ import annotations
 
-import threading
 from typing import Any, List
 
 import pytest
@@ -15,62 +14,32 @@ import pytest
 import refit
 from refit.testing import HashingDestination, SyntheticSource, verify
 
+import helpers
 from helpers import TINY_MOE
 
 LIMIT = 60  # the first 60 tensors of refit-tiny-moe
 
 
-class ThreadWorkerGroup(refit.BroadcastWorkerGroup):
-    """A refit.WorkerGroup over EngineWorkers of this process; replace() swaps one."""
+class ReplaceableGroup(helpers.ThreadWorkerGroup):
+    """helpers.ThreadWorkerGroup over synthetic sources and hashing destinations; it records the
+    calls it gets, and a test swaps a worker with new_destination()."""
 
     def __init__(self, sources: int, destinations: int):
-        self.workers: List[refit.EngineWorker] = \
-            [refit.EngineWorker("policy", r, SyntheticSource(TINY_MOE, limit=LIMIT)) for r in range(sources)] + \
-            [self.new_destination(r) for r in range(destinations)]
-        self.sources = sources
+        super().__init__([refit.EngineWorker("policy", r, SyntheticSource(TINY_MOE, limit=LIMIT))
+                          for r in range(sources)] + [self.new_destination(r) for r in range(destinations)])
         self.calls: List[str] = []
 
     @staticmethod
     def new_destination(rank: int, fail_at=None) -> refit.EngineWorker:
         return refit.EngineWorker("rollout", rank, HashingDestination(fail_at=fail_at), framework="numpy")
 
-    @property
-    def train_world_size(self) -> int:
-        return self.sources
-
-    @property
-    def rollout_world_size(self) -> int:
-        return len(self.workers) - self.sources
-
     def call_all(self, method: str, *args: Any) -> List[Any]:
         self.calls.append(method)
-        results: List[Any] = [None] * len(self.workers)
-        errors: List[Any] = [None] * len(self.workers)
-
-        def run(i: int) -> None:
-            try:
-                results[i] = getattr(self.workers[i], method)(*args)
-            except BaseException as e:  # noqa: BLE001
-                errors[i] = e
-
-        threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(self.workers))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-            assert not t.is_alive(), f"'{method}' did not return"
-        for e in errors:
-            if e is not None:
-                raise e
-        return results
-
-    def close(self) -> None:
-        for w in self.workers:
-            w.close()
+        return super().call_all(method, *args)
 
 
 def test_a_worker_replaced_after_a_failed_refit_gets_an_engine_and_the_next_refit_is_verified():
-    group = ThreadWorkerGroup(2, 2)
+    group = ReplaceableGroup(2, 2)
     try:
         # Destination rank 1 fails in refit 1 (its loader raises): "the host is lost".
         group.workers[3] = group.new_destination(1, fail_at=1)

@@ -1,12 +1,13 @@
 // The destination's receive path on a stream of hostile control messages: decode_message,
 // validate against the bucket size, then TensorAssembler::add_bucket over a heap buffer of
-// exactly used_bytes (so AddressSanitizer flags any read outside the bucket), then every byte
-// of every tensor handed out is read, as a loader would. On is_last, finish() and reset() start
+// exactly used_bytes and one of exactly each source region's length for entries sent in place
+// (so AddressSanitizer flags any read outside them), then every byte of every tensor handed out
+// is read, as a loader would. On is_last, finish() and reset() start
 // the next refit, as run_receive does; any error ends the refit the same way.
 //
 // Input: byte 0 picks the bucket size; then frames of [u16 little-endian length][message].
 // Oracles: errors are Error(kProtocol), or Error(kTransport) when a split tensor's merge
-// buffer cannot be allocated; a whole tensor's view lies inside the bucket; a merged tensor is
+// buffer cannot be allocated; a whole tensor's view lies inside its bucket or region; a merged tensor is
 // no larger than the chunks received for it and, when every chunk was a byte range of the
 // tensor itself (no box), holds exactly their bytes.
 #include <algorithm>
@@ -64,26 +65,38 @@ class Harness {
     const protocol::BucketReady& bucket = msg.ready;
     protocol::validate(bucket, bucket_bytes_, 2 * bucket_bytes_, kWho);
 
-    // Exactly the used bytes, on the heap: one byte more or less read is an ASan report.
-    std::unique_ptr<std::byte[]> data(new std::byte[bucket.used_bytes]);
-    for (uint64_t i = 0; i < bucket.used_bytes; ++i) data[i] = static_cast<std::byte>(fill_++ * 131 + 7);
-    const std::byte* begin = data.get();
-    const std::byte* end = begin + bucket.used_bytes;
+    // Exactly the used bytes and each region's, on the heap: one byte more or less read is an
+    // ASan report. Regions as large as the bucket at most (the fuzzer's memory is bounded).
+    uint64_t region_bytes = 0;
+    for (const auto& r : bucket.regions) region_bytes += std::min<uint64_t>(r.remote.length, 1ull << 40);
+    if (region_bytes > 1u << 20) return new_refit();
+    std::vector<std::unique_ptr<std::byte[]>> memory;
+    std::vector<std::pair<const std::byte*, const std::byte*>> ranges;  // [begin, end) of bucket, regions
+    std::vector<const std::byte*> bases;
+    auto add = [&](uint64_t n) {
+      memory.emplace_back(new std::byte[n]);
+      for (uint64_t i = 0; i < n; ++i) memory.back()[i] = static_cast<std::byte>(fill_++ * 131 + 7);
+      ranges.emplace_back(memory.back().get(), memory.back().get() + n);
+      bases.push_back(memory.back().get());
+    };
+    add(bucket.used_bytes);
+    for (const auto& r : bucket.regions) add(r.remote.length);
 
     // What a merged tensor must hold: the bytes of the chunks of split tensors, as sent.
     for (const auto& e : bucket.entries) {
       if (e.box.is_whole() && e.tensor_offset == 0 && e.size == e.tensor.nbytes()) continue;
-      const std::byte* p = begin + e.bucket_offset;
+      const std::byte* p = bases[e.region] + e.bucket_offset;
       pending_[e.tensor.name].push_back({e.tensor_offset, std::vector<std::byte>(p, p + e.size), !e.box.is_whole()});
     }
 
-    auto views = assembler_.add_bucket(bucket, begin, kWho, deadline_after(std::chrono::seconds(10)));
+    auto views = assembler_.add_bucket(bucket, bases, kWho, deadline_after(std::chrono::seconds(10)));
     for (const TensorView& v : views) {
       FUZZ_CHECK(v.info != nullptr);
       const uint64_t n = v.info->nbytes();
-      const bool in_bucket = v.data >= begin && v.data <= end;
-      if (in_bucket) {
-        FUZZ_CHECK(n <= static_cast<uint64_t>(end - v.data));
+      auto holder = std::find_if(ranges.begin(), ranges.end(),
+                                 [&](const auto& r) { return v.data >= r.first && v.data <= r.second; });
+      if (holder != ranges.end()) {
+        FUZZ_CHECK(n <= static_cast<uint64_t>(holder->second - v.data));
       } else {
         check_merged(v, n);
       }

@@ -183,6 +183,15 @@ void message_seeds() {
   protocol::BucketReady empty;
   empty.is_last = true;
   write("message", "ready_empty", protocol::encode(empty));
+  // Entries sent in place: a whole tensor in one source region, a chunk in another, and one packed.
+  protocol::BucketReady in_place;
+  in_place.refit = 5;
+  in_place.used_bytes = 16;
+  in_place.regions = {{{0x7f0000001000, 64, {1, 2, 3}}, MemoryKind::kHost}, {{0x7f0000100000, 48, {}}, MemoryKind::kHost}};
+  in_place.entries = {{tensor("a", DType::kFloat32, {4, 4}), Box::whole(), 0, 64, 0, 1},
+                      {tensor("b", DType::kUInt8, {40}), Box::whole(), 0, 24, 8, 2},
+                      {tensor("b", DType::kUInt8, {40}), Box::whole(), 24, 16, 0, 0}};
+  write("message", "ready_in_place", protocol::encode(in_place));
   write("message", "done", protocol::encode(done_message(2, 17)));
   write("message", "abort", protocol::encode(abort_message(1, "source rank 0 failed in phase pack bucket 3")));
   write("message", "abort_empty", protocol::encode(abort_message(0, "")));
@@ -211,6 +220,13 @@ void message_seeds() {
   bad.used_bytes = UINT64_MAX;
   bad.entries[0] = {tensor("t", DType::kUInt8, {8}), Box::whole(), 0, 8, UINT64_MAX - 4};
   write("message", "offset_wraps", protocol::encode(bad));
+  bad.used_bytes = 8;
+  bad.regions = {{{0x1000, 4, {}}, MemoryKind::kHost}};
+  bad.entries[0] = {tensor("t", DType::kUInt8, {8}), Box::whole(), 0, 8, 0, 1};
+  write("message", "chunk_past_region", protocol::encode(bad));
+  bad.entries[0].region = 2;
+  write("message", "region_out_of_range", protocol::encode(bad));
+  bad.regions.clear();
 
   write("message", "truncated", truncated(protocol::encode(buckets[0]), 50));
   write("message", "bad_magic", flipped(protocol::encode(buckets[0]), 0));

@@ -22,7 +22,11 @@
 //
 // Double buffering per link: the source packs bucket k+1 into one buffer while the destination
 // reads bucket k from the other with a one-sided read; the destination tells the source when a
-// buffer may be reused. An engine's transfer memory is two buckets whatever its links: with n
+// buffer may be reused. In place (direct_reads): a destination on the source's host that can map
+// the source's own tensors (CUDA IPC: any cudaMalloc memory; UCX: memory from
+// allocate_weight_memory()) loads them straight from there, one copy per byte, and a bucket then
+// only names them; the source keeps its registrations across refits and returns from send()
+// once the destination has loaded everything. An engine's transfer memory is two buckets whatever its links: with n
 // links each gets buffers of bucket_bytes / n (the larger n of the link's two ends). Every wait
 // has a deadline (config.timeout_s). A destination whose refit failed stays stale() until a later
 // refit succeeds.
@@ -113,6 +117,7 @@ struct SendStats {
   uint64_t dropped = 0;  // not held by the destination
   uint64_t buckets = 0;
   uint64_t payload_bytes = 0;
+  uint64_t in_place_bytes = 0;  // of payload_bytes, loaded by destinations from our own tensors
   double seconds = 0;
   bool had_peer = false;
   uint32_t destinations = 0;          // destinations served
@@ -125,6 +130,7 @@ struct ReceiveStats {
   uint64_t buckets = 0;
   uint64_t payload_bytes = 0;  // tensor bytes delivered to the loader
   uint64_t wire_bytes = 0;     // bytes read over the transport (or loaded from the mapped source buffers)
+  uint64_t in_place_bytes = 0; // of payload_bytes, loaded straight from the sources' own tensors
   bool mapped = false;         // loaded straight from the source's mapped buffers (map_source_buffers)
   uint64_t buffer_bytes = 0;   // transfer-buffer memory this engine holds (0: receives_only and mapped)
   std::string route;           // what carried the bytes: "UCX mapped", "UCX tcp/eth0" (Transport::route)
@@ -149,7 +155,12 @@ class CheckpointEngine {
   void init_source(int worker_rank, int train_world_size, int rollout_world_size, std::span<const Metadata> metadata);
   void init_destination(int rollout_rank, int train_world_size, int rollout_world_size,
                         std::span<const Metadata> metadata);
+  // The weights' memory must not change until send() returns.
   SendStats send(WeightSource& weights);
+  // Memory for a source's weights (zero-filled, on the configured device) that destinations on
+  // this host load in place whatever the transport (UCX: shared memory, which it cannot do for
+  // memory it did not allocate). Valid until the engine is destroyed.
+  std::byte* allocate_weight_memory(uint64_t bytes);
   // One refit at a destination: `loader` gets every batch, in the order they complete. The same
   // as the pull-style receive below with a loop around it.
   ReceiveStats receive(const BatchLoader& loader);

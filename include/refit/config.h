@@ -15,6 +15,7 @@
 //       timeout_s: 300           # refit extension
 //       verify_checksums: false  # refit extension
 //       map_source_buffers: true # refit extension
+//       direct_reads: true       # refit extension
 //
 // The keys may also sit under `policy.generation`, as in a NeMo RL config. Two layouts:
 //  * refit layout (no `policy` key at the root): the root holds only refit_transport and
@@ -91,6 +92,11 @@ struct RefitConfig {
   // then refills a buffer only once the destination has loaded it. false: every bucket is read
   // into the destination's own buffer first (the staged path).
   bool map_source_buffers = true;
+  // refit extension: a destination loads straight from its source's own tensors wherever it can
+  // map them (CUDA IPC; UCX shared memory for weights in memory the source's engine allocated),
+  // one copy per byte with no bucket on either side; other tensors still go through buckets.
+  // Needs map_source_buffers. false: every tensor goes through a bucket.
+  bool direct_reads = true;
 
   bool operator==(const RefitConfig&) const = default;
 };

@@ -36,6 +36,11 @@ class BucketPacker {
 
   // Places the next tensor; throws Error(kInvalidArgument) for a repeated name.
   std::vector<ChunkPlacement> place(const TensorInfo& tensor);
+  // A tensor that goes without being placed (read in place from the source's memory): only its
+  // name is checked and recorded.
+  void skip(const TensorInfo& tensor);
+  // The bucket was sent early: the next chunk starts a fresh one, with no flush before it.
+  void close_bucket();
 
   uint64_t bucket_bytes() const { return bucket_bytes_; }
 

@@ -45,6 +45,9 @@ struct RemoteRegion {
 struct TransportCapabilities {
   bool async_reads = false;       // post_read returns before the bytes are here (false: it does the whole read)
   bool maps_peer_memory = false;  // map() can hand out a peer's buffers (same host)
+  // map() reaches memory the peer registered with register_memory() too, not only memory it got
+  // from allocate_memory(): a source's own tensors can then be read in place.
+  bool maps_registered_memory = false;
   bool host_memory = true;        // registers and reads host memory
   bool device_memory = false;     // registers and reads GPU memory
   bool remote_peers = false;      // reaches peers on other hosts
@@ -70,6 +73,10 @@ class Transport {
   virtual Allocation allocate_memory(size_t bytes) = 0;
   virtual RemoteRegion describe(RegionId region) const = 0;
   virtual void deregister_memory(RegionId region) = 0;
+  // False when the memory under a registration is no longer what was registered (freed and
+  // allocated again where a backend can tell: CUDA IPC compares the allocation's identity), so
+  // that a caller caching registrations across refits registers again.
+  virtual bool registration_current(RegionId region) const { return true; }
 
   // This endpoint's address, to be carried to peers inside metadata.
   virtual Bytes address() const = 0;

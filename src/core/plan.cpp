@@ -15,9 +15,18 @@ BucketPacker::BucketPacker(uint64_t bucket_bytes) : bucket_bytes_(bucket_bytes) 
   if (bucket_bytes == 0) fail(ErrorKind::kInvalidArgument, "bucket size must be at least 1 byte");
 }
 
-std::vector<ChunkPlacement> BucketPacker::place(const TensorInfo& tensor) {
+void BucketPacker::skip(const TensorInfo& tensor) {
   if (!names_.insert(tensor.name).second)
     fail(ErrorKind::kInvalidArgument, "tensor '{}' appears twice in one refit", tensor.name);
+}
+
+void BucketPacker::close_bucket() {
+  offset_ = 0;
+  bucket_has_chunks_ = false;
+}
+
+std::vector<ChunkPlacement> BucketPacker::place(const TensorInfo& tensor) {
+  skip(tensor);
   const uint64_t element = dtype_size(tensor.dtype);
   const uint64_t total = tensor.nbytes();
   // Whole elements per chunk keep every chunk a typed view; a bucket smaller than one element

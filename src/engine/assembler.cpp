@@ -16,13 +16,16 @@ void TensorAssembler::set_memory(MemoryKind kind, const Device& device) {
   stream_ = std::make_unique<CopyStream>(device);
 }
 
-std::vector<TensorView> TensorAssembler::add_bucket(const protocol::BucketReady& bucket, const std::byte* data,
-                                                    const std::string& who, Deadline deadline) {
+std::vector<TensorView> TensorAssembler::add_bucket(const protocol::BucketReady& bucket,
+                                                    std::span<const std::byte* const> bases, const std::string& who,
+                                                    Deadline deadline) {
   batch_infos_.clear();
   owners_.clear();
   std::vector<TensorView> out;
   for (const auto& e : bucket.entries) {
     const uint64_t nbytes = e.tensor.nbytes();
+    const std::byte* chunk = bases[e.region] + e.bucket_offset;
+    const MemoryKind chunk_kind = e.region == 0 ? kind_ : bucket.regions[e.region - 1].memory;
     const bool whole = e.box.is_whole() && e.tensor_offset == 0 && e.size == nbytes;
     auto merge = merging_.find(e.tensor.name);
     if (names_.count(e.tensor.name) || (whole && merge != merging_.end()))
@@ -30,7 +33,7 @@ std::vector<TensorView> TensorAssembler::add_bucket(const protocol::BucketReady&
            e.tensor.name);
     if (whole) {
       names_.insert(e.tensor.name);
-      out.push_back({&e.tensor, data + e.bucket_offset, kind_});
+      out.push_back({&e.tensor, chunk, chunk_kind});
       owners_.emplace_back();
       continue;
     }
@@ -52,11 +55,10 @@ std::vector<TensorView> TensorAssembler::add_bucket(const protocol::BucketReady&
       fail(ErrorKind::kProtocol,
            "bucket {} from {}: a chunk of {} bytes of '{}' exceeds its {} bytes ({} here already)", bucket.seq, who,
            e.size, e.tensor.name, nbytes, m.received);
-    const std::byte* chunk = data + e.bucket_offset;
     for_each_box_block(
         e.tensor.shape, dtype_size(e.tensor.dtype), e.box, e.tensor_offset, e.size, [&](const BoxBlock& b) {
           stream_->copy_2d(m.buffer->data() + b.tensor_offset, b.pitch, chunk + (b.packed_offset - e.tensor_offset),
-                           b.row_bytes, b.row_bytes, b.rows, kind_, kind_);
+                           b.row_bytes, b.row_bytes, b.rows, kind_, chunk_kind);
         });
     m.received += e.size;
     if (m.received == nbytes) {

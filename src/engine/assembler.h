@@ -16,6 +16,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <unordered_set>
 #include <vector>
@@ -37,9 +38,10 @@ class TensorAssembler {
   void set_memory(MemoryKind kind, const Device& device);
 
   // Returns the tensors completed by this bucket, in bucket order. Views stay valid until the
-  // next add_bucket() or reset(). `bucket` holds the bucket's used bytes.
-  std::vector<TensorView> add_bucket(const protocol::BucketReady& bucket, const std::byte* data, const std::string& who,
-                                     Deadline deadline);
+  // next add_bucket() or reset(). `bases[0]` holds the bucket's used bytes, `bases[k]` the
+  // source memory of its regions[k - 1] (entries sent in place).
+  std::vector<TensorView> add_bucket(const protocol::BucketReady& bucket, std::span<const std::byte* const> bases,
+                                     const std::string& who, Deadline deadline);
 
   // Parallel to the views the latest add_bucket() returned: the buffer of a merged tensor (holding
   // it keeps the tensor's bytes valid after the next add_bucket(), reset() or release()), null

@@ -59,21 +59,48 @@ void BucketFetcher::acknowledge(uint64_t seq, Deadline deadline) {
   context_.transport->send(context_.peer, protocol::encode(protocol::BucketDone{context_.refit, seq}), deadline);
 }
 
+std::vector<const std::byte*> BucketFetcher::map_regions(const protocol::BucketReady& bucket, const std::byte* data) {
+  std::vector<const std::byte*> bases{data};
+  for (size_t k = 0; k < bucket.regions.size(); ++k) {
+    const RemoteRegion& remote = bucket.regions[k].remote;
+    auto [it, fresh] = context_.in_place_maps->try_emplace({remote.address, remote.key}, nullptr);
+    if (fresh) {
+      try {
+        it->second = context_.transport->map(context_.peer, remote);
+      } catch (...) {
+        context_.in_place_maps->erase(it);
+        throw;
+      }
+      if (it->second == nullptr) {
+        context_.in_place_maps->erase(it);
+        fail(ErrorKind::kTransport,
+             "{} sent tensors in place (its own memory, {} bytes at 0x{:x}), but {} cannot map that memory here; set "
+             "refit_cfg.nixl.direct_reads=false on the source",
+             context_.peer_label, remote.length, remote.address, context_.transport->name());
+      }
+    }
+    bases.push_back(it->second);
+  }
+  return bases;
+}
+
 bool BucketFetcher::fetch(uint64_t seq, std::string& phase) {
   const auto deadline = deadline_after(Seconds(context_.timeout_s));
   const int local = static_cast<int>(seq % 2);
   const uint64_t region_bytes = context_.peer_metadata->buffers.length;
   const bool mapped = context_.mapped != nullptr;
-  // Staged: wait until the engine has loaded bucket seq - 2 (its buffer is ours again) and taken
-  // seq - 1. Mapped: wait until it has loaded seq - 1, then let the source refill that buffer.
-  // Either way the engine must have taken the previous bucket.
-  const uint64_t lag = mapped ? 1 : 2;
-  const std::optional<uint64_t> loaded = seq >= lag ? std::optional(seq - lag) : std::nullopt;
+  // The engine must have taken the previous bucket. Staged: it must also have loaded bucket
+  // seq - 2, whose local buffer this read refills. A bucket acknowledged only once loaded
+  // (mapped, or with entries in place) must be released, then acknowledged, so that the source
+  // refills its buffer (or changes its tensors) only after that.
+  std::optional<uint64_t> loaded = unacknowledged_;
+  if (!mapped && seq >= 2) loaded = std::max(loaded.value_or(0), seq - 2);
   phase = fmt::format("wait for the loader to finish bucket {}", loaded.value_or(0));
   if (!wait_released(loaded, deadline)) return false;
-  if (mapped && loaded) {
-    phase = fmt::format("acknowledge bucket {}", *loaded);
-    acknowledge(*loaded, deadline);
+  if (unacknowledged_) {
+    phase = fmt::format("acknowledge bucket {}", *unacknowledged_);
+    acknowledge(*unacknowledged_, deadline);
+    unacknowledged_.reset();
   }
 
   phase = fmt::format("wait for bucket {}", seq);
@@ -113,14 +140,23 @@ bool BucketFetcher::fetch(uint64_t seq, std::string& phase) {
     events_.push_back({TimelinePhase::kRead, context_.peer_rank, seq, started, timeline_now(), bucket.used_bytes,
                        static_cast<uint32_t>(bucket.entries.size())});
   }
+  if (bucket.has_in_place_entries()) phase = fmt::format("map the source memory of bucket {}", seq);
+  std::vector<const std::byte*> bases = map_regions(bucket, data);
   if (bucket.checksum) {
     phase = fmt::format("verify bucket {}", seq);
-    const uint64_t actual = XXH3_64bits(data, bucket.used_bytes);
+    XXH3_state_t* state = XXH3_createState();
+    XXH3_64bits_reset(state);
+    XXH3_64bits_update(state, data, bucket.used_bytes);
+    for (const auto& e : bucket.entries)
+      if (e.region > 0) XXH3_64bits_update(state, bases[e.region] + e.bucket_offset, e.size);
+    const uint64_t actual = XXH3_64bits_digest(state);
+    XXH3_freeState(state);
     if (actual != *bucket.checksum)
       fail(ErrorKind::kIntegrity, "bucket {} from {} arrived corrupted: checksum {:016x}, sent {:016x} ({} bytes)", seq,
            context_.peer_label, actual, *bucket.checksum, bucket.used_bytes);
   }
-  if (!mapped) {
+  const bool acknowledge_once_loaded = mapped || bucket.has_in_place_entries();
+  if (!acknowledge_once_loaded) {
     // The source may refill its buffer as soon as the bytes are here.
     acknowledge(seq, deadline);
     spdlog::debug("bucket {} from {}: {} bytes read in {:.4f}s", seq, context_.peer_label, bucket.used_bytes,
@@ -129,18 +165,21 @@ bool BucketFetcher::fetch(uint64_t seq, std::string& phase) {
   const bool last = bucket.is_last;
   {
     std::lock_guard lock(mutex_);
-    ready_ = Fetched{std::move(msg.ready), data};
+    ready_ = Fetched{std::move(msg.ready), std::move(bases)};
   }
   notify();
-  if (last && mapped) {
-    // The source waits for the last bucket's acknowledgement before its refit ends.
-    phase = fmt::format("wait for the loader to finish bucket {}", seq);
-    const auto load_deadline = deadline_after(Seconds(context_.timeout_s));  // a phase of its own
-    if (!wait_released(seq, load_deadline)) return false;
-    phase = fmt::format("acknowledge bucket {}", seq);
-    acknowledge(seq, load_deadline);
+  if (!acknowledge_once_loaded) return !last;
+  if (!last) {
+    unacknowledged_ = seq;
+    return true;
   }
-  return !last;
+  // The source waits for the last bucket's acknowledgement before its refit ends.
+  phase = fmt::format("wait for the loader to finish bucket {}", seq);
+  const auto load_deadline = deadline_after(Seconds(context_.timeout_s));  // a phase of its own
+  if (!wait_released(seq, load_deadline)) return false;
+  phase = fmt::format("acknowledge bucket {}", seq);
+  acknowledge(seq, load_deadline);
+  return false;
 }
 
 std::optional<BucketFetcher::Fetched> BucketFetcher::try_next(std::string& phase) {

@@ -9,11 +9,14 @@
 //   - mapped (`mapped` is the source's buffers, mapped here by the transport): the engine loads
 //     straight from the source's buffer, and the bucket is acknowledged once the engine released
 //     it; the source packs k+1 while the destination loads k. One copy fewer per byte.
+// Entries a source sent in place lie in its own memory: the fetcher maps those regions (once per
+// link, kept across refits) and the bucket is acknowledged once loaded, whichever way.
 #pragma once
 
 #include <condition_variable>
 #include <cstdint>
 #include <exception>
+#include <map>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -66,13 +69,18 @@ struct FetchContext {
   double timeout_s = 0;
   bool verify_checksums = false;
   FetchSignal* signal = nullptr;
+  // The link's mappings of its source's memory for in-place entries, by (address, key); they
+  // outlive the fetcher, which alone uses them while it runs.
+  std::map<std::pair<uint64_t, Bytes>, const std::byte*>* in_place_maps = nullptr;
 };
 
 class BucketFetcher {
  public:
   struct Fetched {
     protocol::BucketReady bucket;
-    const std::byte* data = nullptr;  // the used bytes, in a local buffer until release()
+    // Where each region of the bucket's entries starts: [0] the used bytes (in a local buffer
+    // until release()), [k] the source's memory of bucket.regions[k - 1], mapped.
+    std::vector<const std::byte*> bases;
   };
 
   explicit BucketFetcher(FetchContext context);
@@ -100,6 +108,8 @@ class BucketFetcher {
   // given); false when stopped.
   bool wait_released(std::optional<uint64_t> seq, Deadline deadline);
   void acknowledge(uint64_t seq, Deadline deadline);
+  // Maps the bucket's source regions; returns every region's start (Fetched::bases).
+  std::vector<const std::byte*> map_regions(const protocol::BucketReady& bucket, const std::byte* data);
   // Under mutex_: rethrows the thread's error, if any, setting `phase` to where it failed.
   void rethrow_error(std::string& phase) const;
   void notify();  // changed_ and the engine's signal
@@ -113,6 +123,7 @@ class BucketFetcher {
   std::string error_phase_;
   bool stop_ = false;
   bool finished_ = false;              // the last bucket was fetched, or an error happened
+  std::optional<uint64_t> unacknowledged_;  // thread only: handed out, acknowledged once released
   std::vector<TimelineEvent> events_;  // written by the thread only, read after finish()
   std::thread thread_;
 };

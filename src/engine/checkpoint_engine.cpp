@@ -16,6 +16,7 @@
 #include "engine/link_sender.h"
 #include "engine/peer_wait.h"
 #include "engine/protocol.h"
+#include "engine/source_regions.h"
 #include "memory/device_memory.h"
 #include "refit/device.h"
 #include "refit/plan.h"
@@ -134,6 +135,7 @@ class CheckpointEngine::Impl {
     md.process = this_process();
     generation_ = random_u64();
     md.generation = generation_;
+    md.reads_in_place = reads_in_place();
     return protocol::encode(md);
   }
 
@@ -226,6 +228,7 @@ class CheckpointEngine::Impl {
     std::string phase = "pack";
     try {
       run_send(weights, stats, phase);
+      source_regions().end_refit();
     } catch (const Error& e) {
       abort_links(e.kind(), e.what());
       throw Error(e.kind(),
@@ -239,6 +242,11 @@ class CheckpointEngine::Impl {
     }
     stats.seconds = seconds_since(start);
     return stats;
+  }
+
+  std::byte* allocate_weight_memory(uint64_t bytes) {
+    if (bytes == 0) fail(ErrorKind::kInvalidArgument, "allocate_weight_memory(0): nothing to allocate");
+    return source_regions().allocate(bytes);
   }
 
   ReceiveStats receive(const BatchLoader& loader) {
@@ -278,7 +286,8 @@ class CheckpointEngine::Impl {
                            link.first_refit + refits_,
                            options_.config.timeout_s,
                            options_.config.verify_checksums,
-                           &run->signal};
+                           &run->signal,
+                           &link.in_place_maps};
       run->fetchers.push_back(std::make_unique<BucketFetcher>(std::move(context)));
     }
     run->done.assign(links_.size(), false);
@@ -400,6 +409,8 @@ class CheckpointEngine::Impl {
     uint64_t offset = 0;        // of this link's two buffers in our transfer region
     const std::byte* mapped = nullptr;  // on a destination: the source's transfer region, mapped (or null)
     HostPin mapped_pin;
+    // On a destination: the source memory its in-place entries lie in, mapped (BucketFetcher).
+    std::map<std::pair<uint64_t, Bytes>, const std::byte*> in_place_maps;
   };
   // On a resharding source: where one tensor's pieces go.
   struct SendPiece {
@@ -547,6 +558,10 @@ class CheckpointEngine::Impl {
       c.stream = pack_stream_.get();
       c.timeout_s = options_.config.timeout_s;
       c.verify_checksums = options_.config.verify_checksums;
+      // In place only to a destination on this host that maps our memory (the same test it makes).
+      if (options_.config.direct_reads && link.metadata.reads_in_place && same_host(link.metadata.process) &&
+          transport_->capabilities().maps_peer_memory)
+        c.in_place = &source_regions();
       senders_.push_back(std::make_unique<LinkSender>(std::move(c)));
     }
   }
@@ -565,6 +580,17 @@ class CheckpointEngine::Impl {
     if (buffer_kind_ == MemoryKind::kHost)
       link.mapped_pin = HostPin::pin(const_cast<std::byte*>(link.mapped), link.metadata.buffers.length);
     spdlog::debug("{} loads straight from the mapped buffers of {}", self_.empty() ? "destination" : self_, link.label);
+  }
+
+  // Whether this engine, as a destination, loads tensors in place from a source on its host.
+  bool reads_in_place() const {
+    return options_.config.direct_reads && options_.config.map_source_buffers &&
+           transport_->capabilities().maps_peer_memory;
+  }
+
+  SourceRegions& source_regions() {
+    if (!source_regions_) source_regions_ = std::make_unique<SourceRegions>(transport_.get());
+    return *source_regions_;
   }
 
   void disconnect() {
@@ -686,6 +712,7 @@ class CheckpointEngine::Impl {
       sender->wait_done(phase);
       stats.buckets += sender->buckets();
       stats.payload_bytes += sender->payload_bytes();
+      stats.in_place_bytes += sender->in_place_bytes();
       stats.events.insert(stats.events.end(), sender->events().begin(), sender->events().end());
     }
   }
@@ -764,11 +791,13 @@ class CheckpointEngine::Impl {
       run.link = k;
       run.bucket = std::move(fetched);
       const auto& bucket = run.bucket->bucket;
+      for (const auto& e : bucket.entries)
+        if (e.region > 0) run.stats.in_place_bytes += e.size;
       run.stats.wire_bytes += bucket.used_bytes;
       ++run.stats.buckets;
       run.phase = fmt::format("assemble bucket {} from {}", bucket.seq, links_[k].label);
       run.assembling = timeline_now();
-      run.views = assembler_.add_bucket(bucket, run.bucket->data, links_[k].label, next_deadline());
+      run.views = assembler_.add_bucket(bucket, run.bucket->bases, links_[k].label, next_deadline());
       if (!run.views.empty()) run.phase = fmt::format("load bucket {} from {}", bucket.seq, links_[k].label);
       return true;
     }
@@ -800,6 +829,7 @@ class CheckpointEngine::Impl {
 
   EngineOptions options_;
   std::shared_ptr<Transport> transport_;
+  std::unique_ptr<SourceRegions> source_regions_;  // on a source: its memory registered for in-place reads
   RegionId region_ = 0;  // one allocation of the transport holds every link's two buffers
   std::byte* region_base_ = nullptr;
   // Where transfer buffers (ours, or the source's mapped) live: the configured device's kind.
@@ -840,6 +870,7 @@ void CheckpointEngine::init_destination(int rollout_rank, int train_world_size, 
   impl_->init_destination(rollout_rank, train_world_size, rollout_world_size, metadata);
 }
 SendStats CheckpointEngine::send(WeightSource& weights) { return impl_->send(weights); }
+std::byte* CheckpointEngine::allocate_weight_memory(uint64_t bytes) { return impl_->allocate_weight_memory(bytes); }
 ReceiveStats CheckpointEngine::receive(const BatchLoader& loader) { return impl_->receive(loader); }
 void CheckpointEngine::begin_receive() { impl_->begin_receive(); }
 ReceiveProgress CheckpointEngine::next_batch(Deadline until, ReceivedBatch* batch) {

@@ -21,13 +21,49 @@ void LinkSender::begin(uint64_t refit) {
   buffer_ = 0;
   bucket_.offset = context_.offsets[0];
   unacknowledged_.clear();
-  buckets_ = payload_bytes_ = 0;
+  buckets_ = payload_bytes_ = in_place_bytes_ = 0;
+  bucket_in_place_ = 0;
+  regions_.clear();
+  in_place_data_.clear();
   pack_start_.reset();
   events_.clear();
 }
 
+bool LinkSender::add_in_place(const TensorView& view, const Box& box, const TensorInfo& tensor, const Box& piece,
+                              std::string& phase) {
+  const TensorInfo& source = *view.info;
+  const uint64_t size = TensorInfo{tensor.name, tensor.dtype, piece.shape_in(tensor.shape)}.nbytes();
+  // Checksums are computed on the CPU: only host memory goes in place with them.
+  if (size == 0 || (context_.verify_checksums && view.memory != MemoryKind::kHost)) return false;
+  // Only a piece that is one contiguous range of the view.
+  uint64_t first = 0, blocks = 0;
+  bool contiguous = true;
+  for_each_box_block(source.shape, dtype_size(source.dtype), box, 0, size, [&](const BoxBlock& b) {
+    if (blocks++ == 0) first = b.tensor_offset;
+    contiguous = contiguous && blocks == 1 && (b.rows <= 1 || b.pitch == b.row_bytes);
+  });
+  if (!contiguous) return false;
+  const auto found = context_.in_place->find(view.data + first, size, view.memory);
+  if (!found) return false;
+  if (bucket_in_place_ > 0 && bucket_in_place_ + size > context_.bucket_bytes) {
+    flush(false, phase);
+    packer_->close_bucket();
+  }
+  packer_->skip(tensor);
+  if (!pack_start_) pack_start_ = timeline_now();
+  auto [it, fresh] = regions_.try_emplace(found->region, static_cast<uint32_t>(regions_.size() + 1));
+  if (fresh) bucket_.regions.push_back(*found->remote);
+  bucket_.entries.push_back({tensor, piece, 0, size, found->offset, it->second});
+  in_place_data_.push_back(view.data + first);
+  bucket_in_place_ += size;
+  in_place_bytes_ += size;
+  payload_bytes_ += size;
+  return true;
+}
+
 void LinkSender::add(const TensorView& view, const Box& box, const TensorInfo& tensor, const Box& piece,
                      std::string& phase) {
+  if (context_.in_place != nullptr && add_in_place(view, box, tensor, piece, phase)) return;
   const TensorInfo& source = *view.info;
   const TensorInfo packed{tensor.name, tensor.dtype, piece.shape_in(tensor.shape)};
   const uint64_t element = dtype_size(source.dtype);
@@ -53,7 +89,16 @@ void LinkSender::flush(bool is_last, std::string& phase) {
     phase = fmt::format("copy into bucket {} for {}", bucket_.seq, context_.peer_label);
     context_.stream->synchronize(deadline_after(std::chrono::duration<double>(context_.timeout_s)));
   }
-  if (context_.verify_checksums) bucket_.checksum = XXH3_64bits(context_.buffers[buffer_], bucket_.used_bytes);
+  if (context_.verify_checksums) {
+    XXH3_state_t* state = XXH3_createState();
+    XXH3_64bits_reset(state);
+    XXH3_64bits_update(state, context_.buffers[buffer_], bucket_.used_bytes);
+    size_t k = 0;
+    for (const auto& e : bucket_.entries)
+      if (e.region > 0) XXH3_64bits_update(state, in_place_data_[k++], e.size);
+    bucket_.checksum = XXH3_64bits_digest(state);
+    XXH3_freeState(state);
+  }
   bucket_.is_last = is_last;
   phase = fmt::format("announce bucket {} to {}", bucket_.seq, context_.peer_label);
   const double packed = timeline_now();
@@ -71,7 +116,11 @@ void LinkSender::flush(bool is_last, std::string& phase) {
   buffer_ ^= 1;
   bucket_.offset = context_.offsets[buffer_];
   bucket_.entries.clear();
+  bucket_.regions.clear();
   bucket_.used_bytes = 0;
+  bucket_in_place_ = 0;
+  regions_.clear();
+  in_place_data_.clear();
   // The next bucket goes into the other buffer: the destination must be done with the bucket that
   // buffer holds.
   if (!is_last && unacknowledged_.size() == 2) {

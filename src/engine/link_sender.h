@@ -4,16 +4,23 @@
 // (plan.h), and each full bucket is announced; before a buffer is refilled the destination must
 // have said it is done with it. A source serving several destinations has one LinkSender per
 // destination, all fed from one pass over its weights.
+// Sent in place (a destination on this host that maps our memory, and a piece that lies
+// contiguous in registered memory, source_regions.h): the piece is not copied but named in the
+// bucket's manifest, where it lies in our own memory, and the destination loads it from there. A
+// bucket holds up to bucket_bytes of packed bytes and as much again of pieces sent in place, so
+// that batches keep their size; the destination acknowledges such a bucket once it has loaded it.
 #pragma once
 
 #include <cstdint>
 #include <deque>
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "core/process_identity.h"
 #include "engine/protocol.h"
+#include "engine/source_regions.h"
 #include "memory/device_memory.h"
 #include "refit/device.h"
 #include "refit/plan.h"
@@ -36,6 +43,8 @@ struct LinkContext {
   CopyStream* stream = nullptr;  // the engine's packing stream, shared by its links
   double timeout_s = 0;
   bool verify_checksums = false;
+  // The engine's registrations of its own memory; null: nothing is sent in place on this link.
+  SourceRegions* in_place = nullptr;
 };
 
 class LinkSender {
@@ -58,12 +67,16 @@ class LinkSender {
   uint64_t bucket() const { return bucket_.seq; }  // the one being packed
   uint64_t buckets() const { return buckets_; }
   uint64_t payload_bytes() const { return payload_bytes_; }
+  uint64_t in_place_bytes() const { return in_place_bytes_; }  // of payload_bytes(), sent in place
   // This refit's pack, announce and release events, so far.
   const std::vector<TimelineEvent>& events() const { return events_; }
 
  private:
   void flush(bool is_last, std::string& phase);
   void wait_acknowledged(uint64_t seq, std::string& phase);
+  // Names the piece in the open bucket if it can go in place; false when it must be packed.
+  bool add_in_place(const TensorView& view, const Box& box, const TensorInfo& tensor, const Box& piece,
+                    std::string& phase);
 
   LinkContext context_;
   uint64_t refit_ = 0;
@@ -74,7 +87,10 @@ class LinkSender {
   // announced as soon as it is packed, while the destination still reads the one before, so that
   // its reads follow each other with no round trip between them.
   std::deque<uint64_t> unacknowledged_;
-  uint64_t buckets_ = 0, payload_bytes_ = 0;
+  uint64_t buckets_ = 0, payload_bytes_ = 0, in_place_bytes_ = 0;
+  uint64_t bucket_in_place_ = 0;            // bytes of the open bucket sent in place
+  std::map<RegionId, uint32_t> regions_;  // of the open bucket: our region -> its index there
+  std::vector<const std::byte*> in_place_data_;  // of the open bucket's in-place entries, in order
   std::optional<double> pack_start_;  // when the open bucket got its first byte
   std::vector<TimelineEvent> events_;
 };

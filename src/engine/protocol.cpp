@@ -76,6 +76,7 @@ Bytes encode(const EngineMetadata& m) {
   w.put<int32_t>(m.process.pid);
   w.put<uint64_t>(m.process.start_time);
   w.put<uint64_t>(m.generation);
+  w.put<uint8_t>(m.reads_in_place ? 1 : 0);
   return w.take();
 }
 
@@ -113,6 +114,9 @@ EngineMetadata decode_metadata(std::span<const uint8_t> blob, const std::string&
   m.process.pid = r.get<int32_t>("pid");
   m.process.start_time = r.get<uint64_t>("start time");
   m.generation = r.get<uint64_t>("generation");
+  const auto in_place = r.get<uint8_t>("reads in place");
+  if (in_place > 1) fail(ErrorKind::kProtocol, "malformed {}: reads_in_place = {}", who, in_place);
+  m.reads_in_place = in_place == 1;
   r.expect_end();
   return m;
 }
@@ -126,6 +130,13 @@ Bytes encode(const BucketReady& m) {
   w.put<uint64_t>(m.used_bytes);
   w.put<uint8_t>(m.checksum ? 1 : 0);
   w.put<uint64_t>(m.checksum.value_or(0));
+  w.put<uint64_t>(m.regions.size());
+  for (const auto& region : m.regions) {
+    w.put<uint64_t>(region.remote.address);
+    w.put<uint64_t>(region.remote.length);
+    w.put_bytes(region.remote.key);
+    w.put<uint8_t>(static_cast<uint8_t>(region.memory));
+  }
   w.put<uint64_t>(m.entries.size());
   for (const auto& e : m.entries) {
     put_tensor(w, e.tensor);
@@ -138,6 +149,7 @@ Bytes encode(const BucketReady& m) {
     w.put<uint64_t>(e.tensor_offset);
     w.put<uint64_t>(e.size);
     w.put<uint64_t>(e.bucket_offset);
+    w.put<uint32_t>(e.region);
   }
   return w.take();
 }
@@ -180,8 +192,21 @@ Message decode_message(std::span<const uint8_t> bytes, const std::string& who) {
       if (has_checksum > 1) fail(ErrorKind::kProtocol, "garbled message from {}: has_checksum = {}", who, has_checksum);
       auto checksum = r.get<uint64_t>("checksum");
       if (has_checksum == 1) m.checksum = checksum;
-      // Smallest entry: empty name, dtype, rank 0, no cuts, three offsets.
-      uint64_t n = r.get_count("entry count", 8 + 1 + 8 + 1 + 24);
+      // Smallest region: address, length, an empty key, memory kind.
+      const uint64_t regions = r.get_count("region count", 8 + 8 + 8 + 1);
+      m.regions.resize(regions);
+      for (auto& region : m.regions) {
+        region.remote.address = r.get<uint64_t>("region address");
+        region.remote.length = r.get<uint64_t>("region length");
+        auto key = r.get_bytes("region key");
+        region.remote.key.assign(key.begin(), key.end());
+        const auto memory = r.get<uint8_t>("region memory");
+        if (memory > static_cast<uint8_t>(MemoryKind::kCuda))
+          fail(ErrorKind::kProtocol, "garbled message from {}: memory kind {}", who, memory);
+        region.memory = static_cast<MemoryKind>(memory);
+      }
+      // Smallest entry: empty name, dtype, rank 0, no cuts, three offsets, a region.
+      uint64_t n = r.get_count("entry count", 8 + 1 + 8 + 1 + 24 + 4);
       m.entries.reserve(n);
       for (uint64_t i = 0; i < n; ++i) {
         ManifestEntry e;
@@ -198,6 +223,7 @@ Message decode_message(std::span<const uint8_t> bytes, const std::string& who) {
         e.tensor_offset = r.get<uint64_t>("tensor offset");
         e.size = r.get<uint64_t>("chunk size");
         e.bucket_offset = r.get<uint64_t>("bucket offset");
+        e.region = r.get<uint32_t>("region");
         m.entries.push_back(std::move(e));
       }
       break;
@@ -273,10 +299,20 @@ void validate(const BucketReady& m, uint64_t bucket_bytes, uint64_t region_bytes
     if (e.size > nbytes || e.tensor_offset > nbytes - e.size)
       fail(ErrorKind::kProtocol, "bucket {} from {}: chunk [{}, +{}) lies outside tensor '{}' of {} bytes", m.seq, who,
            e.tensor_offset, e.size, e.tensor.name, nbytes);
-    if (e.bucket_offset > m.used_bytes || e.size > m.used_bytes - e.bucket_offset)
-      fail(ErrorKind::kProtocol, "bucket {} from {}: chunk of '{}' at [{}, +{}) lies outside the {} used bytes", m.seq,
-           who, e.tensor.name, e.bucket_offset, e.size, m.used_bytes);
+    if (e.region > m.regions.size())
+      fail(ErrorKind::kProtocol, "bucket {} from {}: chunk of '{}' names region {} of {}", m.seq, who, e.tensor.name,
+           e.region, m.regions.size());
+    const uint64_t limit = e.region == 0 ? m.used_bytes : m.regions[e.region - 1].remote.length;
+    if (e.bucket_offset > limit || e.size > limit - e.bucket_offset)
+      fail(ErrorKind::kProtocol, "bucket {} from {}: chunk of '{}' at [{}, +{}) lies outside the {} bytes of {}", m.seq,
+           who, e.tensor.name, e.bucket_offset, e.size, limit,
+           e.region == 0 ? std::string("its bucket") : fmt::format("source region {}", e.region));
   }
+  std::vector<bool> used(m.regions.size(), false);
+  for (const auto& e : m.entries)
+    if (e.region > 0) used[e.region - 1] = true;
+  for (size_t k = 0; k < used.size(); ++k)
+    if (!used[k]) fail(ErrorKind::kProtocol, "bucket {} from {}: source region {} is used by no chunk", m.seq, who, k + 1);
 }
 
 }  // namespace refit::protocol

@@ -17,7 +17,7 @@
 
 namespace refit::protocol {
 
-inline constexpr uint32_t kVersion = 5;
+inline constexpr uint32_t kVersion = 6;
 
 struct EngineMetadata {
   uint32_t version = kVersion;
@@ -33,6 +33,9 @@ struct EngineMetadata {
   Bytes holds;              // a source's encoded layout (what it holds); empty: the whole model
   ProcessIdentity process;  // lets a peer on the same host see at once that we are gone
   uint64_t generation = 0;  // random per prepare(): tells one connection from the next
+  // A destination that loads tensors straight from its source's own memory wherever it can map
+  // it (direct_reads): a source on its host may then send tensors in place.
+  bool reads_in_place = false;
 };
 
 // The refit number before the first refit of a connection, the same on both sides: derived from
@@ -46,13 +49,22 @@ EngineMetadata decode_metadata(std::span<const uint8_t> blob, const std::string&
 
 // One chunk of a bucket, with the destination tensor's description so the receiver can
 // reassemble. The chunk is bytes [tensor_offset, +size) of a piece: `box` of the tensor, packed
-// (box.h); a whole box makes the piece the tensor itself.
+// (box.h); a whole box makes the piece the tensor itself. It lies at `bucket_offset` of the
+// bucket's bytes (region 0), or, sent in place, at that offset of the source's own memory
+// described by the bucket's regions[region - 1].
 struct ManifestEntry {
   TensorInfo tensor;
   Box box;
   uint64_t tensor_offset = 0;
   uint64_t size = 0;
   uint64_t bucket_offset = 0;
+  uint32_t region = 0;
+};
+
+// Source memory that a bucket's in-place entries lie in, and what kind of memory it is.
+struct SourceRegion {
+  RemoteRegion remote;
+  MemoryKind memory = MemoryKind::kHost;
 };
 
 enum class MessageType : uint8_t { kBucketReady = 1, kBucketDone = 2, kAbort = 3 };
@@ -63,8 +75,12 @@ struct BucketReady {
   uint64_t offset = 0;  // where the bucket starts in the source's transfer region (metadata `buffers`)
   bool is_last = false;
   uint64_t used_bytes = 0;           // only this prefix of the buffer is read
-  std::optional<uint64_t> checksum;  // xxh3-64 of the used bytes, with verify_checksums
+  // With verify_checksums: xxh3-64 of the used bytes, then of every in-place entry's bytes in
+  // entry order.
+  std::optional<uint64_t> checksum;
+  std::vector<SourceRegion> regions;  // of the entries sent in place
   std::vector<ManifestEntry> entries;
+  bool has_in_place_entries() const { return !regions.empty(); }
 };
 
 struct BucketDone {
@@ -96,7 +112,7 @@ Message decode_message(std::span<const uint8_t> bytes, const std::string& who);
 
 // Checks a bucket against the link's bucket size and the source's region length: where it lies,
 // used bytes, and every entry's ranges (box inside the tensor, chunk inside the piece and the
-// bucket, sizes matching dtype x shape).
+// bucket or its source region, sizes matching dtype x shape); every region is used.
 void validate(const BucketReady& m, uint64_t bucket_bytes, uint64_t region_bytes, const std::string& who);
 
 }  // namespace refit::protocol

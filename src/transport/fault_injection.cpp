@@ -31,7 +31,12 @@ class FlipReadBytes final : public Transport {
   }
   Bytes receive(PeerId peer, Deadline deadline) override { return inner_->receive(peer, deadline); }
 
-  TransportCapabilities capabilities() const override { return inner_->capabilities(); }
+  // It maps nothing (map() is null), so that every byte goes through read().
+  TransportCapabilities capabilities() const override {
+    TransportCapabilities caps = inner_->capabilities();
+    caps.maps_peer_memory = caps.maps_registered_memory = false;
+    return caps;
+  }
   std::string route(PeerId peer) override { return inner_->route(peer); }
   ReadId post_read(PeerId peer, const RemoteRegion& remote, uint64_t remote_offset, void* local, RegionId local_region,
                    uint64_t length, Deadline deadline) override {

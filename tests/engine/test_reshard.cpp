@@ -202,7 +202,8 @@ TEST(Reshard, AHoldingNobodyCoversFailsAtInitNamingTheDestination) {
 // bytes would be handed out as complete.
 TEST(Reshard, TheAssemblerRefusesBytesSentTwice) {
   const TensorInfo t{"w", DType::kUInt8, {4, 4}};
-  std::vector<std::byte> data(16, std::byte{7});
+  std::vector<std::byte> data_bytes(16, std::byte{7});
+  const std::byte* data[] = {data_bytes.data()};  // the bucket's bytes; no source regions
   auto bucket = [&](Box box, uint64_t offset, uint64_t size) {
     protocol::BucketReady b;
     b.used_bytes = size;
@@ -212,22 +213,22 @@ TEST(Reshard, TheAssemblerRefusesBytesSentTwice) {
   const auto deadline = deadline_after(std::chrono::seconds(5));
   {
     TensorAssembler a;
-    a.add_bucket(bucket(Box::whole(), 0, 8), data.data(), "source rank 0", deadline);
+    a.add_bucket(bucket(Box::whole(), 0, 8), data, "source rank 0", deadline);
     EXPECT_THAT(
         testing::error_of(ErrorKind::kProtocol,
-                          [&] { a.add_bucket(bucket(Box::whole(), 4, 8), data.data(), "source rank 1", deadline); }),
+                          [&] { a.add_bucket(bucket(Box::whole(), 4, 8), data, "source rank 1", deadline); }),
         HasSubstr("bytes [4, 12) of piece whole of 'w' arrived twice"));
   }
   {
     TensorAssembler a;
     const Box rows_0_2 = Box::of(Request::narrow(0, 0, 2)), rows_1_3 = Box::of(Request::narrow(0, 1, 2));
-    a.add_bucket(bucket(rows_0_2, 0, 8), data.data(), "source rank 0", deadline);
+    a.add_bucket(bucket(rows_0_2, 0, 8), data, "source rank 0", deadline);
     EXPECT_THAT(
         testing::error_of(ErrorKind::kProtocol,
-                          [&] { a.add_bucket(bucket(rows_1_3, 0, 8), data.data(), "source rank 1", deadline); }),
+                          [&] { a.add_bucket(bucket(rows_1_3, 0, 8), data, "source rank 1", deadline); }),
         HasSubstr("overlaps piece dim 0 [0, 2)"));
     // The other half completes it.
-    auto views = a.add_bucket(bucket(Box::of(Request::narrow(0, 2, 2)), 0, 8), data.data(), "source rank 1", deadline);
+    auto views = a.add_bucket(bucket(Box::of(Request::narrow(0, 2, 2)), 0, 8), data, "source rank 1", deadline);
     ASSERT_EQ(views.size(), 1u);
     EXPECT_EQ(views[0].info->name, "w");
   }

@@ -105,23 +105,25 @@ int device_of(const void* pointer) {
   return attributes.device;
 }
 
-// The base and size of the cudaMalloc allocation holding `pointer`, through the driver's
-// cuMemGetAddressRange as cudart exposes it (no link against libcuda). The driver looks the
-// pointer up in the calling thread's current context only (another GPU's memory is
-// CUDA_ERROR_NOT_FOUND, 500): the caller makes the pointer's GPU current first.
+// A driver function as cudart exposes it (no link against libcuda); null when the driver lacks it.
+template <typename Function>
+Function driver_function(const char* name) {
+  void* function = nullptr;
+  cudaDriverEntryPointQueryResult found{};
+  cudaError_t status = cudaGetDriverEntryPointByVersion(name, &function, 12000, cudaEnableDefault, &found);
+  if (status != cudaSuccess || found != cudaDriverEntryPointSuccess) {
+    cudaGetLastError();
+    return nullptr;
+  }
+  return reinterpret_cast<Function>(function);
+}
+
+// The base and size of the cudaMalloc allocation holding `pointer` (cuMemGetAddressRange). The
+// driver looks the pointer up in the calling thread's current context only (another GPU's memory
+// is CUDA_ERROR_NOT_FOUND, 500): the caller makes the pointer's GPU current first.
 std::pair<std::byte*, size_t> allocation_of(const void* pointer) {
   using GetAddressRange = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
-  static GetAddressRange get_range = [] {
-    void* function = nullptr;
-    cudaDriverEntryPointQueryResult found{};
-    cudaError_t status =
-        cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &function, 12000, cudaEnableDefault, &found);
-    if (status != cudaSuccess || found != cudaDriverEntryPointSuccess) {
-      cudaGetLastError();
-      return static_cast<GetAddressRange>(nullptr);
-    }
-    return reinterpret_cast<GetAddressRange>(function);
-  }();
+  static const auto get_range = driver_function<GetAddressRange>("cuMemGetAddressRange");
   if (get_range == nullptr)
     fail(ErrorKind::kUnsupported,
          "the CUDA driver does not offer cuMemGetAddressRange: cannot register GPU memory for IPC");
@@ -134,11 +136,24 @@ std::pair<std::byte*, size_t> allocation_of(const void* pointer) {
   return {reinterpret_cast<std::byte*>(base), size};
 }
 
+// The driver's id of the allocation holding `pointer`, unique for the process's lifetime (an
+// allocation freed and made again at the same address gets a new one); 0 when unknown.
+uint64_t buffer_id_of(const void* pointer) {
+  using GetAttribute = CUresult (*)(void*, CUpointer_attribute, CUdeviceptr);
+  static const auto get_attribute = driver_function<GetAttribute>("cuPointerGetAttribute");
+  unsigned long long id = 0;
+  if (get_attribute == nullptr ||
+      get_attribute(&id, CU_POINTER_ATTRIBUTE_BUFFER_ID, reinterpret_cast<CUdeviceptr>(pointer)) != CUDA_SUCCESS)
+    return 0;
+  return id;
+}
+
 struct Region {
   std::byte* base = nullptr;
   size_t bytes = 0;
   DeviceBuffer owned;    // set by allocate_memory
   CudaIpcRegionKey key;  // what describe() packs into RemoteRegion::key
+  uint64_t buffer_id = 0;  // of the registered allocation (buffer_id_of), to notice it was replaced
 };
 
 struct Peer {
@@ -187,6 +202,7 @@ class CudaIpcTransport final : public SynchronousReads {
   TransportCapabilities capabilities() const override {
     return {.async_reads = false,
             .maps_peer_memory = true,
+            .maps_registered_memory = true,
             .host_memory = false,
             .device_memory = true,
             .remote_peers = false};
@@ -221,8 +237,21 @@ class CudaIpcTransport final : public SynchronousReads {
                               bytes, base));
       region.key.handle = handle_bytes(handle);
       region.key.exported = true;
+      region.buffer_id = buffer_id_of(base);
     }
     return add(std::move(region));
+  }
+
+  bool registration_current(RegionId id) const override {
+    const Region& r = find_region(id, "checking a registration");
+    if (r.buffer_id == 0) return true;  // nothing to compare with (host memory, an old driver)
+    cuda::DeviceGuard guard(r.key.device);
+    cudaPointerAttributes attributes{};
+    if (cudaPointerGetAttributes(&attributes, r.base) != cudaSuccess || attributes.type != cudaMemoryTypeDevice) {
+      cudaGetLastError();
+      return false;  // freed
+    }
+    return buffer_id_of(r.base) == r.buffer_id;
   }
 
   Allocation allocate_memory(size_t bytes) override {

@@ -66,6 +66,7 @@ class InProcTransport final : public SynchronousReads {
   TransportCapabilities capabilities() const override {
     return {.async_reads = false,
             .maps_peer_memory = true,
+            .maps_registered_memory = true,
             .host_memory = true,
             .device_memory = false,
             .remote_peers = false};

@@ -1,0 +1,86 @@
+#include "engine/source_regions.h"
+
+#include <spdlog/spdlog.h>
+
+#include "memory/device_memory.h"
+
+namespace refit {
+
+SourceRegions::~SourceRegions() {
+  while (!by_base_.empty()) drop(by_base_.begin());
+}
+
+bool SourceRegions::registrable(MemoryKind kind) const {
+  const TransportCapabilities caps = transport_->capabilities();
+  return caps.maps_registered_memory && (kind == MemoryKind::kCuda ? caps.device_memory : caps.host_memory);
+}
+
+void SourceRegions::drop(std::map<const std::byte*, Registration>::iterator it) {
+  try {
+    transport_->deregister_memory(it->second.region);
+  } catch (const std::exception& e) {
+    spdlog::warn("dropping the registration of source memory at {}: {}", static_cast<const void*>(it->first),
+                 e.what());
+  }
+  by_base_.erase(it);
+}
+
+std::optional<SourceRegions::Found> SourceRegions::find(const std::byte* data, uint64_t bytes, MemoryKind kind) {
+  if (data == nullptr || bytes == 0) return std::nullopt;
+  auto it = by_base_.upper_bound(data);
+  if (it != by_base_.begin()) {
+    --it;
+    Registration& r = it->second;
+    const uint64_t offset = static_cast<uint64_t>(data - it->first);
+    const bool inside = offset <= r.bytes && bytes <= r.bytes - offset && r.remote.memory == kind;
+    if (inside && (r.allocated || r.used_in == refit_ || transport_->registration_current(r.region))) {
+      r.used_in = refit_;
+      return Found{r.region, &r.remote, offset};
+    }
+    if (inside) {
+      spdlog::debug("source memory at {} was replaced since it was registered: registering it again",
+                    static_cast<const void*>(it->first));
+      drop(it);
+    }
+  }
+  if (!registrable(kind) || memory_kind_of(data) != kind) return std::nullopt;
+  if (auto same = by_base_.find(data); same != by_base_.end()) {
+    if (same->second.allocated) return std::nullopt;  // a tensor running past the end of our allocation
+    drop(same);
+  }
+  Registration r;
+  try {
+    r.region = transport_->register_memory(const_cast<std::byte*>(data), bytes);
+  } catch (const Error& e) {
+    spdlog::debug("source memory at {} ({} bytes) cannot be read in place, so it goes through buckets: {}",
+                  static_cast<const void*>(data), bytes, e.what());
+    return std::nullopt;
+  }
+  r.bytes = bytes;
+  r.remote = {transport_->describe(r.region), kind};
+  r.used_in = refit_;
+  auto placed = by_base_.emplace(data, std::move(r)).first;
+  return Found{placed->second.region, &placed->second.remote, 0};
+}
+
+std::byte* SourceRegions::allocate(uint64_t bytes) {
+  Transport::Allocation a = transport_->allocate_memory(bytes);
+  Registration r;
+  r.region = a.region;
+  r.bytes = bytes;
+  r.remote = {transport_->describe(a.region), memory_kind_of(a.base)};
+  r.allocated = true;
+  by_base_.emplace(a.base, std::move(r));
+  return a.base;
+}
+
+void SourceRegions::end_refit() {
+  for (auto it = by_base_.begin(); it != by_base_.end();) {
+    auto next = std::next(it);
+    if (!it->second.allocated && it->second.used_in != refit_) drop(it);
+    it = next;
+  }
+  ++refit_;
+}
+
+}  // namespace refit

@@ -1,0 +1,284 @@
+// Tensors sent in place (direct_reads): a destination on the source's host loads them straight
+// from the source's own memory, and buckets only name them.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <future>
+#include <map>
+#include <set>
+#include <thread>
+
+#include "core/error_of.h"
+#include "engine/protocol.h"
+#include "engine_harness.h"
+#include "refit/error.h"
+
+namespace refit {
+namespace {
+
+using testing::inproc_options;
+using testing::make_tensor;
+using testing::OwnedTensor;
+using testing::Received;
+using testing::VectorSource;
+
+// The in-process transport, counting registrations and optionally handing out a corrupted copy
+// of whatever a destination maps.
+class WatchedTransport final : public Transport {
+ public:
+  explicit WatchedTransport(std::unique_ptr<Transport> inner, bool corrupt_maps = false)
+      : inner_(std::move(inner)), corrupt_maps_(corrupt_maps) {}
+  std::string name() const override { return inner_->name(); }
+  RegionId register_memory(void* base, size_t bytes) override {
+    ++registered;
+    return inner_->register_memory(base, bytes);
+  }
+  Allocation allocate_memory(size_t bytes) override { return inner_->allocate_memory(bytes); }
+  RemoteRegion describe(RegionId region) const override { return inner_->describe(region); }
+  void deregister_memory(RegionId region) override {
+    ++deregistered;
+    inner_->deregister_memory(region);
+  }
+  bool registration_current(RegionId region) const override { return inner_->registration_current(region); }
+  Bytes address() const override { return inner_->address(); }
+  PeerId connect(std::span<const uint8_t> address, const std::string& label) override {
+    return inner_->connect(address, label);
+  }
+  void disconnect(PeerId peer) override { inner_->disconnect(peer); }
+  TransportCapabilities capabilities() const override { return inner_->capabilities(); }
+  ReadId post_read(PeerId peer, const RemoteRegion& remote, uint64_t remote_offset, void* local, RegionId local_region,
+                   uint64_t length, Deadline deadline) override {
+    return inner_->post_read(peer, remote, remote_offset, local, local_region, length, deadline);
+  }
+  bool test_read(ReadId read) override { return inner_->test_read(read); }
+  void wait_read(ReadId read, Deadline deadline) override { inner_->wait_read(read, deadline); }
+  void cancel_read(ReadId read) override { inner_->cancel_read(read); }
+  const std::byte* map(PeerId peer, const RemoteRegion& remote) override {
+    ++mapped;
+    const std::byte* base = inner_->map(peer, remote);
+    if (!corrupt_maps_ || base == nullptr || remote.length == 0) return base;
+    auto& copy = copies_.emplace_back(base, base + remote.length);
+    copy[remote.length / 2] ^= std::byte{0x5a};
+    return copy.data();
+  }
+  void send(PeerId peer, std::span<const uint8_t> message, Deadline deadline) override {
+    inner_->send(peer, message, deadline);
+  }
+  Bytes receive(PeerId peer, Deadline deadline) override { return inner_->receive(peer, deadline); }
+
+  std::atomic<int> registered{0}, deregistered{0}, mapped{0};
+
+ private:
+  std::unique_ptr<Transport> inner_;
+  bool corrupt_maps_;
+  std::vector<std::vector<std::byte>> copies_;
+};
+
+struct InPlacePair {
+  std::shared_ptr<InProcFabric> fabric = make_inproc_fabric();
+  SessionId session = new_session_id();
+  std::shared_ptr<WatchedTransport> source_transport, destination_transport;
+  std::unique_ptr<CheckpointEngine> source, destination;
+  SendStats sent;
+
+  struct Options {
+    uint64_t bucket = 256;
+    bool destination_maps = true;  // map_source_buffers at the destination
+    bool checksums = false;
+    bool corrupt_maps = false;
+    std::optional<Layout> layout;
+  };
+  explicit InPlacePair(Options o) {
+    source_transport = std::make_shared<WatchedTransport>(create_inproc_transport(fabric));
+    destination_transport = std::make_shared<WatchedTransport>(create_inproc_transport(fabric), o.corrupt_maps);
+    auto so = inproc_options(fabric, o.bucket, session);
+    auto dop = inproc_options(fabric, o.bucket, session);
+    so.config.direct_reads = dop.config.direct_reads = true;
+    so.config.verify_checksums = dop.config.verify_checksums = o.checksums;
+    dop.config.map_source_buffers = o.destination_maps;
+    dop.layout = o.layout;
+    so.transport = source_transport;
+    dop.transport = destination_transport;
+    source = std::make_unique<CheckpointEngine>(so);
+    destination = std::make_unique<CheckpointEngine>(dop);
+    std::vector<Metadata> md = {source->prepare(), destination->prepare()};
+    source->init_source(0, 1, 1, md);
+    destination->init_destination(0, 1, 1, md);
+  }
+  ReceiveStats refit(const std::vector<OwnedTensor>& weights, const BatchLoader& loader) {
+    auto sending = std::async(std::launch::async, [&] {
+      VectorSource src(weights);
+      return source->send(src);
+    });
+    ReceiveStats stats;
+    try {
+      stats = destination->receive(loader);
+    } catch (...) {
+      sending.wait();
+      throw;
+    }
+    sent = sending.get();
+    return stats;
+  }
+};
+
+std::vector<OwnedTensor> model(uint32_t seed) {
+  return {
+      make_tensor("embed", DType::kBFloat16, {64, 16}, seed + 1),  // 2048 B: larger than a bucket
+      make_tensor("norm", DType::kFloat32, {16}, seed + 2),
+      make_tensor("empty", DType::kFloat32, {0, 4}, seed + 3),
+      make_tensor("bias", DType::kFloat8E4M3FN, {7}, seed + 4),
+      make_tensor("ids", DType::kInt64, {3}, seed + 5),
+      make_tensor("head", DType::kBFloat16, {300}, seed + 6),
+  };
+}
+
+uint64_t payload_of(const std::vector<OwnedTensor>& weights) {
+  uint64_t n = 0;
+  for (const auto& t : weights) n += t.info.nbytes();
+  return n;
+}
+
+TEST(InPlace, TheLoaderGetsViewsOfTheSourcesOwnTensors) {
+  InPlacePair p({});
+  const auto weights = model(1);
+  std::map<std::string, const std::byte*> seen;
+  Received got;
+  auto record = got.loader();
+  auto stats = p.refit(weights, [&](LoadBatch batch) {
+    for (const auto& v : batch) seen[v.info->name] = v.data;
+    record(batch);
+  });
+  ASSERT_EQ(got.tensors.size(), weights.size());
+  for (const auto& t : weights) {
+    EXPECT_EQ(got.tensors[t.info.name].data, t.data) << t.info.name;
+    // Every tensor with bytes is read where the source keeps it: no copy on the way.
+    if (t.info.nbytes() > 0) EXPECT_EQ(seen[t.info.name], t.data.data()) << t.info.name;
+  }
+  EXPECT_EQ(stats.in_place_bytes, payload_of(weights));
+  EXPECT_EQ(p.sent.in_place_bytes, payload_of(weights));
+  EXPECT_EQ(stats.wire_bytes, 0u);  // nothing went through a bucket (the empty tensor has no bytes)
+  EXPECT_FALSE(p.destination->stale());
+}
+
+TEST(InPlace, BatchesKeepTheBucketSizeAndSendReturnsOnlyOnceEverythingIsLoaded) {
+  InPlacePair p({.bucket = 64});
+  std::vector<OwnedTensor> weights;
+  for (int i = 0; i < 12; ++i) weights.push_back(make_tensor("t" + std::to_string(i), DType::kFloat32, {8}, i));
+  std::promise<void> last_batch_started;
+  std::atomic<bool> release_last{false};
+  auto sending = std::async(std::launch::async, [&] {
+    VectorSource src(weights);
+    return p.source->send(src);
+  });
+  Received got;
+  auto record = got.loader();
+  size_t loaded = 0;
+  auto receiving = std::async(std::launch::async, [&] {
+    return p.destination->receive([&](LoadBatch batch) {
+      loaded += batch.size();
+      if (loaded == weights.size()) {
+        last_batch_started.set_value();
+        while (!release_last) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+      record(batch);
+    });
+  });
+  last_batch_started.get_future().wait();
+  // The source's tensors are still being read: send() must not have returned.
+  EXPECT_EQ(sending.wait_for(std::chrono::milliseconds(200)), std::future_status::timeout);
+  release_last = true;
+  auto stats = receiving.get();
+  auto sent = sending.get();
+  // 32-byte tensors in 64-byte buckets: two per batch.
+  EXPECT_EQ(stats.batches, 6u);
+  for (size_t n : got.batch_sizes) EXPECT_EQ(n, 2u);
+  EXPECT_EQ(sent.in_place_bytes, 12u * 32);
+  for (const auto& t : weights) EXPECT_EQ(got.tensors[t.info.name].data, t.data);
+}
+
+TEST(InPlace, RegistrationsAreKeptAcrossRefitsAndMadeAgainWhenTheMemoryMoves) {
+  InPlacePair p({});
+  auto weights = model(3);
+  const int with_bytes = 5;  // all but the empty tensor
+  for (uint32_t r = 0; r < 3; ++r) {
+    // Training changes the values, not where they live.
+    for (auto& t : weights) std::fill(t.data.begin(), t.data.end(), static_cast<std::byte>(r + 1));
+    Received got;
+    p.refit(weights, got.loader());
+    for (const auto& t : weights) EXPECT_EQ(got.tensors[t.info.name].data, t.data) << "refit " << r;
+    EXPECT_EQ(p.source_transport->registered, with_bytes) << "refit " << r;
+  }
+  EXPECT_EQ(p.source_transport->deregistered, 0);
+  const int maps = p.destination_transport->mapped;
+  // The parameters move (new memory): registered again; the old registrations go.
+  auto moved = model(9);
+  Received got;
+  p.refit(moved, got.loader());
+  for (const auto& t : moved) EXPECT_EQ(got.tensors[t.info.name].data, t.data);
+  EXPECT_EQ(p.source_transport->registered, 2 * with_bytes);
+  EXPECT_EQ(p.source_transport->deregistered, with_bytes);
+  EXPECT_GT(p.destination_transport->mapped, maps);
+}
+
+TEST(InPlace, SlicesGoInPlaceWhenContiguousAndThroughBucketsOtherwise) {
+  std::vector<OwnedTensor> weights = {
+      make_tensor("q", DType::kBFloat16, {8, 6}, 1),  // rows 4..7: contiguous
+      make_tensor("o", DType::kFloat32, {5, 8}, 2),   // columns 2..5: strided, packed
+      make_tensor("n", DType::kFloat32, {8}, 3),      // whole
+  };
+  Layout layout;
+  layout.tensors["q"] = Request::narrow(0, 4, 4);
+  layout.tensors["o"] = Request::narrow(1, 2, 4);
+  InPlacePair p({.bucket = 64, .layout = layout});
+  Received got;
+  auto stats = p.refit(weights, got.loader());
+  ASSERT_EQ(got.tensors.size(), 3u);
+  for (const auto& t : weights) {
+    const Selection s = select(layout, t.info);
+    std::vector<std::byte> expected(s.info.nbytes());
+    if (s.take == Take::kSlice)
+      copy_slice(t.data.data(), t.info, s.slice, expected.data());
+    else
+      expected = t.data;
+    EXPECT_EQ(got.tensors[t.info.name].data, expected) << t.info.name;
+  }
+  EXPECT_EQ(stats.in_place_bytes, 4u * 6 * 2 + 8 * 4);
+  EXPECT_EQ(stats.wire_bytes, 5u * 4 * 4);
+}
+
+TEST(InPlace, ADestinationThatDoesNotMapGetsEveryByteThroughBuckets) {
+  InPlacePair p({.destination_maps = false});
+  const auto weights = model(5);
+  Received got;
+  auto stats = p.refit(weights, got.loader());
+  for (const auto& t : weights) EXPECT_EQ(got.tensors[t.info.name].data, t.data);
+  EXPECT_EQ(stats.in_place_bytes, 0u);
+  EXPECT_EQ(p.sent.in_place_bytes, 0u);
+  EXPECT_EQ(p.source_transport->registered, 0);  // nothing registered for nothing
+}
+
+TEST(InPlace, ChecksumsCoverTheBytesReadInPlace) {
+  {
+    InPlacePair p({.checksums = true});
+    const auto weights = model(7);
+    Received got;
+    auto stats = p.refit(weights, got.loader());
+    for (const auto& t : weights) EXPECT_EQ(got.tensors[t.info.name].data, t.data);
+    EXPECT_GT(stats.in_place_bytes, 0u);
+  }
+  {
+    // What the destination maps differs by one byte from what the source hashed.
+    InPlacePair p({.checksums = true, .corrupt_maps = true});
+    Received got;
+    EXPECT_THAT(testing::error_of(ErrorKind::kIntegrity, [&] { p.refit(model(7), got.loader()); }),
+                ::testing::HasSubstr("arrived corrupted"));
+    EXPECT_TRUE(p.destination->stale());
+  }
+}
+
+}  // namespace
+}  // namespace refit

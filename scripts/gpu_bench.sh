@@ -5,15 +5,17 @@
 # bitwise; prints each run's median and the median over runs as a ratio to its ceiling:
 #   device cuda (CUDA IPC)              against the device-to-device copy;
 #   device cpu  (UCX, pinned host buffers) against the slower pinned copy direction.
-# A device named with "+staged" (cuda+staged, cpu+staged) sets map_source_buffers=false: the
-# destination reads every bucket into its own buffer before loading it (three copies per byte)
-# instead of loading straight from the source's mapped buffer (two).
+# By default a destination loads tensors straight from the source's own GPU memory where it can
+# map it (direct_reads with CUDA IPC: one copy per byte). A device named with "+buckets" sets
+# direct_reads=false: every tensor is packed into a bucket that the destination loads from the
+# source's mapped buffer (two copies). "+staged" sets map_source_buffers=false as well: the
+# destination reads every bucket into its own buffer before loading it (three copies).
 # Build first (scripts/gpu_test.sh builds $BUILD_DIR).
 #
 # Usage: scripts/gpu_bench.sh [MODEL] [RUNS] [REFITS] [BUCKET] [DEVICES]
 #   defaults: data/models/qwen3-14b (27.5 GiB), 3 runs, 5 refits, BUCKET "default" (the engine's
 #   own sizing: update_weights_bucket_memory_ratio of the smallest worker's device memory),
-#   "cuda cuda+staged cpu cpu+staged"
+#   "cuda cuda+buckets cuda+staged cpu cpu+staged"
 # Writes JSON to $GPU_BENCH_OUT (default $BUILD_DIR/gpu_bench/).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,7 +25,7 @@ model="${1:-data/models/qwen3-14b}"
 runs="${2:-3}"
 refits="${3:-5}"
 bucket="${4:-default}"
-devices="${5:-cuda cuda+staged cpu cpu+staged}"
+devices="${5:-cuda cuda+buckets cuda+staged cpu cpu+staged}"
 out="${GPU_BENCH_OUT:-$build/gpu_bench}"
 mkdir -p "$out"
 bucket_override=()
@@ -39,10 +41,14 @@ echo "== ceilings (copies of $ceiling_bytes bytes)"
 for device in $devices; do
   for run in $(seq 1 "$runs"); do
     echo "== device $device, run $run"
-    map=true
-    [ "${device%+staged}" != "$device" ] && map=false
-    "$build/refit" bench --model "$model" --device "${device%+staged}" --tensors cuda --refits "$refits" \
-      --json "$out/$device-$run.json" "${bucket_override[@]}" "refit_cfg.nixl.map_source_buffers=$map" 2>&1 | grep -v "vLLM refit"
+    map=true direct=true
+    case "$device" in
+      *+staged) map=false direct=false ;;
+      *+buckets) direct=false ;;
+    esac
+    "$build/refit" bench --model "$model" --device "${device%+*}" --tensors cuda --refits "$refits" \
+      --json "$out/$device-$run.json" "${bucket_override[@]}" "refit_cfg.nixl.map_source_buffers=$map" \
+      "refit_cfg.nixl.direct_reads=$direct" 2>&1 | grep -v "vLLM refit"
   done
 done
 
@@ -65,7 +71,8 @@ for device in devices:
         last = r["refits"][-1]["bytes_received"][0]
         print(f"device {device} run {run}: {r['model_bytes']/2**30:.2f} GiB, {r['bucket_bytes']/2**20:.0f} MiB buckets, "
               f"refits GB/s " + " ".join(f"{x:.1f}" for x in rates) + f", median {medians[-1]:.1f} "
-              f"(last refit: destination receive {last['receive_seconds']*1e3:.1f} ms, load {last['load_seconds']*1e3:.1f} ms)")
+              f"(last refit: destination receive {last['receive_seconds']*1e3:.1f} ms, load {last['load_seconds']*1e3:.1f} ms, "
+              f"{last.get('in_place_bytes', 0) / max(last['bytes'], 1):.0%} of the bytes in place)")
     if medians:
         name, c = ceilings[device.split("+")[0]]
         m = statistics.median(medians)

@@ -252,6 +252,7 @@ int run_bench(const BenchOptions& options) {
   int exit_code = 0;
   std::vector<double> throughputs;
   uint64_t bucket_bytes = 0;
+  uint64_t all_received = 0, in_place_received = 0;  // over every refit
   {
     const auto start = std::chrono::steady_clock::now();
     if (isatty(STDERR_FILENO) == 1)
@@ -285,6 +286,8 @@ int run_bench(const BenchOptions& options) {
             continue;
           }
           received += w.receive.payload_bytes;
+          all_received += w.receive.payload_bytes;
+          in_place_received += w.receive.in_place_bytes;
           const uint64_t expected = expected_bytes.at(w.rank);
           if (w.receive.payload_bytes != expected)
             problems.push_back(fmt::format("destination rank {} received {} bytes, its layout holds {}", w.rank,
@@ -293,6 +296,7 @@ int run_bench(const BenchOptions& options) {
                                      {"bytes", w.receive.payload_bytes},
                                      {"expected_bytes", expected},
                                      {"wire_bytes", w.receive.wire_bytes},
+                                     {"in_place_bytes", w.receive.in_place_bytes},
                                      {"tensors", w.receive.tensors},
                                      {"batches", w.receive.batches},
                                      {"receive_seconds", w.receive.receive_seconds()},
@@ -338,8 +342,11 @@ int run_bench(const BenchOptions& options) {
   out["bucket_bytes"] = bucket_bytes;
   out["verified"] = verified;
   out["median_throughput_bytes_per_s"] = median(throughputs);
-  fmt::print("median throughput: {:.2f} GiB/s over {} refit(s); verified: {}\n", median(throughputs) / kGiB,
-             throughputs.size(), verified ? "yes" : "no");
+  fmt::print("median throughput: {:.2f} GiB/s over {} refit(s); verified: {}{}\n", median(throughputs) / kGiB,
+             throughputs.size(), verified ? "yes" : "no",
+             in_place_received > 0 ? fmt::format("; {:.0f}% of the bytes read in place (direct_reads)",
+                                                 100.0 * in_place_received / std::max<uint64_t>(all_received, 1))
+                                   : "");
 
   if (options.compare_paired) {
     if (holds.empty() || ranks)

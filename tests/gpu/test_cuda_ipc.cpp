@@ -47,6 +47,26 @@ TEST(CudaIpc, AllocatesZeroedDeviceMemory) {
   EXPECT_EQ(error_kind_of([&] { transport->describe(allocation.region); }), ErrorKind::kInvalidArgument);
 }
 
+// A source keeps its tensors' registrations across refits; it must notice when the memory under
+// one was freed and allocated again (even at the same address), whose IPC handle differs.
+TEST(CudaIpc, ARegistrationIsNoLongerCurrentOnceItsMemoryIsReplaced) {
+  REFIT_REQUIRE_GPUS(1);
+  auto transport = ipc_on(0);
+  const Device gpu{Device::Kind::kCuda, 0};
+  auto memory = std::make_unique<DeviceBuffer>(gpu, 1 << 20);
+  std::byte* base = memory->data();
+  RegionId tensor = transport->register_memory(base + 4096, 1000);
+  EXPECT_TRUE(transport->registration_current(tensor));
+  EXPECT_TRUE(transport->registration_current(tensor));
+  memory.reset();
+  EXPECT_FALSE(transport->registration_current(tensor));  // freed
+  memory = std::make_unique<DeviceBuffer>(gpu, 1 << 20);  // often at the same address
+  EXPECT_FALSE(transport->registration_current(tensor)) << (memory->data() == base ? "same address" : "elsewhere");
+  RegionId again = transport->register_memory(memory->data() + 4096, 1000);
+  EXPECT_TRUE(transport->registration_current(again));
+  EXPECT_TRUE(transport->capabilities().maps_registered_memory);
+}
+
 TEST(CudaIpc, ReadsWithinOneProcess) {
   REFIT_REQUIRE_GPUS(1);
   auto source = ipc_on(0);

@@ -38,7 +38,17 @@ void expect_verified(const Run& run) {
 
 TEST(GpuBench, CudaIpcRefitsGpuTensorsBitwise) {
   REFIT_REQUIRE_GPUS(1);
-  expect_verified(refit_cli("bench --device cuda --refits 3"));
+  // By default the destination reads every tensor straight from the source's GPU memory.
+  auto run = refit_cli("bench --device cuda --refits 3");
+  expect_verified(run);
+  EXPECT_NE(run.output.find("100% of the bytes read in place"), std::string::npos) << run.output;
+}
+
+TEST(GpuBench, WithoutDirectReadsEveryTensorGoesThroughTheMappedBuckets) {
+  REFIT_REQUIRE_GPUS(1);
+  auto run = refit_cli("bench --device cuda --refits 2 refit_cfg.nixl.direct_reads=false");
+  expect_verified(run);
+  EXPECT_EQ(run.output.find("read in place"), std::string::npos) << run.output;
 }
 
 TEST(GpuBench, StagedReadsIntoTheDestinationsBuffersToo) {
@@ -48,8 +58,9 @@ TEST(GpuBench, StagedReadsIntoTheDestinationsBuffersToo) {
 
 TEST(GpuBench, TensorsSplitOverBucketsAreMergedOnTheGpu) {
   REFIT_REQUIRE_GPUS(1);
-  // 8 MiB buckets split the 62.5 MiB embedding and LM head over many buckets.
-  auto run = refit_cli("bench --device cuda --refits 2 refit_cfg.nixl.bucket_bytes=8MiB");
+  // 8 MiB buckets split the 62.5 MiB embedding and LM head over many buckets (tensors go through
+  // buckets only without direct reads).
+  auto run = refit_cli("bench --device cuda --refits 2 refit_cfg.nixl.bucket_bytes=8MiB refit_cfg.nixl.direct_reads=false");
   expect_verified(run);
 }
 

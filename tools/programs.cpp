@@ -132,6 +132,24 @@ class SourceProgram final : public WorkerProgram {
     }
   }
 
+  // Host weights move into memory from the engine's transport, which destinations on this host
+  // map (UCX: shared memory), so that they load every tensor in place: one copy per byte. GPU
+  // weights stay: CUDA IPC maps any cudaMalloc memory.
+  void place_weights(CheckpointEngine& engine) override {
+    if (kind_ != MemoryKind::kHost || views_.empty()) return;
+    uint64_t total = 0;
+    for (const auto& v : views_) total += aligned(v.info->nbytes());
+    std::byte* base = engine.allocate_weight_memory(std::max<uint64_t>(total, 1));
+    uint64_t offset = 0;
+    for (auto& v : views_) {
+      const uint64_t n = v.info->nbytes();
+      if (n > 0) std::memcpy(base + offset, v.data, n);
+      v.data = base + offset;
+      offset += aligned(n);
+    }
+    storage_ = TensorMemory();  // the engine's memory holds the weights now
+  }
+
   void stage(uint64_t index) override {
     if (!synthetic() && !hashes_.empty()) return;  // file content does not change
     hashes_.clear();

@@ -73,6 +73,14 @@ class Transport {
   virtual Allocation allocate_memory(size_t bytes) = 0;
   virtual RemoteRegion describe(RegionId region) const = 0;
   virtual void deregister_memory(RegionId region) = 0;
+  // The range worth registering to cover `bytes` at `base`: the whole allocation that holds them
+  // where a backend knows it (CUDA IPC: the cudaMalloc allocation), so that one registration
+  // serves every tensor in it; otherwise the bytes themselves.
+  struct Extent {
+    const std::byte* base = nullptr;
+    size_t bytes = 0;
+  };
+  virtual Extent registration_extent(const std::byte* base, size_t bytes) const { return {base, bytes}; }
   // False when the memory under a registration is no longer what was registered (freed and
   // allocated again where a backend can tell: CUDA IPC compares the allocation's identity), so
   // that a caller caching registrations across refits registers again.

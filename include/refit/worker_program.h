@@ -18,6 +18,11 @@ namespace refit {
 class WorkerProgram {
  public:
   virtual ~WorkerProgram() = default;
+  // On a source whose group reads in place (direct_reads), each time its engine is created: the
+  // program may move its weights into engine.allocate_weight_memory(), which destinations on its
+  // host map whatever the transport (UCX cannot map other memory), so that they read every tensor
+  // in place. Memory of an earlier engine is still valid during the call, and freed after it.
+  virtual void place_weights(CheckpointEngine& engine) {}
   // Before refit `index` starts (not timed): a source makes its weights ready.
   virtual void stage(uint64_t index) {}
   // The weights a source sends in refit `index`.

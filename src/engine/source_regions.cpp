@@ -44,23 +44,32 @@ std::optional<SourceRegions::Found> SourceRegions::find(const std::byte* data, u
     }
   }
   if (!registrable(kind) || memory_kind_of(data) != kind) return std::nullopt;
-  if (auto same = by_base_.find(data); same != by_base_.end()) {
-    if (same->second.allocated) return std::nullopt;  // a tensor running past the end of our allocation
-    drop(same);
-  }
   Registration r;
+  Transport::Extent extent;
   try {
-    r.region = transport_->register_memory(const_cast<std::byte*>(data), bytes);
+    extent = transport_->registration_extent(data, bytes);
+    if (extent.base > data || bytes > extent.bytes || static_cast<uint64_t>(data - extent.base) > extent.bytes - bytes)
+      extent = {data, bytes};  // not around the bytes asked for: those alone
+    r.region = transport_->register_memory(const_cast<std::byte*>(extent.base), extent.bytes);
   } catch (const Error& e) {
     spdlog::debug("source memory at {} ({} bytes) cannot be read in place, so it goes through buckets: {}",
                   static_cast<const void*>(data), bytes, e.what());
     return std::nullopt;
   }
-  r.bytes = bytes;
+  r.bytes = extent.bytes;
   r.remote = {transport_->describe(r.region), kind};
   r.used_in = refit_;
-  auto placed = by_base_.emplace(data, std::move(r)).first;
-  return Found{placed->second.region, &placed->second.remote, 0};
+  // A registration starting where a stale one did (the same allocation base) replaces it; our
+  // own allocation stays (a tensor running past its end goes through buckets).
+  if (auto same = by_base_.find(extent.base); same != by_base_.end()) {
+    if (same->second.allocated) {
+      transport_->deregister_memory(r.region);
+      return std::nullopt;
+    }
+    drop(same);
+  }
+  auto placed = by_base_.emplace(extent.base, std::move(r)).first;
+  return Found{placed->second.region, &placed->second.remote, static_cast<uint64_t>(data - extent.base)};
 }
 
 std::byte* SourceRegions::allocate(uint64_t bytes) {

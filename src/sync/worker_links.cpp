@@ -122,14 +122,16 @@ int serve_worker(bool is_source, int rank, Channel& channel, const GroupOptions&
         engine_options = eo;
         engine = std::make_unique<CheckpointEngine>(std::move(eo));
         program = options.program(is_source, rank);
+        if (is_source && options.config.direct_reads) program->place_weights(*engine);
       } else if (!engine) {
         fail(ErrorKind::kInvalidArgument, "{} got '{}' before its engine was created", self, name);
       } else if (name == "prepare") {
         if (refit_failed) {
           // Messages of the failed refit may still be in flight to the old engine; a fresh one
           // (a fresh transport endpoint) never sees them.
-          engine.reset();
-          engine = std::make_unique<CheckpointEngine>(*engine_options);
+          auto fresh = std::make_unique<CheckpointEngine>(*engine_options);
+          if (is_source && options.config.direct_reads) program->place_weights(*fresh);  // from the old one's memory
+          engine = std::move(fresh);
           refit_failed = false;
         }
         reply["metadata"] = binary(engine->prepare());

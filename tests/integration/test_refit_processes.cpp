@@ -57,13 +57,32 @@ TEST(RefitProcesses, OneToOneOverSharedMemory) {
   EXPECT_TRUE(std::regex_search(r.output, std::regex(R"(\] \[driver\] \[info\] Using checkpoint-engine)"))) << r.output;
   EXPECT_TRUE(std::regex_search(r.output, std::regex(R"(\] \[destination rank 0\] \[info\] \[vLLM refit\] Loaded)")))
       << r.output;
-  // The destination loaded straight from the source's shared-memory buffers, and so holds no
-  // transfer buffers of its own.
+  // The destination read every tensor in place, from the source's weights in UCX shared memory
+  // (direct_reads), so it holds no transfer buffers of its own.
   const auto result = read_json(b.json);
   for (const auto& refit : result.at("refits")) {
-    EXPECT_TRUE(refit.at("bytes_received").at(0).at("mapped").get<bool>());
-    EXPECT_EQ(refit.at("bytes_received").at(0).at("buffer_bytes").get<uint64_t>(), 0u);
+    const auto& d = refit.at("bytes_received").at(0);
+    EXPECT_TRUE(d.at("mapped").get<bool>());
+    EXPECT_EQ(d.at("buffer_bytes").get<uint64_t>(), 0u);
+    EXPECT_EQ(d.at("in_place_bytes").get<uint64_t>(), model_bytes);
+    EXPECT_EQ(d.at("wire_bytes").get<uint64_t>(), 0u);
   }
+  EXPECT_NE(r.output.find("100% of the bytes read in place"), std::string::npos) << r.output;
+}
+
+// Without direct reads every tensor is packed into the source's mapped buckets: two copies per byte.
+TEST(RefitProcesses, WithoutDirectReadsTensorsGoThroughTheMappedBuckets) {
+  Bench b;
+  auto r = b.run(1, 1, 2, {kShm, "refit_cfg.nixl.direct_reads=false"});
+  const auto model_bytes = inventory_from_hf_config(b.model).total_bytes();
+  expect_verified(r, read_json(b.json), 1, 2, model_bytes);
+  for (const auto& refit : read_json(b.json).at("refits")) {
+    const auto& d = refit.at("bytes_received").at(0);
+    EXPECT_TRUE(d.at("mapped").get<bool>());
+    EXPECT_EQ(d.at("in_place_bytes").get<uint64_t>(), 0u);
+    EXPECT_GE(d.at("wire_bytes").get<uint64_t>(), model_bytes);
+  }
+  EXPECT_EQ(r.output.find("read in place"), std::string::npos) << r.output;
 }
 
 // The default model is compiled in: a copy of the binary, run away from the source tree, still
@@ -101,8 +120,10 @@ TEST(RefitProcesses, OneToOneOverTcp) {
   auto r = b.run(1, 1, 2, {kTcp});
   expect_verified(r, read_json(b.json), 1, 2, inventory_from_hf_config(b.model).total_bytes());
   const auto result = read_json(b.json);
-  for (const auto& refit : result.at("refits"))
+  for (const auto& refit : result.at("refits")) {
     EXPECT_FALSE(refit.at("bytes_received").at(0).at("mapped").get<bool>());  // tcp cannot map
+    EXPECT_EQ(refit.at("bytes_received").at(0).at("in_place_bytes").get<uint64_t>(), 0u);
+  }
 }
 
 TEST(RefitProcesses, TwoToTwo) {

@@ -427,6 +427,14 @@ TEST(UcxTransport, ConnectsToItself) {
   EXPECT_EQ(error_kind_of([&] { transport->describe(source_region); }), ErrorKind::kInvalidArgument);
 }
 
+// A destination tells its sources whether it maps their memory (in-place reads), so the answer
+// must follow the transports UCX may use: only shared memory (posix, sysv, xpmem) maps.
+TEST(UcxTransport, MapsPeerMemoryOnlyWithASharedMemoryTransport) {
+  EXPECT_TRUE(create_transport("UCX", {{"tls", "posix,sysv,cma,self"}})->capabilities().maps_peer_memory);
+  EXPECT_FALSE(create_transport("UCX", {{"tls", "tcp,self"}})->capabilities().maps_peer_memory);
+  EXPECT_FALSE(create_transport("UCX", {})->capabilities().maps_registered_memory);  // only what it allocated
+}
+
 TEST(UcxTransport, RejectsBadInitParamsNamingThem) {
   struct Case {
     Params params;

@@ -242,6 +242,16 @@ class CudaIpcTransport final : public SynchronousReads {
     return add(std::move(region));
   }
 
+  Extent registration_extent(const std::byte* base, size_t bytes) const override {
+    if (bytes == 0 || memory_kind_of(base) != MemoryKind::kCuda) return {base, bytes};
+    const int device = device_of(base);
+    cuda::DeviceGuard guard(device);
+    cuda::check(cudaSetDevice(device), "cudaSetDevice",
+                fmt::format("selecting cuda:{}, the GPU of the memory at {}", device, static_cast<const void*>(base)));
+    auto [allocation, allocation_size] = allocation_of(base);
+    return {allocation, allocation_size};
+  }
+
   bool registration_current(RegionId id) const override {
     const Region& r = find_region(id, "checking a registration");
     if (r.buffer_id == 0) return true;  // nothing to compare with (host memory, an old driver)

@@ -156,12 +156,34 @@ class UcxTransport final : public Transport {
   HandleTable<std::unique_ptr<Peer>> peers_{"UCX", "peer", "connected"};
   std::vector<std::unique_ptr<Peer>> closing_;  // disconnected peers whose endpoint close did not finish in time
 
+  bool shared_memory_ = false;  // the context has a transport through which peers map memory (posix, sysv, xpmem)
   std::unique_ptr<std::remove_pointer_t<ucp_context_h>, ContextDeleter> context_;
   std::unique_ptr<std::remove_pointer_t<ucp_worker_h>, WorkerDeleter> worker_;
   std::unique_ptr<ProgressThread> progress_;  // declared last so that it stops first
   Bytes address_;
   HandleTable<Region> regions_{"UCX", "region", "registered"};
 };
+
+// Whether the context may reach a peer's memory through a mapping (ucp_rkey_ptr): one of its
+// resources is a shared-memory transport. ucp_context_print_info lists them as
+// "resource N : md M dev D flags -- posix/memory"; UCX 1.13 has no structured query.
+bool has_shared_memory_transport(ucp_context_h context) {
+  char* text = nullptr;
+  size_t size = 0;
+  FILE* out = open_memstream(&text, &size);
+  if (out == nullptr) return false;
+  ucp_context_print_info(context, out);
+  std::fclose(out);
+  std::istringstream lines(std::string(text, size));
+  std::free(text);
+  for (std::string line; std::getline(lines, line);) {
+    const auto dashes = line.find("-- ");
+    if (line.find("resource") == std::string::npos || dashes == std::string::npos) continue;
+    const std::string tl = line.substr(dashes + 3, line.find('/', dashes) - dashes - 3);
+    if (tl == "posix" || tl == "sysv" || tl == "xpmem") return true;
+  }
+  return false;
+}
 
 UcxTransport::UcxTransport(UcxOptions options) : options_(std::move(options)), id_(random_instance_id()) { init_ucx(); }
 
@@ -184,6 +206,7 @@ void UcxTransport::init_ucx() {
     fail(ErrorKind::kTransport, "cannot initialize UCX (ucp_init): {}", ucs_status_string(status));
   }
   context_.reset(context);
+  shared_memory_ = has_shared_memory_transport(context);
 
   ucp_worker_params_t worker_params{};
   worker_params.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
@@ -446,8 +469,11 @@ std::string UcxTransport::route(PeerId id) {
 
 TransportCapabilities UcxTransport::capabilities() const {
   // GPU memory needs a UCX built with CUDA (registry.cpp wraps this transport for GPU buffers).
-  return {
-      .async_reads = true, .maps_peer_memory = true, .host_memory = true, .device_memory = false, .remote_peers = true};
+  return {.async_reads = true,
+          .maps_peer_memory = shared_memory_,
+          .host_memory = true,
+          .device_memory = false,
+          .remote_peers = true};
 }
 
 ReadId UcxTransport::post_read(PeerId id, const RemoteRegion& remote, uint64_t remote_offset, void* local,

@@ -187,7 +187,8 @@ void message_seeds() {
   protocol::BucketReady in_place;
   in_place.refit = 5;
   in_place.used_bytes = 16;
-  in_place.regions = {{{0x7f0000001000, 64, {1, 2, 3}}, MemoryKind::kHost}, {{0x7f0000100000, 48, {}}, MemoryKind::kHost}};
+  in_place.regions = {{{0x7f0000001000, 64, {1, 2, 3}}, MemoryKind::kHost},
+                      {{0x7f0000100000, 48, {}}, MemoryKind::kHost}};
   in_place.entries = {{tensor("a", DType::kFloat32, {4, 4}), Box::whole(), 0, 64, 0, 1},
                       {tensor("b", DType::kUInt8, {40}), Box::whole(), 0, 24, 8, 2},
                       {tensor("b", DType::kUInt8, {40}), Box::whole(), 24, 16, 0, 0}};
@@ -263,6 +264,19 @@ void assembler_seeds() {
     put_frame(stream, protocol::encode(b[0]));
     for (const auto& x : buckets_for(model, 8, 1)) put_frame(stream, protocol::encode(x));
     write("assembler", "incomplete_then_whole", stream);
+  }
+  // Tensors in place: a whole one and a chunk from a source region, the rest packed.
+  {
+    Bytes stream{3};
+    protocol::BucketReady b;
+    b.used_bytes = 16;
+    b.regions = {{{0x7f0000001000, 96, {7}}, MemoryKind::kHost}};
+    b.entries = {{tensor("a", DType::kFloat32, {4, 4}), Box::whole(), 0, 64, 32, 1},
+                 {tensor("b", DType::kUInt8, {40}), Box::whole(), 0, 24, 0, 1},
+                 {tensor("b", DType::kUInt8, {40}), Box::whole(), 24, 16, 0, 0}};
+    b.is_last = true;
+    put_frame(stream, protocol::encode(b));
+    write("assembler", "in_place", stream);
   }
   // An abort in the middle of a refit.
   {

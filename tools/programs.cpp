@@ -9,6 +9,7 @@
 #include <cstring>
 #include <filesystem>
 #include <map>
+#include <unordered_map>
 
 #include "core/box_copy.h"
 #include "core/fail.h"
@@ -368,7 +369,7 @@ class DestinationProgram final : public WorkerProgram {
   MemoryKind kind_;
   const ModelInventory* model_;  // resharding: the model, to check against
   const std::optional<Layout>* checks_;
-  std::map<std::string, std::vector<std::byte>> host_parameters_;
+  std::unordered_map<std::string, std::vector<std::byte>> host_parameters_;
   uint64_t batches_ = 0;
   std::map<std::string, std::string> hashes_;
   std::vector<std::string> received_;  // tensors loaded this refit, in order

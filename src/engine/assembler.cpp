@@ -27,7 +27,7 @@ std::vector<TensorView> TensorAssembler::add_bucket(const protocol::BucketReady&
     const std::byte* chunk = bases[e.region] + e.bucket_offset;
     const MemoryKind chunk_kind = e.region == 0 ? kind_ : bucket.regions[e.region - 1].memory;
     const bool whole = e.box.is_whole() && e.tensor_offset == 0 && e.size == nbytes;
-    auto merge = merging_.find(e.tensor.name);
+    auto merge = merging_.empty() ? merging_.end() : merging_.find(e.tensor.name);
     if (names_.count(e.tensor.name) || (whole && merge != merging_.end()))
       fail(ErrorKind::kProtocol, "bucket {} from {}: tensor '{}' delivered twice in one refit", bucket.seq, who,
            e.tensor.name);

@@ -122,9 +122,9 @@ class BucketFetcher {
   std::exception_ptr error_;
   std::string error_phase_;
   bool stop_ = false;
-  bool finished_ = false;              // the last bucket was fetched, or an error happened
+  bool finished_ = false;                   // the last bucket was fetched, or an error happened
   std::optional<uint64_t> unacknowledged_;  // thread only: handed out, acknowledged once released
-  std::vector<TimelineEvent> events_;  // written by the thread only, read after finish()
+  std::vector<TimelineEvent> events_;       // written by the thread only, read after finish()
   std::thread thread_;
 };
 

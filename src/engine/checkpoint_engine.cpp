@@ -681,9 +681,13 @@ class CheckpointEngine::Impl {
         ++stats.tensors;
         continue;
       }
+      if (!target_layout_) {  // paired, whole tensors: nothing to select or to check afterwards
+        senders_[0]->add(view, Box::whole(), info, Box::whole(), phase);
+        ++stats.tensors;
+        continue;
+      }
       // Paired: what the destination holds of this tensor: all of it, a slice, or nothing.
-      Selection selection{Take::kWhole, {}, info};
-      if (target_layout_) selection = select(*target_layout_, info);
+      const Selection selection = select(*target_layout_, info);
       if (selection.take == Take::kDrop) {
         ++stats.dropped;
         continue;
@@ -830,7 +834,7 @@ class CheckpointEngine::Impl {
   EngineOptions options_;
   std::shared_ptr<Transport> transport_;
   std::unique_ptr<SourceRegions> source_regions_;  // on a source: its memory registered for in-place reads
-  RegionId region_ = 0;  // one allocation of the transport holds every link's two buffers
+  RegionId region_ = 0;                            // one allocation of the transport holds every link's two buffers
   std::byte* region_base_ = nullptr;
   // Where transfer buffers (ours, or the source's mapped) live: the configured device's kind.
   const MemoryKind buffer_kind_ =

@@ -32,16 +32,18 @@ void LinkSender::begin(uint64_t refit) {
 bool LinkSender::add_in_place(const TensorView& view, const Box& box, const TensorInfo& tensor, const Box& piece,
                               std::string& phase) {
   const TensorInfo& source = *view.info;
-  const uint64_t size = TensorInfo{tensor.name, tensor.dtype, piece.shape_in(tensor.shape)}.nbytes();
+  const uint64_t size = piece.is_whole() ? tensor.nbytes() : piece.nbytes_in(tensor);
   // Checksums are computed on the CPU: only host memory goes in place with them.
   if (size == 0 || (context_.verify_checksums && view.memory != MemoryKind::kHost)) return false;
   // Only a piece that is one contiguous range of the view.
   uint64_t first = 0, blocks = 0;
   bool contiguous = true;
-  for_each_box_block(source.shape, dtype_size(source.dtype), box, 0, size, [&](const BoxBlock& b) {
-    if (blocks++ == 0) first = b.tensor_offset;
-    contiguous = contiguous && blocks == 1 && (b.rows <= 1 || b.pitch == b.row_bytes);
-  });
+  if (!box.is_whole()) {
+    for_each_box_block(source.shape, dtype_size(source.dtype), box, 0, size, [&](const BoxBlock& b) {
+      if (blocks++ == 0) first = b.tensor_offset;
+      contiguous = contiguous && blocks == 1 && (b.rows <= 1 || b.pitch == b.row_bytes);
+    });
+  }
   if (!contiguous) return false;
   const auto found = context_.in_place->find(view.data + first, size, view.memory);
   if (!found) return false;

@@ -312,7 +312,8 @@ void validate(const BucketReady& m, uint64_t bucket_bytes, uint64_t region_bytes
   for (const auto& e : m.entries)
     if (e.region > 0) used[e.region - 1] = true;
   for (size_t k = 0; k < used.size(); ++k)
-    if (!used[k]) fail(ErrorKind::kProtocol, "bucket {} from {}: source region {} is used by no chunk", m.seq, who, k + 1);
+    if (!used[k])
+      fail(ErrorKind::kProtocol, "bucket {} from {}: source region {} is used by no chunk", m.seq, who, k + 1);
 }
 
 }  // namespace refit::protocol

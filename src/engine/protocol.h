@@ -74,7 +74,7 @@ struct BucketReady {
   uint64_t seq = 0;     // bucket number within the refit
   uint64_t offset = 0;  // where the bucket starts in the source's transfer region (metadata `buffers`)
   bool is_last = false;
-  uint64_t used_bytes = 0;           // only this prefix of the buffer is read
+  uint64_t used_bytes = 0;  // only this prefix of the buffer is read
   // With verify_checksums: xxh3-64 of the used bytes, then of every in-place entry's bytes in
   // entry order.
   std::optional<uint64_t> checksum;

@@ -19,8 +19,7 @@ void SourceRegions::drop(std::map<const std::byte*, Registration>::iterator it) 
   try {
     transport_->deregister_memory(it->second.region);
   } catch (const std::exception& e) {
-    spdlog::warn("dropping the registration of source memory at {}: {}", static_cast<const void*>(it->first),
-                 e.what());
+    spdlog::warn("dropping the registration of source memory at {}: {}", static_cast<const void*>(it->first), e.what());
   }
   by_base_.erase(it);
 }

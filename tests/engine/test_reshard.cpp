@@ -214,19 +214,17 @@ TEST(Reshard, TheAssemblerRefusesBytesSentTwice) {
   {
     TensorAssembler a;
     a.add_bucket(bucket(Box::whole(), 0, 8), data, "source rank 0", deadline);
-    EXPECT_THAT(
-        testing::error_of(ErrorKind::kProtocol,
-                          [&] { a.add_bucket(bucket(Box::whole(), 4, 8), data, "source rank 1", deadline); }),
-        HasSubstr("bytes [4, 12) of piece whole of 'w' arrived twice"));
+    EXPECT_THAT(testing::error_of(ErrorKind::kProtocol,
+                                  [&] { a.add_bucket(bucket(Box::whole(), 4, 8), data, "source rank 1", deadline); }),
+                HasSubstr("bytes [4, 12) of piece whole of 'w' arrived twice"));
   }
   {
     TensorAssembler a;
     const Box rows_0_2 = Box::of(Request::narrow(0, 0, 2)), rows_1_3 = Box::of(Request::narrow(0, 1, 2));
     a.add_bucket(bucket(rows_0_2, 0, 8), data, "source rank 0", deadline);
-    EXPECT_THAT(
-        testing::error_of(ErrorKind::kProtocol,
-                          [&] { a.add_bucket(bucket(rows_1_3, 0, 8), data, "source rank 1", deadline); }),
-        HasSubstr("overlaps piece dim 0 [0, 2)"));
+    EXPECT_THAT(testing::error_of(ErrorKind::kProtocol,
+                                  [&] { a.add_bucket(bucket(rows_1_3, 0, 8), data, "source rank 1", deadline); }),
+                HasSubstr("overlaps piece dim 0 [0, 2)"));
     // The other half completes it.
     auto views = a.add_bucket(bucket(Box::of(Request::narrow(0, 2, 2)), 0, 8), data, "source rank 1", deadline);
     ASSERT_EQ(views.size(), 1u);

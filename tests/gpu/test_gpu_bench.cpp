@@ -60,7 +60,8 @@ TEST(GpuBench, TensorsSplitOverBucketsAreMergedOnTheGpu) {
   REFIT_REQUIRE_GPUS(1);
   // 8 MiB buckets split the 62.5 MiB embedding and LM head over many buckets (tensors go through
   // buckets only without direct reads).
-  auto run = refit_cli("bench --device cuda --refits 2 refit_cfg.nixl.bucket_bytes=8MiB refit_cfg.nixl.direct_reads=false");
+  auto run =
+      refit_cli("bench --device cuda --refits 2 refit_cfg.nixl.bucket_bytes=8MiB refit_cfg.nixl.direct_reads=false");
   expect_verified(run);
 }
 

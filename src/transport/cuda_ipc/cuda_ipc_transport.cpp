@@ -151,8 +151,8 @@ uint64_t buffer_id_of(const void* pointer) {
 struct Region {
   std::byte* base = nullptr;
   size_t bytes = 0;
-  DeviceBuffer owned;    // set by allocate_memory
-  CudaIpcRegionKey key;  // what describe() packs into RemoteRegion::key
+  DeviceBuffer owned;      // set by allocate_memory
+  CudaIpcRegionKey key;    // what describe() packs into RemoteRegion::key
   uint64_t buffer_id = 0;  // of the registered allocation (buffer_id_of), to notice it was replaced
 };
 

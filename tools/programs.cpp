@@ -84,6 +84,7 @@ class ViewSource final : public WeightSource {
     *out = views_[index_++];
     return true;
   }
+  bool views_outlive_send() const override { return true; }  // the source's own weights
 
  private:
   const std::vector<TensorView>& views_;

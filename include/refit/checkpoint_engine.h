@@ -89,6 +89,10 @@ class WeightSource {
  public:
   virtual ~WeightSource() = default;
   virtual bool next(TensorView* out) = 0;
+  // True when every view stays valid and unchanged until send() returns: the weights themselves,
+  // not temporaries made per tensor (a gathered or converted copy). Only such tensors may be read
+  // in place by destinations (direct_reads); the default keeps every tensor in buckets.
+  virtual bool views_outlive_send() const { return false; }
 };
 
 // A batch of received tensors. Views into transfer buffers (and merged tensors) are valid only
@@ -155,7 +159,8 @@ class CheckpointEngine {
   void init_source(int worker_rank, int train_world_size, int rollout_world_size, std::span<const Metadata> metadata);
   void init_destination(int rollout_rank, int train_world_size, int rollout_world_size,
                         std::span<const Metadata> metadata);
-  // The weights' memory must not change until send() returns.
+  // With views that outlive it (WeightSource::views_outlive_send), their memory must not change
+  // until send() returns: destinations on this host may be reading it in place until then.
   SendStats send(WeightSource& weights);
   // Memory for a source's weights (zero-filled, on the configured device) that destinations on
   // this host load in place whatever the transport (UCX: shared memory, which it cannot do for

@@ -20,6 +20,7 @@ class WeightSourceWithKvScales final : public WeightSource {
  public:
   WeightSourceWithKvScales(WeightSource& weights, KvScales scales);
   bool next(TensorView* out) override;
+  bool views_outlive_send() const override { return weights_.views_outlive_send(); }  // the scales do
 
  private:
   WeightSource& weights_;

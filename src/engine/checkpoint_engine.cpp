@@ -650,7 +650,8 @@ class CheckpointEngine::Impl {
   }
 
   void run_send(WeightSource& weights, SendStats& stats, std::string& phase) {
-    for (size_t k = 0; k < senders_.size(); ++k) senders_[k]->begin(links_[k].first_refit + refits_);
+    const bool in_place = weights.views_outlive_send();
+    for (size_t k = 0; k < senders_.size(); ++k) senders_[k]->begin(links_[k].first_refit + refits_, in_place);
     std::set<std::string, std::less<>> sent;  // names, to check every request was met
     TensorView view;
     while (true) {

@@ -13,8 +13,9 @@ namespace {
 constexpr std::chrono::duration<double> kAbortTimeout{2.0};
 }  // namespace
 
-void LinkSender::begin(uint64_t refit) {
+void LinkSender::begin(uint64_t refit, bool in_place) {
   refit_ = refit;
+  in_place_ = in_place && context_.in_place != nullptr;
   packer_.emplace(context_.bucket_bytes);
   bucket_ = protocol::BucketReady{};
   bucket_.refit = refit;
@@ -65,7 +66,7 @@ bool LinkSender::add_in_place(const TensorView& view, const Box& box, const Tens
 
 void LinkSender::add(const TensorView& view, const Box& box, const TensorInfo& tensor, const Box& piece,
                      std::string& phase) {
-  if (context_.in_place != nullptr && add_in_place(view, box, tensor, piece, phase)) return;
+  if (in_place_ && add_in_place(view, box, tensor, piece, phase)) return;
   const TensorInfo& source = *view.info;
   const TensorInfo packed{tensor.name, tensor.dtype, piece.shape_in(tensor.shape)};
   const uint64_t element = dtype_size(source.dtype);

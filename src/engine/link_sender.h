@@ -51,8 +51,9 @@ class LinkSender {
  public:
   explicit LinkSender(LinkContext context) : context_(std::move(context)) {}
 
-  // Starts refit `refit` (the wire number of this link).
-  void begin(uint64_t refit);
+  // Starts refit `refit` (the wire number of this link); `in_place`: the weight stream's views
+  // outlive the refit, so they may be sent in place where the link allows.
+  void begin(uint64_t refit, bool in_place);
   // Packs `box` of `view` (box in the view's coordinates) as the piece `piece` of the destination's
   // tensor `tensor` (its name, dtype and shape at the destination). `phase` says where a failure
   // happened.
@@ -80,6 +81,7 @@ class LinkSender {
 
   LinkContext context_;
   uint64_t refit_ = 0;
+  bool in_place_ = false;  // this refit may send in place
   std::optional<BucketPacker> packer_;
   protocol::BucketReady bucket_;
   int buffer_ = 0;  // which of the two buffers the open bucket fills

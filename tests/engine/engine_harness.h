@@ -40,10 +40,16 @@ class VectorSource : public WeightSource {
     return true;
   }
   size_t consumed() const { return index_; }
+  bool views_outlive_send() const override { return outlive_; }
+  VectorSource& temporaries() {  // views that do not outlive send(): nothing goes in place
+    outlive_ = false;
+    return *this;
+  }
 
  private:
   const std::vector<OwnedTensor>& tensors_;
   size_t index_ = 0;
+  bool outlive_ = true;
 };
 
 struct Received {

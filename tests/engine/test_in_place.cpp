@@ -261,6 +261,24 @@ TEST(InPlace, ADestinationThatDoesNotMapGetsEveryByteThroughBuckets) {
   EXPECT_EQ(p.source_transport->registered, 0);  // nothing registered for nothing
 }
 
+// A weight stream of temporaries (a gathered or converted copy per tensor) may reuse a view's
+// memory for the next tensor: nothing of it may be read in place.
+TEST(InPlace, AStreamOfTemporariesGoesThroughBuckets) {
+  InPlacePair p({});
+  const auto weights = model(6);
+  auto sending = std::async(std::launch::async, [&] {
+    VectorSource src(weights);
+    return p.source->send(src.temporaries());
+  });
+  Received got;
+  auto stats = p.destination->receive(got.loader());
+  const auto sent = sending.get();
+  for (const auto& t : weights) EXPECT_EQ(got.tensors[t.info.name].data, t.data);
+  EXPECT_EQ(stats.in_place_bytes, 0u);
+  EXPECT_EQ(sent.in_place_bytes, 0u);
+  EXPECT_EQ(p.source_transport->registered, 0);
+}
+
 TEST(InPlace, ChecksumsCoverTheBytesReadInPlace) {
   {
     InPlacePair p({.checksums = true});

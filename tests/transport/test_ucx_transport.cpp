@@ -24,6 +24,7 @@
 #include "refit/error.h"
 #include "refit/memory.h"
 #include "refit/transport.h"
+#include "transport/ucx/ucx_options.h"
 
 namespace refit {
 namespace {
@@ -448,12 +449,29 @@ TEST(UcxTransport, RejectsBadInitParamsNamingThem) {
   }
 }
 
+// engine_config names settings as UCX's environment does (UCX_TCP_SNDBUF), on every UCX version:
+// UCX 1.13-1.16 match a transport's settings by their name inside its table, 1.17 and later by
+// the environment's name, and 1.21 and later reject any other.
 TEST(UcxTransport, AcceptsValidInitParams) {
   auto transport = create_transport("UCX", {{"ucx_error_handling_mode", "none"},
                                             {"tls", "tcp,self"},
                                             {"device_list", "lo"},
-                                            {"engine_config", "UCX_KEEPALIVE_INTERVAL=2s; SNDBUF=1m;"}});
+                                            {"engine_config", "UCX_KEEPALIVE_INTERVAL=2s; TCP_SNDBUF=1m;"}});
   EXPECT_EQ(transport->name(), "UCX");
+  auto shm = create_transport("UCX", {{"tls", "posix,sysv,self"}, {"engine_config", "POSIX_FIFO_SIZE=128"}});
+  EXPECT_EQ(shm->name(), "UCX");
+}
+
+TEST(UcxTransport, NamesSettingsAsThisUcxMatchesThem) {
+  unsigned major = 0, minor = 0, release = 0;
+  ucp_get_version(&major, &minor, &release);
+  const bool by_table = major == 1 && minor < 17;
+  EXPECT_EQ(ucx_setting_name("KEEPALIVE_INTERVAL"), "KEEPALIVE_INTERVAL");  // UCP's own
+  EXPECT_EQ(ucx_setting_name("SELF_DEVICES"), "SELF_DEVICES");              // UCP's own, with a transport's prefix
+  EXPECT_EQ(ucx_setting_name("MM_FIFO_SIZE"), "MM_FIFO_SIZE");              // a group's name, the same everywhere
+  EXPECT_EQ(ucx_setting_name("TCP_SNDBUF"), by_table ? "SNDBUF" : "TCP_SNDBUF");
+  EXPECT_EQ(ucx_setting_name("POSIX_FIFO_SIZE"), by_table ? "MM_FIFO_SIZE" : "POSIX_FIFO_SIZE");
+  EXPECT_EQ(ucx_setting_name("TCP_NO_SUCH_SETTING"), "TCP_NO_SUCH_SETTING");
 }
 
 TEST(UcxTransport, RejectsMalformedAddressesNamingThePeer) {

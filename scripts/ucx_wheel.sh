@@ -10,6 +10,9 @@
 # Then, there:
 #   eval "$(scripts/ucx_wheel.sh)"
 #   BUILD_DIR=build/gpu-ucx-wheel scripts/gpu_test.sh
+# It runs without a GPU too (its CUDA modules then fail to load, quietly), e.g. on a CPU machine:
+#   eval "$(scripts/ucx_wheel.sh)"; cmake --preset release -B build/ucx122 && cmake --build build/ucx122
+#   ctest --test-dir build/ucx122 -R Ucx
 # UCX's own libraries never mix with another UCX's: no other UCX goes on the search paths.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -103,9 +104,14 @@ class Child {
   explicit Child(const std::function<void(Pipe&)>& body) {
     int fds[2];
     if (socketpair(AF_UNIX, SOCK_STREAM, 0, fds) != 0) throw std::runtime_error("socketpair failed");
+    const pid_t parent = getpid();
     pid_ = fork();
     if (pid_ < 0) throw std::runtime_error("fork failed");
     if (pid_ == 0) {
+      // Dies with the test process (the forking thread, here the test's), even a stopped child: one
+      // that outlived an aborted test would hold the test's output open, and ctest would wait for
+      // it until its timeout.
+      if (prctl(PR_SET_PDEATHSIG, SIGKILL) != 0 || getppid() != parent) _exit(2);
       ::close(fds[0]);
       int status = 0;
       try {

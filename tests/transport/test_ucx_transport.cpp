@@ -14,6 +14,7 @@
 #include <functional>
 #include <iostream>
 #include <map>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -24,6 +25,7 @@
 #include "refit/error.h"
 #include "refit/memory.h"
 #include "refit/transport.h"
+#include "transport/ucx/ucx_options.h"
 
 namespace refit {
 namespace {
@@ -62,6 +64,10 @@ struct Variant {
   std::string name;
   Params params;
   bool detects_loss = true;  // error handling mode "peer": a dead peer is reported, not waited out
+  // Only tcp: UCX emulates a get over tcp with messages that the peer answers, on every version.
+  // Elsewhere a UCX may read the peer's memory itself (CMA, UCX 1.22 without error handling), so
+  // that a read from a stopped peer completes.
+  bool reads_need_peer = false;
 };
 
 void PrintTo(const Variant& variant, std::ostream* os) { *os << variant.name; }
@@ -71,12 +77,31 @@ class UcxProcesses : public ::testing::TestWithParam<Variant> {
   std::unique_ptr<Transport> make() const { return create_transport("UCX", GetParam().params); }
 };
 
-// A forked peer that serves a registered 1 MiB region until killed, connected as `label`, with
-// one read of it done: for tests of what happens when that peer stops or dies.
+// The kind of the refit::Error that `f` throws (its message in `message`), or nothing when it
+// returns.
+template <typename F>
+std::optional<ErrorKind> failure_of(F&& f, std::string* message) {
+  try {
+    f();
+  } catch (const Error& e) {
+    *message = e.what();
+    return e.kind();
+  }
+  return std::nullopt;
+}
+
+double seconds_since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
+
+// A forked peer that serves a registered 1 MiB region of known bytes until killed, connected as
+// `label`, with one read of it done: for tests of what happens when that peer stops or dies.
 struct ServingPeer {
+  static constexpr size_t kBytes = 1u << 20;
+  static constexpr uint64_t kSeed = 5;
+
   ServingPeer(const std::function<std::unique_ptr<Transport>()>& make, const std::string& label)
       : child([&](Pipe& pipe) {
-          HostBuffer buffer(1u << 20);
+          HostBuffer buffer(kBytes);
+          fill_pattern(reinterpret_cast<uint8_t*>(buffer.data()), kBytes, kSeed);
           auto transport = make();
           RegionId region = transport->register_memory(buffer.data(), buffer.size());
           pipe.put(transport->address());
@@ -84,13 +109,23 @@ struct ServingPeer {
           pause();  // until killed
         }),
         transport(make()),
-        local(1u << 20),
+        local(kBytes),
         local_region(transport->register_memory(local.data(), local.size())),
         peer(transport->connect(child.pipe().get(), label)),
         remote(child.pipe().get_region()) {
     read(deadline_after(10s));
+    EXPECT_TRUE(holds_peer_bytes());
+    std::memset(local.data(), 0, kBytes);
   }
-  void read(Deadline deadline) { transport->read(peer, remote, 0, local.data(), local_region, local.size(), deadline); }
+  void read(Deadline deadline) { transport->read(peer, remote, 0, local.data(), local_region, kBytes, deadline); }
+  ReadId post_read(Deadline deadline) {
+    return transport->post_read(peer, remote, 0, local.data(), local_region, kBytes, deadline);
+  }
+  bool holds_peer_bytes() const {
+    std::vector<uint8_t> expected(kBytes);
+    fill_pattern(expected.data(), kBytes, kSeed);
+    return std::memcmp(local.data(), expected.data(), kBytes) == 0;
+  }
 
   Child child;
   std::unique_ptr<Transport> transport;
@@ -237,8 +272,11 @@ TEST_P(UcxProcesses, ReportsAKilledPeerNamingIt) {
   transport->deregister_memory(local_region);
 }
 
-// A stopped process holds its connections open but serves nothing: UCX 1.13 emulates reads of
-// memory it did not allocate with messages that the target must answer.
+// A stopped process holds its connections open but serves nothing: a read that needs it (a get
+// that UCX emulates with messages the target answers: over tcp on every version, over shared
+// memory for memory UCX did not allocate) times out at its deadline. Where UCX reads the peer's
+// memory itself (CMA zero-copy: UCX 1.22 without error handling) the read completes instead, with
+// the peer's bytes. Either way it ends by its deadline.
 TEST_P(UcxProcesses, TimesOutReadingFromAStoppedPeer) {
   ServingPeer s([this] { return make(); }, "stopped source");
   auto& transport = s.transport;
@@ -247,8 +285,17 @@ TEST_P(UcxProcesses, TimesOutReadingFromAStoppedPeer) {
   s.child.stop();
   const auto start = Clock::now();
   std::string message;
-  EXPECT_EQ(error_kind_of([&] { s.read(deadline_after(300ms)); }, &message), ErrorKind::kTimeout);
-  EXPECT_LT(std::chrono::duration<double>(Clock::now() - start).count(), 2.0);
+  const std::optional<ErrorKind> kind = failure_of([&] { s.read(deadline_after(300ms)); }, &message);
+  EXPECT_LT(seconds_since(start), 2.0);
+  if (!kind) {
+    std::cout << "[ " << GetParam().name << " ] the read from the stopped peer completed: UCX read its memory itself"
+              << std::endl;
+    EXPECT_FALSE(GetParam().reads_need_peer) << "a read over tcp completed while its peer was stopped";
+    EXPECT_TRUE(s.holds_peer_bytes()) << "a read from a stopped peer completed with wrong bytes";
+    s.child.kill();
+    return;
+  }
+  EXPECT_EQ(*kind, ErrorKind::kTimeout) << message;
   EXPECT_NE(message.find("reading 1048576 bytes from stopped source"), std::string::npos) << message;
   if (GetParam().detects_loss) {
     // The connection was closed so that the read cannot land later; the peer is unusable.
@@ -261,23 +308,41 @@ TEST_P(UcxProcesses, TimesOutReadingFromAStoppedPeer) {
   s.child.kill();
 }
 
+// A read posted while its peer is stopped is still in flight when the peer dies: it fails by its
+// deadline (lost with error handling; without, a timeout, or the connection's own error). Where
+// UCX reads the peer's memory itself the read is done before the peer dies: then with its bytes.
 TEST_P(UcxProcesses, FailsAReadWhosePeerDiesMidway) {
   ServingPeer s([this] { return make(); }, "dying source");
 
-  s.child.stop();  // the next read waits for it...
-  std::thread killer([&] {
-    std::this_thread::sleep_for(100ms);
-    s.child.kill();  // ...until it dies
-  });
+  s.child.stop();
   const auto wait = GetParam().detects_loss ? 5s : 1s;
   const auto start = Clock::now();
+  const Deadline deadline = start + wait;
   std::string message;
-  ErrorKind kind = error_kind_of([&] { s.read(deadline_after(wait)); }, &message);
-  killer.join();
-  EXPECT_EQ(kind, GetParam().detects_loss ? ErrorKind::kPeerLost : ErrorKind::kTimeout) << message;
+  const ReadId read = s.post_read(deadline);
+  std::this_thread::sleep_for(100ms);
+  bool done = false;
+  std::optional<ErrorKind> kind = failure_of([&] { done = s.transport->test_read(read); }, &message);
+  if (!kind && done) {
+    std::cout << "[ " << GetParam().name << " ] the read from the stopped peer completed: UCX read its memory itself"
+              << std::endl;
+    EXPECT_FALSE(GetParam().reads_need_peer) << "a read over tcp completed while its peer was stopped";
+    EXPECT_TRUE(s.holds_peer_bytes()) << "a read from a stopped peer completed with wrong bytes";
+    return;
+  }
+  EXPECT_FALSE(kind) << "the read failed while its peer was only stopped: " << message;
+  if (!kind) {
+    s.child.kill();  // the read is still in flight
+    kind = failure_of([&] { s.transport->wait_read(read, deadline); }, &message);
+  }
+  ASSERT_TRUE(kind) << "a read whose peer died midway completed";
+  if (GetParam().detects_loss) {
+    EXPECT_EQ(*kind, ErrorKind::kPeerLost) << message;
+  } else {
+    EXPECT_TRUE(*kind == ErrorKind::kTimeout || *kind == ErrorKind::kPeerLost) << message;
+  }
   EXPECT_NE(message.find("dying source"), std::string::npos) << message;
-  EXPECT_LT(std::chrono::duration<double>(Clock::now() - start).count(),
-            std::chrono::duration<double>(wait).count() + 0.5);
+  EXPECT_LT(seconds_since(start), std::chrono::duration<double>(wait).count() + 0.5);
 }
 
 // Transfer buffers come from allocate_memory(): zero-filled, readable by a peer process.
@@ -309,7 +374,7 @@ TEST_P(UcxProcesses, ReadsFromAllocatedMemory) {
   // has no mapping.
   const std::byte* mapped = transport->map(peer, remote);
   if (GetParam().name == "shm") EXPECT_NE(mapped, nullptr);
-  if (GetParam().name == "tcp") EXPECT_EQ(mapped, nullptr);
+  if (GetParam().reads_need_peer) EXPECT_EQ(mapped, nullptr);
   if (mapped != nullptr)
     for (size_t i = 0; i < kBytes; ++i) ASSERT_EQ(mapped[i], static_cast<std::byte>(i * 7 + 1)) << i;
   child.pipe().put("done");
@@ -367,11 +432,14 @@ TEST_P(UcxProcesses, KeepsReadsFromSeveralPeersInFlight) {
   EXPECT_EQ(second.wait(), 0);
 }
 
-INSTANTIATE_TEST_SUITE_P(Tls, UcxProcesses,
-                         ::testing::Values(Variant{"default", {}}, Variant{"tcp", {{"tls", "tcp"}}},
-                                           Variant{"shm", {{"tls", "posix,sysv,cma"}}},
-                                           Variant{"no_error_handling", {{"ucx_error_handling_mode", "none"}}, false}),
-                         [](const auto& info) { return info.param.name; });
+INSTANTIATE_TEST_SUITE_P(
+    Tls, UcxProcesses,
+    ::testing::Values(Variant{"default", {}}, Variant{"tcp", {{"tls", "tcp"}}, true, true},
+                      Variant{"shm", {{"tls", "posix,sysv,cma"}}},
+                      Variant{"no_error_handling", {{"ucx_error_handling_mode", "none"}}, false},
+                      Variant{
+                          "tcp_no_error_handling", {{"ucx_error_handling_mode", "none"}, {"tls", "tcp"}}, false, true}),
+    [](const auto& info) { return info.param.name; });
 
 TEST(UcxTransport, QueuesMessagesFromASenderNotYetConnectedBack) {
   Child child([](Pipe& pipe) {
@@ -456,12 +524,29 @@ TEST(UcxTransport, RejectsBadInitParamsNamingThem) {
   }
 }
 
+// engine_config names settings as UCX's environment does (UCX_TCP_SNDBUF), on every UCX version:
+// UCX 1.13-1.16 match a transport's settings by their name inside its table, 1.17 and later by
+// the environment's name, and 1.21 and later reject any other.
 TEST(UcxTransport, AcceptsValidInitParams) {
   auto transport = create_transport("UCX", {{"ucx_error_handling_mode", "none"},
                                             {"tls", "tcp,self"},
                                             {"device_list", "lo"},
-                                            {"engine_config", "UCX_KEEPALIVE_INTERVAL=2s; SNDBUF=1m;"}});
+                                            {"engine_config", "UCX_KEEPALIVE_INTERVAL=2s; TCP_SNDBUF=1m;"}});
   EXPECT_EQ(transport->name(), "UCX");
+  auto shm = create_transport("UCX", {{"tls", "posix,sysv,self"}, {"engine_config", "POSIX_FIFO_SIZE=128"}});
+  EXPECT_EQ(shm->name(), "UCX");
+}
+
+TEST(UcxTransport, NamesSettingsAsThisUcxMatchesThem) {
+  unsigned major = 0, minor = 0, release = 0;
+  ucp_get_version(&major, &minor, &release);
+  const bool by_table = major == 1 && minor < 17;
+  EXPECT_EQ(ucx_setting_name("KEEPALIVE_INTERVAL"), "KEEPALIVE_INTERVAL");  // UCP's own
+  EXPECT_EQ(ucx_setting_name("SELF_DEVICES"), "SELF_DEVICES");              // UCP's own, with a transport's prefix
+  EXPECT_EQ(ucx_setting_name("MM_FIFO_SIZE"), "MM_FIFO_SIZE");              // a group's name, the same everywhere
+  EXPECT_EQ(ucx_setting_name("TCP_SNDBUF"), by_table ? "SNDBUF" : "TCP_SNDBUF");
+  EXPECT_EQ(ucx_setting_name("POSIX_FIFO_SIZE"), by_table ? "MM_FIFO_SIZE" : "POSIX_FIFO_SIZE");
+  EXPECT_EQ(ucx_setting_name("TCP_NO_SUCH_SETTING"), "TCP_NO_SUCH_SETTING");
 }
 
 TEST(UcxTransport, RejectsMalformedAddressesNamingThePeer) {

@@ -1,9 +1,14 @@
 #include "transport/ucx/ucx_options.h"
 
+#include <ucs/config/parser.h>
+#include <ucs/datastruct/list.h>
+#include <uct/api/uct.h>
+
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <mutex>
+#include <optional>
 #include <string_view>
 
 #include "core/fail.h"
@@ -43,7 +48,62 @@ bool user_sets(const std::vector<UcxSetting>& settings, const std::string& name)
 
 thread_local UnusedUcxSettings* capturing = nullptr;
 
+// The name under which UCX < 1.17 matches `field` in `table`: a field of the table itself by its
+// bare name, one of a settings group included in it (its field names "MM_", "SM_" or "", for
+// settings that several transports share) by the outermost group's prefix and its bare name.
+std::optional<std::string> legacy_field_name(const ucs_config_field_t* table, std::string_view field,
+                                             const char* group) {
+  if (table == nullptr) return std::nullopt;
+  for (const ucs_config_field_t* f = table; f->name != nullptr; ++f) {
+    if (f->parser.read == ucs_config_sscanf_table) {
+      const auto* sub = static_cast<const ucs_config_field_t*>(f->parser.arg);
+      if (auto name = legacy_field_name(sub, field, group != nullptr ? group : f->name)) return name;
+    } else if (field == f->name) {
+      return std::string(group != nullptr ? group : "") + f->name;
+    }
+  }
+  return std::nullopt;
+}
+
+bool ucx_before_1_17() {
+  unsigned major = 0, minor = 0, release = 0;
+  ucp_get_version(&major, &minor, &release);
+  return major < 1 || (major == 1 && minor < 17);
+}
+
+// Whether `text`, UCX's comma-separated list of unused "NAME=VALUE" items, holds `item`.
+bool lists_item(std::string_view text, const std::string& item) {
+  for (size_t at = text.find(item); at != std::string_view::npos; at = text.find(item, at + 1)) {
+    const bool starts = at == 0 || text[at - 1] == ',' || text[at - 1] == ' ';
+    const size_t end = at + item.size();
+    if (starts && (end == text.size() || text[end] == ',' || text[end] == '\n')) return true;
+  }
+  return false;
+}
+
 }  // namespace
+
+std::string ucx_setting_name(const std::string& name) {
+  static const bool legacy = ucx_before_1_17();
+  if (!legacy) return name;
+  // The transports' tables register as their modules load: load them all, as ucp_init does.
+  uct_component_h* components = nullptr;
+  unsigned count = 0;
+  if (uct_query_components(&components, &count) == UCS_OK) uct_release_component_list(components);
+  // The longest table prefix ("TCP_", "RC_MLX5_") that starts `name` and whose table has the rest.
+  std::optional<std::string> legacy_name;
+  size_t prefix_length = 0;
+  ucs_config_global_list_entry_t* entry;
+  ucs_list_for_each(entry, &ucs_config_global_list, list) {
+    const std::string_view prefix = entry->prefix != nullptr ? entry->prefix : "";
+    if (prefix.empty() || prefix.size() <= prefix_length || !name.starts_with(prefix)) continue;
+    if (auto found = legacy_field_name(entry->table, std::string_view(name).substr(prefix.size()), nullptr)) {
+      legacy_name = std::move(found);
+      prefix_length = prefix.size();
+    }
+  }
+  return legacy_name.value_or(name);
+}
 
 // Installed once for the process; acts only on threads that are capturing.
 ucs_log_func_rc_t UnusedUcxSettings::on_log(const char*, unsigned, const char*, ucs_log_level_t level,
@@ -71,12 +131,11 @@ UnusedUcxSettings::~UnusedUcxSettings() { capturing = nullptr; }
 
 void UnusedUcxSettings::check() const {
   for (const UcxSetting& setting : options_.settings) {
-    if (setting.param == "engine_config" && warnings_.find(setting.name + "=" + setting.value) != std::string::npos) {
-      // UCX 1.13 matches transport settings by their name inside the transport's table: SNDBUF
-      // for UCX_TCP_SNDBUF, MM_FIFO_SIZE for UCX_SYSV_FIFO_SIZE.
+    if (setting.param == "engine_config" && lists_item(warnings_, setting.ucx_name + "=" + setting.value)) {
       fail(ErrorKind::kConfig,
-           "{}: no UCX component takes '{}={}': unknown name, a transport not in use, or a bad value (transport "
-           "settings go without the transport prefix, e.g. SNDBUF for UCX_TCP_SNDBUF; see `ucx_info -c -f`)",
+           "{}: no UCX component takes '{}={}': unknown name, a transport not in use, or a bad value (name "
+           "settings as UCX's environment does, without UCX_, e.g. TCP_SNDBUF for UCX_TCP_SNDBUF; see `ucx_info "
+           "-c -f`)",
            ucx_param_name(setting.param), setting.name, setting.value);
     }
   }
@@ -121,6 +180,7 @@ UcxOptions parse_ucx_options(const std::map<std::string, std::string>& params) {
     }
   }
   options.settings.insert(options.settings.end(), user.begin(), user.end());
+  for (UcxSetting& setting : options.settings) setting.ucx_name = ucx_setting_name(setting.name);
   return options;
 }
 
@@ -131,11 +191,16 @@ UcpConfig make_ucp_config(const UcxOptions& options) {
     fail(ErrorKind::kConfig, "cannot read the UCX configuration from the environment: {}", ucs_status_string(status));
   UcpConfig config(raw);
   for (const UcxSetting& setting : options.settings) {
-    status = ucp_config_modify(config.get(), setting.name.c_str(), setting.value.c_str());
+    status = ucp_config_modify(config.get(), setting.ucx_name.c_str(), setting.value.c_str());
     if (status != UCS_OK) {
-      fail(ErrorKind::kConfig, "{}: UCX rejects {}={}: {}",
+      // UCX 1.21 and later also reject a name that no component defines this way.
+      fail(ErrorKind::kConfig, "{}: UCX rejects {}={}: {}{}",
            setting.param.empty() ? std::string("refit's UCX defaults") : ucx_param_name(setting.param), setting.name,
-           setting.value, ucs_status_string(status));
+           setting.value, ucs_status_string(status),
+           setting.param == "engine_config"
+               ? " (an unknown name or a bad value; name settings as UCX's environment does, without UCX_, e.g. "
+                 "TCP_SNDBUF for UCX_TCP_SNDBUF; see `ucx_info -c -f`)"
+               : "");
     }
   }
   return config;

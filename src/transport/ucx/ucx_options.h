@@ -13,9 +13,13 @@
 namespace refit {
 
 struct UcxSetting {
-  std::string name;  // UCP configuration name without the "UCX_" prefix: "TLS", "KEEPALIVE_INTERVAL"
+  // As UCX's environment names it without the "UCX_" prefix: "TLS", "KEEPALIVE_INTERVAL", "TCP_SNDBUF".
+  std::string name;
   std::string value;
   std::string param;  // the init param it came from, for error messages; empty for refit's defaults
+  // The name this UCX library matches it by: `name`, but UCX < 1.17 matches a transport's settings
+  // by their name inside the transport's table ("SNDBUF" for UCX_TCP_SNDBUF); see ucx_setting_name().
+  std::string ucx_name = {};
 };
 
 struct UcxOptions {
@@ -25,6 +29,15 @@ struct UcxOptions {
 
 // Throws Error(kConfig) naming refit_cfg.nixl.backend_init_params.<key> and its value.
 UcxOptions parse_ucx_options(const std::map<std::string, std::string>& params);
+
+// The name under which this UCX library takes the setting that its environment calls
+// "UCX_<name>". UCX 1.17 and later match transport settings by that name (TCP_SNDBUF; 1.21 and
+// later reject names that no component defines); before 1.17 UCX matched them by their name
+// inside the transport's configuration table (SNDBUF), or inside the settings group the
+// transport shares with others (MM_FIFO_SIZE for UCX_POSIX_FIFO_SIZE, which then reaches sysv
+// too), and ignored the environment's name. For those versions this returns that older name;
+// otherwise, and for names no transport table explains (UCP's own, "MM_FIFO_SIZE"), `name`.
+std::string ucx_setting_name(const std::string& name);
 
 struct UcpConfigDeleter {
   void operator()(ucp_config_t* config) const { ucp_config_release(config); }
@@ -36,10 +49,12 @@ using UcpConfig = std::unique_ptr<ucp_config_t, UcpConfigDeleter>;
 UcpConfig make_ucp_config(const UcxOptions& options);
 
 // UCX hands settings that are not UCP's own to the transports as they open (in
-// ucp_worker_create) and only warns about those that no transport took: a typo, a setting of a
-// transport not in use, or a value the transport rejects. While alive, this captures that warning
-// on the calling thread; check() then throws Error(kConfig) if it names a setting from
+// ucp_worker_create). Before 1.21 it only warns about those that no transport took: a typo, a
+// setting of a transport not in use, or a value the transport rejects. While alive, this captures
+// that warning on the calling thread; check() then throws Error(kConfig) if it names a setting from
 // engine_config (refit's own defaults may go unused, e.g. shared memory settings with tls=tcp).
+// UCX 1.21 and later reject an unknown name in ucp_config_modify (make_ucp_config throws) and
+// skip a setting that a transport in use rejects without a warning: nothing to capture then.
 class UnusedUcxSettings {
  public:
   explicit UnusedUcxSettings(const UcxOptions& options);

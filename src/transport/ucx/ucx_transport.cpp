@@ -250,9 +250,6 @@ void UcxTransport::init_ucx() {
 
 UcxTransport::~UcxTransport() {
   for (auto& [id, peer] : peers_) close(*peer, options_.error_mode == UCP_ERR_HANDLING_MODE_PEER && is_lost(*peer));
-  for (auto& [id, region] : regions_) {
-    if (region.memh != nullptr) ucp_mem_unmap(context_.get(), region.memh);
-  }
   progress_.reset();
   // Operations that never completed (a peer that stopped without error handling) are released
   // without callback; destroying the worker then purges them, and unfinished closes, while their
@@ -264,6 +261,12 @@ UcxTransport::~UcxTransport() {
   }
   for (auto& [pointer, operation] : abandoned) ucp_request_free(operation->request);
   worker_.reset();
+  // Only now that no worker can serve them: a read that UCX emulates is answered from the region
+  // by this side's progress thread, and may still be queued after its reader gave up on it (a
+  // cancelled or timed-out read); unmapping first let the answer read freed memory (UCX 1.22).
+  for (auto& [id, region] : regions_) {
+    if (region.memh != nullptr) ucp_mem_unmap(context_.get(), region.memh);
+  }
 }
 
 RegionId UcxTransport::register_memory(void* base, size_t bytes) {

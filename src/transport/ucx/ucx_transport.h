@@ -15,7 +15,9 @@ namespace refit {
 //   ucx_error_handling_mode: "peer" (default) | "none"
 //   device_list:   comma-separated UCX devices (UCX_NET_DEVICES)
 //   tls:           comma-separated UCX transports (UCX_TLS)
-//   engine_config: "KEY=VALUE[;KEY=VALUE...]" applied to the UCP config (a "UCX_" prefix is dropped)
+//   engine_config: "KEY=VALUE[;KEY=VALUE...]" applied to the UCP config, KEY named as in UCX's
+//                  environment ("TCP_SNDBUF" or "UCX_TCP_SNDBUF") on every UCX version
+//                  (ucx_setting_name() translates it for UCX < 1.17)
 // Throws Error(kConfig) naming the key for anything else.
 std::unique_ptr<Transport> create_ucx_transport(const std::map<std::string, std::string>& init_params);
 

@@ -6,6 +6,7 @@
 // a manifest that validate() accepts really lies inside the bucket's used bytes and inside each
 // tensor (checked here in 128-bit arithmetic), and TensorInfo::nbytes() (unchecked, used by the
 // assembler) agrees with the exact size.
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <span>
@@ -56,8 +57,13 @@ void check_validated(const protocol::BucketReady& m, uint64_t bucket_bytes) {
     }
     FUZZ_CHECK(piece <= nbytes);
     FUZZ_CHECK(u128{e.tensor_offset} + e.size <= piece);
-    FUZZ_CHECK(u128{e.bucket_offset} + e.size <= m.used_bytes);
+    // ... and in the bucket's used bytes, or in the source region it names.
+    FUZZ_CHECK(e.region <= m.regions.size());
+    const u128 limit = e.region == 0 ? m.used_bytes : m.regions[e.region - 1].remote.length;
+    FUZZ_CHECK(u128{e.bucket_offset} + e.size <= limit);
   }
+  for (size_t k = 0; k < m.regions.size(); ++k)  // every region is used
+    FUZZ_CHECK(std::any_of(m.entries.begin(), m.entries.end(), [&](const auto& e) { return e.region == k + 1; }));
 }
 
 }  // namespace

@@ -100,7 +100,8 @@ def median_seconds(result):
 def run_bench(model, sources, destinations, flags, bucket, refits, work, hosts_rate=None, extra=(), env=None):
     out = os.path.join(work, "bench.json")
     args = ["--model", model, "--sources", str(sources), "--destinations", str(destinations), "--refits", str(refits),
-            *flags, *extra, f"refit_cfg.nixl.bucket_bytes={bucket}"]
+            *flags, *extra, f"refit_cfg.nixl.bucket_bytes={bucket}",
+            "refit_cfg.nixl.direct_reads=false"]  # the planner models the bucket path, not reads in place
     if hosts_rate:
         # hosts_bench.sh names its models: small (the same config as SMALL here) and builtin.
         name = "small" if model.endswith("small.json") else "builtin" if model.startswith("builtin:") else model

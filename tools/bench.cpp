@@ -172,7 +172,14 @@ RefitConfig bench_config(const BenchOptions& options) {
       overrides.push_back("refit_cfg.nixl.backend_name=CUDA_IPC");
   }
   overrides.insert(overrides.end(), options.overrides.begin(), options.overrides.end());
-  return load_config(options.config_file, overrides);
+  RefitConfig config = load_config(options.config_file, overrides);
+  // A calibration measures the bucket pipeline, the path the cluster planner models (it does not
+  // model reads in place yet).
+  if (!options.calibration_out.empty() && config.direct_reads) {
+    spdlog::info("--calibration-out measures the bucket path: refit_cfg.nixl.direct_reads=false");
+    config.direct_reads = false;
+  }
+  return config;
 }
 
 MemoryKind bench_tensors(const BenchOptions& options, const RefitConfig& config) {

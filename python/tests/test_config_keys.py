@@ -16,13 +16,14 @@ NON_DEFAULT = {
     "timeout_s": 42.5,
     "verify_checksums": True,
     "map_source_buffers": False,
+    "direct_reads": False,
 }
 SIZING = {"update_weights_bucket_memory_ratio", "bucket_bytes"}
 
 
 def test_every_key_reaches_the_workers():
-    # CONFIG_KEYS comes from the C++ configuration: the ten keys of refit_cfg.nixl.
-    assert len(CONFIG_KEYS) == 10
+    # CONFIG_KEYS comes from the C++ configuration: the eleven keys of refit_cfg.nixl.
+    assert len(CONFIG_KEYS) == 11
     assert set(NON_DEFAULT) == set(CONFIG_KEYS) - SIZING
     config = refit.as_config(NON_DEFAULT)
     kwargs = engine_kwargs_from_config(config)

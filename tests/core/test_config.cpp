@@ -59,6 +59,7 @@ TEST(Config, DefaultsFromEmptyText) {
     EXPECT_DOUBLE_EQ(c.timeout_s, 300.0);
     EXPECT_FALSE(c.verify_checksums);
     EXPECT_TRUE(c.map_source_buffers);
+    EXPECT_TRUE(c.direct_reads);
   }
   EXPECT_EQ(load_config(""), RefitConfig{});
   EXPECT_EQ(parse_config("refit_cfg: null"), RefitConfig{});
@@ -310,7 +311,9 @@ TEST(Config, Bools) {
   EXPECT_FALSE(parse_config(nixl("release_after_refit: false")).release_after_refit);
   EXPECT_TRUE(parse_config(nixl("shard_expert_weights: true")).shard_expert_weights);
   EXPECT_FALSE(parse_config(nixl("map_source_buffers: false")).map_source_buffers);
-  for (const char* key : {"release_after_refit", "shard_expert_weights", "verify_checksums", "map_source_buffers"}) {
+  EXPECT_FALSE(parse_config(nixl("direct_reads: false")).direct_reads);
+  for (const char* key :
+       {"release_after_refit", "shard_expert_weights", "verify_checksums", "map_source_buffers", "direct_reads"}) {
     for (const char* bad : {"maybe", "'true'", "1", "null", "[true]"}) {
       EXPECT_CONFIG_ERROR(config_error(nixl(std::string(key) + ": " + bad)), std::string("refit_cfg.nixl.") + key,
                           "true or false");
@@ -364,6 +367,7 @@ TEST(Config, OverridesOfEveryKey) {
       "refit_transport=nixl",
       "verify_checksums=true",
       "refit_cfg.nixl.map_source_buffers=false",
+      "direct_reads=false",
   };
   RefitConfig c = parse_config("", overrides);
   EXPECT_DOUBLE_EQ(c.update_weights_bucket_memory_ratio, 0.2);
@@ -377,6 +381,7 @@ TEST(Config, OverridesOfEveryKey) {
   EXPECT_DOUBLE_EQ(c.timeout_s, 30.0);
   EXPECT_TRUE(c.verify_checksums);
   EXPECT_FALSE(c.map_source_buffers);
+  EXPECT_FALSE(c.direct_reads);
 }
 
 TEST(Config, OverridesReplaceFileValues) {
@@ -430,6 +435,7 @@ TEST(Config, RoundTrip) {
   c.timeout_s = 0.1;
   c.verify_checksums = true;
   c.map_source_buffers = false;
+  c.direct_reads = false;
   const std::string yaml = to_yaml(c);
   EXPECT_EQ(parse_config(yaml), c) << yaml;
   EXPECT_EQ(parse_config(to_yaml(RefitConfig{})), RefitConfig{});

@@ -138,5 +138,41 @@ TEST(Protocol, ValidationRejectsRangesOutsideBucketOrTensor) {
   EXPECT_THROW(validate(m, 1024, 2048, "s"), Error);
 }
 
+// Entries sent in place name a region of the source's own memory; they must lie inside it, and
+// every region must be used.
+TEST(Protocol, InPlaceEntriesRoundTripAndMustFitTheirSourceRegion) {
+  auto m = sample_bucket();
+  m.regions = {{{0x7f0000000000, 4096, {1, 2, 3}}, MemoryKind::kCuda}};
+  m.entries.push_back({{"c.weight", DType::kBFloat16, {1024}}, Box::whole(), 0, 2048, 2048, 1});
+  auto back = decode_message(encode(m), "source rank 0").ready;
+  ASSERT_EQ(back.regions.size(), 1u);
+  EXPECT_EQ(back.regions[0].remote.address, 0x7f0000000000u);
+  EXPECT_EQ(back.regions[0].remote.key, (Bytes{1, 2, 3}));
+  EXPECT_EQ(back.regions[0].memory, MemoryKind::kCuda);
+  EXPECT_EQ(back.entries[2].region, 1u);
+  EXPECT_TRUE(back.has_in_place_entries());
+  EXPECT_NO_THROW(validate(back, 1024, 2048, "source rank 0"));
+  auto message_of = [](const BucketReady& bad) {
+    try {
+      validate(bad, 1024, 2048, "source rank 0");
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::kProtocol);
+      return std::string(e.what());
+    }
+    return std::string("accepted");
+  };
+  auto bad = m;
+  bad.entries[2].bucket_offset = 2049;  // 2049 + 2048 > 4096
+  EXPECT_NE(message_of(bad).find("outside the 4096 bytes of source region 1"), std::string::npos) << message_of(bad);
+  bad = m;
+  bad.entries[2].region = 2;
+  EXPECT_NE(message_of(bad).find("names region 2 of 1"), std::string::npos) << message_of(bad);
+  bad = m;
+  bad.regions.push_back(bad.regions[0]);
+  EXPECT_NE(message_of(bad).find("source region 2 is used by no chunk"), std::string::npos) << message_of(bad);
+  // An in-place entry may lie beyond the bucket's used bytes: it is not in the bucket.
+  EXPECT_GT(m.entries[2].bucket_offset, m.used_bytes);
+}
+
 }  // namespace
 }  // namespace refit::protocol

@@ -287,18 +287,10 @@ class DestinationProgram final : public WorkerProgram {
       for (size_t i = 0; i < batch.size(); ++i) {
         if (kill_here && kill_->when == KillPoint::When::kLoad && i == batch.size() / 2) die_on_purpose();
         const TensorView& v = batch[i];
-        if (kind_ == MemoryKind::kCuda) {
-          // Load into this worker's own GPU parameter, as an inference engine does; hashed in report().
-          loads_.copy(parameter(*v.info), v.data, v.info->nbytes(), MemoryKind::kCuda, v.memory);
-          received_.push_back(v.info->name);
-        } else {
-          // Into this worker's own parameter, kept across refits, as an inference engine loads;
-          // hashed in report().
-          auto& p = host_parameters_[v.info->name];
-          p.resize(v.info->nbytes());
-          if (!p.empty()) std::memcpy(p.data(), v.data, p.size());
-          received_.push_back(v.info->name);
-        }
+        // Into this worker's own parameter, kept across refits, as an inference engine loads;
+        // hashed in report(), outside the timed refit.
+        loads_.copy(parameter(*v.info), v.data, v.info->nbytes(), kind_, v.memory);
+        received_.push_back(v.info->name);
       }
       // The views are valid only during this call.
       if (loads_.pending()) loads_.synchronize(deadline_after(kGpuWait));
@@ -310,8 +302,8 @@ class DestinationProgram final : public WorkerProgram {
     if (model_) return self_check(index);
     if (kind_ == MemoryKind::kHost) {
       for (const auto& name : received_) {
-        const auto& bytes = host_parameters_.at(name);
-        hashes_[name] = hex(XXH3_64bits(bytes.data(), bytes.size()));
+        const Parameter& p = parameters_.at(name);
+        hashes_[name] = hex(XXH3_64bits(p.data, p.bytes));
       }
     } else {
       std::vector<DeviceRange> ranges;
@@ -333,8 +325,8 @@ class DestinationProgram final : public WorkerProgram {
   std::string self_check(uint64_t index) {
     json held = json::object(), expected = json::object();
     for (const auto& name : received_) {
-      const auto& bytes = host_parameters_.at(name);
-      held[name] = hex(XXH3_64bits(bytes.data(), bytes.size()));
+      const Parameter& p = parameters_.at(name);
+      held[name] = hex(XXH3_64bits(p.data, p.bytes));
     }
     std::vector<std::byte> want;
     for (uint32_t i = 0; i < model_->tensors.size(); ++i) {
@@ -350,14 +342,15 @@ class DestinationProgram final : public WorkerProgram {
     return json{{"hashes", held}, {"expected", expected}}.dump();
   }
 
-  // The GPU parameter for `info`, carved from large allocations on first use and kept.
+  // The parameter for `info`, carved from large allocations (GPU memory, or host memory in huge
+  // pages as the copy ceilings use) on first use and kept.
   std::byte* parameter(const TensorInfo& info) {
     const uint64_t n = info.nbytes();
     auto it = parameters_.find(info.name);
     if (it != parameters_.end() && it->second.bytes == n) return it->second.data;
     constexpr uint64_t kSlab = 1ull << 30;
     if (slabs_.empty() || slab_used_ + aligned(n) > slabs_.back().size()) {
-      slabs_.emplace_back(Device{Device::Kind::kCuda, -1}, std::max(kSlab, aligned(n)));
+      slabs_.emplace_back(kind_, Device{Device::Kind::kCuda, -1}, std::max(kSlab, aligned(n)));
       slab_used_ = 0;
     }
     Parameter p{slabs_.back().data() + slab_used_, n};
@@ -370,12 +363,11 @@ class DestinationProgram final : public WorkerProgram {
   MemoryKind kind_;
   const ModelInventory* model_;  // resharding: the model, to check against
   const std::optional<Layout>* checks_;
-  std::unordered_map<std::string, std::vector<std::byte>> host_parameters_;
   uint64_t batches_ = 0;
   std::map<std::string, std::string> hashes_;
   std::vector<std::string> received_;  // tensors loaded this refit, in order
-  std::map<std::string, Parameter> parameters_;
-  std::vector<DeviceBuffer> slabs_;
+  std::unordered_map<std::string, Parameter> parameters_;
+  std::vector<TensorMemory> slabs_;
   uint64_t slab_used_ = 0;
   CopyStream loads_;
 };

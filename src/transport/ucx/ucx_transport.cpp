@@ -164,22 +164,31 @@ class UcxTransport final : public Transport {
   HandleTable<Region> regions_{"UCX", "region", "registered"};
 };
 
-// Whether the context may reach a peer's memory through a mapping (ucp_rkey_ptr): one of its
-// resources is a shared-memory transport. ucp_context_print_info lists them as
-// "resource N : md M dev D flags -- posix/memory"; UCX 1.13 has no structured query.
-bool has_shared_memory_transport(ucp_context_h context) {
+// The context's resources as ucp_context_print_info lists them ("#      resource 1  :  md 1  dev 1
+// flags -- tcp/eth0"), as "tcp/eth0"; UCX 1.13 has no structured query for them.
+std::vector<std::string> context_resources(ucp_context_h context) {
+  std::vector<std::string> resources;
   char* text = nullptr;
   size_t size = 0;
   FILE* out = open_memstream(&text, &size);
-  if (out == nullptr) return false;
+  if (out == nullptr) return resources;
   ucp_context_print_info(context, out);
   std::fclose(out);
   std::istringstream lines(std::string(text, size));
   std::free(text);
   for (std::string line; std::getline(lines, line);) {
-    const auto dashes = line.find("-- ");
-    if (line.find("resource") == std::string::npos || dashes == std::string::npos) continue;
-    const std::string tl = line.substr(dashes + 3, line.find('/', dashes) - dashes - 3);
+    const auto marker = line.find("-- ");
+    if (line.find("resource") != std::string::npos && marker != std::string::npos)
+      resources.push_back(line.substr(marker + 3));
+  }
+  return resources;
+}
+
+// Whether the context may reach a peer's memory through a mapping (ucp_rkey_ptr): one of its
+// resources is a shared-memory transport.
+bool has_shared_memory_transport(ucp_context_h context) {
+  for (const std::string& resource : context_resources(context)) {
+    const std::string tl = resource.substr(0, resource.find('/'));
     if (tl == "posix" || tl == "sysv" || tl == "xpmem") return true;
   }
   return false;
@@ -762,21 +771,7 @@ UcxCapabilities ucx_capabilities(const std::map<std::string, std::string>& init_
       if (attr.memory_types & UCS_BIT(t)) caps.memory_types.push_back(ucs_memory_type_names[t]);
     caps.cuda = (attr.memory_types & UCS_BIT(UCS_MEMORY_TYPE_CUDA)) != 0;
   }
-  // The resources as ucp_context_print_info lists them ("#      resource 1  :  md 1  dev 1  flags -- tcp/eth0");
-  // UCX has no structured query for them.
-  char* text = nullptr;
-  size_t size = 0;
-  if (FILE* out = open_memstream(&text, &size)) {
-    ucp_context_print_info(context, out);
-    std::fclose(out);
-    std::istringstream lines(std::string(text, size));
-    std::free(text);
-    for (std::string line; std::getline(lines, line);) {
-      const auto marker = line.find("-- ");
-      if (line.find("resource") == std::string::npos || marker == std::string::npos) continue;
-      caps.transports.push_back(line.substr(marker + 3));
-    }
-  }
+  caps.transports = context_resources(context);
   ucp_cleanup(context);
   return caps;
 }

@@ -75,8 +75,9 @@ TEST(RefitProcesses, WithoutDirectReadsTensorsGoThroughTheMappedBuckets) {
   Bench b;
   auto r = b.run(1, 1, 2, {kShm, "refit_cfg.nixl.direct_reads=false"});
   const auto model_bytes = inventory_from_hf_config(b.model).total_bytes();
-  expect_verified(r, read_json(b.json), 1, 2, model_bytes);
-  for (const auto& refit : read_json(b.json).at("refits")) {
+  const auto result = read_json(b.json);  // kept: the loop below iterates inside it
+  expect_verified(r, result, 1, 2, model_bytes);
+  for (const auto& refit : result.at("refits")) {
     const auto& d = refit.at("bytes_received").at(0);
     EXPECT_TRUE(d.at("mapped").get<bool>());
     EXPECT_EQ(d.at("in_place_bytes").get<uint64_t>(), 0u);

@@ -1,9 +1,9 @@
 #include "engine/bucket_fetcher.h"
 
 #include <spdlog/spdlog.h>
-#include <xxhash.h>
 
 #include "core/fail.h"
+#include "engine/bucket_checksum.h"
 #include "engine/peer_wait.h"
 
 namespace refit {
@@ -144,13 +144,8 @@ bool BucketFetcher::fetch(uint64_t seq, std::string& phase) {
   std::vector<const std::byte*> bases = map_regions(bucket, data);
   if (bucket.checksum) {
     phase = fmt::format("verify bucket {}", seq);
-    XXH3_state_t* state = XXH3_createState();
-    XXH3_64bits_reset(state);
-    XXH3_64bits_update(state, data, bucket.used_bytes);
-    for (const auto& e : bucket.entries)
-      if (e.region > 0) XXH3_64bits_update(state, bases[e.region] + e.bucket_offset, e.size);
-    const uint64_t actual = XXH3_64bits_digest(state);
-    XXH3_freeState(state);
+    const uint64_t actual = bucket_checksum(
+        bucket, data, [&](size_t k) { return bases[bucket.entries[k].region] + bucket.entries[k].bucket_offset; });
     if (actual != *bucket.checksum)
       fail(ErrorKind::kIntegrity, "bucket {} from {} arrived corrupted: checksum {:016x}, sent {:016x} ({} bytes)", seq,
            context_.peer_label, actual, *bucket.checksum, bucket.used_bytes);

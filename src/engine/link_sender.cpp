@@ -1,10 +1,10 @@
 #include "engine/link_sender.h"
 
 #include <spdlog/spdlog.h>
-#include <xxhash.h>
 
 #include "core/box_copy.h"
 #include "core/fail.h"
+#include "engine/bucket_checksum.h"
 #include "engine/peer_wait.h"
 
 namespace refit {
@@ -57,7 +57,8 @@ bool LinkSender::add_in_place(const TensorView& view, const Box& box, const Tens
   auto [it, fresh] = regions_.try_emplace(found->region, static_cast<uint32_t>(regions_.size() + 1));
   if (fresh) bucket_.regions.push_back(*found->remote);
   bucket_.entries.push_back({tensor, piece, 0, size, found->offset, it->second});
-  in_place_data_.push_back(view.data + first);
+  in_place_data_.resize(bucket_.entries.size(), nullptr);
+  in_place_data_.back() = view.data + first;
   bucket_in_place_ += size;
   in_place_bytes_ += size;
   payload_bytes_ += size;
@@ -92,16 +93,8 @@ void LinkSender::flush(bool is_last, std::string& phase) {
     phase = fmt::format("copy into bucket {} for {}", bucket_.seq, context_.peer_label);
     context_.stream->synchronize(deadline_after(std::chrono::duration<double>(context_.timeout_s)));
   }
-  if (context_.verify_checksums) {
-    XXH3_state_t* state = XXH3_createState();
-    XXH3_64bits_reset(state);
-    XXH3_64bits_update(state, context_.buffers[buffer_], bucket_.used_bytes);
-    size_t k = 0;
-    for (const auto& e : bucket_.entries)
-      if (e.region > 0) XXH3_64bits_update(state, in_place_data_[k++], e.size);
-    bucket_.checksum = XXH3_64bits_digest(state);
-    XXH3_freeState(state);
-  }
+  if (context_.verify_checksums)
+    bucket_.checksum = bucket_checksum(bucket_, context_.buffers[buffer_], [&](size_t k) { return in_place_data_[k]; });
   bucket_.is_last = is_last;
   phase = fmt::format("announce bucket {} to {}", bucket_.seq, context_.peer_label);
   const double packed = timeline_now();

@@ -7,7 +7,8 @@
 #
 # Usage: scripts/test_python.sh [pytest arguments]     e.g. scripts/test_python.sh -k ray -x
 # Environment: PYTHON (default python3) makes the virtual environment; REFIT_VENV (default
-# build/venv) is where it lives; REFIT_TEST_TORCH=1 also installs PyTorch from PyPI (large: its
+# build/venv) is where it lives; NIXL's nixl-cu12 is installed without its dependencies (test_nixl.py);
+# REFIT_TEST_TORCH=1 also installs PyTorch from PyPI (large: its
 # default wheels bring CUDA libraries) so that the torch tests run instead of skipping.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -47,6 +48,14 @@ deps=("scikit-build-core>=0.10" "nanobind>=2.4" "pytest" "numpy" "ml-dtypes" "ra
 [ "${REFIT_TEST_TORCH:-0}" = "1" ] && deps+=("torch")
 echo "=== test_python: pip install ${deps[*]}"
 "$PYTHON" -m pip install -q "${deps[@]}"
+
+# NIXL's Python package for the backend_name NIXL tests (test_nixl.py), without its PyTorch
+# dependency (NIXL imports torch only when given torch tensors). Optional: where PyPI has no wheel
+# for this Python, those tests skip and say why.
+if ! "$PYTHON" -c 'import nixl_cu12' 2>/dev/null; then
+  echo "=== test_python: pip install --no-deps nixl-cu12"
+  "$PYTHON" -m pip install -q --no-deps "nixl-cu12" || echo "test_python: nixl-cu12 could not be installed; the NIXL tests will skip"
+fi
 
 # Build and install the package. --no-build-isolation reuses the build dependencies above and the
 # persistent CMake folder build/py/<wheel tag>, so a rebuild compiles only what changed.

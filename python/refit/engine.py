@@ -191,9 +191,13 @@ class CheckpointEngine(CheckpointEngineBase):
         resolve_framework(framework)  # validate early
         if isinstance(model, (str, os.PathLike)):
             model = _refit.load_model_inventory(os.fspath(model))
+        transport = None
+        if self._config.backend_name.upper() == "NIXL":
+            from .nixl import NixlTransport  # NIXL is optional: imported only when asked for
+            transport = NixlTransport(self._config)
         self._engine = _refit.CheckpointEngine(int(bucket_size_bytes), self._config, session,
                                                int(model_fingerprint), layout, bool(receives_only), holds, model,
-                                               kv_cache_dtype, num_layers)
+                                               kv_cache_dtype, num_layers, transport)
         self.last_send_stats: Optional[dict] = None
 
     # ---- the reference's API ----

@@ -12,6 +12,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -20,6 +21,7 @@
 #include "refit/config.h"
 #include "refit/error.h"
 #include "refit/tensor.h"
+#include "refit/transport.h"
 
 namespace nb = nanobind;
 
@@ -46,6 +48,13 @@ nb::handle error_type(ErrorKind kind);
 // Raises `e` as its Python class with `cause` (if any) as __cause__: sets the Python error and
 // throws nb::python_error. Needs the GIL.
 [[noreturn]] void raise_error(const Error& e, nb::handle cause = nb::handle());
+
+// ---- transports written in Python (python_transport.cpp) ------------------------------------
+
+// The engine's transport for a Python backend object (refit.nixl.NixlTransport; its methods are
+// listed in python_transport.cpp). With a cuda `device` the transfer buffers are GPU memory that
+// the object registers as such. Needs the GIL.
+std::shared_ptr<Transport> python_transport(nb::handle impl, const Device& device);
 
 // ---- tensors (tensors.cpp) -------------------------------------------------------------------
 

@@ -350,7 +350,8 @@ class PyEngine {
  public:
   PyEngine(uint64_t bucket_bytes, const RefitConfig& config, nb::handle session, uint64_t model_fingerprint,
            std::optional<Layout> layout, bool receives_only, std::optional<Layout> holds,
-           std::optional<ModelInventory> model, const std::string& kv_cache_dtype, std::optional<int64_t> num_layers)
+           std::optional<ModelInventory> model, const std::string& kv_cache_dtype, std::optional<int64_t> num_layers,
+           nb::handle transport)
       : config_(config), bucket_bytes_(bucket_bytes) {
     EngineOptions options;
     options.config = config;
@@ -359,6 +360,8 @@ class PyEngine {
     options.layout = std::move(layout);
     options.receives_only = receives_only;
     options.holds = std::move(holds);
+    // A backend written in Python (NIXL) instead of one of the C++ library's.
+    if (transport.is_valid() && !transport.is_none()) options.transport = python_transport(transport, config.device);
     // KV-cache scales (the reference's kv_cache_dtype.startswith("fp8")): every send appends them
     // for the model's decoder layers, counted from `model` or given as `num_layers`.
     kv_cache_dtype_ = kv_cache_dtype;
@@ -620,11 +623,13 @@ void register_engine(nb::module_& m) {
                        "The C++ checkpoint engine. Use refit.create_checkpoint_engine(), which wraps it with the "
                        "reference's method names.")
       .def(nb::init<uint64_t, const RefitConfig&, nb::handle, uint64_t, std::optional<Layout>, bool,
-                    std::optional<Layout>, std::optional<ModelInventory>, const std::string&, std::optional<int64_t>>(),
+                    std::optional<Layout>, std::optional<ModelInventory>, const std::string&, std::optional<int64_t>,
+                    nb::handle>(),
            nb::arg("bucket_bytes"), nb::arg("config"), nb::arg("session").none() = nb::none(),
            nb::arg("model_fingerprint") = 0, nb::arg("layout").none() = nb::none(), nb::arg("receives_only") = false,
            nb::arg("holds").none() = nb::none(), nb::arg("model").none() = nb::none(),
-           nb::arg("kv_cache_dtype") = "auto", nb::arg("num_layers").none() = nb::none())
+           nb::arg("kv_cache_dtype") = "auto", nb::arg("num_layers").none() = nb::none(),
+           nb::arg("transport").none() = nb::none())
       .def("prepare", &PyEngine::prepare)
       .def(
           "init_source",

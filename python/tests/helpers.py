@@ -158,3 +158,24 @@ def destination_process(conn, bucket_bytes: int, session: bytes, cfg_yaml: str, 
         engine.close()
     except BaseException as e:  # noqa: BLE001
         conn.send(("error", e))
+
+
+def nixl_region_process(conn, payload: bytes) -> None:
+    """A NIXL transport in its own process holding `payload` in a registered buffer: sends its
+    address and the buffer's (address, length, key), connects to the parent's transport, then
+    waits until told to exit, answering messages in the meantime."""
+    import time
+
+    from refit.nixl import NixlTransport
+
+    transport = NixlTransport(refit.as_config({"backend_name": "NIXL"}))
+    buffer = np.frombuffer(bytearray(payload), np.uint8)
+    region = transport.register(buffer.ctypes.data, buffer.nbytes, -1)
+    conn.send((transport.address(), buffer.ctypes.data, buffer.nbytes, transport.describe(region)))
+    peer = transport.connect(conn.recv(), "the parent")
+    while not conn.poll(0.001):
+        message = transport.poll(peer)  # also progresses NIXL, so that reads of our buffer complete
+        if message is not None:
+            transport.send(peer, message[::-1])
+        time.sleep(0.0005)
+    conn.recv()

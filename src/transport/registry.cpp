@@ -77,6 +77,11 @@ std::unique_ptr<Transport> create_transport(const std::string& backend_name,
   if (upper == "UCX") return create_ucx_for_device(init_params);
   if (upper == "CUDA_IPC") return create_cuda_ipc_transport(init_params);
   if (upper == "NCCL") return create_nccl_transport(init_params);
+  if (upper == "NIXL")
+    fail(ErrorKind::kConfig,
+         "refit_cfg.nixl.backend_name NIXL is a backend of refit's Python package (refit.nixl, over NIXL's Python "
+         "API: pip install nixl-cu12), not of the C++ library, since NIXL publishes no C++ headers to build "
+         "against; run the engine from Python, or choose 'UCX', 'CUDA_IPC' or 'NCCL'");
   fail(ErrorKind::kConfig,
        "refit_cfg.nixl.backend_name: unknown transport backend '{}' (expected 'UCX', 'CUDA_IPC' or 'NCCL')",
        backend_name);

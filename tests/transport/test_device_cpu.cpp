@@ -175,6 +175,13 @@ TEST(TransportRegistry, NamesEveryBackendForAnUnknownOne) {
   EXPECT_TRUE(contains(message, "'UCX', 'CUDA_IPC' or 'NCCL'")) << message;
 }
 
+TEST(TransportRegistry, NixlSaysItIsThePythonPackagesBackend) {
+  std::string message;
+  EXPECT_EQ(error_kind_of([&] { create_transport("nixl", {}); }, &message), ErrorKind::kConfig);
+  EXPECT_TRUE(contains(message, "backend_name NIXL is a backend of refit's Python package")) << message;
+  EXPECT_TRUE(contains(message, "pip install nixl-cu12")) << message;
+}
+
 TEST(TransportRegistry, GpuBackendsWithoutAGpuAreUnsupportedNamingWhy) {
   SKIP_IF_GPU();
   for (const char* backend : {"CUDA_IPC", "cuda_ipc", "NCCL"}) {

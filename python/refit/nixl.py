@@ -166,7 +166,7 @@ class NixlTransport:
         return "NIXL"
 
     def capabilities(self) -> Dict[str, bool]:
-        return {"host_memory": True, "device_memory": "VRAM" in self._memory_types, "remote_peers": True}
+        return {"host_memory": True, "device_memory": any(m.startswith("VRAM") for m in self._memory_types), "remote_peers": True}
 
     def route(self, peer: int) -> str:
         return f"NIXL {self._plugin}"

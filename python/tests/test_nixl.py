@@ -265,3 +265,31 @@ def test_release_after_refit_connects_again_with_large_manifests():
             pair.connect()
     finally:
         pair.close()
+
+
+def _cuda_usable() -> bool:
+    try:
+        import torch
+        return torch.cuda.is_available() and refit.cuda_built()
+    except ImportError:
+        return False
+
+
+@needs_nixl
+@pytest.mark.skipif(not _cuda_usable(), reason="needs PyTorch with a GPU and refit built with CUDA")
+def test_gpu_tensors_through_gpu_buffers_registered_as_vram():
+    import torch
+
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    weights = [("embed", torch.randn(3000, 1024, device="cuda", generator=gen, dtype=torch.bfloat16)),  # split
+               ("norm", torch.randn(1024, device="cuda", generator=gen)),
+               ("empty", torch.zeros(0, 4, device="cuda"))]
+    pair = Pair(2 * MiB, nixl_config(device="cuda"), framework="torch")
+    try:
+        got = {}
+        _, stats = pair.refit(weights, load=lambda batch: got.update({n: t.clone() for n, t in batch}))
+        assert stats["route"] == "NIXL UCX" and stats["buffer_bytes"] > 0
+        for name, tensor in weights:
+            assert got[name].is_cuda and torch.equal(got[name], tensor), name
+    finally:
+        pair.close()

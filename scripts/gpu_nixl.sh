@@ -2,7 +2,7 @@
 # refit's Python package with NIXL on the lent GPU machine, which cannot download: builds the
 # extension there (CUDA data path on), assembles an importable package under build/gpunixl/site,
 # unpacks NIXL (a slimmed nixl-cu13 for Python 3.12: its UCX plugin and what it loads) and the
-# test wheels carried in .device/nixl-slim (made here by `pip download`), then runs
+# test wheels carried in .device/nixl-slim (made here by scripts/nixl_slim.sh), then runs
 # python/tests/test_nixl.py and python/bench/bench_nixl.py --device cuda.
 #   eval "$(scripts/device_deps.sh)"; scripts/gpu_nixl.sh [bench arguments]
 # Carry: .device/debs and .device/nixl-slim. Figures land in $OUT when it is set.

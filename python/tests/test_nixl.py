@@ -289,6 +289,8 @@ def test_gpu_tensors_through_gpu_buffers_registered_as_vram():
         got = {}
         _, stats = pair.refit(weights, load=lambda batch: got.update({n: t.clone() for n, t in batch}))
         assert stats["route"] == "NIXL UCX" and stats["buffer_bytes"] > 0
+        probe = refit.nixl.NixlTransport(nixl_config(device="cuda"))
+        assert probe.backend_params["engine_config"] == "CUDA_IPC_ENABLE_GET_ZCOPY=y"  # CUDA IPC reads on
         for name, tensor in weights:
             assert got[name].is_cuda and torch.equal(got[name], tensor), name
     finally:

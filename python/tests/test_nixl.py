@@ -125,19 +125,27 @@ def _killed_source(conn, session: bytes) -> None:
     engine.send_weights(weights())
 
 
-@needs_nixl
-def test_a_killed_source_is_a_lost_peer_for_its_destination():
+def _connected_to_a_process(target, role: str):
+    """Spawns ``target(conn, session)``, the other side of a pair, and returns this process's
+    engine (a "source" or a "destination"), connected to it, and the process."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     session = refit.new_session_id()
-    proc = ctx.Process(target=_killed_source, args=(child, session), daemon=True)
+    proc = ctx.Process(target=target, args=(child, session), daemon=True)
     proc.start()
-    destination = refit.create_checkpoint_engine("nixl", MiB, {"nixl": nixl_config(timeout_s=60), "session": session,
-                                                               "framework": "numpy"})
+    engine = refit.create_checkpoint_engine("nixl", MiB, {"nixl": nixl_config(timeout_s=60), "session": session,
+                                                          "framework": "numpy"})
+    md = [engine.prepare(), parent.recv()] if role == "source" else [parent.recv(), engine.prepare()]
+    parent.send(md)
+    init = engine.init_policy_process_group if role == "source" else engine.init_rollout_process_group
+    init(0, 1, 1, md)
+    return engine, proc
+
+
+@needs_nixl
+def test_a_killed_source_is_a_lost_peer_for_its_destination():
+    destination, proc = _connected_to_a_process(_killed_source, "destination")
     try:
-        md = [parent.recv(), destination.prepare()]
-        parent.send(md)
-        destination.init_rollout_process_group(0, 1, 1, md)
         start = time.monotonic()
         with pytest.raises(refit.PeerLostError, match=r"destination rank 0.*source rank 0") as err:
             for _ in destination.receive_weight_batches():
@@ -161,16 +169,8 @@ def _killed_destination(conn, session: bytes) -> None:
 
 @needs_nixl
 def test_a_killed_destination_is_a_lost_peer_for_its_source():
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    session = refit.new_session_id()
-    proc = ctx.Process(target=_killed_destination, args=(child, session), daemon=True)
-    proc.start()
-    source = refit.create_checkpoint_engine("nixl", MiB, {"nixl": nixl_config(timeout_s=60), "session": session})
+    source, proc = _connected_to_a_process(_killed_destination, "source")
     try:
-        md = [source.prepare(), parent.recv()]
-        parent.send(md)
-        source.init_policy_process_group(0, 1, 1, md)
         start = time.monotonic()
         with pytest.raises(refit.PeerLostError, match=r"source rank 0.*destination rank 0"):
             source.send_weights([(f"w{i}", np.full(MiB // 4, i, np.float32)) for i in range(8)])

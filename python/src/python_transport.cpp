@@ -177,8 +177,7 @@ class PythonTransport final : public Transport {
         if (!message.is_none()) return bytes_from(message);
       }
       if (expired(deadline))
-        throw Error(ErrorKind::kTimeout,
-                    fmt::format("{}: no message from {} by the deadline", name_, label(peer)));
+        throw Error(ErrorKind::kTimeout, fmt::format("{}: no message from {} by the deadline", name_, label(peer)));
       backoff.pause();
     }
   }

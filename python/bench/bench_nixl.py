@@ -106,13 +106,14 @@ def _destination(conn, model: str, bucket: int, config_yaml: str, refits: int, d
 
         if framework == "torch":
             import torch
-        seconds = []
+        seconds, loads = [], []
         for _ in range(refits):
             conn.send("ready")
             start = time.perf_counter()
             stats = engine.receive_weights(load)
             seconds.append(time.perf_counter() - start)
-        conn.send(("done", seconds, stats["payload_bytes"], {n: _hash(t) for n, t in params.items()}))
+            loads.append(stats["load_seconds"])
+        conn.send(("done", seconds, loads, stats["payload_bytes"], {n: _hash(t) for n, t in params.items()}))
         engine.finalize()
         engine.close()
     except BaseException as e:  # noqa: BLE001
@@ -139,6 +140,7 @@ def run_refit(model: str, refits: int, bucket: str, overrides: List[str], device
         metadata = [engine.prepare(), first]
         parent.send(metadata)
         engine.init_policy_process_group(0, 1, 1, metadata)
+        sends = []
         for k in range(refits):
             _stamp(weights, k, device)
             if device != "cpu":
@@ -147,17 +149,20 @@ def run_refit(model: str, refits: int, bucket: str, overrides: List[str], device
             ready = parent.recv()
             if ready != "ready":
                 raise RuntimeError(f"destination: {ready[1]}")
-            engine.send_weights(weights)
+            sends.append(engine.send_weights(weights)["seconds"])
         reply = parent.recv()
         if reply[0] != "done":
             raise RuntimeError(f"destination: {reply[1]}")
-        _, seconds, payload, hashes = reply
+        _, seconds, loads, payload, hashes = reply
         verified = hashes == {name: _hash(t) for name, t in weights}
         engine.finalize()
         engine.close()
         proc.join(60)
         rates = [payload / s for s in seconds]
-        return {"median": statistics.median(rates[1:] or rates), "rates": rates, "verified": verified}
+        # Where a refit's time goes: the source's send() (pulling and packing its tensors) and the
+        # destination's loader calls, beside the refit's wall time.
+        return {"median": statistics.median(rates[1:] or rates), "rates": rates, "verified": verified,
+                "seconds": seconds, "send_seconds": sends, "load_seconds": loads}
     finally:
         if proc.is_alive():
             proc.kill()
@@ -227,6 +232,10 @@ def run_ceiling(nbytes: int, reads: int, device: str, params: Optional[dict] = N
             proc.kill()
 
 
+def _fmt(values) -> str:
+    return "[" + ", ".join(f"{v:.4f}" for v in values) + "]"
+
+
 def device_copy_rate(nbytes: int, device: str, repeats: int = 10) -> float:
     """A bucket-sized copy within one process (memcpy, or a device-to-device copy): for context."""
     source, target = _make(nbytes, device, 3), _make(nbytes, device)
@@ -281,6 +290,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(f"round {r}: {row:18} {result['median'] / GiB:7.2f} GiB/s "
                   f"[{', '.join(f'{x / GiB:.2f}' for x in result['rates'])}] "
                   f"verified: {'yes' if result['verified'] else 'NO'}", flush=True)
+            if "seconds" in result:
+                print(f"    refit s {_fmt(result['seconds'])}  source send() s {_fmt(result['send_seconds'])}  "
+                      f"destination loader s {_fmt(result['load_seconds'])}", flush=True)
     ceiling = statistics.median(x["median"] for x in results["NIXL READ ceiling"])
     copy = device_copy_rate(bucket_bytes, args.device)
     summary = {}

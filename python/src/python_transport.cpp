@@ -72,6 +72,10 @@ class PythonTransport final : public Transport {
   }
 
   ~PythonTransport() override {
+    if (interpreter_finalizing()) {
+      impl_.release();  // Python is going away: calling into it now would crash
+      return;
+    }
     nb::gil_scoped_acquire gil;
     for (auto& [region, buffer] : owned_) call_quietly("deregister", region);
     owned_.clear();

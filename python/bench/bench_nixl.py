@@ -120,7 +120,7 @@ def _destination(conn, model: str, bucket: int, config_yaml: str, refits: int, d
         conn.send(("error", repr(e)))
 
 
-def run_refit(model: str, refits: int, bucket: str, overrides: List[str], device: str) -> dict:
+def run_refit(model: str, refits: int, bucket: str, overrides: List[str], device: str, in_place: bool = False) -> dict:
     """One source (this process) and one destination (a spawned process); the source's tensors are
     made once and stamped anew every refit; the destination copies into its own parameters."""
     config = refit.as_config({"bucket_bytes": bucket, "device": device}, overrides)
@@ -149,7 +149,7 @@ def run_refit(model: str, refits: int, bucket: str, overrides: List[str], device
             ready = parent.recv()
             if ready != "ready":
                 raise RuntimeError(f"destination: {ready[1]}")
-            sends.append(engine.send_weights(weights)["seconds"])
+            sends.append(engine.send_weights(weights, in_place=in_place)["seconds"])
         reply = parent.recv()
         if reply[0] != "done":
             raise RuntimeError(f"destination: {reply[1]}")
@@ -260,6 +260,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--bucket", default="256MiB", help="bucket_bytes of every row and the ceiling's buffer size")
     p.add_argument("--device", default="cpu", help="cpu, or cuda (torch tensors and GPU transfer buffers)")
     p.add_argument("--rows", default=None, help="which refit rows to run, comma-separated (default: all of the device's)")
+    p.add_argument("--in-place", action="store_true",
+                   help="sources send with in_place=True (destinations that map them load from their tensors)")
     p.add_argument("--json", default=None, help="write the figures to this file")
     args = p.parse_args(argv)
 
@@ -272,7 +274,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     inventory = refit.load_model_inventory(args.model)
     print(f"bench_nixl: model {inventory.name} ({len(inventory)} tensors, {inventory.total_bytes / GiB:.2f} GiB), "
           f"1 source -> 1 destination, bucket {args.bucket}, device {args.device}, {args.refits} refits x "
-          f"{args.rounds} rounds", flush=True)
+          f"{args.rounds} rounds{', sources in place' if args.in_place else ''}", flush=True)
     refit.set_log_level("warning")
     results = {row: [] for row in rows + ["NIXL READ ceiling"]}
     ok = True
@@ -284,7 +286,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             if row == "NIXL READ ceiling":
                 result = run_ceiling(bucket_bytes, max(args.refits, 5), args.device)
             else:
-                result = run_refit(args.model, args.refits, args.bucket, table[row], args.device)
+                result = run_refit(args.model, args.refits, args.bucket, table[row], args.device, args.in_place)
             ok = ok and result["verified"]
             results[row].append(result)
             print(f"round {r}: {row:18} {result['median'] / GiB:7.2f} GiB/s "

@@ -219,7 +219,7 @@ class CheckpointEngine(CheckpointEngineBase):
         self._engine.init_destination(rollout_rank, train_world_size, rollout_world_size, list(metadata))
 
     def send_weights(self, weights: Iterable[Tuple[str, Any]],
-                     kv_scales: Optional[Mapping[str, float]] = None) -> dict:
+                     kv_scales: Optional[Mapping[str, float]] = None, *, in_place: bool = False) -> dict:
         """One refit from a source: pulls (name, tensor) pairs on demand and returns when the
         destination has read the last bucket. Tensors: anything with ``__dlpack__`` or the buffer
         protocol (NumPy, PyTorch CPU/CUDA, CuPy); each is kept alive until the next one is pulled.
@@ -234,11 +234,18 @@ class CheckpointEngine(CheckpointEngineBase):
         absent (also when ``kv_scales`` is None); other names in it are ignored, as the reference
         does. ConfigError when the engine knows no layer count (model=/num_layers=). With any
         other kv_cache_dtype, passing ``kv_scales`` (not None) raises InvalidArgumentError:
-        nothing would send them."""
+        nothing would send them.
+
+        ``in_place=True`` promises that the tensors stay unchanged until this returns (the model's
+        own parameters, not tensors made per item): refit then keeps every one alive until the end
+        of the send instead of until the next pull, and a destination that maps this process's
+        memory (CUDA IPC on one host, with direct_reads) loads straight from them, one copy per
+        byte; the stats' ``in_place_bytes`` says how much went so. Tensors that cannot be mapped
+        (host memory with UCX, strided views) still go through buckets."""
         from .reshard import local_tensors  # DTensors go as their local shards
         if kv_scales is not None and isinstance(kv_scales, Mapping) and not isinstance(kv_scales, dict):
             kv_scales = dict(kv_scales)
-        self.last_send_stats = self._engine.send(local_tensors(weights), kv_scales)
+        self.last_send_stats = self._engine.send(local_tensors(weights), kv_scales, bool(in_place))
         return self.last_send_stats
 
     @property

@@ -20,6 +20,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
+#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -46,6 +47,7 @@ nb::dict send_stats(const SendStats& s) {
   d["dropped"] = s.dropped;
   d["buckets"] = s.buckets;
   d["payload_bytes"] = s.payload_bytes;
+  d["in_place_bytes"] = s.in_place_bytes;
   d["seconds"] = s.seconds;
   d["had_peer"] = s.had_peer;
   return d;
@@ -58,6 +60,7 @@ nb::dict receive_stats(const ReceiveStats& s) {
   d["buckets"] = s.buckets;
   d["payload_bytes"] = s.payload_bytes;
   d["wire_bytes"] = s.wire_bytes;
+  d["in_place_bytes"] = s.in_place_bytes;
   d["mapped"] = s.mapped;
   d["buffer_bytes"] = s.buffer_bytes;
   d["route"] = s.route;
@@ -82,11 +85,16 @@ std::string describe_exception(nb::handle value) {
 
 class PySource final : public WeightSource {
  public:
-  PySource(nb::object iterator, bool device_ok) : iterator_(std::move(iterator)), device_ok_(device_ok) {}
+  // `in_place`: every tensor is kept until send() returns (not only until the next pull), so that
+  // destinations that map this process's memory may load straight from it (direct_reads).
+  PySource(nb::object iterator, bool device_ok, bool in_place)
+      : iterator_(std::move(iterator)), device_ok_(device_ok), in_place_(in_place) {}
+
+  bool views_outlive_send() const override { return in_place_; }
 
   bool next(TensorView* out) override {
     nb::gil_scoped_acquire gil;
-    current_ = ImportedTensor{};  // the previous tensor may go now
+    current_ = ImportedTensor{};  // the previous tensor may go now (unless kept)
     PyObject* raw = PyIter_Next(iterator_.ptr());
     if (raw == nullptr) {
       if (PyErr_Occurred()) {
@@ -132,15 +140,22 @@ class PySource final : public WeightSource {
       exception_ = nb::borrow(e.value());
       throw Error(ErrorKind::kInvalidArgument, fmt::format("tensor '{}': {}", name, describe_exception(exception_)));
     }
-    out->info = &current_.info;
-    out->data = current_.data;
-    out->memory = current_.memory;
+    const ImportedTensor* tensor = &current_;
+    if (in_place_) {
+      kept_.push_back(std::move(current_));  // a deque: earlier views stay where they are
+      current_ = ImportedTensor{};
+      tensor = &kept_.back();
+    }
+    out->info = &tensor->info;
+    out->data = tensor->data;
+    out->memory = tensor->memory;
     return true;
   }
 
   // With the GIL: the Python exception the iterator raised, if any; drops every reference.
   nb::object finish() {
     current_ = ImportedTensor{};
+    kept_.clear();
     iterator_ = nb::object();
     return std::move(exception_);
   }
@@ -148,8 +163,10 @@ class PySource final : public WeightSource {
  private:
   nb::object iterator_;
   bool device_ok_;
+  bool in_place_;
   uint64_t index_ = 0;
   ImportedTensor current_;
+  std::deque<ImportedTensor> kept_;  // with in_place_: every tensor of this send
   nb::object exception_;
 };
 
@@ -415,12 +432,12 @@ class PyEngine {
 
   std::optional<int64_t> kv_scale_layers() const { return fp8_kv_cache_ ? kv_layers_ : std::nullopt; }
 
-  nb::dict send(nb::handle iterable, nb::handle kv_scales) {
+  nb::dict send(nb::handle iterable, nb::handle kv_scales, bool in_place) {
     CheckpointEngine& e = idle("send_weights()");
     std::optional<KvScales> scales = kv_scales_for_send(kv_scales);
     nb::object iterator = nb::steal(PyObject_GetIter(iterable.ptr()));
     if (!iterator.is_valid()) throw nb::python_error();
-    PySource source(std::move(iterator), device_ok_);
+    PySource source(std::move(iterator), device_ok_, in_place);
     SendStats stats;
     try {
       nb::gil_scoped_release nogil;
@@ -639,7 +656,8 @@ void register_engine(nb::module_& m) {
           "init_destination",
           [](PyEngine& e, int rank, int train, int rollout, nb::handle md) { e.init(false, rank, train, rollout, md); },
           nb::arg("rollout_rank"), nb::arg("train_world_size"), nb::arg("rollout_world_size"), nb::arg("metadata"))
-      .def("send", &PyEngine::send, nb::arg("weights"), nb::arg("kv_scales").none() = nb::none())
+      .def("send", &PyEngine::send, nb::arg("weights"), nb::arg("kv_scales").none() = nb::none(),
+           nb::arg("in_place") = false)
       .def_prop_ro("kv_scale_layers", &PyEngine::kv_scale_layers,
                    "Decoder layers whose KV-cache scales every send appends (None: no scales are appended).")
       .def(

@@ -61,3 +61,27 @@ def test_process_group_with_torch_cuda_programs():
         for _ in range(2):
             report = sync.sync_weights()
             assert verify(report.results, 2) == []
+
+
+def test_in_place_sends_are_loaded_straight_from_the_source_tensors():
+    """send_weights(in_place=True) over CUDA IPC: the destination loads each tensor from the
+    source's own memory (direct_reads), one copy per byte. A strided view goes in place too: its
+    contiguous copy is kept alive for the send as well."""
+    from helpers import config
+
+    weights = [(f"layer{i}", torch.randn(1024, 257, device="cuda")) for i in range(6)]
+    weights.append(("strided", torch.randn(64, 48, device="cuda").t()))
+    torch.cuda.synchronize()
+    pair = Pair(4 * MiB, config(backend_name="CUDA_IPC", device="cuda"), framework="torch")
+    try:
+        for in_place in (True, False):
+            got = {}
+            send_stats, receive_stats = pair.refit(weights, lambda b: got.update({n: t.clone() for n, t in b}),
+                                                   send_kwargs={"in_place": in_place})
+            for name, t in weights:
+                assert torch.equal(got[name], t.contiguous()), name
+            total = sum(t.numel() * t.element_size() for _, t in weights)
+            assert send_stats["payload_bytes"] == receive_stats["payload_bytes"] == total
+            assert send_stats["in_place_bytes"] == receive_stats["in_place_bytes"] == (total if in_place else 0)
+    finally:
+        pair.close()

@@ -180,3 +180,42 @@ def test_lifecycle_misuse_is_reported():
         pair.close()
     with pytest.raises(refit.InvalidArgumentError, match="closed"):
         pair.destination.prepare()
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_in_place_keeps_every_tensor_until_the_send_returns(in_place):
+    """in_place=True: the source keeps every tensor alive for the whole send (a destination may
+    load from them); otherwise each goes once the next is pulled. Over UCX nothing maps Python's
+    memory, so the bytes still travel in buckets either way."""
+    import weakref
+
+    alive = []
+
+    def weights():
+        for i in range(40):
+            tensor = np.full(4096, i, np.float32)
+            alive.append(weakref.ref(tensor))
+            yield f"w{i}", tensor
+
+    pair = Pair(64 * 1024)
+    dead_at_last_batch = []
+    try:
+        got = {}
+
+        def load(batch):
+            got.update({n: np.array(t) for n, t in batch})
+            if len(got) == 40:
+                dead_at_last_batch.append(sum(ref() is None for ref in alive))
+
+        sender = pair.start_send(weights(), in_place=in_place)
+        pair.destination.receive_weights(load)
+        stats = sender.join()
+        assert all(np.array_equal(got[f"w{i}"], np.full(4096, i, np.float32)) for i in range(40))
+        assert stats["in_place_bytes"] == 0 and stats["payload_bytes"] == 40 * 4096 * 4
+        if in_place:
+            assert dead_at_last_batch == [0]
+        else:
+            assert dead_at_last_batch[0] >= 38, dead_at_last_batch
+        assert all(ref() is None for ref in alive)  # all released once the send returned
+    finally:
+        pair.close()

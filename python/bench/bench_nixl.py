@@ -215,8 +215,11 @@ def run_ceiling(nbytes: int, reads: int, device: str, params: Optional[dict] = N
         for _ in range(reads + 1):
             start = time.perf_counter()
             read = transport.post_read(peer, key, remote, local, region, nbytes)
+            deadline = start + 60
             while not transport.test_read(read):
-                pass
+                if time.perf_counter() > deadline:
+                    transport.cancel_read(read)
+                    raise RuntimeError(f"NIXL READ of {nbytes} bytes did not complete in 60 s")
             rates.append(nbytes / (time.perf_counter() - start))
         if device == "cpu":
             verified = bool((buffer == 7).all())

@@ -3,24 +3,32 @@
 // exactly used_bytes and one of exactly each source region's length for entries sent in place
 // (so AddressSanitizer flags any read outside them), then every byte of every tensor handed out
 // is read, as a loader would. On is_last, finish() and reset() start
-// the next refit, as run_receive does; any error ends the refit the same way.
+// the next refit, as run_receive does; any error ends the refit the same way. As the fetch
+// thread does, buckets must come in order (0, 1, ...), a replayed manifest comes from the
+// ManifestCache of the buckets that arrived, and a replay of the refit before, when that refit
+// went through, is assembled as repeating checked manifests. The harness numbers its refits 1,
+// 2, ... (the fetcher drops messages of other refits), so a replay names one of those.
 //
 // Input: byte 0 picks the bucket size; then frames of [u16 little-endian length][message].
 // Oracles: errors are Error(kProtocol), or Error(kTransport) when a split tensor's merge
 // buffer cannot be allocated; a whole tensor's view lies inside its bucket or region; a merged tensor is
 // no larger than the chunks received for it and, when every chunk was a byte range of the
-// tensor itself (no box), holds exactly their bytes.
+// tensor itself (no box), holds exactly their bytes; no tensor is handed out twice in one refit.
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <map>
 #include <memory>
+#include <optional>
+#include <set>
 #include <span>
 #include <string>
 #include <vector>
 
+#include "core/fail.h"
 #include "engine/assembler.h"
+#include "engine/manifest_cache.h"
 #include "engine/protocol.h"
 #include "fuzz_common.h"
 
@@ -46,30 +54,39 @@ class Harness {
       step(bytes);
     } catch (const Error& e) {
       if (e.kind() != ErrorKind::kTransport) FUZZ_EXPECT_PROTOCOL_ERROR(e);
-      new_refit();  // the refit failed; the next one starts afresh
+      new_refit(false);  // the refit failed; the next one starts afresh
     }
   }
 
  private:
-  void new_refit() {
+  void new_refit(bool went_through) {
     assembler_.reset();
     pending_.clear();
+    handed_out_.clear();
+    checked_refit_ = went_through ? std::optional<uint64_t>(refit_) : std::nullopt;
+    ++refit_;
+    next_seq_ = 0;
   }
 
   void step(std::span<const uint8_t> bytes) {
     protocol::Message msg = protocol::decode_message(bytes, kWho);
     if (msg.type != protocol::MessageType::kBucketReady) {
-      new_refit();  // the fetch thread fails on anything but the bucket it waits for
+      new_refit(false);  // the fetch thread fails on anything but the bucket it waits for
       return;
     }
-    const protocol::BucketReady& bucket = msg.ready;
+    protocol::BucketReady& bucket = msg.ready;
+    if (bucket.seq != next_seq_) fail(ErrorKind::kProtocol, "bucket {} instead of bucket {}", bucket.seq, next_seq_);
+    ++next_seq_;
     protocol::validate(bucket, bucket_bytes_, 2 * bucket_bytes_, kWho);
+    cache_.fill(bucket, kWho);
+    cache_.arrived(refit_, bucket);
+    const bool repeats_checked = bucket.replay_of && bucket.replay_of == checked_refit_;
 
     // Exactly the used bytes and each region's, on the heap: one byte more or less read is an
     // ASan report. Regions as large as the bucket at most (the fuzzer's memory is bounded).
     uint64_t region_bytes = 0;
-    for (const auto& r : bucket.regions) region_bytes += std::min<uint64_t>(r.remote.length, 1ull << 40);
-    if (region_bytes > 1u << 20) return new_refit();
+    for (const auto& r : bucket.regions()) region_bytes += std::min<uint64_t>(r.remote.length, 1ull << 40);
+    if (region_bytes > 1u << 20) return new_refit(false);
     std::vector<std::unique_ptr<std::byte[]>> memory;
     std::vector<std::pair<const std::byte*, const std::byte*>> ranges;  // [begin, end) of bucket, regions
     std::vector<const std::byte*> bases;
@@ -80,18 +97,19 @@ class Harness {
       bases.push_back(memory.back().get());
     };
     add(bucket.used_bytes);
-    for (const auto& r : bucket.regions) add(r.remote.length);
+    for (const auto& r : bucket.regions()) add(r.remote.length);
 
     // What a merged tensor must hold: the bytes of the chunks of split tensors, as sent.
-    for (const auto& e : bucket.entries) {
+    for (const auto& e : bucket.entries()) {
       if (e.box.is_whole() && e.tensor_offset == 0 && e.size == e.tensor.nbytes()) continue;
       const std::byte* p = bases[e.region] + e.bucket_offset;
       pending_[e.tensor.name].push_back({e.tensor_offset, std::vector<std::byte>(p, p + e.size), !e.box.is_whole()});
     }
 
-    auto views = assembler_.add_bucket(bucket, bases, kWho, deadline_after(std::chrono::seconds(10)));
+    auto views = assembler_.add_bucket(bucket, bases, kWho, deadline_after(std::chrono::seconds(10)), repeats_checked);
     for (const TensorView& v : views) {
       FUZZ_CHECK(v.info != nullptr);
+      FUZZ_CHECK(handed_out_.insert(v.info->name).second);
       const uint64_t n = v.info->nbytes();
       auto holder = std::find_if(ranges.begin(), ranges.end(),
                                  [&](const auto& r) { return v.data >= r.first && v.data <= r.second; });
@@ -104,7 +122,7 @@ class Harness {
     }
     if (bucket.is_last) {
       assembler_.finish(kWho);
-      new_refit();
+      new_refit(true);
     }
   }
 
@@ -133,6 +151,11 @@ class Harness {
 
   uint64_t bucket_bytes_;
   TensorAssembler assembler_;
+  ManifestCache cache_;
+  uint64_t refit_ = 1;                     // this harness's refit number
+  uint64_t next_seq_ = 0;                  // the bucket the fetcher waits for
+  std::optional<uint64_t> checked_refit_;  // the refit before, if it went through
+  std::set<std::string> handed_out_;       // this refit's tensors
   std::map<std::string, std::vector<Chunk>> pending_;
   uint8_t fill_ = 0;
   volatile uint64_t sink_ = 0;

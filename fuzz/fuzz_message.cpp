@@ -39,7 +39,9 @@ u128 exact_nbytes(const TensorInfo& t, bool* overflow) {
 void check_validated(const protocol::BucketReady& m, uint64_t bucket_bytes) {
   FUZZ_CHECK(u128{m.offset} + m.used_bytes <= 2 * u128{bucket_bytes});
   FUZZ_CHECK(m.used_bytes <= bucket_bytes);
-  for (const auto& e : m.entries) {
+  FUZZ_CHECK(m.replay_of.has_value() == (m.manifest == nullptr));  // a replay's manifest is not on the wire
+  if (!m.manifest) return;
+  for (const auto& e : m.entries()) {
     bool overflow = false;
     const u128 nbytes = exact_nbytes(e.tensor, &overflow);
     FUZZ_CHECK(!overflow);
@@ -58,12 +60,12 @@ void check_validated(const protocol::BucketReady& m, uint64_t bucket_bytes) {
     FUZZ_CHECK(piece <= nbytes);
     FUZZ_CHECK(u128{e.tensor_offset} + e.size <= piece);
     // ... and in the bucket's used bytes, or in the source region it names.
-    FUZZ_CHECK(e.region <= m.regions.size());
-    const u128 limit = e.region == 0 ? m.used_bytes : m.regions[e.region - 1].remote.length;
+    FUZZ_CHECK(e.region <= m.regions().size());
+    const u128 limit = e.region == 0 ? m.used_bytes : m.regions()[e.region - 1].remote.length;
     FUZZ_CHECK(u128{e.bucket_offset} + e.size <= limit);
   }
-  for (size_t k = 0; k < m.regions.size(); ++k)  // every region is used
-    FUZZ_CHECK(std::any_of(m.entries.begin(), m.entries.end(), [&](const auto& e) { return e.region == k + 1; }));
+  for (size_t k = 0; k < m.regions().size(); ++k)  // every region is used
+    FUZZ_CHECK(std::any_of(m.entries().begin(), m.entries().end(), [&](const auto& e) { return e.region == k + 1; }));
 }
 
 }  // namespace

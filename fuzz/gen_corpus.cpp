@@ -154,18 +154,20 @@ std::vector<protocol::BucketReady> buckets_for(const std::vector<TensorInfo>& mo
   BucketPacker packer(bucket_bytes);
   protocol::BucketReady b;
   b.refit = refit;
+  protocol::Manifest manifest;
   auto flush = [&](bool last) {
     b.is_last = last;
+    b.manifest = std::make_shared<protocol::Manifest>(std::move(manifest));
     out.push_back(b);
     b.seq++;
     b.offset = b.offset == 0 ? bucket_bytes : 0;
-    b.entries.clear();
+    manifest = {};
     b.used_bytes = 0;
   };
   for (const auto& t : model) {
     for (const ChunkPlacement& c : packer.place(t)) {
       if (c.starts_bucket) flush(false);
-      b.entries.push_back({t, Box::whole(), c.tensor_offset, c.size, c.bucket_offset});
+      manifest.entries.push_back({t, Box::whole(), c.tensor_offset, c.size, c.bucket_offset});
       b.used_bytes = c.bucket_offset + c.size;
     }
   }
@@ -187,12 +189,17 @@ void message_seeds() {
   protocol::BucketReady in_place;
   in_place.refit = 5;
   in_place.used_bytes = 16;
-  in_place.regions = {{{0x7f0000001000, 64, {1, 2, 3}}, MemoryKind::kHost},
-                      {{0x7f0000100000, 48, {}}, MemoryKind::kHost}};
-  in_place.entries = {{tensor("a", DType::kFloat32, {4, 4}), Box::whole(), 0, 64, 0, 1},
-                      {tensor("b", DType::kUInt8, {40}), Box::whole(), 0, 24, 8, 2},
-                      {tensor("b", DType::kUInt8, {40}), Box::whole(), 24, 16, 0, 0}};
+  protocol::edit_manifest(in_place).regions = {{{0x7f0000001000, 64, {1, 2, 3}}, MemoryKind::kHost},
+                                               {{0x7f0000100000, 48, {}}, MemoryKind::kHost}};
+  protocol::edit_manifest(in_place).entries = {{tensor("a", DType::kFloat32, {4, 4}), Box::whole(), 0, 64, 0, 1},
+                                               {tensor("b", DType::kUInt8, {40}), Box::whole(), 0, 24, 8, 2},
+                                               {tensor("b", DType::kUInt8, {40}), Box::whole(), 24, 16, 0, 0}};
   write("message", "ready_in_place", protocol::encode(in_place));
+  // A replay: the manifest of bucket 1 of refit 4, not on the wire.
+  protocol::BucketReady replay = buckets[1];
+  replay.refit = 5;
+  replay.replay_of = 4;
+  write("message", "ready_replay", protocol::encode(replay));
   write("message", "done", protocol::encode(done_message(2, 17)));
   write("message", "abort", protocol::encode(abort_message(1, "source rank 0 failed in phase pack bucket 3")));
   write("message", "abort_empty", protocol::encode(abort_message(0, "")));
@@ -201,33 +208,35 @@ void message_seeds() {
   protocol::BucketReady bad;
   bad.offset = 64;
   bad.used_bytes = 64;
-  bad.entries = {{tensor("t", DType::kFloat32, {4}), Box::whole(), 0, 16, 56}};
+  protocol::edit_manifest(bad).entries = {{tensor("t", DType::kFloat32, {4}), Box::whole(), 0, 16, 56}};
   write("message", "chunk_past_used_bytes", protocol::encode(bad));
-  bad.entries[0] = {tensor("t", DType::kFloat32, {4}), Box::whole(), 8, 16, 0};
+  protocol::edit_manifest(bad).entries[0] = {tensor("t", DType::kFloat32, {4}), Box::whole(), 8, 16, 0};
   write("message", "chunk_past_tensor", protocol::encode(bad));
-  bad.entries[0] = {tensor("t", DType::kFloat32, {INT64_MAX, 4, 0}), Box::whole(), 0, 0, 0};
+  protocol::edit_manifest(bad).entries[0] = {tensor("t", DType::kFloat32, {INT64_MAX, 4, 0}), Box::whole(), 0, 0, 0};
   write("message", "overflowing_shape", protocol::encode(bad));
-  bad.entries[0] = {tensor("t", DType::kUInt8, {1, 1, 1, 1, 1, 1, 1, 1}), Box::whole(), 0, 1, 0};
+  protocol::edit_manifest(bad).entries[0] = {tensor("t", DType::kUInt8, {1, 1, 1, 1, 1, 1, 1, 1}), Box::whole(), 0, 1,
+                                             0};
   write("message", "rank_8", protocol::encode(bad));
   // A piece: rows [1, 3) x columns [2, 4) of a 4 x 4 tensor, and one that does not fit.
-  bad.entries[0] = {tensor("t", DType::kUInt8, {4, 4}), Box::of(Request::narrow(0, 1, 2)).narrowed({1, 2, 2}), 0, 4, 0};
+  protocol::edit_manifest(bad).entries[0] = {tensor("t", DType::kUInt8, {4, 4}),
+                                             Box::of(Request::narrow(0, 1, 2)).narrowed({1, 2, 2}), 0, 4, 0};
   write("message", "piece_2d", protocol::encode(bad));
-  bad.entries[0].box.cuts[1].start = 3;
+  protocol::edit_manifest(bad).entries[0].box.cuts[1].start = 3;
   write("message", "piece_past_tensor", protocol::encode(bad));
-  bad.entries[0] = {tensor("t", DType::kUInt8, {8}), Box::whole(), 0, 8, 0};
+  protocol::edit_manifest(bad).entries[0] = {tensor("t", DType::kUInt8, {8}), Box::whole(), 0, 8, 0};
   bad.offset = UINT64_MAX - 4;
   write("message", "offset_past_region", protocol::encode(bad));
   bad.offset = 0;
   bad.used_bytes = UINT64_MAX;
-  bad.entries[0] = {tensor("t", DType::kUInt8, {8}), Box::whole(), 0, 8, UINT64_MAX - 4};
+  protocol::edit_manifest(bad).entries[0] = {tensor("t", DType::kUInt8, {8}), Box::whole(), 0, 8, UINT64_MAX - 4};
   write("message", "offset_wraps", protocol::encode(bad));
   bad.used_bytes = 8;
-  bad.regions = {{{0x1000, 4, {}}, MemoryKind::kHost}};
-  bad.entries[0] = {tensor("t", DType::kUInt8, {8}), Box::whole(), 0, 8, 0, 1};
+  protocol::edit_manifest(bad).regions = {{{0x1000, 4, {}}, MemoryKind::kHost}};
+  protocol::edit_manifest(bad).entries[0] = {tensor("t", DType::kUInt8, {8}), Box::whole(), 0, 8, 0, 1};
   write("message", "chunk_past_region", protocol::encode(bad));
-  bad.entries[0].region = 2;
+  protocol::edit_manifest(bad).entries[0].region = 2;
   write("message", "region_out_of_range", protocol::encode(bad));
-  bad.regions.clear();
+  protocol::edit_manifest(bad).regions.clear();
 
   write("message", "truncated", truncated(protocol::encode(buckets[0]), 50));
   write("message", "bad_magic", flipped(protocol::encode(buckets[0]), 0));
@@ -270,13 +279,32 @@ void assembler_seeds() {
     Bytes stream{3};
     protocol::BucketReady b;
     b.used_bytes = 16;
-    b.regions = {{{0x7f0000001000, 96, {7}}, MemoryKind::kHost}};
-    b.entries = {{tensor("a", DType::kFloat32, {4, 4}), Box::whole(), 0, 64, 32, 1},
-                 {tensor("b", DType::kUInt8, {40}), Box::whole(), 0, 24, 0, 1},
-                 {tensor("b", DType::kUInt8, {40}), Box::whole(), 24, 16, 0, 0}};
+    protocol::edit_manifest(b).regions = {{{0x7f0000001000, 96, {7}}, MemoryKind::kHost}};
+    protocol::edit_manifest(b).entries = {{tensor("a", DType::kFloat32, {4, 4}), Box::whole(), 0, 64, 32, 1},
+                                          {tensor("b", DType::kUInt8, {40}), Box::whole(), 0, 24, 0, 1},
+                                          {tensor("b", DType::kUInt8, {40}), Box::whole(), 24, 16, 0, 0}};
     b.is_last = true;
     put_frame(stream, protocol::encode(b));
     write("assembler", "in_place", stream);
+  }
+  // Replays (the harness numbers its refits 1, 2, ...): refit 1 in full, refit 2 replays every
+  // bucket of it, refit 3 replays bucket 0 and sends bucket 1 anew with a tensor of bucket 0.
+  {
+    Bytes stream{3};
+    auto b = buckets_for(model, 8, 1);
+    for (const auto& x : b) put_frame(stream, protocol::encode(x));
+    for (auto x : b) {
+      x.replay_of = 1;
+      put_frame(stream, protocol::encode(x));
+    }
+    auto first = b[0];
+    first.replay_of = 2;
+    put_frame(stream, protocol::encode(first));
+    auto again = b[0];
+    again.seq = 1;
+    again.is_last = true;
+    put_frame(stream, protocol::encode(again));
+    write("assembler", "replays", stream);
   }
   // An abort in the middle of a refit.
   {

@@ -289,6 +289,7 @@ int run_bench(const BenchOptions& options) {
                                   {"bytes", w.send.payload_bytes},
                                   {"destinations", w.send.destinations},
                                   {"buckets", w.send.buckets},
+                                  {"replayed_buckets", w.send.replayed_buckets},
                                   {"seconds", w.send.seconds}});
             continue;
           }

@@ -9,10 +9,10 @@
 #include <cstring>
 #include <filesystem>
 #include <map>
-#include <unordered_map>
 
 #include "core/box_copy.h"
 #include "core/fail.h"
+#include "core/name_index.h"
 #include "device_kernels.h"
 #include "memory/device_memory.h"
 #include "memory/tensor_memory.h"
@@ -277,20 +277,26 @@ class DestinationProgram final : public WorkerProgram {
     fail(ErrorKind::kInternal, "a destination has no weights");
   }
 
-  BatchLoader loader(uint64_t index) override {
+  // Outside the timed refit: the last refit's hashes are many small blocks to free.
+  void stage(uint64_t) override {
     hashes_.clear();
     received_.clear();
     batches_ = 0;
+  }
+
+  BatchLoader loader(uint64_t index) override {
     return [this, index](LoadBatch batch) {
       const bool kill_here = kill_ && kill_->refit == index && kill_->step == batches_;
       ++batches_;
       for (size_t i = 0; i < batch.size(); ++i) {
         if (kill_here && kill_->when == KillPoint::When::kLoad && i == batch.size() / 2) die_on_purpose();
+        if (i + kLookAhead < batch.size()) parameter_names_.prefetch(batch[i + kLookAhead].info->name);
         const TensorView& v = batch[i];
         // Into this worker's own parameter, kept across refits, as an inference engine loads;
         // hashed in report(), outside the timed refit.
-        loads_.copy(parameter(*v.info), v.data, v.info->nbytes(), kind_, v.memory);
-        received_.push_back(v.info->name);
+        const uint32_t p = parameter(*v.info);
+        loads_.copy(parameters_[p].data, v.data, parameters_[p].bytes, kind_, v.memory);
+        received_.push_back(p);
       }
       // The views are valid only during this call.
       if (loads_.pending()) loads_.synchronize(deadline_after(kGpuWait));
@@ -301,15 +307,12 @@ class DestinationProgram final : public WorkerProgram {
   std::string report(uint64_t index) override {
     if (model_) return self_check(index);
     if (kind_ == MemoryKind::kHost) {
-      for (const auto& name : received_) {
-        const Parameter& p = parameters_.at(name);
-        hashes_[name] = hex(XXH3_64bits(p.data, p.bytes));
-      }
+      for (uint32_t p : received_) hashes_[name_of(p)] = hex(XXH3_64bits(parameters_[p].data, parameters_[p].bytes));
     } else {
       std::vector<DeviceRange> ranges;
-      for (const auto& name : received_) ranges.push_back({parameters_.at(name).data, parameters_.at(name).bytes});
+      for (uint32_t p : received_) ranges.push_back({parameters_[p].data, parameters_[p].bytes});
       const auto sums = hash_device_ranges(ranges, nullptr);
-      for (size_t i = 0; i < ranges.size(); ++i) hashes_[received_[i]] = hex(sums[i]);
+      for (size_t i = 0; i < ranges.size(); ++i) hashes_[name_of(received_[i])] = hex(sums[i]);
     }
     return json{{"hashes", hashes_}}.dump();
   }
@@ -324,10 +327,7 @@ class DestinationProgram final : public WorkerProgram {
   // synthetic content of refit `index`); verify() compares the two.
   std::string self_check(uint64_t index) {
     json held = json::object(), expected = json::object();
-    for (const auto& name : received_) {
-      const Parameter& p = parameters_.at(name);
-      held[name] = hex(XXH3_64bits(p.data, p.bytes));
-    }
+    for (uint32_t p : received_) held[name_of(p)] = hex(XXH3_64bits(parameters_[p].data, parameters_[p].bytes));
     std::vector<std::byte> want;
     for (uint32_t i = 0; i < model_->tensors.size(); ++i) {
       const TensorInfo& t = model_->tensors[i];
@@ -344,20 +344,22 @@ class DestinationProgram final : public WorkerProgram {
 
   // The parameter for `info`, carved from large allocations (GPU memory, or host memory in huge
   // pages as the copy ceilings use) on first use and kept.
-  std::byte* parameter(const TensorInfo& info) {
+  // Its number in parameter_names_ and parameters_.
+  uint32_t parameter(const TensorInfo& info) {
     const uint64_t n = info.nbytes();
-    auto it = parameters_.find(info.name);
-    if (it != parameters_.end() && it->second.bytes == n) return it->second.data;
+    const auto [index, added] = parameter_names_.add(info.name);
+    if (added) parameters_.emplace_back();
+    if (!added && parameters_[index].bytes == n) return index;
     constexpr uint64_t kSlab = 1ull << 30;
     if (slabs_.empty() || slab_used_ + aligned(n) > slabs_.back().size()) {
       slabs_.emplace_back(kind_, Device{Device::Kind::kCuda, -1}, std::max(kSlab, aligned(n)));
       slab_used_ = 0;
     }
-    Parameter p{slabs_.back().data() + slab_used_, n};
+    parameters_[index] = {slabs_.back().data() + slab_used_, n};
     slab_used_ += aligned(n);
-    parameters_[info.name] = p;
-    return p.data;
+    return index;
   }
+  std::string name_of(uint32_t parameter) const { return std::string(parameter_names_.name(parameter)); }
 
   std::optional<KillPoint> kill_;
   MemoryKind kind_;
@@ -365,8 +367,12 @@ class DestinationProgram final : public WorkerProgram {
   const std::optional<Layout>* checks_;
   uint64_t batches_ = 0;
   std::map<std::string, std::string> hashes_;
-  std::vector<std::string> received_;  // tensors loaded this refit, in order
-  std::unordered_map<std::string, Parameter> parameters_;
+  // The parameters by name, as an inference engine keeps them; a batch looks them up this many
+  // tensors ahead.
+  static constexpr size_t kLookAhead = 8;
+  NameIndex parameter_names_;
+  std::vector<Parameter> parameters_;  // by number in parameter_names_
+  std::vector<uint32_t> received_;     // tensors loaded this refit, in order
   std::vector<TensorMemory> slabs_;
   uint64_t slab_used_ = 0;
   CopyStream loads_;

@@ -120,6 +120,7 @@ struct SendStats {
   uint64_t tensors = 0;  // sent (whole, sliced, or as pieces to several destinations)
   uint64_t dropped = 0;  // not held by the destination
   uint64_t buckets = 0;
+  uint64_t replayed_buckets = 0;  // of buckets, sent naming the previous refit's manifest (same model, same plan)
   uint64_t payload_bytes = 0;
   uint64_t in_place_bytes = 0;  // of payload_bytes, loaded by destinations from our own tensors
   double seconds = 0;
@@ -132,13 +133,14 @@ struct ReceiveStats {
   uint64_t tensors = 0;
   uint64_t batches = 0;
   uint64_t buckets = 0;
-  uint64_t payload_bytes = 0;   // tensor bytes delivered to the loader
-  uint64_t wire_bytes = 0;      // bytes read over the transport (or loaded from the mapped source buffers)
-  uint64_t in_place_bytes = 0;  // of payload_bytes, loaded straight from the sources' own tensors
-  bool mapped = false;          // loaded straight from the source's mapped buffers (map_source_buffers)
-  uint64_t buffer_bytes = 0;    // transfer-buffer memory this engine holds (0: receives_only and mapped)
-  std::string route;            // what carried the bytes: "UCX mapped", "UCX tcp/eth0" (Transport::route)
-  uint32_t sources = 0;         // sources read from
+  uint64_t replayed_buckets = 0;  // of buckets, whose manifest came from the previous refit's
+  uint64_t payload_bytes = 0;     // tensor bytes delivered to the loader
+  uint64_t wire_bytes = 0;        // bytes read over the transport (or loaded from the mapped source buffers)
+  uint64_t in_place_bytes = 0;    // of payload_bytes, loaded straight from the sources' own tensors
+  bool mapped = false;            // loaded straight from the source's mapped buffers (map_source_buffers)
+  uint64_t buffer_bytes = 0;      // transfer-buffer memory this engine holds (0: receives_only and mapped)
+  std::string route;              // what carried the bytes: "UCX mapped", "UCX tcp/eth0" (Transport::route)
+  uint32_t sources = 0;           // sources read from
   double total_seconds = 0;
   double load_seconds = 0;
   std::vector<TimelineEvent> events;  // read, load and release of every bucket from every source

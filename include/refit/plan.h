@@ -14,9 +14,9 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <string>
-#include <unordered_set>
 #include <vector>
 
 #include "refit/tensor.h"
@@ -30,17 +30,25 @@ struct ChunkPlacement {
   bool starts_bucket = false;  // the bucket before this chunk must be flushed first
 };
 
+class NameIndex;
+
 class BucketPacker {
  public:
   explicit BucketPacker(uint64_t bucket_bytes);  // throws Error(kInvalidArgument) for 0
+  ~BucketPacker();
+  BucketPacker(BucketPacker&&) noexcept;
+  BucketPacker& operator=(BucketPacker&&) noexcept;
 
-  // Places the next tensor; throws Error(kInvalidArgument) for a repeated name.
-  std::vector<ChunkPlacement> place(const TensorInfo& tensor);
+  // Places the next tensor; throws Error(kInvalidArgument) for a repeated name. The placements
+  // are valid until the next call.
+  const std::vector<ChunkPlacement>& place(const TensorInfo& tensor);
   // A tensor that goes without being placed (read in place from the source's memory): only its
   // name is checked and recorded.
   void skip(const TensorInfo& tensor);
   // The bucket was sent early: the next chunk starts a fresh one, with no flush before it.
   void close_bucket();
+  // Starts the next refit's stream: every name may come again, the first chunk at offset 0.
+  void restart();
 
   uint64_t bucket_bytes() const { return bucket_bytes_; }
 
@@ -48,7 +56,8 @@ class BucketPacker {
   uint64_t bucket_bytes_;
   uint64_t offset_ = 0;
   bool bucket_has_chunks_ = false;
-  std::unordered_set<std::string> names_;
+  std::unique_ptr<NameIndex> names_;
+  std::vector<ChunkPlacement> placed_;  // of the latest place()
 };
 
 struct PlannedChunk {

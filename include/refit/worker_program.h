@@ -23,7 +23,8 @@ class WorkerProgram {
   // host map whatever the transport (UCX cannot map other memory), so that they read every tensor
   // in place. Memory of an earlier engine is still valid during the call, and freed after it.
   virtual void place_weights(CheckpointEngine& engine) {}
-  // Before refit `index` starts (not timed): a source makes its weights ready.
+  // Before refit `index` starts (not timed): a source makes its weights ready, a destination
+  // sets itself up for the loads.
   virtual void stage(uint64_t index) {}
   // The weights a source sends in refit `index`.
   virtual std::unique_ptr<WeightSource> weights(uint64_t index) = 0;

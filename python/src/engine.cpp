@@ -46,6 +46,7 @@ nb::dict send_stats(const SendStats& s) {
   d["tensors"] = s.tensors;
   d["dropped"] = s.dropped;
   d["buckets"] = s.buckets;
+  d["replayed_buckets"] = s.replayed_buckets;
   d["payload_bytes"] = s.payload_bytes;
   d["in_place_bytes"] = s.in_place_bytes;
   d["seconds"] = s.seconds;
@@ -58,6 +59,7 @@ nb::dict receive_stats(const ReceiveStats& s) {
   d["tensors"] = s.tensors;
   d["batches"] = s.batches;
   d["buckets"] = s.buckets;
+  d["replayed_buckets"] = s.replayed_buckets;
   d["payload_bytes"] = s.payload_bytes;
   d["wire_bytes"] = s.wire_bytes;
   d["in_place_bytes"] = s.in_place_bytes;

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "core/fail.h"
+#include "core/name_index.h"
 
 namespace refit {
 namespace {
@@ -11,12 +12,15 @@ uint64_t align_up(uint64_t value, uint64_t alignment) { return (value + alignmen
 
 }  // namespace
 
-BucketPacker::BucketPacker(uint64_t bucket_bytes) : bucket_bytes_(bucket_bytes) {
+BucketPacker::BucketPacker(uint64_t bucket_bytes) : bucket_bytes_(bucket_bytes), names_(std::make_unique<NameIndex>()) {
   if (bucket_bytes == 0) fail(ErrorKind::kInvalidArgument, "bucket size must be at least 1 byte");
 }
+BucketPacker::~BucketPacker() = default;
+BucketPacker::BucketPacker(BucketPacker&&) noexcept = default;
+BucketPacker& BucketPacker::operator=(BucketPacker&&) noexcept = default;
 
 void BucketPacker::skip(const TensorInfo& tensor) {
-  if (!names_.insert(tensor.name).second)
+  if (!names_->add(tensor.name).added)
     fail(ErrorKind::kInvalidArgument, "tensor '{}' appears twice in one refit", tensor.name);
 }
 
@@ -25,7 +29,12 @@ void BucketPacker::close_bucket() {
   bucket_has_chunks_ = false;
 }
 
-std::vector<ChunkPlacement> BucketPacker::place(const TensorInfo& tensor) {
+void BucketPacker::restart() {
+  close_bucket();
+  names_->clear();
+}
+
+const std::vector<ChunkPlacement>& BucketPacker::place(const TensorInfo& tensor) {
   skip(tensor);
   const uint64_t element = dtype_size(tensor.dtype);
   const uint64_t total = tensor.nbytes();
@@ -33,7 +42,8 @@ std::vector<ChunkPlacement> BucketPacker::place(const TensorInfo& tensor) {
   // can only carry bytes.
   const uint64_t chunk_limit = bucket_bytes_ >= element ? bucket_bytes_ / element * element : bucket_bytes_;
 
-  std::vector<ChunkPlacement> out;
+  std::vector<ChunkPlacement>& out = placed_;
+  out.clear();
   uint64_t tensor_offset = 0;
   do {
     const uint64_t size = std::min(chunk_limit, total - tensor_offset);

@@ -16,25 +16,38 @@ void TensorAssembler::set_memory(MemoryKind kind, const Device& device) {
   stream_ = std::make_unique<CopyStream>(device);
 }
 
-std::vector<TensorView> TensorAssembler::add_bucket(const protocol::BucketReady& bucket,
-                                                    std::span<const std::byte* const> bases, const std::string& who,
-                                                    Deadline deadline) {
+std::span<const TensorView> TensorAssembler::add_bucket(const protocol::BucketReady& bucket,
+                                                        std::span<const std::byte* const> bases, const std::string& who,
+                                                        Deadline deadline, bool repeats_checked) {
   batch_infos_.clear();
   owners_.clear();
-  std::vector<TensorView> out;
-  for (const auto& e : bucket.entries) {
+  std::vector<TensorView>& out = views_;
+  out.clear();
+  if (deferring_ && repeats_checked) {
+    deferred_.push_back(bucket.manifest);
+  } else if (deferring_) {
+    // The first bucket that is new this refit: from here on every name is checked.
+    deferring_ = false;
+    for (const auto& manifest : deferred_)
+      for (const auto& e : manifest->entries)
+        if (e.box.is_whole() && e.tensor_offset == 0 && e.size == e.tensor.nbytes()) names_.add(e.tensor.name);
+    deferred_.clear();
+  }
+  for (const auto& e : bucket.entries()) {
     const uint64_t nbytes = e.tensor.nbytes();
     const std::byte* chunk = bases[e.region] + e.bucket_offset;
-    const MemoryKind chunk_kind = e.region == 0 ? kind_ : bucket.regions[e.region - 1].memory;
+    const MemoryKind chunk_kind = e.region == 0 ? kind_ : bucket.regions()[e.region - 1].memory;
     const bool whole = e.box.is_whole() && e.tensor_offset == 0 && e.size == nbytes;
     auto merge = merging_.empty() ? merging_.end() : merging_.find(e.tensor.name);
-    if (names_.count(e.tensor.name) || (whole && merge != merging_.end()))
+    const bool delivered = whole ? merge != merging_.end() || (!deferring_ && !names_.add(e.tensor.name).added)
+                                 : names_.contains(e.tensor.name);
+    if (delivered)
       fail(ErrorKind::kProtocol, "bucket {} from {}: tensor '{}' delivered twice in one refit", bucket.seq, who,
            e.tensor.name);
     if (whole) {
-      names_.insert(e.tensor.name);
       out.push_back({&e.tensor, chunk, chunk_kind});
       owners_.emplace_back();
+      ++completed_;
       continue;
     }
     if (merge == merging_.end()) {
@@ -62,7 +75,8 @@ std::vector<TensorView> TensorAssembler::add_bucket(const protocol::BucketReady&
         });
     m.received += e.size;
     if (m.received == nbytes) {
-      names_.insert(e.tensor.name);
+      names_.add(e.tensor.name);
+      ++completed_;
       batch_infos_.push_back(std::move(m.info));
       out.push_back({&batch_infos_.back(), m.buffer->data(), kind_});
       owners_.push_back(std::move(m.buffer));
@@ -71,7 +85,7 @@ std::vector<TensorView> TensorAssembler::add_bucket(const protocol::BucketReady&
   }
   // The loader reads merged tensors, and the fetcher refills this bucket's buffer, after we return.
   if (stream_->pending()) stream_->synchronize(deadline);
-  return out;
+  return views_;
 }
 
 namespace {
@@ -120,7 +134,11 @@ void TensorAssembler::finish(const std::string& who) const {
 void TensorAssembler::reset() {
   merging_.clear();
   names_.clear();
+  completed_ = 0;
+  deferring_ = true;
+  deferred_.clear();
   batch_infos_.clear();
+  views_.clear();
   owners_.clear();
 }
 

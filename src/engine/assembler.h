@@ -18,9 +18,9 @@
 #include <optional>
 #include <span>
 #include <string>
-#include <unordered_set>
 #include <vector>
 
+#include "core/name_index.h"
 #include "engine/protocol.h"
 #include "memory/device_memory.h"
 #include "memory/tensor_memory.h"
@@ -37,11 +37,15 @@ class TensorAssembler {
   // first add_bucket(); changing it frees the merge buffers.
   void set_memory(MemoryKind kind, const Device& device);
 
-  // Returns the tensors completed by this bucket, in bucket order. Views stay valid until the
-  // next add_bucket() or reset(). `bases[0]` holds the bucket's used bytes, `bases[k]` the
-  // source memory of its regions[k - 1] (entries sent in place).
-  std::vector<TensorView> add_bucket(const protocol::BucketReady& bucket, std::span<const std::byte* const> bases,
-                                     const std::string& who, Deadline deadline);
+  // Returns the tensors completed by this bucket, in bucket order. The list and the views stay
+  // valid until the next add_bucket() or reset(). `bases[0]` holds the bucket's used bytes,
+  // `bases[k]` the source memory of its regions[k - 1] (entries sent in place).
+  // `repeats_checked`: the bucket's manifest is one this assembler took in the previous refit,
+  // which went through whole (a replay). While every bucket of a refit is such, no whole tensor
+  // can come twice (that refit checked every name), so their names are recorded only once a
+  // bucket is not: a replayed refit of tens of thousands of tensors makes no lookup per tensor.
+  std::span<const TensorView> add_bucket(const protocol::BucketReady& bucket, std::span<const std::byte* const> bases,
+                                         const std::string& who, Deadline deadline, bool repeats_checked = false);
 
   // Parallel to the views the latest add_bucket() returned: the buffer of a merged tensor (holding
   // it keeps the tensor's bytes valid after the next add_bucket(), reset() or release()), null
@@ -56,7 +60,7 @@ class TensorAssembler {
   // Frees the merge buffers too.
   void release();
 
-  uint64_t tensors_completed() const { return names_.size(); }
+  uint64_t tensors_completed() const { return completed_; }
 
  private:
   // What has arrived of one piece: its chunks' byte ranges in the packed piece, start -> end.
@@ -78,12 +82,21 @@ class TensorAssembler {
   Device device_;
   std::unique_ptr<CopyStream> stream_ = std::make_unique<CopyStream>();
   std::map<std::string, Merge, std::less<>> merging_;  // tensors with some, not all, bytes here
-  std::unordered_set<std::string> names_;              // tensors delivered this refit
+  NameIndex names_;                                    // tensors delivered this refit (but the whole ones of deferred_)
+  uint64_t completed_ = 0;                             // tensors delivered this refit
+  // Every bucket of this refit so far repeated a checked one; their manifests, whose whole
+  // tensors' names names_ does not have yet.
+  bool deferring_ = true;
+  std::vector<std::shared_ptr<const protocol::Manifest>> deferred_;
   // By tensor name, kept across refits unless a caller holds one; host memory is page-locked
   // when a GPU is usable, so that a loader copies merged tensors to the GPU at PCIe speed.
   std::map<std::string, std::shared_ptr<TensorMemory>> merge_buffers_;
-  std::vector<std::shared_ptr<const void>> owners_;  // of the latest batch
-  std::deque<TensorInfo> batch_infos_;               // storage behind the merged views of the latest batch
+  // Of the latest batch, kept from one bucket to the next: a batch of tens of thousands of small
+  // tensors must not allocate (after a caller frees many small blocks, a large malloc first
+  // consolidates them all).
+  std::vector<TensorView> views_;
+  std::vector<std::shared_ptr<const void>> owners_;
+  std::deque<TensorInfo> batch_infos_;  // storage behind the merged views of the latest batch
 };
 
 }  // namespace refit

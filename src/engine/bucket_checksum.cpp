@@ -9,8 +9,9 @@ uint64_t bucket_checksum(const protocol::BucketReady& m, const std::byte* used,
   XXH3_state_t* state = XXH3_createState();
   XXH3_64bits_reset(state);
   XXH3_64bits_update(state, used, m.used_bytes);
-  for (size_t k = 0; k < m.entries.size(); ++k)
-    if (m.entries[k].region > 0) XXH3_64bits_update(state, in_place(k), m.entries[k].size);
+  const auto& entries = m.entries();
+  for (size_t k = 0; k < entries.size(); ++k)
+    if (entries[k].region > 0) XXH3_64bits_update(state, in_place(k), entries[k].size);
   const uint64_t sum = XXH3_64bits_digest(state);
   XXH3_freeState(state);
   return sum;

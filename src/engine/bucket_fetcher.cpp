@@ -61,8 +61,9 @@ void BucketFetcher::acknowledge(uint64_t seq, Deadline deadline) {
 
 std::vector<const std::byte*> BucketFetcher::map_regions(const protocol::BucketReady& bucket, const std::byte* data) {
   std::vector<const std::byte*> bases{data};
-  for (size_t k = 0; k < bucket.regions.size(); ++k) {
-    const RemoteRegion& remote = bucket.regions[k].remote;
+  const auto& regions = bucket.regions();
+  for (size_t k = 0; k < regions.size(); ++k) {
+    const RemoteRegion& remote = regions[k].remote;
     auto [it, fresh] = context_.in_place_maps->try_emplace({remote.address, remote.key}, nullptr);
     if (fresh) {
       try {
@@ -122,6 +123,8 @@ bool BucketFetcher::fetch(uint64_t seq, std::string& phase) {
     fail(ErrorKind::kProtocol, "{} sent an unexpected message (type {}, bucket {}) instead of bucket {}",
          context_.peer_label, static_cast<int>(msg.type), msg.ready.seq, seq);
   protocol::validate(msg.ready, context_.bucket_bytes, region_bytes, context_.peer_label);
+  context_.manifests->fill(msg.ready, context_.peer_label);
+  context_.manifests->arrived(context_.refit, msg.ready);
 
   if (context_.verify_checksums != msg.ready.checksum.has_value())
     fail(ErrorKind::kConfig, "verify_checksums differs between {} ({}) and this destination ({})", context_.peer_label,
@@ -138,14 +141,14 @@ bool BucketFetcher::fetch(uint64_t seq, std::string& phase) {
     context_.transport->read(context_.peer, context_.peer_metadata->buffers, bucket.offset, context_.buffers[local],
                              context_.region, bucket.used_bytes, deadline);
     events_.push_back({TimelinePhase::kRead, context_.peer_rank, seq, started, timeline_now(), bucket.used_bytes,
-                       static_cast<uint32_t>(bucket.entries.size())});
+                       static_cast<uint32_t>(bucket.entries().size())});
   }
   if (bucket.has_in_place_entries()) phase = fmt::format("map the source memory of bucket {}", seq);
   std::vector<const std::byte*> bases = map_regions(bucket, data);
   if (bucket.checksum) {
     phase = fmt::format("verify bucket {}", seq);
     const uint64_t actual = bucket_checksum(
-        bucket, data, [&](size_t k) { return bases[bucket.entries[k].region] + bucket.entries[k].bucket_offset; });
+        bucket, data, [&](size_t k) { return bases[bucket.entries()[k].region] + bucket.entries()[k].bucket_offset; });
     if (actual != *bucket.checksum)
       fail(ErrorKind::kIntegrity, "bucket {} from {} arrived corrupted: checksum {:016x}, sent {:016x} ({} bytes)", seq,
            context_.peer_label, actual, *bucket.checksum, bucket.used_bytes);

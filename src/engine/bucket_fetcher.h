@@ -11,18 +11,22 @@
 //     it; the source packs k+1 while the destination loads k. One copy fewer per byte.
 // Entries a source sent in place lie in its own memory: the fetcher maps those regions (once per
 // link, kept across refits) and the bucket is acknowledged once loaded, whichever way.
+// A bucket whose manifest the source replays (BucketReady::replay_of) takes it from the link's
+// ManifestCache: the manifests of the latest refit whose every bucket arrived.
 #pragma once
 
 #include <condition_variable>
 #include <cstdint>
 #include <exception>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "engine/manifest_cache.h"
 #include "engine/protocol.h"
 #include "refit/timeline.h"
 #include "refit/transport.h"
@@ -72,12 +76,13 @@ struct FetchContext {
   // The link's mappings of its source's memory for in-place entries, by (address, key); they
   // outlive the fetcher, which alone uses them while it runs.
   std::map<std::pair<uint64_t, Bytes>, const std::byte*>* in_place_maps = nullptr;
+  ManifestCache* manifests = nullptr;  // the link's; only the fetcher uses it while it runs
 };
 
 class BucketFetcher {
  public:
   struct Fetched {
-    protocol::BucketReady bucket;
+    protocol::BucketReady bucket;  // with its manifest (a replayed one's from the cache)
     // Where each region of the bucket's entries starts: [0] the used bytes (in a local buffer
     // until release()), [k] the source's memory of bucket.regions[k - 1], mapped.
     std::vector<const std::byte*> bases;

@@ -11,6 +11,7 @@
 #include <set>
 
 #include "core/fail.h"
+#include "core/name_index.h"
 #include "engine/assembler.h"
 #include "engine/bucket_fetcher.h"
 #include "engine/link_sender.h"
@@ -264,12 +265,14 @@ class CheckpointEngine::Impl {
 
   void begin_receive() {
     if (receive_) fail(ErrorKind::kInvalidArgument, "{}: begin_receive() while a receive is in progress", self_label());
+    const bool previous_went_through = !stale_;
     stale_ = true;
     ++refits_;
     if (links_.empty() && !needs_nothing_)
       fail(ErrorKind::kTopology,
            "{}: receive() before init_destination(): the destination is not connected to a source", self_label());
     auto run = std::make_unique<ReceiveRun>();
+    run->previous_went_through = previous_went_through;
     run->start = Clock::now();
     run->phase = "wait for bucket 0";
     assembler_.reset();
@@ -287,7 +290,8 @@ class CheckpointEngine::Impl {
                            options_.config.timeout_s,
                            options_.config.verify_checksums,
                            &run->signal,
-                           &link.in_place_maps};
+                           &link.in_place_maps,
+                           &link.manifests};
       run->fetchers.push_back(std::make_unique<BucketFetcher>(std::move(context)));
     }
     run->done.assign(links_.size(), false);
@@ -411,6 +415,7 @@ class CheckpointEngine::Impl {
     HostPin mapped_pin;
     // On a destination: the source memory its in-place entries lie in, mapped (BucketFetcher).
     std::map<std::pair<uint64_t, Bytes>, const std::byte*> in_place_maps;
+    ManifestCache manifests;  // on a destination: what its source may replay (BucketFetcher)
   };
   // On a resharding source: where one tensor's pieces go.
   struct SendPiece {
@@ -652,11 +657,18 @@ class CheckpointEngine::Impl {
   void run_send(WeightSource& weights, SendStats& stats, std::string& phase) {
     const bool in_place = weights.views_outlive_send();
     for (size_t k = 0; k < senders_.size(); ++k) senders_[k]->begin(links_[k].first_refit + refits_, in_place);
-    std::set<std::string, std::less<>> sent;  // names, to check every request was met
+    sent_.clear();  // names, to check every request was met
+    NameIndex& sent = sent_;
     TensorView view;
+    std::string pack_phase = "pack";
+    uint64_t phase_bucket = UINT64_MAX;
     while (true) {
       // The weight stream runs while the open bucket fills (the one bucket, paired).
-      phase = senders_.size() == 1 ? fmt::format("pack bucket {}", senders_[0]->bucket()) : std::string("pack");
+      if (senders_.size() == 1 && senders_[0]->bucket() != phase_bucket) {
+        phase_bucket = senders_[0]->bucket();
+        pack_phase = fmt::format("pack bucket {}", phase_bucket);
+      }
+      phase = pack_phase;
       if (!weights.next(&view)) break;
       if (view.info == nullptr)
         fail(ErrorKind::kInvalidArgument, "the weight stream yielded a tensor without metadata");
@@ -676,7 +688,7 @@ class CheckpointEngine::Impl {
           fail(ErrorKind::kLayout, "the weight stream yielded '{}' as {} {}, but this source declared it holds {} {}",
                info.name, dtype_name(info.dtype), shape_string(info.shape), dtype_name(t.dtype),
                shape_string(t.held_shape));
-        if (!sent.insert(info.name).second)
+        if (!sent.add(info.name).added)
           fail(ErrorKind::kInvalidArgument, "tensor '{}' appears twice in one refit", info.name);
         for (const SendPiece& p : t.pieces) senders_[p.link]->add(view, p.in_view, p.tensor, p.in_tensor, phase);
         ++stats.tensors;
@@ -697,18 +709,18 @@ class CheckpointEngine::Impl {
                           ? Box::of(Request::narrow(selection.slice.dim, selection.slice.start, selection.slice.length))
                           : Box::whole();
       senders_[0]->add(view, box, selection.info, Box::whole(), phase);
-      sent.insert(info.name);
+      sent.add(info.name);
       ++stats.tensors;
     }
     if (target_layout_) {
       // A destination that declared a tensor must get it: a request the stream never met would
       // otherwise leave that parameter stale with no word said.
       for (const auto& [name, request] : target_layout_->tensors)
-        if (request.take != Take::kDrop && !sent.count(name))
+        if (request.take != Take::kDrop && !sent.contains(name))
           fail(ErrorKind::kLayout, "{} holds '{}' but the weight stream never yielded it", links_[0].label, name);
     }
     for (const auto& [name, t] : send_tensors_)
-      if (!sent.count(name))
+      if (!sent.contains(name))
         fail(ErrorKind::kLayout, "{} needs a piece of '{}' from this source, but the weight stream never yielded it",
              senders_[t.pieces.front().link]->peer_label(), name);
     // Every link's last bucket goes out before we wait on any of them.
@@ -716,6 +728,7 @@ class CheckpointEngine::Impl {
     for (auto& sender : senders_) {
       sender->wait_done(phase);
       stats.buckets += sender->buckets();
+      stats.replayed_buckets += sender->replayed_buckets();
       stats.payload_bytes += sender->payload_bytes();
       stats.in_place_bytes += sender->in_place_bytes();
       stats.events.insert(stats.events.end(), sender->events().begin(), sender->events().end());
@@ -730,15 +743,16 @@ class CheckpointEngine::Impl {
     size_t remaining = 0;    // links not done
     size_t cursor = 0;       // the link to look at first, so that no source starves the others
     Clock::time_point start;
+    bool previous_went_through = false;  // the refit before this one, on this connection
     Deadline idle_deadline;
     ReceiveStats stats;
     std::string phase;
     // The bucket being assembled or loaded, and the batch it completed.
     std::optional<BucketFetcher::Fetched> bucket;
     size_t link = 0;
-    double assembling = 0;  // on the timeline
-    std::vector<TensorView> views;
-    bool held = false;  // handed out, not yet released
+    double assembling = 0;              // on the timeline
+    std::span<const TensorView> views;  // the assembler's, of `bucket`
+    bool held = false;                  // handed out, not yet released
     uint64_t batches_out = 0;
     Clock::time_point handed_out;
   };
@@ -796,13 +810,17 @@ class CheckpointEngine::Impl {
       run.link = k;
       run.bucket = std::move(fetched);
       const auto& bucket = run.bucket->bucket;
-      for (const auto& e : bucket.entries)
+      for (const auto& e : bucket.entries())
         if (e.region > 0) run.stats.in_place_bytes += e.size;
       run.stats.wire_bytes += bucket.used_bytes;
       ++run.stats.buckets;
+      if (bucket.replay_of) ++run.stats.replayed_buckets;
       run.phase = fmt::format("assemble bucket {} from {}", bucket.seq, links_[k].label);
       run.assembling = timeline_now();
-      run.views = assembler_.add_bucket(bucket, run.bucket->bases, links_[k].label, next_deadline());
+      // A replay of a bucket of the previous refit, which this destination checked whole.
+      const bool repeats_checked =
+          bucket.replay_of && run.previous_went_through && *bucket.replay_of == links_[k].first_refit + refits_ - 1;
+      run.views = assembler_.add_bucket(bucket, run.bucket->bases, links_[k].label, next_deadline(), repeats_checked);
       if (!run.views.empty()) run.phase = fmt::format("load bucket {} from {}", bucket.seq, links_[k].label);
       return true;
     }
@@ -817,7 +835,7 @@ class CheckpointEngine::Impl {
     // The load event spans assembling too: both are the destination's copies out of the bucket.
     const double released = timeline_now();
     run.stats.events.push_back({TimelinePhase::kLoad, peer, bucket.seq, run.assembling, released, bucket.used_bytes,
-                                static_cast<uint32_t>(bucket.entries.size())});
+                                static_cast<uint32_t>(bucket.entries().size())});
     run.fetchers[k]->release(bucket.seq);
     run.stats.events.push_back({TimelinePhase::kRelease, peer, bucket.seq, released, released, 0});
     spdlog::debug("{}: bucket {} ({} bytes) from {} done", self_, bucket.seq, bucket.used_bytes, links_[k].label);
@@ -828,7 +846,7 @@ class CheckpointEngine::Impl {
       run.done[k] = true;
       --run.remaining;
     }
-    run.views.clear();
+    run.views = {};
     run.bucket.reset();
   }
 
@@ -858,6 +876,7 @@ class CheckpointEngine::Impl {
   // pieces a source sends by tensor name, the tensors a destination gets.
   std::vector<Layout> holds_, needs_;
   std::map<std::string, SendTensor, std::less<>> send_tensors_;
+  NameIndex sent_;  // on a source: the tensors the stream yielded this refit (run_send)
   std::set<uint32_t> expected_tensors_;
   bool needs_nothing_ = false;  // a resharding destination whose layout holds no tensor
   std::unique_ptr<ReceiveRun> receive_;

@@ -11,23 +11,72 @@ namespace refit {
 namespace {
 // An abort is a courtesy to the peer; it must never hold up reporting our own error.
 constexpr std::chrono::duration<double> kAbortTimeout{2.0};
+
+bool same_regions(const std::vector<protocol::SourceRegion>& a, const std::vector<protocol::SourceRegion>& b) {
+  return std::equal(a.begin(), a.end(), b.begin(), b.end(), [](const auto& x, const auto& y) {
+    return x.memory == y.memory && x.remote.address == y.remote.address && x.remote.length == y.remote.length &&
+           x.remote.key == y.remote.key;
+  });
+}
+
 }  // namespace
 
 void LinkSender::begin(uint64_t refit, bool in_place) {
   refit_ = refit;
   in_place_ = in_place && context_.in_place != nullptr;
-  packer_.emplace(context_.bucket_bytes);
+  if (packer_)
+    packer_->restart();
+  else
+    packer_.emplace(context_.bucket_bytes);
   bucket_ = protocol::BucketReady{};
   bucket_.refit = refit;
   buffer_ = 0;
   bucket_.offset = context_.offsets[0];
   unacknowledged_.clear();
-  buckets_ = payload_bytes_ = in_place_bytes_ = 0;
+  buckets_ = payload_bytes_ = in_place_bytes_ = replayed_ = 0;
   bucket_in_place_ = 0;
   regions_.clear();
+  bucket_regions_.clear();
   in_place_data_.clear();
+  bucket_entries_ = 0;
   pack_start_.reset();
   events_.clear();
+  // A refit that failed may have left the destination with other manifests than ours.
+  if (!completed_) previous_.clear();
+  completed_ = false;
+  sent_.clear();
+  replaying_ = !previous_.empty();
+  matched_ = 0;
+  manifest_ = replaying_ ? nullptr : std::make_shared<protocol::Manifest>();
+  pack_phase_ = fmt::format("pack bucket 0 for {}", context_.peer_label);
+}
+
+void LinkSender::record(const TensorInfo& tensor, const Box& piece, uint64_t tensor_offset, uint64_t size,
+                        uint64_t bucket_offset, uint32_t region) {
+  ++bucket_entries_;
+  if (replaying_) {
+    const protocol::Manifest* counterpart =
+        bucket_.seq < previous_.size() ? previous_[bucket_.seq].manifest.get() : nullptr;
+    if (counterpart && matched_ < counterpart->entries.size()) {
+      const protocol::ManifestEntry& e = counterpart->entries[matched_];
+      if (e.tensor_offset == tensor_offset && e.size == size && e.bucket_offset == bucket_offset &&
+          e.region == region && e.box == piece && e.tensor == tensor) {
+        ++matched_;
+        return;
+      }
+    }
+    stop_replaying();
+  }
+  manifest_->entries.push_back({tensor, piece, tensor_offset, size, bucket_offset, region});
+}
+
+void LinkSender::stop_replaying() {
+  replaying_ = false;
+  manifest_ = std::make_shared<protocol::Manifest>();
+  if (matched_ > 0) {
+    const auto& common = previous_[bucket_.seq].manifest->entries;
+    manifest_->entries.assign(common.begin(), common.begin() + static_cast<std::ptrdiff_t>(matched_));
+  }
 }
 
 bool LinkSender::add_in_place(const TensorView& view, const Box& box, const TensorInfo& tensor, const Box& piece,
@@ -55,9 +104,9 @@ bool LinkSender::add_in_place(const TensorView& view, const Box& box, const Tens
   packer_->skip(tensor);
   if (!pack_start_) pack_start_ = timeline_now();
   auto [it, fresh] = regions_.try_emplace(found->region, static_cast<uint32_t>(regions_.size() + 1));
-  if (fresh) bucket_.regions.push_back(*found->remote);
-  bucket_.entries.push_back({tensor, piece, 0, size, found->offset, it->second});
-  in_place_data_.resize(bucket_.entries.size(), nullptr);
+  if (fresh) bucket_regions_.push_back(*found->remote);
+  record(tensor, piece, 0, size, found->offset, it->second);
+  in_place_data_.resize(bucket_entries_, nullptr);
   in_place_data_.back() = view.data + first;
   bucket_in_place_ += size;
   in_place_bytes_ += size;
@@ -74,13 +123,13 @@ void LinkSender::add(const TensorView& view, const Box& box, const TensorInfo& t
   for (const ChunkPlacement& c : packer_->place(packed)) {
     if (c.starts_bucket) flush(false, phase);
     if (!pack_start_) pack_start_ = timeline_now();
-    phase = fmt::format("pack bucket {} for {}", bucket_.seq, context_.peer_label);
+    phase = pack_phase_;
     std::byte* out = context_.buffers[buffer_] + c.bucket_offset;
     for_each_box_block(source.shape, element, box, c.tensor_offset, c.size, [&](const BoxBlock& b) {
       context_.stream->copy_2d(out + (b.packed_offset - c.tensor_offset), b.row_bytes, view.data + b.tensor_offset,
                                b.pitch, b.row_bytes, b.rows, context_.buffer_kind, view.memory);
     });
-    bucket_.entries.push_back({tensor, piece, c.tensor_offset, c.size, c.bucket_offset});
+    record(tensor, piece, c.tensor_offset, c.size, c.bucket_offset, 0);
     bucket_.used_bytes = c.bucket_offset + c.size;
   }
   payload_bytes_ += packed.nbytes();
@@ -93,13 +142,29 @@ void LinkSender::flush(bool is_last, std::string& phase) {
     phase = fmt::format("copy into bucket {} for {}", bucket_.seq, context_.peer_label);
     context_.stream->synchronize(deadline_after(std::chrono::duration<double>(context_.timeout_s)));
   }
+  // The bucket goes as a replay when it equals its counterpart of the previous refit whole.
+  const bool replay = replaying_ && bucket_.seq < previous_.size() &&
+                      matched_ == previous_[bucket_.seq].manifest->entries.size() &&
+                      bucket_.used_bytes == previous_[bucket_.seq].used_bytes &&
+                      same_regions(bucket_regions_, previous_[bucket_.seq].manifest->regions);
+  if (replay) {
+    bucket_.replay_of = previous_refit_;
+    bucket_.manifest = previous_[bucket_.seq].manifest;
+    ++replayed_;
+  } else {
+    if (replaying_) stop_replaying();
+    manifest_->regions = std::move(bucket_regions_);
+    bucket_.replay_of.reset();
+    bucket_.manifest = std::move(manifest_);
+  }
+  sent_.push_back({bucket_.manifest, bucket_.used_bytes});
   if (context_.verify_checksums)
     bucket_.checksum = bucket_checksum(bucket_, context_.buffers[buffer_], [&](size_t k) { return in_place_data_[k]; });
   bucket_.is_last = is_last;
   phase = fmt::format("announce bucket {} to {}", bucket_.seq, context_.peer_label);
   const double packed = timeline_now();
   events_.push_back({TimelinePhase::kPack, context_.peer_rank, bucket_.seq, pack_start_.value_or(packed), packed,
-                     bucket_.used_bytes, static_cast<uint32_t>(bucket_.entries.size())});
+                     bucket_.used_bytes, static_cast<uint32_t>(bucket_entries_)});
   // Stamped before it goes: the destination may act on it before send() returns here.
   events_.push_back({TimelinePhase::kAnnounce, context_.peer_rank, bucket_.seq, packed, packed, bucket_.used_bytes});
   pack_start_.reset();
@@ -111,12 +176,16 @@ void LinkSender::flush(bool is_last, std::string& phase) {
   bucket_.seq++;
   buffer_ ^= 1;
   bucket_.offset = context_.offsets[buffer_];
-  bucket_.entries.clear();
-  bucket_.regions.clear();
+  bucket_.manifest.reset();
+  if (!replaying_) manifest_ = std::make_shared<protocol::Manifest>();
+  matched_ = 0;
+  bucket_entries_ = 0;
+  bucket_regions_.clear();
   bucket_.used_bytes = 0;
   bucket_in_place_ = 0;
   regions_.clear();
   in_place_data_.clear();
+  pack_phase_ = fmt::format("pack bucket {} for {}", bucket_.seq, context_.peer_label);
   // The next bucket goes into the other buffer: the destination must be done with the bucket that
   // buffer holds.
   if (!is_last && unacknowledged_.size() == 2) {
@@ -132,6 +201,10 @@ void LinkSender::flush_last(std::string& phase) { flush(true, phase); }
 
 void LinkSender::wait_done(std::string& phase) {
   for (; !unacknowledged_.empty(); unacknowledged_.pop_front()) wait_acknowledged(unacknowledged_.front(), phase);
+  // The destination has every bucket of this refit, so the next may replay their manifests.
+  previous_ = std::move(sent_);
+  previous_refit_ = refit_;
+  completed_ = true;
 }
 
 void LinkSender::wait_acknowledged(uint64_t seq, std::string& phase) {

@@ -9,6 +9,10 @@
 // bucket's manifest, where it lies in our own memory, and the destination loads it from there. A
 // bucket holds up to bucket_bytes of packed bytes and as much again of pieces sent in place, so
 // that batches keep their size; the destination acknowledges such a bucket once it has loaded it.
+// Replay: a refit of the same model makes the same manifests, so while a refit's buckets match
+// the previous refit's (checked entry by entry as they are packed, no copy made), a bucket goes as
+// "the manifest of bucket k of refit r", which the destination kept: neither side encodes,
+// decodes or validates a manifest again (docs/ARCHITECTURE.md, "Manifest replay").
 #pragma once
 
 #include <cstdint>
@@ -67,6 +71,7 @@ class LinkSender {
   const std::string& peer_label() const { return context_.peer_label; }
   uint64_t bucket() const { return bucket_.seq; }  // the one being packed
   uint64_t buckets() const { return buckets_; }
+  uint64_t replayed_buckets() const { return replayed_; }  // of buckets(), sent as a replay
   uint64_t payload_bytes() const { return payload_bytes_; }
   uint64_t in_place_bytes() const { return in_place_bytes_; }  // of payload_bytes(), sent in place
   // This refit's pack, announce and release events, so far.
@@ -78,12 +83,35 @@ class LinkSender {
   // Names the piece in the open bucket if it can go in place; false when it must be packed.
   bool add_in_place(const TensorView& view, const Box& box, const TensorInfo& tensor, const Box& piece,
                     std::string& phase);
+  // Adds an entry to the open bucket's manifest; while replaying, checks it against the previous
+  // refit's instead.
+  void record(const TensorInfo& tensor, const Box& piece, uint64_t tensor_offset, uint64_t size, uint64_t bucket_offset,
+              uint32_t region);
+  // The open bucket differs from its counterpart of the previous refit: from here on this refit's
+  // manifests are made, starting with the entries the open bucket had in common with it.
+  void stop_replaying();
 
   LinkContext context_;
   uint64_t refit_ = 0;
   bool in_place_ = false;  // this refit may send in place
   std::optional<BucketPacker> packer_;
-  protocol::BucketReady bucket_;
+  protocol::BucketReady bucket_;                        // the open bucket's announcement, but for its manifest
+  std::shared_ptr<protocol::Manifest> manifest_;        // of the open bucket, unless replaying
+  std::vector<protocol::SourceRegion> bucket_regions_;  // of the open bucket (few; made even while replaying)
+  uint64_t bucket_entries_ = 0;                         // of the open bucket
+  std::string pack_phase_;                              // "pack bucket k for ...", made once per bucket
+  // Replay. A bucket's manifest and used bytes, as sent; previous_: the last refit on this link
+  // whose every bucket the destination acknowledged (so it has them all), numbered previous_refit_.
+  struct Sent {
+    std::shared_ptr<const protocol::Manifest> manifest;
+    uint64_t used_bytes = 0;
+  };
+  std::vector<Sent> previous_, sent_;
+  uint64_t previous_refit_ = 0;
+  bool completed_ = false;  // the refit begun last went through
+  bool replaying_ = false;  // every entry so far equals the previous refit's at the same place
+  uint64_t matched_ = 0;    // entries of the open bucket so far (replaying)
+  uint64_t replayed_ = 0;
   int buffer_ = 0;  // which of the two buffers the open bucket fills
   // Announced buckets the destination is not done with: at most one per buffer. A bucket is
   // announced as soon as it is packed, while the destination still reads the one before, so that

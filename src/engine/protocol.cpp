@@ -130,15 +130,19 @@ Bytes encode(const BucketReady& m) {
   w.put<uint64_t>(m.used_bytes);
   w.put<uint8_t>(m.checksum ? 1 : 0);
   w.put<uint64_t>(m.checksum.value_or(0));
-  w.put<uint64_t>(m.regions.size());
-  for (const auto& region : m.regions) {
+  w.put<uint8_t>(m.replay_of ? 1 : 0);
+  w.put<uint64_t>(m.replay_of.value_or(0));
+  if (m.replay_of) return w.take();
+  const Manifest& manifest = *m.manifest;
+  w.put<uint64_t>(manifest.regions.size());
+  for (const auto& region : manifest.regions) {
     w.put<uint64_t>(region.remote.address);
     w.put<uint64_t>(region.remote.length);
     w.put_bytes(region.remote.key);
     w.put<uint8_t>(static_cast<uint8_t>(region.memory));
   }
-  w.put<uint64_t>(m.entries.size());
-  for (const auto& e : m.entries) {
+  w.put<uint64_t>(manifest.entries.size());
+  for (const auto& e : manifest.entries) {
     put_tensor(w, e.tensor);
     w.put<uint8_t>(e.box.count);
     for (int c = 0; c < e.box.count; ++c) {
@@ -192,10 +196,19 @@ Message decode_message(std::span<const uint8_t> bytes, const std::string& who) {
       if (has_checksum > 1) fail(ErrorKind::kProtocol, "garbled message from {}: has_checksum = {}", who, has_checksum);
       auto checksum = r.get<uint64_t>("checksum");
       if (has_checksum == 1) m.checksum = checksum;
+      auto replayed = r.get<uint8_t>("replayed");
+      if (replayed > 1) fail(ErrorKind::kProtocol, "garbled message from {}: replayed = {}", who, replayed);
+      auto replay_of = r.get<uint64_t>("replay of");
+      if (replayed == 1) {
+        m.replay_of = replay_of;
+        m.manifest = nullptr;
+        break;
+      }
+      auto manifest = std::make_shared<Manifest>();
       // Smallest region: address, length, an empty key, memory kind.
       const uint64_t regions = r.get_count("region count", 8 + 8 + 8 + 1);
-      m.regions.resize(regions);
-      for (auto& region : m.regions) {
+      manifest->regions.resize(regions);
+      for (auto& region : manifest->regions) {
         region.remote.address = r.get<uint64_t>("region address");
         region.remote.length = r.get<uint64_t>("region length");
         auto key = r.get_bytes("region key");
@@ -207,7 +220,7 @@ Message decode_message(std::span<const uint8_t> bytes, const std::string& who) {
       }
       // Smallest entry: empty name, dtype, rank 0, no cuts, three offsets, a region.
       uint64_t n = r.get_count("entry count", 8 + 1 + 8 + 1 + 24 + 4);
-      m.entries.reserve(n);
+      manifest->entries.reserve(n);
       for (uint64_t i = 0; i < n; ++i) {
         ManifestEntry e;
         e.tensor = get_tensor(r);
@@ -224,8 +237,9 @@ Message decode_message(std::span<const uint8_t> bytes, const std::string& who) {
         e.size = r.get<uint64_t>("chunk size");
         e.bucket_offset = r.get<uint64_t>("bucket offset");
         e.region = r.get<uint32_t>("region");
-        m.entries.push_back(std::move(e));
+        manifest->entries.push_back(std::move(e));
       }
+      m.manifest = std::move(manifest);
       break;
     }
     case MessageType::kBucketDone:
@@ -275,36 +289,44 @@ void raise_abort(const Abort& m, const std::string& who, const std::string& wait
   fail(m.kind, "{} aborted the refit while we waited for {}: {}", who, waiting_for, m.reason);
 }
 
-void validate(const BucketReady& m, uint64_t bucket_bytes, uint64_t region_bytes, const std::string& who) {
-  if (m.used_bytes > bucket_bytes)
-    fail(ErrorKind::kProtocol, "bucket {} from {} uses {} bytes, more than the bucket size {}", m.seq, who,
-         m.used_bytes, bucket_bytes);
-  if (m.offset > region_bytes || m.used_bytes > region_bytes - m.offset)
-    fail(ErrorKind::kProtocol, "bucket {} from {} at [{}, +{}) lies outside its {}-byte transfer buffers", m.seq, who,
-         m.offset, m.used_bytes, region_bytes);
+Manifest& edit_manifest(BucketReady& bucket) {
+  auto copy = std::make_shared<Manifest>(bucket.manifest ? *bucket.manifest : Manifest{});
+  bucket.manifest = copy;
+  return *copy;
+}
+
+void validate(const BucketReady& b, uint64_t bucket_bytes, uint64_t region_bytes, const std::string& who) {
+  if (b.used_bytes > bucket_bytes)
+    fail(ErrorKind::kProtocol, "bucket {} from {} uses {} bytes, more than the bucket size {}", b.seq, who,
+         b.used_bytes, bucket_bytes);
+  if (b.offset > region_bytes || b.used_bytes > region_bytes - b.offset)
+    fail(ErrorKind::kProtocol, "bucket {} from {} at [{}, +{}) lies outside its {}-byte transfer buffers", b.seq, who,
+         b.offset, b.used_bytes, region_bytes);
+  if (!b.manifest) return;  // replayed: checked when it first came
+  const Manifest& m = *b.manifest;
   for (const auto& e : m.entries) {
     uint64_t nbytes = 0;
     if (!checked_nbytes(e.tensor, &nbytes))
-      fail(ErrorKind::kProtocol, "bucket {} from {}: tensor '{}' has an impossible shape {}", m.seq, who, e.tensor.name,
+      fail(ErrorKind::kProtocol, "bucket {} from {}: tensor '{}' has an impossible shape {}", b.seq, who, e.tensor.name,
            shape_string(e.tensor.shape));
     const auto rank = static_cast<int32_t>(e.tensor.shape.size());
     for (int c = 0; c < e.box.count; ++c) {
       const Slice& cut = e.box.cuts[c];
       if (cut.dim < 0 || cut.dim >= rank || (c > 0 && cut.dim <= e.box.cuts[c - 1].dim) || cut.start < 0 ||
           cut.length < 0 || cut.start > e.tensor.shape[cut.dim] || cut.length > e.tensor.shape[cut.dim] - cut.start)
-        fail(ErrorKind::kProtocol, "bucket {} from {}: the piece {} of tensor '{}' does not fit its shape {}", m.seq,
+        fail(ErrorKind::kProtocol, "bucket {} from {}: the piece {} of tensor '{}' does not fit its shape {}", b.seq,
              who, to_string(e.box), e.tensor.name, shape_string(e.tensor.shape));
     }
     if (e.box.count > 0) nbytes = e.box.nbytes_in(e.tensor);  // the chunk lies in the piece
     if (e.size > nbytes || e.tensor_offset > nbytes - e.size)
-      fail(ErrorKind::kProtocol, "bucket {} from {}: chunk [{}, +{}) lies outside tensor '{}' of {} bytes", m.seq, who,
+      fail(ErrorKind::kProtocol, "bucket {} from {}: chunk [{}, +{}) lies outside tensor '{}' of {} bytes", b.seq, who,
            e.tensor_offset, e.size, e.tensor.name, nbytes);
     if (e.region > m.regions.size())
-      fail(ErrorKind::kProtocol, "bucket {} from {}: chunk of '{}' names region {} of {}", m.seq, who, e.tensor.name,
+      fail(ErrorKind::kProtocol, "bucket {} from {}: chunk of '{}' names region {} of {}", b.seq, who, e.tensor.name,
            e.region, m.regions.size());
-    const uint64_t limit = e.region == 0 ? m.used_bytes : m.regions[e.region - 1].remote.length;
+    const uint64_t limit = e.region == 0 ? b.used_bytes : m.regions[e.region - 1].remote.length;
     if (e.bucket_offset > limit || e.size > limit - e.bucket_offset)
-      fail(ErrorKind::kProtocol, "bucket {} from {}: chunk of '{}' at [{}, +{}) lies outside the {} bytes of {}", m.seq,
+      fail(ErrorKind::kProtocol, "bucket {} from {}: chunk of '{}' at [{}, +{}) lies outside the {} bytes of {}", b.seq,
            who, e.tensor.name, e.bucket_offset, e.size, limit,
            e.region == 0 ? std::string("its bucket") : fmt::format("source region {}", e.region));
   }
@@ -313,7 +335,7 @@ void validate(const BucketReady& m, uint64_t bucket_bytes, uint64_t region_bytes
     if (e.region > 0) used[e.region - 1] = true;
   for (size_t k = 0; k < used.size(); ++k)
     if (!used[k])
-      fail(ErrorKind::kProtocol, "bucket {} from {}: source region {} is used by no chunk", m.seq, who, k + 1);
+      fail(ErrorKind::kProtocol, "bucket {} from {}: source region {} is used by no chunk", b.seq, who, k + 1);
 }
 
 }  // namespace refit::protocol

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
@@ -17,7 +18,7 @@
 
 namespace refit::protocol {
 
-inline constexpr uint32_t kVersion = 6;
+inline constexpr uint32_t kVersion = 7;
 
 struct EngineMetadata {
   uint32_t version = kVersion;
@@ -69,6 +70,15 @@ struct SourceRegion {
 
 enum class MessageType : uint8_t { kBucketReady = 1, kBucketDone = 2, kAbort = 3 };
 
+// What a bucket holds: its chunks, and the source memory of those sent in place. A refit of the
+// same model makes the same manifests, so they are shared (never changed once made) and replayed:
+// the source sends bucket k's manifest once per connection and afterwards only says it is the
+// one of bucket k of the refit before.
+struct Manifest {
+  std::vector<SourceRegion> regions;  // of the entries sent in place
+  std::vector<ManifestEntry> entries;
+};
+
 struct BucketReady {
   uint64_t refit = 0;   // refit number: first_refit() of the connection, plus one per refit
   uint64_t seq = 0;     // bucket number within the refit
@@ -78,10 +88,18 @@ struct BucketReady {
   // With verify_checksums: xxh3-64 of the used bytes, then of every in-place entry's bytes in
   // entry order.
   std::optional<uint64_t> checksum;
-  std::vector<SourceRegion> regions;  // of the entries sent in place
-  std::vector<ManifestEntry> entries;
-  bool has_in_place_entries() const { return !regions.empty(); }
+  // Set: the manifest is that of bucket `seq` of refit `replay_of` on this connection (which the
+  // destination has), and is not on the wire; `manifest` is then null until the receiver fills it.
+  std::optional<uint64_t> replay_of;
+  std::shared_ptr<const Manifest> manifest = std::make_shared<const Manifest>();
+
+  const std::vector<ManifestEntry>& entries() const { return manifest->entries; }
+  const std::vector<SourceRegion>& regions() const { return manifest->regions; }
+  bool has_in_place_entries() const { return !manifest->regions.empty(); }
 };
+
+// A copy of the bucket's manifest that only `bucket` holds, to change (tests, fuzz seeds).
+Manifest& edit_manifest(BucketReady& bucket);
 
 struct BucketDone {
   uint64_t refit = 0;

@@ -37,10 +37,11 @@ void from_json(const json& j, TimelineEvent& e) {
 }
 
 // Engine statistics cross the worker channel as JSON objects keyed by field name.
-NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(SendStats, tensors, dropped, buckets, payload_bytes, in_place_bytes, seconds,
-                                   had_peer, destinations, events)
-NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(ReceiveStats, tensors, batches, buckets, payload_bytes, wire_bytes, in_place_bytes,
-                                   total_seconds, load_seconds, mapped, buffer_bytes, route, sources, events)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(SendStats, tensors, dropped, buckets, replayed_buckets, payload_bytes,
+                                   in_place_bytes, seconds, had_peer, destinations, events)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(ReceiveStats, tensors, batches, buckets, replayed_buckets, payload_bytes, wire_bytes,
+                                   in_place_bytes, total_seconds, load_seconds, mapped, buffer_bytes, route, sources,
+                                   events)
 
 namespace {
 

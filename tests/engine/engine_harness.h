@@ -2,11 +2,16 @@
 // weight source, and a loader that records what it received.
 #pragma once
 
+#include <gtest/gtest.h>
+
 #include <cstring>
+#include <future>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
+#include "engine/protocol.h"
 #include "refit/checkpoint_engine.h"
 #include "transport/inproc/inproc_transport.h"
 
@@ -78,5 +83,84 @@ inline EngineOptions inproc_options(const std::shared_ptr<InProcFabric>& fabric,
   o.transport = create_inproc_transport(fabric);
   return o;
 }
+
+inline void expect_same(const std::vector<OwnedTensor>& sent, const Received& got) {
+  ASSERT_EQ(got.tensors.size(), sent.size());
+  for (const auto& t : sent) {
+    auto it = got.tensors.find(t.info.name);
+    ASSERT_NE(it, got.tensors.end()) << t.info.name;
+    EXPECT_EQ(it->second.info, t.info) << t.info.name;
+    EXPECT_EQ(it->second.data, t.data) << t.info.name;
+  }
+}
+
+struct Pair {
+  std::shared_ptr<InProcFabric> fabric = make_inproc_fabric();
+  SessionId session = new_session_id();
+  std::unique_ptr<CheckpointEngine> source, destination;
+  std::vector<Metadata> metadata;
+  SendStats sent_stats;  // of the last refit
+
+  explicit Pair(uint64_t bucket, bool release = false, double timeout_s = 10.0, bool map = true,
+                bool receives_only = false) {
+    auto so = inproc_options(fabric, bucket, session, timeout_s);
+    auto dop = inproc_options(fabric, bucket, session, timeout_s);
+    so.config.release_after_refit = dop.config.release_after_refit = release;
+    dop.config.map_source_buffers = map;
+    dop.receives_only = receives_only;
+    source = std::make_unique<CheckpointEngine>(so);
+    destination = std::make_unique<CheckpointEngine>(dop);
+  }
+  void connect() {
+    metadata = {source->prepare(), destination->prepare()};
+    source->init_source(0, 1, 1, metadata);
+    destination->init_destination(0, 1, 1, metadata);
+  }
+  // Sends `weights` from the source on a thread of its own.
+  std::future<SendStats> start_send(const std::vector<OwnedTensor>& weights) {
+    return std::async(std::launch::async, [this, &weights] {
+      VectorSource src(weights);
+      return source->send(src);
+    });
+  }
+  ReceiveStats refit(const std::vector<OwnedTensor>& weights, Received& got) {
+    auto sent = start_send(weights);
+    ReceiveStats stats;
+    try {
+      stats = destination->receive(got.loader());
+    } catch (...) {
+      sent.wait();
+      throw;
+    }
+    sent_stats = sent.get();
+    return stats;
+  }
+};
+
+// A destination connected to a fake source: the test sends it whatever messages it likes.
+struct RogueSource {
+  std::shared_ptr<InProcFabric> fabric = make_inproc_fabric();
+  SessionId session = new_session_id();
+  std::unique_ptr<Transport> transport = create_inproc_transport(fabric);
+  std::vector<std::byte> memory = std::vector<std::byte>(128);
+  CheckpointEngine destination{inproc_options(fabric, 64, session)};
+  PeerId to_destination = 0;
+  uint64_t first_refit = 0;  // refit k of this connection is first_refit + k on the wire
+
+  RogueSource() {
+    auto region = transport->register_memory(memory.data(), memory.size());
+    protocol::EngineMetadata fake;
+    fake.session = session;
+    fake.bucket_bytes = 64;
+    fake.transport_name = transport->name();
+    fake.transport_address = transport->address();
+    fake.buffers = transport->describe(region);
+    std::vector<Metadata> md = {protocol::encode(fake), destination.prepare()};
+    destination.init_destination(0, 1, 1, md);
+    first_refit = protocol::first_refit(fake.generation, protocol::decode_metadata(md[1], "d").generation);
+    to_destination = transport->connect(protocol::decode_metadata(md[1], "d").transport_address, "destination");
+  }
+  void send(const Bytes& message) { transport->send(to_destination, message, deadline_after(std::chrono::seconds(1))); }
+};
 
 }  // namespace refit::testing

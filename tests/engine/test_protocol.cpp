@@ -13,8 +13,8 @@ BucketReady sample_bucket() {
   m.offset = 1024;
   m.is_last = true;
   m.used_bytes = 48;
-  m.entries.push_back({{"a.weight", DType::kBFloat16, {4, 4}}, Box::whole(), 0, 32, 0});
-  m.entries.push_back({{"b.bias", DType::kFloat32, {4}}, Box::whole(), 0, 16, 32});
+  edit_manifest(m).entries.push_back({{"a.weight", DType::kBFloat16, {4, 4}}, Box::whole(), 0, 32, 0});
+  edit_manifest(m).entries.push_back({{"b.bias", DType::kFloat32, {4}}, Box::whole(), 0, 16, 32});
   return m;
 }
 
@@ -35,9 +35,9 @@ TEST(Protocol, BucketMessageRoundTrips) {
   ASSERT_EQ(decoded.type, MessageType::kBucketReady);
   EXPECT_EQ(decoded.ready.seq, 7u);
   EXPECT_TRUE(decoded.ready.is_last);
-  ASSERT_EQ(decoded.ready.entries.size(), 2u);
-  EXPECT_EQ(decoded.ready.entries[1].tensor.name, "b.bias");
-  EXPECT_EQ(decoded.ready.entries[1].bucket_offset, 32u);
+  ASSERT_EQ(decoded.ready.entries().size(), 2u);
+  EXPECT_EQ(decoded.ready.entries()[1].tensor.name, "b.bias");
+  EXPECT_EQ(decoded.ready.entries()[1].bucket_offset, 32u);
   EXPECT_NO_THROW(validate(decoded.ready, 1024, 2048, "source rank 0"));
 }
 
@@ -57,27 +57,29 @@ TEST(Protocol, MessagesAreLittleEndianOnTheWire) {
 TEST(Protocol, APieceRoundTripsAndMustFitItsTensor) {
   auto m = sample_bucket();
   // Rows [1, 3) x columns [2, 4) of a 4 x 4 tensor: 8 bytes of bf16.
-  m.entries[0].box = Box::of(Request::narrow(0, 1, 2)).narrowed({1, 2, 2});
-  m.entries[0].size = 8;
-  m.entries[1].bucket_offset = 8;
+  edit_manifest(m).entries[0].box = Box::of(Request::narrow(0, 1, 2)).narrowed({1, 2, 2});
+  edit_manifest(m).entries[0].size = 8;
+  edit_manifest(m).entries[1].bucket_offset = 8;
   m.used_bytes = 24;
   auto decoded = decode_message(encode(m), "source rank 0");
-  EXPECT_EQ(decoded.ready.entries[0].box, m.entries[0].box);
+  EXPECT_EQ(decoded.ready.entries()[0].box, m.entries()[0].box);
   EXPECT_EQ(decoded.ready.offset, 1024u);
   EXPECT_NO_THROW(validate(decoded.ready, 1024, 2048, "source rank 0"));
   auto bad = m;
-  bad.entries[0].size = 16;  // more than the piece's 8 bytes
+  edit_manifest(bad).entries[0].size = 16;  // more than the piece's 8 bytes
   EXPECT_THROW(validate(bad, 1024, 2048, "s"), Error);
   bad = m;
-  bad.entries[0].box.cuts[1].start = 3;  // columns [3, 5) of 4
+  edit_manifest(bad).entries[0].box.cuts[1].start = 3;  // columns [3, 5) of 4
   EXPECT_THROW(validate(bad, 1024, 2048, "s"), Error);
   bad = m;
-  bad.entries[0].box.cuts[1].dim = 2;  // a 2-D tensor has no dim 2
+  edit_manifest(bad).entries[0].box.cuts[1].dim = 2;  // a 2-D tensor has no dim 2
   EXPECT_THROW(validate(bad, 1024, 2048, "s"), Error);
 }
 
 TEST(Protocol, EveryTruncationOfEveryMessageIsAProtocolError) {
-  std::vector<Bytes> messages = {encode(sample_bucket()), encode(BucketDone{1, 2}),
+  BucketReady replay = sample_bucket();
+  replay.replay_of = 2;
+  std::vector<Bytes> messages = {encode(sample_bucket()), encode(replay), encode(BucketDone{1, 2}),
                                  encode(Abort{1, ErrorKind::kIntegrity, "why"})};
   for (const auto& full : messages) {
     for (size_t n = 0; n < full.size(); ++n) {
@@ -122,16 +124,16 @@ TEST(Protocol, OtherVersionIsRefused) {
 
 TEST(Protocol, ValidationRejectsRangesOutsideBucketOrTensor) {
   auto m = sample_bucket();
-  m.entries[1].bucket_offset = 40;  // 40 + 16 > 48 used
+  edit_manifest(m).entries[1].bucket_offset = 40;  // 40 + 16 > 48 used
   EXPECT_THROW(validate(m, 1024, 2048, "s"), Error);
   m = sample_bucket();
   m.used_bytes = 2048;  // more than the bucket
   EXPECT_THROW(validate(m, 1024, 2048, "s"), Error);
   m = sample_bucket();
-  m.entries[0].tensor_offset = 8;  // 8 + 32 > 32 bytes of tensor
+  edit_manifest(m).entries[0].tensor_offset = 8;  // 8 + 32 > 32 bytes of tensor
   EXPECT_THROW(validate(m, 1024, 2048, "s"), Error);
   m = sample_bucket();
-  m.entries[0].tensor.shape = {INT64_MAX, INT64_MAX};
+  edit_manifest(m).entries[0].tensor.shape = {INT64_MAX, INT64_MAX};
   EXPECT_THROW(validate(m, 1024, 2048, "s"), Error);
   m = sample_bucket();
   m.offset = 2010;  // 2010 + 48 bytes run past the source's 2048-byte region
@@ -142,14 +144,14 @@ TEST(Protocol, ValidationRejectsRangesOutsideBucketOrTensor) {
 // every region must be used.
 TEST(Protocol, InPlaceEntriesRoundTripAndMustFitTheirSourceRegion) {
   auto m = sample_bucket();
-  m.regions = {{{0x7f0000000000, 4096, {1, 2, 3}}, MemoryKind::kCuda}};
-  m.entries.push_back({{"c.weight", DType::kBFloat16, {1024}}, Box::whole(), 0, 2048, 2048, 1});
+  edit_manifest(m).regions = {{{0x7f0000000000, 4096, {1, 2, 3}}, MemoryKind::kCuda}};
+  edit_manifest(m).entries.push_back({{"c.weight", DType::kBFloat16, {1024}}, Box::whole(), 0, 2048, 2048, 1});
   auto back = decode_message(encode(m), "source rank 0").ready;
-  ASSERT_EQ(back.regions.size(), 1u);
-  EXPECT_EQ(back.regions[0].remote.address, 0x7f0000000000u);
-  EXPECT_EQ(back.regions[0].remote.key, (Bytes{1, 2, 3}));
-  EXPECT_EQ(back.regions[0].memory, MemoryKind::kCuda);
-  EXPECT_EQ(back.entries[2].region, 1u);
+  ASSERT_EQ(back.regions().size(), 1u);
+  EXPECT_EQ(back.regions()[0].remote.address, 0x7f0000000000u);
+  EXPECT_EQ(back.regions()[0].remote.key, (Bytes{1, 2, 3}));
+  EXPECT_EQ(back.regions()[0].memory, MemoryKind::kCuda);
+  EXPECT_EQ(back.entries()[2].region, 1u);
   EXPECT_TRUE(back.has_in_place_entries());
   EXPECT_NO_THROW(validate(back, 1024, 2048, "source rank 0"));
   auto message_of = [](const BucketReady& bad) {
@@ -162,16 +164,17 @@ TEST(Protocol, InPlaceEntriesRoundTripAndMustFitTheirSourceRegion) {
     return std::string("accepted");
   };
   auto bad = m;
-  bad.entries[2].bucket_offset = 2049;  // 2049 + 2048 > 4096
+  edit_manifest(bad).entries[2].bucket_offset = 2049;  // 2049 + 2048 > 4096
   EXPECT_NE(message_of(bad).find("outside the 4096 bytes of source region 1"), std::string::npos) << message_of(bad);
   bad = m;
-  bad.entries[2].region = 2;
+  edit_manifest(bad).entries[2].region = 2;
   EXPECT_NE(message_of(bad).find("names region 2 of 1"), std::string::npos) << message_of(bad);
   bad = m;
-  bad.regions.push_back(bad.regions[0]);
+  const SourceRegion again = bad.regions()[0];
+  edit_manifest(bad).regions.push_back(again);
   EXPECT_NE(message_of(bad).find("source region 2 is used by no chunk"), std::string::npos) << message_of(bad);
   // An in-place entry may lie beyond the bucket's used bytes: it is not in the bucket.
-  EXPECT_GT(m.entries[2].bucket_offset, m.used_bytes);
+  EXPECT_GT(m.entries()[2].bucket_offset, m.used_bytes);
 }
 
 }  // namespace

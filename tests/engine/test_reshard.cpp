@@ -207,7 +207,7 @@ TEST(Reshard, TheAssemblerRefusesBytesSentTwice) {
   auto bucket = [&](Box box, uint64_t offset, uint64_t size) {
     protocol::BucketReady b;
     b.used_bytes = size;
-    b.entries.push_back({t, box, offset, size, 0});
+    protocol::edit_manifest(b).entries.push_back({t, box, offset, size, 0});
     return b;
   };
   const auto deadline = deadline_after(std::chrono::seconds(5));

@@ -1,0 +1,40 @@
+// The destination's side of manifest replay (protocol::BucketReady::replay_of): the manifests of
+// a link's latest refit whose every bucket arrived, kept across the refits of one connection, so
+// that a source that repeats a bucket of that refit sends only its number. A source replays only
+// the refit before, and only once the destination acknowledged all of it: then this cache holds
+// exactly that refit, and anything else a source names is a protocol error.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "engine/protocol.h"
+
+namespace refit {
+
+class ManifestCache {
+ public:
+  // Gives a replayed bucket the manifest it names; Error(kProtocol), naming `who`, when this
+  // cache does not hold it or it came for another place in the source's buffers.
+  void fill(protocol::BucketReady& replayed, const std::string& who) const;
+
+  // Collects the buckets of refit `refit` as they arrive, with their manifests: buckets 0, 1, ...
+  // in order, and the last one makes them the cache.
+  void arrived(uint64_t refit, const protocol::BucketReady& bucket);
+
+ private:
+  struct Bucket {
+    std::shared_ptr<const protocol::Manifest> manifest;
+    uint64_t offset = 0;
+    uint64_t used_bytes = 0;
+  };
+  std::optional<uint64_t> refit_;  // the refit the cache holds; none yet
+  std::vector<Bucket> buckets_;    // by bucket number
+  std::optional<uint64_t> arriving_refit_;
+  std::vector<Bucket> arriving_;
+};
+
+}  // namespace refit

@@ -269,9 +269,9 @@ class SourceProgram final : public WorkerProgram {
 class DestinationProgram final : public WorkerProgram {
  public:
   // `checks` (resharding): this destination's layout, against which it checks itself.
-  DestinationProgram(std::optional<KillPoint> kill, MemoryKind kind, const ModelInventory* model,
+  DestinationProgram(std::optional<KillPoint> kill, MemoryKind kind, bool batched, const ModelInventory* model,
                      const std::optional<Layout>* checks)
-      : kill_(kill), kind_(kind), model_(model), checks_(checks) {}
+      : kill_(kill), kind_(kind), batched_(batched), model_(model), checks_(checks) {}
 
   std::unique_ptr<WeightSource> weights(uint64_t) override {
     fail(ErrorKind::kInternal, "a destination has no weights");
@@ -288,6 +288,7 @@ class DestinationProgram final : public WorkerProgram {
     return [this, index](LoadBatch batch) {
       const bool kill_here = kill_ && kill_->refit == index && kill_->step == batches_;
       ++batches_;
+      copies_.clear();
       for (size_t i = 0; i < batch.size(); ++i) {
         if (kill_here && kill_->when == KillPoint::When::kLoad && i == batch.size() / 2) die_on_purpose();
         if (i + kLookAhead < batch.size()) parameter_names_.prefetch(batch[i + kLookAhead].info->name);
@@ -295,9 +296,14 @@ class DestinationProgram final : public WorkerProgram {
         // Into this worker's own parameter, kept across refits, as an inference engine loads;
         // hashed in report(), outside the timed refit.
         const uint32_t p = parameter(*v.info);
-        loads_.copy(parameters_[p].data, v.data, parameters_[p].bytes, kind_, v.memory);
+        const CopyStream::Copy copy{parameters_[p].data, v.data, parameters_[p].bytes, kind_, v.memory};
+        if (batched_)
+          copies_.push_back(copy);
+        else
+          loads_.copy(copy.dst, copy.src, copy.bytes, copy.dst_kind, copy.src_kind);
         received_.push_back(p);
       }
+      if (batched_) loads_.copy_batch(copies_);
       // The views are valid only during this call.
       if (loads_.pending()) loads_.synchronize(deadline_after(kGpuWait));
       if (kill_here) die_on_purpose();
@@ -363,7 +369,9 @@ class DestinationProgram final : public WorkerProgram {
 
   std::optional<KillPoint> kill_;
   MemoryKind kind_;
-  const ModelInventory* model_;  // resharding: the model, to check against
+  bool batched_;                          // BenchModel::batched_loads
+  std::vector<CopyStream::Copy> copies_;  // of the batch being loaded
+  const ModelInventory* model_;           // resharding: the model, to check against
   const std::optional<Layout>* checks_;
   uint64_t batches_ = 0;
   std::map<std::string, std::string> hashes_;
@@ -419,8 +427,8 @@ WorkerProgramFactory bench_programs(const BenchModel& model, const std::vector<s
     const bool resharding = !holds.empty();
     if (is_source) return std::make_unique<SourceProgram>(model, layout, resharding ? &holds.at(rank) : nullptr, mine);
     static const std::optional<Layout> whole;
-    return std::make_unique<DestinationProgram>(mine, model.tensors, resharding ? &model.inventory : nullptr,
-                                                layout ? layout : &whole);
+    return std::make_unique<DestinationProgram>(mine, model.tensors, model.batched_loads,
+                                                resharding ? &model.inventory : nullptr, layout ? layout : &whole);
   };
 }
 

@@ -5,6 +5,7 @@
 
 #include <cstddef>
 #include <memory>
+#include <span>
 #include <string>
 
 #include "refit/deadline.h"
@@ -102,6 +103,21 @@ class CopyStream {
   // pitch is smaller than row_bytes.
   void copy_2d(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t row_bytes, size_t rows,
                MemoryKind dst_kind, MemoryKind src_kind);
+
+  // One copy of copy_batch().
+  struct Copy {
+    void* dst = nullptr;
+    const void* src = nullptr;
+    size_t bytes = 0;
+    MemoryKind dst_kind = MemoryKind::kHost;
+    MemoryKind src_kind = MemoryKind::kHost;
+  };
+  // Copies that copy() would do one by one, whose destinations do not overlap each other: a
+  // loader's batch of tensors. Copies between GPU memory of less than `kBatchedBelow` bytes go
+  // out together, as few kernel launches (one per ~100 copies) instead of one cudaMemcpyAsync
+  // each: a GPU refit of many small tensors is bound by those launches. The rest go as copy().
+  void copy_batch(std::span<const Copy> copies);
+  static constexpr size_t kBatchedBelow = 8ull << 20;
 
   // Returns once every copy issued so far is complete. Error(kTimeout) past the deadline (the
   // copies may still be running: keep the memory alive), Error(kTransport) when a copy failed.

@@ -8,15 +8,21 @@
 //   peer         GPU 0 to GPU 1 when there are two (a CUDA IPC read across GPUs; NVLink/PCIe)
 //   nccl_p2p     ncclSend on GPU 1 / ncclRecv on GPU 0 when there are two and NCCL is built (the
 //                NCCL transport's data path; one process, one 2-rank communicator per GPU)
+// With --model PATH (a config.json or safetensors of refit's models), also what a destination's
+// loader gets out of that device copy, copying every tensor of the model from one allocation
+// into another:
+//   load_per_tensor   one cudaMemcpyAsync per tensor (an inference engine's loader)
+//   load_batched      CopyStream::copy_batch (small tensors together, one kernel per ~100)
 // GB/s are 1e9 bytes copied per second (a device-to-device copy also reads as many bytes as it
 // writes; the rate counts them once, as a refit's throughput does).
 //
 // Usage: refit_gpu_ceiling [--device N] [--bytes BYTES] [--iterations K] [--json FILE]
-//                          [--calibration-out FILE]  (merged into a planner calibration, cluster.h)
+//                          [--model PATH] [--calibration-out FILE]  (merged into a planner calibration, cluster.h)
 // Exit status: 0, 2 when no GPU is usable, 1 on a CUDA error.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -35,6 +41,7 @@
 #include "refit/cluster.h"
 #include "refit/device.h"
 #include "refit/memory.h"
+#include "refit/model.h"
 
 namespace {
 
@@ -117,7 +124,7 @@ Result measure_nccl(size_t bytes, int iterations, int to, int from) {
 void usage() {
   std::fprintf(stderr,
                "usage: refit_gpu_ceiling [--device N] [--bytes BYTES] [--iterations K] [--json FILE] "
-               "[--calibration-out FILE]\n");
+               "[--model PATH] [--calibration-out FILE]\n");
   std::exit(64);
 }
 
@@ -127,7 +134,7 @@ int main(int argc, char** argv) {
   int device = 0;
   size_t bytes = size_t{1} << 30;
   int iterations = 10;
-  std::string json_path, calibration_path;
+  std::string json_path, calibration_path, model_path;
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i];
     auto value = [&]() -> std::string {
@@ -142,6 +149,8 @@ int main(int argc, char** argv) {
       iterations = std::max(1, std::stoi(value()));
     } else if (arg == "--json") {
       json_path = value();
+    } else if (arg == "--model") {
+      model_path = value();
     } else if (arg == "--calibration-out") {
       calibration_path = value();
     } else {
@@ -209,6 +218,49 @@ int main(int argc, char** argv) {
         results.push_back(measure_nccl(bytes, iterations, device, other));
 #endif
       }
+    }
+    if (!model_path.empty()) {
+      // Every tensor of the model, 256-byte aligned in one allocation, into another.
+      const refit::ModelInventory model = refit::load_model_inventory(model_path);
+      std::vector<refit::CopyStream::Copy> copies;
+      uint64_t total = 0, payload = 0;
+      for (const auto& t : model.tensors) {
+        copies.push_back({nullptr, nullptr, t.nbytes(), refit::MemoryKind::kCuda, refit::MemoryKind::kCuda});
+        payload += t.nbytes();
+        total += (t.nbytes() + 255) / 256 * 256;
+      }
+      refit::DeviceBuffer from(gpu, total), to(gpu, total);
+      uint64_t offset = 0;
+      for (auto& c : copies) {
+        c.src = from.data() + offset;
+        c.dst = to.data() + offset;
+        offset += (c.bytes + 255) / 256 * 256;
+      }
+      std::printf("model %s: %zu tensors, %.2f GiB\n", model.name.c_str(), copies.size(),
+                  static_cast<double>(payload) / (1ull << 30));
+      refit::CopyStream loads(gpu);
+      // Timed on the wall clock from issue to completion, as a loader's batch is.
+      auto timed = [&](const std::string& name, const std::function<void()>& issue) {
+        std::vector<double> rates;
+        issue();  // warm-up
+        loads.synchronize(refit::deadline_after(std::chrono::seconds(60)));
+        for (int i = 0; i < iterations; ++i) {
+          const auto start = std::chrono::steady_clock::now();
+          issue();
+          loads.synchronize(refit::deadline_after(std::chrono::seconds(60)));
+          rates.push_back(static_cast<double>(payload) /
+                          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() / 1e9);
+        }
+        std::sort(rates.begin(), rates.end());
+        Result r{name, rates[rates.size() / 2], rates.front(), rates.back()};
+        std::printf("%-15s %8.1f GB/s  (min %.1f, max %.1f; %d loads of the model, wall clock)\n", name.c_str(),
+                    r.median_gbps, r.min_gbps, r.max_gbps, iterations);
+        results.push_back(r);
+      };
+      timed("load_per_tensor", [&] {
+        for (const auto& c : copies) loads.copy(c.dst, c.src, c.bytes, c.dst_kind, c.src_kind);
+      });
+      timed("load_batched", [&] { loads.copy_batch(copies); });
     }
     cudaStreamDestroy(stream);
 

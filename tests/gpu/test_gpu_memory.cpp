@@ -213,5 +213,42 @@ TEST(CopyStream, CopiesAcrossGpus) {
   EXPECT_EQ(read_device(b.data(), size), pattern(size, 21));
 }
 
+// A loader's batch: hundreds of GPU ranges of every size and alignment (empty, odd, larger than a
+// kernel chunk, larger than what is batched), and host ones among them, copied at once.
+TEST(CopyStream, CopiesABatchOfGpuRangesBitwise) {
+  REFIT_REQUIRE_GPUS(1);
+  std::vector<size_t> sizes = {0, 1, 7, 16, 255, 4096, 65536, 65537, 3 << 20, CopyStream::kBatchedBelow + 100};
+  for (int i = 0; i < 300; ++i) sizes.push_back(static_cast<size_t>(i * 37 % 1000) + 1);
+  constexpr size_t kHostBytes = 4096;
+  struct Placed {
+    size_t src = 0, dst = 0, bytes = 0;
+  };
+  std::vector<Placed> placed;
+  size_t total = 0;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    // Some start off any alignment, on either side.
+    placed.push_back({total + i % 5, total + (i % 3 == 0 ? 0 : i % 17), sizes[i]});
+    total += sizes[i] + 64;
+  }
+  DeviceBuffer src(cuda(0), total), dst(cuda(0), total + kHostBytes);
+  fill_device(src.data(), total, 5);
+  std::vector<uint8_t> host_dst(kHostBytes);
+  const std::vector<uint8_t> host_src = pattern(kHostBytes, 6);
+  std::vector<CopyStream::Copy> copies;
+  for (const Placed& p : placed)
+    copies.push_back({dst.data() + p.dst, src.data() + p.src, p.bytes, MemoryKind::kCuda, MemoryKind::kCuda});
+  copies.push_back({host_dst.data(), src.data(), kHostBytes, MemoryKind::kHost, MemoryKind::kCuda});
+  copies.push_back({dst.data() + total, host_src.data(), kHostBytes, MemoryKind::kCuda, MemoryKind::kHost});
+  CopyStream stream(cuda(0));
+  stream.copy_batch(copies);
+  stream.synchronize(deadline_after(60s));
+  const std::vector<uint8_t> from = read_device(src.data(), total), to = read_device(dst.data(), total + kHostBytes);
+  for (size_t i = 0; i < placed.size(); ++i)
+    ASSERT_EQ(std::memcmp(to.data() + placed[i].dst, from.data() + placed[i].src, placed[i].bytes), 0)
+        << "copy " << i << " of " << placed[i].bytes << " bytes";
+  EXPECT_EQ(host_dst, std::vector<uint8_t>(from.begin(), from.begin() + kHostBytes));
+  EXPECT_EQ(std::vector<uint8_t>(to.begin() + total, to.end()), host_src);
+}
+
 }  // namespace
 }  // namespace refit

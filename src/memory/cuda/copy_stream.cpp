@@ -1,11 +1,13 @@
 // CopyStream: host-to-host copies with memcpy at once; copies with a GPU side as
 // cudaMemcpyAsync on one non-blocking stream, created on first use.
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstring>
 #include <vector>
 
 #include "core/fail.h"
+#include "memory/cuda/batch_copy.h"
 #include "memory/cuda/cuda_util.h"
 #include "memory/device_memory.h"
 #include "refit/device.h"
@@ -101,13 +103,14 @@ struct CopyStream::Impl {
   }
 
 #ifdef REFIT_HAVE_CUDA
-  // Enqueues a GPU copy: `issue(stream)` returns the cudaMemcpy*Async status; `call` and `what`
-  // name it in errors.
-  template <typename Issue>
-  void enqueue(Range dst, Range src, std::string_view call, const std::string& what, Issue&& issue) {
+  // Enqueues a GPU copy: `issue(stream)` returns the cudaMemcpy*Async status; `call` and `what()`
+  // name it in errors (made only then: a loader issues a copy per tensor).
+  template <typename What, typename Issue>
+  void enqueue(Range dst, Range src, std::string_view call, What&& what, Issue&& issue) {
     if (stream == nullptr) create_stream();
     cuda::DeviceGuard guard(cuda_device);
-    cuda::check(issue(stream), call, what);
+    const cudaError_t status = issue(stream);
+    if (status != cudaSuccess) cuda::check(status, call, what());
     pending = true;
     reads.add(src);
     writes.add(dst);
@@ -159,8 +162,9 @@ void CopyStream::copy(void* dst, const void* src, size_t bytes, MemoryKind dst_k
     return;
   }
 #ifdef REFIT_HAVE_CUDA
-  impl_->enqueue(d, s, "cudaMemcpyAsync", fmt::format("copying {} bytes from {} to {}", bytes, src, dst),
-                 [&](cudaStream_t stream) { return cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream); });
+  impl_->enqueue(
+      d, s, "cudaMemcpyAsync", [&] { return fmt::format("copying {} bytes from {} to {}", bytes, src, dst); },
+      [&](cudaStream_t stream) { return cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream); });
 #else
   Impl::no_cuda();
 #endif
@@ -187,13 +191,54 @@ void CopyStream::copy_2d(void* dst, size_t dst_pitch, const void* src, size_t sr
     return;
   }
 #ifdef REFIT_HAVE_CUDA
-  impl_->enqueue(d, s, "cudaMemcpy2DAsync",
-                 fmt::format("copying {} rows of {} bytes from {} to {}", rows, row_bytes, src, dst),
-                 [&](cudaStream_t stream) {
-                   return cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, row_bytes, rows, cudaMemcpyDefault, stream);
-                 });
+  impl_->enqueue(
+      d, s, "cudaMemcpy2DAsync",
+      [&] { return fmt::format("copying {} rows of {} bytes from {} to {}", rows, row_bytes, src, dst); },
+      [&](cudaStream_t stream) {
+        return cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, row_bytes, rows, cudaMemcpyDefault, stream);
+      });
 #else
   Impl::no_cuda();
+#endif
+}
+
+void CopyStream::copy_batch(std::span<const Copy> copies) {
+#ifdef REFIT_HAVE_CUDA
+  // On the stack: a batch runs inside a refit, where a heap block of this size could first make
+  // malloc consolidate every small block a caller freed before.
+  std::array<cuda::BatchCopy, cuda::kMaxBatchCopies> group;
+  size_t grouped = 0;
+  auto launch = [&] {
+    if (grouped == 0) return;
+    const auto first = group[0];
+    impl_->enqueue(
+        range_of(first.dst, first.bytes), range_of(first.src, first.bytes), "a batch copy kernel",
+        [&] {
+          return fmt::format("copying {} GPU ranges at once, the first {} bytes to {}", grouped, first.bytes,
+                             first.dst);
+        },
+        [&](cudaStream_t stream) {
+          return static_cast<cudaError_t>(cuda::launch_batch_copy(group.data(), grouped, stream));
+        });
+    for (size_t i = 1; i < grouped; ++i) {
+      impl_->reads.add(range_of(group[i].src, group[i].bytes));
+      impl_->writes.add(range_of(group[i].dst, group[i].bytes));
+    }
+    grouped = 0;
+  };
+  for (const Copy& c : copies) {
+    const bool batched = c.dst_kind == MemoryKind::kCuda && c.src_kind == MemoryKind::kCuda && c.bytes > 0 &&
+                         c.bytes < kBatchedBelow && c.dst != nullptr && c.src != nullptr;
+    if (!batched) {
+      copy(c.dst, c.src, c.bytes, c.dst_kind, c.src_kind);
+      continue;
+    }
+    group[grouped++] = {c.dst, c.src, c.bytes};
+    if (grouped == cuda::kMaxBatchCopies) launch();
+  }
+  launch();
+#else
+  for (const Copy& c : copies) copy(c.dst, c.src, c.bytes, c.dst_kind, c.src_kind);
 #endif
 }
 

@@ -1,0 +1,25 @@
+// One kernel launch that does many device-to-device copies (CopyStream::copy_batch): a batch of
+// tensors loaded into a destination's parameters pays one launch instead of one per tensor,
+// which is what bounds a refit of many small tensors on a GPU. Plain C++17 on both sides, so
+// that the .cu file builds with nvcc's C++17 and the rest of refit with C++20.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace refit::cuda {
+
+struct BatchCopy {
+  void* dst = nullptr;  // GPU memory (a device pointer, or a peer's mapped with CUDA IPC)
+  const void* src = nullptr;
+  uint64_t bytes = 0;
+};
+
+// The most copies one launch takes (they travel as the kernel's parameters).
+constexpr size_t kMaxBatchCopies = 96;
+
+// Enqueues copies[0, count) (count <= kMaxBatchCopies, destinations disjoint) as one kernel on
+// `stream` (a cudaStream_t) of the current device. Returns the launch's cudaError_t as an int.
+int launch_batch_copy(const BatchCopy* copies, size_t count, void* stream);
+
+}  // namespace refit::cuda

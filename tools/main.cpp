@@ -43,7 +43,7 @@ int main(int argc, char** argv) {
   bench_cmd
       ->add_option("--loads", bench.loads,
                    "How destinations copy each batch into their parameters: per-tensor (one copy each, as an inference "
-                   "engine's loader) or batched (refit's batched copy: on a GPU, one kernel per ~100 small tensors)")
+                   "engine's loader) or batched (refit's batched copy: on a GPU, one kernel per ~100 tensors)")
       ->capture_default_str()
       ->check(CLI::IsMember({"per-tensor", "batched"}));
   bench_cmd

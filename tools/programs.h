@@ -40,7 +40,7 @@ struct BenchModel {
   MemoryKind tensors = MemoryKind::kHost;
   // How destinations copy a batch into their parameters: one copy per tensor, as an inference
   // engine's loader does, or refit's batched copy (CopyStream::copy_batch: on a GPU, one kernel
-  // for every ~100 small tensors).
+  // for every ~100 tensors).
   bool batched_loads = true;
 };
 

@@ -113,11 +113,11 @@ class CopyStream {
     MemoryKind src_kind = MemoryKind::kHost;
   };
   // Copies that copy() would do one by one, whose destinations do not overlap each other: a
-  // loader's batch of tensors. Copies between GPU memory of less than `kBatchedBelow` bytes go
-  // out together, as few kernel launches (one per ~100 copies) instead of one cudaMemcpyAsync
-  // each: a GPU refit of many small tensors is bound by those launches. The rest go as copy().
+  // loader's batch of tensors. Copies between GPU memory go out together, as one kernel per ~100
+  // copies, instead of one cudaMemcpyAsync each: no launch per small tensor, and from memory
+  // another process exported (CUDA IPC) the kernel reads at 0.84 of the device copy where
+  // cudaMemcpyAsync reached 0.76 (H200, docs/GPU.md). Copies with a host side go as copy().
   void copy_batch(std::span<const Copy> copies);
-  static constexpr size_t kBatchedBelow = 8ull << 20;
 
   // Returns once every copy issued so far is complete. Error(kTimeout) past the deadline (the
   // copies may still be running: keep the memory alive), Error(kTransport) when a copy failed.

@@ -12,7 +12,7 @@
 // loader gets out of that device copy, copying every tensor of the model from one allocation
 // into another:
 //   load_per_tensor   one cudaMemcpyAsync per tensor (an inference engine's loader)
-//   load_batched      CopyStream::copy_batch (small tensors together, one kernel per ~100)
+//   load_batched      CopyStream::copy_batch (one kernel per ~100 tensors)
 // GB/s are 1e9 bytes copied per second (a device-to-device copy also reads as many bytes as it
 // writes; the rate counts them once, as a refit's throughput does).
 //

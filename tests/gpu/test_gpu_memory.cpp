@@ -214,10 +214,10 @@ TEST(CopyStream, CopiesAcrossGpus) {
 }
 
 // A loader's batch: hundreds of GPU ranges of every size and alignment (empty, odd, larger than a
-// kernel chunk, larger than what is batched), and host ones among them, copied at once.
+// kernel chunk, larger than a launch's share), and host ones among them, copied at once.
 TEST(CopyStream, CopiesABatchOfGpuRangesBitwise) {
   REFIT_REQUIRE_GPUS(1);
-  std::vector<size_t> sizes = {0, 1, 7, 16, 255, 4096, 65536, 65537, 3 << 20, CopyStream::kBatchedBelow + 100};
+  std::vector<size_t> sizes = {0, 1, 7, 16, 255, 4096, 65536, 65537, 3 << 20, (64 << 20) + 100};
   for (int i = 0; i < 300; ++i) sizes.push_back(static_cast<size_t>(i * 37 % 1000) + 1);
   constexpr size_t kHostBytes = 4096;
   struct Placed {
@@ -230,8 +230,9 @@ TEST(CopyStream, CopiesABatchOfGpuRangesBitwise) {
     placed.push_back({total + i % 5, total + (i % 3 == 0 ? 0 : i % 17), sizes[i]});
     total += sizes[i] + 64;
   }
-  DeviceBuffer src(cuda(0), total), dst(cuda(0), total + kHostBytes);
+  DeviceBuffer src(cuda(0), total);
   fill_device(src.data(), total, 5);
+  DeviceBuffer dst(cuda(0), total + kHostBytes);
   std::vector<uint8_t> host_dst(kHostBytes);
   const std::vector<uint8_t> host_src = pattern(kHostBytes, 6);
   std::vector<CopyStream::Copy> copies;

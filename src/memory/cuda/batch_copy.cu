@@ -25,6 +25,8 @@ struct Jobs {
   Job job[kMaxBatchCopies];
 };
 
+constexpr int kUnroll = 4;  // 16-byte loads in flight per thread before their stores
+
 __device__ void copy_bytes(char* dst, const char* src, uint64_t n) {
   const bool vector = ((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src)) & 15) == 0;
   uint64_t done = 0;
@@ -32,7 +34,16 @@ __device__ void copy_bytes(char* dst, const char* src, uint64_t n) {
     const uint64_t words = n / 16;
     auto* d = reinterpret_cast<uint4*>(dst);
     const auto* s = reinterpret_cast<const uint4*>(src);
-    for (uint64_t i = threadIdx.x; i < words; i += blockDim.x) d[i] = s[i];
+    const uint64_t step = uint64_t{blockDim.x} * kUnroll;
+    uint64_t i = threadIdx.x;
+    for (; i + (kUnroll - 1) * blockDim.x < words; i += step) {
+      uint4 v[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) v[u] = s[i + u * blockDim.x];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) d[i + u * blockDim.x] = v[u];
+    }
+    for (; i < words; i += blockDim.x) d[i] = s[i];
     done = words * 16;
   }
   for (uint64_t i = done + threadIdx.x; i < n; i += blockDim.x) dst[i] = src[i];

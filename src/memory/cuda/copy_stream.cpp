@@ -228,7 +228,7 @@ void CopyStream::copy_batch(std::span<const Copy> copies) {
   };
   for (const Copy& c : copies) {
     const bool batched = c.dst_kind == MemoryKind::kCuda && c.src_kind == MemoryKind::kCuda && c.bytes > 0 &&
-                         c.bytes < kBatchedBelow && c.dst != nullptr && c.src != nullptr;
+                         c.dst != nullptr && c.src != nullptr;
     if (!batched) {
       copy(c.dst, c.src, c.bytes, c.dst_kind, c.src_kind);
       continue;

@@ -1,7 +1,7 @@
 // One kernel launch that does many device-to-device copies (CopyStream::copy_batch): a batch of
 // tensors loaded into a destination's parameters pays one launch instead of one per tensor, and
-// reads memory another process exported faster than cudaMemcpyAsync does (docs/GPU.md). Plain C++17 on both sides, so
-// that the .cu file builds with nvcc's C++17 and the rest of refit with C++20.
+// reads memory another process exported faster than cudaMemcpyAsync does (docs/GPU.md). Plain
+// C++17 on both sides, so that the .cu file builds with nvcc's C++17 and the rest with C++20.
 #pragma once
 
 #include <cstddef>

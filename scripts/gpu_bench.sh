@@ -10,8 +10,6 @@
 # direct_reads=false: every tensor is packed into a bucket that the destination loads from the
 # source's mapped buffer (two copies). "+staged" sets map_source_buffers=false as well: the
 # destination reads every bucket into its own buffer before loading it (three copies).
-# "+per-tensor" makes destinations load with one copy per tensor (`--loads per-tensor`, as an
-# inference engine's loader) instead of refit's batched copy.
 # Build first (scripts/gpu_test.sh builds $BUILD_DIR).
 #
 # Usage: scripts/gpu_bench.sh [MODEL] [RUNS] [REFITS] [BUCKET] [DEVICES]
@@ -43,13 +41,12 @@ echo "== ceilings (copies of $ceiling_bytes bytes)"
 for device in $devices; do
   for run in $(seq 1 "$runs"); do
     echo "== device $device, run $run"
-    map=true direct=true loads=batched
+    map=true direct=true
     case "$device" in
       *+staged*) map=false direct=false ;;
       *+buckets*) direct=false ;;
     esac
-    case "$device" in *+per-tensor*) loads=per-tensor ;; esac
-    "$build/refit" bench --model "$model" --device "${device%%+*}" --tensors cuda --refits "$refits" --loads "$loads" \
+    "$build/refit" bench --model "$model" --device "${device%%+*}" --tensors cuda --refits "$refits" \
       --json "$out/$device-$run.json" "${bucket_override[@]}" "refit_cfg.nixl.map_source_buffers=$map" \
       "refit_cfg.nixl.direct_reads=$direct" 2>&1 | grep -v "vLLM refit"
   done

@@ -193,7 +193,6 @@ int run_bench(const BenchOptions& options) {
   const RefitConfig config = bench_config(options);
   BenchModel model;
   model.tensors = bench_tensors(options, config);
-  model.batched_loads = options.loads != "per-tensor";
   const std::string path = options.model.empty() ? std::string(kDefaultModel) : options.model;
   model.inventory = load_model_inventory(path);
   if (is_safetensors(path)) model.safetensors_path = path;
@@ -239,7 +238,6 @@ int run_bench(const BenchOptions& options) {
               {"refit_transport", config.refit_transport},
               {"device", to_string(config.device)},
               {"tensor_memory", model.tensors == MemoryKind::kCuda ? "cuda" : "cpu"},
-              {"loads", model.batched_loads ? "batched" : "per-tensor"},
               {"sources", options.sources},
               {"destinations", options.destinations},
               {"launcher", options.launcher},

@@ -28,7 +28,6 @@ struct BenchOptions {
   // Where source weights and destination parameters live: cpu or cuda; empty: where the
   // transfer buffers are.
   std::string tensors;
-  std::string loads = "batched";  // per-tensor | batched
   ParallelOptions parallel;
   SourceParallelOptions source_parallel;  // resharding: what each source holds
   // Resharding: also time what the paired topology would need for the same job, in this run:

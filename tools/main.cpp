@@ -41,12 +41,6 @@ int main(int argc, char** argv) {
   bench_cmd->add_option("--tensors", bench.tensors,
                         "Where weights and parameters live: cpu or cuda (default: as --device)");
   bench_cmd
-      ->add_option("--loads", bench.loads,
-                   "How destinations copy each batch into their parameters: per-tensor (one copy each, as an inference "
-                   "engine's loader) or batched (refit's batched copy: on a GPU, one kernel per ~100 tensors)")
-      ->capture_default_str()
-      ->check(CLI::IsMember({"per-tensor", "batched"}));
-  bench_cmd
       ->add_option("--launcher", bench.launcher,
                    "local: fork the workers here; env: this process is one rank of a job started by mpirun, srun, "
                    "torchrun or a command per host (RANK/WORLD_SIZE or the launcher's own; rank 0 drives)")

@@ -12,12 +12,13 @@
 
 #include "core/box_copy.h"
 #include "core/fail.h"
-#include "core/name_index.h"
 #include "device_kernels.h"
 #include "memory/device_memory.h"
 #include "memory/tensor_memory.h"
+#include "parallel_options.h"
 #include "refit/device.h"
 #include "refit/memory.h"
+#include "refit/parameter_loader.h"
 #include "refit/safetensors.h"
 
 namespace refit::tools {
@@ -268,10 +269,22 @@ class SourceProgram final : public WorkerProgram {
 
 class DestinationProgram final : public WorkerProgram {
  public:
-  // `checks` (resharding): this destination's layout, against which it checks itself.
-  DestinationProgram(std::optional<KillPoint> kill, MemoryKind kind, bool batched, const ModelInventory* model,
-                     const std::optional<Layout>* checks)
-      : kill_(kill), kind_(kind), batched_(batched), model_(model), checks_(checks) {}
+  // `tensors`: what this destination holds (its layout's selection of the model), allocated here
+  // once as an inference engine's parameters are. `checks` (resharding): the model and this
+  // destination's layout, against which it checks itself.
+  DestinationProgram(std::optional<KillPoint> kill, MemoryKind kind, std::vector<TensorInfo> tensors,
+                     const ModelInventory* checks_model, const std::optional<Layout>* checks)
+      : kill_(kill), kind_(kind), tensors_(std::move(tensors)), model_(checks_model), checks_(checks) {
+    uint64_t total = 0;
+    for (const auto& t : tensors_) total += aligned(t.nbytes());
+    storage_ = TensorMemory(kind_, Device{Device::Kind::kCuda, -1}, std::max<uint64_t>(total, 1));
+    uint64_t offset = 0;
+    for (const auto& t : tensors_) {
+      parameters_.push_back(storage_.data() + offset);
+      loads_.add(t.name, storage_.data() + offset, t.nbytes(), kind_);
+      offset += aligned(t.nbytes());
+    }
+  }
 
   std::unique_ptr<WeightSource> weights(uint64_t) override {
     fail(ErrorKind::kInternal, "a destination has no weights");
@@ -280,60 +293,50 @@ class DestinationProgram final : public WorkerProgram {
   // Outside the timed refit: the last refit's hashes are many small blocks to free.
   void stage(uint64_t) override {
     hashes_.clear();
-    received_.clear();
     batches_ = 0;
+    loaded_before_ = loads_.tensors_loaded();
   }
 
+  // Into this worker's own parameters, kept across refits, by name (ParameterLoader); hashed in
+  // report(), outside the timed refit.
   BatchLoader loader(uint64_t index) override {
     return [this, index](LoadBatch batch) {
       const bool kill_here = kill_ && kill_->refit == index && kill_->step == batches_;
       ++batches_;
-      copies_.clear();
-      for (size_t i = 0; i < batch.size(); ++i) {
-        if (kill_here && kill_->when == KillPoint::When::kLoad && i == batch.size() / 2) die_on_purpose();
-        if (i + kLookAhead < batch.size()) parameter_names_.prefetch(batch[i + kLookAhead].info->name);
-        const TensorView& v = batch[i];
-        // Into this worker's own parameter, kept across refits, as an inference engine loads;
-        // hashed in report(), outside the timed refit.
-        const uint32_t p = parameter(*v.info);
-        const CopyStream::Copy copy{parameters_[p].data, v.data, parameters_[p].bytes, kind_, v.memory};
-        if (batched_)
-          copies_.push_back(copy);
-        else
-          loads_.copy(copy.dst, copy.src, copy.bytes, copy.dst_kind, copy.src_kind);
-        received_.push_back(p);
+      if (kill_here && kill_->when == KillPoint::When::kLoad) {
+        loads_.load(batch.subspan(0, batch.size() / 2));
+        die_on_purpose();
       }
-      if (batched_) loads_.copy_batch(copies_);
-      // The views are valid only during this call.
-      if (loads_.pending()) loads_.synchronize(deadline_after(kGpuWait));
+      loads_.load(batch);
       if (kill_here) die_on_purpose();
     };
   }
 
   std::string report(uint64_t index) override {
+    const uint64_t loaded = loads_.tensors_loaded() - loaded_before_;
+    if (loaded != tensors_.size())
+      fail(ErrorKind::kProtocol, "the destination loaded {} tensors in refit {}, it holds {}", loaded, index,
+           tensors_.size());
     if (model_) return self_check(index);
     if (kind_ == MemoryKind::kHost) {
-      for (uint32_t p : received_) hashes_[name_of(p)] = hex(XXH3_64bits(parameters_[p].data, parameters_[p].bytes));
+      for (size_t i = 0; i < tensors_.size(); ++i)
+        hashes_[tensors_[i].name] = hex(XXH3_64bits(parameters_[i], tensors_[i].nbytes()));
     } else {
       std::vector<DeviceRange> ranges;
-      for (uint32_t p : received_) ranges.push_back({parameters_[p].data, parameters_[p].bytes});
+      for (size_t i = 0; i < tensors_.size(); ++i) ranges.push_back({parameters_[i], tensors_[i].nbytes()});
       const auto sums = hash_device_ranges(ranges, nullptr);
-      for (size_t i = 0; i < ranges.size(); ++i) hashes_[name_of(received_[i])] = hex(sums[i]);
+      for (size_t i = 0; i < ranges.size(); ++i) hashes_[tensors_[i].name] = hex(sums[i]);
     }
     return json{{"hashes", hashes_}}.dump();
   }
 
  private:
-  struct Parameter {
-    std::byte* data = nullptr;
-    uint64_t bytes = 0;
-  };
-
   // The hashes of what this destination holds and of what it should hold (its slices of the
   // synthetic content of refit `index`); verify() compares the two.
   std::string self_check(uint64_t index) {
     json held = json::object(), expected = json::object();
-    for (uint32_t p : received_) held[name_of(p)] = hex(XXH3_64bits(parameters_[p].data, parameters_[p].bytes));
+    for (size_t i = 0; i < tensors_.size(); ++i)
+      held[tensors_[i].name] = hex(XXH3_64bits(parameters_[i], tensors_[i].nbytes()));
     std::vector<std::byte> want;
     for (uint32_t i = 0; i < model_->tensors.size(); ++i) {
       const TensorInfo& t = model_->tensors[i];
@@ -348,42 +351,17 @@ class DestinationProgram final : public WorkerProgram {
     return json{{"hashes", held}, {"expected", expected}}.dump();
   }
 
-  // The parameter for `info`, carved from large allocations (GPU memory, or host memory in huge
-  // pages as the copy ceilings use) on first use and kept.
-  // Its number in parameter_names_ and parameters_.
-  uint32_t parameter(const TensorInfo& info) {
-    const uint64_t n = info.nbytes();
-    const auto [index, added] = parameter_names_.add(info.name);
-    if (added) parameters_.emplace_back();
-    if (!added && parameters_[index].bytes == n) return index;
-    constexpr uint64_t kSlab = 1ull << 30;
-    if (slabs_.empty() || slab_used_ + aligned(n) > slabs_.back().size()) {
-      slabs_.emplace_back(kind_, Device{Device::Kind::kCuda, -1}, std::max(kSlab, aligned(n)));
-      slab_used_ = 0;
-    }
-    parameters_[index] = {slabs_.back().data() + slab_used_, n};
-    slab_used_ += aligned(n);
-    return index;
-  }
-  std::string name_of(uint32_t parameter) const { return std::string(parameter_names_.name(parameter)); }
-
   std::optional<KillPoint> kill_;
   MemoryKind kind_;
-  bool batched_;                          // BenchModel::batched_loads
-  std::vector<CopyStream::Copy> copies_;  // of the batch being loaded
-  const ModelInventory* model_;           // resharding: the model, to check against
+  std::vector<TensorInfo> tensors_;  // the parameters, in storage_ (GPU, or host memory in huge pages)
+  const ModelInventory* model_;      // resharding: the model, to check against
   const std::optional<Layout>* checks_;
+  TensorMemory storage_;
+  std::vector<std::byte*> parameters_;  // parallel to tensors_
+  ParameterLoader loads_;
+  uint64_t loaded_before_ = 0;  // tensors loaded before this refit
   uint64_t batches_ = 0;
   std::map<std::string, std::string> hashes_;
-  // The parameters by name, as an inference engine keeps them; a batch looks them up this many
-  // tensors ahead.
-  static constexpr size_t kLookAhead = 8;
-  NameIndex parameter_names_;
-  std::vector<Parameter> parameters_;  // by number in parameter_names_
-  std::vector<uint32_t> received_;     // tensors loaded this refit, in order
-  std::vector<TensorMemory> slabs_;
-  uint64_t slab_used_ = 0;
-  CopyStream loads_;
 };
 
 }  // namespace
@@ -427,8 +405,9 @@ WorkerProgramFactory bench_programs(const BenchModel& model, const std::vector<s
     const bool resharding = !holds.empty();
     if (is_source) return std::make_unique<SourceProgram>(model, layout, resharding ? &holds.at(rank) : nullptr, mine);
     static const std::optional<Layout> whole;
-    return std::make_unique<DestinationProgram>(mine, model.tensors, model.batched_loads,
-                                                resharding ? &model.inventory : nullptr, layout ? layout : &whole);
+    const std::optional<Layout>& held = layout ? *layout : whole;
+    return std::make_unique<DestinationProgram>(mine, model.tensors, selected_tensors(model.inventory, held),
+                                                resharding ? &model.inventory : nullptr, &held);
   };
 }
 

@@ -38,10 +38,6 @@ struct BenchModel {
   // Where the sources' weights and the destinations' parameters live: host memory (hashed with
   // xxh3 on the CPU) or the worker's current GPU (filled and hashed by GPU kernels).
   MemoryKind tensors = MemoryKind::kHost;
-  // How destinations copy a batch into their parameters: one copy per tensor, as an inference
-  // engine's loader does, or refit's batched copy (CopyStream::copy_batch: on a GPU, one kernel
-  // for every ~100 tensors).
-  bool batched_loads = true;
 };
 
 // `layouts[r]` is destination r's layout: source r hashes what that destination should get.

@@ -1,0 +1,82 @@
+#include "refit/parameter_loader.h"
+
+#include <vector>
+
+#include "core/fail.h"
+#include "core/name_index.h"
+#include "memory/device_memory.h"
+
+namespace refit {
+namespace {
+
+// A batch looks its parameters up this many tensors ahead, so that the lookups do not wait on
+// memory one after the other.
+constexpr size_t kLookAhead = 8;
+
+struct Parameter {
+  std::byte* data = nullptr;
+  uint64_t bytes = 0;
+  MemoryKind memory = MemoryKind::kHost;
+};
+
+}  // namespace
+
+struct ParameterLoader::Impl {
+  explicit Impl(Device d, double t) : stream(d), timeout_s(t) {}
+  NameIndex names;
+  std::vector<Parameter> parameters;  // by number in `names`
+  CopyStream stream;
+  double timeout_s;
+  std::vector<CopyStream::Copy> copies;  // of the batch being loaded, kept from one to the next
+  uint64_t tensors = 0, bytes = 0;
+};
+
+ParameterLoader::ParameterLoader(Device device, double timeout_s)
+    : impl_(std::make_unique<Impl>(device, timeout_s)) {
+  if (!(timeout_s > 0)) fail(ErrorKind::kInvalidArgument, "ParameterLoader: timeout_s must be > 0, got {}", timeout_s);
+}
+ParameterLoader::~ParameterLoader() = default;
+
+void ParameterLoader::add(std::string_view name, void* data, uint64_t bytes, MemoryKind memory) {
+  if (data == nullptr && bytes > 0)
+    fail(ErrorKind::kInvalidArgument, "ParameterLoader: parameter '{}' of {} bytes has no data pointer", name, bytes);
+  if (!impl_->names.add(name).added)
+    fail(ErrorKind::kInvalidArgument, "ParameterLoader: parameter '{}' was added twice", name);
+  impl_->parameters.push_back({static_cast<std::byte*>(data), bytes, memory});
+}
+
+size_t ParameterLoader::size() const { return impl_->parameters.size(); }
+
+void ParameterLoader::load(LoadBatch batch) {
+  Impl& m = *impl_;
+  m.copies.clear();
+  uint64_t bytes = 0;
+  for (size_t i = 0; i < batch.size(); ++i) {
+    if (i + kLookAhead < batch.size()) m.names.prefetch(batch[i + kLookAhead].info->name);
+    const TensorView& v = batch[i];
+    const auto index = m.names.find(v.info->name);
+    if (!index)
+      fail(ErrorKind::kLayout, "received tensor '{}' has no parameter here (the loader holds {})", v.info->name,
+           m.parameters.size());
+    const Parameter& p = m.parameters[*index];
+    const uint64_t n = v.info->nbytes();
+    if (n != p.bytes)
+      fail(ErrorKind::kLayout, "received tensor '{}' {} {} is {} bytes, its parameter {} bytes", v.info->name,
+           dtype_name(v.info->dtype), shape_string(v.info->shape), n, p.bytes);
+    m.copies.push_back({p.data, v.data, n, p.memory, v.memory});
+    bytes += n;
+  }
+  m.stream.copy_batch(m.copies);
+  if (m.stream.pending()) m.stream.synchronize(deadline_after(std::chrono::duration<double>(m.timeout_s)));
+  m.tensors += batch.size();
+  m.bytes += bytes;
+}
+
+BatchLoader ParameterLoader::loader() {
+  return [this](LoadBatch batch) { load(batch); };
+}
+
+uint64_t ParameterLoader::tensors_loaded() const { return impl_->tensors; }
+uint64_t ParameterLoader::bytes_loaded() const { return impl_->bytes; }
+
+}  // namespace refit

@@ -1,0 +1,80 @@
+// ParameterLoader: received tensors copied by name into memory the destination registered.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "core/error_of.h"
+#include "engine_harness.h"
+#include "refit/parameter_loader.h"
+
+namespace refit {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::make_tensor;
+using testing::OwnedTensor;
+using testing::Pair;
+
+std::vector<OwnedTensor> weights(uint32_t seed) {
+  std::vector<OwnedTensor> out;
+  for (int i = 0; i < 40; ++i) out.push_back(make_tensor("p" + std::to_string(i), DType::kBFloat16, {i + 1, 3}, seed + i));
+  out.push_back(make_tensor("empty", DType::kFloat32, {0}, seed));
+  out.push_back(make_tensor("big", DType::kFloat32, {100}, seed));  // split over 64-byte buckets, merged
+  return out;
+}
+
+TEST(ParameterLoader, LoadsEveryTensorIntoItsParameterOverRefits) {
+  Pair p(64);
+  p.connect();
+  const auto first = weights(1);
+  std::vector<std::vector<std::byte>> params;
+  ParameterLoader loader;
+  for (const auto& t : first) {
+    params.emplace_back(t.data.size());
+    loader.add(t.info.name, params.back().data(), params.back().size(), MemoryKind::kHost);
+  }
+  EXPECT_EQ(loader.size(), first.size());
+  for (uint32_t refit = 0; refit < 3; ++refit) {
+    const auto w = weights(10 * refit);
+    auto sent = p.start_send(w);
+    p.destination->receive(loader.loader());
+    sent.get();
+    for (size_t i = 0; i < w.size(); ++i) EXPECT_EQ(params[i], w[i].data) << w[i].info.name << ", refit " << refit;
+  }
+  EXPECT_EQ(loader.tensors_loaded(), 3 * first.size());
+}
+
+TEST(ParameterLoader, ATensorWithoutAParameterOrOfAnotherSizeFailsTheRefitNamingIt) {
+  const auto w = weights(1);
+  for (bool wrong_size : {false, true}) {
+    Pair p(64);
+    p.connect();
+    std::vector<std::vector<std::byte>> params;
+    ParameterLoader loader;
+    for (const auto& t : w) {
+      if (t.info.name == "p7" && !wrong_size) continue;
+      params.emplace_back(t.data.size() + (t.info.name == "p7" ? 2 : 0));
+      loader.add(t.info.name, params.back().data(), params.back().size(), MemoryKind::kHost);
+    }
+    auto sent = p.start_send(w);
+    const std::string message = testing::error_of(ErrorKind::kLayout, [&] { p.destination->receive(loader.loader()); });
+    EXPECT_THAT(message, HasSubstr(wrong_size ? "received tensor 'p7' bfloat16 [8, 3] is 48 bytes, its parameter 50 bytes"
+                                              : "received tensor 'p7' has no parameter here"));
+    EXPECT_ANY_THROW(sent.get());  // the source is told
+    EXPECT_TRUE(p.destination->stale());
+  }
+}
+
+TEST(ParameterLoader, RefusesANameTwiceAndMemoryWithoutAPointer) {
+  ParameterLoader loader;
+  std::vector<std::byte> a(8);
+  loader.add("a", a.data(), a.size(), MemoryKind::kHost);
+  EXPECT_THAT(testing::error_of(ErrorKind::kInvalidArgument, [&] { loader.add("a", a.data(), 8, MemoryKind::kHost); }),
+              HasSubstr("parameter 'a' was added twice"));
+  EXPECT_THAT(testing::error_of(ErrorKind::kInvalidArgument, [&] { loader.add("b", nullptr, 8, MemoryKind::kHost); }),
+              HasSubstr("parameter 'b' of 8 bytes has no data pointer"));
+  EXPECT_THAT(testing::error_of(ErrorKind::kInvalidArgument, [] { ParameterLoader bad(Device{}, 0); }),
+              HasSubstr("timeout_s must be > 0"));
+}
+
+}  // namespace
+}  // namespace refit

@@ -8,17 +8,12 @@
 # Carry: .device/debs and .device/nixl-slim. Figures land in $OUT when it is set.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/gpu_common.sh
 build="${BUILD_DIR:-build/gpunixl}"
 site="$build/site"
-mkdir -p "$site"
-export PATH="${CUDA_HOME:-/usr/local/cuda}/bin:$PATH"
 
 echo "== build the extension"
-cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DREFIT_WITH_CUDA=ON -DREFIT_BUILD_PYTHON=ON \
-  -DREFIT_BUILD_TESTS=OFF -DREFIT_BUILD_BENCH=OFF -DPython_EXECUTABLE="$(command -v python3)" >/dev/null
-cmake --build "$build" -j "$(nproc)" --target _refit
-rm -rf "$site/refit" && cp -r python/refit "$site/refit"
-cp "$(find "$build" -name "_refit*.so" | head -n 1)" "$site/refit/"
+python_site "$build"
 
 echo "== NIXL and the test wheels"
 tar -xJf .device/nixl-slim/nixl_cu13-slim.tar.xz -C "$site"

@@ -36,6 +36,7 @@ from ._refit import (  # noqa: F401  (re-exported)
     LayoutError,
     ModelError,
     ModelInventory,
+    ParameterLoader,
     PeerLostError,
     ProtocolError,
     RefitConfig,

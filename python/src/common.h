@@ -79,13 +79,18 @@ struct ImportedTensor {
 // Throws Error(kInvalidArgument / kUnsupported) naming the tensor.
 ImportedTensor import_tensor(nb::handle obj, const std::string& name, bool device_ok);
 
-// The same for a tensor refit writes into (host memory only, writable).
+// The same for a tensor refit writes into in place: writable, contiguous, in host memory, or on a
+// GPU with `device_ok`. A torch tensor that requires grad is written through its detached view
+// (the same memory). Throws Error(kInvalidArgument / kUnsupported).
 struct WritableTensor {
   std::byte* data = nullptr;
   uint64_t nbytes = 0;
+  MemoryKind memory = MemoryKind::kHost;
+  int device_id = 0;  // of GPU memory
   nb::ndarray<> array;
+  nb::object keep;  // the object viewed (a detached view, maybe)
 };
-WritableTensor import_writable(nb::handle obj);
+WritableTensor import_writable(nb::handle obj, bool device_ok = false);
 
 // A Python tensor (of `framework`) viewing `data`, which `owner` keeps alive. Needs the GIL.
 nb::object export_tensor(const TensorInfo& info, const std::byte* data, MemoryKind memory, int device_id,

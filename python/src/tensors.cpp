@@ -381,30 +381,41 @@ ImportedTensor import_tensor(nb::handle obj_in, const std::string& name, bool de
   }
 }
 
-WritableTensor import_writable(nb::handle obj) {
+WritableTensor import_writable(nb::handle obj, bool device_ok) {
   nb::ndarray<> a;
   nb::object target = nb::borrow(obj);
+  // torch refuses to export a tensor that requires grad; its detached view is the same memory.
+  if (nb::hasattr(target, "detach") && nb::hasattr(target, "requires_grad") &&
+      nb::cast<bool>(target.attr("requires_grad")))
+    target = target.attr("detach")();
   if (!nb::try_cast(target, a, false)) {
     PyErr_Clear();
-    if (ml_dtype_of(obj)) {
-      const size_t itemsize = nb::cast<size_t>(obj.attr("dtype").attr("itemsize"));
-      target = obj.attr("view")(itemsize == 2 ? "uint16" : "uint8");
+    if (ml_dtype_of(target)) {
+      const size_t itemsize = nb::cast<size_t>(target.attr("dtype").attr("itemsize"));
+      target = target.attr("view")(itemsize == 2 ? "uint16" : "uint8");
     }
     if (!nb::try_cast(target, a, false)) {
       PyErr_Clear();
-      throw Error(
-          ErrorKind::kInvalidArgument,
-          fmt::format("expected a writable host tensor (NumPy array, CPU torch.Tensor...), got {}", py_type_name(obj)));
+      throw Error(ErrorKind::kInvalidArgument,
+                  fmt::format("expected a writable tensor (NumPy array, torch.Tensor...), got {}", py_type_name(obj)));
     }
   }
-  if (a.device_type() != kDevCpu && a.device_type() != kDevCudaHost)
-    throw Error(ErrorKind::kUnsupported, "expected a tensor in host memory");
+  WritableTensor out;
+  if (a.device_type() == kDevCuda && device_ok) {
+    out.memory = MemoryKind::kCuda;
+    out.device_id = a.device_id();
+  } else if (a.device_type() != kDevCpu && a.device_type() != kDevCudaHost) {
+    throw Error(ErrorKind::kUnsupported, device_ok ? fmt::format("expected a tensor in host or GPU memory, got DLPack "
+                                                                 "device type {}",
+                                                                 a.device_type())
+                                                   : std::string("expected a tensor in host memory"));
+  }
   nb::ndarray<nb::ro> ro(a);
   if (!is_c_contiguous(ro)) throw Error(ErrorKind::kInvalidArgument, "expected a contiguous tensor");
-  WritableTensor out;
   out.data = static_cast<std::byte*>(a.data());
   out.nbytes = a.nbytes();
   out.array = std::move(a);
+  out.keep = std::move(target);
   return out;
 }
 

@@ -85,3 +85,27 @@ def test_in_place_sends_are_loaded_straight_from_the_source_tensors():
             assert send_stats["in_place_bytes"] == receive_stats["in_place_bytes"] == (total if in_place else 0)
     finally:
         pair.close()
+
+
+def test_a_parameter_loader_loads_gpu_parameters_over_cuda_ipc():
+    """refit.ParameterLoader with a model's CUDA parameters (they require grad): every tensor read
+    in place from the source's GPU memory and copied by the loader's kernel, bitwise, twice."""
+    from helpers import config
+
+    model = torch.nn.Sequential(*[torch.nn.Linear(257, 129) for _ in range(8)]).cuda()
+    pair = Pair(4 * MiB, config(backend_name="CUDA_IPC", device="cuda"), framework="torch")
+    try:
+        loader = refit.ParameterLoader(model.named_parameters())
+        for r in range(2):
+            sent = [(name, torch.randn(p.shape, device="cuda")) for name, p in model.named_parameters()]
+            torch.cuda.synchronize()
+            sender = pair.start_send(sent, in_place=True)
+            stats = pair.destination.receive_weights(loader)
+            send_stats = sender.join()
+            assert stats["in_place_bytes"] == send_stats["payload_bytes"] > 0
+            params = dict(model.named_parameters())
+            for name, t in sent:
+                assert torch.equal(params[name].detach(), t), (name, r)
+        assert loader.tensors_loaded == 2 * len(loader)
+    finally:
+        pair.close()

@@ -31,8 +31,7 @@ struct ParameterLoader::Impl {
   uint64_t tensors = 0, bytes = 0;
 };
 
-ParameterLoader::ParameterLoader(Device device, double timeout_s)
-    : impl_(std::make_unique<Impl>(device, timeout_s)) {
+ParameterLoader::ParameterLoader(Device device, double timeout_s) : impl_(std::make_unique<Impl>(device, timeout_s)) {
   if (!(timeout_s > 0)) fail(ErrorKind::kInvalidArgument, "ParameterLoader: timeout_s must be > 0, got {}", timeout_s);
 }
 ParameterLoader::~ParameterLoader() = default;

@@ -16,7 +16,8 @@ using testing::Pair;
 
 std::vector<OwnedTensor> weights(uint32_t seed) {
   std::vector<OwnedTensor> out;
-  for (int i = 0; i < 40; ++i) out.push_back(make_tensor("p" + std::to_string(i), DType::kBFloat16, {i + 1, 3}, seed + i));
+  for (int i = 0; i < 40; ++i)
+    out.push_back(make_tensor("p" + std::to_string(i), DType::kBFloat16, {i + 1, 3}, seed + i));
   out.push_back(make_tensor("empty", DType::kFloat32, {0}, seed));
   out.push_back(make_tensor("big", DType::kFloat32, {100}, seed));  // split over 64-byte buckets, merged
   return out;
@@ -57,8 +58,9 @@ TEST(ParameterLoader, ATensorWithoutAParameterOrOfAnotherSizeFailsTheRefitNaming
     }
     auto sent = p.start_send(w);
     const std::string message = testing::error_of(ErrorKind::kLayout, [&] { p.destination->receive(loader.loader()); });
-    EXPECT_THAT(message, HasSubstr(wrong_size ? "received tensor 'p7' bfloat16 [8, 3] is 48 bytes, its parameter 50 bytes"
-                                              : "received tensor 'p7' has no parameter here"));
+    EXPECT_THAT(message,
+                HasSubstr(wrong_size ? "received tensor 'p7' bfloat16 [8, 3] is 48 bytes, its parameter 50 bytes"
+                                     : "received tensor 'p7' has no parameter here"));
     EXPECT_ANY_THROW(sent.get());  // the source is told
     EXPECT_TRUE(p.destination->stale());
   }

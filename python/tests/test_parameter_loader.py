@@ -1,0 +1,85 @@
+"""refit.ParameterLoader: receive_weights(loader) copies every tensor into the destination's own
+parameters in C++, by name, with no Python object per tensor; what has no parameter (or another
+size) fails the refit, naming the tensor."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import refit
+
+from helpers import Pair
+
+MiB = 1 << 20
+
+
+def weights(refit_index: int):
+    rng = np.random.default_rng(refit_index)
+    out = [(f"layers.{i}.w", rng.standard_normal(1000 + 37 * i).astype(np.float32)) for i in range(30)]
+    out.append(("embed", rng.standard_normal(MiB // 2).astype(np.float32)))  # split over 1 MiB buckets
+    out.append(("empty", np.zeros(0, np.float32)))
+    return out
+
+
+def test_received_tensors_land_in_their_parameters_over_refits():
+    pair = Pair(MiB)
+    try:
+        parameters = {name: np.zeros_like(t) for name, t in weights(0)}
+        loader = refit.ParameterLoader(parameters)
+        assert len(loader) == len(parameters)
+        for r in range(3):
+            sent = weights(r)
+            sender = pair.start_send(sent)
+            stats = pair.destination.receive_weights(loader)
+            sender.join()
+            assert stats["tensors"] == len(sent)
+            for name, t in sent:
+                assert np.array_equal(parameters[name], t), (name, r)
+        assert loader.tensors_loaded == 3 * len(parameters)
+        assert loader.bytes_loaded == 3 * sum(t.nbytes for _, t in weights(0))
+        assert not pair.destination.stale
+    finally:
+        pair.close()
+
+
+def test_a_tensor_without_a_parameter_fails_the_refit_naming_it():
+    pair = Pair(MiB)
+    try:
+        sent = weights(1)
+        parameters = [(name, np.zeros_like(t)) for name, t in sent if name != "layers.7.w"]  # pairs work too
+        loader = refit.ParameterLoader(parameters)
+        sender = pair.start_send(sent)
+        with pytest.raises(refit.LayoutError, match="received tensor 'layers.7.w' has no parameter here"):
+            pair.destination.receive_weights(loader)
+        with pytest.raises(refit.RefitError):
+            sender.join()
+        assert pair.destination.stale
+    finally:
+        pair.close()
+
+
+def test_parameters_must_be_writable_contiguous_tensors():
+    with pytest.raises(refit.InvalidArgumentError, match="parameter 'w'.*contiguous"):
+        refit.ParameterLoader({"w": np.zeros((4, 4), np.float32)[:, 1]})
+    with pytest.raises(refit.InvalidArgumentError, match="expected a mapping or \\(name, tensor\\) pairs"):
+        refit.ParameterLoader([np.zeros(3)])
+    with pytest.raises(refit.InvalidArgumentError, match="parameter 'w' was added twice"):
+        refit.ParameterLoader([("w", np.zeros(3)), ("w", np.zeros(3))])
+
+
+def test_torch_parameters_that_require_grad_are_written_in_place():
+    torch = pytest.importorskip("torch")
+    pair = Pair(MiB)
+    try:
+        model = torch.nn.Linear(64, 32)
+        sent = [(name, np.random.default_rng(3).standard_normal(tuple(p.shape)).astype(np.float32))
+                for name, p in model.named_parameters()]
+        loader = refit.ParameterLoader(model.named_parameters())
+        sender = pair.start_send(sent)
+        pair.destination.receive_weights(loader)
+        sender.join()
+        for name, t in sent:
+            assert np.array_equal(dict(model.named_parameters())[name].detach().numpy(), t), name
+    finally:
+        pair.close()

@@ -44,6 +44,7 @@ from ._refit import (  # noqa: F401  (re-exported)
     RefitIOError,
     RefitTimeoutError,
     TensorInfo,
+    TensorSet,
     TopologyError,
     TransportError,
     UnsupportedError,

@@ -241,11 +241,16 @@ class CheckpointEngine(CheckpointEngineBase):
         of the send instead of until the next pull, and a destination that maps this process's
         memory (CUDA IPC on one host, with direct_reads) loads straight from them, one copy per
         byte; the stats' ``in_place_bytes`` says how much went so. Tensors that cannot be mapped
-        (host memory with UCX, strided views) still go through buckets."""
+        (host memory with UCX, strided views) still go through buckets.
+
+        ``weights`` may be a ``refit.TensorSet`` (the model's parameters read once): every send
+        then streams them from C++ with no Python call per tensor, as in place."""
         from .reshard import local_tensors  # DTensors go as their local shards
         if kv_scales is not None and isinstance(kv_scales, Mapping) and not isinstance(kv_scales, dict):
             kv_scales = dict(kv_scales)
-        self.last_send_stats = self._engine.send(local_tensors(weights), kv_scales, bool(in_place))
+        if not isinstance(weights, _refit.TensorSet):
+            weights = local_tensors(weights)
+        self.last_send_stats = self._engine.send(weights, kv_scales, bool(in_place))
         return self.last_send_stats
 
     @property

@@ -75,9 +75,10 @@ struct ImportedTensor {
 // Reads `obj` as a contiguous tensor named `name`. Needs the GIL. Torch tensors that require
 // grad are detached; non-contiguous tensors are made contiguous (torch: .contiguous(), NumPy:
 // ascontiguousarray); NumPy arrays of ml_dtypes (bfloat16, float8_*) are read as their bits;
-// GPU tensors are staged through host memory (.cpu() / .get()) unless `device_ok`.
-// Throws Error(kInvalidArgument / kUnsupported) naming the tensor.
-ImportedTensor import_tensor(nb::handle obj, const std::string& name, bool device_ok);
+// GPU tensors are staged through host memory (.cpu() / .get()) unless `device_ok`. Without
+// `copies_ok` the tensor must be read where it lies: a non-contiguous one (or one to stage) is an
+// error. Throws Error(kInvalidArgument / kUnsupported) naming the tensor.
+ImportedTensor import_tensor(nb::handle obj, const std::string& name, bool device_ok, bool copies_ok = true);
 
 // The same for a tensor refit writes into in place: writable, contiguous, in host memory, or on a
 // GPU with `device_ok`. A torch tensor that requires grad is written through its detached view

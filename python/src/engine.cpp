@@ -173,6 +173,46 @@ class PySource final : public WeightSource {
   nb::object exception_;
 };
 
+// refit.TensorSet: a source's tensors by name, read from Python once, sent by every
+// send_weights(tensor_set) with no Python call per tensor. The caller promises what in_place=True
+// promises (the tensors keep their memory and do not change during a send), so destinations that
+// map this process's memory load straight from them. Keeps every tensor alive.
+class PyTensorSet {
+ public:
+  PyTensorSet(nb::handle named, bool device_ok) {
+    nb::object items = nb::hasattr(named, "items") ? named.attr("items")() : nb::borrow(named);
+    for (nb::handle item : items) {
+      if (!nb::isinstance<nb::tuple>(item) || nb::len(item) != 2 || !nb::isinstance<nb::str>(item[0]))
+        throw Error(ErrorKind::kInvalidArgument,
+                    "refit.TensorSet(tensors): expected a mapping or (name, tensor) pairs, such as "
+                    "model.named_parameters()");
+      tensors_.push_back(import_tensor(item[1], nb::cast<std::string>(item[0]), device_ok, /*copies_ok=*/false));
+    }
+  }
+  size_t size() const { return tensors_.size(); }
+
+  // One pass over the tensors, as a send's stream.
+  class Source final : public WeightSource {
+   public:
+    explicit Source(const std::deque<ImportedTensor>& tensors) : tensors_(tensors) {}
+    bool next(TensorView* out) override {
+      if (index_ == tensors_.size()) return false;
+      const ImportedTensor& t = tensors_[index_++];
+      *out = {&t.info, t.data, t.memory};
+      return true;
+    }
+    bool views_outlive_send() const override { return true; }
+
+   private:
+    const std::deque<ImportedTensor>& tensors_;
+    size_t index_ = 0;
+  };
+  Source source() const { return Source(tensors_); }
+
+ private:
+  std::deque<ImportedTensor> tensors_;
+};
+
 // ---- the receive side ---------------------------------------------------------------------------
 
 // Python (name, tensor) pairs for a batch. Views keep `engine_obj` (the engine, and so its
@@ -482,6 +522,20 @@ class PyEngine {
   nb::dict send(nb::handle iterable, nb::handle kv_scales, bool in_place) {
     CheckpointEngine& e = idle("send_weights()");
     std::optional<KvScales> scales = kv_scales_for_send(kv_scales);
+    if (nb::isinstance<PyTensorSet>(iterable)) {
+      PyTensorSet::Source source = nb::cast<PyTensorSet&>(iterable).source();
+      SendStats stats;
+      {
+        nb::gil_scoped_release nogil;
+        if (scales) {
+          WeightSourceWithKvScales with_scales(source, std::move(*scales));
+          stats = e.send(with_scales);
+        } else {
+          stats = e.send(source);
+        }
+      }
+      return send_stats(stats);
+    }
     nb::object iterator = nb::steal(PyObject_GetIter(iterable.ptr()));
     if (!iterator.is_valid()) throw nb::python_error();
     PySource source(std::move(iterator), device_ok_, in_place);
@@ -686,6 +740,19 @@ class PyEngine {
 }  // namespace
 
 void register_engine(nb::module_& m) {
+  nb::class_<PyTensorSet>(
+      m, "TensorSet",
+      "A source's tensors by name, read once, for send_weights(tensor_set): every send streams them from C++ with "
+      "no Python call per tensor, and destinations that map this process's memory (CUDA IPC) load straight from "
+      "them. `tensors`: a mapping or (name, tensor) pairs such as model.named_parameters(), contiguous, whose memory "
+      "stays where it is (in-place updates are seen by the next send) and does not change during a send, as "
+      "send_weights(..., in_place=True) promises. Keeps them alive.")
+      .def(
+          "__init__",
+          [](PyTensorSet* self, nb::handle tensors) { new (self) PyTensorSet(tensors, cuda_built()); },
+          nb::arg("tensors"))
+      .def("__len__", &PyTensorSet::size);
+
   nb::class_<PyParameterLoader>(
       m, "ParameterLoader",
       "A destination's parameters by name, for receive_weights(loader): each received tensor is copied into its "

@@ -280,7 +280,7 @@ Framework parse_framework(std::string_view name) {
               fmt::format("framework must be 'numpy', 'torch', 'cupy' or 'dlpack', got '{}'", name));
 }
 
-ImportedTensor import_tensor(nb::handle obj_in, const std::string& name, bool device_ok) {
+ImportedTensor import_tensor(nb::handle obj_in, const std::string& name, bool device_ok, bool copies_ok) {
   nb::object obj = nb::borrow(obj_in);
   std::optional<DType> forced;  // an ml_dtypes array read as its bits
   bool detached = false, contiguous_made = false, staged = false;
@@ -314,6 +314,10 @@ ImportedTensor import_tensor(nb::handle obj_in, const std::string& name, bool de
     if (dev == kDevCuda || dev == kDevCudaManaged) {
       if (!device_ok) {
         // This build cannot read GPU memory: stage through host memory (one copy per tensor).
+        if (!copies_ok)
+          throw Error(ErrorKind::kUnsupported,
+                      fmt::format("tensor '{}' is in GPU memory, which this build of refit cannot read where it lies",
+                                  name));
         if (staged) throw Error(ErrorKind::kInternal, fmt::format("tensor '{}': staging to host memory failed", name));
         if (nb::hasattr(obj, "cpu")) {
           obj = obj.attr("cpu")();
@@ -348,6 +352,11 @@ ImportedTensor import_tensor(nb::handle obj_in, const std::string& name, bool de
     }
 
     if (!is_c_contiguous(a)) {
+      if (!copies_ok)
+        throw Error(ErrorKind::kInvalidArgument,
+                    fmt::format("tensor '{}' is not contiguous (shape {}, strides {}): it is read where it lies, so "
+                                "pass a contiguous tensor",
+                                name, shape_of(a, false), shape_of(a, true)));
       if (contiguous_made)
         throw Error(ErrorKind::kInvalidArgument,
                     fmt::format("tensor '{}' is not contiguous (shape {}, strides {}) even after making it contiguous",

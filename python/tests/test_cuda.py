@@ -109,3 +109,29 @@ def test_a_parameter_loader_loads_gpu_parameters_over_cuda_ipc():
         assert loader.tensors_loaded == 2 * len(loader)
     finally:
         pair.close()
+
+
+def test_a_tensor_set_of_gpu_parameters_goes_in_place():
+    """refit.TensorSet of a model's CUDA parameters: every send reads them in place over CUDA IPC,
+    with no Python call per tensor, and sees the updates made between sends."""
+    from helpers import config
+
+    source = torch.nn.Sequential(*[torch.nn.Linear(129, 65) for _ in range(6)]).cuda()
+    target = torch.nn.Sequential(*[torch.nn.Linear(129, 65) for _ in range(6)]).cuda()
+    pair = Pair(4 * MiB, config(backend_name="CUDA_IPC", device="cuda"), framework="torch")
+    try:
+        tensor_set = refit.TensorSet(source.named_parameters())
+        loader = refit.ParameterLoader(target.named_parameters())
+        for _ in range(2):
+            with torch.no_grad():
+                for p in source.parameters():
+                    p.add_(1.0)
+            torch.cuda.synchronize()
+            sender = pair.start_send(tensor_set)
+            stats = pair.destination.receive_weights(loader)
+            send_stats = sender.join()
+            assert stats["in_place_bytes"] == send_stats["payload_bytes"] > 0
+            for (name, a), (_, b) in zip(source.named_parameters(), target.named_parameters()):
+                assert torch.equal(a, b), name
+    finally:
+        pair.close()

@@ -83,3 +83,33 @@ def test_torch_parameters_that_require_grad_are_written_in_place():
             assert np.array_equal(dict(model.named_parameters())[name].detach().numpy(), t), name
     finally:
         pair.close()
+
+
+def test_a_tensor_set_is_read_once_and_sends_what_its_tensors_hold_now():
+    """refit.TensorSet on the source: each send streams the same tensors from C++; updates made in
+    place between sends are what the next refit delivers."""
+    pair = Pair(MiB)
+    try:
+        source_tensors = dict(weights(5))
+        tensor_set = refit.TensorSet(source_tensors)
+        assert len(tensor_set) == len(source_tensors)
+        parameters = {name: np.zeros_like(t) for name, t in source_tensors.items()}
+        loader = refit.ParameterLoader(parameters)
+        for r in range(3):
+            for t in source_tensors.values():
+                t += 1  # the training step, in place
+            sender = pair.start_send(tensor_set)
+            pair.destination.receive_weights(loader)
+            stats = sender.join()
+            assert stats["tensors"] == len(source_tensors)
+            for name, t in source_tensors.items():
+                assert np.array_equal(parameters[name], t), (name, r)
+    finally:
+        pair.close()
+
+
+def test_a_tensor_set_reads_tensors_where_they_lie():
+    with pytest.raises(refit.InvalidArgumentError, match="tensor 'w' is not contiguous"):
+        refit.TensorSet({"w": np.zeros((4, 4), np.float32)[:, 1]})
+    with pytest.raises(refit.InvalidArgumentError, match="expected a mapping or \\(name, tensor\\) pairs"):
+        refit.TensorSet([("w",)])

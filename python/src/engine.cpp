@@ -522,32 +522,23 @@ class PyEngine {
   nb::dict send(nb::handle iterable, nb::handle kv_scales, bool in_place) {
     CheckpointEngine& e = idle("send_weights()");
     std::optional<KvScales> scales = kv_scales_for_send(kv_scales);
+    // Without the GIL: the weights, followed by the KV-cache scales if any.
+    auto send_all = [&](WeightSource& weights) {
+      nb::gil_scoped_release nogil;
+      if (!scales) return e.send(weights);
+      WeightSourceWithKvScales with_scales(weights, std::move(*scales));
+      return e.send(with_scales);
+    };
     if (nb::isinstance<PyTensorSet>(iterable)) {
       PyTensorSet::Source source = nb::cast<PyTensorSet&>(iterable).source();
-      SendStats stats;
-      {
-        nb::gil_scoped_release nogil;
-        if (scales) {
-          WeightSourceWithKvScales with_scales(source, std::move(*scales));
-          stats = e.send(with_scales);
-        } else {
-          stats = e.send(source);
-        }
-      }
-      return send_stats(stats);
+      return send_stats(send_all(source));
     }
     nb::object iterator = nb::steal(PyObject_GetIter(iterable.ptr()));
     if (!iterator.is_valid()) throw nb::python_error();
     PySource source(std::move(iterator), device_ok_, in_place);
     SendStats stats;
     try {
-      nb::gil_scoped_release nogil;
-      if (scales) {
-        WeightSourceWithKvScales with_scales(source, std::move(*scales));
-        stats = e.send(with_scales);
-      } else {
-        stats = e.send(source);
-      }
+      stats = send_all(source);
     } catch (const Error& err) {
       nb::object cause = source.finish();
       raise_error(err, cause);
@@ -748,8 +739,7 @@ void register_engine(nb::module_& m) {
       "stays where it is (in-place updates are seen by the next send) and does not change during a send, as "
       "send_weights(..., in_place=True) promises. Keeps them alive.")
       .def(
-          "__init__",
-          [](PyTensorSet* self, nb::handle tensors) { new (self) PyTensorSet(tensors, cuda_built()); },
+          "__init__", [](PyTensorSet* self, nb::handle tensors) { new (self) PyTensorSet(tensors, cuda_built()); },
           nb::arg("tensors"))
       .def("__len__", &PyTensorSet::size);
 

@@ -315,9 +315,9 @@ ImportedTensor import_tensor(nb::handle obj_in, const std::string& name, bool de
       if (!device_ok) {
         // This build cannot read GPU memory: stage through host memory (one copy per tensor).
         if (!copies_ok)
-          throw Error(ErrorKind::kUnsupported,
-                      fmt::format("tensor '{}' is in GPU memory, which this build of refit cannot read where it lies",
-                                  name));
+          throw Error(
+              ErrorKind::kUnsupported,
+              fmt::format("tensor '{}' is in GPU memory, which this build of refit cannot read where it lies", name));
         if (staged) throw Error(ErrorKind::kInternal, fmt::format("tensor '{}': staging to host memory failed", name));
         if (nb::hasattr(obj, "cpu")) {
           obj = obj.attr("cpu")();

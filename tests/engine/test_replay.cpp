@@ -66,7 +66,7 @@ TEST(Replay, BucketsFromTheFirstChangeOnGoInFull) {
   p.refit(changed, again);
   expect_same(changed, again);
   EXPECT_EQ(p.sent_stats.replayed_buckets, p.sent_stats.buckets);
-  // A renamed tensor, an extra one, one fewer: never replayed past the change.
+  // A renamed tensor, one tensor fewer: never replayed past the change.
   auto renamed = changed;
   renamed[0] = make_tensor("layers.0.v", DType::kFloat32, {8}, 5);
   Received r;

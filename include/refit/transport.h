@@ -48,6 +48,9 @@ struct TransportCapabilities {
   // map() reaches memory the peer registered with register_memory() too, not only memory it got
   // from allocate_memory(): a source's own tensors can then be read in place.
   bool maps_registered_memory = false;
+  // post_read reaches memory a peer registered with register_memory(), not only its buffers: a
+  // destination anywhere can then read a source's own tensors, which the source need not pack.
+  bool reads_registered_memory = false;
   bool host_memory = true;     // registers and reads host memory
   bool device_memory = false;  // registers and reads GPU memory
   bool remote_peers = false;   // reaches peers on other hosts

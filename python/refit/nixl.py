@@ -173,7 +173,9 @@ class NixlTransport:
         return "NIXL"
 
     def capabilities(self) -> Dict[str, bool]:
-        return {"host_memory": True, "device_memory": any(m.startswith("VRAM") for m in self._memory_types), "remote_peers": True}
+        # A READ reaches any registered memory of a peer, so destinations read sources' own tensors.
+        return {"host_memory": True, "device_memory": any(m.startswith("VRAM") for m in self._memory_types),
+                "remote_peers": True, "reads_registered_memory": True}
 
     def route(self, peer: int) -> str:
         return f"NIXL {self._plugin}"

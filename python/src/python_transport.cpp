@@ -69,6 +69,7 @@ class PythonTransport final : public Transport {
     caps_.host_memory = flag("host_memory");
     caps_.device_memory = flag("device_memory");
     caps_.remote_peers = flag("remote_peers");
+    caps_.reads_registered_memory = flag("reads_registered_memory");
   }
 
   ~PythonTransport() override {

@@ -61,6 +61,7 @@ void BucketFetcher::acknowledge(uint64_t seq, Deadline deadline) {
 
 std::vector<const std::byte*> BucketFetcher::map_regions(const protocol::BucketReady& bucket, const std::byte* data) {
   std::vector<const std::byte*> bases{data};
+  if (!bucket.has_in_place_entries()) return bases;  // a bucket of spans has read its regions
   const auto& regions = bucket.regions();
   for (size_t k = 0; k < regions.size(); ++k) {
     const RemoteRegion& remote = regions[k].remote;
@@ -83,6 +84,35 @@ std::vector<const std::byte*> BucketFetcher::map_regions(const protocol::BucketR
     bases.push_back(it->second);
   }
   return bases;
+}
+
+uint64_t BucketFetcher::read_spans(const protocol::BucketReady& bucket, std::byte* local, Deadline deadline) {
+  // Every span's read is in flight at once; one that fails stops the others.
+  std::vector<ReadId> posted;
+  posted.reserve(bucket.spans().size());
+  size_t waited = 0;  // posted[waited..] are still in flight
+  uint64_t bytes = 0;
+  try {
+    for (const protocol::BucketSpan& span : bucket.spans()) {
+      const bool own = span.region == 0;
+      const RemoteRegion& remote = own ? context_.peer_metadata->buffers : bucket.regions()[span.region - 1].remote;
+      const uint64_t offset = own ? bucket.offset + span.bucket_offset : span.source_offset;
+      posted.push_back(context_.transport->post_read(context_.peer, remote, offset, local + span.bucket_offset,
+                                                     context_.region, span.size, deadline));
+      bytes += span.size;
+    }
+    while (waited < posted.size()) context_.transport->wait_read(posted[waited++], deadline);
+  } catch (...) {
+    for (size_t k = waited; k < posted.size(); ++k) {
+      try {
+        context_.transport->cancel_read(posted[k]);
+      } catch (const std::exception& e) {
+        spdlog::debug("cancelling a read from {}: {}", context_.peer_label, e.what());
+      }
+    }
+    throw;
+  }
+  return bytes;
 }
 
 bool BucketFetcher::fetch(uint64_t seq, std::string& phase) {
@@ -133,14 +163,22 @@ bool BucketFetcher::fetch(uint64_t seq, std::string& phase) {
   const auto read_start = Clock::now();
   const auto& bucket = msg.ready;
   const std::byte* data = context_.buffers[local];
-  if (mapped) {
+  if (mapped && !bucket.spans().empty()) {
+    fail(ErrorKind::kProtocol, "{} sent bucket {} to be read from its memory, but this destination maps its buffers",
+         context_.peer_label, seq);
+  } else if (mapped) {
     data = context_.mapped + bucket.offset;
   } else if (bucket.used_bytes > 0) {
-    phase = fmt::format("read bucket {}", seq);
+    phase = bucket.spans().empty() ? fmt::format("read bucket {}", seq)
+                                   : fmt::format("read bucket {} from the source's memory", seq);
     const double started = timeline_now();
-    context_.transport->read(context_.peer, context_.peer_metadata->buffers, bucket.offset, context_.buffers[local],
-                             context_.region, bucket.used_bytes, deadline);
-    events_.push_back({TimelinePhase::kRead, context_.peer_rank, seq, started, timeline_now(), bucket.used_bytes,
+    uint64_t bytes = bucket.used_bytes;
+    if (bucket.spans().empty())
+      context_.transport->read(context_.peer, context_.peer_metadata->buffers, bucket.offset, context_.buffers[local],
+                               context_.region, bucket.used_bytes, deadline);
+    else
+      bytes = read_spans(bucket, context_.buffers[local], deadline);
+    events_.push_back({TimelinePhase::kRead, context_.peer_rank, seq, started, timeline_now(), bytes,
                        static_cast<uint32_t>(bucket.entries().size())});
   }
   if (bucket.has_in_place_entries()) phase = fmt::format("map the source memory of bucket {}", seq);

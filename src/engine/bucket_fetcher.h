@@ -10,7 +10,9 @@
 //     straight from the source's buffer, and the bucket is acknowledged once the engine released
 //     it; the source packs k+1 while the destination loads k. One copy fewer per byte.
 // Entries a source sent in place lie in its own memory: the fetcher maps those regions (once per
-// link, kept across refits) and the bucket is acknowledged once loaded, whichever way.
+// link, kept across refits) and the bucket is acknowledged once loaded, whichever way. A bucket of
+// spans (a source that lets us read its memory) is read span by span, all at once, into the
+// local buffer, from the source's buffer or its memory, and is then like any staged bucket.
 // A bucket whose manifest the source replays (BucketReady::replay_of) takes it from the link's
 // ManifestCache: the manifests of the latest refit whose every bucket arrived.
 #pragma once
@@ -113,6 +115,9 @@ class BucketFetcher {
   // given); false when stopped.
   bool wait_released(std::optional<uint64_t> seq, Deadline deadline);
   void acknowledge(uint64_t seq, Deadline deadline);
+  // Reads a bucket of spans into `local`, each from the source's buffer or its memory; returns the
+  // bytes read.
+  uint64_t read_spans(const protocol::BucketReady& bucket, std::byte* local, Deadline deadline);
   // Maps the bucket's source regions; returns every region's start (Fetched::bases).
   std::vector<const std::byte*> map_regions(const protocol::BucketReady& bucket, const std::byte* data);
   // Under mutex_: rethrows the thread's error, if any, setting `phase` to where it failed.

@@ -137,6 +137,7 @@ class CheckpointEngine::Impl {
     generation_ = random_u64();
     md.generation = generation_;
     md.reads_in_place = reads_in_place();
+    md.reads_source_memory = options_.config.direct_reads && transport_->capabilities().reads_registered_memory;
     return protocol::encode(md);
   }
 
@@ -563,10 +564,13 @@ class CheckpointEngine::Impl {
       c.stream = pack_stream_.get();
       c.timeout_s = options_.config.timeout_s;
       c.verify_checksums = options_.config.verify_checksums;
-      // In place only to a destination on this host that maps our memory (the same test it makes).
-      if (options_.config.direct_reads && link.metadata.reads_in_place && same_host(link.metadata.process) &&
-          transport_->capabilities().maps_peer_memory)
-        c.in_place = &source_regions();
+      // In place to a destination on this host that maps our memory (the same test it makes), or
+      // read from our memory by one that cannot map it.
+      const TransportCapabilities caps = transport_->capabilities();
+      const bool maps = link.metadata.reads_in_place && same_host(link.metadata.process) && caps.maps_peer_memory;
+      const bool reads = !maps && link.metadata.reads_source_memory && caps.reads_registered_memory;
+      if (options_.config.direct_reads && (maps || reads)) c.in_place = &source_regions();
+      c.reads_source_memory = reads;
       senders_.push_back(std::make_unique<LinkSender>(std::move(c)));
     }
   }
@@ -812,6 +816,8 @@ class CheckpointEngine::Impl {
       const auto& bucket = run.bucket->bucket;
       for (const auto& e : bucket.entries())
         if (e.region > 0) run.stats.in_place_bytes += e.size;
+      for (const auto& span : bucket.spans())
+        if (span.region > 0) run.stats.in_place_bytes += span.size;
       run.stats.wire_bytes += bucket.used_bytes;
       ++run.stats.buckets;
       if (bucket.replay_of) ++run.stats.replayed_buckets;

@@ -12,6 +12,19 @@ namespace {
 // An abort is a courtesy to the peer; it must never hold up reporting our own error.
 constexpr std::chrono::duration<double> kAbortTimeout{2.0};
 
+// A destination reads a piece from our memory only if it is at least this large or continues the
+// span before it: a read per small tensor costs more than packing it.
+constexpr uint64_t kMinSpanBytes = 64 << 10;
+// Spans this close are read as one (the bytes between, alignment padding, come along).
+constexpr uint64_t kSpanGap = 4 << 10;
+
+bool same_spans(const std::vector<protocol::BucketSpan>& a, const std::vector<protocol::BucketSpan>& b) {
+  return std::equal(a.begin(), a.end(), b.begin(), b.end(), [](const auto& x, const auto& y) {
+    return x.bucket_offset == y.bucket_offset && x.size == y.size && x.region == y.region &&
+           x.source_offset == y.source_offset;
+  });
+}
+
 bool same_regions(const std::vector<protocol::SourceRegion>& a, const std::vector<protocol::SourceRegion>& b) {
   return std::equal(a.begin(), a.end(), b.begin(), b.end(), [](const auto& x, const auto& y) {
     return x.memory == y.memory && x.remote.address == y.remote.address && x.remote.length == y.remote.length &&
@@ -24,6 +37,7 @@ bool same_regions(const std::vector<protocol::SourceRegion>& a, const std::vecto
 void LinkSender::begin(uint64_t refit, bool in_place) {
   refit_ = refit;
   in_place_ = in_place && context_.in_place != nullptr;
+  spans_ = in_place_ && context_.reads_source_memory;
   if (packer_)
     packer_->restart();
   else
@@ -37,6 +51,8 @@ void LinkSender::begin(uint64_t refit, bool in_place) {
   bucket_in_place_ = 0;
   regions_.clear();
   bucket_regions_.clear();
+  bucket_spans_.clear();
+  span_data_.clear();
   in_place_data_.clear();
   bucket_entries_ = 0;
   pack_start_.reset();
@@ -79,23 +95,37 @@ void LinkSender::stop_replaying() {
   }
 }
 
-bool LinkSender::add_in_place(const TensorView& view, const Box& box, const TensorInfo& tensor, const Box& piece,
-                              std::string& phase) {
-  const TensorInfo& source = *view.info;
-  const uint64_t size = piece.is_whole() ? tensor.nbytes() : piece.nbytes_in(tensor);
+std::optional<SourceRegions::Found> LinkSender::find_in_place(const TensorView& view, const Box& box, uint64_t size,
+                                                              SourceRegions::Access access, const std::byte** data,
+                                                              bool register_new) const {
   // Checksums are computed on the CPU: only host memory goes in place with them.
-  if (size == 0 || (context_.verify_checksums && view.memory != MemoryKind::kHost)) return false;
+  if (size == 0 || (context_.verify_checksums && view.memory != MemoryKind::kHost)) return std::nullopt;
   // Only a piece that is one contiguous range of the view.
   uint64_t first = 0, blocks = 0;
   bool contiguous = true;
   if (!box.is_whole()) {
+    const TensorInfo& source = *view.info;
     for_each_box_block(source.shape, dtype_size(source.dtype), box, 0, size, [&](const BoxBlock& b) {
       if (blocks++ == 0) first = b.tensor_offset;
       contiguous = contiguous && blocks == 1 && (b.rows <= 1 || b.pitch == b.row_bytes);
     });
   }
-  if (!contiguous) return false;
-  const auto found = context_.in_place->find(view.data + first, size, view.memory);
+  if (!contiguous) return std::nullopt;
+  *data = view.data + first;
+  return context_.in_place->find(*data, size, view.memory, access, register_new);
+}
+
+uint32_t LinkSender::bucket_region(const SourceRegions::Found& found) {
+  auto [it, fresh] = regions_.try_emplace(found.region, static_cast<uint32_t>(regions_.size() + 1));
+  if (fresh) bucket_regions_.push_back(*found.remote);
+  return it->second;
+}
+
+bool LinkSender::add_in_place(const TensorView& view, const Box& box, const TensorInfo& tensor, const Box& piece,
+                              std::string& phase) {
+  const uint64_t size = piece.is_whole() ? tensor.nbytes() : piece.nbytes_in(tensor);
+  const std::byte* data = nullptr;
+  const auto found = find_in_place(view, box, size, SourceRegions::Access::kMap, &data);
   if (!found) return false;
   if (bucket_in_place_ > 0 && bucket_in_place_ + size > context_.bucket_bytes) {
     flush(false, phase);
@@ -103,32 +133,72 @@ bool LinkSender::add_in_place(const TensorView& view, const Box& box, const Tens
   }
   packer_->skip(tensor);
   if (!pack_start_) pack_start_ = timeline_now();
-  auto [it, fresh] = regions_.try_emplace(found->region, static_cast<uint32_t>(regions_.size() + 1));
-  if (fresh) bucket_regions_.push_back(*found->remote);
-  record(tensor, piece, 0, size, found->offset, it->second);
+  record(tensor, piece, 0, size, found->offset, bucket_region(*found));
   in_place_data_.resize(bucket_entries_, nullptr);
-  in_place_data_.back() = view.data + first;
+  in_place_data_.back() = data;
   bucket_in_place_ += size;
   in_place_bytes_ += size;
   payload_bytes_ += size;
   return true;
 }
 
+bool LinkSender::extends_span(uint64_t bucket_offset, uint32_t region, uint64_t source_offset) const {
+  if (bucket_spans_.empty()) return false;
+  const protocol::BucketSpan& last = bucket_spans_.back();
+  const uint64_t end = last.bucket_offset + last.size;
+  const uint64_t gap = bucket_offset - end;  // chunks are placed in order
+  return last.region == region && bucket_offset >= end && gap <= kSpanGap &&
+         source_offset == last.source_offset + last.size + gap;
+}
+
+void LinkSender::add_span(uint64_t bucket_offset, uint64_t size, uint32_t region, uint64_t source_offset,
+                          const std::byte* data) {
+  if (extends_span(bucket_offset, region, source_offset)) {
+    protocol::BucketSpan& last = bucket_spans_.back();
+    last.size = bucket_offset + size - last.bucket_offset;
+    return;
+  }
+  bucket_spans_.push_back({bucket_offset, size, region, source_offset});
+  span_data_.push_back(data);
+}
+
 void LinkSender::add(const TensorView& view, const Box& box, const TensorInfo& tensor, const Box& piece,
                      std::string& phase) {
-  if (in_place_ && add_in_place(view, box, tensor, piece, phase)) return;
+  if (in_place_ && !spans_ && add_in_place(view, box, tensor, piece, phase)) return;
   const TensorInfo& source = *view.info;
   const TensorInfo packed{tensor.name, tensor.dtype, piece.shape_in(tensor.shape)};
   const uint64_t element = dtype_size(source.dtype);
+  // Read from our memory: where the piece lies there, if it can go so.
+  const std::byte* readable_data = nullptr;
+  // A small piece only where it might continue a span of our memory, so registered already.
+  const bool large = packed.nbytes() >= kMinSpanBytes;
+  const bool after_span = !bucket_spans_.empty() && bucket_spans_.back().region > 0;
+  const auto readable = spans_ && (large || after_span)
+                            ? find_in_place(view, box, packed.nbytes(), SourceRegions::Access::kRead, &readable_data,
+                                            /*register_new=*/large)
+                            : std::nullopt;
   for (const ChunkPlacement& c : packer_->place(packed)) {
     if (c.starts_bucket) flush(false, phase);
     if (!pack_start_) pack_start_ = timeline_now();
     phase = pack_phase_;
-    std::byte* out = context_.buffers[buffer_] + c.bucket_offset;
-    for_each_box_block(source.shape, element, box, c.tensor_offset, c.size, [&](const BoxBlock& b) {
-      context_.stream->copy_2d(out + (b.packed_offset - c.tensor_offset), b.row_bytes, view.data + b.tensor_offset,
-                               b.pitch, b.row_bytes, b.rows, context_.buffer_kind, view.memory);
-    });
+    bool read = false;
+    if (readable) {
+      const uint64_t source_offset = readable->offset + c.tensor_offset;
+      const auto known = regions_.find(readable->region);
+      read = large || (known != regions_.end() && extends_span(c.bucket_offset, known->second, source_offset));
+      if (read) {
+        add_span(c.bucket_offset, c.size, bucket_region(*readable), source_offset, readable_data + c.tensor_offset);
+        in_place_bytes_ += c.size;
+      }
+    }
+    if (!read) {
+      std::byte* out = context_.buffers[buffer_] + c.bucket_offset;
+      for_each_box_block(source.shape, element, box, c.tensor_offset, c.size, [&](const BoxBlock& b) {
+        context_.stream->copy_2d(out + (b.packed_offset - c.tensor_offset), b.row_bytes, view.data + b.tensor_offset,
+                                 b.pitch, b.row_bytes, b.rows, context_.buffer_kind, view.memory);
+      });
+      if (spans_) add_span(c.bucket_offset, c.size, 0, c.bucket_offset, out);
+    }
     record(tensor, piece, c.tensor_offset, c.size, c.bucket_offset, 0);
     bucket_.used_bytes = c.bucket_offset + c.size;
   }
@@ -142,11 +212,17 @@ void LinkSender::flush(bool is_last, std::string& phase) {
     phase = fmt::format("copy into bucket {} for {}", bucket_.seq, context_.peer_label);
     context_.stream->synchronize(deadline_after(std::chrono::duration<double>(context_.timeout_s)));
   }
+  // A bucket of which nothing is read from our memory is read from the buffer whole.
+  if (bucket_regions_.empty()) {
+    bucket_spans_.clear();
+    span_data_.clear();
+  }
   // The bucket goes as a replay when it equals its counterpart of the previous refit whole.
   const bool replay = replaying_ && bucket_.seq < previous_.size() &&
                       matched_ == previous_[bucket_.seq].manifest->entries.size() &&
                       bucket_.used_bytes == previous_[bucket_.seq].used_bytes &&
-                      same_regions(bucket_regions_, previous_[bucket_.seq].manifest->regions);
+                      same_regions(bucket_regions_, previous_[bucket_.seq].manifest->regions) &&
+                      same_spans(bucket_spans_, previous_[bucket_.seq].manifest->spans);
   if (replay) {
     bucket_.replay_of = previous_refit_;
     bucket_.manifest = previous_[bucket_.seq].manifest;
@@ -154,12 +230,15 @@ void LinkSender::flush(bool is_last, std::string& phase) {
   } else {
     if (replaying_) stop_replaying();
     manifest_->regions = std::move(bucket_regions_);
+    manifest_->spans = std::move(bucket_spans_);
     bucket_.replay_of.reset();
     bucket_.manifest = std::move(manifest_);
   }
   sent_.push_back({bucket_.manifest, bucket_.used_bytes});
   if (context_.verify_checksums)
-    bucket_.checksum = bucket_checksum(bucket_, context_.buffers[buffer_], [&](size_t k) { return in_place_data_[k]; });
+    bucket_.checksum = bucket_checksum(
+        bucket_, context_.buffers[buffer_], [&](size_t k) { return in_place_data_[k]; },
+        [&](size_t k) { return span_data_[k]; });
   bucket_.is_last = is_last;
   phase = fmt::format("announce bucket {} to {}", bucket_.seq, context_.peer_label);
   const double packed = timeline_now();
@@ -181,6 +260,8 @@ void LinkSender::flush(bool is_last, std::string& phase) {
   matched_ = 0;
   bucket_entries_ = 0;
   bucket_regions_.clear();
+  bucket_spans_.clear();
+  span_data_.clear();
   bucket_.used_bytes = 0;
   bucket_in_place_ = 0;
   regions_.clear();

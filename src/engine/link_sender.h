@@ -9,6 +9,10 @@
 // bucket's manifest, where it lies in our own memory, and the destination loads it from there. A
 // bucket holds up to bucket_bytes of packed bytes and as much again of pieces sent in place, so
 // that batches keep their size; the destination acknowledges such a bucket once it has loaded it.
+// Read from our memory (a destination that reads the source's memory but cannot map it, as on
+// another host): the bucket is laid out as if packed, but a piece lying contiguous in registered
+// memory is not copied; the bucket's spans tell the destination to read those bytes from our
+// memory and the rest from the buffer. One copy fewer per byte, and no packing work here.
 // Replay: a refit of the same model makes the same manifests, so while a refit's buckets match
 // the previous refit's (checked entry by entry as they are packed, no copy made), a bucket goes as
 // "the manifest of bucket k of refit r", which the destination kept: neither side encodes,
@@ -49,6 +53,8 @@ struct LinkContext {
   bool verify_checksums = false;
   // The engine's registrations of its own memory; null: nothing is sent in place on this link.
   SourceRegions* in_place = nullptr;
+  // The destination reads what goes in place from our memory (spans) rather than mapping it.
+  bool reads_source_memory = false;
 };
 
 class LinkSender {
@@ -83,6 +89,18 @@ class LinkSender {
   // Names the piece in the open bucket if it can go in place; false when it must be packed.
   bool add_in_place(const TensorView& view, const Box& box, const TensorInfo& tensor, const Box& piece,
                     std::string& phase);
+  // Where the piece lies in registered memory, if it is one contiguous range of it there.
+  std::optional<SourceRegions::Found> find_in_place(const TensorView& view, const Box& box, uint64_t size,
+                                                    SourceRegions::Access access, const std::byte** data,
+                                                    bool register_new = true) const;
+  // The open bucket's index of our region (adding it to the bucket's regions).
+  uint32_t bucket_region(const SourceRegions::Found& found);
+  // Whether a span at `bucket_offset` read from `source_offset` of region `region` continues the
+  // open bucket's last span (so that both are read as one).
+  bool extends_span(uint64_t bucket_offset, uint32_t region, uint64_t source_offset) const;
+  // Adds [bucket_offset, +size) of the open bucket to its spans, read from `source_offset` of
+  // its region `region` (0: the buffer), whose bytes lie at `data` here.
+  void add_span(uint64_t bucket_offset, uint64_t size, uint32_t region, uint64_t source_offset, const std::byte* data);
   // Adds an entry to the open bucket's manifest; while replaying, checks it against the previous
   // refit's instead.
   void record(const TensorInfo& tensor, const Box& piece, uint64_t tensor_offset, uint64_t size, uint64_t bucket_offset,
@@ -94,10 +112,13 @@ class LinkSender {
   LinkContext context_;
   uint64_t refit_ = 0;
   bool in_place_ = false;  // this refit may send in place
+  bool spans_ = false;     // ... and does so with spans (context_.reads_source_memory)
   std::optional<BucketPacker> packer_;
   protocol::BucketReady bucket_;                        // the open bucket's announcement, but for its manifest
   std::shared_ptr<protocol::Manifest> manifest_;        // of the open bucket, unless replaying
   std::vector<protocol::SourceRegion> bucket_regions_;  // of the open bucket (few; made even while replaying)
+  std::vector<protocol::BucketSpan> bucket_spans_;      // of the open bucket (made even while replaying)
+  std::vector<const std::byte*> span_data_;             // by span of the open bucket: where its bytes lie here
   uint64_t bucket_entries_ = 0;                         // of the open bucket
   std::string pack_phase_;                              // "pack bucket k for ...", made once per bucket
   // Replay. A bucket's manifest and used bytes, as sent; previous_: the last refit on this link

@@ -77,6 +77,7 @@ Bytes encode(const EngineMetadata& m) {
   w.put<uint64_t>(m.process.start_time);
   w.put<uint64_t>(m.generation);
   w.put<uint8_t>(m.reads_in_place ? 1 : 0);
+  w.put<uint8_t>(m.reads_source_memory ? 1 : 0);
   return w.take();
 }
 
@@ -117,6 +118,9 @@ EngineMetadata decode_metadata(std::span<const uint8_t> blob, const std::string&
   const auto in_place = r.get<uint8_t>("reads in place");
   if (in_place > 1) fail(ErrorKind::kProtocol, "malformed {}: reads_in_place = {}", who, in_place);
   m.reads_in_place = in_place == 1;
+  const auto reads_source = r.get<uint8_t>("reads source memory");
+  if (reads_source > 1) fail(ErrorKind::kProtocol, "malformed {}: reads_source_memory = {}", who, reads_source);
+  m.reads_source_memory = reads_source == 1;
   r.expect_end();
   return m;
 }
@@ -154,6 +158,13 @@ Bytes encode(const BucketReady& m) {
     w.put<uint64_t>(e.size);
     w.put<uint64_t>(e.bucket_offset);
     w.put<uint32_t>(e.region);
+  }
+  w.put<uint64_t>(manifest.spans.size());
+  for (const auto& span : manifest.spans) {
+    w.put<uint64_t>(span.bucket_offset);
+    w.put<uint64_t>(span.size);
+    w.put<uint32_t>(span.region);
+    w.put<uint64_t>(span.source_offset);
   }
   return w.take();
 }
@@ -238,6 +249,14 @@ Message decode_message(std::span<const uint8_t> bytes, const std::string& who) {
         e.bucket_offset = r.get<uint64_t>("bucket offset");
         e.region = r.get<uint32_t>("region");
         manifest->entries.push_back(std::move(e));
+      }
+      const uint64_t spans = r.get_count("span count", 8 + 8 + 4 + 8);
+      manifest->spans.resize(spans);
+      for (auto& span : manifest->spans) {
+        span.bucket_offset = r.get<uint64_t>("span bucket offset");
+        span.size = r.get<uint64_t>("span size");
+        span.region = r.get<uint32_t>("span region");
+        span.source_offset = r.get<uint64_t>("span source offset");
       }
       m.manifest = std::move(manifest);
       break;
@@ -331,8 +350,38 @@ void validate(const BucketReady& b, uint64_t bucket_bytes, uint64_t region_bytes
            e.region == 0 ? std::string("its bucket") : fmt::format("source region {}", e.region));
   }
   std::vector<bool> used(m.regions.size(), false);
-  for (const auto& e : m.entries)
+  uint64_t end = 0;  // of the span before
+  for (size_t k = 0; k < m.spans.size(); ++k) {
+    const BucketSpan& s = m.spans[k];
+    if (s.bucket_offset < end || s.bucket_offset > b.used_bytes || s.size > b.used_bytes - s.bucket_offset)
+      fail(
+          ErrorKind::kProtocol,
+          "bucket {} from {}: span {} at [{}, +{}) overlaps the span before (ending at {}) or lies outside the {} used "
+          "bytes",
+          b.seq, who, k, s.bucket_offset, s.size, end, b.used_bytes);
+    end = s.bucket_offset + s.size;
+    if (s.region > m.regions.size())
+      fail(ErrorKind::kProtocol, "bucket {} from {}: span {} names region {} of {}", b.seq, who, k, s.region,
+           m.regions.size());
+    if (s.region == 0) {
+      if (s.source_offset != s.bucket_offset)
+        fail(ErrorKind::kProtocol, "bucket {} from {}: span {} of its buffer is at offset {}, not {}", b.seq, who, k,
+             s.source_offset, s.bucket_offset);
+      continue;
+    }
+    const uint64_t limit = m.regions[s.region - 1].remote.length;
+    if (s.source_offset > limit || s.size > limit - s.source_offset)
+      fail(ErrorKind::kProtocol,
+           "bucket {} from {}: span {} at [{}, +{}) lies outside the {} bytes of source region {}", b.seq, who, k,
+           s.source_offset, s.size, limit, s.region);
+    used[s.region - 1] = true;
+  }
+  for (const auto& e : m.entries) {
+    if (e.region > 0 && !m.spans.empty())
+      fail(ErrorKind::kProtocol, "bucket {} from {}: chunk of '{}' is in place (region {}) in a bucket of spans", b.seq,
+           who, e.tensor.name, e.region);
     if (e.region > 0) used[e.region - 1] = true;
+  }
   for (size_t k = 0; k < used.size(); ++k)
     if (!used[k])
       fail(ErrorKind::kProtocol, "bucket {} from {}: source region {} is used by no chunk", b.seq, who, k + 1);

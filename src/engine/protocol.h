@@ -18,7 +18,7 @@
 
 namespace refit::protocol {
 
-inline constexpr uint32_t kVersion = 7;
+inline constexpr uint32_t kVersion = 8;
 
 struct EngineMetadata {
   uint32_t version = kVersion;
@@ -37,6 +37,9 @@ struct EngineMetadata {
   // A destination that loads tensors straight from its source's own memory wherever it can map
   // it (direct_reads): a source on its host may then send tensors in place.
   bool reads_in_place = false;
+  // A destination that reads tensors from its source's own registered memory into its buffers
+  // (direct_reads where nothing maps, as across hosts): a source may then skip packing them.
+  bool reads_source_memory = false;
 };
 
 // The refit number before the first refit of a connection, the same on both sides: derived from
@@ -68,15 +71,30 @@ struct SourceRegion {
   MemoryKind memory = MemoryKind::kHost;
 };
 
+// A range of a bucket that its destination reads from where the source left it: bytes
+// [bucket_offset, +size) of the bucket come from `source_offset` of regions[region - 1] (the
+// source's own memory, not packed), or, region 0, from the same offset of the bucket's buffer.
+struct BucketSpan {
+  uint64_t bucket_offset = 0;
+  uint64_t size = 0;
+  uint32_t region = 0;
+  uint64_t source_offset = 0;
+};
+
 enum class MessageType : uint8_t { kBucketReady = 1, kBucketDone = 2, kAbort = 3 };
 
 // What a bucket holds: its chunks, and the source memory of those sent in place. A refit of the
 // same model makes the same manifests, so they are shared (never changed once made) and replayed:
 // the source sends bucket k's manifest once per connection and afterwards only says it is the
 // one of bucket k of the refit before.
+// A bucket either names entries in place (region > 0: the destination maps that memory) or, for
+// a destination that reads the source's memory, lists spans: then every entry lies in the bucket
+// (region 0) and the spans say where its bytes are read from. Without spans the destination
+// reads (or maps) the used bytes of the bucket's buffer.
 struct Manifest {
-  std::vector<SourceRegion> regions;  // of the entries sent in place
+  std::vector<SourceRegion> regions;  // of the entries sent in place, or of the spans
   std::vector<ManifestEntry> entries;
+  std::vector<BucketSpan> spans;  // in bucket order, not overlapping
 };
 
 struct BucketReady {
@@ -85,8 +103,8 @@ struct BucketReady {
   uint64_t offset = 0;  // where the bucket starts in the source's transfer region (metadata `buffers`)
   bool is_last = false;
   uint64_t used_bytes = 0;  // only this prefix of the buffer is read
-  // With verify_checksums: xxh3-64 of the used bytes, then of every in-place entry's bytes in
-  // entry order.
+  // With verify_checksums: xxh3-64 of the used bytes (with spans: of each span's bytes), then of
+  // every in-place entry's bytes in entry order.
   std::optional<uint64_t> checksum;
   // Set: the manifest is that of bucket `seq` of refit `replay_of` on this connection (which the
   // destination has), and is not on the wire; `manifest` is then null until the receiver fills it.
@@ -95,7 +113,8 @@ struct BucketReady {
 
   const std::vector<ManifestEntry>& entries() const { return manifest->entries; }
   const std::vector<SourceRegion>& regions() const { return manifest->regions; }
-  bool has_in_place_entries() const { return !manifest->regions.empty(); }
+  const std::vector<BucketSpan>& spans() const { return manifest->spans; }
+  bool has_in_place_entries() const { return !manifest->regions.empty() && manifest->spans.empty(); }
 };
 
 // A copy of the bucket's manifest that only `bucket` holds, to change (tests, fuzz seeds).
@@ -130,7 +149,8 @@ Message decode_message(std::span<const uint8_t> bytes, const std::string& who);
 
 // Checks a bucket against the link's bucket size and the source's region length: where it lies,
 // used bytes, and every entry's ranges (box inside the tensor, chunk inside the piece and the
-// bucket or its source region, sizes matching dtype x shape); every region is used.
+// bucket or its source region, sizes matching dtype x shape), spans (ordered, inside the used
+// bytes and their region); every region is used.
 void validate(const BucketReady& m, uint64_t bucket_bytes, uint64_t region_bytes, const std::string& who);
 
 }  // namespace refit::protocol

@@ -10,9 +10,10 @@ SourceRegions::~SourceRegions() {
   while (!by_base_.empty()) drop(by_base_.begin());
 }
 
-bool SourceRegions::registrable(MemoryKind kind) const {
+bool SourceRegions::registrable(MemoryKind kind, Access access) const {
   const TransportCapabilities caps = transport_->capabilities();
-  return caps.maps_registered_memory && (kind == MemoryKind::kCuda ? caps.device_memory : caps.host_memory);
+  const bool reachable = access == Access::kMap ? caps.maps_registered_memory : caps.reads_registered_memory;
+  return reachable && (kind == MemoryKind::kCuda ? caps.device_memory : caps.host_memory);
 }
 
 void SourceRegions::drop(std::map<const std::byte*, Registration>::iterator it) {
@@ -24,7 +25,8 @@ void SourceRegions::drop(std::map<const std::byte*, Registration>::iterator it) 
   by_base_.erase(it);
 }
 
-std::optional<SourceRegions::Found> SourceRegions::find(const std::byte* data, uint64_t bytes, MemoryKind kind) {
+std::optional<SourceRegions::Found> SourceRegions::find(const std::byte* data, uint64_t bytes, MemoryKind kind,
+                                                        Access access, bool register_new) {
   if (data == nullptr || bytes == 0) return std::nullopt;
   auto it = by_base_.upper_bound(data);
   if (it != by_base_.begin()) {
@@ -32,6 +34,8 @@ std::optional<SourceRegions::Found> SourceRegions::find(const std::byte* data, u
     Registration& r = it->second;
     const uint64_t offset = static_cast<uint64_t>(data - it->first);
     const bool inside = offset <= r.bytes && bytes <= r.bytes - offset && r.remote.memory == kind;
+    // A registration made for readers may be one that mappers cannot reach.
+    if (inside && !r.allocated && !registrable(kind, access)) return std::nullopt;
     if (inside && (r.allocated || r.used_in == refit_ || transport_->registration_current(r.region))) {
       r.used_in = refit_;
       return Found{r.region, &r.remote, offset};
@@ -42,7 +46,7 @@ std::optional<SourceRegions::Found> SourceRegions::find(const std::byte* data, u
       drop(it);
     }
   }
-  if (!registrable(kind) || memory_kind_of(data) != kind) return std::nullopt;
+  if (!register_new || !registrable(kind, access) || memory_kind_of(data) != kind) return std::nullopt;
   Registration r;
   Transport::Extent extent;
   try {

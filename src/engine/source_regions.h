@@ -1,5 +1,6 @@
 // A source's registrations of its own tensor memory, so that destinations on its host can load
-// tensors straight from it (direct_reads: one copy per byte, no bucket on either side). The
+// tensors straight from it (direct_reads: one copy per byte, no bucket on either side), and
+// destinations elsewhere can read them without the source packing them. The
 // training side's parameters stay where they are from one refit to the next, so registrations
 // are kept across refits; one the transport says was replaced (memory freed and allocated again)
 // is made again, and one that no refit used since the previous refit is dropped.
@@ -23,6 +24,9 @@ class SourceRegions {
     uint64_t offset = 0;                   // of the bytes asked for, in the region
   };
 
+  // How a peer reaches the memory: maps it (Transport::map), or reads it (Transport::post_read).
+  enum class Access { kMap, kRead };
+
   explicit SourceRegions(Transport* transport) : transport_(transport) {}
   ~SourceRegions();
   SourceRegions(const SourceRegions&) = delete;
@@ -30,8 +34,10 @@ class SourceRegions {
 
   // The registered memory holding [data, data + bytes) of `kind`: memory from allocate(), or a
   // registration of those bytes made now (or in an earlier refit) when the transport lets peers
-  // map registered memory of that kind. Nothing when the bytes cannot be read in place.
-  std::optional<Found> find(const std::byte* data, uint64_t bytes, MemoryKind kind);
+  // map (or read) registered memory of that kind. Nothing when the bytes cannot go in place.
+  // `register_new` false: only memory registered already.
+  std::optional<Found> find(const std::byte* data, uint64_t bytes, MemoryKind kind, Access access,
+                            bool register_new = true);
   // Memory for a source's weights, from the transport (a local peer maps it even where the
   // transport cannot map registered memory, as UCX's shared memory); freed with this object.
   std::byte* allocate(uint64_t bytes);
@@ -46,7 +52,7 @@ class SourceRegions {
     bool allocated = false;
     uint64_t used_in = 0;  // the refit that last used it
   };
-  bool registrable(MemoryKind kind) const;
+  bool registrable(MemoryKind kind, Access access) const;
   void drop(std::map<const std::byte*, Registration>::iterator it);
 
   Transport* transport_;

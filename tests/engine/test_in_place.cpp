@@ -251,7 +251,8 @@ TEST(InPlace, SlicesGoInPlaceWhenContiguousAndThroughBucketsOtherwise) {
   EXPECT_EQ(stats.wire_bytes, 5u * 4 * 4);
 }
 
-TEST(InPlace, ADestinationThatDoesNotMapGetsEveryByteThroughBuckets) {
+// Small tensors are cheaper packed than read one by one from the source's memory.
+TEST(InPlace, ADestinationThatDoesNotMapGetsSmallTensorsThroughBuckets) {
   InPlacePair p({.destination_maps = false});
   const auto weights = model(5);
   Received got;
@@ -260,6 +261,74 @@ TEST(InPlace, ADestinationThatDoesNotMapGetsEveryByteThroughBuckets) {
   EXPECT_EQ(stats.in_place_bytes, 0u);
   EXPECT_EQ(p.sent.in_place_bytes, 0u);
   EXPECT_EQ(p.source_transport->registered, 0);  // nothing registered for nothing
+}
+
+// Tensors of at least 64 KiB (and one split over two buckets), small ones between them, an empty
+// one and a strided slice: what a destination that reads the source's memory gets.
+std::vector<OwnedTensor> large_model(uint32_t seed) {
+  return {
+      make_tensor("embed", DType::kBFloat16, {256, 256}, seed + 1),  // 128 KiB
+      make_tensor("norm", DType::kFloat32, {16}, seed + 2),
+      make_tensor("empty", DType::kFloat32, {0, 4}, seed + 3),
+      make_tensor("qkv", DType::kFloat32, {300, 256}, seed + 4),  // 300 KiB: larger than a bucket
+      make_tensor("ids", DType::kInt64, {3}, seed + 5),
+      make_tensor("head", DType::kFloat8E4M3FN, {70001}, seed + 6),  // odd size: padding after it
+      make_tensor("o", DType::kFloat32, {256, 128}, seed + 7),       // sliced by columns below: strided
+  };
+}
+
+Layout columns_of_o() {
+  Layout layout;
+  layout.tensors["o"] = Request::narrow(1, 0, 64);
+  return layout;
+}
+
+void expect_received(const std::vector<OwnedTensor>& weights, Received& got, const Layout& layout) {
+  ASSERT_EQ(got.tensors.size(), weights.size());
+  for (const auto& t : weights) {
+    const Selection s = select(layout, t.info);
+    std::vector<std::byte> expected(s.info.nbytes());
+    if (s.take == Take::kSlice)
+      copy_slice(t.data.data(), t.info, s.slice, expected.data());
+    else
+      expected = t.data;
+    EXPECT_EQ(got.tensors[t.info.name].data, expected) << t.info.name;
+  }
+}
+
+// A destination that cannot map (another host) reads large tensors from the source's own memory,
+// unpacked: only the small tensors and the strided slice go through the source's buffers.
+TEST(InPlace, ADestinationThatReadsTheSourcesMemoryGetsLargeTensorsUnpacked) {
+  for (bool checksums : {false, true}) {
+    InPlacePair p({.bucket = 256 << 10, .destination_maps = false, .checksums = checksums, .layout = columns_of_o()});
+    auto weights = large_model(11);
+    const uint64_t read_in_place = (128 + 300) * 1024 + 70001;  // embed, qkv, head
+    for (uint32_t r = 0; r < 3; ++r) {
+      // Training changes the values, not where they live: every refit reads them afresh.
+      for (auto& t : weights)
+        for (size_t i = 0; i < t.data.size(); ++i) t.data[i] = static_cast<std::byte>(i * 7 + r * 13 + 1);
+      Received got;
+      auto stats = p.refit(weights, got.loader());
+      expect_received(weights, got, columns_of_o());
+      EXPECT_EQ(stats.in_place_bytes, read_in_place) << "refit " << r << ", checksums " << checksums;
+      EXPECT_EQ(p.sent.in_place_bytes, read_in_place);
+      EXPECT_EQ(p.destination_transport->mapped, 0);
+      // The same buckets every refit: their manifests (spans with them) are replayed.
+      if (r > 0) EXPECT_EQ(stats.replayed_buckets, stats.buckets) << "refit " << r;
+    }
+    EXPECT_EQ(p.source_transport->registered, 3);  // the three large tensors, once
+  }
+}
+
+// A source whose views do not outlive send() has nothing to be read later: it packs everything.
+TEST(InPlace, ADestinationThatReadsTheSourcesMemoryGetsTemporariesPacked) {
+  InPlacePair p({.bucket = 256 << 10, .destination_maps = false});
+  const auto weights = large_model(12);
+  Received got;
+  auto stats = p.refit(weights, got.loader(), /*temporaries=*/true);
+  expect_received(weights, got, Layout{});
+  EXPECT_EQ(stats.in_place_bytes, 0u);
+  EXPECT_EQ(p.source_transport->registered, 0);
 }
 
 // A weight stream of temporaries (a gathered or converted copy per tensor) may reuse a view's

@@ -177,5 +177,70 @@ TEST(Protocol, InPlaceEntriesRoundTripAndMustFitTheirSourceRegion) {
   EXPECT_GT(m.entries()[2].bucket_offset, m.used_bytes);
 }
 
+// A bucket of spans, for a destination that reads the source's memory: its entries lie in the
+// bucket; each span is read from the bucket's buffer (region 0, at the same offset) or from a
+// source region. Spans are ordered, inside the used bytes and their region.
+TEST(Protocol, SpansRoundTripAndMustFitTheBucketAndTheirRegion) {
+  auto m = sample_bucket();  // entries at [0, 32) and [32, 48)
+  edit_manifest(m).regions = {{{0x7f0000000000, 4096, {1, 2, 3}}, MemoryKind::kHost}};
+  edit_manifest(m).spans = {{0, 32, 1, 1000}, {32, 16, 0, 32}};
+  auto back = decode_message(encode(m), "source rank 0").ready;
+  ASSERT_EQ(back.spans().size(), 2u);
+  EXPECT_EQ(back.spans()[0].region, 1u);
+  EXPECT_EQ(back.spans()[0].source_offset, 1000u);
+  EXPECT_EQ(back.spans()[1].bucket_offset, 32u);
+  EXPECT_EQ(back.spans()[1].size, 16u);
+  EXPECT_FALSE(back.has_in_place_entries());  // its region is read, not mapped
+  EXPECT_NO_THROW(validate(back, 1024, 2048, "source rank 0"));
+  auto message_of = [](const BucketReady& bad) {
+    try {
+      validate(bad, 1024, 2048, "source rank 0");
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::kProtocol);
+      return std::string(e.what());
+    }
+    return std::string("accepted");
+  };
+  auto bad = back;
+  edit_manifest(bad).spans[0].source_offset = 4090;  // 4090 + 32 > 4096
+  EXPECT_NE(message_of(bad).find("span 0 at [4090, +32) lies outside the 4096 bytes of source region 1"),
+            std::string::npos)
+      << message_of(bad);
+  bad = back;
+  edit_manifest(bad).spans[1].bucket_offset = 24;  // overlaps span 0
+  EXPECT_NE(message_of(bad).find("span 1 at [24, +16) overlaps"), std::string::npos) << message_of(bad);
+  bad = back;
+  edit_manifest(bad).spans[1].size = 17;  // past the 48 used bytes
+  EXPECT_NE(message_of(bad).find("lies outside the 48 used bytes"), std::string::npos) << message_of(bad);
+  bad = back;
+  edit_manifest(bad).spans[1].source_offset = 40;  // region 0 is read at the bucket's own offsets
+  EXPECT_NE(message_of(bad).find("span 1 of its buffer is at offset 40, not 32"), std::string::npos) << message_of(bad);
+  bad = back;
+  edit_manifest(bad).spans[0].region = 2;
+  EXPECT_NE(message_of(bad).find("span 0 names region 2 of 1"), std::string::npos) << message_of(bad);
+  bad = back;
+  edit_manifest(bad).spans[0].region = 0;
+  edit_manifest(bad).spans[0].source_offset = 0;
+  EXPECT_NE(message_of(bad).find("source region 1 is used by no chunk"), std::string::npos) << message_of(bad);
+  bad = back;
+  edit_manifest(bad).entries[0].region = 1;
+  EXPECT_NE(message_of(bad).find("is in place (region 1) in a bucket of spans"), std::string::npos) << message_of(bad);
+  // Every truncation of a bucket of spans is refused.
+  const Bytes wire = encode(back);
+  for (size_t n = 0; n < wire.size(); ++n)
+    EXPECT_THROW(decode_message(std::span(wire.data(), n), "source rank 0"), Error) << n;
+}
+
+TEST(Protocol, MetadataCarriesHowADestinationReachesSourceMemory) {
+  auto md = sample_metadata();
+  md.reads_source_memory = true;
+  auto back = decode_metadata(encode(md), "metadata of destination rank 0");
+  EXPECT_TRUE(back.reads_source_memory);
+  EXPECT_FALSE(back.reads_in_place);
+  auto blob = encode(md);
+  blob.back() = 2;
+  EXPECT_THROW(decode_metadata(blob, "metadata of destination rank 0"), Error);
+}
+
 }  // namespace
 }  // namespace refit::protocol

@@ -105,26 +105,46 @@ TEST(RefitProcesses, ACopiedBinaryRefitsTheBuiltinDefaultModel) {
   EXPECT_EQ(result.at("model_bytes").get<uint64_t>(), load_model_inventory(kDefaultModel).total_bytes());
 }
 
+// A destination that does not map reads the source's large tensors from its memory (spans): the
+// source packs only the small ones. Returns the bytes read so of each refit.
+std::vector<uint64_t> expect_read_from_source_memory(const nlohmann::json& result, uint64_t model_bytes) {
+  std::vector<uint64_t> read;
+  for (const auto& refit : result.at("refits")) {
+    const auto& d = refit.at("bytes_received").at(0);
+    EXPECT_FALSE(d.at("mapped").get<bool>());
+    read.push_back(d.at("in_place_bytes").get<uint64_t>());
+    EXPECT_GT(read.back(), model_bytes / 2);
+    EXPECT_LT(read.back(), model_bytes);
+  }
+  return read;
+}
+
 TEST(RefitProcesses, OneToOneStagedOverSharedMemory) {
   Bench b;
   auto r = b.run(1, 1, 2, {kShm, "refit_cfg.nixl.map_source_buffers=false"});
-  expect_verified(r, read_json(b.json), 1, 2, inventory_from_hf_config(b.model).total_bytes());
+  const auto model_bytes = inventory_from_hf_config(b.model).total_bytes();
+  expect_verified(r, read_json(b.json), 1, 2, model_bytes);
   const auto result = read_json(b.json);
-  for (const auto& refit : result.at("refits")) {
-    EXPECT_FALSE(refit.at("bytes_received").at(0).at("mapped").get<bool>());
+  for (const auto& refit : result.at("refits"))
     EXPECT_EQ(refit.at("bytes_received").at(0).at("buffer_bytes").get<uint64_t>(), 2u << 20);  // 2 x 1 MiB
-  }
+  expect_read_from_source_memory(result, model_bytes);
 }
 
-TEST(RefitProcesses, OneToOneOverTcp) {
+TEST(RefitProcesses, OneToOneOverTcpReadsLargeTensorsFromTheSourcesMemory) {
   Bench b;
   auto r = b.run(1, 1, 2, {kTcp});
+  const auto model_bytes = inventory_from_hf_config(b.model).total_bytes();
+  expect_verified(r, read_json(b.json), 1, 2, model_bytes);
+  expect_read_from_source_memory(read_json(b.json), model_bytes);  // tcp cannot map: it reads
+  EXPECT_NE(r.output.find("of the bytes read in place (direct_reads)"), std::string::npos) << r.output;
+}
+
+TEST(RefitProcesses, OneToOneOverTcpWithoutDirectReadsPacksEverything) {
+  Bench b;
+  auto r = b.run(1, 1, 2, {kTcp, "refit_cfg.nixl.direct_reads=false"});
   expect_verified(r, read_json(b.json), 1, 2, inventory_from_hf_config(b.model).total_bytes());
-  const auto result = read_json(b.json);
-  for (const auto& refit : result.at("refits")) {
-    EXPECT_FALSE(refit.at("bytes_received").at(0).at("mapped").get<bool>());  // tcp cannot map
+  for (const auto& refit : read_json(b.json).at("refits"))
     EXPECT_EQ(refit.at("bytes_received").at(0).at("in_place_bytes").get<uint64_t>(), 0u);
-  }
 }
 
 TEST(RefitProcesses, TwoToTwo) {

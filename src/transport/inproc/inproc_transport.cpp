@@ -67,6 +67,7 @@ class InProcTransport final : public SynchronousReads {
     return {.async_reads = false,
             .maps_peer_memory = true,
             .maps_registered_memory = true,
+            .reads_registered_memory = true,
             .host_memory = true,
             .device_memory = false,
             .remote_peers = false};

@@ -483,6 +483,7 @@ TransportCapabilities UcxTransport::capabilities() const {
   // GPU memory needs a UCX built with CUDA (registry.cpp wraps this transport for GPU buffers).
   return {.async_reads = true,
           .maps_peer_memory = shared_memory_,
+          .reads_registered_memory = true,
           .host_memory = true,
           .device_memory = false,
           .remote_peers = true};

@@ -77,4 +77,8 @@ for device in devices:
         name, c = ceilings[device.split("+")[0]]
         m = statistics.median(medians)
         print(f"device {device}: median {m:.1f} GB/s = {m / c:.3f} of the {name} ({c:.1f} GB/s), {len(medians)} runs")
+        if device.startswith("cpu") and "duplex_pinned_GBps" in ceiling:
+            # Pinned host buffers move every byte over PCIe twice, one way each, at the same time.
+            d = ceiling["duplex_pinned_GBps"]
+            print(f"device {device}: = {m / d:.3f} of the pinned copy both ways at once ({d:.1f} GB/s each way)")
 PY

@@ -80,6 +80,49 @@ def test_refits_between_two_processes_bitwise():
 
 
 @needs_nixl
+def test_large_tensors_are_read_from_the_sources_own_memory():
+    # With in_place=True the source's tensors stay put during the send, so the destination READs
+    # the large ones (>= 64 KiB) straight from them over NIXL; the source packs only the small ones.
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    session = refit.new_session_id()
+    cfg = nixl_config(timeout_s=60, verify_checksums=True)
+    proc = ctx.Process(target=destination_process, args=(child, MiB, session, cfg.to_yaml(), 3), daemon=True)
+    proc.start()
+    try:
+        source = refit.create_checkpoint_engine("nixl", MiB, {"nixl": cfg, "session": session})
+        md_destination = parent.recv()
+        if isinstance(md_destination, tuple):
+            raise md_destination[1]
+        metadata = [source.prepare(), md_destination]
+        parent.send(metadata)
+        source.init_policy_process_group(0, 1, 1, metadata)
+        rng = np.random.default_rng(5)
+        weights = [("embed", rng.standard_normal((512, 256), dtype=np.float32)),  # 512 KiB
+                   ("norm", rng.standard_normal(16).astype(np.float16)),
+                   ("qkv", rng.standard_normal((768, 512), dtype=np.float32)),  # 1.5 MiB: two buckets
+                   ("empty", np.zeros((0, 3), np.float32)),
+                   ("head", rng.integers(0, 255, 100_003, dtype=np.uint8))]
+        large = sum(t.nbytes for _, t in weights if t.nbytes >= 64 << 10)
+        for refit_number, in_place in enumerate((True, True, False)):
+            for _, t in weights:
+                t += np.asarray(1, t.dtype)  # training changes the values where they are
+            stats = source.send_weights(weights, in_place=in_place)
+            kind, got, rstats, stale = parent.recv()
+            assert kind == "refit", got
+            assert got == expected(weights) and not stale, refit_number
+            assert stats["in_place_bytes"] == rstats["in_place_bytes"] == (large if in_place else 0), refit_number
+        assert parent.recv() == ("done", False)
+        source.finalize()
+        source.close()
+    finally:
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+    assert proc.exitcode == 0
+
+
+@needs_nixl
 def test_backend_init_params_choose_the_plugin_and_reach_it():
     with pytest.raises(refit.ConfigError, match=r"backend_init_params.backend: NIXL has no plugin 'NO_SUCH'.*UCX"):
         refit.CheckpointEngine(MiB, nixl_config(backend_init_params={"backend": "NO_SUCH"}))

@@ -4,6 +4,8 @@
 //   d2d          device to device on one GPU (what a CUDA IPC read on one GPU does)
 //   h2d_pinned   pinned host to device (packing from host tensors into GPU buffers; PCIe)
 //   d2h_pinned   device to pinned host
+//   duplex_pinned  both at once, on two streams, the rate of each direction (the pinned-host path
+//                runs both: a source packs into host buffers while its destination loads out of them)
 //   h2d_pageable, d2h_pageable   the same from ordinary host memory (for comparison)
 //   peer         GPU 0 to GPU 1 when there are two (a CUDA IPC read across GPUs; NVLink/PCIe)
 //   nccl_p2p     ncclSend on GPU 1 / ncclRecv on GPU 0 when there are two and NCCL is built (the
@@ -192,6 +194,26 @@ int main(int argc, char** argv) {
         results.push_back(measure("d2h_pinned", bytes, iterations, stream, [&] {
           check(cudaMemcpyAsync(host.data(), a.data(), bytes, cudaMemcpyDeviceToHost, stream), "cudaMemcpyAsync");
         }));
+        refit::HostBuffer other(bytes);
+        std::memset(other.data(), 2, bytes);
+        refit::HostPin other_pin = refit::HostPin::pin(other.data(), bytes);
+        if (!other_pin.pinned()) throw std::runtime_error("cannot pin host memory: " + other_pin.reason());
+        cudaStream_t side;
+        cudaEvent_t fork, join;
+        check(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+        check(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming), "cudaEventCreate");
+        check(cudaEventCreateWithFlags(&join, cudaEventDisableTiming), "cudaEventCreate");
+        results.push_back(measure("duplex_pinned", bytes, iterations, stream, [&] {
+          check(cudaEventRecord(fork, stream), "cudaEventRecord");
+          check(cudaStreamWaitEvent(side, fork), "cudaStreamWaitEvent");
+          check(cudaMemcpyAsync(other.data(), b.data(), bytes, cudaMemcpyDeviceToHost, side), "cudaMemcpyAsync");
+          check(cudaMemcpyAsync(a.data(), host.data(), bytes, cudaMemcpyHostToDevice, stream), "cudaMemcpyAsync");
+          check(cudaEventRecord(join, side), "cudaEventRecord");
+          check(cudaStreamWaitEvent(stream, join), "cudaStreamWaitEvent");
+        }));
+        cudaEventDestroy(fork);
+        cudaEventDestroy(join);
+        cudaStreamDestroy(side);
       }
       const int pageable_iterations = std::max(1, iterations / 2);
       results.push_back(measure("h2d_pageable", bytes, pageable_iterations, stream, [&] {

@@ -64,8 +64,24 @@ void check_validated(const protocol::BucketReady& m, uint64_t bucket_bytes) {
     const u128 limit = e.region == 0 ? m.used_bytes : m.regions()[e.region - 1].remote.length;
     FUZZ_CHECK(u128{e.bucket_offset} + e.size <= limit);
   }
+  // Spans are ordered, inside the used bytes; each reads from its region or, region 0, from the
+  // same offset of the bucket's buffer. Entries of a bucket of spans are all in the bucket.
+  u128 end = 0;
+  for (const auto& span : m.spans()) {
+    FUZZ_CHECK(span.bucket_offset >= end);
+    end = u128{span.bucket_offset} + span.size;
+    FUZZ_CHECK(end <= m.used_bytes);
+    FUZZ_CHECK(span.region <= m.regions().size());
+    if (span.region == 0)
+      FUZZ_CHECK(span.source_offset == span.bucket_offset);
+    else
+      FUZZ_CHECK(u128{span.source_offset} + span.size <= m.regions()[span.region - 1].remote.length);
+  }
+  if (!m.spans().empty())
+    FUZZ_CHECK(std::all_of(m.entries().begin(), m.entries().end(), [](const auto& e) { return e.region == 0; }));
   for (size_t k = 0; k < m.regions().size(); ++k)  // every region is used
-    FUZZ_CHECK(std::any_of(m.entries().begin(), m.entries().end(), [&](const auto& e) { return e.region == k + 1; }));
+    FUZZ_CHECK(std::any_of(m.entries().begin(), m.entries().end(), [&](const auto& e) { return e.region == k + 1; }) ||
+               std::any_of(m.spans().begin(), m.spans().end(), [&](const auto& s) { return s.region == k + 1; }));
 }
 
 }  // namespace

@@ -195,6 +195,20 @@ void message_seeds() {
                                                {tensor("b", DType::kUInt8, {40}), Box::whole(), 0, 24, 8, 2},
                                                {tensor("b", DType::kUInt8, {40}), Box::whole(), 24, 16, 0, 0}};
   write("message", "ready_in_place", protocol::encode(in_place));
+  // A bucket of spans: a tensor read from a source region, then one packed in the buffer.
+  protocol::BucketReady spans;
+  spans.refit = 5;
+  spans.used_bytes = 104;
+  protocol::edit_manifest(spans).regions = {{{0x7f0000001000, 4096, {1, 2, 3}}, MemoryKind::kHost}};
+  protocol::edit_manifest(spans).entries = {{tensor("a", DType::kFloat32, {4, 4}), Box::whole(), 0, 64, 0},
+                                            {tensor("b", DType::kUInt8, {40}), Box::whole(), 0, 40, 64}};
+  protocol::edit_manifest(spans).spans = {{0, 64, 1, 1024}, {64, 40, 0, 64}};
+  write("message", "ready_spans", protocol::encode(spans));
+  protocol::edit_manifest(spans).spans[1].bucket_offset = 60;  // overlaps the span before
+  write("message", "spans_overlapping", protocol::encode(spans));
+  protocol::edit_manifest(spans).spans[1] = {64, 40, 0, 64};
+  protocol::edit_manifest(spans).spans[0].source_offset = 4090;  // past its region
+  write("message", "span_past_region", protocol::encode(spans));
   // A replay: the manifest of bucket 1 of refit 4, not on the wire.
   protocol::BucketReady replay = buckets[1];
   replay.refit = 5;

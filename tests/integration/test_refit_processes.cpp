@@ -142,8 +142,9 @@ TEST(RefitProcesses, OneToOneOverTcpReadsLargeTensorsFromTheSourcesMemory) {
 TEST(RefitProcesses, OneToOneOverTcpWithoutDirectReadsPacksEverything) {
   Bench b;
   auto r = b.run(1, 1, 2, {kTcp, "refit_cfg.nixl.direct_reads=false"});
-  expect_verified(r, read_json(b.json), 1, 2, inventory_from_hf_config(b.model).total_bytes());
-  for (const auto& refit : read_json(b.json).at("refits"))
+  const auto result = read_json(b.json);  // kept: the loop below iterates inside it
+  expect_verified(r, result, 1, 2, inventory_from_hf_config(b.model).total_bytes());
+  for (const auto& refit : result.at("refits"))
     EXPECT_EQ(refit.at("bytes_received").at(0).at("in_place_bytes").get<uint64_t>(), 0u);
 }
 

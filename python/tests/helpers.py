@@ -3,7 +3,10 @@ side on its own thread), and worker functions that run in spawned processes."""
 
 from __future__ import annotations
 
+import contextlib
+import multiprocessing as mp
 import os
+import pickle
 import threading
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -158,6 +161,38 @@ def destination_process(conn, bucket_bytes: int, session: bytes, cfg_yaml: str, 
         engine.close()
     except BaseException as e:  # noqa: BLE001
         conn.send(("error", e))
+
+
+@contextlib.contextmanager
+def source_with_destination_process(cfg: "refit.RefitConfig", refits: int, bucket_bytes: int = 1 << 20):
+    """A source engine here and a destination_process() in a spawned process, connected (their
+    metadata crossing by pickle): yields (source, conn), where each conn.recv() is one refit's
+    report. On leaving, the destination must have finalized, not stale, and exited with 0."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    session = refit.new_session_id()
+    proc = ctx.Process(target=destination_process, args=(child, bucket_bytes, session, cfg.to_yaml(), refits),
+                       daemon=True)
+    proc.start()
+    try:
+        source = refit.create_checkpoint_engine("nixl", bucket_bytes, {"nixl": cfg, "session": session})
+        md_source = source.prepare()
+        assert isinstance(md_source, bytes)
+        md_destination = parent.recv()
+        if isinstance(md_destination, tuple):
+            raise md_destination[1]
+        metadata = pickle.loads(pickle.dumps([md_source, md_destination]))
+        parent.send(metadata)
+        source.init_policy_process_group(0, 1, 1, metadata)
+        yield source, parent
+        assert parent.recv() == ("done", False)
+        source.finalize()
+        source.close()
+    finally:
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+    assert proc.exitcode == 0
 
 
 def nixl_region_process(conn, payload: bytes) -> None:

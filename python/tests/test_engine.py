@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import pickle
 
 import ml_dtypes
 import numpy as np
@@ -11,7 +9,7 @@ import pytest
 
 import refit
 
-from helpers import Pair, config, destination_process
+from helpers import Pair, config, source_with_destination_process
 
 MiB = 1 << 20
 
@@ -36,41 +34,19 @@ def expected(weights):
 
 
 def test_lifecycle_between_two_processes():
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    session = refit.new_session_id()
-    cfg = config(timeout_s=60)
-    proc = ctx.Process(target=destination_process, args=(child, MiB, session, cfg.to_yaml(), 2), daemon=True)
-    proc.start()
-    try:
-        source = refit.create_checkpoint_engine("nixl", MiB, {"nixl": {"timeout_s": 60}, "session": session})
-        md_source = source.prepare()
-        assert isinstance(md_source, bytes)
-        md_destination = parent.recv()
-        if isinstance(md_destination, tuple):
-            raise md_destination[1]
-        metadata = pickle.loads(pickle.dumps([md_source, md_destination]))  # metadata crosses by pickle
-        parent.send(metadata)
-        source.init_policy_process_group(0, 1, 1, metadata)
+    # The metadata crosses by pickle, as it does between Ray actors.
+    with source_with_destination_process(config(timeout_s=60), refits=2) as (source, destination):
         assert source.get_target_weight_layout() is None
         for seed in (1, 2):
             weights = make_weights(seed)
             stats = source.send_weights(weights)
             assert stats["tensors"] == len(weights) and stats["had_peer"]
-            kind, got, rstats, stale = parent.recv()
+            kind, got, rstats, stale = destination.recv()
             assert kind == "refit", got
             assert not stale
             assert got == expected(weights)
             assert rstats["tensors"] == len(weights)
             assert rstats["payload_bytes"] == sum(np.asarray(t).nbytes for _, t in weights)
-        assert parent.recv() == ("done", False)
-        source.finalize()
-        source.close()
-    finally:
-        proc.join(30)
-        if proc.is_alive():
-            proc.kill()
-    assert proc.exitcode == 0
 
 
 def test_release_after_refit_prepares_again():

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import pickle
 import signal
 import time
 
@@ -17,7 +16,7 @@ import pytest
 import refit
 import refit.nixl
 
-from helpers import Pair, config, destination_process, nixl_region_process
+from helpers import Pair, config, nixl_region_process, source_with_destination_process
 from test_engine import expected, make_weights
 
 MiB = 1 << 20
@@ -45,81 +44,39 @@ def test_asking_for_nixl_without_it_says_what_to_install(monkeypatch):
 
 @needs_nixl
 def test_refits_between_two_processes_bitwise():
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    session = refit.new_session_id()
-    cfg = nixl_config(timeout_s=60, verify_checksums=True)
-    proc = ctx.Process(target=destination_process, args=(child, MiB, session, cfg.to_yaml(), 2), daemon=True)
-    proc.start()
-    try:
-        source = refit.create_checkpoint_engine("nixl", MiB, {"nixl": cfg, "session": session})
+    with source_with_destination_process(nixl_config(timeout_s=60, verify_checksums=True), refits=2) as (source, dst):
         assert source.transport_name == "NIXL"
-        md_destination = parent.recv()
-        if isinstance(md_destination, tuple):
-            raise md_destination[1]
-        metadata = [source.prepare(), md_destination]
-        parent.send(metadata)
-        source.init_policy_process_group(0, 1, 1, metadata)
         for seed in (1, 2):
             weights = make_weights(seed)  # a tensor split over three buckets, a zero-byte one, odd dtypes
             stats = source.send_weights(weights)
             assert stats["tensors"] == len(weights) and stats["buckets"] >= 3
-            kind, got, rstats, stale = parent.recv()
+            kind, got, rstats, stale = dst.recv()
             assert kind == "refit", got
             assert got == expected(weights) and not stale
             assert rstats["route"] == "NIXL UCX"
             assert rstats["wire_bytes"] >= rstats["payload_bytes"] == sum(np.asarray(t).nbytes for _, t in weights)
-        assert parent.recv() == ("done", False)
-        source.finalize()
-        source.close()
-    finally:
-        proc.join(30)
-        if proc.is_alive():
-            proc.kill()
-    assert proc.exitcode == 0
 
 
 @needs_nixl
 def test_large_tensors_are_read_from_the_sources_own_memory():
     # With in_place=True the source's tensors stay put during the send, so the destination READs
     # the large ones (>= 64 KiB) straight from them over NIXL; the source packs only the small ones.
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    session = refit.new_session_id()
-    cfg = nixl_config(timeout_s=60, verify_checksums=True)
-    proc = ctx.Process(target=destination_process, args=(child, MiB, session, cfg.to_yaml(), 3), daemon=True)
-    proc.start()
-    try:
-        source = refit.create_checkpoint_engine("nixl", MiB, {"nixl": cfg, "session": session})
-        md_destination = parent.recv()
-        if isinstance(md_destination, tuple):
-            raise md_destination[1]
-        metadata = [source.prepare(), md_destination]
-        parent.send(metadata)
-        source.init_policy_process_group(0, 1, 1, metadata)
-        rng = np.random.default_rng(5)
-        weights = [("embed", rng.standard_normal((512, 256), dtype=np.float32)),  # 512 KiB
-                   ("norm", rng.standard_normal(16).astype(np.float16)),
-                   ("qkv", rng.standard_normal((768, 512), dtype=np.float32)),  # 1.5 MiB: two buckets
-                   ("empty", np.zeros((0, 3), np.float32)),
-                   ("head", rng.integers(0, 255, 100_003, dtype=np.uint8))]
-        large = sum(t.nbytes for _, t in weights if t.nbytes >= 64 << 10)
+    rng = np.random.default_rng(5)
+    weights = [("embed", rng.standard_normal((512, 256), dtype=np.float32)),  # 512 KiB
+               ("norm", rng.standard_normal(16).astype(np.float16)),
+               ("qkv", rng.standard_normal((768, 512), dtype=np.float32)),  # 1.5 MiB: two buckets
+               ("empty", np.zeros((0, 3), np.float32)),
+               ("head", rng.integers(0, 255, 100_003, dtype=np.uint8))]
+    large = sum(t.nbytes for _, t in weights if t.nbytes >= 64 << 10)
+    with source_with_destination_process(nixl_config(timeout_s=60, verify_checksums=True), refits=3) as (source, dst):
         for refit_number, in_place in enumerate((True, True, False)):
             for _, t in weights:
                 t += np.asarray(1, t.dtype)  # training changes the values where they are
             stats = source.send_weights(weights, in_place=in_place)
-            kind, got, rstats, stale = parent.recv()
+            kind, got, rstats, stale = dst.recv()
             assert kind == "refit", got
             assert got == expected(weights) and not stale, refit_number
             assert stats["in_place_bytes"] == rstats["in_place_bytes"] == (large if in_place else 0), refit_number
-        assert parent.recv() == ("done", False)
-        source.finalize()
-        source.close()
-    finally:
-        proc.join(30)
-        if proc.is_alive():
-            proc.kill()
-    assert proc.exitcode == 0
 
 
 @needs_nixl

@@ -137,6 +137,20 @@ std::vector<OwnedTensor> model(uint32_t seed) {
   };
 }
 
+// The destination got every tensor, or its slice in `layout`, bitwise.
+void expect_received(const std::vector<OwnedTensor>& weights, Received& got, const Layout& layout) {
+  ASSERT_EQ(got.tensors.size(), weights.size());
+  for (const auto& t : weights) {
+    const Selection s = select(layout, t.info);
+    std::vector<std::byte> expected(s.info.nbytes());
+    if (s.take == Take::kSlice)
+      copy_slice(t.data.data(), t.info, s.slice, expected.data());
+    else
+      expected = t.data;
+    EXPECT_EQ(got.tensors[t.info.name].data, expected) << t.info.name;
+  }
+}
+
 uint64_t payload_of(const std::vector<OwnedTensor>& weights) {
   uint64_t n = 0;
   for (const auto& t : weights) n += t.info.nbytes();
@@ -237,16 +251,7 @@ TEST(InPlace, SlicesGoInPlaceWhenContiguousAndThroughBucketsOtherwise) {
   InPlacePair p({.bucket = 64, .layout = layout});
   Received got;
   auto stats = p.refit(weights, got.loader());
-  ASSERT_EQ(got.tensors.size(), 3u);
-  for (const auto& t : weights) {
-    const Selection s = select(layout, t.info);
-    std::vector<std::byte> expected(s.info.nbytes());
-    if (s.take == Take::kSlice)
-      copy_slice(t.data.data(), t.info, s.slice, expected.data());
-    else
-      expected = t.data;
-    EXPECT_EQ(got.tensors[t.info.name].data, expected) << t.info.name;
-  }
+  expect_received(weights, got, layout);
   EXPECT_EQ(stats.in_place_bytes, 4u * 6 * 2 + 8 * 4);
   EXPECT_EQ(stats.wire_bytes, 5u * 4 * 4);
 }
@@ -281,19 +286,6 @@ Layout columns_of_o() {
   Layout layout;
   layout.tensors["o"] = Request::narrow(1, 0, 64);
   return layout;
-}
-
-void expect_received(const std::vector<OwnedTensor>& weights, Received& got, const Layout& layout) {
-  ASSERT_EQ(got.tensors.size(), weights.size());
-  for (const auto& t : weights) {
-    const Selection s = select(layout, t.info);
-    std::vector<std::byte> expected(s.info.nbytes());
-    if (s.take == Take::kSlice)
-      copy_slice(t.data.data(), t.info, s.slice, expected.data());
-    else
-      expected = t.data;
-    EXPECT_EQ(got.tensors[t.info.name].data, expected) << t.info.name;
-  }
 }
 
 // A destination that cannot map (another host) reads large tensors from the source's own memory,

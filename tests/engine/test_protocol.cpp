@@ -18,6 +18,17 @@ BucketReady sample_bucket() {
   return m;
 }
 
+// What validate() says of a bucket of a 1024-byte link whose source has 2048 bytes of buffers.
+std::string message_of(const BucketReady& bad) {
+  try {
+    validate(bad, 1024, 2048, "source rank 0");
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kProtocol);
+    return std::string(e.what());
+  }
+  return std::string("accepted");
+}
+
 EngineMetadata sample_metadata() {
   EngineMetadata md;
   md.session = new_session_id();
@@ -154,15 +165,6 @@ TEST(Protocol, InPlaceEntriesRoundTripAndMustFitTheirSourceRegion) {
   EXPECT_EQ(back.entries()[2].region, 1u);
   EXPECT_TRUE(back.has_in_place_entries());
   EXPECT_NO_THROW(validate(back, 1024, 2048, "source rank 0"));
-  auto message_of = [](const BucketReady& bad) {
-    try {
-      validate(bad, 1024, 2048, "source rank 0");
-    } catch (const Error& e) {
-      EXPECT_EQ(e.kind(), ErrorKind::kProtocol);
-      return std::string(e.what());
-    }
-    return std::string("accepted");
-  };
   auto bad = m;
   edit_manifest(bad).entries[2].bucket_offset = 2049;  // 2049 + 2048 > 4096
   EXPECT_NE(message_of(bad).find("outside the 4096 bytes of source region 1"), std::string::npos) << message_of(bad);
@@ -192,15 +194,6 @@ TEST(Protocol, SpansRoundTripAndMustFitTheBucketAndTheirRegion) {
   EXPECT_EQ(back.spans()[1].size, 16u);
   EXPECT_FALSE(back.has_in_place_entries());  // its region is read, not mapped
   EXPECT_NO_THROW(validate(back, 1024, 2048, "source rank 0"));
-  auto message_of = [](const BucketReady& bad) {
-    try {
-      validate(bad, 1024, 2048, "source rank 0");
-    } catch (const Error& e) {
-      EXPECT_EQ(e.kind(), ErrorKind::kProtocol);
-      return std::string(e.what());
-    }
-    return std::string("accepted");
-  };
   auto bad = back;
   edit_manifest(bad).spans[0].source_offset = 4090;  // 4090 + 32 > 4096
   EXPECT_NE(message_of(bad).find("span 0 at [4090, +32) lies outside the 4096 bytes of source region 1"),

@@ -33,6 +33,11 @@ struct NodeGroup {
   double row_cost_s = 0;         // each row of a strided copy, beyond its bytes (CPU: a memcpy call)
   double copy_cost_s = 0;        // each pack or load of a bucket, beyond its bytes (issuing its copies,
                                  // one per tensor piece, and waiting for them)
+  // Reads in place (transfer.direct_reads): a destination's load straight from its source's own
+  // tensors into its parameters, one worker (0: calibration, else copy_rate), and what each group
+  // of tensors in place costs beyond its bytes (< 0: calibration, else copy_cost_s).
+  double in_place_copy_rate = 0;
+  double in_place_cost_s = -1;
   // CPU nodes that are really one machine (simulated hosts: network namespaces of one kernel)
   // name it here: their copies and TCP share its cores and memory. Empty: every node is its own.
   std::string machine;
@@ -51,19 +56,24 @@ struct ClusterSide {
 };
 
 struct ClusterTransfer {
-  uint64_t bucket_bytes = 0;  // per buffer; 0: the engine's sizing from the workers' memory
-  std::string transport;      // ucx (RDMA or TCP across nodes), cuda_ipc, nccl
-  bool mapped = true;         // same-node destinations load straight from the source's buffers
-  bool tcp = false;           // reads across nodes go through the kernels' TCP stacks, which spend CPU
-                              // on every byte at both ends (UCX over TCP, no RDMA)
-  bool host_buffers = false;  // GPU workers keep their transfer buffers in pinned host memory (packs
-                              // and loads cross PCIe), as refit_cfg.nixl.device=cpu with GPU tensors
-  double read_rate = 0;       // one read stream's ceiling (the transport's own); 0: calibration (UCX:
-                              // ucp_get, NCCL: send/recv), else none
-  double latency_s = -1;      // an announcement, until the destination starts on it; < 0: calibration
-  double ack_latency_s = -1;  // an acknowledgement, until the source sees it; < 0: calibration, else latency
-  double turnaround_s = -1;   // a destination's time between one load and the next; < 0: calibration
-  double overhead_s = -1;     // the driver starting a refit and collecting it; < 0: calibration
+  uint64_t bucket_bytes = 0;          // per buffer; 0: the engine's sizing from the workers' memory
+  std::string transport;              // ucx (RDMA or TCP across nodes), cuda_ipc, nccl
+  bool mapped = true;                 // same-node destinations load straight from the source's buffers
+  bool direct_reads = true;           // refit_cfg.nixl.direct_reads: a mapped destination whose transport maps the
+                                      // source's own tensors (CPU: UCX shared memory; GPU: CUDA IPC) loads them in
+                                      // place, without a pack; pieces that are not one contiguous range still go
+                                      // through buckets
+  bool tcp = false;                   // reads across nodes go through the kernels' TCP stacks, which spend CPU
+                                      // on every byte at both ends (UCX over TCP, no RDMA)
+  bool host_buffers = false;          // GPU workers keep their transfer buffers in pinned host memory (packs
+                                      // and loads cross PCIe), as refit_cfg.nixl.device=cpu with GPU tensors
+  double read_rate = 0;               // one read stream's ceiling (the transport's own); 0: calibration (UCX:
+                                      // ucp_get, NCCL: send/recv), else none
+  double latency_s = -1;              // an announcement, until the destination starts on it; < 0: calibration
+  double ack_latency_s = -1;          // an acknowledgement, until the source sees it; < 0: calibration, else latency
+  double turnaround_s = -1;           // a destination's time between one load and the next; < 0: calibration
+  double in_place_turnaround_s = -1;  // ... between loads of groups in place; < 0: calibration, else turnaround
+  double overhead_s = -1;             // the driver starting a refit and collecting it; < 0: calibration
 };
 
 struct Cluster {
@@ -92,6 +102,11 @@ struct Calibration {
   double host_node_copy_rate = 0;       // memcpy on every core at once
   double row_cost_s = 0;                // each row of a strided host copy (short rows), beyond its bytes
   double engine_copy_cost_s = -1;       // the engine's packs and loads: each bucket's, beyond its bytes
+  // Reads in place (direct_reads), from a bench whose destinations loaded in place: the loads'
+  // rate (one at a time), each group's cost beyond its bytes, the turnaround between groups.
+  double engine_in_place_copy_rate = 0;
+  double engine_in_place_copy_cost_s = -1;
+  double in_place_turnaround_s = -1;
   int cores = 0;
   uint64_t host_memory = 0;     // total host memory (a CPU node's bucket sizing)
   double read_rate = 0;         // one transport read stream (ucp_get over loopback)

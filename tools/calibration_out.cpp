@@ -318,14 +318,18 @@ void save_bench_calibration(const std::string& path, const json& run) {
     }
     if (!many_buckets && !rates.empty()) c.engine_in_place_copy_rate = median(rates);
     if (many_buckets && !costs.empty()) c.engine_in_place_copy_cost_s = std::max(median(costs), 0.0);
-    if (many_buckets)
+    if (many_buckets) {
       if (const double v = load_turnaround(timelines); v >= 0) c.in_place_turnaround_s = v;
+      if (const double v = announcement_latency(timelines); v >= 0) c.in_place_latency_s = v;
+      if (const double v = acknowledgement_latency(timelines); v >= 0) c.in_place_ack_latency_s = v;
+    }
     save_calibration(path, c);
     fmt::print(
         "calibration {}: in place ({:.0f}% of the bytes): the engine's loads {:.2f} GB/s; {:.1f} us per group; "
-        "turnaround {:.1f} us\n",
+        "turnaround {:.1f} us; latency {:.1f} us (acknowledgement {:.1f} us)\n",
         path, 100 * in_place_share(in_place), c.engine_in_place_copy_rate / 1e9,
-        std::max(c.engine_in_place_copy_cost_s, 0.0) * 1e6, std::max(c.in_place_turnaround_s, 0.0) * 1e6);
+        std::max(c.engine_in_place_copy_cost_s, 0.0) * 1e6, std::max(c.in_place_turnaround_s, 0.0) * 1e6,
+        std::max(c.in_place_latency_s, 0.0) * 1e6, std::max(c.in_place_ack_latency_s, 0.0) * 1e6);
     return;
   }
   if (run.contains("baseline")) {

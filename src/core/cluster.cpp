@@ -248,6 +248,8 @@ Cluster parse_cluster(const std::string& yaml, const std::string& origin) {
   c.transfer.latency_s = t.seconds("latency");
   c.transfer.turnaround_s = t.seconds("turnaround");
   c.transfer.in_place_turnaround_s = t.seconds("in_place_turnaround");
+  c.transfer.in_place_latency_s = t.seconds("in_place_latency");
+  c.transfer.in_place_ack_latency_s = t.seconds("in_place_ack_latency");
   c.transfer.ack_latency_s = t.seconds("ack_latency");
   c.transfer.overhead_s = t.seconds("overhead");
   t.check_all_used();
@@ -307,6 +309,8 @@ constexpr CalibrationField kCalibrationFields[] = {
     {"engine_in_place_copy_bytes_per_s", &Calibration::engine_in_place_copy_rate, 0},
     {"engine_in_place_copy_cost_s", &Calibration::engine_in_place_copy_cost_s, -1},
     {"in_place_turnaround_s", &Calibration::in_place_turnaround_s, -1},
+    {"in_place_latency_s", &Calibration::in_place_latency_s, -1},
+    {"in_place_ack_latency_s", &Calibration::in_place_ack_latency_s, -1},
     {"read_bytes_per_s", &Calibration::read_rate, 0},
     {"tcp_read_bytes_per_s", &Calibration::tcp_rate, 0},
     {"latency_s", &Calibration::latency_s, -1},
@@ -413,6 +417,12 @@ void apply_calibration(Cluster& cluster, const Calibration& cal) {
   if (cluster.transfer.in_place_turnaround_s < 0)
     cluster.transfer.in_place_turnaround_s =
         cal.in_place_turnaround_s >= 0 ? cal.in_place_turnaround_s : cluster.transfer.turnaround_s;
+  if (cluster.transfer.in_place_latency_s < 0)
+    cluster.transfer.in_place_latency_s =
+        cal.in_place_latency_s >= 0 ? cal.in_place_latency_s : cluster.transfer.latency_s;
+  if (cluster.transfer.in_place_ack_latency_s < 0)
+    cluster.transfer.in_place_ack_latency_s =
+        cal.in_place_ack_latency_s >= 0 ? cal.in_place_ack_latency_s : cluster.transfer.ack_latency_s;
   if (cluster.transfer.overhead_s < 0) cluster.transfer.overhead_s = std::max(cal.overhead_s, 0.0);
 }
 

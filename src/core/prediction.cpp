@@ -271,6 +271,7 @@ struct SimLink {
   bool fetching = false;
   int64_t ready = -1;     // handed to the engine, not yet taken
   int64_t released = -1;  // highest bucket the engine is done with
+  int64_t ack_sent = -1;  // mapped: highest bucket acknowledged once loaded
   double ready_since = 0;
 };
 
@@ -283,6 +284,11 @@ class PipelineModel {
     in_place_turnaround_ =
         cluster.transfer.in_place_turnaround_s >= 0 ? cluster.transfer.in_place_turnaround_s : turnaround_;
     ack_latency_ = cluster.transfer.ack_latency_s >= 0 ? cluster.transfer.ack_latency_s : latency_;
+    // A link that reads in place hands off on its own measured latencies (only the destination
+    // copies there, so the hand-offs compete with fewer copies for the CPU).
+    in_place_latency_ = cluster.transfer.in_place_latency_s >= 0 ? cluster.transfer.in_place_latency_s : latency_;
+    in_place_ack_latency_ =
+        cluster.transfer.in_place_ack_latency_s >= 0 ? cluster.transfer.in_place_ack_latency_s : ack_latency_;
     for (uint32_t s = 0; s < sources; ++s) source_places_.push_back(place_of(cluster, cluster.sources, s));
     for (uint32_t d = 0; d < destinations; ++d)
       destination_places_.push_back(place_of(cluster, cluster.destinations, d));
@@ -391,7 +397,7 @@ class PipelineModel {
       event(out_sources_[s], TimelinePhase::kAnnounce, l.destination, f.bucket, t, t, f.bytes);
       out_sources_[s].bytes += f.bytes + f.in_place;
       const uint32_t k = f.link;
-      sim_.at(sim_.now() + latency_, [this, k, f] {
+      sim_.at(sim_.now() + (l.reads_in_place ? in_place_latency_ : latency_), [this, k, f] {
         links_[k].announced[f.bucket] = true;
         try_fetch(k);
       });
@@ -408,7 +414,7 @@ class PipelineModel {
   }
 
   void acknowledge(uint32_t k, uint64_t bucket) {
-    sim_.at(sim_.now() + ack_latency_, [this, k, bucket] {
+    sim_.at(sim_.now() + (links_[k].reads_in_place ? in_place_ack_latency_ : ack_latency_), [this, k, bucket] {
       SimLink& l = links_[k];
       l.acknowledged = std::max(l.acknowledged, static_cast<int64_t>(bucket));
       const double t = now();
@@ -429,8 +435,13 @@ class PipelineModel {
     const uint64_t b = l.next_fetch;
     const uint64_t lag = l.mapped ? 1 : 2;
     if (b >= lag && l.released < static_cast<int64_t>(b - lag)) return;
+    // Mapped (or in place): the fetcher acknowledges the bucket the engine released as soon as it
+    // did, then waits for the next announcement (BucketFetcher::fetch).
+    if (l.mapped && b >= 1 && l.ack_sent < static_cast<int64_t>(b - 1)) {
+      l.ack_sent = static_cast<int64_t>(b - 1);
+      acknowledge(k, b - 1);
+    }
     if (!l.announced[b]) return;
-    if (l.mapped && b >= 1) acknowledge(k, b - 1);
     ++l.next_fetch;
     if (l.mapped || l.buckets[b] == 0) {
       if (!l.mapped) acknowledge(k, b);
@@ -501,7 +512,7 @@ class PipelineModel {
       if (l.mapped && b + 1 == l.buckets.size()) acknowledge(k, b);
       try_fetch(k);
       // The engine turns to the next bucket after its measured turnaround.
-      sim_.at(sim_.now() + (l.in_place[b] > 0 ? in_place_turnaround_ : turnaround_), [this, d] {
+      sim_.at(sim_.now() + (l.reads_in_place ? in_place_turnaround_ : turnaround_), [this, d] {
         destination_state_[d].loading = false;
         try_load(d);
       });
@@ -555,7 +566,8 @@ class PipelineModel {
   FlowSim sim_;
   Resources resources_;
   double start_ = 0;
-  double latency_ = 0, ack_latency_ = 0, turnaround_ = 0, in_place_turnaround_ = 0;
+  double latency_ = 0, ack_latency_ = 0, turnaround_ = 0;
+  double in_place_latency_ = 0, in_place_ack_latency_ = 0, in_place_turnaround_ = 0;
   std::vector<Place> source_places_, destination_places_;
   std::vector<SimLink> links_;
   std::vector<SourceState> source_state_;

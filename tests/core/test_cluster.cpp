@@ -321,6 +321,9 @@ TEST(Cluster, TheInPlaceCalibrationFillsTheInPlaceRatesOfItsKindAndRoundTrips) {
   measured.engine_in_place_copy_rate = 7e9;
   measured.engine_in_place_copy_cost_s = 1e-5;
   measured.in_place_turnaround_s = 6e-5;
+  measured.latency_s = 5e-4;
+  measured.in_place_latency_s = 2e-5;
+  measured.in_place_ack_latency_s = 3e-5;
   const auto path = std::filesystem::temp_directory_path() / "refit-calibration-in-place-test.json";
   save_calibration(path.string(), measured);
   Calibration read;
@@ -339,6 +342,9 @@ destinations: {nodes: gpu, ranks: 1}
   EXPECT_DOUBLE_EQ(c.group("host").in_place_copy_rate, 7e9);
   EXPECT_DOUBLE_EQ(c.group("host").in_place_cost_s, 1e-5);
   EXPECT_DOUBLE_EQ(c.transfer.in_place_turnaround_s, 6e-5);
+  EXPECT_DOUBLE_EQ(c.transfer.in_place_latency_s, 2e-5);
+  EXPECT_DOUBLE_EQ(c.transfer.in_place_ack_latency_s, 3e-5);
+  EXPECT_DOUBLE_EQ(c.transfer.latency_s, 5e-4);  // the bucket path keeps its own
   // A CPU bench's in-place rate is not a GPU's: its own copy rate and copy cost.
   EXPECT_DOUBLE_EQ(c.group("gpu").in_place_copy_rate, 2e12);
   EXPECT_DOUBLE_EQ(c.group("gpu").in_place_cost_s, c.group("gpu").copy_cost_s);
@@ -351,10 +357,13 @@ destinations: {nodes: gpu, ranks: 1}
   bucket_only.engine_in_place_copy_rate = 0;
   bucket_only.engine_in_place_copy_cost_s = -1;
   bucket_only.in_place_turnaround_s = -1;
+  bucket_only.in_place_latency_s = bucket_only.in_place_ack_latency_s = -1;
   apply_calibration(d, bucket_only);
   EXPECT_DOUBLE_EQ(d.group("host").in_place_copy_rate, 5e9);
   EXPECT_DOUBLE_EQ(d.group("host").in_place_cost_s, 3e-5);
   EXPECT_DOUBLE_EQ(d.transfer.in_place_turnaround_s, 4e-5);
+  EXPECT_DOUBLE_EQ(d.transfer.in_place_latency_s, 5e-4);
+  EXPECT_DOUBLE_EQ(d.transfer.in_place_ack_latency_s, 5e-4);  // ack latency falls back to the latency
 }
 
 // Sources and destinations as processes of one CPU host (4 cores, 1 GB/s per copy), UCX.
@@ -421,6 +430,21 @@ TEST(Prediction, InPlaceGroupsHoldAtMostTheLinkBucketBytesAndOneLargerTensorAlon
   const Prediction turning =
       predict_refit(m, {}, std::vector<Layout>(1), one_host(1, 1, "3MiB", true, "", ", in_place_turnaround: 1ms"));
   EXPECT_NEAR(turning.seconds - p.seconds, 3e-3, 1e-6);
+  // A link that reads in place hands off on its own latencies, not the bucket path's.
+  Cluster c = one_host(1, 1, "3MiB", true);
+  c.transfer.latency_s = c.transfer.ack_latency_s = 5e-3;
+  c.transfer.in_place_latency_s = c.transfer.in_place_ack_latency_s = 0;
+  EXPECT_NEAR(predict_refit(m, {}, std::vector<Layout>(1), c).seconds, p.seconds, 1e-9);
+  // The first announcement is waited for; the next group is announced before the first is loaded.
+  c.transfer.in_place_latency_s = 1e-3;
+  EXPECT_NEAR(predict_refit(m, {}, std::vector<Layout>(1), c).seconds - p.seconds, 1e-3, 1e-6);
+  // Acknowledgements slower than a group's load hold up the third group and the fourth.
+  c.transfer.in_place_latency_s = 0;
+  c.transfer.in_place_ack_latency_s = 5e-3;
+  const double slow_acks = predict_refit(m, {}, std::vector<Layout>(1), c).seconds;
+  EXPECT_GT(slow_acks - p.seconds, 2e-3);
+  c.transfer.direct_reads = false;  // the bucket path is held up by its own latencies
+  EXPECT_GT(predict_refit(m, {}, std::vector<Layout>(1), c).seconds, slow_acks);
 }
 
 TEST(Prediction, AStridedSliceKeepsItsBucketInsideALinkThatReadsInPlace) {

@@ -11,7 +11,10 @@
 #   steps 1-3 run the bucket path (refit_cfg.nixl.direct_reads=false); then the default path,
 #   reads in place (direct_reads=true, the source's weights in UCX memory):
 #   4. one source and one destination, groups larger than the model: the in-place load rate;
-#   5. the same with 16 MiB groups: each group's cost beyond its bytes, and the turnaround.
+#   5. the same with 16 MiB groups: each group's cost beyond its bytes, the turnaround and the
+#      hand-offs' latencies;
+#   6. on hosts with fewer than 4 cores, two sources and two destinations in place: the loads'
+#      rate together while their sources wait beside them (more processes than cores).
 # GPU (--gpu, on the GPU machine): the copy ceilings of GPU 0 (refit_gpu_ceiling: device copy,
 #   pinned host copy, peer copy and NCCL with a second GPU), then steps 1, 2, 4 and 5 with GPU
 #   tensors and buffers on GPU 0 (MODEL, default data/models/qwen3-8b; CUDA IPC, so step 4 and 5
@@ -56,6 +59,10 @@ one_round() {  # $1: the file of this round
   "$REFIT" bench --refits 5 --calibration-out "$out" refit_cfg.nixl.direct_reads=true | grep -E "^calibration"
   "$REFIT" bench --refits 5 --calibration-out "$out" refit_cfg.nixl.bucket_bytes=16MiB refit_cfg.nixl.direct_reads=true |
     grep -E "^calibration"
+  if [ "$(nproc)" -lt 4 ]; then
+    "$REFIT" bench --refits 5 --sources 2 --destinations 2 --calibration-out "$out" refit_cfg.nixl.bucket_bytes=16MiB \
+      refit_cfg.nixl.direct_reads=true | grep -E "^calibration"
+  fi
 }
 for ((r = 1; r <= rounds; r++)); do
   echo "== calibration round $r of $rounds"

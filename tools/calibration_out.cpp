@@ -247,6 +247,7 @@ struct InPlaceRefit {
   double bytes = 0;         // loaded in place
   double packed = 0;        // loaded from buckets
   double load_seconds = 0;  // the destinations' loads, together
+  double load_span = 0;     // the time during which any destination loaded (the loads' union)
   int loads = 0;
   bool overlapped = false;  // two loads ran at once (several destinations)
 };
@@ -265,9 +266,12 @@ std::vector<InPlaceRefit> in_place_refits(const json& refits) {
       if (e.at("phase").get<std::string>() == "load")
         loads.push_back({e.at("start").get<double>(), e.at("end").get<double>()});
     std::sort(loads.begin(), loads.end());
+    double covered = -1e300;
     for (size_t i = 0; i < loads.size(); ++i) {
       x.load_seconds += loads[i].second - loads[i].first;
       if (i > 0 && loads[i].first < loads[i - 1].second) x.overlapped = true;
+      x.load_span += std::max(0.0, loads[i].second - std::max(loads[i].first, covered));
+      covered = std::max(covered, loads[i].second);
     }
     x.loads = static_cast<int>(loads.size());
     out.push_back(x);
@@ -309,27 +313,35 @@ void save_bench_calibration(const std::string& path, const json& run) {
   // groups. The bucket path's values come from runs with direct_reads=false.
   const auto in_place = in_place_refits(run.at("refits"));
   if (in_place_share(in_place) >= 0.9) {
-    std::vector<double> rates, costs;
+    std::vector<double> rates, costs, crowded;
+    const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+    const bool more_than_cores = run.value("sources", 0u) + run.value("destinations", 0u) > cores;
     for (const auto& r : in_place) {
+      // Several destinations loading at once while their sources wait: the node's rate for them all.
+      if (r.overlapped && more_than_cores && r.load_span > 0) crowded.push_back((r.bytes + r.packed) / r.load_span);
+      if (more_than_cores) continue;  // the rate alone and the costs come from one pair
       if (r.overlapped || r.loads == 0 || r.load_seconds <= 0) continue;
       rates.push_back((r.bytes + r.packed) / r.load_seconds);
       if (c.engine_in_place_copy_rate > 0)
         costs.push_back((r.load_seconds - (r.bytes + r.packed) / c.engine_in_place_copy_rate) / r.loads);
     }
+    if (!crowded.empty()) c.engine_in_place_crowded_copy_rate = median(crowded);
     if (!many_buckets && !rates.empty()) c.engine_in_place_copy_rate = median(rates);
     if (many_buckets && !costs.empty()) c.engine_in_place_copy_cost_s = std::max(median(costs), 0.0);
-    if (many_buckets) {
+    if (many_buckets && crowded.empty()) {
       if (const double v = load_turnaround(timelines); v >= 0) c.in_place_turnaround_s = v;
       if (const double v = announcement_latency(timelines); v >= 0) c.in_place_latency_s = v;
       if (const double v = acknowledgement_latency(timelines); v >= 0) c.in_place_ack_latency_s = v;
     }
     save_calibration(path, c);
     fmt::print(
-        "calibration {}: in place ({:.0f}% of the bytes): the engine's loads {:.2f} GB/s; {:.1f} us per group; "
+        "calibration {}: in place ({:.0f}% of the bytes): the engine's loads {:.2f} GB/s ({:.2f} GB/s together with "
+        "more processes than cores); {:.1f} us per group; "
         "turnaround {:.1f} us; latency {:.1f} us (acknowledgement {:.1f} us)\n",
         path, 100 * in_place_share(in_place), c.engine_in_place_copy_rate / 1e9,
-        std::max(c.engine_in_place_copy_cost_s, 0.0) * 1e6, std::max(c.in_place_turnaround_s, 0.0) * 1e6,
-        std::max(c.in_place_latency_s, 0.0) * 1e6, std::max(c.in_place_ack_latency_s, 0.0) * 1e6);
+        c.engine_in_place_crowded_copy_rate / 1e9, std::max(c.engine_in_place_copy_cost_s, 0.0) * 1e6,
+        std::max(c.in_place_turnaround_s, 0.0) * 1e6, std::max(c.in_place_latency_s, 0.0) * 1e6,
+        std::max(c.in_place_ack_latency_s, 0.0) * 1e6);
     return;
   }
   if (run.contains("baseline")) {

@@ -38,6 +38,10 @@ struct NodeGroup {
   // of tensors in place costs beyond its bytes (< 0: calibration, else copy_cost_s).
   double in_place_copy_rate = 0;
   double in_place_cost_s = -1;
+  // CPU nodes: the in-place loads' rate, together, once more of them run than half the cores (each
+  // load's source waits alongside it, polling, so the node runs twice as many processes as loads;
+  // 0: calibration, else no such limit).
+  double in_place_crowded_rate = 0;
   // CPU nodes that are really one machine (simulated hosts: network namespaces of one kernel)
   // name it here: their copies and TCP share its cores and memory. Empty: every node is its own.
   std::string machine;
@@ -110,8 +114,9 @@ struct Calibration {
   double engine_in_place_copy_rate = 0;
   double engine_in_place_copy_cost_s = -1;
   double in_place_turnaround_s = -1;
-  double in_place_latency_s = -1;      // an announcement until the destination starts on it
-  double in_place_ack_latency_s = -1;  // an acknowledgement until the waiting source sees it
+  double in_place_latency_s = -1;                // an announcement until the destination starts on it
+  double in_place_ack_latency_s = -1;            // an acknowledgement until the waiting source sees it
+  double engine_in_place_crowded_copy_rate = 0;  // in-place loads together, more processes than cores
   int cores = 0;
   uint64_t host_memory = 0;     // total host memory (a CPU node's bucket sizing)
   double read_rate = 0;         // one transport read stream (ucp_get over loopback)

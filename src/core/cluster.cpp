@@ -145,6 +145,7 @@ NodeGroup read_group(const Section& s, size_t index) {
   g.copy_cost_s = s.seconds("copy_cost");
   g.in_place_copy_rate = s.rate("in_place_copy");
   g.in_place_cost_s = s.seconds("in_place_cost");
+  g.in_place_crowded_rate = s.rate("in_place_crowded_copy");
   g.machine = s.text("machine", "");
   g.tcp_rate = s.rate("tcp");
   s.check_all_used();
@@ -311,6 +312,7 @@ constexpr CalibrationField kCalibrationFields[] = {
     {"in_place_turnaround_s", &Calibration::in_place_turnaround_s, -1},
     {"in_place_latency_s", &Calibration::in_place_latency_s, -1},
     {"in_place_ack_latency_s", &Calibration::in_place_ack_latency_s, -1},
+    {"engine_in_place_crowded_copy_bytes_per_s", &Calibration::engine_in_place_crowded_copy_rate, 0},
     {"read_bytes_per_s", &Calibration::read_rate, 0},
     {"tcp_read_bytes_per_s", &Calibration::tcp_rate, 0},
     {"latency_s", &Calibration::latency_s, -1},
@@ -377,6 +379,8 @@ void apply_calibration(Cluster& cluster, const Calibration& cal) {
       g.in_place_cost_s =
           engine && cal.engine_in_place_copy_cost_s >= 0 ? cal.engine_in_place_copy_cost_s : g.copy_cost_s;
     if (g.in_place_copy_rate == 0 && engine) g.in_place_copy_rate = cal.engine_in_place_copy_rate;
+    if (g.in_place_crowded_rate == 0 && engine && !g.gpu)
+      g.in_place_crowded_rate = cal.engine_in_place_crowded_copy_rate;
     if (g.gpu) {
       if (g.copy_rate == 0)
         g.copy_rate = engine && cal.engine_copy_rate > 0 ? cal.engine_copy_rate : cal.device_copy_rate;

@@ -110,8 +110,10 @@ class FlowSim {
   std::vector<ResourceDemand> demands() const {
     std::vector<ResourceDemand> out;
     for (size_t r = 0; r < capacity_.size(); ++r)
-      if (bytes_[r] > 0)
-        out.push_back({names_[r], bytes_[r] / capacity_[r], static_cast<uint64_t>(bytes_[r]), capacity_[r]});
+      if (bytes_[r] > 0) {
+        const double capacity = std::isinf(capacity_[r]) ? crowded_[r] : capacity_[r];  // limited only when crowded
+        out.push_back({names_[r], bytes_[r] / capacity, static_cast<uint64_t>(bytes_[r]), capacity});
+      }
     std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.seconds > b.seconds; });
     return out;
   }
@@ -188,6 +190,14 @@ class Resources {
     const std::string where = p.group->machine.empty() ? "node " + p.node_key : "machine " + p.group->machine;
     return {get(fmt::format("cores ({})", where), p.group->copy_rate * cores),
             get(fmt::format("memory ({})", where), p.group->node_copy_rate, cores, p.group->crowded_copy_rate)};
+  }
+  // A CPU node's in-place loads, together: limited to the crowded in-place rate once more of them
+  // run than half its cores (their sources wait alongside them); -1 when not given.
+  int in_place(const Place& p) {
+    if (p.group->gpu || p.group->in_place_crowded_rate <= 0) return -1;
+    const int cores = std::max(p.group->cores, 1);
+    const std::string where = p.group->machine.empty() ? "node " + p.node_key : "machine " + p.group->machine;
+    return get(fmt::format("in-place loads ({})", where), kInf, std::max(cores / 2, 1), p.group->in_place_crowded_rate);
   }
   // What a CPU node's kernel can push through TCP: measured with both ends on one machine, so a
   // node that is one end of a flow has twice that.
@@ -552,7 +562,8 @@ class PipelineModel {
       start_copy(static_cast<double>(l.buckets[b]) + in_place + local, dst.group->copy_rate,
                  {cores, resources_.nvlink(src, false), resources_.nvlink(dst, true)}, cost, done);
     } else {
-      start_copy(bytes, dst.group->copy_rate, {cores, memory}, cost, done);
+      start_copy(bytes, dst.group->copy_rate, {cores, memory, l.in_place[b] > 0 ? resources_.in_place(dst) : -1}, cost,
+                 done);
     }
   }
   static double in_place_rate(const Place& p) {

@@ -308,6 +308,8 @@ TEST(Cluster, DirectReadsAndTheInPlaceRatesAreReadStrictly) {
               HasSubstr("'transfer.in_place_turnaround' must be a duration"));
   EXPECT_THAT(err("nodes: [{name: n, workers: 4, device: cpu, in_place_copy: quick}]\n" + sides),
               AllOf(HasSubstr("c.yaml"), HasSubstr("nodes[0].in_place_copy"), HasSubstr("'quick'")));
+  EXPECT_THAT(err("nodes: [{name: n, workers: 4, device: cpu, in_place_crowded_copy: 0GB/s}]\n" + sides),
+              HasSubstr("nodes[0].in_place_crowded_copy"));
   EXPECT_THAT(err("nodes: [{name: n, workers: 4, device: cpu, in_place_cost: -3us}]\n" + sides),
               HasSubstr("'nodes[0].in_place_cost' must be a duration"));
 }
@@ -324,6 +326,7 @@ TEST(Cluster, TheInPlaceCalibrationFillsTheInPlaceRatesOfItsKindAndRoundTrips) {
   measured.latency_s = 5e-4;
   measured.in_place_latency_s = 2e-5;
   measured.in_place_ack_latency_s = 3e-5;
+  measured.engine_in_place_crowded_copy_rate = 9e9;
   const auto path = std::filesystem::temp_directory_path() / "refit-calibration-in-place-test.json";
   save_calibration(path.string(), measured);
   Calibration read;
@@ -341,6 +344,8 @@ destinations: {nodes: gpu, ranks: 1}
   apply_calibration(c, read);
   EXPECT_DOUBLE_EQ(c.group("host").in_place_copy_rate, 7e9);
   EXPECT_DOUBLE_EQ(c.group("host").in_place_cost_s, 1e-5);
+  EXPECT_DOUBLE_EQ(c.group("host").in_place_crowded_rate, 9e9);
+  EXPECT_DOUBLE_EQ(c.group("gpu").in_place_crowded_rate, 0);  // CPU nodes only
   EXPECT_DOUBLE_EQ(c.transfer.in_place_turnaround_s, 6e-5);
   EXPECT_DOUBLE_EQ(c.transfer.in_place_latency_s, 2e-5);
   EXPECT_DOUBLE_EQ(c.transfer.in_place_ack_latency_s, 3e-5);
@@ -474,6 +479,35 @@ TEST(Prediction, AStridedSliceKeepsItsBucketInsideALinkThatReadsInPlace) {
   const Prediction strided = predict_refit(m, rows, quarter, one_host(2, 1, "64MiB", true));
   EXPECT_EQ(strided.in_place_bytes, 0u);
   EXPECT_EQ(packed_bytes(strided.sources[0]) + packed_bytes(strided.sources[1]), m.total_bytes() / 4);
+}
+
+TEST(Prediction, InPlaceLoadsShareTheCrowdedRateOnceMoreRunThanHalfTheCores) {
+  const ModelInventory m = rows_model(4, 1024, 256);
+  const double bytes = static_cast<double>(m.total_bytes());
+  auto host = [](int pairs, const std::string& crowded) {
+    Cluster c = parse_cluster(fmt::format(R"(
+nodes: [{{name: h, workers: 8, device: cpu, cores: 2, copy: 1GB/s, node_copy: 4GB/s{}}}]
+sources: {{nodes: h, ranks: {}}}
+destinations: {{nodes: h, ranks: {}}}
+transfer: {{bucket: 64MiB, latency: 0s, turnaround: 0s, overhead: 0s}}
+)",
+                                          crowded, pairs, pairs),
+                              "crowded.yaml");
+    apply_calibration(c, Calibration{});
+    return c;
+  };
+  // One pair: the load and its waiting source fit the two cores; the crowded rate does not apply.
+  EXPECT_NEAR(predict_refit(m, {}, std::vector<Layout>(1), host(1, ", in_place_crowded_copy: 1GB/s")).seconds,
+              bytes / 1e9, 1e-6);
+  // Two pairs: each load at its own rate without the limit, sharing 1 GB/s with it.
+  EXPECT_NEAR(predict_refit(m, {}, std::vector<Layout>(2), host(2, "")).seconds, bytes / 1e9, 1e-6);
+  const Prediction crowded = predict_refit(m, {}, std::vector<Layout>(2), host(2, ", in_place_crowded_copy: 1GB/s"));
+  EXPECT_NEAR(crowded.seconds, 2 * bytes / 1e9, 1e-6);
+  EXPECT_THAT(crowded.bound, HasSubstr("in-place loads"));
+  // The bucket path is not limited by it (its crowded rate is crowded_copy).
+  Cluster buckets = host(2, ", in_place_crowded_copy: 1GB/s");
+  buckets.transfer.direct_reads = false;
+  EXPECT_NEAR(predict_refit(m, {}, std::vector<Layout>(2), buckets).seconds, 2 * bytes / 1e9, 1e-6);
 }
 
 TEST(Prediction, OnlyDestinationsThatMapTheSourcesTensorsReadInPlace) {

@@ -7,10 +7,18 @@
 #   2. the same with 16 MiB buckets, so a source packs while its destination loads: what the
 #      host gives copies that overlap, and the engine's hand-off latency;
 #   3. on hosts with fewer than 4 cores, two sources and two destinations: more copies at once
-#      than cores.
+#      than cores;
+#   steps 1-3 run the bucket path (refit_cfg.nixl.direct_reads=false); then the default path,
+#   reads in place (direct_reads=true, the source's weights in UCX memory):
+#   4. one source and one destination, groups larger than the model: the in-place load rate;
+#   5. the same with 16 MiB groups: each group's cost beyond its bytes, the turnaround and the
+#      hand-offs' latencies;
+#   6. on hosts with fewer than 4 cores, two sources and two destinations in place: the loads'
+#      rate together while their sources wait beside them (more processes than cores).
 # GPU (--gpu, on the GPU machine): the copy ceilings of GPU 0 (refit_gpu_ceiling: device copy,
-#   pinned host copy, peer copy and NCCL with a second GPU), then steps 1 and 2 with GPU tensors
-#   and buffers on GPU 0 (MODEL, default data/models/qwen3-8b).
+#   pinned host copy, peer copy and NCCL with a second GPU), then steps 1, 2, 4 and 5 with GPU
+#   tensors and buffers on GPU 0 (MODEL, default data/models/qwen3-8b; CUDA IPC, so step 4 and 5
+#   read the source's GPU tensors in place).
 # Each is run ROUNDS times (default 3) into files of their own, and FILE gets the median of each
 # value over the rounds: this kind of machine varies by 10-15% from one minute to the next.
 # Usage: scripts/calibrate.sh [--gpu] [FILE]   (default build/calibration.json; BUILD_DIR as elsewhere)
@@ -30,17 +38,30 @@ one_round() {  # $1: the file of this round
   if [ "$gpu" = 1 ]; then
     local model="${MODEL:-data/models/qwen3-8b}"
     "$BUILD/tests/gpu/refit_gpu_ceiling" --device 0 --bytes $((1 << 30)) --iterations 10 --calibration-out "$out" | tail -n 1
-    CUDA_VISIBLE_DEVICES=0 "$REFIT" bench --model "$model" --device cuda --tensors cuda --refits 5 --calibration-out "$out" \
-      refit_cfg.nixl.bucket_bytes=20GiB | grep -E "^calibration"
-    CUDA_VISIBLE_DEVICES=0 "$REFIT" bench --model "$model" --device cuda --tensors cuda --refits 5 --calibration-out "$out" \
-      refit_cfg.nixl.bucket_bytes=256MiB | grep -E "^calibration"
+    local reads bucket
+    for reads in false true; do  # the bucket path, then reads in place (the in-place rate needs the first)
+      for bucket in 20GiB 256MiB; do
+        CUDA_VISIBLE_DEVICES=0 "$REFIT" bench --model "$model" --device cuda --tensors cuda --refits 5 \
+          --calibration-out "$out" refit_cfg.nixl.bucket_bytes=$bucket refit_cfg.nixl.direct_reads=$reads |
+          grep -E "^calibration"
+      done
+    done
     return
   fi
-  "$REFIT" bench --refits 5 --baseline --calibration-out "$out" | grep -E "^calibration"
-  "$REFIT" bench --refits 5 --calibration-out "$out" refit_cfg.nixl.bucket_bytes=16MiB | grep -E "^calibration"
+  local buckets=refit_cfg.nixl.direct_reads=false
+  "$REFIT" bench --refits 5 --baseline --calibration-out "$out" $buckets | grep -E "^calibration"
+  "$REFIT" bench --refits 5 --calibration-out "$out" refit_cfg.nixl.bucket_bytes=16MiB $buckets | grep -E "^calibration"
   if [ "$(nproc)" -lt 4 ]; then
-    "$REFIT" bench --refits 5 --sources 2 --destinations 2 --calibration-out "$out" refit_cfg.nixl.bucket_bytes=16MiB |
-      grep -E "^calibration"
+    "$REFIT" bench --refits 5 --sources 2 --destinations 2 --calibration-out "$out" refit_cfg.nixl.bucket_bytes=16MiB \
+      $buckets | grep -E "^calibration"
+  fi
+  # Reads in place: the rate first (one group), then what each of many groups costs at that rate.
+  "$REFIT" bench --refits 5 --calibration-out "$out" refit_cfg.nixl.direct_reads=true | grep -E "^calibration"
+  "$REFIT" bench --refits 5 --calibration-out "$out" refit_cfg.nixl.bucket_bytes=16MiB refit_cfg.nixl.direct_reads=true |
+    grep -E "^calibration"
+  if [ "$(nproc)" -lt 4 ]; then
+    "$REFIT" bench --refits 5 --sources 2 --destinations 2 --calibration-out "$out" refit_cfg.nixl.bucket_bytes=16MiB \
+      refit_cfg.nixl.direct_reads=true | grep -E "^calibration"
   fi
 }
 for ((r = 1; r <= rounds; r++)); do

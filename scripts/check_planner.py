@@ -4,11 +4,19 @@
 setup, and prints predicted, measured (median refit time) and their ratio. A benchmark, not a
 test: it prints the table and never fails on a ratio.
 
+Each local setup runs on the default path (destinations on their source's host read in place,
+refit_cfg.nixl.direct_reads=true) and on the bucket path (direct_reads=false), one row each;
+--path picks one. Simulated hosts are remote to each other: nothing goes in place there, so they
+run the default path only. The "in place" column: the share of the bytes read in place,
+predicted / measured.
+
 Usage: scripts/check_planner.py [--calibration FILE] [--refits N] [--hosts RATE ...] [--only NAME ...]
+                                [--path default|buckets|both]
   --calibration: the machine's calibration (default build/calibration.json; made by
                  scripts/calibrate.sh when missing)
   --hosts RATE:  also the simulated-hosts setups at this link rate (e.g. 1gbit; needs root)
   --gpu:         the GPU setups instead (one GPU, and two when present; run on the GPU machine)
+  --path:        default (reads in place), buckets, or both (the default)
 Environment: BUILD_DIR (default build/release).
 """
 import argparse
@@ -64,7 +72,7 @@ def yaml_parallel(p):
     return "{" + ", ".join(f"{k}: {str(v).lower()}" for k, v in p.items()) + "}"
 
 
-def cluster_yaml(name, sources, destinations, src, dst, bucket, hosts_rate=None, gpu=None):
+def cluster_yaml(name, sources, destinations, src, dst, bucket, hosts_rate=None, gpu=None, direct_reads=True):
     if hosts_rate:
         # One process per simulated host: each host's link is shaped to the rate, both ways.
         bits = rate_bits(hosts_rate)
@@ -82,7 +90,8 @@ def cluster_yaml(name, sources, destinations, src, dst, bucket, hosts_rate=None,
             f"sources: {{nodes: {side}, ranks: {sources}, parallel: {yaml_parallel(src)}}}\n"
             f"destinations: {{nodes: {side}, ranks: {destinations}, parallel: {yaml_parallel(dst)}}}\n"
             f"transfer: {{transport: {gpu[1] if gpu else 'ucx'}, bucket: {bucket}"
-            f"{', buffers: host' if gpu and gpu[2] == 'host' else ''}{', tcp: true' if hosts_rate else ''}}}\n")
+            f"{', buffers: host' if gpu and gpu[2] == 'host' else ''}{', tcp: true' if hosts_rate else ''}"
+            f", direct_reads: {str(direct_reads).lower()}}}\n")
 
 
 def rate_bits(rate):
@@ -97,11 +106,19 @@ def median_seconds(result):
     return statistics.median(ok[1:] if len(ok) > 2 else ok)
 
 
-def run_bench(model, sources, destinations, flags, bucket, refits, work, hosts_rate=None, extra=(), env=None):
+def in_place_share(result):
+    """The share of the bytes the destinations read in place, over the refits that succeeded."""
+    received = [d for r in result["refits"] if r.get("ok") for d in r.get("bytes_received", [])]
+    total = sum(d["bytes"] for d in received)
+    return sum(d.get("in_place_bytes", 0) for d in received) / total if total else 0.0
+
+
+def run_bench(model, sources, destinations, flags, bucket, refits, work, hosts_rate=None, extra=(), env=None,
+              direct_reads=True):
     out = os.path.join(work, "bench.json")
     args = ["--model", model, "--sources", str(sources), "--destinations", str(destinations), "--refits", str(refits),
             *flags, *extra, f"refit_cfg.nixl.bucket_bytes={bucket}",
-            "refit_cfg.nixl.direct_reads=false"]  # the planner models the bucket path, not reads in place
+            f"refit_cfg.nixl.direct_reads={str(direct_reads).lower()}"]
     if hosts_rate:
         # hosts_bench.sh names its models: small (the same config as SMALL here) and builtin.
         name = "small" if model.endswith("small.json") else "builtin" if model.startswith("builtin:") else model
@@ -123,7 +140,9 @@ def predict(yaml_text, model, calibration, work):
     if calibration:
         cmd += ["--calibration", calibration]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-    return json.load(open(out))["prediction"]["refit"]["seconds"]
+    refit = json.load(open(out))["prediction"]["refit"]
+    received = sum(w["bytes"] for w in refit["workers"] if w["worker"].startswith("destination"))
+    return refit["seconds"], refit.get("in_place_bytes", 0) / received if received else 0.0
 
 
 def main():
@@ -133,6 +152,7 @@ def main():
     parser.add_argument("--hosts", action="append", default=[])
     parser.add_argument("--gpu", action="store_true")
     parser.add_argument("--only", action="append", default=[])
+    parser.add_argument("--path", choices=["default", "buckets", "both"], default="both")
     args = parser.parse_args()
     if not os.path.exists(args.calibration):
         subprocess.run([os.path.join(ROOT, "scripts/calibrate.sh"), args.calibration], check=True)
@@ -140,18 +160,20 @@ def main():
     small = os.path.join(work, "small.json")
     json.dump(SMALL, open(small, "w"))
     runs = []
+    paths = {"default": [True], "buckets": [False], "both": [True, False]}[args.path]
     if args.gpu:
         gpus = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout.count("GPU ")
-        runs += [(s[:7], None, s[7:]) for s in GPU_SETUPS if s[7] <= gpus]
+        runs += [(s[:7], None, s[7:], reads) for s in GPU_SETUPS if s[7] <= gpus for reads in paths]
     else:
-        runs += [(s, None, None) for s in CPU_SETUPS]
-        for rate in args.hosts:
-            runs += [(s, rate, None) for s in HOST_SETUPS]
-    print(f"{'setup':<40} {'predicted s':>12} {'measured s':>11} {'ratio':>7}")
-    ratios = []
-    for (name, model, sources, destinations, src, dst, bucket), rate, gpu in runs:
+        runs += [(s, None, None, reads) for s in CPU_SETUPS for reads in paths]
+        for rate in args.hosts:  # remote: nothing goes in place, the default path is the bucket path
+            runs += [(s, rate, None, True) for s in HOST_SETUPS]
+    print(f"{'setup':<58} {'predicted s':>12} {'measured s':>11} {'ratio':>7} {'in place':>11}")
+    ratios = {True: [], False: []}
+    for (name, model, sources, destinations, src, dst, bucket), rate, gpu, reads in runs:
         label = name + (f" @{rate}" if rate else "") + (f" {gpu[1]}{' host buffers' if gpu[2] == 'host' else ''} "
                                                          f"on {gpu[0]} GPU(s)" if gpu else "")
+        label += "" if rate else (" [default]" if reads else " [buckets]")
         if args.only and not any(o in label for o in args.only):
             continue
         model_path = small if model == "small" else model
@@ -163,15 +185,21 @@ def main():
             extra = ("--device", "cuda" if buffers == "device" else "cpu", "--tensors", "cuda",
                      f"refit_cfg.nixl.backend_name={transport.upper()}")
             env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(str(g) for g in range(gpu_count)))
-        measured = median_seconds(run_bench(model_path, sources, destinations, bench_flags(src, dst), bucket,
-                                            args.refits, work, rate, extra, env))
-        predicted = predict(cluster_yaml(label.replace(" ", "-"), sources, destinations, src, dst, bucket, rate, gpu),
-                            model_path, args.calibration, work)
-        ratios.append(predicted / measured)
-        print(f"{label:<40} {predicted:12.4f} {measured:11.4f} {predicted / measured:7.3f}", flush=True)
-    inside = sum(1 for r in ratios if 0.85 <= r <= 1.15)
-    print(f"{inside} of {len(ratios)} within +-15%; median of {args.refits} refits (the first left out), "
-          f"calibration {args.calibration}")
+        result = run_bench(model_path, sources, destinations, bench_flags(src, dst), bucket, args.refits, work, rate,
+                           extra, env, reads)
+        measured, measured_share = median_seconds(result), in_place_share(result)
+        name_in_yaml = re.sub(r"[^A-Za-z0-9_.-]+", "-", label)
+        predicted, predicted_share = predict(
+            cluster_yaml(name_in_yaml, sources, destinations, src, dst, bucket, rate, gpu, reads), model_path,
+            args.calibration, work)
+        ratios[reads].append(predicted / measured)
+        share = f"{predicted_share:.2f}/{measured_share:.2f}"
+        print(f"{label:<58} {predicted:12.4f} {measured:11.4f} {predicted / measured:7.3f} {share:>11}", flush=True)
+    for reads, path in ((True, "default path"), (False, "bucket path")):
+        if ratios[reads]:
+            inside = sum(1 for r in ratios[reads] if 0.85 <= r <= 1.15)
+            print(f"{path}: {inside} of {len(ratios[reads])} within +-15%")
+    print(f"median of {args.refits} refits (the first left out), calibration {args.calibration}")
 
 
 # ... and the GPUs they need, the transport, and where the transfer buffers are.

@@ -173,12 +173,9 @@ RefitConfig bench_config(const BenchOptions& options) {
   }
   overrides.insert(overrides.end(), options.overrides.begin(), options.overrides.end());
   RefitConfig config = load_config(options.config_file, overrides);
-  // A calibration measures the bucket pipeline, the path the cluster planner models (it does not
-  // model reads in place yet).
-  if (!options.calibration_out.empty() && config.direct_reads) {
-    spdlog::info("--calibration-out measures the bucket path: refit_cfg.nixl.direct_reads=false");
-    config.direct_reads = false;
-  }
+  // --calibration-out measures the path the run takes: a run that reads in place (direct_reads, the
+  // default) gives the in-place values, one with refit_cfg.nixl.direct_reads=false the bucket
+  // path's (scripts/calibrate.sh runs both).
   return config;
 }
 

@@ -240,6 +240,55 @@ double load_turnaround(const std::vector<std::vector<Event>>& timelines) {
   return mean(total, count);
 }
 
+// Reads in place (direct_reads): what the destinations loaded straight from their sources' tensors,
+// per refit that succeeded but the first, with their loads. A load event carries only the packed
+// bytes of its bucket (the engine's timeline), so the in-place bytes come from each refit's report.
+struct InPlaceRefit {
+  double bytes = 0;         // loaded in place
+  double packed = 0;        // loaded from buckets
+  double load_seconds = 0;  // the destinations' loads, together
+  double load_span = 0;     // the time during which any destination loaded (the loads' union)
+  int loads = 0;
+  bool overlapped = false;  // two loads ran at once (several destinations)
+};
+std::vector<InPlaceRefit> in_place_refits(const json& refits) {
+  std::vector<InPlaceRefit> out;
+  for (size_t k = 1; k < refits.size(); ++k) {
+    const json& r = refits[k];
+    if (!r.value("ok", false) || !r.contains("timeline") || !r.contains("bytes_received")) continue;
+    InPlaceRefit x;
+    for (const auto& d : r["bytes_received"]) {
+      x.bytes += d.value("in_place_bytes", 0.0);
+      x.packed += d.value("bytes", 0.0) - d.value("in_place_bytes", 0.0);
+    }
+    std::vector<std::pair<double, double>> loads;
+    for (const auto& e : r["timeline"])
+      if (e.at("phase").get<std::string>() == "load")
+        loads.push_back({e.at("start").get<double>(), e.at("end").get<double>()});
+    std::sort(loads.begin(), loads.end());
+    double covered = -1e300;
+    for (size_t i = 0; i < loads.size(); ++i) {
+      x.load_seconds += loads[i].second - loads[i].first;
+      if (i > 0 && loads[i].first < loads[i - 1].second) x.overlapped = true;
+      x.load_span += std::max(0.0, loads[i].second - std::max(loads[i].first, covered));
+      covered = std::max(covered, loads[i].second);
+    }
+    x.loads = static_cast<int>(loads.size());
+    out.push_back(x);
+  }
+  return out;
+}
+
+// The share of a run's received bytes that went in place.
+double in_place_share(const std::vector<InPlaceRefit>& refits) {
+  double in_place = 0, all = 0;
+  for (const auto& r : refits) {
+    in_place += r.bytes;
+    all += r.bytes + r.packed;
+  }
+  return all > 0 ? in_place / all : 0;
+}
+
 }  // namespace
 
 void save_bench_calibration(const std::string& path, const json& run) {
@@ -256,6 +305,45 @@ void save_bench_calibration(const std::string& path, const json& run) {
   c.machine =
       fmt::format("{} cores, {:.0f} GiB, measured by refit bench", cores, total_host_memory_bytes() / 1073741824.0);
   c.host_memory = total_host_memory_bytes();
+  const auto timelines = later_timelines(run.at("refits"));
+  const bool many_buckets = run.value("bucket_bytes", uint64_t{0}) * 8 <= run.value("model_bytes", uint64_t{0});
+  // A run whose destinations read (nearly) everything in place measures that path only: the
+  // in-place load rate with groups larger than the model (one group, a copy that runs alone), and
+  // with many groups each group's cost beyond its bytes at that rate and the turnaround between
+  // groups. The bucket path's values come from runs with direct_reads=false.
+  const auto in_place = in_place_refits(run.at("refits"));
+  if (in_place_share(in_place) >= 0.9) {
+    std::vector<double> rates, costs, crowded;
+    const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+    const bool more_than_cores = run.value("sources", 0u) + run.value("destinations", 0u) > cores;
+    for (const auto& r : in_place) {
+      // Several destinations loading at once while their sources wait: the node's rate for them all.
+      if (r.overlapped && more_than_cores && r.load_span > 0) crowded.push_back((r.bytes + r.packed) / r.load_span);
+      if (more_than_cores) continue;  // the rate alone and the costs come from one pair
+      if (r.overlapped || r.loads == 0 || r.load_seconds <= 0) continue;
+      rates.push_back((r.bytes + r.packed) / r.load_seconds);
+      if (c.engine_in_place_copy_rate > 0)
+        costs.push_back((r.load_seconds - (r.bytes + r.packed) / c.engine_in_place_copy_rate) / r.loads);
+    }
+    if (!crowded.empty()) c.engine_in_place_crowded_copy_rate = median(crowded);
+    if (!many_buckets && !rates.empty()) c.engine_in_place_copy_rate = median(rates);
+    if (many_buckets && !costs.empty()) c.engine_in_place_copy_cost_s = std::max(median(costs), 0.0);
+    if (many_buckets && crowded.empty()) {
+      if (const double v = load_turnaround(timelines); v >= 0) c.in_place_turnaround_s = v;
+      if (const double v = announcement_latency(timelines); v >= 0) c.in_place_latency_s = v;
+      if (const double v = acknowledgement_latency(timelines); v >= 0) c.in_place_ack_latency_s = v;
+    }
+    save_calibration(path, c);
+    fmt::print(
+        "calibration {}: in place ({:.0f}% of the bytes): the engine's loads {:.2f} GB/s ({:.2f} GB/s together with "
+        "more processes than cores); {:.1f} us per group; "
+        "turnaround {:.1f} us; latency {:.1f} us (acknowledgement {:.1f} us)\n",
+        path, 100 * in_place_share(in_place), c.engine_in_place_copy_rate / 1e9,
+        c.engine_in_place_crowded_copy_rate / 1e9, std::max(c.engine_in_place_copy_cost_s, 0.0) * 1e6,
+        std::max(c.in_place_turnaround_s, 0.0) * 1e6, std::max(c.in_place_latency_s, 0.0) * 1e6,
+        std::max(c.in_place_ack_latency_s, 0.0) * 1e6);
+    return;
+  }
   if (run.contains("baseline")) {
     const json& b = run["baseline"];
     c.host_copy_rate = b.at("memcpy_bytes_per_s").get<double>();
@@ -266,14 +354,12 @@ void save_bench_calibration(const std::string& path, const json& run) {
     if (b.contains("tcp_get_bytes_per_s")) c.tcp_rate = b["tcp_get_bytes_per_s"].get<double>();
     if (b.contains("message_latency_s")) c.latency_s = b["message_latency_s"].get<double>();
   }
-  const auto timelines = later_timelines(run.at("refits"));
   // A run measures the rate its copies ran at: alone (when none ever overlapped), together, or
   // crowded; and the hand-offs when its links carried many buckets.
   const CopyRates rates = engine_copy_rates(timelines);
   if (rates.alone > 0 && rates.overlapped == 0) c.engine_copy_rate = rates.alone;
   if (rates.together > 0 && rates.crowded == 0) c.engine_node_copy_rate = rates.together;
   if (rates.crowded > 0) c.engine_crowded_copy_rate = rates.crowded;
-  const bool many_buckets = run.value("bucket_bytes", uint64_t{0}) * 8 <= run.value("model_bytes", uint64_t{0});
   if (many_buckets && rates.crowded == 0) {
     if (const double v = announcement_latency(timelines); v >= 0) c.latency_s = v;
     if (const double v = acknowledgement_latency(timelines); v >= 0) c.ack_latency_s = v;

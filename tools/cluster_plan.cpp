@@ -65,6 +65,7 @@ json prediction_json(const Prediction& p) {
           {"bound", p.bound},
           {"bucket_bytes", p.bucket_bytes},
           {"buckets", p.buckets},
+          {"in_place_bytes", p.in_place_bytes},
           {"workers", workers},
           {"demands", demands},
           {"timeline", events_json(p)}};
@@ -93,8 +94,9 @@ void print_workers(const std::vector<PredictedWorker>& workers, const char* role
 void print_prediction(const char* path, const Prediction& p) {
   fmt::print("{} path: {:.3f} s", path, p.seconds);
   if (p.gather_seconds > 0) fmt::print(" (gather {:.3f} s first)", p.gather_seconds);
-  fmt::print("; {} buckets of up to {:.1f} MiB per link; overhead {:.3f} s\n", p.buckets, p.bucket_bytes / 1048576.0,
-             p.overhead_seconds);
+  fmt::print("; {} buckets of up to {:.1f} MiB per link", p.buckets, p.bucket_bytes / 1048576.0);
+  if (p.in_place_bytes > 0) fmt::print(" ({:.3f} GiB read in place)", p.in_place_bytes / kGiB);
+  fmt::print("; overhead {:.3f} s\n", p.overhead_seconds);
   fmt::print("  bound: {}\n", p.bound);
   print_workers(p.sources, "sources");
   print_workers(p.destinations, "destinations");
@@ -141,10 +143,11 @@ int run_cluster_plan(const PlanOptions& options) {
   const NodeGroup& dg = cluster.group(cluster.destinations.nodes);
   fmt::print(
       "cluster {}: model {} ({:.2f} GiB), {} sources on '{}' ({} node(s) x {} {}), {} destinations on '{}'; "
-      "{:.0f} MiB buckets, transport {}\n",
+      "{:.0f} MiB buckets, transport {}{}\n",
       cluster.name, inventory.name, inventory.total_bytes() / kGiB, cluster.sources.ranks, sg.name, sg.count,
       sg.workers, sg.gpu ? "GPUs" : "processes", cluster.destinations.ranks, dg.name,
-      cluster.transfer.bucket_bytes / 1048576.0, cluster.transfer.transport);
+      cluster.transfer.bucket_bytes / 1048576.0, cluster.transfer.transport,
+      cluster.transfer.direct_reads ? "" : ", direct_reads off");
   json out = {{"cluster", cluster.name},
               {"model", inventory.name},
               {"model_bytes", inventory.total_bytes()},
@@ -152,6 +155,7 @@ int run_cluster_plan(const PlanOptions& options) {
               {"destinations", cluster.destinations.ranks},
               {"bucket_bytes", cluster.transfer.bucket_bytes},
               {"transport", cluster.transfer.transport},
+              {"direct_reads", cluster.transfer.direct_reads},
               {"prediction", json::object()}};
   const Prediction refit = predict_refit(inventory, holds, needs, cluster);
   print_prediction(holds.empty() ? "refit (paired: the sources hold the whole model)" : "refit (resharding)", refit);

@@ -33,6 +33,15 @@ struct NodeGroup {
   double row_cost_s = 0;         // each row of a strided copy, beyond its bytes (CPU: a memcpy call)
   double copy_cost_s = 0;        // each pack or load of a bucket, beyond its bytes (issuing its copies,
                                  // one per tensor piece, and waiting for them)
+  // Reads in place (transfer.direct_reads): a destination's load straight from its source's own
+  // tensors into its parameters, one worker (0: calibration, else copy_rate), and what each group
+  // of tensors in place costs beyond its bytes (< 0: calibration, else copy_cost_s).
+  double in_place_copy_rate = 0;
+  double in_place_cost_s = -1;
+  // CPU nodes: the in-place loads' rate, together, once more of them run than half the cores (each
+  // load's source waits alongside it, polling, so the node runs twice as many processes as loads;
+  // 0: calibration, else no such limit).
+  double in_place_crowded_rate = 0;
   // CPU nodes that are really one machine (simulated hosts: network namespaces of one kernel)
   // name it here: their copies and TCP share its cores and memory. Empty: every node is its own.
   std::string machine;
@@ -54,6 +63,10 @@ struct ClusterTransfer {
   uint64_t bucket_bytes = 0;  // per buffer; 0: the engine's sizing from the workers' memory
   std::string transport;      // ucx (RDMA or TCP across nodes), cuda_ipc, nccl
   bool mapped = true;         // same-node destinations load straight from the source's buffers
+  bool direct_reads = true;   // refit_cfg.nixl.direct_reads: a mapped destination whose transport maps the
+                              // source's own tensors (CPU: UCX shared memory; GPU: CUDA IPC) loads them in
+                              // place, without a pack; pieces that are not one contiguous range still go
+                              // through buckets
   bool tcp = false;           // reads across nodes go through the kernels' TCP stacks, which spend CPU
                               // on every byte at both ends (UCX over TCP, no RDMA)
   bool host_buffers = false;  // GPU workers keep their transfer buffers in pinned host memory (packs
@@ -63,7 +76,10 @@ struct ClusterTransfer {
   double latency_s = -1;      // an announcement, until the destination starts on it; < 0: calibration
   double ack_latency_s = -1;  // an acknowledgement, until the source sees it; < 0: calibration, else latency
   double turnaround_s = -1;   // a destination's time between one load and the next; < 0: calibration
-  double overhead_s = -1;     // the driver starting a refit and collecting it; < 0: calibration
+  // Links that read in place: their announcements, acknowledgements and turnaround between groups;
+  // < 0: calibration, else latency_s, ack_latency_s and turnaround_s.
+  double in_place_latency_s = -1, in_place_ack_latency_s = -1, in_place_turnaround_s = -1;
+  double overhead_s = -1;  // the driver starting a refit and collecting it; < 0: calibration
 };
 
 struct Cluster {
@@ -92,6 +108,15 @@ struct Calibration {
   double host_node_copy_rate = 0;       // memcpy on every core at once
   double row_cost_s = 0;                // each row of a strided host copy (short rows), beyond its bytes
   double engine_copy_cost_s = -1;       // the engine's packs and loads: each bucket's, beyond its bytes
+  // Reads in place (direct_reads), from a bench whose destinations loaded in place: the loads'
+  // rate (one at a time), each group's cost beyond its bytes, the turnaround between groups, and
+  // the hand-offs' latencies on that path.
+  double engine_in_place_copy_rate = 0;
+  double engine_in_place_copy_cost_s = -1;
+  double in_place_turnaround_s = -1;
+  double in_place_latency_s = -1;                // an announcement until the destination starts on it
+  double in_place_ack_latency_s = -1;            // an acknowledgement until the waiting source sees it
+  double engine_in_place_crowded_copy_rate = 0;  // in-place loads together, more processes than cores
   int cores = 0;
   uint64_t host_memory = 0;     // total host memory (a CPU node's bucket sizing)
   double read_rate = 0;         // one transport read stream (ucp_get over loopback)

@@ -8,6 +8,10 @@
 //    with it; a destination reads (staged) or loads straight from the source's mapped buffer;
 //    its loads run one at a time; announcements and acknowledgements each cost one message
 //    latency;
+//  - reads in place (transfer.direct_reads): on a mapped link whose transport maps the source's
+//    own tensors, contiguous pieces are not packed: the source announces groups of them (each at
+//    most the link's bucket bytes, besides what the bucket packs) and the destination's load
+//    copies them straight from the source's memory; strided and empty pieces keep their buckets;
 //  - the rates: every copy and read is a flow through the resources it uses (a GPU's copy
 //    engine, a CPU node's memory, NIC rails each way, NVLink each way), which share their
 //    capacity equally between the flows crossing them, each flow also capped by its own rate.
@@ -50,6 +54,7 @@ struct Prediction {
   std::string bound;          // what decides the time, in words
   uint64_t bucket_bytes = 0;  // per link buffer (the largest)
   uint64_t buckets = 0;
+  uint64_t in_place_bytes = 0;  // of the bytes the destinations receive, loaded in place (direct_reads)
   std::vector<PredictedWorker> sources, destinations;
   std::vector<ResourceDemand> demands;  // the busiest first
 };

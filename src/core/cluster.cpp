@@ -143,6 +143,9 @@ NodeGroup read_group(const Section& s, size_t index) {
   g.memory = s.bytes("memory");
   g.row_cost_s = std::max(s.seconds("row_cost"), 0.0);
   g.copy_cost_s = s.seconds("copy_cost");
+  g.in_place_copy_rate = s.rate("in_place_copy");
+  g.in_place_cost_s = s.seconds("in_place_cost");
+  g.in_place_crowded_rate = s.rate("in_place_crowded_copy");
   g.machine = s.text("machine", "");
   g.tcp_rate = s.rate("tcp");
   s.check_all_used();
@@ -236,6 +239,7 @@ Cluster parse_cluster(const std::string& yaml, const std::string& origin) {
     fail(ErrorKind::kConfig, "{}: 'transfer.transport' must be ucx, cuda_ipc or nccl, got '{}'", origin,
          c.transfer.transport);
   c.transfer.mapped = t.flag("mapped", true);
+  c.transfer.direct_reads = t.flag("direct_reads", true);
   c.transfer.tcp = t.flag("tcp", false);
   const std::string buffers = t.text("buffers", "device");
   if (buffers != "device" && buffers != "host")
@@ -244,6 +248,9 @@ Cluster parse_cluster(const std::string& yaml, const std::string& origin) {
   c.transfer.read_rate = t.rate("read_rate");
   c.transfer.latency_s = t.seconds("latency");
   c.transfer.turnaround_s = t.seconds("turnaround");
+  c.transfer.in_place_turnaround_s = t.seconds("in_place_turnaround");
+  c.transfer.in_place_latency_s = t.seconds("in_place_latency");
+  c.transfer.in_place_ack_latency_s = t.seconds("in_place_ack_latency");
   c.transfer.ack_latency_s = t.seconds("ack_latency");
   c.transfer.overhead_s = t.seconds("overhead");
   t.check_all_used();
@@ -300,6 +307,12 @@ constexpr CalibrationField kCalibrationFields[] = {
     {"engine_crowded_copy_bytes_per_s", &Calibration::engine_crowded_copy_rate, 0},
     {"row_cost_s", &Calibration::row_cost_s, 0},
     {"engine_copy_cost_s", &Calibration::engine_copy_cost_s, -1},
+    {"engine_in_place_copy_bytes_per_s", &Calibration::engine_in_place_copy_rate, 0},
+    {"engine_in_place_copy_cost_s", &Calibration::engine_in_place_copy_cost_s, -1},
+    {"in_place_turnaround_s", &Calibration::in_place_turnaround_s, -1},
+    {"in_place_latency_s", &Calibration::in_place_latency_s, -1},
+    {"in_place_ack_latency_s", &Calibration::in_place_ack_latency_s, -1},
+    {"engine_in_place_crowded_copy_bytes_per_s", &Calibration::engine_in_place_crowded_copy_rate, 0},
     {"read_bytes_per_s", &Calibration::read_rate, 0},
     {"tcp_read_bytes_per_s", &Calibration::tcp_rate, 0},
     {"latency_s", &Calibration::latency_s, -1},
@@ -362,6 +375,12 @@ void apply_calibration(Cluster& cluster, const Calibration& cal) {
     // The engine's measured copy rates apply to nodes of the kind the measuring bench ran on.
     const bool engine = cal.engine_device == (g.gpu ? "cuda" : "cpu");
     if (g.copy_cost_s < 0) g.copy_cost_s = engine ? std::max(cal.engine_copy_cost_s, 0.0) : 0;
+    if (g.in_place_cost_s < 0)
+      g.in_place_cost_s =
+          engine && cal.engine_in_place_copy_cost_s >= 0 ? cal.engine_in_place_copy_cost_s : g.copy_cost_s;
+    if (g.in_place_copy_rate == 0 && engine) g.in_place_copy_rate = cal.engine_in_place_copy_rate;
+    if (g.in_place_crowded_rate == 0 && engine && !g.gpu)
+      g.in_place_crowded_rate = cal.engine_in_place_crowded_copy_rate;
     if (g.gpu) {
       if (g.copy_rate == 0)
         g.copy_rate = engine && cal.engine_copy_rate > 0 ? cal.engine_copy_rate : cal.device_copy_rate;
@@ -389,6 +408,7 @@ void apply_calibration(Cluster& cluster, const Calibration& cal) {
       if (g.node_copy_rate == 0) g.node_copy_rate = g.copy_rate * std::max(g.cores, 1);
       if (g.crowded_copy_rate == 0 && engine) g.crowded_copy_rate = cal.engine_crowded_copy_rate;
     }
+    if (g.in_place_copy_rate == 0) g.in_place_copy_rate = g.copy_rate;
   }
   if (cluster.transfer.read_rate == 0)
     cluster.transfer.read_rate = cluster.transfer.transport == "ucx"    ? cal.read_rate
@@ -398,6 +418,15 @@ void apply_calibration(Cluster& cluster, const Calibration& cal) {
   if (cluster.transfer.ack_latency_s < 0)
     cluster.transfer.ack_latency_s = cal.ack_latency_s >= 0 ? cal.ack_latency_s : cluster.transfer.latency_s;
   if (cluster.transfer.turnaround_s < 0) cluster.transfer.turnaround_s = std::max(cal.turnaround_s, 0.0);
+  if (cluster.transfer.in_place_turnaround_s < 0)
+    cluster.transfer.in_place_turnaround_s =
+        cal.in_place_turnaround_s >= 0 ? cal.in_place_turnaround_s : cluster.transfer.turnaround_s;
+  if (cluster.transfer.in_place_latency_s < 0)
+    cluster.transfer.in_place_latency_s =
+        cal.in_place_latency_s >= 0 ? cal.in_place_latency_s : cluster.transfer.latency_s;
+  if (cluster.transfer.in_place_ack_latency_s < 0)
+    cluster.transfer.in_place_ack_latency_s =
+        cal.in_place_ack_latency_s >= 0 ? cal.in_place_ack_latency_s : cluster.transfer.ack_latency_s;
   if (cluster.transfer.overhead_s < 0) cluster.transfer.overhead_s = std::max(cal.overhead_s, 0.0);
 }
 

@@ -110,8 +110,10 @@ class FlowSim {
   std::vector<ResourceDemand> demands() const {
     std::vector<ResourceDemand> out;
     for (size_t r = 0; r < capacity_.size(); ++r)
-      if (bytes_[r] > 0)
-        out.push_back({names_[r], bytes_[r] / capacity_[r], static_cast<uint64_t>(bytes_[r]), capacity_[r]});
+      if (bytes_[r] > 0) {
+        const double capacity = std::isinf(capacity_[r]) ? crowded_[r] : capacity_[r];  // limited only when crowded
+        out.push_back({names_[r], bytes_[r] / capacity, static_cast<uint64_t>(bytes_[r]), capacity});
+      }
     std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.seconds > b.seconds; });
     return out;
   }
@@ -189,6 +191,14 @@ class Resources {
     return {get(fmt::format("cores ({})", where), p.group->copy_rate * cores),
             get(fmt::format("memory ({})", where), p.group->node_copy_rate, cores, p.group->crowded_copy_rate)};
   }
+  // A CPU node's in-place loads, together: limited to the crowded in-place rate once more of them
+  // run than half its cores (their sources wait alongside them); -1 when not given.
+  int in_place(const Place& p) {
+    if (p.group->gpu || p.group->in_place_crowded_rate <= 0) return -1;
+    const int cores = std::max(p.group->cores, 1);
+    const std::string where = p.group->machine.empty() ? "node " + p.node_key : "machine " + p.group->machine;
+    return get(fmt::format("in-place loads ({})", where), kInf, std::max(cores / 2, 1), p.group->in_place_crowded_rate);
+  }
   // What a CPU node's kernel can push through TCP: measured with both ends on one machine, so a
   // node that is one end of a flow has twice that.
   int tcp(const Place& p) {
@@ -243,8 +253,9 @@ bool same_gpu(const Place& a, const Place& b) {
 struct Flush {
   uint32_t link = 0;
   uint64_t bucket = 0;
-  uint64_t bytes = 0;   // the bucket's used bytes
-  uint64_t packed = 0;  // stream bytes copied since the source's previous flush
+  uint64_t bytes = 0;     // the bucket's used bytes
+  uint64_t in_place = 0;  // ... and its bytes in place (the source's own tensors, not packed)
+  uint64_t packed = 0;    // stream bytes copied since the source's previous flush
   bool last = false;
   uint64_t rows = 0;    // strided rows among those copies (each a copy of its own on a CPU)
   uint64_t pieces = 0;  // tensor pieces among those copies
@@ -257,7 +268,11 @@ struct SimLink {
   std::vector<uint64_t> merged;   // tensors whose last chunk is in each bucket, when they arrive in
                                   // several: the destination then loads the whole tensor it assembled
   std::vector<uint64_t> pieces;   // tensor pieces in each bucket
+  // Reads in place: each bucket's bytes the destination loads straight from the source's tensors
+  // (no pack, no read), and the strided rows of those loads.
+  std::vector<uint64_t> in_place, in_place_rows;
   bool mapped = false;
+  bool reads_in_place = false;  // the destination maps the source's tensors (direct_reads)
   // Source side.
   int64_t acknowledged = -1;  // highest bucket the source has seen acknowledged
   // Destination side (its fetcher).
@@ -266,6 +281,7 @@ struct SimLink {
   bool fetching = false;
   int64_t ready = -1;     // handed to the engine, not yet taken
   int64_t released = -1;  // highest bucket the engine is done with
+  int64_t ack_sent = -1;  // mapped: highest bucket acknowledged once loaded
   double ready_since = 0;
 };
 
@@ -275,7 +291,14 @@ class PipelineModel {
       : cluster_(cluster), resources_(sim_), start_(start) {
     latency_ = std::max(cluster.transfer.latency_s, 0.0);
     turnaround_ = std::max(cluster.transfer.turnaround_s, 0.0);
+    in_place_turnaround_ =
+        cluster.transfer.in_place_turnaround_s >= 0 ? cluster.transfer.in_place_turnaround_s : turnaround_;
     ack_latency_ = cluster.transfer.ack_latency_s >= 0 ? cluster.transfer.ack_latency_s : latency_;
+    // A link that reads in place hands off on its own measured latencies (only the destination
+    // copies there, so the hand-offs compete with fewer copies for the CPU).
+    in_place_latency_ = cluster.transfer.in_place_latency_s >= 0 ? cluster.transfer.in_place_latency_s : latency_;
+    in_place_ack_latency_ =
+        cluster.transfer.in_place_ack_latency_s >= 0 ? cluster.transfer.in_place_ack_latency_s : ack_latency_;
     for (uint32_t s = 0; s < sources; ++s) source_places_.push_back(place_of(cluster, cluster.sources, s));
     for (uint32_t d = 0; d < destinations; ++d)
       destination_places_.push_back(place_of(cluster, cluster.destinations, d));
@@ -297,6 +320,12 @@ class PipelineModel {
     // Same node: the destination maps the source's buffers and loads from them (when the
     // transport maps: UCX shared memory, CUDA IPC); NCCL always reads.
     link.mapped = a.node_key == b.node_key && cluster_.transfer.mapped && cluster_.transfer.transport != "nccl";
+    // Reads in place: the destination also maps the source's own tensors, when its transport
+    // maps them: UCX its shared memory (CPU processes, whose weights live there), CUDA IPC any
+    // GPU allocation.
+    const bool maps_tensors =
+        a.group->gpu == b.group->gpu && cluster_.transfer.transport == (a.group->gpu ? "cuda_ipc" : "ucx");
+    link.reads_in_place = link.mapped && cluster_.transfer.direct_reads && maps_tensors;
     links_.push_back(std::move(link));
     source_state_[s].links.push_back(static_cast<uint32_t>(links_.size() - 1));
     destination_state_[d].links.push_back(static_cast<uint32_t>(links_.size() - 1));
@@ -316,6 +345,12 @@ class PipelineModel {
   std::vector<PredictedWorker>& sources() { return out_sources_; }
   std::vector<PredictedWorker>& destinations() { return out_destinations_; }
   std::vector<ResourceDemand> demands() const { return sim_.demands(); }
+  uint64_t in_place_bytes() const {
+    uint64_t total = 0;
+    for (const auto& l : links_)
+      for (uint64_t b : l.in_place) total += b;
+    return total;
+  }
 
  private:
   struct SourceState {
@@ -365,14 +400,14 @@ class PipelineModel {
       memory = -1;
       cap = p.group->pcie_rate;
     }
-    start_copy(copy_bytes(p, f.packed, f.rows), cap, {cores, memory}, copy_cost(p), [this, s, f, begun] {
+    auto announce = [this, s, f, begun] {
       SimLink& l = links_[f.link];
       const double t = now();
       event(out_sources_[s], TimelinePhase::kPack, l.destination, f.bucket, begun, t, f.bytes, f.pieces);
       event(out_sources_[s], TimelinePhase::kAnnounce, l.destination, f.bucket, t, t, f.bytes);
-      out_sources_[s].bytes += f.bytes;
+      out_sources_[s].bytes += f.bytes + f.in_place;
       const uint32_t k = f.link;
-      sim_.at(sim_.now() + latency_, [this, k, f] {
+      sim_.at(sim_.now() + (l.reads_in_place ? in_place_latency_ : latency_), [this, k, f] {
         links_[k].announced[f.bucket] = true;
         try_fetch(k);
       });
@@ -382,11 +417,14 @@ class PipelineModel {
         st.waiting = std::pair(k, static_cast<int64_t>(f.bucket) - 1);
       else
         pack_next(s);
-    });
+    };
+    // A bucket of tensors in place only: nothing to copy or wait for, the source announces it.
+    if (f.packed == 0 && f.rows == 0 && links_[f.link].reads_in_place) return sim_.at(sim_.now(), announce);
+    start_copy(copy_bytes(p, f.packed, f.rows), cap, {cores, memory}, copy_cost(p), announce);
   }
 
   void acknowledge(uint32_t k, uint64_t bucket) {
-    sim_.at(sim_.now() + ack_latency_, [this, k, bucket] {
+    sim_.at(sim_.now() + (links_[k].reads_in_place ? in_place_ack_latency_ : ack_latency_), [this, k, bucket] {
       SimLink& l = links_[k];
       l.acknowledged = std::max(l.acknowledged, static_cast<int64_t>(bucket));
       const double t = now();
@@ -407,8 +445,13 @@ class PipelineModel {
     const uint64_t b = l.next_fetch;
     const uint64_t lag = l.mapped ? 1 : 2;
     if (b >= lag && l.released < static_cast<int64_t>(b - lag)) return;
+    // Mapped (or in place): the fetcher acknowledges the bucket the engine released as soon as it
+    // did, then waits for the next announcement (BucketFetcher::fetch).
+    if (l.mapped && b >= 1 && l.ack_sent < static_cast<int64_t>(b - 1)) {
+      l.ack_sent = static_cast<int64_t>(b - 1);
+      acknowledge(k, b - 1);
+    }
     if (!l.announced[b]) return;
-    if (l.mapped && b >= 1) acknowledge(k, b - 1);
     ++l.next_fetch;
     if (l.mapped || l.buckets[b] == 0) {
       if (!l.mapped) acknowledge(k, b);
@@ -472,35 +515,62 @@ class PipelineModel {
       SimLink& l = links_[k];
       const double t = now();
       auto& w = out_destinations_[d];
-      event(w, TimelinePhase::kLoad, l.source, b, begun, t, l.buckets[b], l.pieces[b]);
+      event(w, TimelinePhase::kLoad, l.source, b, begun, t, l.buckets[b] + l.in_place[b], l.pieces[b]);
       event(w, TimelinePhase::kRelease, l.source, b, t, t, 0);
-      w.bytes += l.buckets[b];
+      w.bytes += l.buckets[b] + l.in_place[b];
       l.released = static_cast<int64_t>(b);
       if (l.mapped && b + 1 == l.buckets.size()) acknowledge(k, b);
       try_fetch(k);
       // The engine turns to the next bucket after its measured turnaround.
-      sim_.at(sim_.now() + turnaround_, [this, d] {
+      sim_.at(sim_.now() + (l.reads_in_place ? in_place_turnaround_ : turnaround_), [this, d] {
         destination_state_[d].loading = false;
         try_load(d);
       });
     };
-    const double bytes = copy_bytes(dst, l.buckets[b] + l.merged[b], l.rows[b]);
-    const double cost = copy_cost(dst);
+    const bool packed = l.buckets[b] > 0 || l.in_place[b] == 0;
+    // Tensors in place are copied from the source's memory into the parameters at the in-place
+    // load rate: as bytes of the bucket path's copy, they count copy_rate / in_place_copy_rate each.
+    const double in_place = l.in_place[b] == 0 ? 0.0
+                                               : copy_bytes(dst, l.in_place[b], l.in_place_rows[b]) *
+                                                     dst.group->copy_rate / in_place_rate(dst);
+    const double cost = (packed ? copy_cost(dst) : 0.0) + (l.in_place[b] > 0 ? in_place_cost(dst) : 0.0);
+    const double bytes = copy_bytes(dst, l.buckets[b] + l.merged[b], l.rows[b]) + in_place;
     const auto [cores, memory] = resources_.copy(dst);
     if (host_buffers(dst)) {
       // Out of pinned host memory (ours, or the source's mapped) into the GPU; merging split
-      // tensors happens in host memory, off this path.
-      start_copy(static_cast<double>(l.buckets[b]), dst.group->pcie_rate, {resources_.pcie(dst, false)}, cost, done);
+      // tensors happens in host memory, off this path. Tensors in place (CUDA IPC) come from the
+      // source's GPU after that, over NVLink or within the GPU.
+      start_copy(static_cast<double>(l.buckets[b]), dst.group->pcie_rate, {resources_.pcie(dst, false)},
+                 packed ? copy_cost(dst) : 0.0, [this, k, b, done, in_place] {
+                   SimLink& l = links_[k];
+                   if (l.in_place[b] == 0) return done();
+                   const Place& dst = destination_places_[l.destination];
+                   const Place& src = source_places_[l.source];
+                   const int copies = resources_.copy(dst).first;
+                   if (same_gpu(src, dst))
+                     start_copy(in_place, dst.group->copy_rate, {copies}, in_place_cost(dst), done);
+                   else
+                     start_copy(in_place, dst.group->copy_rate,
+                                {copies, resources_.nvlink(src, false), resources_.nvlink(dst, true)},
+                                in_place_cost(dst), done);
+                 });
     } else if (l.mapped && dst.group->gpu && !same_gpu(src, dst)) {
-      // Loading from a peer GPU's mapped buffer pulls the bytes over NVLink; merged tensors are
-      // then loaded again from local memory, which costs what those bytes would at NVLink's rate
-      // scaled by the local copy's.
+      // Loading from a peer GPU's mapped buffer (or its tensors, in place) pulls the bytes over
+      // NVLink; merged tensors are then loaded again from local memory, which costs what those
+      // bytes would at NVLink's rate scaled by the local copy's.
       const double local = static_cast<double>(l.merged[b]) * dst.group->nvlink_rate / dst.group->copy_rate;
-      start_copy(static_cast<double>(l.buckets[b]) + local, dst.group->copy_rate,
+      start_copy(static_cast<double>(l.buckets[b]) + in_place + local, dst.group->copy_rate,
                  {cores, resources_.nvlink(src, false), resources_.nvlink(dst, true)}, cost, done);
     } else {
-      start_copy(bytes, dst.group->copy_rate, {cores, memory}, cost, done);
+      start_copy(bytes, dst.group->copy_rate, {cores, memory, l.in_place[b] > 0 ? resources_.in_place(dst) : -1}, cost,
+                 done);
     }
+  }
+  static double in_place_rate(const Place& p) {
+    return p.group->in_place_copy_rate > 0 ? p.group->in_place_copy_rate : p.group->copy_rate;
+  }
+  static double in_place_cost(const Place& p) {
+    return std::max(p.group->in_place_cost_s >= 0 ? p.group->in_place_cost_s : p.group->copy_cost_s, 0.0);
   }
 
   const Cluster& cluster_;
@@ -508,6 +578,7 @@ class PipelineModel {
   Resources resources_;
   double start_ = 0;
   double latency_ = 0, ack_latency_ = 0, turnaround_ = 0;
+  double in_place_latency_ = 0, in_place_ack_latency_ = 0, in_place_turnaround_ = 0;
   std::vector<Place> source_places_, destination_places_;
   std::vector<SimLink> links_;
   std::vector<SourceState> source_state_;
@@ -530,7 +601,32 @@ struct PieceRef {
   const TensorInfo* whole = nullptr;  // the tensor it is cut from
   Box box;                            // ... and where
   bool one_of_several = false;        // the destination gets this tensor in several pieces
+  // Reads in place: the piece is one contiguous range of the source's memory (a whole tensor, or
+  // a leading-dimension slice of what the source holds), as the engine requires of a piece it
+  // sends in place; and the strided rows of its copy into the destination's tensor.
+  bool contiguous = false;
+  uint64_t in_place_rows = 0;
 };
+
+// Whether `box` of a tensor of `shape` is one contiguous range of its bytes (LinkSender::add_in_place).
+bool contiguous_box(std::span<const int64_t> shape, DType dtype, const Box& box, uint64_t size) {
+  if (box.is_whole()) return true;
+  uint64_t blocks = 0;
+  bool contiguous = true;
+  for_each_box_block(shape, dtype_size(dtype), box, 0, size, [&](const BoxBlock& b) {
+    contiguous = contiguous && ++blocks == 1 && (b.rows <= 1 || b.pitch == b.row_bytes);
+  });
+  return contiguous;
+}
+// Strided rows of a copy of all of `box` in a tensor of `shape`: 0 when they are contiguous.
+uint64_t box_rows(std::span<const int64_t> shape, DType dtype, const Box& box, uint64_t size) {
+  if (box.is_whole() || size == 0) return 0;
+  uint64_t rows = 0;
+  for_each_box_block(shape, dtype_size(dtype), box, 0, size, [&](const BoxBlock& b) {
+    if (b.rows > 1 && b.pitch != b.row_bytes) rows += b.rows;
+  });
+  return rows;
+}
 
 // Rows of a strided copy of bytes [begin, begin + size) of `box`: 0 when they are contiguous.
 uint64_t strided_rows(const PieceRef& p, uint64_t begin, uint64_t size) {
@@ -544,25 +640,46 @@ uint64_t strided_rows(const PieceRef& p, uint64_t begin, uint64_t size) {
 std::vector<Flush> pack_stream(const std::vector<std::vector<PieceRef>>& by_tensor, PipelineModel& model,
                                const std::vector<uint32_t>& links, const std::vector<uint64_t>& link_bytes) {
   std::map<uint32_t, BucketPacker> packers;
-  std::map<uint32_t, uint64_t> used, count, rows, merged, pieces;
+  std::map<uint32_t, uint64_t> used, count, rows, merged, pieces, in_place, in_place_rows, capacity;
   for (size_t i = 0; i < links.size(); ++i) {
     packers.emplace(links[i], BucketPacker(link_bytes[i]));
     used[links[i]] = count[links[i]] = rows[links[i]] = merged[links[i]] = pieces[links[i]] = 0;
+    in_place[links[i]] = in_place_rows[links[i]] = 0;
+    capacity[links[i]] = link_bytes[i];
   }
   std::vector<Flush> flushes;
   uint64_t since = 0, rows_since = 0, pieces_since = 0;
   auto flush = [&](uint32_t k, bool last) {
-    flushes.push_back({k, count[k], used[k], since, last, rows_since, pieces_since});
+    flushes.push_back({k, count[k], used[k], in_place[k], since, last, rows_since, pieces_since});
     model.link(k).buckets.push_back(used[k]);
     model.link(k).rows.push_back(rows[k]);
     model.link(k).merged.push_back(merged[k]);
     model.link(k).pieces.push_back(pieces[k]);
+    model.link(k).in_place.push_back(in_place[k]);
+    model.link(k).in_place_rows.push_back(in_place_rows[k]);
     since = rows_since = pieces_since = 0;
     ++count[k];
-    used[k] = rows[k] = merged[k] = pieces[k] = 0;
+    used[k] = rows[k] = merged[k] = pieces[k] = in_place[k] = in_place_rows[k] = 0;
   };
   for (const auto& tensor_pieces : by_tensor)
     for (const auto& p : tensor_pieces) {
+      // In place, as LinkSender::add_in_place: a non-empty piece that is one contiguous range of
+      // the source's memory. A group holds at most the link's bucket bytes in place (one larger
+      // tensor goes alone), besides what the bucket packs; the next that does not fit closes it.
+      const uint64_t size = p.info.nbytes();
+      if (model.link(p.link).reads_in_place && p.contiguous && size > 0) {
+        BucketPacker& packer = packers.at(p.link);
+        if (in_place[p.link] > 0 && in_place[p.link] + size > capacity[p.link]) {
+          flush(p.link, false);
+          packer.close_bucket();
+        }
+        packer.skip(p.info);
+        if (p.one_of_several) merged[p.link] += size;
+        ++pieces[p.link];
+        in_place[p.link] += size;
+        in_place_rows[p.link] += p.in_place_rows;
+        continue;
+      }
       const auto chunks = packers.at(p.link).place(p.info);
       for (const ChunkPlacement& c : chunks) {
         if (c.starts_bucket) flush(p.link, false);
@@ -596,6 +713,7 @@ Prediction finish(PipelineModel& model, const Cluster& cluster, double gather, u
     for (const auto& e : w.events) out.buckets += e.phase == TimelinePhase::kAnnounce;
   out.seconds = end + out.overhead_seconds;
   out.demands = model.demands();
+  out.in_place_bytes = model.in_place_bytes();
   if (!out.demands.empty()) {
     const auto& top = out.demands.front();
     out.bound =
@@ -631,7 +749,8 @@ Prediction simulate_paired(const ModelInventory& model, std::span<const Layout> 
       if (s.take == Take::kDrop) continue;
       const Box box =
           s.take == Take::kSlice ? Box::of(Request::narrow(s.slice.dim, s.slice.start, s.slice.length)) : Box::whole();
-      by_tensor.push_back({{k, std::move(s.info), &t, box}});
+      const bool contiguous = contiguous_box(t.shape, t.dtype, box, s.info.nbytes());
+      by_tensor.push_back({{k, std::move(s.info), &t, box, false, contiguous, 0}});
     }
     pipeline.add_flushes(i, pack_stream(by_tensor, pipeline, {k}, {cluster.transfer.bucket_bytes}));
   }
@@ -662,8 +781,17 @@ Prediction predict_refit(const ModelInventory& model, std::span<const Layout> ho
       largest = std::max(largest, link_bytes.back());
       for (const TransferPiece& p : plan.link(s, d)) {
         const TensorInfo& t = model.tensors[p.tensor];
-        by_tensor[p.tensor].push_back(
-            {k, TensorInfo{t.name, t.dtype, p.box.shape_in(t.shape)}, &t, p.box, pieces_of.at({d, p.tensor}) > 1});
+        // As the engine sees the piece: in the source's view (what it holds of the tensor) and in
+        // the destination's tensor (what it keeps).
+        const Slice none{-1, 0, 0};
+        const Request held = holds[s].request_for(t.name), need = needs[d].request_for(t.name);
+        const uint64_t size = p.box.nbytes_in(t);
+        const bool contiguous = contiguous_box(Box::of(held).shape_in(t.shape), t.dtype,
+                                               p.box.relative_to(held.take == Take::kSlice ? held.slice : none), size);
+        const uint64_t rows = box_rows(Box::of(need).shape_in(t.shape), t.dtype,
+                                       p.box.relative_to(need.take == Take::kSlice ? need.slice : none), size);
+        by_tensor[p.tensor].push_back({k, TensorInfo{t.name, t.dtype, p.box.shape_in(t.shape)}, &t, p.box,
+                                       pieces_of.at({d, p.tensor}) > 1, contiguous, rows});
       }
     }
     std::vector<std::vector<PieceRef>> ordered;

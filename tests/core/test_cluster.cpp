@@ -291,6 +291,257 @@ transfer: {bucket: 64MiB, latency: 0s, overhead: 0s}
   EXPECT_EQ(refit.sources.size(), 4u);
 }
 
+// ---- Reads in place (transfer.direct_reads). ------------------------------------------------------
+
+TEST(Cluster, DirectReadsAndTheInPlaceRatesAreReadStrictly) {
+  const std::string sides = "sources: {nodes: n, ranks: 1}\ndestinations: {nodes: n, ranks: 1}\n";
+  const std::string base = "nodes: [{name: n, workers: 4, device: cpu}]\n" + sides;
+  EXPECT_TRUE(parse_cluster(base, "c.yaml").transfer.direct_reads);  // the engine's default
+  EXPECT_FALSE(parse_cluster(base + "transfer: {direct_reads: false}\n", "c.yaml").transfer.direct_reads);
+  auto err = [](const std::string& yaml) {
+    return error_of(ErrorKind::kConfig, [&] { parse_cluster(yaml, "c.yaml"); });
+  };
+  EXPECT_THAT(err(base + "transfer: {direct_reads: sometimes}\n"),
+              AllOf(HasSubstr("c.yaml"), HasSubstr("'transfer.direct_reads' must be true or false, got 'sometimes'")));
+  EXPECT_THAT(err(base + "transfer: {direct_read: true}\n"), HasSubstr("unknown key 'transfer.direct_read'"));
+  EXPECT_THAT(err(base + "transfer: {in_place_turnaround: soon}\n"),
+              HasSubstr("'transfer.in_place_turnaround' must be a duration"));
+  EXPECT_THAT(err("nodes: [{name: n, workers: 4, device: cpu, in_place_copy: quick}]\n" + sides),
+              AllOf(HasSubstr("c.yaml"), HasSubstr("nodes[0].in_place_copy"), HasSubstr("'quick'")));
+  EXPECT_THAT(err("nodes: [{name: n, workers: 4, device: cpu, in_place_crowded_copy: 0GB/s}]\n" + sides),
+              HasSubstr("nodes[0].in_place_crowded_copy"));
+  EXPECT_THAT(err("nodes: [{name: n, workers: 4, device: cpu, in_place_cost: -3us}]\n" + sides),
+              HasSubstr("'nodes[0].in_place_cost' must be a duration"));
+}
+
+TEST(Cluster, TheInPlaceCalibrationFillsTheInPlaceRatesOfItsKindAndRoundTrips) {
+  Calibration measured;
+  measured.engine_device = "cpu";
+  measured.engine_copy_rate = 5e9;
+  measured.engine_copy_cost_s = 3e-5;
+  measured.turnaround_s = 4e-5;
+  measured.engine_in_place_copy_rate = 7e9;
+  measured.engine_in_place_copy_cost_s = 1e-5;
+  measured.in_place_turnaround_s = 6e-5;
+  measured.latency_s = 5e-4;
+  measured.in_place_latency_s = 2e-5;
+  measured.in_place_ack_latency_s = 3e-5;
+  measured.engine_in_place_crowded_copy_rate = 9e9;
+  const auto path = std::filesystem::temp_directory_path() / "refit-calibration-in-place-test.json";
+  save_calibration(path.string(), measured);
+  Calibration read;
+  load_calibration(path.string(), read);
+  std::filesystem::remove(path);
+  EXPECT_DOUBLE_EQ(read.engine_in_place_copy_rate, 7e9);
+  EXPECT_DOUBLE_EQ(read.engine_in_place_copy_cost_s, 1e-5);
+  EXPECT_DOUBLE_EQ(read.in_place_turnaround_s, 6e-5);
+  Cluster c = parse_cluster(R"(
+nodes: [{name: host, workers: 4, device: cpu}, {name: gpu, workers: 2, device: gpu, copy: 2TB/s}]
+sources: {nodes: host, ranks: 1}
+destinations: {nodes: gpu, ranks: 1}
+)",
+                            "x");
+  apply_calibration(c, read);
+  EXPECT_DOUBLE_EQ(c.group("host").in_place_copy_rate, 7e9);
+  EXPECT_DOUBLE_EQ(c.group("host").in_place_cost_s, 1e-5);
+  EXPECT_DOUBLE_EQ(c.group("host").in_place_crowded_rate, 9e9);
+  EXPECT_DOUBLE_EQ(c.group("gpu").in_place_crowded_rate, 0);  // CPU nodes only
+  EXPECT_DOUBLE_EQ(c.transfer.in_place_turnaround_s, 6e-5);
+  EXPECT_DOUBLE_EQ(c.transfer.in_place_latency_s, 2e-5);
+  EXPECT_DOUBLE_EQ(c.transfer.in_place_ack_latency_s, 3e-5);
+  EXPECT_DOUBLE_EQ(c.transfer.latency_s, 5e-4);  // the bucket path keeps its own
+  // A CPU bench's in-place rate is not a GPU's: its own copy rate and copy cost.
+  EXPECT_DOUBLE_EQ(c.group("gpu").in_place_copy_rate, 2e12);
+  EXPECT_DOUBLE_EQ(c.group("gpu").in_place_cost_s, c.group("gpu").copy_cost_s);
+  // Without in-place values the bucket path's stand in.
+  Cluster d = parse_cluster(
+      "nodes: [{name: host, workers: 4, device: cpu}]\nsources: {nodes: host, ranks: 1}\n"
+      "destinations: {nodes: host, ranks: 1}\n",
+      "y");
+  Calibration bucket_only = measured;
+  bucket_only.engine_in_place_copy_rate = 0;
+  bucket_only.engine_in_place_copy_cost_s = -1;
+  bucket_only.in_place_turnaround_s = -1;
+  bucket_only.in_place_latency_s = bucket_only.in_place_ack_latency_s = -1;
+  apply_calibration(d, bucket_only);
+  EXPECT_DOUBLE_EQ(d.group("host").in_place_copy_rate, 5e9);
+  EXPECT_DOUBLE_EQ(d.group("host").in_place_cost_s, 3e-5);
+  EXPECT_DOUBLE_EQ(d.transfer.in_place_turnaround_s, 4e-5);
+  EXPECT_DOUBLE_EQ(d.transfer.in_place_latency_s, 5e-4);
+  EXPECT_DOUBLE_EQ(d.transfer.in_place_ack_latency_s, 5e-4);  // ack latency falls back to the latency
+}
+
+// Sources and destinations as processes of one CPU host (4 cores, 1 GB/s per copy), UCX.
+Cluster one_host(int sources, int destinations, const std::string& bucket, bool direct_reads,
+                 const std::string& extra = "", const std::string& transfer = "") {
+  Cluster c =
+      parse_cluster(fmt::format(R"(
+nodes:
+  - {{name: host, workers: 8, device: cpu, cores: 4, copy: 1GB/s, node_copy: 4GB/s{}}}
+sources: {{nodes: host, ranks: {}}}
+destinations: {{nodes: host, ranks: {}}}
+transfer: {{bucket: {}, transport: ucx, direct_reads: {}, latency: 0s, turnaround: 0s, overhead: 0s{}}}
+)",
+                                extra, sources, destinations, bucket, direct_reads ? "true" : "false", transfer),
+                    "one-host.yaml");
+  apply_calibration(c, Calibration{});
+  return c;
+}
+
+uint64_t packed_bytes(const PredictedWorker& source) {
+  uint64_t bytes = 0;
+  for (const auto& e : source.events)
+    if (e.phase == TimelinePhase::kPack) bytes += e.bytes;
+  return bytes;
+}
+
+TEST(Prediction, ReadsInPlaceSkipThePackAndCopyOnceAtTheInPlaceRate) {
+  const ModelInventory m = rows_model(4, 1024, 256);  // 4 tensors of 1 MiB, one bucket
+  const double bytes = static_cast<double>(m.total_bytes());
+  const std::vector<Layout> whole(1);
+  const Prediction buckets = predict_refit(m, {}, whole, one_host(1, 1, "64MiB", false));
+  const Prediction in_place = predict_refit(m, {}, whole, one_host(1, 1, "64MiB", true));
+  // The bucket path packs, then the destination loads from the mapped buffer: two copies.
+  EXPECT_NEAR(buckets.seconds, 2 * bytes / 1e9, 1e-6);
+  EXPECT_EQ(buckets.in_place_bytes, 0u);
+  // In place: one copy, the destination's, from the source's tensors.
+  EXPECT_NEAR(in_place.seconds, bytes / 1e9, 1e-6);
+  EXPECT_LT(in_place.seconds, buckets.seconds);
+  EXPECT_EQ(in_place.in_place_bytes, m.total_bytes());
+  EXPECT_EQ(packed_bytes(in_place.sources[0]), 0u);
+  EXPECT_EQ(in_place.destinations[0].bytes, m.total_bytes());
+  EXPECT_EQ(in_place.sources[0].bytes, m.total_bytes());
+  // That copy runs at the in-place rate, and pays the in-place cost per group, not the bucket's.
+  const Prediction slower =
+      predict_refit(m, {}, whole, one_host(1, 1, "64MiB", true, ", in_place_copy: 500MB/s, in_place_cost: 2ms"));
+  EXPECT_NEAR(slower.seconds, bytes / 0.5e9 + 2e-3, 1e-6);
+  const Prediction costly = predict_refit(m, {}, whole, one_host(1, 1, "64MiB", true, ", copy_cost: 5ms"));
+  EXPECT_NEAR(costly.seconds, bytes / 1e9 + 5e-3, 1e-6);  // in_place_cost defaults to copy_cost
+}
+
+TEST(Prediction, InPlaceGroupsHoldAtMostTheLinkBucketBytesAndOneLargerTensorAlone) {
+  ModelInventory m = rows_model(8, 1024, 256);                        // 8 tensors of 1 MiB
+  m.tensors.push_back({"big.weight", DType::kFloat32, {4096, 256}});  // 4 MiB
+  const Prediction p = predict_refit(m, {}, std::vector<Layout>(1), one_host(1, 1, "3MiB", true));
+  std::vector<uint64_t> loads;
+  for (const auto& e : p.destinations[0].events)
+    if (e.phase == TimelinePhase::kLoad) loads.push_back(e.bytes);
+  // 3 + 3 + 2 tensors of 1 MiB, then the 4 MiB tensor in a group of its own.
+  EXPECT_THAT(loads, ::testing::ElementsAre(3u << 20, 3u << 20, 2u << 20, 4u << 20));
+  EXPECT_EQ(p.buckets, 4u);
+  // The destination loads one group at a time, with no pack before any: the time is its copies'.
+  EXPECT_NEAR(p.seconds, m.total_bytes() / 1e9, 1e-6);
+  // With a turnaround between groups, each hand-over costs it once.
+  const Prediction turning =
+      predict_refit(m, {}, std::vector<Layout>(1), one_host(1, 1, "3MiB", true, "", ", in_place_turnaround: 1ms"));
+  EXPECT_NEAR(turning.seconds - p.seconds, 3e-3, 1e-6);
+  // A link that reads in place hands off on its own latencies, not the bucket path's.
+  Cluster c = one_host(1, 1, "3MiB", true);
+  c.transfer.latency_s = c.transfer.ack_latency_s = 5e-3;
+  c.transfer.in_place_latency_s = c.transfer.in_place_ack_latency_s = 0;
+  EXPECT_NEAR(predict_refit(m, {}, std::vector<Layout>(1), c).seconds, p.seconds, 1e-9);
+  // The first announcement is waited for; the next group is announced before the first is loaded.
+  c.transfer.in_place_latency_s = 1e-3;
+  EXPECT_NEAR(predict_refit(m, {}, std::vector<Layout>(1), c).seconds - p.seconds, 1e-3, 1e-6);
+  // Acknowledgements slower than a group's load hold up the third group and the fourth.
+  c.transfer.in_place_latency_s = 0;
+  c.transfer.in_place_ack_latency_s = 5e-3;
+  const double slow_acks = predict_refit(m, {}, std::vector<Layout>(1), c).seconds;
+  EXPECT_GT(slow_acks - p.seconds, 2e-3);
+  c.transfer.direct_reads = false;  // the bucket path is held up by its own latencies
+  EXPECT_GT(predict_refit(m, {}, std::vector<Layout>(1), c).seconds, slow_acks);
+}
+
+TEST(Prediction, AStridedSliceKeepsItsBucketInsideALinkThatReadsInPlace) {
+  const ModelInventory m = rows_model(4, 1024, 256);
+  const uint64_t tensor = m.tensors[0].nbytes();
+  // Paired: the destination keeps half the columns of tensor 0 (strided in the source's memory)
+  // and half the rows of tensor 1 (one contiguous range); tensors 2 and 3 whole.
+  Layout need;
+  need.tensors[m.tensors[0].name] = Request::narrow(1, 0, 128);
+  need.tensors[m.tensors[1].name] = Request::narrow(0, 0, 512);
+  const Prediction p = predict_refit(m, {}, std::vector<Layout>{need}, one_host(1, 1, "64MiB", true));
+  EXPECT_EQ(p.in_place_bytes, tensor / 2 + 2 * tensor);
+  EXPECT_EQ(packed_bytes(p.sources[0]), tensor / 2);  // the strided slice, packed
+  EXPECT_EQ(p.destinations[0].bytes, tensor + 2 * tensor);
+  // Resharding: sources holding column shards send each shard in place (whole in their memory),
+  // but to a destination that keeps a column slice of the whole tensor each source's piece is
+  // strided: every byte goes through buckets.
+  std::vector<Layout> columns(2);
+  for (int s = 0; s < 2; ++s)
+    for (const auto& t : m.tensors) columns[s].tensors[t.name] = Request::narrow(1, s * 128, 128);
+  const Prediction shards = predict_refit(m, columns, std::vector<Layout>(1), one_host(2, 1, "64MiB", true));
+  EXPECT_EQ(shards.in_place_bytes, m.total_bytes());
+  std::vector<Layout> rows(2), quarter(1);
+  for (int s = 0; s < 2; ++s)
+    for (const auto& t : m.tensors) rows[s].tensors[t.name] = Request::narrow(0, s * 512, 512);
+  for (const auto& t : m.tensors) quarter[0].tensors[t.name] = Request::narrow(1, 0, 64);
+  const Prediction strided = predict_refit(m, rows, quarter, one_host(2, 1, "64MiB", true));
+  EXPECT_EQ(strided.in_place_bytes, 0u);
+  EXPECT_EQ(packed_bytes(strided.sources[0]) + packed_bytes(strided.sources[1]), m.total_bytes() / 4);
+}
+
+TEST(Prediction, InPlaceLoadsShareTheCrowdedRateOnceMoreRunThanHalfTheCores) {
+  const ModelInventory m = rows_model(4, 1024, 256);
+  const double bytes = static_cast<double>(m.total_bytes());
+  auto host = [](int pairs, const std::string& crowded) {
+    Cluster c = parse_cluster(fmt::format(R"(
+nodes: [{{name: h, workers: 8, device: cpu, cores: 2, copy: 1GB/s, node_copy: 4GB/s{}}}]
+sources: {{nodes: h, ranks: {}}}
+destinations: {{nodes: h, ranks: {}}}
+transfer: {{bucket: 64MiB, latency: 0s, turnaround: 0s, overhead: 0s}}
+)",
+                                          crowded, pairs, pairs),
+                              "crowded.yaml");
+    apply_calibration(c, Calibration{});
+    return c;
+  };
+  // One pair: the load and its waiting source fit the two cores; the crowded rate does not apply.
+  EXPECT_NEAR(predict_refit(m, {}, std::vector<Layout>(1), host(1, ", in_place_crowded_copy: 1GB/s")).seconds,
+              bytes / 1e9, 1e-6);
+  // Two pairs: each load at its own rate without the limit, sharing 1 GB/s with it.
+  EXPECT_NEAR(predict_refit(m, {}, std::vector<Layout>(2), host(2, "")).seconds, bytes / 1e9, 1e-6);
+  const Prediction crowded = predict_refit(m, {}, std::vector<Layout>(2), host(2, ", in_place_crowded_copy: 1GB/s"));
+  EXPECT_NEAR(crowded.seconds, 2 * bytes / 1e9, 1e-6);
+  EXPECT_THAT(crowded.bound, HasSubstr("in-place loads"));
+  // The bucket path is not limited by it (its crowded rate is crowded_copy).
+  Cluster buckets = host(2, ", in_place_crowded_copy: 1GB/s");
+  buckets.transfer.direct_reads = false;
+  EXPECT_NEAR(predict_refit(m, {}, std::vector<Layout>(2), buckets).seconds, 2 * bytes / 1e9, 1e-6);
+}
+
+TEST(Prediction, OnlyDestinationsThatMapTheSourcesTensorsReadInPlace) {
+  const ModelInventory m = rows_model(4, 1024, 256);
+  const std::vector<Layout> whole(1);
+  // Another node: the bytes are read, direct_reads or not.
+  const Cluster remote_on = two_sides(1, 1, "8Gbit", "1GB/s", "64MiB");
+  Cluster remote_off = remote_on;
+  remote_off.transfer.direct_reads = false;
+  const Prediction a = predict_refit(m, {}, whole, remote_on), b = predict_refit(m, {}, whole, remote_off);
+  EXPECT_EQ(a.in_place_bytes, 0u);
+  EXPECT_DOUBLE_EQ(a.seconds, b.seconds);
+  // One host without mapped buffers: no reads in place either.
+  EXPECT_EQ(predict_refit(m, {}, whole, one_host(1, 1, "64MiB", true, "", ", mapped: false")).in_place_bytes, 0u);
+  // GPUs of one node: CUDA IPC maps the source's tensors; UCX does not map GPU memory.
+  auto gpus = [](const std::string& transport) {
+    Cluster c = parse_cluster(fmt::format(R"(
+nodes: [{{name: g, workers: 2, gpus: 2, device: gpu, copy: 100GB/s, nvlink: 50GB/s}}]
+sources: {{nodes: g, ranks: 1}}
+destinations: {{nodes: g, ranks: 1}}
+transfer: {{bucket: 64MiB, transport: {}, latency: 0s, turnaround: 0s, overhead: 0s}}
+)",
+                                          transport),
+                              "gpus.yaml");
+    apply_calibration(c, Calibration{});
+    return c;
+  };
+  const Prediction ipc = predict_refit(m, {}, whole, gpus("cuda_ipc"));
+  EXPECT_EQ(ipc.in_place_bytes, m.total_bytes());
+  // Across GPUs the one copy crosses NVLink (50 GB/s, below the device copy).
+  EXPECT_NEAR(ipc.seconds, m.total_bytes() / 50e9, 1e-6);
+  EXPECT_EQ(predict_refit(m, {}, whole, gpus("ucx")).in_place_bytes, 0u);
+}
+
 TEST(Prediction, LayoutsMustMatchTheClusterRanks) {
   const ModelInventory m = rows_model(2, 64, 64);
   const Cluster c = two_sides(2, 1, "8Gbit", "1GB/s", "1MiB");

@@ -52,11 +52,12 @@ TEST(Planner, BenchRecordsEveryBucketOfEveryWorkerAndWritesACalibration) {
       }
     }
   }
-  // One bucket larger than the model: the source packs it, then the destination loads it, so every
-  // copy runs alone and the run measures the engine's copy rate on one core.
-  auto c = run_cli({"bench", "--model", model, "--refits", "3", "--calibration-out", calibration,
-                    "refit_cfg.nixl.bucket_bytes=64MiB", "refit_cfg.nixl.timeout_s=20"},
-                   120);
+  // One bucket larger than the model, on the bucket path: the source packs it, then the destination
+  // loads it, so every copy runs alone and the run measures the engine's copy rate on one core.
+  auto c =
+      run_cli({"bench", "--model", model, "--refits", "3", "--calibration-out", calibration,
+               "refit_cfg.nixl.bucket_bytes=64MiB", "refit_cfg.nixl.timeout_s=20", "refit_cfg.nixl.direct_reads=false"},
+              120);
   ASSERT_EQ(c.exit_code, 0) << c.output;
   const auto cal = read_json(calibration);
   EXPECT_EQ(cal.at("engine_device").get<std::string>(), "cpu");
@@ -66,6 +67,20 @@ TEST(Planner, BenchRecordsEveryBucketOfEveryWorkerAndWritesACalibration) {
   EXPECT_GT(cal.at("overhead_s").get<double>(), 0);
   EXPECT_GT(cal.at("host_memory_bytes").get<double>(), 0);
   EXPECT_FALSE(cal.contains("host_copy_bytes_per_s"));  // only with --baseline
+  EXPECT_FALSE(cal.contains("engine_in_place_copy_bytes_per_s")) << "the bucket path reads nothing in place";
+
+  // The same on the default path: the destination reads every tensor in place, one group per
+  // refit, which measures the in-place load rate and leaves the bucket path's values alone.
+  auto d =
+      run_cli({"bench", "--model", model, "--refits", "3", "--calibration-out", calibration,
+               "refit_cfg.nixl.bucket_bytes=64MiB", "refit_cfg.nixl.timeout_s=20", "refit_cfg.nixl.direct_reads=true"},
+              120);
+  ASSERT_EQ(d.exit_code, 0) << d.output;
+  const auto both = read_json(calibration);
+  EXPECT_GT(both.at("engine_in_place_copy_bytes_per_s").get<double>(), 0) << both.dump();
+  EXPECT_EQ(both.at("engine_copy_bytes_per_s"), cal.at("engine_copy_bytes_per_s"));
+  EXPECT_EQ(both.at("overhead_s"), cal.at("overhead_s"));
+  EXPECT_FALSE(both.contains("engine_in_place_copy_cost_s")) << "one group per refit measures no per-group cost";
 }
 
 constexpr const char* kCluster = R"(

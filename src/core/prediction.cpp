@@ -273,6 +273,10 @@ struct SimLink {
   std::vector<uint64_t> in_place, in_place_rows;
   bool mapped = false;
   bool reads_in_place = false;  // the destination maps the source's tensors (direct_reads)
+  // The destination reads the source's large tensors from its memory (direct_reads where it
+  // cannot map: another node): the source packs only the rest of each bucket.
+  bool reads_source_memory = false;
+  uint64_t span_bytes = 0;  // ... so read
   // Source side.
   int64_t acknowledged = -1;  // highest bucket the source has seen acknowledged
   // Destination side (its fetcher).
@@ -326,6 +330,8 @@ class PipelineModel {
     const bool maps_tensors =
         a.group->gpu == b.group->gpu && cluster_.transfer.transport == (a.group->gpu ? "cuda_ipc" : "ucx");
     link.reads_in_place = link.mapped && cluster_.transfer.direct_reads && maps_tensors;
+    // UCX reads any registered memory of a peer (TransportCapabilities::reads_registered_memory).
+    link.reads_source_memory = !link.mapped && cluster_.transfer.direct_reads && cluster_.transfer.transport == "ucx";
     links_.push_back(std::move(link));
     source_state_[s].links.push_back(static_cast<uint32_t>(links_.size() - 1));
     destination_state_[d].links.push_back(static_cast<uint32_t>(links_.size() - 1));
@@ -347,8 +353,10 @@ class PipelineModel {
   std::vector<ResourceDemand> demands() const { return sim_.demands(); }
   uint64_t in_place_bytes() const {
     uint64_t total = 0;
-    for (const auto& l : links_)
+    for (const auto& l : links_) {
       for (uint64_t b : l.in_place) total += b;
+      total += l.span_bytes;
+    }
     return total;
   }
 
@@ -419,7 +427,8 @@ class PipelineModel {
         pack_next(s);
     };
     // A bucket of tensors in place only: nothing to copy or wait for, the source announces it.
-    if (f.packed == 0 && f.rows == 0 && links_[f.link].reads_in_place) return sim_.at(sim_.now(), announce);
+    if (f.packed == 0 && f.rows == 0 && (links_[f.link].reads_in_place || links_[f.link].reads_source_memory))
+      return sim_.at(sim_.now(), announce);
     start_copy(copy_bytes(p, f.packed, f.rows), cap, {cores, memory}, copy_cost(p), announce);
   }
 
@@ -680,6 +689,9 @@ std::vector<Flush> pack_stream(const std::vector<std::vector<PieceRef>>& by_tens
         in_place_rows[p.link] += p.in_place_rows;
         continue;
       }
+      // Read from the source's memory (LinkSender::add): a contiguous piece of at least 64 KiB is
+      // placed in the bucket (the destination reads it there) but not copied by the source.
+      const bool spans = model.link(p.link).reads_source_memory && p.contiguous && size >= (64 << 10);
       const auto chunks = packers.at(p.link).place(p.info);
       for (const ChunkPlacement& c : chunks) {
         if (c.starts_bucket) flush(p.link, false);
@@ -687,8 +699,12 @@ std::vector<Flush> pack_stream(const std::vector<std::vector<PieceRef>>& by_tens
         if ((p.one_of_several || chunks.size() > 1) && c.tensor_offset + c.size == p.info.nbytes())
           merged[p.link] += p.info.nbytes();
         ++pieces[p.link];
-        ++pieces_since;
         used[p.link] = c.bucket_offset + c.size;
+        if (spans) {
+          model.link(p.link).span_bytes += c.size;
+          continue;
+        }
+        ++pieces_since;
         since += c.size;
         const uint64_t r = strided_rows(p, c.tensor_offset, c.size);
         rows_since += r;

@@ -48,8 +48,12 @@ from . import _refit
 NIXL_MODULES = ("nixl_cu13", "nixl_cu12", "nixl")
 
 #: backend_init_params keys refit reads itself; the rest go to NIXL's create_backend.
-#: ``device`` is refit's (the engine's device, passed to every backend).
-REFIT_PARAMS = ("backend", "device")
+#: ``device`` is refit's (the engine's device, passed to every backend). ``read_source_memory``
+#: ("true" or "false", the default): with direct_reads, destinations READ the sources' large
+#: tensors from their own memory instead of the sources packing them. Off by default: each READ
+#: is a call through Python here, and with one per tensor the refit-bench-2g model (1,683 tensors)
+#: moved 13.0 GiB/s on an H200 against 27.4 through buckets, 2.95 against 3.70 GiB/s on the CPU.
+REFIT_PARAMS = ("backend", "device", "read_source_memory")
 
 # A control message: kind, then (for a message) its number in the pair's sequence.
 _MESSAGE = 0
@@ -134,6 +138,12 @@ class NixlTransport:
         nixl = load_nixl()
         params = {str(k): str(v) for k, v in dict(config.backend_init_params).items()}
         self._plugin = params.pop("backend", "UCX")
+        read_source_memory = params.get("read_source_memory", "false").lower()
+        if read_source_memory not in ("true", "false"):
+            raise _refit.ConfigError(
+                f"refit_cfg.nixl.backend_init_params.read_source_memory: expected true or false, got "
+                f"'{params['read_source_memory']}'")
+        self._read_source_memory = read_source_memory == "true"
         for key in REFIT_PARAMS:
             params.pop(key, None)
         if self._plugin == "UCX" and str(config.device).startswith("cuda") and "engine_config" not in params:
@@ -173,9 +183,9 @@ class NixlTransport:
         return "NIXL"
 
     def capabilities(self) -> Dict[str, bool]:
-        # A READ reaches any registered memory of a peer, so destinations read sources' own tensors.
+        # A READ reaches any registered memory of a peer: destinations may read sources' own tensors.
         return {"host_memory": True, "device_memory": any(m.startswith("VRAM") for m in self._memory_types),
-                "remote_peers": True, "reads_registered_memory": True}
+                "remote_peers": True, "reads_registered_memory": self._read_source_memory}
 
     def route(self, peer: int) -> str:
         return f"NIXL {self._plugin}"

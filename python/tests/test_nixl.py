@@ -59,8 +59,9 @@ def test_refits_between_two_processes_bitwise():
 
 @needs_nixl
 def test_large_tensors_are_read_from_the_sources_own_memory():
-    # With in_place=True the source's tensors stay put during the send, so the destination READs
-    # the large ones (>= 64 KiB) straight from them over NIXL; the source packs only the small ones.
+    # With read_source_memory and in_place=True the source's tensors stay put during the send, so
+    # the destination READs the large ones (>= 64 KiB) straight from them over NIXL; the source
+    # packs only the small ones.
     rng = np.random.default_rng(5)
     weights = [("embed", rng.standard_normal((512, 256), dtype=np.float32)),  # 512 KiB
                ("norm", rng.standard_normal(16).astype(np.float16)),
@@ -68,7 +69,8 @@ def test_large_tensors_are_read_from_the_sources_own_memory():
                ("empty", np.zeros((0, 3), np.float32)),
                ("head", rng.integers(0, 255, 100_003, dtype=np.uint8))]
     large = sum(t.nbytes for _, t in weights if t.nbytes >= 64 << 10)
-    with source_with_destination_process(nixl_config(timeout_s=60, verify_checksums=True), refits=3) as (source, dst):
+    cfg = nixl_config(timeout_s=60, verify_checksums=True, backend_init_params={"read_source_memory": "true"})
+    with source_with_destination_process(cfg, refits=3) as (source, dst):
         for refit_number, in_place in enumerate((True, True, False)):
             for _, t in weights:
                 t += np.asarray(1, t.dtype)  # training changes the values where they are
@@ -84,6 +86,8 @@ def test_backend_init_params_choose_the_plugin_and_reach_it():
     with pytest.raises(refit.ConfigError, match=r"backend_init_params.backend: NIXL has no plugin 'NO_SUCH'.*UCX"):
         refit.CheckpointEngine(MiB, nixl_config(backend_init_params={"backend": "NO_SUCH"}))
     # Values go to create_backend as strings (the reference's str()); here one UCX rejects.
+    with pytest.raises(refit.ConfigError, match=r"backend_init_params.read_source_memory: expected true or false"):
+        refit.CheckpointEngine(MiB, nixl_config(backend_init_params={"read_source_memory": "maybe"}))
     with pytest.raises(refit.ConfigError, match=r"backend_init_params: NIXL's UCX backend refused"):
         refit.CheckpointEngine(MiB, nixl_config(backend_init_params={"ucx_error_handling_mode": "bogus"}))
     pair = Pair(MiB, nixl_config(backend_init_params={"backend": "UCX", "ucx_error_handling_mode": "peer",

@@ -54,10 +54,14 @@ TEST(Planner, BenchRecordsEveryBucketOfEveryWorkerAndWritesACalibration) {
   }
   // One bucket larger than the model, on the bucket path: the source packs it, then the destination
   // loads it, so every copy runs alone and the run measures the engine's copy rate on one core.
-  auto c =
-      run_cli({"bench", "--model", model, "--refits", "3", "--calibration-out", calibration,
-               "refit_cfg.nixl.bucket_bytes=64MiB", "refit_cfg.nixl.timeout_s=20", "refit_cfg.nixl.direct_reads=false"},
-              120);
+  // A bench of one 64 MiB bucket per refit that writes the calibration.
+  auto calibrate = [&](bool direct_reads) {
+    return run_cli({"bench", "--model", model, "--refits", "3", "--calibration-out", calibration,
+                    "refit_cfg.nixl.bucket_bytes=64MiB", "refit_cfg.nixl.timeout_s=20",
+                    std::string("refit_cfg.nixl.direct_reads=") + (direct_reads ? "true" : "false")},
+                   120);
+  };
+  auto c = calibrate(false);
   ASSERT_EQ(c.exit_code, 0) << c.output;
   const auto cal = read_json(calibration);
   EXPECT_EQ(cal.at("engine_device").get<std::string>(), "cpu");
@@ -71,10 +75,7 @@ TEST(Planner, BenchRecordsEveryBucketOfEveryWorkerAndWritesACalibration) {
 
   // The same on the default path: the destination reads every tensor in place, one group per
   // refit, which measures the in-place load rate and leaves the bucket path's values alone.
-  auto d =
-      run_cli({"bench", "--model", model, "--refits", "3", "--calibration-out", calibration,
-               "refit_cfg.nixl.bucket_bytes=64MiB", "refit_cfg.nixl.timeout_s=20", "refit_cfg.nixl.direct_reads=true"},
-              120);
+  auto d = calibrate(true);
   ASSERT_EQ(d.exit_code, 0) << d.output;
   const auto both = read_json(calibration);
   EXPECT_GT(both.at("engine_in_place_copy_bytes_per_s").get<double>(), 0) << both.dump();

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "refit/deadline.h"
+#include "refit/error.h"
 
 namespace refit {
 
@@ -51,6 +52,8 @@ struct TransportCapabilities {
   // post_read reaches memory a peer registered with register_memory(), not only its buffers: a
   // destination anywhere can then read a source's own tensors, which the source need not pack.
   bool reads_registered_memory = false;
+  // post_reads() takes many ranges in one backend call (NIXL: one transfer of a descriptor list).
+  bool batched_reads = false;
   bool host_memory = true;     // registers and reads host memory
   bool device_memory = false;  // registers and reads GPU memory
   bool remote_peers = false;   // reaches peers on other hosts
@@ -113,6 +116,18 @@ class Transport {
   // Stops a read: once this returns, nothing more is written into its local memory. UCX cannot
   // cancel a read in flight and closes the connection to its peer instead.
   virtual void cancel_read(ReadId read) = 0;
+  // One range of post_reads(): `length` bytes at `remote_offset` of `*remote` into `local`.
+  struct ReadRange {
+    const RemoteRegion* remote = nullptr;
+    uint64_t remote_offset = 0;
+    void* local = nullptr;
+    uint64_t length = 0;
+  };
+  // With batched_reads: starts reading every range into `local_region` as one read, whose id is
+  // over once all are in. Backends without it throw Error(kUnsupported); post each range instead.
+  virtual ReadId post_reads(PeerId peer, std::span<const ReadRange> ranges, RegionId local_region, Deadline deadline) {
+    throw Error(ErrorKind::kUnsupported, name() + " reads one range at a time (no batched_reads)");
+  }
   // post_read, then wait_read.
   void read(PeerId peer, const RemoteRegion& remote, uint64_t remote_offset, void* local, RegionId local_region,
             uint64_t length, Deadline deadline) {

@@ -9,6 +9,8 @@ the same bucket size, and the destination's parameters are checked bitwise after
                         from the source's buffers mapped through shared memory);
   - refit UCX reads:    backend_name UCX with map_source_buffers=false (one-sided reads, as NIXL);
   - refit NIXL:         backend_name NIXL (refit.nixl: the same engine, NIXL's UCX plugin);
+  - refit NIXL source reads: the same with backend_init_params.read_source_memory=true (with
+                        --in-place the destination READs the source's large tensors where they lie);
   - NIXL READ ceiling:  two NIXL agents in two processes, one READ of one bucket-sized buffer,
                         repeated (no engine, no pack or load).
 
@@ -48,11 +50,14 @@ ROWS = {
         "refit UCX": ["backend_name=UCX"],
         "refit UCX reads": ["backend_name=UCX", "map_source_buffers=false"],
         "refit NIXL": ["backend_name=NIXL"],
+        # With --in-place: the destination READs the source's large tensors where they lie.
+        "refit NIXL source reads": ["backend_name=NIXL", "backend_init_params.read_source_memory=true"],
     },
     # refit's GPU path on one host is CUDA IPC (the UCX that refit builds against may lack CUDA).
     "cuda": {
         "refit CUDA_IPC": ["backend_name=CUDA_IPC"],
         "refit NIXL": ["backend_name=NIXL"],
+        "refit NIXL source reads": ["backend_name=NIXL", "backend_init_params.read_source_memory=true"],
     },
 }
 

@@ -39,7 +39,7 @@ import socket
 import struct
 import time
 import uuid
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 from . import _refit
 
@@ -50,9 +50,9 @@ NIXL_MODULES = ("nixl_cu13", "nixl_cu12", "nixl")
 #: backend_init_params keys refit reads itself; the rest go to NIXL's create_backend.
 #: ``device`` is refit's (the engine's device, passed to every backend). ``read_source_memory``
 #: ("true" or "false", the default): with direct_reads, destinations READ the sources' large
-#: tensors from their own memory instead of the sources packing them. Off by default: each READ
-#: is a call through Python here, and with one per tensor the refit-bench-2g model (1,683 tensors)
-#: moved 13.0 GiB/s on an H200 against 27.4 through buckets, 2.95 against 3.70 GiB/s on the CPU.
+#: tensors from their own memory (one transfer per bucket, its spans as descriptors) instead of
+#: the sources packing them. Off by default: on one host it measured no faster than buckets
+#: (docs/PYTHON.md); it is for sources on other hosts, where packing is what costs.
 REFIT_PARAMS = ("backend", "device", "read_source_memory")
 
 # A control message: kind, then (for a message) its number in the pair's sequence.
@@ -175,7 +175,7 @@ class NixlTransport:
         self._regions: Dict[int, tuple] = {}  # id -> (memory type, device, registration)
         self._peers: Dict[int, _Peer] = {}
         self._inbox: Dict[str, Dict[int, bytes]] = {}  # agent name -> {number: message}
-        self._reads: Dict[int, tuple] = {}  # id -> (handle, peer)
+        self._reads: Dict[int, tuple] = {}  # id -> (NIXL transfer handles, peer)
 
     # ---- what the adapter asks ----
 
@@ -240,7 +240,7 @@ class NixlTransport:
         entry = self._peers.pop(peer, None)
         if entry is None:
             return
-        for read, (handle, owner) in list(self._reads.items()):
+        for read, (_, owner) in list(self._reads.items()):
             if owner == peer:
                 self.cancel_read(read)
         # The peer's agent stays loaded: NIXL loses large notifications on a connection made again
@@ -252,69 +252,97 @@ class NixlTransport:
 
     def post_read(self, peer: int, key: bytes, remote_address: int, local_address: int, local_region: int,
                   length: int) -> int:
+        return self.post_reads(peer, [(key, remote_address, local_address, length)], local_region)
+
+    def post_reads(self, peer: int, ranges, local_region: int) -> int:
+        """Reads every (key, remote_address, local_address, length) of `ranges` from the peer into
+        `local_region` as one read: one NIXL transfer per kind of remote memory, each a list of
+        descriptors (a bucket's spans go in one call, not one per tensor)."""
         p = self._peer(peer)
         read = next(self._ids)
-        if length == 0:
-            self._reads[read] = (None, peer)
-            return read
-        if len(key) < _KEY.size:
-            raise _refit.ProtocolError(f"{p.label}: a NIXL region key of {len(key)} bytes is too short")
-        remote_memory, remote_dev = _KEY.unpack_from(key)
-        if remote_memory >= len(_MEMORY_TYPES):
-            raise _refit.ProtocolError(f"{p.label}: a NIXL region key names memory type {remote_memory}")
-        if key not in p.keys:
-            try:
-                self._agent.add_remote_agent(bytes(key[_KEY.size:]))
-            except Exception as e:
-                raise _refit.ProtocolError(
-                    f"{p.label}: the NIXL metadata of its buffer could not be loaded: {type(e).__name__}: {e}") from e
-            p.keys.add(key)
+        groups: Dict[tuple, list] = {}  # (memory type, device) -> [(remote, local, length)]
+        for key, remote_address, local_address, length in ranges:
+            if length == 0:
+                continue
+            if len(key) < _KEY.size:
+                raise _refit.ProtocolError(f"{p.label}: a NIXL region key of {len(key)} bytes is too short")
+            remote_memory, remote_dev = _KEY.unpack_from(key)
+            if remote_memory >= len(_MEMORY_TYPES):
+                raise _refit.ProtocolError(f"{p.label}: a NIXL region key names memory type {remote_memory}")
+            if key not in p.keys:
+                try:
+                    self._agent.add_remote_agent(bytes(key[_KEY.size:]))
+                except Exception as e:
+                    raise _refit.ProtocolError(
+                        f"{p.label}: the NIXL metadata of its buffer could not be loaded: {type(e).__name__}: {e}") from e
+                p.keys.add(key)
+            groups.setdefault((remote_memory, remote_dev), []).append((remote_address, local_address, length))
         local_memory, local_dev, _ = self._regions[local_region]
+        handles: List[Any] = []
         try:
-            local = self._agent.get_xfer_descs([(local_address, length, local_dev)], _MEMORY_TYPES[local_memory])
-            remote = self._agent.get_xfer_descs([(remote_address, length, remote_dev)], _MEMORY_TYPES[remote_memory])
-            handle = self._agent.initialize_xfer("READ", local, remote, p.agent)
-        except Exception as e:
-            raise self._lost_or_failed(e, f"NIXL READ of {length} bytes from {p.label} could not be created") from e
-        try:
-            state = self._agent.transfer(handle)
-        except Exception as e:
-            self._release(handle)
-            raise self._lost_or_failed(e, f"NIXL READ of {length} bytes from {p.label} failed to start") from e
-        if state == "ERR":
-            self._release(handle)
-            raise self._lost_or_failed(None, f"NIXL READ of {length} bytes from {p.label} failed to start")
-        self._reads[read] = (handle, peer)
+            for (remote_memory, remote_dev), items in groups.items():
+                length = sum(n for _, _, n in items)
+                try:
+                    local = self._agent.get_xfer_descs([(la, n, local_dev) for _, la, n in items],
+                                                       _MEMORY_TYPES[local_memory])
+                    remote = self._agent.get_xfer_descs([(ra, n, remote_dev) for ra, _, n in items],
+                                                        _MEMORY_TYPES[remote_memory])
+                    handle = self._agent.initialize_xfer("READ", local, remote, p.agent)
+                except Exception as e:
+                    raise self._lost_or_failed(e, f"NIXL READ of {length} bytes from {p.label} could not be created") from e
+                handles.append(handle)
+                try:
+                    state = self._agent.transfer(handle)
+                except Exception as e:
+                    raise self._lost_or_failed(e, f"NIXL READ of {length} bytes from {p.label} failed to start") from e
+                if state == "ERR":
+                    raise self._lost_or_failed(None, f"NIXL READ of {length} bytes from {p.label} failed to start")
+        except BaseException:
+            for handle in handles:
+                self._release(handle)
+            raise
+        self._reads[read] = (handles, peer)
         return read
 
     def test_read(self, read: int) -> bool:
-        handle, peer = self._reads[read]
-        if handle is None:
+        handles, peer = self._reads[read]
+        pending, error, failed_state = [], None, None
+        for handle in handles:
+            try:
+                state = self._agent.check_xfer_state(handle)
+            except Exception as e:  # noqa: BLE001
+                error = error or e
+                self._release(handle)
+                continue
+            if state == "PROC":
+                pending.append(handle)
+                continue
+            self._release(handle)
+            if state != "DONE":
+                failed_state = failed_state or state
+        if error is None and failed_state is None:
+            if pending:
+                self._reads[read] = (pending, peer)
+                return False
             del self._reads[read]
             return True
-        try:
-            state = self._agent.check_xfer_state(handle)
-        except Exception as e:
-            del self._reads[read]
-            self._release(handle)
-            raise self._lost_or_failed(e, f"NIXL READ from {self._label(peer)} failed") from e
-        if state == "PROC":
-            return False
-        del self._reads[read]
-        self._release(handle)
-        if state != "DONE":
-            what = f"NIXL READ from {self._label(peer)} failed ({state})"
-            if self._gone(peer):
-                raise _refit.PeerLostError(f"{what}: the peer went away (NIXL lost the connection)")
-            raise _refit.TransportError(what)
-        return True
+        self._reads[read] = (pending, peer)
+        self.cancel_read(read)
+        if error is not None:
+            raise self._lost_or_failed(error, f"NIXL READ from {self._label(peer)} failed") from error
+        what = f"NIXL READ from {self._label(peer)} failed ({failed_state})"
+        if self._gone(peer):
+            raise _refit.PeerLostError(f"{what}: the peer went away (NIXL lost the connection)")
+        raise _refit.TransportError(what)
 
     def cancel_read(self, read: int) -> None:
         entry = self._reads.pop(read, None)
-        if entry is None or entry[0] is None:
+        if entry is None:
             return
-        handle, peer = entry
-        if not self._release(handle):
+        handles, peer = entry
+        for handle in handles:
+            if self._release(handle):
+                continue
             # NIXL would not abort the READ: closing the connection ends it, so that nothing more is
             # written into the local buffer once this returns.
             p = self._peers.get(peer)

@@ -13,6 +13,8 @@
 //   address() -> bytes                  connect(address: bytes, label: str) -> int peer
 //   disconnect(peer)                    route(peer) -> str
 //   post_read(peer, key, remote_address, local_address, local_region, length) -> int read
+//   post_reads(peer, [(key, remote_address, local_address, length)], local_region) -> int read
+//                                       (optional: one read of many ranges; batched_reads)
 //   test_read(read) -> bool             cancel_read(read)
 //   send(peer, message: bytes)          poll(peer) -> bytes | None (the next message, if one came)
 // A refit exception (refit.PeerLostError, ...) raised by a method keeps its kind; any other
@@ -70,6 +72,7 @@ class PythonTransport final : public Transport {
     caps_.device_memory = flag("device_memory");
     caps_.remote_peers = flag("remote_peers");
     caps_.reads_registered_memory = flag("reads_registered_memory");
+    caps_.batched_reads = nb::hasattr(impl_, "post_reads");
   }
 
   ~PythonTransport() override {
@@ -150,6 +153,20 @@ class PythonTransport final : public Transport {
       return impl_.attr("post_read")(peer, key, remote.address + remote_offset, reinterpret_cast<uintptr_t>(local),
                                      local_region, length);
     }));
+  }
+
+  ReadId post_reads(PeerId peer, std::span<const ReadRange> ranges, RegionId local_region, Deadline) override {
+    nb::gil_scoped_acquire gil;
+    nb::list list;
+    for (const ReadRange& r : ranges) {
+      if (r.remote_offset > r.remote->length || r.length > r.remote->length - r.remote_offset)
+        throw Error(ErrorKind::kInvalidArgument,
+                    fmt::format("{}: read of {} bytes at offset {} is outside the peer's region of {} bytes", name_,
+                                r.length, r.remote_offset, r.remote->length));
+      list.append(nb::make_tuple(nb::bytes(reinterpret_cast<const char*>(r.remote->key.data()), r.remote->key.size()),
+                                 r.remote->address + r.remote_offset, reinterpret_cast<uintptr_t>(r.local), r.length));
+    }
+    return nb::cast<ReadId>(guarded("post_reads", [&] { return impl_.attr("post_reads")(peer, list, local_region); }));
   }
 
   bool test_read(ReadId read) override { return call<bool>("test_read", read); }

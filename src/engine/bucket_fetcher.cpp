@@ -87,18 +87,34 @@ std::vector<const std::byte*> BucketFetcher::map_regions(const protocol::BucketR
 }
 
 uint64_t BucketFetcher::read_spans(const protocol::BucketReady& bucket, std::byte* local, Deadline deadline) {
+  uint64_t bytes = 0;
+  auto source_of = [&](const protocol::BucketSpan& span) {
+    const bool own = span.region == 0;
+    return Transport::ReadRange{own ? &context_.peer_metadata->buffers : &bucket.regions()[span.region - 1].remote,
+                                own ? bucket.offset + span.bucket_offset : span.source_offset,
+                                local + span.bucket_offset, span.size};
+  };
+  if (context_.transport->capabilities().batched_reads) {
+    // One backend call for the whole bucket.
+    std::vector<Transport::ReadRange> ranges;
+    ranges.reserve(bucket.spans().size());
+    for (const protocol::BucketSpan& span : bucket.spans()) {
+      ranges.push_back(source_of(span));
+      bytes += span.size;
+    }
+    context_.transport->wait_read(context_.transport->post_reads(context_.peer, ranges, context_.region, deadline),
+                                  deadline);
+    return bytes;
+  }
   // Every span's read is in flight at once; one that fails stops the others.
   std::vector<ReadId> posted;
   posted.reserve(bucket.spans().size());
   size_t waited = 0;  // posted[waited..] are still in flight
-  uint64_t bytes = 0;
   try {
     for (const protocol::BucketSpan& span : bucket.spans()) {
-      const bool own = span.region == 0;
-      const RemoteRegion& remote = own ? context_.peer_metadata->buffers : bucket.regions()[span.region - 1].remote;
-      const uint64_t offset = own ? bucket.offset + span.bucket_offset : span.source_offset;
-      posted.push_back(context_.transport->post_read(context_.peer, remote, offset, local + span.bucket_offset,
-                                                     context_.region, span.size, deadline));
+      const Transport::ReadRange r = source_of(span);
+      posted.push_back(context_.transport->post_read(context_.peer, *r.remote, r.remote_offset, r.local,
+                                                     context_.region, r.length, deadline));
       bytes += span.size;
     }
     while (waited < posted.size()) context_.transport->wait_read(posted[waited++], deadline);

@@ -56,6 +56,9 @@ class DeviceBufferTransport final : public Transport {
                    uint64_t length, Deadline deadline) override {
     return inner_->post_read(peer, remote, remote_offset, local, local_region, length, deadline);
   }
+  ReadId post_reads(PeerId peer, std::span<const ReadRange> ranges, RegionId local_region, Deadline deadline) override {
+    return inner_->post_reads(peer, ranges, local_region, deadline);
+  }
   bool test_read(ReadId read) override { return inner_->test_read(read); }
   void wait_read(ReadId read, Deadline deadline) override { inner_->wait_read(read, deadline); }
   void cancel_read(ReadId read) override { inner_->cancel_read(read); }

@@ -35,6 +35,7 @@ class FlipReadBytes final : public Transport {
   TransportCapabilities capabilities() const override {
     TransportCapabilities caps = inner_->capabilities();
     caps.maps_peer_memory = caps.maps_registered_memory = false;
+    caps.batched_reads = false;  // each read is watched on its own
     return caps;
   }
   std::string route(PeerId peer) override { return inner_->route(peer); }

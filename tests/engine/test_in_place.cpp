@@ -19,6 +19,7 @@
 namespace refit {
 namespace {
 
+using testing::error_of;
 using testing::inproc_options;
 using testing::make_tensor;
 using testing::OwnedTensor;
@@ -29,8 +30,8 @@ using testing::VectorSource;
 // of whatever a destination maps.
 class WatchedTransport final : public Transport {
  public:
-  explicit WatchedTransport(std::unique_ptr<Transport> inner, bool corrupt_maps = false)
-      : inner_(std::move(inner)), corrupt_maps_(corrupt_maps) {}
+  explicit WatchedTransport(std::unique_ptr<Transport> inner, bool corrupt_maps = false, bool batched_reads = false)
+      : inner_(std::move(inner)), corrupt_maps_(corrupt_maps), batched_reads_(batched_reads) {}
   std::string name() const override { return inner_->name(); }
   RegionId register_memory(void* base, size_t bytes) override {
     ++registered;
@@ -48,14 +49,30 @@ class WatchedTransport final : public Transport {
     return inner_->connect(address, label);
   }
   void disconnect(PeerId peer) override { inner_->disconnect(peer); }
-  TransportCapabilities capabilities() const override { return inner_->capabilities(); }
+  TransportCapabilities capabilities() const override {
+    TransportCapabilities caps = inner_->capabilities();
+    caps.batched_reads = batched_reads_;
+    return caps;
+  }
+  // Batched: every range read now (the in-process transport reads synchronously), as one read.
+  ReadId post_reads(PeerId peer, std::span<const ReadRange> ranges, RegionId local_region, Deadline deadline) override {
+    if (!batched_reads_) return Transport::post_reads(peer, ranges, local_region, deadline);
+    ++batches;
+    for (const ReadRange& r : ranges)
+      inner_->read(peer, *r.remote, r.remote_offset, r.local, local_region, r.length, deadline);
+    return kBatch;
+  }
   ReadId post_read(PeerId peer, const RemoteRegion& remote, uint64_t remote_offset, void* local, RegionId local_region,
                    uint64_t length, Deadline deadline) override {
     return inner_->post_read(peer, remote, remote_offset, local, local_region, length, deadline);
   }
-  bool test_read(ReadId read) override { return inner_->test_read(read); }
-  void wait_read(ReadId read, Deadline deadline) override { inner_->wait_read(read, deadline); }
-  void cancel_read(ReadId read) override { inner_->cancel_read(read); }
+  bool test_read(ReadId read) override { return read == kBatch || inner_->test_read(read); }
+  void wait_read(ReadId read, Deadline deadline) override {
+    if (read != kBatch) inner_->wait_read(read, deadline);
+  }
+  void cancel_read(ReadId read) override {
+    if (read != kBatch) inner_->cancel_read(read);
+  }
   const std::byte* map(PeerId peer, const RemoteRegion& remote) override {
     ++mapped;
     const std::byte* base = inner_->map(peer, remote);
@@ -69,11 +86,13 @@ class WatchedTransport final : public Transport {
   }
   Bytes receive(PeerId peer, Deadline deadline) override { return inner_->receive(peer, deadline); }
 
-  std::atomic<int> registered{0}, deregistered{0}, mapped{0};
+  std::atomic<int> registered{0}, deregistered{0}, mapped{0}, batches{0};
 
  private:
+  static constexpr ReadId kBatch = ~ReadId{0};
   std::unique_ptr<Transport> inner_;
   bool corrupt_maps_;
+  bool batched_reads_;
   std::vector<std::vector<std::byte>> copies_;
 };
 
@@ -89,11 +108,13 @@ struct InPlacePair {
     bool destination_maps = true;  // map_source_buffers at the destination
     bool checksums = false;
     bool corrupt_maps = false;
+    bool batched_reads = false;  // the destination's transport takes a bucket's spans in one call
     std::optional<Layout> layout;
   };
   explicit InPlacePair(Options o) {
     source_transport = std::make_shared<WatchedTransport>(create_inproc_transport(fabric));
-    destination_transport = std::make_shared<WatchedTransport>(create_inproc_transport(fabric), o.corrupt_maps);
+    destination_transport =
+        std::make_shared<WatchedTransport>(create_inproc_transport(fabric), o.corrupt_maps, o.batched_reads);
     auto so = inproc_options(fabric, o.bucket, session);
     auto dop = inproc_options(fabric, o.bucket, session);
     so.config.direct_reads = dop.config.direct_reads = true;
@@ -310,6 +331,26 @@ TEST(InPlace, ADestinationThatReadsTheSourcesMemoryGetsLargeTensorsUnpacked) {
     }
     EXPECT_EQ(p.source_transport->registered, 3);  // the three large tensors, once
   }
+}
+
+// A transport with batched_reads gets each bucket's spans in one post_reads call; one without it
+// refuses such a call.
+TEST(InPlace, ABatchingTransportReadsEachBucketOfSpansInOneCall) {
+  InPlacePair p({.bucket = 256 << 10,
+                 .destination_maps = false,
+                 .checksums = true,
+                 .batched_reads = true,
+                 .layout = columns_of_o()});
+  const auto weights = large_model(13);
+  Received got;
+  auto stats = p.refit(weights, got.loader());
+  expect_received(weights, got, columns_of_o());
+  EXPECT_GT(stats.in_place_bytes, 0u);
+  EXPECT_GT(p.destination_transport->batches, 0);
+  EXPECT_LT(p.destination_transport->batches, static_cast<int>(stats.buckets) + 1);
+  EXPECT_EQ(error_of(ErrorKind::kUnsupported,
+                     [&] { p.source_transport->post_reads(0, {}, 0, deadline_after(std::chrono::seconds(1))); }),
+            "INPROC reads one range at a time (no batched_reads)");
 }
 
 // A source whose views do not outlive send() has nothing to be read later: it packs everything.

@@ -32,6 +32,11 @@ struct ChunkPlacement {
 
 class NameIndex;
 
+// A destination that reads its source's memory (spans) gets a piece read where it lies only if
+// it is at least this large (or continues the span before it): a read per small tensor costs
+// more than packing it. The engine's rule, which the planner models too.
+inline constexpr uint64_t kMinSpanBytes = 64 << 10;
+
 class BucketPacker {
  public:
   explicit BucketPacker(uint64_t bucket_bytes);  // throws Error(kInvalidArgument) for 0

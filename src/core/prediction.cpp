@@ -691,7 +691,7 @@ std::vector<Flush> pack_stream(const std::vector<std::vector<PieceRef>>& by_tens
       }
       // Read from the source's memory (LinkSender::add): a contiguous piece of at least 64 KiB is
       // placed in the bucket (the destination reads it there) but not copied by the source.
-      const bool spans = model.link(p.link).reads_source_memory && p.contiguous && size >= (64 << 10);
+      const bool spans = model.link(p.link).reads_source_memory && p.contiguous && size >= kMinSpanBytes;
       const auto chunks = packers.at(p.link).place(p.info);
       for (const ChunkPlacement& c : chunks) {
         if (c.starts_bucket) flush(p.link, false);

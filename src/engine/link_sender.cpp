@@ -12,9 +12,6 @@ namespace {
 // An abort is a courtesy to the peer; it must never hold up reporting our own error.
 constexpr std::chrono::duration<double> kAbortTimeout{2.0};
 
-// A destination reads a piece from our memory only if it is at least this large or continues the
-// span before it: a read per small tensor costs more than packing it.
-constexpr uint64_t kMinSpanBytes = 64 << 10;
 // Spans this close are read as one (the bytes between, alignment padding, come along).
 constexpr uint64_t kSpanGap = 4 << 10;
 

@@ -6,8 +6,8 @@ test: it prints the table and never fails on a ratio.
 
 Each local setup runs on the default path (destinations on their source's host read in place,
 refit_cfg.nixl.direct_reads=true) and on the bucket path (direct_reads=false), one row each;
---path picks one. Simulated hosts are remote to each other: nothing goes in place there, so they
-run the default path only. The "in place" column: the share of the bytes read in place,
+--path picks one. Simulated hosts are remote to each other: nothing maps there (destinations read the
+sources' large tensors from their memory instead, spans); they run the default path only. The "in place" column: the share of the bytes read in place,
 predicted / measured.
 
 Usage: scripts/check_planner.py [--calibration FILE] [--refits N] [--hosts RATE ...] [--only NAME ...]
@@ -166,7 +166,7 @@ def main():
         runs += [(s[:7], None, s[7:], reads) for s in GPU_SETUPS if s[7] <= gpus for reads in paths]
     else:
         runs += [(s, None, None, reads) for s in CPU_SETUPS for reads in paths]
-        for rate in args.hosts:  # remote: nothing goes in place, the default path is the bucket path
+        for rate in args.hosts:  # remote: nothing maps; the default path reads spans
             runs += [(s, rate, None, True) for s in HOST_SETUPS]
     print(f"{'setup':<58} {'predicted s':>12} {'measured s':>11} {'ratio':>7} {'in place':>11}")
     ratios = {True: [], False: []}

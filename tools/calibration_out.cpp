@@ -241,8 +241,8 @@ double load_turnaround(const std::vector<std::vector<Event>>& timelines) {
 }
 
 // Reads in place (direct_reads): what the destinations loaded straight from their sources' tensors,
-// per refit that succeeded but the first, with their loads. A load event carries only the packed
-// bytes of its bucket (the engine's timeline), so the in-place bytes come from each refit's report.
+// per refit that succeeded but the first, with their loads (the in-place share from each refit's
+// report).
 struct InPlaceRefit {
   double bytes = 0;         // loaded in place
   double packed = 0;        // loaded from buckets
@@ -279,6 +279,34 @@ std::vector<InPlaceRefit> in_place_refits(const json& refits) {
   return out;
 }
 
+// What each load costs beyond its bytes: the intercept of load time against load bytes, fitted by
+// least squares over the loads that ran alone, so that it does not depend on a rate measured in
+// another run (the host's copy rate drifts by 10% from minute to minute). -1 when the loads are too
+// few or all of one size.
+double in_place_group_cost(const std::vector<std::vector<Event>>& timelines) {
+  double n = 0, sx = 0, sy = 0, sxx = 0, sxy = 0;
+  for (const auto& events : timelines) {
+    std::vector<const Event*> loads;
+    for (const auto& e : events)
+      if (e.phase == "load" && e.end > e.start) loads.push_back(&e);
+    for (const Event* c : loads) {
+      const bool overlapped = std::any_of(
+          loads.begin(), loads.end(), [&](const Event* o) { return o != c && o->start < c->end && o->end > c->start; });
+      if (overlapped) continue;
+      const double x = c->bytes, y = c->end - c->start;
+      n += 1;
+      sx += x;
+      sy += y;
+      sxx += x * x;
+      sxy += x * y;
+    }
+  }
+  const double spread = n * sxx - sx * sx;  // n^2 times the variance of the sizes
+  if (n < 8 || spread <= 1e-6 * n * sxx) return -1;
+  const double slope = (n * sxy - sx * sy) / spread;
+  return std::max((sy - slope * sx) / n, 0.0);
+}
+
 // The share of a run's received bytes that went in place.
 double in_place_share(const std::vector<InPlaceRefit>& refits) {
   double in_place = 0, all = 0;
@@ -313,7 +341,7 @@ void save_bench_calibration(const std::string& path, const json& run) {
   // groups. The bucket path's values come from runs with direct_reads=false.
   const auto in_place = in_place_refits(run.at("refits"));
   if (in_place_share(in_place) >= 0.9) {
-    std::vector<double> rates, costs, crowded;
+    std::vector<double> rates, crowded;
     const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
     const bool more_than_cores = run.value("sources", 0u) + run.value("destinations", 0u) > cores;
     for (const auto& r : in_place) {
@@ -322,12 +350,11 @@ void save_bench_calibration(const std::string& path, const json& run) {
       if (more_than_cores) continue;  // the rate alone and the costs come from one pair
       if (r.overlapped || r.loads == 0 || r.load_seconds <= 0) continue;
       rates.push_back((r.bytes + r.packed) / r.load_seconds);
-      if (c.engine_in_place_copy_rate > 0)
-        costs.push_back((r.load_seconds - (r.bytes + r.packed) / c.engine_in_place_copy_rate) / r.loads);
     }
     if (!crowded.empty()) c.engine_in_place_crowded_copy_rate = median(crowded);
     if (!many_buckets && !rates.empty()) c.engine_in_place_copy_rate = median(rates);
-    if (many_buckets && !costs.empty()) c.engine_in_place_copy_cost_s = std::max(median(costs), 0.0);
+    if (many_buckets && !more_than_cores)
+      if (const double v = in_place_group_cost(timelines); v >= 0) c.engine_in_place_copy_cost_s = v;
     if (many_buckets && crowded.empty()) {
       if (const double v = load_turnaround(timelines); v >= 0) c.in_place_turnaround_s = v;
       if (const double v = announcement_latency(timelines); v >= 0) c.in_place_latency_s = v;

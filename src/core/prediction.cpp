@@ -257,8 +257,9 @@ struct Flush {
   uint64_t in_place = 0;  // ... and its bytes in place (the source's own tensors, not packed)
   uint64_t packed = 0;    // stream bytes copied since the source's previous flush
   bool last = false;
-  uint64_t rows = 0;    // strided rows among those copies (each a copy of its own on a CPU)
-  uint64_t pieces = 0;  // tensor pieces among those copies
+  uint64_t rows = 0;        // strided rows among those copies (each a copy of its own on a CPU)
+  uint64_t pieces = 0;      // tensor pieces among those copies
+  bool uses_buffer = true;  // the destination reads some of the bucket from the source's buffer
 };
 
 struct SimLink {
@@ -278,15 +279,16 @@ struct SimLink {
   bool reads_source_memory = false;
   uint64_t span_bytes = 0;  // ... so read
   // Source side.
-  int64_t acknowledged = -1;  // highest bucket the source has seen acknowledged
-  // Destination side (its fetcher).
+  std::vector<bool> uses_buffer;  // by bucket: it holds bytes in one of the source's two buffers
+  int64_t acknowledged = -1;      // highest bucket the source has seen acknowledged
+  // Destination side (its fetcher, as BucketFetcher::fetch): where it is with bucket next_fetch.
+  enum class Fetch { kBuffer, kAnnouncement, kReading, kTaken, kAcknowledge, kDone };
+  Fetch fetch = Fetch::kBuffer;
   std::vector<bool> announced;
   uint64_t next_fetch = 0;
-  bool fetching = false;
-  int64_t ready = -1;     // handed to the engine, not yet taken
-  int64_t released = -1;  // highest bucket the engine is done with
-  int64_t ack_sent = -1;  // mapped: highest bucket acknowledged once loaded
-  double ready_since = 0;
+  int64_t ready = -1;           // handed to the engine, not yet taken
+  int64_t released = -1;        // highest bucket the engine is done with
+  int64_t unacknowledged = -1;  // handed over, to be acknowledged once the engine released it
 };
 
 class PipelineModel {
@@ -421,8 +423,15 @@ class PipelineModel {
       });
       SourceState& st = source_state_[s];
       ++st.next;
-      if (!f.last && f.bucket >= 1 && l.acknowledged < static_cast<int64_t>(f.bucket) - 1)
-        st.waiting = std::pair(k, static_cast<int64_t>(f.bucket) - 1);
+      // Both buffers hold unacknowledged buckets: the source waits for the older (LinkSender::flush).
+      int64_t held = 0, oldest = -1;
+      for (int64_t b = static_cast<int64_t>(f.bucket); b > l.acknowledged && held < 2; --b)
+        if (l.uses_buffer[b]) {
+          ++held;
+          oldest = b;
+        }
+      if (!f.last && held == 2)
+        st.waiting = std::pair(k, oldest);
       else
         pack_next(s);
     };
@@ -446,45 +455,82 @@ class PipelineModel {
     });
   }
 
-  // The destination's fetcher for link k: the next bucket once it is announced, its buffer is
-  // free and the engine took the previous one.
+  // The destination's fetcher for link k, as BucketFetcher::fetch: for each bucket, a free local
+  // buffer (staged), its announcement, its read (staged), the engine's taking the one before, and
+  // then the acknowledgement of the one before once the engine released it (mapped, or in place:
+  // acknowledged once loaded; staged buckets are acknowledged once read).
   void try_fetch(uint32_t k) {
+    using Fetch = SimLink::Fetch;
     SimLink& l = links_[k];
-    if (l.fetching || l.next_fetch >= l.buckets.size() || l.ready >= 0) return;
-    const uint64_t b = l.next_fetch;
-    const uint64_t lag = l.mapped ? 1 : 2;
-    if (b >= lag && l.released < static_cast<int64_t>(b - lag)) return;
-    // Mapped (or in place): the fetcher acknowledges the bucket the engine released as soon as it
-    // did, then waits for the next announcement (BucketFetcher::fetch).
-    if (l.mapped && b >= 1 && l.ack_sent < static_cast<int64_t>(b - 1)) {
-      l.ack_sent = static_cast<int64_t>(b - 1);
-      acknowledge(k, b - 1);
+    while (l.next_fetch < l.buckets.size()) {
+      const uint64_t b = l.next_fetch;
+      const bool once_loaded = l.mapped || l.in_place[b] > 0;
+      switch (l.fetch) {
+        case Fetch::kBuffer:
+          if (!l.mapped && b >= 2 && l.released < static_cast<int64_t>(b - 2)) return;
+          l.fetch = Fetch::kAnnouncement;
+          [[fallthrough]];
+        case Fetch::kAnnouncement:
+          if (!l.announced[b]) return;
+          if (!l.mapped && l.buckets[b] > 0) {
+            l.fetch = Fetch::kReading;
+            start_read(k, b);
+            return;
+          }
+          if (!once_loaded) acknowledge(k, b);
+          l.fetch = Fetch::kTaken;
+          [[fallthrough]];
+        case Fetch::kTaken:
+          if (l.ready >= 0) return;
+          l.fetch = Fetch::kAcknowledge;
+          hand_over(k, b);
+          [[fallthrough]];
+        case Fetch::kAcknowledge:
+          if (l.unacknowledged >= 0) {
+            if (l.released < l.unacknowledged) return;
+            acknowledge(k, static_cast<uint64_t>(l.unacknowledged));
+            l.unacknowledged = -1;
+          }
+          if (once_loaded) l.unacknowledged = static_cast<int64_t>(b);
+          if (b + 1 < l.buckets.size()) {
+            ++l.next_fetch;
+            l.fetch = Fetch::kBuffer;
+            continue;
+          }
+          l.fetch = Fetch::kDone;
+          [[fallthrough]];
+        case Fetch::kDone:  // the last: acknowledged once loaded, if it waits for that
+          if (l.unacknowledged >= 0 && l.released >= l.unacknowledged) {
+            acknowledge(k, static_cast<uint64_t>(l.unacknowledged));
+            l.unacknowledged = -1;
+          }
+          return;
+        case Fetch::kReading:
+          return;
+      }
     }
-    if (!l.announced[b]) return;
-    ++l.next_fetch;
-    if (l.mapped || l.buckets[b] == 0) {
-      if (!l.mapped) acknowledge(k, b);
-      hand_over(k, b);
-      return;
-    }
-    l.fetching = true;
+  }
+
+  // A staged read of bucket b of link k; once done, it is acknowledged and goes on to the hand-over.
+  void start_read(uint32_t k, uint64_t b) {
+    SimLink& l = links_[k];
     const Place& src = source_places_[l.source];
     const Place& dst = destination_places_[l.destination];
     const double begun = now();
     auto done = [this, k, b, begun] {
       SimLink& l = links_[k];
-      l.fetching = false;
       event(out_destinations_[l.destination], TimelinePhase::kRead, l.source, b, begun, now(), l.buckets[b]);
-      acknowledge(k, b);
-      hand_over(k, b);
+      if (l.in_place[b] == 0) acknowledge(k, b);
+      l.fetch = SimLink::Fetch::kTaken;
+      try_fetch(k);
     };
     const double bytes = static_cast<double>(l.buckets[b]);
     if (src.node_key != dst.node_key && cluster_.transfer.tcp && !src.group->gpu && !dst.group->gpu) {
       // Both ends' kernels spend CPU on every byte: the flow also crosses each end's TCP capacity
       // (once, when both ends are one machine).
-      const int a = resources_.tcp(src), b = resources_.tcp(dst);
+      const int a = resources_.tcp(src), c = resources_.tcp(dst);
       sim_.start_flow(bytes, cluster_.transfer.read_rate,
-                      {resources_.nic(src, false), resources_.nic(dst, true), a, a == b ? -1 : b}, done);
+                      {resources_.nic(src, false), resources_.nic(dst, true), a, a == c ? -1 : c}, done);
     } else if (src.node_key != dst.node_key) {
       sim_.start_flow(bytes, cluster_.transfer.read_rate, {resources_.nic(src, false), resources_.nic(dst, true)},
                       done);
@@ -503,7 +549,8 @@ class PipelineModel {
     SimLink& l = links_[k];
     l.ready = static_cast<int64_t>(b);
     destination_state_[l.destination].ready.push_back(k);
-    try_load(l.destination);
+    // Not from within the fetcher's step: the engine takes it as an event of its own.
+    sim_.at(sim_.now(), [this, d = l.destination] { try_load(d); });
   }
 
   // The destination's engine loads one bucket at a time, in the order they arrived.
@@ -528,7 +575,6 @@ class PipelineModel {
       event(w, TimelinePhase::kRelease, l.source, b, t, t, 0);
       w.bytes += l.buckets[b] + l.in_place[b];
       l.released = static_cast<int64_t>(b);
-      if (l.mapped && b + 1 == l.buckets.size()) acknowledge(k, b);
       try_fetch(k);
       // The engine turns to the next bucket after its measured turnaround.
       sim_.at(sim_.now() + (l.reads_in_place ? in_place_turnaround_ : turnaround_), [this, d] {
@@ -650,16 +696,20 @@ std::vector<Flush> pack_stream(const std::vector<std::vector<PieceRef>>& by_tens
                                const std::vector<uint32_t>& links, const std::vector<uint64_t>& link_bytes) {
   std::map<uint32_t, BucketPacker> packers;
   std::map<uint32_t, uint64_t> used, count, rows, merged, pieces, in_place, in_place_rows, capacity;
+  std::map<uint32_t, uint64_t> packed;  // chunks of the open bucket the source copies into it
   for (size_t i = 0; i < links.size(); ++i) {
     packers.emplace(links[i], BucketPacker(link_bytes[i]));
     used[links[i]] = count[links[i]] = rows[links[i]] = merged[links[i]] = pieces[links[i]] = 0;
-    in_place[links[i]] = in_place_rows[links[i]] = 0;
+    in_place[links[i]] = in_place_rows[links[i]] = packed[links[i]] = 0;
     capacity[links[i]] = link_bytes[i];
   }
   std::vector<Flush> flushes;
   uint64_t since = 0, rows_since = 0, pieces_since = 0;
   auto flush = [&](uint32_t k, bool last) {
-    flushes.push_back({k, count[k], used[k], in_place[k], since, last, rows_since, pieces_since});
+    // A bucket of spans only (nothing packed) is read from the source's memory whole.
+    const bool uses_buffer = model.link(k).reads_source_memory ? packed[k] > 0 : used[k] > 0;
+    flushes.push_back({k, count[k], used[k], in_place[k], since, last, rows_since, pieces_since, uses_buffer});
+    model.link(k).uses_buffer.push_back(uses_buffer);
     model.link(k).buckets.push_back(used[k]);
     model.link(k).rows.push_back(rows[k]);
     model.link(k).merged.push_back(merged[k]);
@@ -668,7 +718,7 @@ std::vector<Flush> pack_stream(const std::vector<std::vector<PieceRef>>& by_tens
     model.link(k).in_place_rows.push_back(in_place_rows[k]);
     since = rows_since = pieces_since = 0;
     ++count[k];
-    used[k] = rows[k] = merged[k] = pieces[k] = in_place[k] = in_place_rows[k] = 0;
+    used[k] = rows[k] = merged[k] = pieces[k] = in_place[k] = in_place_rows[k] = packed[k] = 0;
   };
   for (const auto& tensor_pieces : by_tensor)
     for (const auto& p : tensor_pieces) {
@@ -705,6 +755,7 @@ std::vector<Flush> pack_stream(const std::vector<std::vector<PieceRef>>& by_tens
           continue;
         }
         ++pieces_since;
+        ++packed[p.link];
         since += c.size;
         const uint64_t r = strided_rows(p, c.tensor_offset, c.size);
         rows_since += r;

@@ -47,11 +47,18 @@ void BucketFetcher::notify() {
   if (context_.signal) context_.signal->notify();
 }
 
-bool BucketFetcher::wait_released(std::optional<uint64_t> seq, Deadline deadline) {
+bool BucketFetcher::wait_taken(Deadline deadline) {
   std::unique_lock lock(mutex_);
-  auto done = [&] { return stop_ || (!ready_ && (!seq || (released_ && *released_ >= *seq))); };
-  if (!changed_.wait_until(lock, deadline, done))
-    fail(ErrorKind::kTimeout, "the loader kept bucket {} for more than {} s", seq.value_or(0), context_.timeout_s);
+  if (!changed_.wait_until(lock, deadline, [&] { return stop_ || !ready_; }))
+    fail(ErrorKind::kTimeout, "the loader did not take bucket {} within {} s", ready_ ? ready_->bucket.seq : 0,
+         context_.timeout_s);
+  return !stop_;
+}
+
+bool BucketFetcher::wait_released(uint64_t seq, Deadline deadline) {
+  std::unique_lock lock(mutex_);
+  if (!changed_.wait_until(lock, deadline, [&] { return stop_ || (released_ && *released_ >= seq); }))
+    fail(ErrorKind::kTimeout, "the loader kept bucket {} for more than {} s", seq, context_.timeout_s);
   return !stop_;
 }
 
@@ -136,20 +143,14 @@ bool BucketFetcher::fetch(uint64_t seq, std::string& phase) {
   const int local = static_cast<int>(seq % 2);
   const uint64_t region_bytes = context_.peer_metadata->buffers.length;
   const bool mapped = context_.mapped != nullptr;
-  // The engine must have taken the previous bucket. Staged: it must also have loaded bucket
-  // seq - 2, whose local buffer this read refills. A bucket acknowledged only once loaded
-  // (mapped, or with entries in place) must be released, then acknowledged, so that the source
-  // refills its buffer (or changes its tensors) only after that.
-  std::optional<uint64_t> loaded = unacknowledged_;
-  if (!mapped && seq >= 2) loaded = std::max(loaded.value_or(0), seq - 2);
-  phase = fmt::format("wait for the loader to finish bucket {}", loaded.value_or(0));
-  if (!wait_released(loaded, deadline)) return false;
-  if (unacknowledged_) {
-    phase = fmt::format("acknowledge bucket {}", *unacknowledged_);
-    acknowledge(*unacknowledged_, deadline);
-    unacknowledged_.reset();
+  // Staged: the read refills the local buffer of bucket seq - 2, which the engine must have loaded.
+  if (!mapped && seq >= 2) {
+    phase = fmt::format("wait for the loader to finish bucket {}", seq - 2);
+    if (!wait_released(seq - 2, deadline)) return false;
   }
 
+  // The announcement is taken, checked, read or mapped while the engine still loads the bucket
+  // before, so that the engine goes on to this one the moment it is done with that.
   phase = fmt::format("wait for bucket {}", seq);
   protocol::Message msg;
   while (true) {
@@ -215,23 +216,31 @@ bool BucketFetcher::fetch(uint64_t seq, std::string& phase) {
                   Seconds(Clock::now() - read_start).count());
   }
   const bool last = bucket.is_last;
+  phase = fmt::format("wait for the loader to take bucket {}", seq);
+  if (!wait_taken(deadline)) return false;
   {
     std::lock_guard lock(mutex_);
     ready_ = Fetched{std::move(msg.ready), std::move(bases)};
   }
   notify();
-  if (!acknowledge_once_loaded) return !last;
-  if (!last) {
-    unacknowledged_ = seq;
-    return true;
-  }
-  // The source waits for the last bucket's acknowledgement before its refit ends.
-  phase = fmt::format("wait for the loader to finish bucket {}", seq);
-  const auto load_deadline = deadline_after(Seconds(context_.timeout_s));  // a phase of its own
-  if (!wait_released(seq, load_deadline)) return false;
-  phase = fmt::format("acknowledge bucket {}", seq);
-  acknowledge(seq, load_deadline);
+  // A bucket acknowledged only once loaded (mapped, or with entries in place) is acknowledged
+  // after the engine released it, so that the source refills its buffer (or changes its tensors)
+  // only then: the one before this, now, and the last before the refit ends (its source waits).
+  if (unacknowledged_ && !acknowledge_released(*unacknowledged_, phase)) return false;
+  if (acknowledge_once_loaded) unacknowledged_ = seq;
+  if (!last) return true;
+  if (unacknowledged_) acknowledge_released(*unacknowledged_, phase);
   return false;
+}
+
+bool BucketFetcher::acknowledge_released(uint64_t seq, std::string& phase) {
+  phase = fmt::format("wait for the loader to finish bucket {}", seq);
+  const auto deadline = deadline_after(Seconds(context_.timeout_s));  // a phase of its own
+  if (!wait_released(seq, deadline)) return false;
+  phase = fmt::format("acknowledge bucket {}", seq);
+  acknowledge(seq, deadline);
+  unacknowledged_.reset();
+  return true;
 }
 
 std::optional<BucketFetcher::Fetched> BucketFetcher::try_next(std::string& phase) {

@@ -111,10 +111,13 @@ class BucketFetcher {
   void run();
   // Fetches bucket `seq`; returns false after the last bucket or when stopped.
   bool fetch(uint64_t seq, std::string& phase);
-  // Waits until the engine has taken the bucket handed out last and released bucket `seq` (if
-  // given); false when stopped.
-  bool wait_released(std::optional<uint64_t> seq, Deadline deadline);
+  // Wait until the engine has taken the bucket handed out last, or has released bucket `seq`;
+  // false when stopped.
+  bool wait_taken(Deadline deadline);
+  bool wait_released(uint64_t seq, Deadline deadline);
   void acknowledge(uint64_t seq, Deadline deadline);
+  // Acknowledges bucket `seq` once the engine released it; false when stopped.
+  bool acknowledge_released(uint64_t seq, std::string& phase);
   // Reads a bucket of spans into `local`, each from the source's buffer or its memory; returns the
   // bytes read.
   uint64_t read_spans(const protocol::BucketReady& bucket, std::byte* local, Deadline deadline);

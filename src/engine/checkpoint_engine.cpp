@@ -838,9 +838,13 @@ class CheckpointEngine::Impl {
     const auto& bucket = run.bucket->bucket;
     const size_t k = run.link;
     const uint32_t peer = links_[k].peer_rank;
-    // The load event spans assembling too: both are the destination's copies out of the bucket.
+    // The load event spans assembling too: both are the destination's copies out of the bucket. Its
+    // bytes are all it copied: the bucket's and those read in place from the source's tensors.
     const double released = timeline_now();
-    run.stats.events.push_back({TimelinePhase::kLoad, peer, bucket.seq, run.assembling, released, bucket.used_bytes,
+    uint64_t loaded = bucket.used_bytes;
+    for (const auto& e : bucket.entries())
+      if (e.region > 0) loaded += e.size;
+    run.stats.events.push_back({TimelinePhase::kLoad, peer, bucket.seq, run.assembling, released, loaded,
                                 static_cast<uint32_t>(bucket.entries().size())});
     run.fetchers[k]->release(bucket.seq);
     run.stats.events.push_back({TimelinePhase::kRelease, peer, bucket.seq, released, released, 0});

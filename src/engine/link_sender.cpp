@@ -2,6 +2,8 @@
 
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
+
 #include "core/box_copy.h"
 #include "core/fail.h"
 #include "engine/bucket_checksum.h"
@@ -214,6 +216,11 @@ void LinkSender::flush(bool is_last, std::string& phase) {
     bucket_spans_.clear();
     span_data_.clear();
   }
+  // Whether the destination reads any of the bucket from the buffer (else all of it lies in our
+  // tensors, and the buffer is free for the next bucket at once).
+  const bool uses_buffer = bucket_spans_.empty() ? bucket_.used_bytes > 0
+                                                 : std::any_of(bucket_spans_.begin(), bucket_spans_.end(),
+                                                               [](const auto& s) { return s.region == 0; });
   // The bucket goes as a replay when it equals its counterpart of the previous refit whole.
   const bool replay = replaying_ && bucket_.seq < previous_.size() &&
                       matched_ == previous_[bucket_.seq].manifest->entries.size() &&
@@ -246,12 +253,14 @@ void LinkSender::flush(bool is_last, std::string& phase) {
   pack_start_.reset();
   context_.transport->send(context_.peer, protocol::encode(bucket_),
                            deadline_after(std::chrono::duration<double>(context_.timeout_s)));
-  unacknowledged_.push_back(bucket_.seq);
+  unacknowledged_.push_back({bucket_.seq, uses_buffer});
   ++buckets_;
   const auto announced = Clock::now();
   bucket_.seq++;
-  buffer_ ^= 1;
-  bucket_.offset = context_.offsets[buffer_];
+  if (uses_buffer) {
+    buffer_ ^= 1;
+    bucket_.offset = context_.offsets[buffer_];
+  }
   bucket_.manifest.reset();
   if (!replaying_) manifest_ = std::make_shared<protocol::Manifest>();
   matched_ = 0;
@@ -265,9 +274,14 @@ void LinkSender::flush(bool is_last, std::string& phase) {
   in_place_data_.clear();
   pack_phase_ = fmt::format("pack bucket {} for {}", bucket_.seq, context_.peer_label);
   // The next bucket goes into the other buffer: the destination must be done with the bucket that
-  // buffer holds.
-  if (!is_last && unacknowledged_.size() == 2) {
-    wait_acknowledged(unacknowledged_.front(), phase);
+  // buffer holds (acknowledgements come in order). Buckets that hold nothing in a buffer do not
+  // wait: a destination reading in place goes from one to the next with no round trip between.
+  const auto holding = [&] {
+    return std::count_if(unacknowledged_.begin(), unacknowledged_.end(),
+                         [](const Announced& a) { return a.uses_buffer; });
+  };
+  while (!is_last && holding() == 2) {
+    wait_acknowledged(unacknowledged_.front().seq, phase);
     unacknowledged_.pop_front();
   }
   spdlog::debug("bucket {} for {}: announced after {:.2f} ms, then {:.2f} ms waiting for a free buffer",
@@ -278,7 +292,7 @@ void LinkSender::flush(bool is_last, std::string& phase) {
 void LinkSender::flush_last(std::string& phase) { flush(true, phase); }
 
 void LinkSender::wait_done(std::string& phase) {
-  for (; !unacknowledged_.empty(); unacknowledged_.pop_front()) wait_acknowledged(unacknowledged_.front(), phase);
+  for (; !unacknowledged_.empty(); unacknowledged_.pop_front()) wait_acknowledged(unacknowledged_.front().seq, phase);
   // The destination has every bucket of this refit, so the next may replay their manifests.
   previous_ = std::move(sent_);
   previous_refit_ = refit_;

@@ -134,10 +134,15 @@ class LinkSender {
   uint64_t matched_ = 0;    // entries of the open bucket so far (replaying)
   uint64_t replayed_ = 0;
   int buffer_ = 0;  // which of the two buffers the open bucket fills
-  // Announced buckets the destination is not done with: at most one per buffer. A bucket is
-  // announced as soon as it is packed, while the destination still reads the one before, so that
-  // its reads follow each other with no round trip between them.
-  std::deque<uint64_t> unacknowledged_;
+  // Announced buckets the destination is not done with: at most one per buffer among those that
+  // hold bytes in one, and any number of those that do not (all in place). A bucket is announced
+  // as soon as it is packed, while the destination still reads the one before, so that its reads
+  // follow each other with no round trip between them.
+  struct Announced {
+    uint64_t seq = 0;
+    bool uses_buffer = true;
+  };
+  std::deque<Announced> unacknowledged_;
   uint64_t buckets_ = 0, payload_bytes_ = 0, in_place_bytes_ = 0;
   uint64_t bucket_in_place_ = 0;                 // bytes of the open bucket sent in place
   std::map<RegionId, uint32_t> regions_;         // of the open bucket: our region -> its index there

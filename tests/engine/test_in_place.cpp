@@ -236,6 +236,121 @@ TEST(InPlace, BatchesKeepTheBucketSizeAndSendReturnsOnlyOnceEverythingIsLoaded) 
   for (const auto& t : weights) EXPECT_EQ(got.tensors[t.info.name].data, t.data);
 }
 
+// A bucket that holds nothing in the source's buffers takes none of them: the source announces
+// every such bucket without waiting for the destination, which goes from one to the next with no
+// round trip between. Here the loader holds the first batch for 100 ms; everything is announced
+// before the destination lets go of it.
+TEST(InPlace, BucketsAllInPlaceAreAnnouncedWithoutWaitingForTheDestination) {
+  InPlacePair p({.bucket = 64});
+  std::vector<OwnedTensor> weights;
+  for (int i = 0; i < 12; ++i) weights.push_back(make_tensor("t" + std::to_string(i), DType::kFloat32, {8}, i));
+  Received got;
+  auto record = got.loader();
+  auto stats = p.refit(weights, [&](LoadBatch batch) {
+    if (got.batch_sizes.empty()) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    record(batch);
+  });
+  for (const auto& t : weights) EXPECT_EQ(got.tensors[t.info.name].data, t.data) << t.info.name;
+  ASSERT_EQ(stats.batches, 6u);
+  double first_release = 0;
+  for (const auto& e : stats.events)
+    if (e.phase == TimelinePhase::kRelease && e.bucket == 0) first_release = e.start;
+  ASSERT_GT(first_release, 0);
+  int announced = 0;
+  for (const auto& e : p.sent.events)
+    if (e.phase == TimelinePhase::kAnnounce) {
+      ++announced;
+      EXPECT_LT(e.start, first_release) << "bucket " << e.bucket << " waited for the destination";
+    }
+  EXPECT_EQ(announced, 6);
+}
+
+// Buckets with packed bytes (the strided columns of "o") still take turns in the two buffers,
+// between buckets all in place that take none: every byte arrives, refit after refit.
+TEST(InPlace, PackedBucketsBetweenBucketsAllInPlaceKeepTheirBuffers) {
+  std::vector<OwnedTensor> weights;
+  Layout layout;
+  for (int i = 0; i < 6; ++i) {
+    // Buckets of 64 B: [a] all in place, then [b in place, o packed], and so on.
+    const std::string n = std::to_string(i);
+    weights.push_back(make_tensor("a" + n, DType::kFloat32, {16}, 10 + i));
+    weights.push_back(make_tensor("b" + n, DType::kFloat32, {16}, 20 + i));
+    weights.push_back(make_tensor("o" + n, DType::kFloat32, {4, 8}, 30 + i));  // columns 2..5: 64 B packed
+    layout.tensors["o" + n] = Request::narrow(1, 2, 4);
+  }
+  InPlacePair p({.bucket = 64, .layout = layout});
+  for (int refit = 0; refit < 3; ++refit) {
+    for (auto& t : weights) t.data[refit] ^= std::byte{0x33};  // new weights each refit
+    Received got;
+    auto record = got.loader();
+    auto stats = p.refit(weights, [&](LoadBatch batch) {
+      // A slow loader: a source refilling a buffer too early would overwrite what it reads.
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      record(batch);
+    });
+    expect_received(weights, got, layout);
+    EXPECT_EQ(stats.in_place_bytes, 12u * 64);
+    EXPECT_EQ(stats.wire_bytes, 6u * 64);
+    std::vector<uint64_t> packed;
+    for (const auto& e : p.sent.events)
+      if (e.phase == TimelinePhase::kPack) packed.push_back(e.bytes);
+    EXPECT_THAT(packed, ::testing::ElementsAre(0, 64, 0, 64, 0, 64, 0, 64, 0, 64, 0, 64));
+  }
+}
+
+// While the loader holds a batch, the destination makes the next bucket ready, so that it is
+// there the moment the batch is released: no hand-off between the two. Returns the batches.
+size_t batches_ready_on_release(CheckpointEngine& source, CheckpointEngine& destination,
+                                const std::vector<OwnedTensor>& weights) {
+  auto sending = std::async(std::launch::async, [&] {
+    VectorSource src(weights);
+    return source.send(src);
+  });
+  destination.begin_receive();
+  ReceivedBatch batch;
+  size_t batches = 0;
+  while (true) {
+    // Until the first batch, wait; after that each must be ready at once.
+    const auto until = batches == 0 ? deadline_after(std::chrono::seconds(10)) : Clock::now();
+    const ReceiveProgress progress = destination.next_batch(until, &batch);
+    if (progress == ReceiveProgress::kDone) break;
+    if (progress != ReceiveProgress::kBatch) {
+      ADD_FAILURE() << "no batch ready after batch " << batches;
+      destination.abort_receive("the test gives up");
+      sending.wait();
+      return batches;
+    }
+    ++batches;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    destination.release_batch();
+  }
+  destination.finish_receive();
+  sending.get();
+  return batches;
+}
+
+std::vector<OwnedTensor> eight_tensors() {
+  std::vector<OwnedTensor> weights;
+  for (int i = 0; i < 8; ++i) weights.push_back(make_tensor("t" + std::to_string(i), DType::kFloat32, {8}, i));
+  return weights;
+}
+
+TEST(InPlace, TheNextBatchIsReadyWhenTheLoaderReleasesOne) {
+  InPlacePair p({.bucket = 64});
+  EXPECT_EQ(batches_ready_on_release(*p.source, *p.destination, eight_tensors()), 4u);
+  EXPECT_EQ(p.destination->stale(), false);
+}
+
+// The same through buckets: mapped (acknowledged once loaded) and staged (once read).
+TEST(InPlace, TheNextBucketIsReadyWhenTheLoaderReleasesOneMappedOrStaged) {
+  for (bool map : {true, false}) {
+    SCOPED_TRACE(map ? "mapped" : "staged");
+    testing::Pair p(64, false, 10.0, map);
+    p.connect();
+    EXPECT_EQ(batches_ready_on_release(*p.source, *p.destination, eight_tensors()), 4u);
+  }
+}
+
 TEST(InPlace, RegistrationsAreKeptAcrossRefitsAndMadeAgainWhenTheMemoryMoves) {
   InPlacePair p({});
   auto weights = model(3);

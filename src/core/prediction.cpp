@@ -27,7 +27,8 @@ class FlowSim {
 
   // `crowded`: the capacity once more than `slots` flows cross it (a CPU node's cores, time-sliced).
   // `exclusive`: one flow at a time, the others wait their turn in order (a GPU's copies from
-  // several processes: their contexts take turns).
+  // several processes: their contexts take turns); `crowded` is then its capacity while others
+  // wait (what turns give), and `capacity` that of a flow alone.
   int add_resource(std::string name, double capacity, int slots = 0, double crowded = 0, bool exclusive = false) {
     names_.push_back(std::move(name));
     capacity_.push_back(capacity);
@@ -128,8 +129,8 @@ class FlowSim {
     flows_.push_back(std::move(f));
   }
   double share(int r) const {
-    const double capacity = slots_[r] > 0 && active_[r] > slots_[r] ? crowded_[r] : capacity_[r];
-    return capacity / active_[r];
+    const bool crowded = exclusive_[r] ? !waiting_[r].empty() : slots_[r] > 0 && active_[r] > slots_[r];
+    return (crowded ? crowded_[r] : capacity_[r]) / active_[r];
   }
   struct Flow {
     double remaining = 0, cap = kInf, rate = 0, finish = 0;
@@ -184,7 +185,9 @@ class Resources {
   std::pair<int, int> copy(const Place& p) {
     if (p.group->gpu) {
       const int gpu = p.slot % std::max(p.group->gpus, 1);
-      return {get(fmt::format("GPU {} copy (node {})", gpu, p.node_key), p.group->node_copy_rate, 0, 0, true), -1};
+      // A copy alone runs at its own rate; copies of several processes take turns, together at
+      // the node copy rate.
+      return {get(fmt::format("GPU {} copy (node {})", gpu, p.node_key), kInf, 0, p.group->node_copy_rate, true), -1};
     }
     const int cores = std::max(p.group->cores, 1);
     const std::string where = p.group->machine.empty() ? "node " + p.node_key : "machine " + p.group->machine;

@@ -422,6 +422,19 @@ TEST(Prediction, ReadsInPlaceSkipThePackAndCopyOnceAtTheInPlaceRate) {
   EXPECT_NEAR(costly.seconds, bytes / 1e9 + 5e-3, 1e-6);  // in_place_cost defaults to copy_cost
 }
 
+// Groups in place hold nothing in the source's buffers: the source announces them all at once,
+// and only the first announcement and the last acknowledgement are on the refit's path, however
+// many groups (the bucket path pays hand-offs per bucket, LatencyCostsEveryBucketItsHandOffs).
+TEST(Prediction, InPlaceGroupsWaitForNoAcknowledgement) {
+  const ModelInventory m = rows_model(16, 1024, 256);  // 16 tensors of 1 MiB
+  const double bytes = static_cast<double>(m.total_bytes());
+  const std::vector<Layout> whole(1);
+  const Prediction p = predict_refit(
+      m, {}, whole, one_host(1, 1, "1MiB", true, "", ", in_place_latency: 1ms, in_place_ack_latency: 1ms"));
+  EXPECT_EQ(p.buckets, 16u);
+  EXPECT_NEAR(p.seconds, bytes / 1e9 + 2e-3, 1e-6);
+}
+
 TEST(Prediction, InPlaceGroupsHoldAtMostTheLinkBucketBytesAndOneLargerTensorAlone) {
   ModelInventory m = rows_model(8, 1024, 256);                        // 8 tensors of 1 MiB
   m.tensors.push_back({"big.weight", DType::kFloat32, {4096, 256}});  // 4 MiB
@@ -549,6 +562,35 @@ transfer: {{bucket: 64MiB, transport: {}, latency: 0s, turnaround: 0s, overhead:
   // Across GPUs the one copy crosses NVLink (50 GB/s, below the device copy).
   EXPECT_NEAR(ipc.seconds, m.total_bytes() / 50e9, 1e-6);
   EXPECT_EQ(predict_refit(m, {}, whole, gpus("ucx")).in_place_bytes, 0u);
+}
+
+// Two processes on one GPU: a copy alone runs at its own rate; copies of both take turns, and
+// while one waits for the other they move at the node copy rate together.
+TEST(Prediction, CopiesOfProcessesOnOneGpuRunAloneAtTheirRateAndTakeTurnsTogether) {
+  const ModelInventory m = rows_model(16, 1024, 256);  // 16 tensors of 1 MiB
+  const double bytes = static_cast<double>(m.total_bytes());
+  const std::vector<Layout> whole(1);
+  auto one_gpu = [](const std::string& bucket, bool direct_reads) {
+    Cluster c = parse_cluster(fmt::format(R"(
+nodes: [{{name: g, workers: 2, gpus: 1, device: gpu, copy: 100GB/s, node_copy: 40GB/s, in_place_copy: 80GB/s}}]
+sources: {{nodes: g, ranks: 1}}
+destinations: {{nodes: g, ranks: 1}}
+transfer: {{bucket: {}, transport: cuda_ipc, direct_reads: {}, latency: 0s, turnaround: 0s, overhead: 0s}}
+)",
+                                          bucket, direct_reads),
+                              "one-gpu.yaml");
+    apply_calibration(c, Calibration{});
+    return c;
+  };
+  // In place: the destination's loads, alone, at the in-place rate (not the rate of turns).
+  EXPECT_NEAR(predict_refit(m, {}, whole, one_gpu("1GiB", true)).seconds, bytes / 80e9, 1e-9);
+  EXPECT_NEAR(predict_refit(m, {}, whole, one_gpu("2MiB", true)).seconds, bytes / 80e9, 1e-9);
+  // One bucket: the pack, then the load, each alone.
+  EXPECT_NEAR(predict_refit(m, {}, whole, one_gpu("1GiB", false)).seconds, 2 * bytes / 100e9, 1e-9);
+  // Many buckets: the source packs while its destination loads, and they take turns.
+  const double turns = predict_refit(m, {}, whole, one_gpu("2MiB", false)).seconds;
+  EXPECT_GT(turns, 1.5 * (2 * bytes / 100e9));
+  EXPECT_LE(turns, 2 * bytes / 40e9 + 1e-9);
 }
 
 TEST(Prediction, LayoutsMustMatchTheClusterRanks) {

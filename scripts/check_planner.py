@@ -10,7 +10,11 @@ refit_cfg.nixl.direct_reads=true) and on the bucket path (direct_reads=false), o
 sources' large tensors from their memory instead, spans); they run the default path only. The "in place" column: the share of the bytes read in place,
 predicted / measured.
 
-Usage: scripts/check_planner.py [--calibration FILE] [--refits N] [--hosts RATE ...] [--only NAME ...]
+Each setup is measured in --runs runs of --refits refits (default 3 of 9): the measured time is the
+median of every refit but each run's first, and the table shows the run medians' spread too, since
+on a small shared host one run of the same setup differs from the next by 10-20%.
+
+Usage: scripts/check_planner.py [--calibration FILE] [--refits N] [--runs N] [--hosts RATE ...] [--only NAME ...]
                                 [--path default|buckets|both]
   --calibration: the machine's calibration (default build/calibration.json; made by
                  scripts/calibrate.sh when missing)
@@ -99,11 +103,12 @@ def rate_bits(rate):
     return float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)]
 
 
-def median_seconds(result):
+def refit_seconds(result):
+    """Every refit that succeeded but the first (which also faults buffers in)."""
     ok = [r["seconds"] for r in result["refits"] if r.get("ok")]
     if not result.get("verified"):
         raise SystemExit("check_planner: a refit did not verify")
-    return statistics.median(ok[1:] if len(ok) > 2 else ok)
+    return ok[1:] if len(ok) > 2 else ok
 
 
 def in_place_share(result):
@@ -149,6 +154,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--calibration", default=os.path.join(ROOT, BUILD, "calibration.json"))
     parser.add_argument("--refits", type=int, default=9)
+    parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--hosts", action="append", default=[])
     parser.add_argument("--gpu", action="store_true")
     parser.add_argument("--only", action="append", default=[])
@@ -168,7 +174,7 @@ def main():
         runs += [(s, None, None, reads) for s in CPU_SETUPS for reads in paths]
         for rate in args.hosts:  # remote: nothing maps; the default path reads spans
             runs += [(s, rate, None, True) for s in HOST_SETUPS]
-    print(f"{'setup':<58} {'predicted s':>12} {'measured s':>11} {'ratio':>7} {'in place':>11}")
+    print(f"{'setup':<58} {'predicted s':>12} {'measured s':>11} {'ratio':>7} {'in place':>11} {'runs':>17}")
     ratios = {True: [], False: []}
     for (name, model, sources, destinations, src, dst, bucket), rate, gpu, reads in runs:
         label = name + (f" @{rate}" if rate else "") + (f" {gpu[1]}{' host buffers' if gpu[2] == 'host' else ''} "
@@ -185,21 +191,28 @@ def main():
             extra = ("--device", "cuda" if buffers == "device" else "cpu", "--tensors", "cuda",
                      f"refit_cfg.nixl.backend_name={transport.upper()}")
             env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(str(g) for g in range(gpu_count)))
-        result = run_bench(model_path, sources, destinations, bench_flags(src, dst), bucket, args.refits, work, rate,
-                           extra, env, reads)
-        measured, measured_share = median_seconds(result), in_place_share(result)
+        seconds, run_medians = [], []
+        for _ in range(args.runs):
+            result = run_bench(model_path, sources, destinations, bench_flags(src, dst), bucket, args.refits, work,
+                               rate, extra, env, reads)
+            seconds += refit_seconds(result)
+            run_medians.append(statistics.median(refit_seconds(result)))
+        measured, measured_share = statistics.median(seconds), in_place_share(result)
         name_in_yaml = re.sub(r"[^A-Za-z0-9_.-]+", "-", label)
         predicted, predicted_share = predict(
             cluster_yaml(name_in_yaml, sources, destinations, src, dst, bucket, rate, gpu, reads), model_path,
             args.calibration, work)
         ratios[reads].append(predicted / measured)
         share = f"{predicted_share:.2f}/{measured_share:.2f}"
-        print(f"{label:<58} {predicted:12.4f} {measured:11.4f} {predicted / measured:7.3f} {share:>11}", flush=True)
+        spread = f"{min(run_medians):.4f}-{max(run_medians):.4f}"
+        print(f"{label:<58} {predicted:12.4f} {measured:11.4f} {predicted / measured:7.3f} {share:>11} {spread:>17}",
+              flush=True)
     for reads, path in ((True, "default path"), (False, "bucket path")):
         if ratios[reads]:
             inside = sum(1 for r in ratios[reads] if 0.85 <= r <= 1.15)
             print(f"{path}: {inside} of {len(ratios[reads])} within +-15%")
-    print(f"median of {args.refits} refits (the first left out), calibration {args.calibration}")
+    print(f"measured: median of {args.runs} runs x {args.refits} refits (each run's first left out); runs: the "
+          f"spread of the run medians; calibration {args.calibration}")
 
 
 # ... and the GPUs they need, the transport, and where the transfer buffers are.

@@ -91,7 +91,7 @@ if [ "$all" = "1" ]; then
     --output-junit "$build_abs/cpu_tests.xml" || status=1
 else
   echo "== CPU tests of the GPU layer (device checks, registry, local control channel)"
-  ctest --test-dir "$build" -R '^(LocalSocket|LocalSocketProcesses|LocalPeerAddress|LocalIdentity|InitParams|DeviceDetection|DeviceMemory|CopyStream|TransportRegistry)\.' \
+  ctest --test-dir "$build" -R '^(LocalSocket|LocalSocketProcesses|LocalPeerAddress|LocalIdentity|InitParams|DeviceDetection|DeviceMemory|CopyStream|HostCopyPool|TransportRegistry)\.' \
     -LE gpu --output-on-failure --output-junit "$build_abs/cpu_tests.xml" || status=1
 fi
 

@@ -11,6 +11,7 @@
 
 #include "core/error_of.h"
 #include "memory/device_memory.h"
+#include "memory/host_copy_pool.h"
 #include "refit/device.h"
 #include "refit/error.h"
 #include "refit/memory.h"
@@ -143,6 +144,36 @@ TEST(CopyStream, CopiesStridedRows) {
             }),
             ErrorKind::kInvalidArgument);
   stream.copy_2d(slice.data(), 10, tensor.data(), 20, 10, 0, MemoryKind::kHost, MemoryKind::kHost);  // nothing
+}
+
+// Large copies split over the pool's threads arrive whole, byte for byte, whatever their size
+// against the parts; the pool is used again and again, and small copies stay on the caller.
+TEST(HostCopyPool, SplitsLargeCopiesOverItsThreadsAndCopiesEveryByte) {
+  HostCopyPool pool(3);
+  EXPECT_EQ(pool.threads(), 3);
+  const size_t large = HostCopyPool::kMinParallelBytes;
+  for (size_t bytes : {size_t{1000}, large, large + 1, 3 * large + 4097}) {
+    std::vector<std::byte> src(bytes), dst(bytes + 1, std::byte{0x77});
+    for (size_t i = 0; i < bytes; ++i) src[i] = static_cast<std::byte>((i * 2654435761u) >> 24);
+    pool.copy(dst.data(), src.data(), bytes);
+    EXPECT_EQ(std::memcmp(dst.data(), src.data(), bytes), 0) << bytes << " bytes";
+    EXPECT_EQ(dst[bytes], std::byte{0x77}) << "wrote past " << bytes << " bytes";
+  }
+  HostCopyPool none(0);  // no threads: a plain copy
+  std::vector<std::byte> a(large + 5, std::byte{1}), b(large + 5);
+  none.copy(b.data(), a.data(), a.size());
+  EXPECT_EQ(a, b);
+}
+
+// A copy stream copies a large contiguous 2-D block (pitches equal to the rows) as one range.
+TEST(CopyStream, CopiesALargeContiguousBlockWhole) {
+  CopyStream stream;
+  const size_t rows = 64, row = (HostCopyPool::kMinParallelBytes / rows) + 64;
+  std::vector<std::byte> src(rows * row), dst(rows * row);
+  for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<std::byte>(i * 31);
+  stream.copy_2d(dst.data(), row, src.data(), row, row, rows, MemoryKind::kHost, MemoryKind::kHost);
+  EXPECT_FALSE(stream.pending());
+  EXPECT_EQ(src, dst);
 }
 
 TEST(CopyStream, GpuCopiesWithoutAGpuAreAClearError) {

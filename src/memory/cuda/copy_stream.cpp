@@ -10,6 +10,7 @@
 #include "memory/cuda/batch_copy.h"
 #include "memory/cuda/cuda_util.h"
 #include "memory/device_memory.h"
+#include "memory/host_copy_pool.h"
 #include "refit/device.h"
 
 namespace refit {
@@ -65,6 +66,16 @@ struct CopyStream::Impl {
   RangeSet reads;   // sources of GPU copies in flight
   RangeSet writes;  // destinations of GPU copies in flight
   bool pending = false;
+  std::unique_ptr<HostCopyPool> host_copies;  // made on the first large host-to-host copy
+
+  void host_copy(void* dst, const void* src, size_t bytes) {
+    if (bytes < HostCopyPool::kMinParallelBytes) {
+      std::memcpy(dst, src, bytes);
+      return;
+    }
+    if (!host_copies) host_copies = std::make_unique<HostCopyPool>();
+    host_copies->copy(dst, src, bytes);
+  }
 #ifdef REFIT_HAVE_CUDA
   int cuda_device = -1;
   cudaStream_t stream = nullptr;
@@ -158,7 +169,7 @@ void CopyStream::copy(void* dst, const void* src, size_t bytes, MemoryKind dst_k
   const Range s = range_of(src, bytes);
   if (dst_kind == MemoryKind::kHost && src_kind == MemoryKind::kHost) {
     impl_->order_host_copy(d, s);
-    std::memcpy(dst, src, bytes);
+    impl_->host_copy(dst, src, bytes);
     return;
   }
 #ifdef REFIT_HAVE_CUDA
@@ -173,7 +184,8 @@ void CopyStream::copy(void* dst, const void* src, size_t bytes, MemoryKind dst_k
 void CopyStream::copy_2d(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t row_bytes, size_t rows,
                          MemoryKind dst_kind, MemoryKind src_kind) {
   if (rows == 0 || row_bytes == 0) return;
-  if (rows == 1) return copy(dst, src, row_bytes, dst_kind, src_kind);
+  if (rows == 1 || (dst_pitch == row_bytes && src_pitch == row_bytes))  // one contiguous range
+    return copy(dst, src, rows * row_bytes, dst_kind, src_kind);
   if (dst == nullptr || src == nullptr)
     fail(ErrorKind::kInvalidArgument, "2-D copy of {} rows with a null {} pointer", rows,
          dst == nullptr ? "destination" : "source");

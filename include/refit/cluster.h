@@ -25,7 +25,8 @@ struct NodeGroup {
   int rails = 1;                 // NICs per GPU (or per node)
   double rail_rate = 0;          // each rail, each way
   double nvlink_rate = 0;        // GPU to GPU within a node, each way per GPU
-  double pcie_rate = 0;          // GPU to pinned host memory
+  double pcie_rate = 0;          // GPU to pinned host memory, each way alone
+  double pcie_duplex_rate = 0;   // ... each way while both ways are busy (0: pcie_rate)
   double copy_rate = 0;          // one worker's copy (device copy on a GPU, memcpy on one core)
   double node_copy_rate = 0;     // several copies at once, together (CPU: every core; GPU: one GPU's copies)
   double crowded_copy_rate = 0;  // CPU nodes: more copies at once than cores (0: node_copy_rate)
@@ -118,17 +119,18 @@ struct Calibration {
   double in_place_ack_latency_s = -1;            // an acknowledgement until the waiting source sees it
   double engine_in_place_crowded_copy_rate = 0;  // in-place loads together, more processes than cores
   int cores = 0;
-  uint64_t host_memory = 0;     // total host memory (a CPU node's bucket sizing)
-  double read_rate = 0;         // one transport read stream (ucp_get over loopback)
-  double tcp_rate = 0;          // ucp_get over TCP, both ends on this machine: its CPU's TCP capacity
-  double latency_s = -1;        // one control message
-  double ack_latency_s = -1;    // a destination's acknowledgement, until its waiting source sees it
-  double turnaround_s = -1;     // a destination between one load and the next
-  double overhead_s = -1;       // the driver's per-refit start and collection
-  double device_copy_rate = 0;  // GPU device-to-device copy
-  double pinned_copy_rate = 0;  // GPU to pinned host memory
-  double peer_copy_rate = 0;    // GPU to GPU over NVLink
-  double nccl_rate = 0;         // NCCL send/recv between two GPUs
+  uint64_t host_memory = 0;            // total host memory (a CPU node's bucket sizing)
+  double read_rate = 0;                // one transport read stream (ucp_get over loopback)
+  double tcp_rate = 0;                 // ucp_get over TCP, both ends on this machine: its CPU's TCP capacity
+  double latency_s = -1;               // one control message
+  double ack_latency_s = -1;           // a destination's acknowledgement, until its waiting source sees it
+  double turnaround_s = -1;            // a destination between one load and the next
+  double overhead_s = -1;              // the driver's per-refit start and collection
+  double device_copy_rate = 0;         // GPU device-to-device copy
+  double pinned_copy_rate = 0;         // GPU to pinned host memory
+  double duplex_pinned_copy_rate = 0;  // ... each way, both ways at once
+  double peer_copy_rate = 0;           // GPU to GPU over NVLink
+  double nccl_rate = 0;                // NCCL send/recv between two GPUs
 };
 
 // A JSON file; reading merges into `into` (a later file's measured values win).

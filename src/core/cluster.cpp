@@ -137,6 +137,7 @@ NodeGroup read_group(const Section& s, size_t index) {
   }
   g.nvlink_rate = s.rate("nvlink");
   g.pcie_rate = s.rate("pcie");
+  g.pcie_duplex_rate = s.rate("pcie_duplex");
   g.copy_rate = s.rate("copy");
   g.node_copy_rate = s.rate("node_copy");
   g.crowded_copy_rate = s.rate("crowded_copy");
@@ -321,6 +322,7 @@ constexpr CalibrationField kCalibrationFields[] = {
     {"overhead_s", &Calibration::overhead_s, -1},
     {"device_copy_bytes_per_s", &Calibration::device_copy_rate, 0},
     {"pinned_copy_bytes_per_s", &Calibration::pinned_copy_rate, 0},
+    {"duplex_pinned_copy_bytes_per_s", &Calibration::duplex_pinned_copy_rate, 0},
     {"peer_copy_bytes_per_s", &Calibration::peer_copy_rate, 0},
     {"nccl_bytes_per_s", &Calibration::nccl_rate, 0},
 };
@@ -392,6 +394,8 @@ void apply_calibration(Cluster& cluster, const Calibration& cal) {
                                : 1.0;
       if (g.nvlink_rate == 0) g.nvlink_rate = cal.peer_copy_rate * share;
       if (g.pcie_rate == 0) g.pcie_rate = cal.pinned_copy_rate;
+      if (g.pcie_duplex_rate == 0) g.pcie_duplex_rate = std::min(cal.duplex_pinned_copy_rate, g.pcie_rate);
+      if (g.pcie_duplex_rate <= 0) g.pcie_duplex_rate = g.pcie_rate;
       need(g, g.copy_rate, "copy");
       if (g.node_copy_rate == 0) g.node_copy_rate = g.copy_rate;
     } else {

@@ -228,6 +228,12 @@ class Resources {
                            to_host ? "to host" : "from host", p.node_key),
                p.group->pcie_rate);
   }
+  // Both ways of a GPU's PCIe link: no limit for one copy, and once copies go both ways each gets
+  // the duplex rate (a pack to host buffers while the destination loads from them).
+  int pcie_both_ways(const Place& p) {
+    return get(fmt::format("GPU {} PCIe both ways (node {})", p.slot % std::max(p.group->gpus, 1), p.node_key), kInf, 1,
+               2 * p.group->pcie_duplex_rate);
+  }
   int nvlink(const Place& p, bool in) {
     if (p.group->nvlink_rate <= 0)
       fail(ErrorKind::kConfig, "node group '{}': GPUs of one node exchange bytes, but nvlink is not given",
@@ -410,7 +416,7 @@ class PipelineModel {
     double cap = p.group->copy_rate;
     if (host_buffers(p)) {  // GPU tensors into pinned host buffers
       cores = resources_.pcie(p, true);
-      memory = -1;
+      memory = resources_.pcie_both_ways(p);
       cap = p.group->pcie_rate;
     }
     auto announce = [this, s, f, begun] {
@@ -598,8 +604,9 @@ class PipelineModel {
       // Out of pinned host memory (ours, or the source's mapped) into the GPU; merging split
       // tensors happens in host memory, off this path. Tensors in place (CUDA IPC) come from the
       // source's GPU after that, over NVLink or within the GPU.
-      start_copy(static_cast<double>(l.buckets[b]), dst.group->pcie_rate, {resources_.pcie(dst, false)},
-                 packed ? copy_cost(dst) : 0.0, [this, k, b, done, in_place] {
+      start_copy(static_cast<double>(l.buckets[b]), dst.group->pcie_rate,
+                 {resources_.pcie(dst, false), resources_.pcie_both_ways(dst)}, packed ? copy_cost(dst) : 0.0,
+                 [this, k, b, done, in_place] {
                    SimLink& l = links_[k];
                    if (l.in_place[b] == 0) return done();
                    const Place& dst = destination_places_[l.destination];

@@ -593,6 +593,31 @@ transfer: {{bucket: {}, transport: cuda_ipc, direct_reads: {}, latency: 0s, turn
   EXPECT_LE(turns, 2 * bytes / 40e9 + 1e-9);
 }
 
+// Pinned host buffers: a GPU's PCIe link runs one way alone at `pcie`, and both ways at once at
+// `pcie_duplex` each (a source packing into its buffer while its destination loads the one before).
+TEST(Prediction, HostBuffersCrossPcieBothWaysAtTheDuplexRate) {
+  const ModelInventory m = rows_model(16, 1024, 256);  // 16 tensors of 1 MiB
+  const double bytes = static_cast<double>(m.total_bytes());
+  const std::vector<Layout> whole(1);
+  auto one_gpu = [](const std::string& bucket) {
+    Cluster c = parse_cluster(fmt::format(R"(
+nodes: [{{name: g, workers: 2, gpus: 1, device: gpu, copy: 1000GB/s, pcie: 50GB/s, pcie_duplex: 25GB/s}}]
+sources: {{nodes: g, ranks: 1}}
+destinations: {{nodes: g, ranks: 1}}
+transfer: {{bucket: {}, transport: ucx, buffers: host, latency: 0s, turnaround: 0s, overhead: 0s}}
+)",
+                                          bucket),
+                              "host-buffers.yaml");
+    apply_calibration(c, Calibration{});
+    return c;
+  };
+  // One bucket: the pack to host, then the load from it, each alone at 50 GB/s.
+  EXPECT_NEAR(predict_refit(m, {}, whole, one_gpu("1GiB")).seconds, 2 * bytes / 50e9, 1e-9);
+  // Eight buckets: the first pack and the last load alone, the rest both ways at 25 GB/s each.
+  const double overlapped = predict_refit(m, {}, whole, one_gpu("2MiB")).seconds;
+  EXPECT_NEAR(overlapped, 2 * (bytes / 8) / 50e9 + 7 * (bytes / 8) / 25e9, 1e-6);
+}
+
 TEST(Prediction, LayoutsMustMatchTheClusterRanks) {
   const ModelInventory m = rows_model(2, 64, 64);
   const Cluster c = two_sides(2, 1, "8Gbit", "1GB/s", "1MiB");

@@ -304,6 +304,7 @@ int main(int argc, char** argv) {
         if (r.name == "d2d") c.device_copy_rate = rate;
         if (r.name == "peer") c.peer_copy_rate = rate;
         if (r.name == "nccl_p2p") c.nccl_rate = rate;
+        if (r.name == "duplex_pinned") c.duplex_pinned_copy_rate = rate;
         if (r.name == "h2d_pinned" || r.name == "d2h_pinned")
           c.pinned_copy_rate = c.pinned_copy_rate > 0 ? std::min(c.pinned_copy_rate, rate) : rate;
       }

@@ -195,8 +195,9 @@ def main():
         for _ in range(args.runs):
             result = run_bench(model_path, sources, destinations, bench_flags(src, dst), bucket, args.refits, work,
                                rate, extra, env, reads)
-            seconds += refit_seconds(result)
-            run_medians.append(statistics.median(refit_seconds(result)))
+            run = refit_seconds(result)
+            seconds += run
+            run_medians.append(statistics.median(run))
         measured, measured_share = statistics.median(seconds), in_place_share(result)
         name_in_yaml = re.sub(r"[^A-Za-z0-9_.-]+", "-", label)
         predicted, predicted_share = predict(

@@ -148,22 +148,25 @@ CopyRates engine_copy_rates(const std::vector<std::vector<Event>>& timelines) {
   return {rate(0, 0), rate(1, 0.2), rate(2, 0.2), seconds[1] + seconds[2]};
 }
 
+// The copies of one refit (packs and loads, or loads only) that overlapped no other of them.
+std::vector<const Event*> copies_alone(const std::vector<Event>& events, bool loads_only) {
+  std::vector<const Event*> copies, alone;
+  for (const auto& e : events)
+    if ((e.phase == "load" || (!loads_only && e.phase == "pack")) && e.end > e.start) copies.push_back(&e);
+  for (const Event* c : copies)
+    if (std::none_of(copies.begin(), copies.end(),
+                     [&](const Event* o) { return o != c && o->start < c->end && o->end > c->start; }))
+      alone.push_back(c);
+  return alone;
+}
+
 // What a pack or a load costs beyond its bytes at `rate`: the median over the copies that ran
 // alone (issuing a bucket's copies, a tensor piece each, and waiting for them). -1 when fewer than
 // 8 ran alone.
 double copy_cost(const std::vector<std::vector<Event>>& timelines, double rate) {
   std::vector<double> residuals;
-  for (const auto& events : timelines) {
-    std::vector<const Event*> copies;
-    for (const auto& e : events)
-      if ((e.phase == "pack" || e.phase == "load") && e.end > e.start) copies.push_back(&e);
-    for (const Event* c : copies) {
-      const bool overlapped = std::any_of(copies.begin(), copies.end(), [&](const Event* o) {
-        return o != c && o->start < c->end && o->end > c->start;
-      });
-      if (!overlapped) residuals.push_back((c->end - c->start) - c->bytes / rate);
-    }
-  }
+  for (const auto& events : timelines)
+    for (const Event* c : copies_alone(events, false)) residuals.push_back((c->end - c->start) - c->bytes / rate);
   return rate > 0 && residuals.size() >= 8 ? std::max(median(residuals), 0.0) : -1;
 }
 
@@ -285,14 +288,8 @@ std::vector<InPlaceRefit> in_place_refits(const json& refits) {
 // few or all of one size.
 double in_place_group_cost(const std::vector<std::vector<Event>>& timelines) {
   double n = 0, sx = 0, sy = 0, sxx = 0, sxy = 0;
-  for (const auto& events : timelines) {
-    std::vector<const Event*> loads;
-    for (const auto& e : events)
-      if (e.phase == "load" && e.end > e.start) loads.push_back(&e);
-    for (const Event* c : loads) {
-      const bool overlapped = std::any_of(
-          loads.begin(), loads.end(), [&](const Event* o) { return o != c && o->start < c->end && o->end > c->start; });
-      if (overlapped) continue;
+  for (const auto& events : timelines)
+    for (const Event* c : copies_alone(events, true)) {
       const double x = c->bytes, y = c->end - c->start;
       n += 1;
       sx += x;
@@ -300,7 +297,6 @@ double in_place_group_cost(const std::vector<std::vector<Event>>& timelines) {
       sxx += x * x;
       sxy += x * y;
     }
-  }
   const double spread = n * sxx - sx * sx;  // n^2 times the variance of the sizes
   if (n < 8 || spread <= 1e-6 * n * sxx) return -1;
   const double slope = (n * sxy - sx * sy) / spread;

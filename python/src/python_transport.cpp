@@ -141,12 +141,17 @@ class PythonTransport final : public Transport {
 
   std::string route(PeerId peer) override { return call<std::string>("route", peer); }
 
-  ReadId post_read(PeerId peer, const RemoteRegion& remote, uint64_t remote_offset, void* local, RegionId local_region,
-                   uint64_t length, Deadline) override {
+  // Throws Error(kInvalidArgument) unless [remote_offset, +length) lies in the peer's region.
+  void check_range(const RemoteRegion& remote, uint64_t remote_offset, uint64_t length) const {
     if (remote_offset > remote.length || length > remote.length - remote_offset)
       throw Error(ErrorKind::kInvalidArgument,
                   fmt::format("{}: read of {} bytes at offset {} is outside the peer's region of {} bytes", name_,
                               length, remote_offset, remote.length));
+  }
+
+  ReadId post_read(PeerId peer, const RemoteRegion& remote, uint64_t remote_offset, void* local, RegionId local_region,
+                   uint64_t length, Deadline) override {
+    check_range(remote, remote_offset, length);
     nb::gil_scoped_acquire gil;
     nb::bytes key(reinterpret_cast<const char*>(remote.key.data()), remote.key.size());
     return nb::cast<ReadId>(guarded("post_read", [&] {
@@ -159,10 +164,7 @@ class PythonTransport final : public Transport {
     nb::gil_scoped_acquire gil;
     nb::list list;
     for (const ReadRange& r : ranges) {
-      if (r.remote_offset > r.remote->length || r.length > r.remote->length - r.remote_offset)
-        throw Error(ErrorKind::kInvalidArgument,
-                    fmt::format("{}: read of {} bytes at offset {} is outside the peer's region of {} bytes", name_,
-                                r.length, r.remote_offset, r.remote->length));
+      check_range(*r.remote, r.remote_offset, r.length);
       list.append(nb::make_tuple(nb::bytes(reinterpret_cast<const char*>(r.remote->key.data()), r.remote->key.size()),
                                  r.remote->address + r.remote_offset, reinterpret_cast<uintptr_t>(r.local), r.length));
     }

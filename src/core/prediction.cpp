@@ -288,8 +288,8 @@ struct SimLink {
   bool reads_source_memory = false;
   uint64_t span_bytes = 0;  // ... so read
   // Source side.
-  std::vector<bool> uses_buffer;  // by bucket: it holds bytes in one of the source's two buffers
-  int64_t acknowledged = -1;      // highest bucket the source has seen acknowledged
+  int64_t acknowledged = -1;    // highest bucket the source has seen acknowledged
+  std::deque<int64_t> holding;  // announced buckets in the source's buffers, not acknowledged yet
   // Destination side (its fetcher, as BucketFetcher::fetch): where it is with bucket next_fetch.
   enum class Fetch { kBuffer, kAnnouncement, kReading, kTaken, kAcknowledge, kDone };
   Fetch fetch = Fetch::kBuffer;
@@ -433,14 +433,9 @@ class PipelineModel {
       SourceState& st = source_state_[s];
       ++st.next;
       // Both buffers hold unacknowledged buckets: the source waits for the older (LinkSender::flush).
-      int64_t held = 0, oldest = -1;
-      for (int64_t b = static_cast<int64_t>(f.bucket); b > l.acknowledged && held < 2; --b)
-        if (l.uses_buffer[b]) {
-          ++held;
-          oldest = b;
-        }
-      if (!f.last && held == 2)
-        st.waiting = std::pair(k, oldest);
+      if (f.uses_buffer) l.holding.push_back(static_cast<int64_t>(f.bucket));
+      if (!f.last && l.holding.size() == 2)
+        st.waiting = std::pair(k, l.holding.front());
       else
         pack_next(s);
     };
@@ -454,6 +449,7 @@ class PipelineModel {
     sim_.at(sim_.now() + (links_[k].reads_in_place ? in_place_ack_latency_ : ack_latency_), [this, k, bucket] {
       SimLink& l = links_[k];
       l.acknowledged = std::max(l.acknowledged, static_cast<int64_t>(bucket));
+      while (!l.holding.empty() && l.holding.front() <= l.acknowledged) l.holding.pop_front();
       const double t = now();
       event(out_sources_[l.source], TimelinePhase::kRelease, l.destination, bucket, t, t, 0);
       SourceState& st = source_state_[l.source];
@@ -719,7 +715,6 @@ std::vector<Flush> pack_stream(const std::vector<std::vector<PieceRef>>& by_tens
     // A bucket of spans only (nothing packed) is read from the source's memory whole.
     const bool uses_buffer = model.link(k).reads_source_memory ? packed[k] > 0 : used[k] > 0;
     flushes.push_back({k, count[k], used[k], in_place[k], since, last, rows_since, pieces_since, uses_buffer});
-    model.link(k).uses_buffer.push_back(uses_buffer);
     model.link(k).buckets.push_back(used[k]);
     model.link(k).rows.push_back(rows[k]);
     model.link(k).merged.push_back(merged[k]);

@@ -755,6 +755,7 @@ class CheckpointEngine::Impl {
     std::optional<BucketFetcher::Fetched> bucket;
     size_t link = 0;
     double assembling = 0;              // on the timeline
+    uint64_t mapped_in_place = 0;       // of the bucket: bytes its entries load from the source's tensors
     std::span<const TensorView> views;  // the assembler's, of `bucket`
     bool held = false;                  // handed out, not yet released
     uint64_t batches_out = 0;
@@ -814,8 +815,10 @@ class CheckpointEngine::Impl {
       run.link = k;
       run.bucket = std::move(fetched);
       const auto& bucket = run.bucket->bucket;
+      run.mapped_in_place = 0;
       for (const auto& e : bucket.entries())
-        if (e.region > 0) run.stats.in_place_bytes += e.size;
+        if (e.region > 0) run.mapped_in_place += e.size;
+      run.stats.in_place_bytes += run.mapped_in_place;
       for (const auto& span : bucket.spans())
         if (span.region > 0) run.stats.in_place_bytes += span.size;
       run.stats.wire_bytes += bucket.used_bytes;
@@ -841,10 +844,8 @@ class CheckpointEngine::Impl {
     // The load event spans assembling too: both are the destination's copies out of the bucket. Its
     // bytes are all it copied: the bucket's and those read in place from the source's tensors.
     const double released = timeline_now();
-    uint64_t loaded = bucket.used_bytes;
-    for (const auto& e : bucket.entries())
-      if (e.region > 0) loaded += e.size;
-    run.stats.events.push_back({TimelinePhase::kLoad, peer, bucket.seq, run.assembling, released, loaded,
+    run.stats.events.push_back({TimelinePhase::kLoad, peer, bucket.seq, run.assembling, released,
+                                bucket.used_bytes + run.mapped_in_place,
                                 static_cast<uint32_t>(bucket.entries().size())});
     run.fetchers[k]->release(bucket.seq);
     run.stats.events.push_back({TimelinePhase::kRelease, peer, bucket.seq, released, released, 0});

@@ -46,6 +46,7 @@ void LinkSender::begin(uint64_t refit, bool in_place) {
   buffer_ = 0;
   bucket_.offset = context_.offsets[0];
   unacknowledged_.clear();
+  buffers_held_ = 0;
   buckets_ = payload_bytes_ = in_place_bytes_ = replayed_ = 0;
   bucket_in_place_ = 0;
   regions_.clear();
@@ -254,6 +255,7 @@ void LinkSender::flush(bool is_last, std::string& phase) {
   context_.transport->send(context_.peer, protocol::encode(bucket_),
                            deadline_after(std::chrono::duration<double>(context_.timeout_s)));
   unacknowledged_.push_back({bucket_.seq, uses_buffer});
+  buffers_held_ += uses_buffer ? 1 : 0;
   ++buckets_;
   const auto announced = Clock::now();
   bucket_.seq++;
@@ -276,14 +278,7 @@ void LinkSender::flush(bool is_last, std::string& phase) {
   // The next bucket goes into the other buffer: the destination must be done with the bucket that
   // buffer holds (acknowledgements come in order). Buckets that hold nothing in a buffer do not
   // wait: a destination reading in place goes from one to the next with no round trip between.
-  const auto holding = [&] {
-    return std::count_if(unacknowledged_.begin(), unacknowledged_.end(),
-                         [](const Announced& a) { return a.uses_buffer; });
-  };
-  while (!is_last && holding() == 2) {
-    wait_acknowledged(unacknowledged_.front().seq, phase);
-    unacknowledged_.pop_front();
-  }
+  while (!is_last && buffers_held_ == 2) acknowledged_oldest(phase);
   spdlog::debug("bucket {} for {}: announced after {:.2f} ms, then {:.2f} ms waiting for a free buffer",
                 bucket_.seq - 1, context_.peer_label, std::chrono::duration<double>(announced - start).count() * 1e3,
                 std::chrono::duration<double>(Clock::now() - announced).count() * 1e3);
@@ -292,11 +287,17 @@ void LinkSender::flush(bool is_last, std::string& phase) {
 void LinkSender::flush_last(std::string& phase) { flush(true, phase); }
 
 void LinkSender::wait_done(std::string& phase) {
-  for (; !unacknowledged_.empty(); unacknowledged_.pop_front()) wait_acknowledged(unacknowledged_.front().seq, phase);
+  while (!unacknowledged_.empty()) acknowledged_oldest(phase);
   // The destination has every bucket of this refit, so the next may replay their manifests.
   previous_ = std::move(sent_);
   previous_refit_ = refit_;
   completed_ = true;
+}
+
+void LinkSender::acknowledged_oldest(std::string& phase) {
+  wait_acknowledged(unacknowledged_.front().seq, phase);
+  buffers_held_ -= unacknowledged_.front().uses_buffer ? 1 : 0;
+  unacknowledged_.pop_front();
 }
 
 void LinkSender::wait_acknowledged(uint64_t seq, std::string& phase) {

@@ -86,6 +86,8 @@ class LinkSender {
  private:
   void flush(bool is_last, std::string& phase);
   void wait_acknowledged(uint64_t seq, std::string& phase);
+  // Waits for the oldest announced bucket's acknowledgement and forgets it.
+  void acknowledged_oldest(std::string& phase);
   // Names the piece in the open bucket if it can go in place; false when it must be packed.
   bool add_in_place(const TensorView& view, const Box& box, const TensorInfo& tensor, const Box& piece,
                     std::string& phase);
@@ -143,6 +145,7 @@ class LinkSender {
     bool uses_buffer = true;
   };
   std::deque<Announced> unacknowledged_;
+  int buffers_held_ = 0;  // of unacknowledged_, those that hold bytes in a buffer
   uint64_t buckets_ = 0, payload_bytes_ = 0, in_place_bytes_ = 0;
   uint64_t bucket_in_place_ = 0;                 // bytes of the open bucket sent in place
   std::map<RegionId, uint32_t> regions_;         // of the open bucket: our region -> its index there

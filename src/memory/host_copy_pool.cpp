@@ -1,23 +1,28 @@
 #include "memory/host_copy_pool.h"
 
 #include <algorithm>
+#include <charconv>
 #include <cstdlib>
 #include <cstring>
-#include <string>
+
+#include "core/fail.h"
 
 namespace refit {
 namespace {
 
-constexpr int kMaxThreads = 8;
+constexpr int kMaxThreads = 8;      // by default
+constexpr int kMaxEnvThreads = 64;  // when set
 constexpr size_t kPartAlignment = 4096;
 
 int default_threads() {
   if (const char* env = std::getenv("REFIT_HOST_COPY_THREADS")) {
-    try {
-      return std::clamp(std::stoi(env), 0, 64);
-    } catch (const std::exception&) {
-      return 0;  // not a number: no threads, as the safe reading
-    }
+    int threads = -1;
+    const char* end = env + std::strlen(env);
+    const auto [at, error] = std::from_chars(env, end, threads);
+    if (error != std::errc() || at != end || threads < 0 || threads > kMaxEnvThreads)
+      fail(ErrorKind::kConfig, "REFIT_HOST_COPY_THREADS='{}': expected a number of threads from 0 to {}", env,
+           kMaxEnvThreads);
+    return threads;
   }
   const int cores = static_cast<int>(std::thread::hardware_concurrency());
   return cores < 8 ? 0 : std::min(cores / 4, kMaxThreads);

@@ -19,6 +19,7 @@ namespace refit {
 class HostCopyPool {
  public:
   // `threads`: the pool's threads besides the caller's; -1: from the host's cores (see above).
+  // Throws Error(kConfig) naming REFIT_HOST_COPY_THREADS when it is set to anything but 0-64.
   explicit HostCopyPool(int threads = -1);
   ~HostCopyPool();  // joins the threads
   HostCopyPool(const HostCopyPool&) = delete;

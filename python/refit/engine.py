@@ -220,8 +220,9 @@ class CheckpointEngine(CheckpointEngineBase):
 
     def send_weights(self, weights: Iterable[Tuple[str, Any]],
                      kv_scales: Optional[Mapping[str, float]] = None, *, in_place: bool = False) -> dict:
-        """One refit from a source: pulls (name, tensor) pairs on demand and returns when the
-        destination has read the last bucket. Tensors: anything with ``__dlpack__`` or the buffer
+        """One refit from a source: pulls (name, tensor) pairs on demand (an iterable of pairs, or a
+        state dict such as ``model.state_dict()``) and returns when the destination has read the
+        last bucket. Tensors: anything with ``__dlpack__`` or the buffer
         protocol (NumPy, PyTorch CPU/CUDA, CuPy); each is kept alive until the next one is pulled.
         Non-contiguous tensors are made contiguous (a copy). A source without a destination drains
         the iterator. Returns send statistics; raises the refit's error (its message names the
@@ -249,7 +250,7 @@ class CheckpointEngine(CheckpointEngineBase):
         if kv_scales is not None and isinstance(kv_scales, Mapping) and not isinstance(kv_scales, dict):
             kv_scales = dict(kv_scales)
         if not isinstance(weights, _refit.TensorSet):
-            weights = local_tensors(weights)
+            weights = local_tensors(iter_weights(weights))
         self.last_send_stats = self._engine.send(weights, kv_scales, bool(in_place))
         return self.last_send_stats
 

@@ -87,6 +87,7 @@ def _attach_notes(error: BaseException, notes: Sequence[str]) -> BaseException:
 
 class ProcessWorkerGroup(BroadcastWorkerGroup):
     """``sources`` policy workers and ``destinations`` rollout workers, each its own process.
+    ``destinations=0`` makes a policy side for destinations driven elsewhere (refit.vllm_adapter).
 
     ``program``: a picklable callable ``program(role, rank)`` run inside each worker, returning
     its WorkerProgram (refit.worker). ``framework``/``receive``: how destinations
@@ -99,8 +100,9 @@ class ProcessWorkerGroup(BroadcastWorkerGroup):
     def __init__(self, sources: int, destinations: int, program: ProgramFactory, *, framework: str = "auto",
                  receive: str = "callback", timeout_s: Optional[float] = None,
                  log_level: Optional[str] = None, engine_kwargs: Optional[Mapping[str, Any]] = None):
-        if sources < 1 or destinations < 1:
-            raise _refit.TopologyError(f"need at least one source and one destination, got {sources} and {destinations}")
+        if sources < 1 or destinations < 0:
+            raise _refit.TopologyError(f"need at least one source and no negative count of destinations, got "
+                                       f"{sources} and {destinations}")
         ctx = mp.get_context("spawn")
         options = {"framework": framework, "receive": receive,
                    "engine_kwargs": dict(engine_kwargs or {})}

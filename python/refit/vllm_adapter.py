@@ -1,195 +1,476 @@
-"""vLLM adapter for refit -- AN EXAMPLE, NOT TESTED.
+"""refit into a running vLLM: a worker extension for every vLLM worker, and a WorkerGroup that
+drives one or more vLLM engines (data-parallel replicas) as the destinations of a refit.
 
-vLLM cannot be installed on the machines refit is developed and tested on (no GPU, and its wheels
-pull CUDA builds of PyTorch), so this module has never run against a real vLLM. It follows vLLM's
-documented extension points (``worker_extension_cls`` and ``collective_rpc``) and the reference's
-worker glue (NeMo RL's VllmCheckpointEngineMixin), and nothing in refit imports it. Treat it as a
-starting point to adapt and test on a GPU machine, not as a supported integration.
-
-What it does: a worker extension that gives every vLLM worker a refit checkpoint engine and feeds
-every received batch into the model's ``load_weights`` (``receive_weights(load)``, the callback
-form of ``receive_weight_batches()``)::
-
-    llm = vllm.LLM(model=..., worker_extension_cls="refit.vllm_adapter.RefitWorkerExtension",
-                   load_format="dummy")            # the first refit brings the real weights
-    group = VllmRolloutGroup(llm, policy_group)    # a refit.WorkerGroup (policy side: yours)
+    llm = vllm.LLM(model=path, load_format="dummy",        # the first refit brings the weights
+                   worker_extension_cls="refit.vllm_adapter.RefitWorkerExtension")
+    policy = refit.ProcessWorkerGroup(sources=1, destinations=0, program=make_program)
+    group = refit.vllm_adapter.VllmRolloutGroup([llm], policy)
     sync = refit.WeightSynchronizer(config, group)
-    sync.sync_weights()
+    sync.sync_weights()                                      # then llm.generate(...) uses them
 
-Limits, plainly:
-- untested (see above); vLLM's internal APIs change between releases: ``collective_rpc``,
-  ``model_runner.model`` and ``load_weights(weights=...)`` are assumed as in vLLM 0.8-0.10 (V1);
-- received tensors are torch tensors on the transfer device: with refit's default ``device: cpu``
-  (and any build without the CUDA data path) they are host tensors and ``load_weights`` copies
-  them to the GPU (one host-to-device copy per tensor, pageable memory);
-- views are valid until ``load`` returns (the next batch): ``load_weights`` must finish its
-  copies before returning, hence the ``torch.cuda.synchronize()`` after each batch (as the
-  reference);
-- one engine per vLLM worker; rollout ranks follow the reference's ``resolve_rollout_rank``
-  (external data parallelism or DP leader prefix + local rank);
-- FP8 KV-cache scales: the policy side sends them (``send_weights(weights, kv_scales=...)``;
-  a refit.EngineWorker source does so with its program's ``kv_scales(index)``), and they reach
-  ``load_weights`` as ``model.layers.{i}.self_attn.attn.q_scale`` / ``...self_attn.k_scale`` /
-  ``...self_attn.v_scale`` tensors; vLLM's post-processing of them after loading is not ported;
-- not ported from the reference: wiring the sharded-expert direct loader (refit.ExpertLoader)
-  into vLLM's fused expert parameters, and the async engine's RPC flavour.
+How weights get into vLLM: through vLLM's in-place reload, the path its own weight-transfer
+engines use. vLLM processes weights after loading (fuses q/k/v, repacks linear weights for its
+CPU kernels, which empties the parameter), so the live model's ``load_weights`` alone is the
+wrong call. Each refit runs ``initialize_layerwise_reload`` (layers go back to their checkpoint
+shapes), hands every received batch to ``model.load_weights`` in checkpoint format, and
+``finalize_layerwise_reload`` (layers whose tensors did not come get their old weights back).
+Received tensors are cloned on the way in: vLLM keeps a layer's tensors until the layer is
+complete, and refit's views end with their batch. After every refit, successful or not, the
+prefix cache is reset (cached blocks hold the old weights' keys and values) and vLLM's own
+derived caches (LoRA, encoder, multimodal) are dropped.
 
-python/tests/test_vllm_adapter.py drives VllmRolloutGroup with stand-ins for vLLM's workers and
-``collective_rpc`` (NumPy tensors): it checks the adapter's plumbing, not vLLM.
+What is checked, so that nothing wrong loads silently: every vLLM worker builds the table of the
+tensors its engine expects (checkpoint names and shapes, from the model's safetensors headers or
+its config.json, and the engine's dtype). Before a refit moves anything, the policy's tensor list
+(``weight_specs``) is checked against every table: an unknown name, another dtype or shape, or a
+tensor of the table that no source sends (unless the refit is partial) is an error naming the
+tensor, and vLLM keeps serving its old weights. During the refit, every received tensor is
+checked against the table again before vLLM sees it, and a partial refit must bring every tensor
+of each vLLM layer it touches (a fused layer half loaded would hold garbage).
+
+Errors keep their class: a worker's exception comes back as the same refit error class (or
+RuntimeError naming the original class) with its message, and when the vLLM side fails, the
+policy side's own error, if any, is attached, not lost. Ranks: replica d's worker of local rank r
+is rollout rank ``d * world_size + r``; the group checks at init that the ranks are exactly
+0..R-1 and says which collide.
 """
 
 from __future__ import annotations
 
-import sys
-from typing import Any, List, Mapping, Optional, Sequence
+import threading
+import traceback
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import refit
 
+from . import _refit
 
-def resolve_rollout_rank(rank_prefix: int, rollout_world_size: int) -> int:
-    """The reference's rollout rank of this vLLM worker: its global rank when the worker's process
-    group already spans every rollout rank (external DP), else rank_prefix + local rank."""
-    try:
-        import torch.distributed as dist
-    except ImportError:  # no torch.distributed: one worker per engine
-        return rank_prefix
-    if dist.is_available() and dist.is_initialized():
-        if dist.get_world_size() == rollout_world_size:
-            return dist.get_rank()
-        return rank_prefix + dist.get_rank()
-    return rank_prefix
+#: (name, dtype, shape) of one tensor, dtype as refit names it ("bfloat16", "float32", ...).
+WeightSpec = Tuple[str, str, Tuple[int, ...]]
+
+
+# ---- what an engine expects -------------------------------------------------------------------
+
+
+def _torch_dtype_name(dtype: Any) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _spec_of(name: str, tensor: Any) -> WeightSpec:
+    return (name, _torch_dtype_name(tensor.dtype), tuple(int(d) for d in tensor.shape))
+
+
+def weight_specs(weights: Any) -> List[WeightSpec]:
+    """The (name, dtype, shape) list of a state dict or of (name, tensor) pairs, without touching
+    their data: what VllmRolloutGroup checks before a refit moves anything."""
+    items = weights.items() if isinstance(weights, Mapping) else weights
+    return [_spec_of(name, t) for name, t in items]
+
+
+class ExpectedWeights:
+    """The tensors a vLLM engine takes in a refit, in checkpoint format: names, shapes and the
+    dtype of its parameters, and how they group into vLLM layers (a fused q/k/v projection, a
+    layer's experts), which a partial refit must bring whole."""
+
+    def __init__(self, shapes: Mapping[str, Tuple[int, ...]], dtype: str, optional: Sequence[str] = (),
+                 packed: Optional[Mapping[str, Sequence[str]]] = None, source: str = ""):
+        self.shapes = dict(shapes)
+        self.dtype = dtype
+        self.optional = set(optional)  # may be sent, need not be (a tied lm_head.weight)
+        self.source = source
+        self._packed = {part: fused for fused, parts in (packed or {}).items() for part in parts}
+
+    def group_of(self, name: str) -> str:
+        """The vLLM layer a checkpoint tensor loads into: its module, with packed parts
+        (q_proj, k_proj, v_proj -> qkv_proj) and experts (experts.7.w1 -> experts) folded."""
+        parts = name.split(".")[:-1]
+        if "experts" in parts:
+            parts = parts[:parts.index("experts") + 1]
+        elif parts and parts[-1] in self._packed:
+            parts[-1] = self._packed[parts[-1]]
+        return ".".join(parts)
+
+    def check(self, name: str, dtype: str, shape: Tuple[int, ...], where: str) -> None:
+        expected = self.shapes.get(name)
+        if expected is None:
+            raise refit.LayoutError(f"{where}: tensor '{name}' is not a weight of this vLLM model "
+                                    f"({len(self.shapes)} known, from {self.source})")
+        if dtype != self.dtype:
+            raise refit.LayoutError(f"{where}: tensor '{name}' is {dtype} but the vLLM engine holds "
+                                    f"{self.dtype}: refit sends bytes as they are and converts nothing")
+        if tuple(shape) != tuple(expected):
+            raise refit.LayoutError(f"{where}: tensor '{name}' has shape {list(shape)} but the vLLM model's "
+                                    f"is {list(expected)} (from {self.source})")
+
+    def check_all(self, specs: Sequence[WeightSpec], partial: bool, where: str) -> List[str]:
+        """Checks a refit's whole tensor list; returns the expected names it does not send."""
+        seen = set()
+        for name, dtype, shape in specs:
+            if name in seen:
+                raise refit.LayoutError(f"{where}: tensor '{name}' is sent twice")
+            seen.add(name)
+            self.check(name, dtype, shape, where)
+        missing = sorted(n for n in self.shapes if n not in seen and n not in self.optional)
+        if missing and not partial:
+            raise refit.LayoutError(
+                f"{where}: {len(missing)} weight(s) of the vLLM model are not sent, e.g. '{missing[0]}' "
+                f"(a refit that updates only some weights must say partial=True)")
+        if partial:
+            touched = {self.group_of(n) for n in seen}
+            for name in missing:
+                if self.group_of(name) in touched:
+                    raise refit.LayoutError(
+                        f"{where}: a partial refit sends part of vLLM layer '{self.group_of(name)}' but not "
+                        f"'{name}': vLLM loads a layer whole, so send all of its tensors or none")
+        return missing
+
+
+def expected_weights(vllm_config: Any, model: Any) -> ExpectedWeights:
+    """The table of a running vLLM engine: names and shapes from the safetensors headers of the
+    model's folder when it has them, else refit's model inventory of its config.json; the dtype
+    is the engine's."""
+    import glob
+    import json
+    import os
+
+    model_config = vllm_config.model_config
+    path = model_config.model
+    dtype = _torch_dtype_name(model_config.dtype)
+    hf = model_config.hf_config
+    tied = bool(getattr(hf, "tie_word_embeddings", False))
+    shapes: Dict[str, Tuple[int, ...]] = {}
+    source = ""
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors"))) if os.path.isdir(path) else []
+    for f in files:
+        with open(f, "rb") as fh:
+            size = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(size))
+        for name, info in header.items():
+            if name != "__metadata__":
+                shapes[name] = tuple(int(d) for d in info["shape"])
+        source = f"the safetensors headers in {path}"
+    if not shapes:
+        config = os.path.join(path, "config.json")
+        if not os.path.isfile(config):
+            raise refit.ModelError(f"vLLM model '{path}': no safetensors files and no config.json to take the "
+                                   f"expected weights from")
+        inventory = refit.load_model_inventory(config)
+        shapes = {t.name: tuple(t.shape) for t in inventory.tensors}
+        source = f"refit's inventory of {config}"
+    optional = []
+    if tied:
+        embed = next((n for n in shapes if n.endswith("embed_tokens.weight")), None)
+        if embed is not None:
+            shapes.setdefault("lm_head.weight", shapes[embed])
+            optional.append("lm_head.weight")  # tied: vLLM skips it, a state_dict() has it
+    packed = getattr(model, "packed_modules_mapping", None) or {}
+    return ExpectedWeights(shapes, dtype, optional, packed, source)
+
+
+# ---- errors that keep their class across collective_rpc -----------------------------------------
+
+
+def _error_record(e: BaseException) -> dict:
+    return {"refit_error": type(e).__name__, "module": type(e).__module__, "message": str(e),
+            "traceback": "".join(traceback.format_exception(type(e), e, e.__traceback__))[-4000:]}
+
+
+def _raise_record(record: dict, where: str) -> None:
+    cls = getattr(refit, record["refit_error"], None)
+    if isinstance(cls, type) and issubclass(cls, refit.RefitError):
+        error: BaseException = cls(f"{where}: {record['message']}")
+    else:
+        error = RuntimeError(f"{where}: {record['module']}.{record['refit_error']}: {record['message']}")
+    error.add_note(f"in the vLLM worker:\n{record['traceback']}")
+    raise error
+
+
+def _returns_errors(method):
+    """vLLM turns a worker's exception into a plain Exception (its class and often its message
+    lost): the extension's methods return a record of the error instead, and the group raises it."""
+    def wrapper(self, *args, **kwargs):
+        try:
+            return {"value": method(self, *args, **kwargs)}
+        except BaseException as e:  # noqa: BLE001 - every failure goes back to the driver
+            return _error_record(e)
+    wrapper.__name__ = method.__name__
+    wrapper.__doc__ = method.__doc__
+    return wrapper
+
+
+# ---- the worker side ------------------------------------------------------------------------------
 
 
 class RefitWorkerExtension:
-    """Mixed into every vLLM worker by ``worker_extension_cls``; call its methods with
-    ``llm.collective_rpc("refit_...", args=(...))``. ``self`` is the vLLM worker."""
+    """Mixed into every vLLM worker by ``worker_extension_cls``; VllmRolloutGroup calls its
+    methods through ``llm.collective_rpc``. ``self`` is the vLLM worker."""
 
     _refit_engine: Optional[refit.CheckpointEngine] = None
-    #: How received tensors reach load_weights (torch tensors for vLLM).
-    refit_framework: str = "torch"
+    _refit_rank: Optional[int] = None
+    _refit_expected: Optional[ExpectedWeights] = None
 
-    def refit_total_memory_bytes(self, device: str = "cuda") -> int:
-        """Total memory of this worker's transfer device (the reference asks torch for the GPU's)."""
+    def _refit_model(self) -> Any:
+        return self.model_runner.get_model()
+
+    @_returns_errors
+    def refit_rollout_rank(self, replica: int) -> int:
+        """This worker's rollout rank in replica ``replica``: replica * (TP x PP) + its rank."""
+        return _rollout_rank(self, replica)
+
+    @_returns_errors
+    def refit_total_memory_bytes(self, device: str = "cpu") -> int:
+        """Total memory of this worker's transfer device."""
         if device.startswith("cuda"):
             import torch
 
             return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
         return refit.total_device_memory_bytes(device)
 
+    @_returns_errors
     def refit_init_engine(self, backend: str, bucket_size_bytes: int, engine_kwargs: Mapping[str, Any]) -> None:
-        """Creates this worker's engine once (later calls do nothing, as in the reference)."""
+        """Creates this worker's engine once (later calls keep it, as in the reference)."""
         if self._refit_engine is None:
             kwargs = dict(engine_kwargs)
-            kwargs.setdefault("framework", self.refit_framework)
+            kwargs["framework"] = "torch"
             self._refit_engine = refit.create_checkpoint_engine(backend, bucket_size_bytes, kwargs)
 
+    @_returns_errors
     def refit_prepare(self) -> bytes:
-        return self._refit_engine.prepare()
+        return self._engine().prepare()
 
-    def refit_init_process_group(self, rank_prefix: int, train_world_size: int, rollout_world_size: int,
+    @_returns_errors
+    def refit_init_process_group(self, replica: int, train_world_size: int, rollout_world_size: int,
                                  metadata: Sequence[bytes]) -> None:
-        rank = resolve_rollout_rank(rank_prefix, rollout_world_size)
-        self._refit_engine.init_rollout_process_group(rank, train_world_size, rollout_world_size, list(metadata))
+        """Connects as rollout rank replica * (TP x PP) + this worker's rank (collective_rpc gives
+        every worker the same arguments)."""
+        self._refit_rank = _rollout_rank(self, replica)
+        self._engine().init_rollout_process_group(self._refit_rank, train_world_size, rollout_world_size,
+                                                  list(metadata))
 
-    def refit_update_weights(self) -> bool:
-        """One refit: every batch (the FP8 KV-cache scales too, when the policy sends them) goes
-        to the model's load_weights. Returns True on success (a failure raises, and the driver
-        treats a destination's False result as a failure too)."""
-        torch = sys.modules.get("torch")
-        sync = torch is not None and torch.cuda.is_available()
-        model = self.model_runner.model
+    @_returns_errors
+    def refit_check_weights(self, specs: Sequence[Sequence[WeightSpec]], partial: bool = False) -> List[str]:
+        """Checks what this worker's source (source rank = this rollout rank, paired) will send,
+        ``specs[rank]``, against this engine before anything moves; returns the expected tensors
+        it leaves out (a partial refit)."""
+        mine = specs[self._refit_rank] if self._refit_rank is not None and self._refit_rank < len(specs) else None
+        if mine is None:
+            raise refit.TopologyError(f"{self._label()}: no source rank {self._refit_rank} among {len(specs)}")
+        return self._expected().check_all([(n, d, tuple(s)) for n, d, s in mine], partial, self._label())
 
-        def load(batch):
-            model.load_weights(weights=batch)
-            if sync:
-                torch.cuda.synchronize()  # the batch's views die when load returns
+    @_returns_errors
+    def refit_update_weights(self) -> dict:
+        """One refit into the live model (see the module's docstring). Returns the receive stats
+        and the names loaded; raises the refit's error."""
+        import torch
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import (finalize_layerwise_reload,
+                                                             initialize_layerwise_reload)
+        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
 
-        self._refit_engine.receive_weights(load, framework=self.refit_framework)
-        return True
+        model = self._refit_model()
+        expected = self._expected()
+        where = self._label()
+        loaded: List[str] = []
 
+        def checked(batch):
+            for name, tensor in batch:
+                expected.check(name, _torch_dtype_name(tensor.dtype), tuple(tensor.shape), where)
+                loaded.append(name)
+                yield name, tensor.clone()
+
+        runner = self.model_runner
+        with set_current_vllm_config(self.vllm_config), torch.inference_mode():
+            initialize_layerwise_reload(model)
+            try:
+                stats = self._engine().receive_weights(lambda batch: model.load_weights(checked(batch)))
+                progress = [(n, m, get_layerwise_info(m)) for n, m in model.named_modules()]
+                half = [f"{type(m).__name__} '{n}'" for n, m, info in progress
+                        if 0 < (info.load_numel or 0) < (info.load_numel_total or 0) and not _is_deferred_attention(m)]
+            finally:
+                finalize_layerwise_reload(model, self.vllm_config.model_config)
+                for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
+                    getattr(runner, reset, lambda: None)()
+            # vLLM 0.32's reload copies new expert weights into a MoE layer but does not redo its
+            # CPU kernel's prepacked copy of them: the kernel would go on computing with the old
+            # experts (vLLM's own reload_weights does). Prepacking again from the layer's weights
+            # is what its first load did. (GPU kernels read the layer's weights themselves.)
+            if _on_cpu():
+                for m in model.modules():
+                    if _moe_kernel(m) is not None:
+                        _moe_kernel(m).fused_experts.process_weights_after_loading(m)
+        if half:
+            raise refit.LayoutError(f"{where}: the refit loaded only part of {len(half)} vLLM layer(s), "
+                                    f"e.g. {half[0]}: its other weights are now undefined; refit the whole model")
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return {"stats": stats, "loaded": loaded}
+
+    @_returns_errors
     def refit_finalize(self) -> None:
         if self._refit_engine is not None:
             self._refit_engine.finalize()
 
+    @_returns_errors
+    def refit_close(self) -> None:
+        if self._refit_engine is not None:
+            self._refit_engine.close()
+            self._refit_engine = None
 
-class PolicySide:
-    """What VllmRolloutGroup needs of the training side (your policy workers, e.g. Ray actors that
-    are refit.EngineWorker("policy", rank, program)). Every call acts on all policy workers."""
+    def _engine(self) -> refit.CheckpointEngine:
+        if self._refit_engine is None:
+            raise refit.InvalidArgumentError(f"{self._label()}: refit_init_engine has not run")
+        return self._refit_engine
 
-    world_size: int
+    def _expected(self) -> ExpectedWeights:
+        if self._refit_expected is None:
+            self._refit_expected = expected_weights(self.vllm_config, self._refit_model())
+        return self._refit_expected
 
-    def total_memory_bytes(self, device: str) -> List[int]: ...
+    def _label(self) -> str:
+        rank = "?" if self._refit_rank is None else self._refit_rank
+        return f"vLLM destination rank {rank}"
 
-    def create_engines(self, backend: str, bucket_size_bytes: int, engine_kwargs: Mapping[str, Any]) -> None: ...
 
-    def prepare(self) -> List[bytes]: ...
+def _rollout_rank(worker: Any, replica: int) -> int:
+    return int(replica) * int(worker.vllm_config.parallel_config.world_size) + int(worker.rank)
 
-    def init_process_groups(self, train_world_size: int, rollout_world_size: int, metadata: Sequence[bytes]) -> None:
-        """init_policy_process_group(rank, T, R, metadata) on every policy worker."""
 
-    def refit(self, index: int) -> List[Any]:
-        """send_weights(weights, kv_scales=...) on every policy worker: a refit.EngineWorker
-        source sends its program's weights(index) and, with an fp8 kv_cache_dtype engine, the
-        FP8 KV-cache scales its program's kv_scales(index) gives."""
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
 
-    def finalize(self) -> None: ...
+    return bool(current_platform.is_cpu())
+
+
+def _moe_kernel(module: Any) -> Any:
+    return getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+
+
+def _is_deferred_attention(module: Any) -> bool:
+    from vllm.model_executor.layers.attention import is_deferred_attention_layer
+
+    return bool(is_deferred_attention_layer(module))
+
+
+# ---- the driver side ------------------------------------------------------------------------------
 
 
 class VllmRolloutGroup:
-    """A refit.WorkerGroup: the policy workers (a PolicySide) are the sources, the workers of one
-    vLLM engine the destinations (through collective_rpc). A sketch for one vLLM engine without
-    data parallelism: rank_prefix is 0 for every worker."""
+    """A refit.WorkerGroup: ``policy`` (a refit.BroadcastWorkerGroup of policy EngineWorkers, e.g.
+    refit.ProcessWorkerGroup(sources=T, destinations=0, ...)) are the sources, the workers of the
+    vLLM engines in ``llms`` (one per data-parallel replica) the destinations.
 
-    def __init__(self, llm: Any, policy: PolicySide):
-        self.llm = llm
+    ``partial=True`` lets refits update only some weights (each vLLM layer whole); the default
+    refuses a refit that leaves any weight of the model out. Before each refit the policy's tensor
+    list (EngineWorker.weight_specs) is checked on every vLLM worker; after it, each LLM's prefix
+    cache is reset. ``last_not_sent`` holds, after a refit, the names each worker expects that
+    the refit did not bring."""
+
+    def __init__(self, llms: Any, policy: Any, *, partial: bool = False, join_timeout_s: float = 60.0):
+        self.llms = list(llms) if isinstance(llms, (list, tuple)) else [llms]
+        if not self.llms:
+            raise refit.TopologyError("VllmRolloutGroup needs at least one vLLM engine")
         self.policy = policy
-        self._rollout = len(self._rpc("refit_total_memory_bytes", "cpu"))
+        self.partial = bool(partial)
+        self.join_timeout_s = float(join_timeout_s)
+        self.last_not_sent: List[List[str]] = []
+        self._ranks: List[List[int]] = [self._rpc_one(llm, "refit_rollout_rank", d)
+                                        for d, llm in enumerate(self.llms)]
+        flat = [r for ranks in self._ranks for r in ranks]
+        if sorted(flat) != list(range(len(flat))):
+            dup = sorted({r for r in flat if flat.count(r) > 1})
+            raise refit.TopologyError(
+                f"vLLM workers take rollout ranks {self._ranks} (per replica): they must be 0..{len(flat) - 1} "
+                f"once each" + (f"; rank(s) {dup} collide" if dup else ""))
+        self.last_refit_seconds: Optional[float] = None
 
-    def _rpc(self, method: str, *args: Any) -> List[Any]:
-        return list(self.llm.collective_rpc(method, args=args))
+    @staticmethod
+    def _rpc_one(llm: Any, method: str, *args: Any) -> List[Any]:
+        records = list(llm.collective_rpc(method, args=args))
+        for record in records:
+            if "refit_error" in record:
+                _raise_record(record, f"vLLM worker '{method}'")
+        return [record["value"] for record in records]
+
+    def _rpc(self, method: str, *args: Any, per_rank: Optional[Sequence[Sequence[Any]]] = None) -> List[Any]:
+        """``method`` on every vLLM worker (replica by replica); ``per_rank``: argument tuples per
+        replica, used instead of ``args`` (each worker of a replica gets its replica's)."""
+        out: List[Any] = []
+        for d, llm in enumerate(self.llms):
+            out += self._rpc_one(llm, method, *(per_rank[d] if per_rank is not None else args))
+        return out
 
     @property
     def train_world_size(self) -> int:
-        return self.policy.world_size
+        return self.policy.train_world_size
 
     @property
     def rollout_world_size(self) -> int:
-        return self._rollout
+        return sum(len(r) for r in self._ranks)
 
     def total_memory_bytes(self, device: str) -> List[int]:
-        return list(self.policy.total_memory_bytes(device)) + self._rpc("refit_total_memory_bytes", device)
+        return list(self.policy.call_all("total_memory_bytes", device)) + self._rpc("refit_total_memory_bytes",
+                                                                                     device)
 
     def create_engines(self, backend: str, bucket_size_bytes: int, engine_kwargs: Mapping[str, Any]) -> None:
-        self.policy.create_engines(backend, bucket_size_bytes, engine_kwargs)
+        self.policy.call_all("create_engine", backend, bucket_size_bytes, dict(engine_kwargs))
         self._rpc("refit_init_engine", backend, bucket_size_bytes, dict(engine_kwargs))
 
     def prepare(self) -> List[bytes]:
-        return list(self.policy.prepare()) + self._rpc("refit_prepare")
+        # Destinations by rank: replica d's workers answer in local-rank order.
+        rollout = self._rpc("refit_prepare")
+        order = [r for ranks in self._ranks for r in ranks]
+        by_rank = [b for _, b in sorted(zip(order, rollout))]
+        return list(self.policy.call_all("prepare")) + by_rank
 
     def init_process_groups(self, metadata: Sequence[bytes]) -> None:
-        self.policy.init_process_groups(self.train_world_size, self.rollout_world_size, metadata)
-        self._rpc("refit_init_process_group", 0, self.train_world_size, self.rollout_world_size, list(metadata))
+        t, r = self.train_world_size, self.rollout_world_size
+        self.policy.call_all("init_process_group", t, r, list(metadata))
+        for replica, llm in enumerate(self.llms):
+            self._rpc_one(llm, "refit_init_process_group", replica, t, r, list(metadata))
 
     def refit(self, index: int) -> List[Any]:
-        # Both sides at once: collective_rpc blocks, so the policy side sends from a thread.
-        import threading
+        import time
 
-        out: dict = {}
+        self.policy.call_all("stage", index)
+        self.last_not_sent = []
+        specs = self.policy.call_all("weight_specs", index)
+        if specs and all(s is not None for s in specs):
+            self.last_not_sent = [list(x) for x in self._rpc("refit_check_weights", specs, self.partial)]
+        out: Dict[str, Any] = {}
 
         def send() -> None:
             try:
-                out["policy"] = self.policy.refit(index)
-            except BaseException as e:  # noqa: BLE001
+                out["policy"] = self.policy.call_all("refit", index)
+            except BaseException as e:  # noqa: BLE001 - raised on the driver's thread below
                 out["error"] = e
 
-        t = threading.Thread(target=send)
-        t.start()
-        rollout = self._rpc("refit_update_weights")
-        t.join()
+        start = time.perf_counter()
+        thread = threading.Thread(target=send, name="refit-policy-send")
+        thread.start()
+        try:
+            rollout = self._rpc("refit_update_weights")
+        except BaseException as e:
+            thread.join(self.join_timeout_s)
+            if "error" in out:
+                e.add_note(f"the policy side failed too: {type(out['error']).__name__}: {out['error']}")
+            elif thread.is_alive():
+                e.add_note(f"the policy side had not returned {self.join_timeout_s:.0f} s later")
+            raise
+        finally:
+            self.last_refit_seconds = time.perf_counter() - start
+            for llm in self.llms:
+                llm.reset_prefix_cache()  # cached blocks hold the old weights' keys and values
+        thread.join()
         if "error" in out:
             raise out["error"]
-        return list(out["policy"]) + rollout
+        if not self.last_not_sent:
+            self.last_not_sent = [[] for _ in rollout]
+        return list(out["policy"]) + [True for _ in rollout]
 
     def finalize(self) -> None:
-        self.policy.finalize()
+        self.policy.call_all("finalize")
         self._rpc("refit_finalize")
+
+    def close(self) -> None:
+        """Frees every vLLM worker's engine (the policy group is the caller's to close)."""
+        self._rpc("refit_close")

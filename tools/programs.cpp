@@ -281,7 +281,7 @@ class DestinationProgram final : public WorkerProgram {
     uint64_t offset = 0;
     for (const auto& t : tensors_) {
       parameters_.push_back(storage_.data() + offset);
-      loads_.add(t.name, storage_.data() + offset, t.nbytes(), kind_);
+      loads_.add(t, storage_.data() + offset, kind_);
       offset += aligned(t.nbytes());
     }
   }

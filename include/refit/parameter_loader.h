@@ -26,14 +26,16 @@ class ParameterLoader {
   ParameterLoader(const ParameterLoader&) = delete;
   ParameterLoader& operator=(const ParameterLoader&) = delete;
 
-  // The parameter `name`: `bytes` at `data`, host or GPU memory, contiguous. The memory must stay
-  // valid while the loader is used. Error(kInvalidArgument) for a name added before.
-  void add(std::string_view name, void* data, uint64_t bytes, MemoryKind memory);
+  // The parameter `parameter.name`, of that dtype and shape, contiguous at `data` in host or GPU
+  // memory. The memory must stay valid while the loader is used. Error(kInvalidArgument) for a
+  // name added before.
+  void add(const TensorInfo& parameter, void* data, MemoryKind memory);
   size_t size() const;
 
   // Copies every tensor of `batch` into its parameter, and returns once the copies are done (the
   // views are valid only during a loader call). Error(kLayout) naming the first tensor with no
-  // parameter or of another size than its parameter, before anything is copied.
+  // parameter, or of another dtype or shape than its parameter (bytes are never reinterpreted),
+  // before anything of the batch is copied.
   void load(LoadBatch batch);
   // load() as a CheckpointEngine loader; the ParameterLoader must outlive it.
   BatchLoader loader();

@@ -8,6 +8,8 @@ with what it receives:
         def weights(self, index): ...             # a source: iterable of (name, tensor)
         def kv_scales(self, index): ...           # a source, optional: {name: float} FP8 KV-cache scales
         def load(self, index, batch): ...         # a destination: one batch, a list of (name, tensor)
+        def loader(self, index): ...              # a destination, instead of load: what receive_weights
+                                                  # takes (a refit.ParameterLoader of its parameters)
         def report(self, index): ...              # anything picklable, returned to the driver
 
 A source's ``kv_scales(index)`` (called after ``weights(index)``, before the send) gives the
@@ -148,7 +150,10 @@ class EngineWorker:
             elif self.receive == "callback":
                 # The framework is the engine's default (create_engine); a plugin takes `load` alone.
                 program = self.program
-                stats = engine.receive_weights(lambda batch: program.load(index, batch))
+                if hasattr(program, "loader"):  # e.g. a refit.ParameterLoader: batches load in C++
+                    stats = engine.receive_weights(program.loader(index))
+                else:
+                    stats = engine.receive_weights(lambda batch: program.load(index, batch))
             else:
                 it = engine.receive_weight_batches()
                 with contextlib.closing(it):  # leaving early fails the refit, at once

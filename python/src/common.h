@@ -84,6 +84,7 @@ ImportedTensor import_tensor(nb::handle obj, const std::string& name, bool devic
 // GPU with `device_ok`. A torch tensor that requires grad is written through its detached view
 // (the same memory). Throws Error(kInvalidArgument / kUnsupported).
 struct WritableTensor {
+  TensorInfo info;  // dtype and shape (no name)
   std::byte* data = nullptr;
   uint64_t nbytes = 0;
   MemoryKind memory = MemoryKind::kHost;

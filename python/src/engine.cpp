@@ -390,7 +390,8 @@ class PyParameterLoader {
     }
     loader_ = std::make_unique<ParameterLoader>(gpu ? Device{Device::Kind::kCuda, *gpu} : Device{}, timeout_s);
     for (auto& [name, t] : tensors) {
-      loader_->add(name, t.data, t.nbytes, t.memory);
+      t.info.name = name;
+      loader_->add(t.info, t.data, t.memory);
       keep_.push_back(std::move(t));
     }
   }

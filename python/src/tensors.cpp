@@ -397,12 +397,10 @@ WritableTensor import_writable(nb::handle obj, bool device_ok) {
   if (nb::hasattr(target, "detach") && nb::hasattr(target, "requires_grad") &&
       nb::cast<bool>(target.attr("requires_grad")))
     target = target.attr("detach")();
+  std::optional<DType> forced;  // an ml_dtypes array, viewed as its bits
   if (!nb::try_cast(target, a, false)) {
     PyErr_Clear();
-    if (ml_dtype_of(target)) {
-      const size_t itemsize = nb::cast<size_t>(target.attr("dtype").attr("itemsize"));
-      target = target.attr("view")(itemsize == 2 ? "uint16" : "uint8");
-    }
+    if ((forced = ml_dtype_of(target))) target = target.attr("view")(dtype_size(*forced) == 2 ? "uint16" : "uint8");
     if (!nb::try_cast(target, a, false)) {
       PyErr_Clear();
       throw Error(ErrorKind::kInvalidArgument,
@@ -421,6 +419,16 @@ WritableTensor import_writable(nb::handle obj, bool device_ok) {
   }
   nb::ndarray<nb::ro> ro(a);
   if (!is_c_contiguous(ro)) throw Error(ErrorKind::kInvalidArgument, "expected a contiguous tensor");
+  if (forced) {
+    out.info.dtype = *forced;
+  } else if (auto t = dtype_from_dlpack(a.dtype())) {
+    out.info.dtype = *t;
+  } else {
+    throw Error(ErrorKind::kInvalidArgument,
+                fmt::format("dtype {} is not one refit moves", dlpack_dtype_name(a.dtype())));
+  }
+  out.info.shape.resize(a.ndim());
+  for (size_t i = 0; i < a.ndim(); ++i) out.info.shape[i] = static_cast<int64_t>(a.shape(i));
   out.data = static_cast<std::byte*>(a.data());
   out.nbytes = a.nbytes();
   out.array = std::move(a);

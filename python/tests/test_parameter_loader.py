@@ -4,6 +4,8 @@ size) fails the refit, naming the tensor."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -55,6 +57,24 @@ def test_a_tensor_without_a_parameter_fails_the_refit_naming_it():
         with pytest.raises(refit.RefitError):
             sender.join()
         assert pair.destination.stale
+    finally:
+        pair.close()
+
+
+@pytest.mark.parametrize("parameter,message", [
+    (np.zeros((64, 128), np.float32), "received tensor 'w' is float32 [128, 64] but its parameter here is float32 [64, 128]"),
+    (np.zeros((128, 64), np.int32), "received tensor 'w' is float32 [128, 64] but its parameter here is int32 [128, 64]"),
+])
+def test_a_tensor_of_another_dtype_or_shape_is_refused_though_its_bytes_would_fit(parameter, message):
+    pair = Pair(MiB)
+    try:
+        loader = refit.ParameterLoader({"w": parameter})
+        sender = pair.start_send([("w", np.ones((128, 64), np.float32))])
+        with pytest.raises(refit.LayoutError, match=re.escape(message)):
+            pair.destination.receive_weights(loader)
+        with pytest.raises(refit.RefitError):
+            sender.join()
+        assert not parameter.any()  # nothing was written
     finally:
         pair.close()
 

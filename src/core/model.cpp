@@ -193,7 +193,11 @@ void dense_family(Builder& b, const Config& c, const std::string& type) {
 // decoder_sparse_step grid; qwen2_moe adds a shared expert with a scalar sigmoid gate.
 void qwen_moe_family(Builder& b, const Config& c, bool qwen2) {
   Dims d = read_dims(c);
-  int64_t experts = c.get_int("num_experts", 0);
+  // transformers 5 writes the expert count as num_local_experts (4.x: num_experts).
+  auto count = c.opt_int("num_experts", 0);
+  if (!count) count = c.opt_int("num_local_experts", 0);
+  if (!count) fail(ErrorKind::kModel, "config '{}': missing key 'num_experts' (or 'num_local_experts')", c.path());
+  int64_t experts = *count;
   int64_t moe_inter = c.get_int("moe_intermediate_size");
   int64_t step = c.int_or("decoder_sparse_step", 1);
   auto mlp_only = c.int_set("mlp_only_layers");

@@ -17,6 +17,8 @@ struct Parameter {
   std::byte* data = nullptr;
   uint64_t bytes = 0;
   MemoryKind memory = MemoryKind::kHost;
+  DType dtype = DType::kUInt8;
+  std::vector<int64_t> shape;
 };
 
 }  // namespace
@@ -36,12 +38,14 @@ ParameterLoader::ParameterLoader(Device device, double timeout_s) : impl_(std::m
 }
 ParameterLoader::~ParameterLoader() = default;
 
-void ParameterLoader::add(std::string_view name, void* data, uint64_t bytes, MemoryKind memory) {
+void ParameterLoader::add(const TensorInfo& parameter, void* data, MemoryKind memory) {
+  const uint64_t bytes = parameter.nbytes();
   if (data == nullptr && bytes > 0)
-    fail(ErrorKind::kInvalidArgument, "ParameterLoader: parameter '{}' of {} bytes has no data pointer", name, bytes);
-  if (!impl_->names.add(name).added)
-    fail(ErrorKind::kInvalidArgument, "ParameterLoader: parameter '{}' was added twice", name);
-  impl_->parameters.push_back({static_cast<std::byte*>(data), bytes, memory});
+    fail(ErrorKind::kInvalidArgument, "ParameterLoader: parameter '{}' of {} bytes has no data pointer",
+         parameter.name, bytes);
+  if (!impl_->names.add(parameter.name).added)
+    fail(ErrorKind::kInvalidArgument, "ParameterLoader: parameter '{}' was added twice", parameter.name);
+  impl_->parameters.push_back({static_cast<std::byte*>(data), bytes, memory, parameter.dtype, parameter.shape});
 }
 
 size_t ParameterLoader::size() const { return impl_->parameters.size(); }
@@ -59,9 +63,12 @@ void ParameterLoader::load(LoadBatch batch) {
            m.parameters.size());
     const Parameter& p = m.parameters[*index];
     const uint64_t n = v.info->nbytes();
-    if (n != p.bytes)
-      fail(ErrorKind::kLayout, "received tensor '{}' {} {} is {} bytes, its parameter {} bytes", v.info->name,
-           dtype_name(v.info->dtype), shape_string(v.info->shape), n, p.bytes);
+    if (v.info->dtype != p.dtype || v.info->shape != p.shape)
+      fail(ErrorKind::kLayout,
+           "received tensor '{}' is {} {} but its parameter here is {} {}: the loader copies bytes as they are and "
+           "converts nothing",
+           v.info->name, dtype_name(v.info->dtype), shape_string(v.info->shape), dtype_name(p.dtype),
+           shape_string(p.shape));
     m.copies.push_back({p.data, v.data, n, p.memory, v.memory});
     bytes += n;
   }

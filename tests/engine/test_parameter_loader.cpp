@@ -31,7 +31,7 @@ TEST(ParameterLoader, LoadsEveryTensorIntoItsParameterOverRefits) {
   ParameterLoader loader;
   for (const auto& t : first) {
     params.emplace_back(t.data.size());
-    loader.add(t.info.name, params.back().data(), params.back().size(), MemoryKind::kHost);
+    loader.add(t.info, params.back().data(), MemoryKind::kHost);
   }
   EXPECT_EQ(loader.size(), first.size());
   for (uint32_t refit = 0; refit < 3; ++refit) {
@@ -44,23 +44,31 @@ TEST(ParameterLoader, LoadsEveryTensorIntoItsParameterOverRefits) {
   EXPECT_EQ(loader.tensors_loaded(), 3 * first.size());
 }
 
-TEST(ParameterLoader, ATensorWithoutAParameterOrOfAnotherSizeFailsTheRefitNamingIt) {
+TEST(ParameterLoader, ATensorWithoutAParameterOrOfAnotherDtypeOrShapeFailsTheRefitNamingIt) {
   const auto w = weights(1);
-  for (bool wrong_size : {false, true}) {
+  enum Wrong { kNoParameter, kShape, kDtype };
+  for (Wrong wrong : {kNoParameter, kShape, kDtype}) {
     Pair p(64);
     p.connect();
     std::vector<std::vector<std::byte>> params;
     ParameterLoader loader;
     for (const auto& t : w) {
-      if (t.info.name == "p7" && !wrong_size) continue;
-      params.emplace_back(t.data.size() + (t.info.name == "p7" ? 2 : 0));
-      loader.add(t.info.name, params.back().data(), params.back().size(), MemoryKind::kHost);
+      TensorInfo parameter = t.info;
+      if (t.info.name == "p7") {
+        if (wrong == kNoParameter) continue;
+        // The same byte count either way: a loader that compared sizes only would take it.
+        if (wrong == kShape) parameter.shape = {3, 8};
+        if (wrong == kDtype) parameter.dtype = DType::kFloat16;
+      }
+      params.emplace_back(parameter.nbytes());
+      loader.add(parameter, params.back().data(), MemoryKind::kHost);
     }
     auto sent = p.start_send(w);
     const std::string message = testing::error_of(ErrorKind::kLayout, [&] { p.destination->receive(loader.loader()); });
-    EXPECT_THAT(message,
-                HasSubstr(wrong_size ? "received tensor 'p7' bfloat16 [8, 3] is 48 bytes, its parameter 50 bytes"
-                                     : "received tensor 'p7' has no parameter here"));
+    const char* expected[] = {"received tensor 'p7' has no parameter here",
+                              "received tensor 'p7' is bfloat16 [8, 3] but its parameter here is bfloat16 [3, 8]",
+                              "received tensor 'p7' is bfloat16 [8, 3] but its parameter here is float16 [8, 3]"};
+    EXPECT_THAT(message, HasSubstr(expected[wrong]));
     EXPECT_ANY_THROW(sent.get());  // the source is told
     EXPECT_TRUE(p.destination->stale());
   }
@@ -69,10 +77,11 @@ TEST(ParameterLoader, ATensorWithoutAParameterOrOfAnotherSizeFailsTheRefitNaming
 TEST(ParameterLoader, RefusesANameTwiceAndMemoryWithoutAPointer) {
   ParameterLoader loader;
   std::vector<std::byte> a(8);
-  loader.add("a", a.data(), a.size(), MemoryKind::kHost);
-  EXPECT_THAT(testing::error_of(ErrorKind::kInvalidArgument, [&] { loader.add("a", a.data(), 8, MemoryKind::kHost); }),
+  const TensorInfo a_info{"a", DType::kUInt8, {8}}, b_info{"b", DType::kUInt8, {8}};
+  loader.add(a_info, a.data(), MemoryKind::kHost);
+  EXPECT_THAT(testing::error_of(ErrorKind::kInvalidArgument, [&] { loader.add(a_info, a.data(), MemoryKind::kHost); }),
               HasSubstr("parameter 'a' was added twice"));
-  EXPECT_THAT(testing::error_of(ErrorKind::kInvalidArgument, [&] { loader.add("b", nullptr, 8, MemoryKind::kHost); }),
+  EXPECT_THAT(testing::error_of(ErrorKind::kInvalidArgument, [&] { loader.add(b_info, nullptr, MemoryKind::kHost); }),
               HasSubstr("parameter 'b' of 8 bytes has no data pointer"));
   EXPECT_THAT(testing::error_of(ErrorKind::kInvalidArgument, [] { ParameterLoader bad(Device{}, 0); }),
               HasSubstr("timeout_s must be > 0"));

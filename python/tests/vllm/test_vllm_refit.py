@@ -17,7 +17,7 @@ import refit  # noqa: E402
 from refit.multiprocessing_group import ProcessWorkerGroup  # noqa: E402
 from refit.vllm_adapter import VllmRolloutGroup  # noqa: E402
 
-from models import checkpoint_policy, make_checkpoint, mix_checkpoint  # noqa: E402
+from hf_models import checkpoint_policy, make_checkpoint, mix_checkpoint  # noqa: E402
 
 EXTENSION = "refit.vllm_adapter.RefitWorkerExtension"
 # A long prompt (2 blocks of 32 tokens) is cached before each refit: after it, only a reset prefix

@@ -41,8 +41,8 @@ ParameterLoader::~ParameterLoader() = default;
 void ParameterLoader::add(const TensorInfo& parameter, void* data, MemoryKind memory) {
   const uint64_t bytes = parameter.nbytes();
   if (data == nullptr && bytes > 0)
-    fail(ErrorKind::kInvalidArgument, "ParameterLoader: parameter '{}' of {} bytes has no data pointer",
-         parameter.name, bytes);
+    fail(ErrorKind::kInvalidArgument, "ParameterLoader: parameter '{}' of {} bytes has no data pointer", parameter.name,
+         bytes);
   if (!impl_->names.add(parameter.name).added)
     fail(ErrorKind::kInvalidArgument, "ParameterLoader: parameter '{}' was added twice", parameter.name);
   impl_->parameters.push_back({static_cast<std::byte*>(data), bytes, memory, parameter.dtype, parameter.shape});

@@ -14,10 +14,11 @@ CPU kernels, which empties the parameter), so the live model's ``load_weights`` 
 wrong call. Each refit runs ``initialize_layerwise_reload`` (layers go back to their checkpoint
 shapes), hands every received batch to ``model.load_weights`` in checkpoint format, and
 ``finalize_layerwise_reload`` (layers whose tensors did not come get their old weights back).
-Received tensors are cloned on the way in: vLLM keeps a layer's tensors until the layer is
-complete, and refit's views end with their batch. After every refit, successful or not, the
-prefix cache is reset (cached blocks hold the old weights' keys and values) and vLLM's own
-derived caches (LoRA, encoder, multimodal) are dropped.
+vLLM keeps a layer's tensors until the layer is complete, and refit's views end with their
+batch: the tensors vLLM still holds when a batch ends are cloned then (the rest load from refit's
+views). After every refit, successful or not, the prefix cache is reset (cached blocks hold the
+old weights' keys and values) and vLLM's own derived caches (LoRA, encoder, multimodal) are
+dropped.
 
 What is checked, so that nothing wrong loads silently: every vLLM worker builds the table of the
 tensors its engine expects (checkpoint names and shapes, from the model's safetensors headers or
@@ -276,13 +277,16 @@ class RefitWorkerExtension:
             for name, tensor in batch:
                 expected.check(name, _torch_dtype_name(tensor.dtype), tuple(tensor.shape), where)
                 loaded.append(name)
-                yield name, tensor.clone()
+                yield name, tensor
 
+        def load(batch):
+            model.load_weights(checked(batch))
+            _own_buffered_tensors()  # refit's views end with this batch
         runner = self.model_runner
         with set_current_vllm_config(self.vllm_config), torch.inference_mode():
             initialize_layerwise_reload(model)
             try:
-                stats = self._engine().receive_weights(lambda batch: model.load_weights(checked(batch)))
+                stats = self._engine().receive_weights(load)
                 progress = [(n, m, get_layerwise_info(m)) for n, m in model.named_modules()]
                 half = [f"{type(m).__name__} '{n}'" for n, m, info in progress
                         if 0 < (info.load_numel or 0) < (info.load_numel_total or 0) and not _is_deferred_attention(m)]
@@ -333,6 +337,25 @@ class RefitWorkerExtension:
 
 def _rollout_rank(worker: Any, replica: int) -> int:
     return int(replica) * int(worker.vllm_config.parallel_config.world_size) + int(worker.rank)
+
+
+def _own_buffered_tensors() -> None:
+    """vLLM's layerwise reload keeps the tensors of a layer it has not all of yet (as the loader's
+    bound arguments) and loads them when the layer is complete, maybe batches later: those that
+    are views of refit's buffers are cloned before the batch ends. Only those: a layer completed
+    within the batch was loaded from the views directly (one copy fewer per byte). The layer's
+    own parameters are on the meta device meanwhile, which tells them apart."""
+    import torch
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+    for info in list(LAYERWISE_INFO.values()):
+        for _, bound in info.loaded_weights:
+            for key, value in bound.arguments.items():
+                if isinstance(value, torch.Tensor) and value.device.type != "meta" and \
+                        not getattr(value, "_refit_owned", False):
+                    owned = value.clone()
+                    owned._refit_owned = True
+                    bound.arguments[key] = owned
 
 
 def _on_cpu() -> bool:

@@ -9,7 +9,9 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <string_view>
+#include <vector>
 
 #include "refit/checkpoint_engine.h"
 #include "refit/device.h"
@@ -39,6 +41,10 @@ class ParameterLoader {
   void load(LoadBatch batch);
   // load() as a CheckpointEngine loader; the ParameterLoader must outlive it.
   BatchLoader loader();
+
+  // The parameters that no batch loaded since the loader was made or this was last called (after
+  // a refit: what no source sent, which still hold their old bytes); starts the count anew.
+  std::vector<std::string> take_not_loaded();
 
   uint64_t tensors_loaded() const;  // since the loader was made
   uint64_t bytes_loaded() const;

@@ -6,8 +6,8 @@ runs refits of a model and checks every tensor of every refit bitwise (XXH3-64 p
     python python/examples/ray_refit.py --device cuda        # PyTorch CUDA tensors (needs torch, GPUs)
     python python/examples/ray_refit.py --address auto       # on a running Ray cluster
 
-The driver uses refit.WeightSynchronizer over RayWorkerGroup, a refit.WorkerGroup whose every
-call is a method call on each actor (gathered with ray.get). Each actor is a refit.EngineWorker:
+The driver uses refit.WeightSynchronizer over refit.ray.RayWorkerGroup, a refit.WorkerGroup whose
+every call is a method call on each actor. Each actor is a refit.EngineWorker:
 it owns one checkpoint engine and a program (refit.testing.SyntheticSource / HashingDestination:
 synthetic weights that change every refit, hashed on both sides).
 
@@ -25,11 +25,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any, List, Optional, Sequence
+from typing import Optional, Sequence
 
 import ray
 
 import refit
+from refit.ray import RayWorkerGroup
 from refit.testing import HashingDestination, SyntheticSource, verify
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -49,52 +50,6 @@ class RolloutWorker(refit.EngineWorker):
 
     def __init__(self, rank: int, framework: str):
         super().__init__("rollout", rank, HashingDestination(), framework=framework)
-
-
-def _cause(error: BaseException) -> BaseException:
-    """The worker's own exception inside a Ray error (same type, same message)."""
-    cause = getattr(error, "cause", None)
-    return cause if isinstance(cause, BaseException) else error
-
-
-class RayWorkerGroup(refit.BroadcastWorkerGroup):
-    """A refit.WorkerGroup over Ray actors: sources first, then destinations, each by rank.
-    Every call runs on all actors at once and gathers every answer; the first failure is raised
-    (the worker's own exception) with the others attached as notes."""
-
-    def __init__(self, policy: Sequence[Any], rollout: Sequence[Any]):
-        self.policy = list(policy)
-        self.rollout = list(rollout)
-
-    @property
-    def train_world_size(self) -> int:
-        return len(self.policy)
-
-    @property
-    def rollout_world_size(self) -> int:
-        return len(self.rollout)
-
-    def _labels(self) -> List[str]:
-        return [f"source rank {i}" for i in range(len(self.policy))] + \
-               [f"destination rank {i}" for i in range(len(self.rollout))]
-
-    def call_all(self, method: str, *args: Any) -> List[Any]:
-        actors = self.policy + self.rollout
-        refs = [getattr(a, method).remote(*args) for a in actors]
-        results, failures = [], []
-        for label, ref in zip(self._labels(), refs):
-            try:
-                results.append(ray.get(ref))
-            except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as e:
-                failures.append((label, _cause(e)))
-                results.append(None)
-        if failures:
-            first = failures[0][1]
-            for label, e in failures[1:]:
-                if hasattr(first, "add_note"):
-                    first.add_note(f"also {label} failed: {type(e).__name__}: {e}")
-            raise first
-        return results
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -135,7 +90,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         rollout_cls = ray.remote(RolloutWorker).options(**options)
         policy = [policy_cls.remote(rank, args.model, args.device) for rank in range(args.policy)]
         rollout = [rollout_cls.remote(rank, framework) for rank in range(args.rollout)]
-        group = RayWorkerGroup(policy, rollout)
+        group = RayWorkerGroup(policy, rollout, timeout_s=config.timeout_s)
 
         inventory = refit.load_model_inventory(args.model)
         sync = refit.WeightSynchronizer(config, group, model_fingerprint=inventory.fingerprint)

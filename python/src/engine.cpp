@@ -753,7 +753,11 @@ void register_engine(nb::module_& m) {
       .def(nb::init<nb::handle, double>(), nb::arg("parameters"), nb::arg("timeout_s") = 300.0)
       .def("__len__", &PyParameterLoader::size)
       .def_prop_ro("tensors_loaded", [](PyParameterLoader& l) { return l.loader().tensors_loaded(); })
-      .def_prop_ro("bytes_loaded", [](PyParameterLoader& l) { return l.loader().bytes_loaded(); });
+      .def_prop_ro("bytes_loaded", [](PyParameterLoader& l) { return l.loader().bytes_loaded(); })
+      .def(
+          "take_not_loaded", [](PyParameterLoader& l) { return l.loader().take_not_loaded(); },
+          "The names of the parameters that no batch loaded since the loader was made or this was last "
+          "called (after a refit: what no source sent; they keep their old values). Starts the count anew.");
 
   nb::class_<BatchIterator>(m, "BatchIterator",
                             "Iterator over the batches of one refit (lists of (name, tensor)). Each batch's zero-copy "

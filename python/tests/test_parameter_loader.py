@@ -133,3 +133,18 @@ def test_a_tensor_set_reads_tensors_where_they_lie():
         refit.TensorSet({"w": np.zeros((4, 4), np.float32)[:, 1]})
     with pytest.raises(refit.InvalidArgumentError, match="expected a mapping or \\(name, tensor\\) pairs"):
         refit.TensorSet([("w",)])
+
+
+def test_the_loader_says_which_parameters_no_source_sent():
+    pair = Pair(MiB)
+    try:
+        sent = weights(1)
+        loader = refit.ParameterLoader({name: np.zeros_like(t) for name, t in sent})
+        some = sent[:3]
+        sender = pair.start_send(some)
+        pair.destination.receive_weights(loader)
+        sender.join()
+        assert loader.take_not_loaded() == [name for name, _ in sent[3:]]
+        assert len(loader.take_not_loaded()) == len(sent)  # counted anew
+    finally:
+        pair.close()

@@ -19,6 +19,7 @@ struct Parameter {
   MemoryKind memory = MemoryKind::kHost;
   DType dtype = DType::kUInt8;
   std::vector<int64_t> shape;
+  bool loaded = false;  // since the loader was made or take_not_loaded() last ran
 };
 
 }  // namespace
@@ -72,6 +73,7 @@ void ParameterLoader::load(LoadBatch batch) {
     m.copies.push_back({p.data, v.data, n, p.memory, v.memory});
     bytes += n;
   }
+  for (const TensorView& v : batch) m.parameters[*m.names.find(v.info->name)].loaded = true;
   m.stream.copy_batch(m.copies);
   if (m.stream.pending()) m.stream.synchronize(deadline_after(std::chrono::duration<double>(m.timeout_s)));
   m.tensors += batch.size();
@@ -80,6 +82,16 @@ void ParameterLoader::load(LoadBatch batch) {
 
 BatchLoader ParameterLoader::loader() {
   return [this](LoadBatch batch) { load(batch); };
+}
+
+std::vector<std::string> ParameterLoader::take_not_loaded() {
+  std::vector<std::string> out;
+  for (uint32_t i = 0; i < impl_->parameters.size(); ++i) {
+    Parameter& p = impl_->parameters[i];
+    if (!p.loaded) out.emplace_back(impl_->names.name(i));
+    p.loaded = false;
+  }
+  return out;
 }
 
 uint64_t ParameterLoader::tensors_loaded() const { return impl_->tensors; }

@@ -42,6 +42,28 @@ TEST(ParameterLoader, LoadsEveryTensorIntoItsParameterOverRefits) {
     for (size_t i = 0; i < w.size(); ++i) EXPECT_EQ(params[i], w[i].data) << w[i].info.name << ", refit " << refit;
   }
   EXPECT_EQ(loader.tensors_loaded(), 3 * first.size());
+  EXPECT_TRUE(loader.take_not_loaded().empty());
+}
+
+TEST(ParameterLoader, SaysWhichParametersNoSourceSent) {
+  Pair p(64);
+  p.connect();
+  auto w = weights(1);
+  std::vector<std::vector<std::byte>> params;
+  ParameterLoader loader;
+  for (const auto& t : w) {
+    params.emplace_back(t.data.size());
+    loader.add(t.info, params.back().data(), MemoryKind::kHost);
+  }
+  std::vector<OwnedTensor> some(w.begin(), w.begin() + 5);
+  auto sent = p.start_send(some);
+  p.destination->receive(loader.loader());
+  sent.get();
+  const auto missing = loader.take_not_loaded();
+  ASSERT_EQ(missing.size(), w.size() - 5);
+  EXPECT_EQ(missing.front(), "p5");
+  EXPECT_EQ(missing.back(), "big");
+  EXPECT_EQ(loader.take_not_loaded().size(), w.size());  // counted anew: nothing loaded since
 }
 
 TEST(ParameterLoader, ATensorWithoutAParameterOrOfAnotherDtypeOrShapeFailsTheRefitNamingIt) {

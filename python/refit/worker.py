@@ -142,8 +142,12 @@ class EngineWorker:
         engine = self._engine()
         try:
             if self.is_source:
-                weights = self.program.weights(index)
-                kv_scales = self.program.kv_scales(index) if hasattr(self.program, "kv_scales") else None
+                try:
+                    weights = self.program.weights(index)
+                    kv_scales = self.program.kv_scales(index) if hasattr(self.program, "kv_scales") else None
+                except BaseException as e:
+                    _fail_send(engine, e)  # its destination would otherwise wait its whole timeout_s
+                    raise
                 # Only when there are some: a plugin engine's send_weights may take weights alone.
                 stats = engine.send_weights(weights) if kv_scales is None else \
                     engine.send_weights(weights, kv_scales=kv_scales)
@@ -180,6 +184,21 @@ class EngineWorker:
             raise _refit.InvalidArgumentError(f"{self.label}: create_engine() has not run")
         return self.engine
 
+
+
+def _fail_send(engine: Any, error: BaseException) -> None:
+    """Ends this refit on the source's links with ``error`` as the reason: a send whose first pull
+    raises it, which the engine reports to the destination before it gives up."""
+    def stream():
+        raise error
+        yield  # noqa: unreachable - makes this a generator
+
+    if not isinstance(engine, CheckpointEngine):  # a plugin's send may do anything with it
+        return
+    try:
+        engine.send_weights(stream())
+    except BaseException:  # noqa: BLE001 - the caller raises the error itself
+        pass
 
 
 def _close(engine: Any) -> None:

@@ -234,3 +234,40 @@ def test_the_groups_last_refit_seconds_is_the_reports():
     assert sync.sync_weights().seconds == 12.5
     del group.last_refit_seconds
     assert 0 < sync.sync_weights().seconds < 12.5
+
+
+class WeightsFailAt:
+    """Sources whose weights(index) raises at refit 1, before anything is sent."""
+
+    def __init__(self, role: str, rank: int):
+        from refit.testing import HashingDestination, SyntheticSource
+        self.inner = SyntheticSource(TINY_MOE, limit=20) if role == "policy" else HashingDestination()
+        self.role = role
+
+    def stage(self, index: int) -> None:
+        self.inner.stage(index) if hasattr(self.inner, "stage") else None
+
+    def weights(self, index: int):
+        if index == 1:
+            raise ValueError("the trainer's checkpoint is not ready")
+        return self.inner.weights(index)
+
+    def load(self, index: int, batch) -> None:
+        self.inner.load(index, batch)
+
+    def report(self, index: int):
+        return self.inner.report(index)
+
+
+def test_a_source_that_fails_before_sending_ends_its_destinations_refit_at_once():
+    import time
+
+    with ProcessWorkerGroup(1, 1, WeightsFailAt, framework="numpy") as group:
+        sync = refit.WeightSynchronizer({"bucket_bytes": "4MiB", "timeout_s": 60}, group)
+        sync.sync_weights()
+        start = time.monotonic()
+        with pytest.raises(ValueError, match="the trainer's checkpoint is not ready") as err:
+            sync.sync_weights()
+        assert time.monotonic() - start < 10  # not the destination's 60 s timeout
+        notes = "\n".join(getattr(err.value, "__notes__", []))
+        assert "destination rank 0 failed" in notes and "checkpoint is not ready" in notes

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import os
 
 import pytest
 
@@ -27,9 +28,10 @@ CONFIG = {"bucket_bytes": "128KiB", "timeout_s": 60}  # buckets smaller than the
 
 
 def start(path: str, dtype: str, **kwargs) -> "vllm.LLM":
+    kwargs.setdefault("distributed_executor_backend", "uni")  # the worker in this process
     return vllm.LLM(model=path, dtype=dtype, skip_tokenizer_init=True, enforce_eager=True, max_model_len=128,
                     max_num_seqs=4, block_size=32, enable_prefix_caching=True, seed=0,
-                    distributed_executor_backend="uni", worker_extension_cls=EXTENSION, **kwargs)
+                    worker_extension_cls=EXTENSION, **kwargs)
 
 
 def stop(*llms) -> None:
@@ -167,3 +169,31 @@ def test_two_data_parallel_replicas_take_their_own_ranks(llama):
         group.close()
         policy.close()
         stop(*llms)
+
+
+def test_tensor_parallel_workers_each_take_their_own_source(tmp_path, monkeypatch):
+    """TP 2: two vLLM worker processes, rollout ranks 0 and 1, each fed the whole checkpoint by its
+    own source (vLLM slices it); the result equals a fresh TP-2 vLLM (TP 2 adds in another order
+    than TP 1, so that is the engine to compare with)."""
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("vLLM's CPU backend binds each TP worker to a core of its own")
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    a = make_checkpoint("qwen2", "bfloat16", 1, str(tmp_path / "a"))
+    b = make_checkpoint("qwen2", "bfloat16", 2, str(tmp_path / "b"))
+    tp2 = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
+    fresh = start(b, "bfloat16", **tp2)
+    try:
+        expected = outputs(fresh)
+    finally:
+        stop(fresh)
+    llm = start(a, "bfloat16", load_format="dummy", **tp2)
+    policy = policy_of({0: {"path": b, "dtype": "bfloat16"}}, sources=2)
+    try:
+        group = VllmRolloutGroup([llm], policy)
+        assert group.rollout_world_size == 2
+        refit.WeightSynchronizer(CONFIG, group).sync_weights()
+        assert outputs(llm) == expected
+        group.close()
+    finally:
+        policy.close()
+        stop(llm)

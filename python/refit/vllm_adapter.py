@@ -282,6 +282,7 @@ class RefitWorkerExtension:
         def load(batch):
             model.load_weights(checked(batch))
             _own_buffered_tensors()  # refit's views end with this batch
+
         runner = self.model_runner
         with set_current_vllm_config(self.vllm_config), torch.inference_mode():
             initialize_layerwise_reload(model)
@@ -294,14 +295,15 @@ class RefitWorkerExtension:
                 finalize_layerwise_reload(model, self.vllm_config.model_config)
                 for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
                     getattr(runner, reset, lambda: None)()
-            # vLLM 0.32's reload copies new expert weights into a MoE layer but does not redo its
-            # CPU kernel's prepacked copy of them: the kernel would go on computing with the old
-            # experts (vLLM's own reload_weights does). Prepacking again from the layer's weights
-            # is what its first load did. (GPU kernels read the layer's weights themselves.)
-            if _on_cpu():
-                for m in model.modules():
-                    if _moe_kernel(m) is not None:
-                        _moe_kernel(m).fused_experts.process_weights_after_loading(m)
+                # vLLM 0.32's reload copies new expert weights into a MoE layer but does not redo
+                # its CPU kernel's prepacked copy of them, so the kernel goes on computing with the
+                # old experts (vLLM's own reload_weights does too; measured on the CPU backend, the
+                # only one where this runs). Prepacking from the layer's weights is what its first
+                # load did.
+                if _on_cpu():
+                    for m in model.modules():
+                        if _moe_kernel(m) is not None:
+                            _moe_kernel(m).fused_experts.process_weights_after_loading(m)
         if half:
             raise refit.LayoutError(f"{where}: the refit loaded only part of {len(half)} vLLM layer(s), "
                                     f"e.g. {half[0]}: its other weights are now undefined; refit the whole model")
@@ -488,7 +490,7 @@ class VllmRolloutGroup:
             raise out["error"]
         if not self.last_not_sent:
             self.last_not_sent = [[] for _ in rollout]
-        return list(out["policy"]) + [True for _ in rollout]
+        return list(out["policy"]) + rollout  # {"stats", "loaded"} per vLLM worker
 
     def finalize(self) -> None:
         self.policy.call_all("finalize")

@@ -79,9 +79,10 @@ def test_refits_from_dummy_weights_match_a_fresh_vllm(family, dtype, tmp_path):
         assert outputs(llm) != expected[b]  # dummy weights; this also caches the prompts' blocks
         for path in steps:
             report = sync.sync_weights()
-            assert report.destination_results == [True]
             tensors, _ = report.source_results[0]["report"]
-            assert group.last_not_sent == [[]] and tensors > 0
+            [received] = report.destination_results
+            assert len(received["loaded"]) == tensors == received["stats"]["tensors"] > 0
+            assert group.last_not_sent == [[]]
             assert outputs(llm) == expected[path], f"refit to {path}"
         sync.shutdown()
     finally:

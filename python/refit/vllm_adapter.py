@@ -21,13 +21,15 @@ old weights' keys and values) and vLLM's own derived caches (LoRA, encoder, mult
 dropped.
 
 What is checked, so that nothing wrong loads silently: every vLLM worker builds the table of the
-tensors its engine expects (checkpoint names and shapes, from the model's safetensors headers or
+tensors its engine expects (checkpoint names and shapes, from the model's safetensors files or
 its config.json, and the engine's dtype). Before a refit moves anything, the policy's tensor list
-(``weight_specs``) is checked against every table: an unknown name, another dtype or shape, or a
+(``EngineWorker.weight_specs``) is checked against every table: an unknown name, another dtype or shape, or a
 tensor of the table that no source sends (unless the refit is partial) is an error naming the
 tensor, and vLLM keeps serving its old weights. During the refit, every received tensor is
 checked against the table again before vLLM sees it, and a partial refit must bring every tensor
-of each vLLM layer it touches (a fused layer half loaded would hold garbage).
+of each vLLM layer it touches (a fused layer half loaded would hold garbage). After it, what
+arrived must cover the table (or, partial, be something): a refit that left weights unchanged is
+an error, never a success.
 
 Errors keep their class: a worker's exception comes back as the same refit error class (or
 RuntimeError naming the original class) with its message, and when the vLLM side fails, the
@@ -44,7 +46,6 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import refit
 
-from . import _refit
 
 #: (name, dtype, shape) of one tensor, dtype as refit names it ("bfloat16", "float32", ...).
 WeightSpec = Tuple[str, str, Tuple[int, ...]]
@@ -53,19 +54,8 @@ WeightSpec = Tuple[str, str, Tuple[int, ...]]
 # ---- what an engine expects -------------------------------------------------------------------
 
 
-def _torch_dtype_name(dtype: Any) -> str:
-    return str(dtype).replace("torch.", "")
-
-
-def _spec_of(name: str, tensor: Any) -> WeightSpec:
-    return (name, _torch_dtype_name(tensor.dtype), tuple(int(d) for d in tensor.shape))
-
-
-def weight_specs(weights: Any) -> List[WeightSpec]:
-    """The (name, dtype, shape) list of a state dict or of (name, tensor) pairs, without touching
-    their data: what VllmRolloutGroup checks before a refit moves anything."""
-    items = weights.items() if isinstance(weights, Mapping) else weights
-    return [_spec_of(name, t) for name, t in items]
+def _dtype_name(dtype: Any) -> str:
+    return refit.canonical_dtype(str(dtype))  # torch.bfloat16 -> bfloat16
 
 
 class ExpectedWeights:
@@ -103,61 +93,63 @@ class ExpectedWeights:
             raise refit.LayoutError(f"{where}: tensor '{name}' has shape {list(shape)} but the vLLM model's "
                                     f"is {list(expected)} (from {self.source})")
 
-    def check_all(self, specs: Sequence[WeightSpec], partial: bool, where: str) -> List[str]:
-        """Checks a refit's whole tensor list; returns the expected names it does not send."""
+    def not_sent(self, names: Iterable[str]) -> List[str]:
+        """The weights of the table (but optional ones) that ``names`` leave out."""
+        sent = set(names)
+        return sorted(n for n in self.shapes if n not in sent and n not in self.optional)
+
+    def check_coverage(self, names: Sequence[str], partial: bool, where: str) -> List[str]:
+        """A refit's tensor names against the table: all of it, or (partial) some tensors and
+        every vLLM layer they touch whole. Returns the weights left out."""
+        missing = self.not_sent(names)
+        if missing and not partial:
+            raise refit.LayoutError(
+                f"{where}: {len(missing)} weight(s) of the vLLM model are not sent, e.g. '{missing[0]}' "
+                f"(a refit that updates only some weights must say partial=True)")
+        if not names:
+            raise refit.LayoutError(f"{where}: the refit sends no weights: nothing in vLLM would change")
+        touched = {self.group_of(n) for n in names}
+        for name in missing:
+            if self.group_of(name) in touched:
+                raise refit.LayoutError(
+                    f"{where}: a partial refit sends part of vLLM layer '{self.group_of(name)}' but not "
+                    f"'{name}': vLLM loads a layer whole, so send all of its tensors or none")
+        return missing
+
+    def check_all(self, specs: Sequence[WeightSpec], partial: bool, where: str) -> None:
+        """Checks a refit's whole tensor list before anything moves."""
         seen = set()
         for name, dtype, shape in specs:
             if name in seen:
                 raise refit.LayoutError(f"{where}: tensor '{name}' is sent twice")
             seen.add(name)
             self.check(name, dtype, shape, where)
-        missing = sorted(n for n in self.shapes if n not in seen and n not in self.optional)
-        if missing and not partial:
-            raise refit.LayoutError(
-                f"{where}: {len(missing)} weight(s) of the vLLM model are not sent, e.g. '{missing[0]}' "
-                f"(a refit that updates only some weights must say partial=True)")
-        if partial:
-            touched = {self.group_of(n) for n in seen}
-            for name in missing:
-                if self.group_of(name) in touched:
-                    raise refit.LayoutError(
-                        f"{where}: a partial refit sends part of vLLM layer '{self.group_of(name)}' but not "
-                        f"'{name}': vLLM loads a layer whole, so send all of its tensors or none")
-        return missing
+        self.check_coverage([n for n, _, _ in specs], partial, where)
 
 
 def expected_weights(vllm_config: Any, model: Any) -> ExpectedWeights:
-    """The table of a running vLLM engine: names and shapes from the safetensors headers of the
+    """The table of a running vLLM engine: names and shapes from the safetensors files of the
     model's folder when it has them, else refit's model inventory of its config.json; the dtype
     is the engine's."""
     import glob
-    import json
     import os
 
     model_config = vllm_config.model_config
     path = model_config.model
-    dtype = _torch_dtype_name(model_config.dtype)
-    hf = model_config.hf_config
-    tied = bool(getattr(hf, "tie_word_embeddings", False))
-    shapes: Dict[str, Tuple[int, ...]] = {}
-    source = ""
+    dtype = _dtype_name(model_config.dtype)
+    tied = bool(getattr(model_config.hf_config, "tie_word_embeddings", False))
     files = sorted(glob.glob(os.path.join(path, "*.safetensors"))) if os.path.isdir(path) else []
-    for f in files:
-        with open(f, "rb") as fh:
-            size = int.from_bytes(fh.read(8), "little")
-            header = json.loads(fh.read(size))
-        for name, info in header.items():
-            if name != "__metadata__":
-                shapes[name] = tuple(int(d) for d in info["shape"])
-        source = f"the safetensors headers in {path}"
-    if not shapes:
+    if files:
+        inventories = [refit.load_model_inventory(f) for f in files]
+        source = f"the safetensors files in {path}"
+    else:
         config = os.path.join(path, "config.json")
         if not os.path.isfile(config):
             raise refit.ModelError(f"vLLM model '{path}': no safetensors files and no config.json to take the "
                                    f"expected weights from")
-        inventory = refit.load_model_inventory(config)
-        shapes = {t.name: tuple(t.shape) for t in inventory.tensors}
+        inventories = [refit.load_model_inventory(config)]
         source = f"refit's inventory of {config}"
+    shapes = {t.name: tuple(t.shape) for inventory in inventories for t in inventory.tensors}
     optional = []
     if tied:
         embed = next((n for n in shapes if n.endswith("embed_tokens.weight")), None)
@@ -249,19 +241,19 @@ class RefitWorkerExtension:
                                                   list(metadata))
 
     @_returns_errors
-    def refit_check_weights(self, specs: Sequence[Sequence[WeightSpec]], partial: bool = False) -> List[str]:
+    def refit_check_weights(self, specs: Sequence[Sequence[WeightSpec]], partial: bool = False) -> None:
         """Checks what this worker's source (source rank = this rollout rank, paired) will send,
-        ``specs[rank]``, against this engine before anything moves; returns the expected tensors
-        it leaves out (a partial refit)."""
+        ``specs[rank]``, against this engine before anything moves."""
         mine = specs[self._refit_rank] if self._refit_rank is not None and self._refit_rank < len(specs) else None
         if mine is None:
             raise refit.TopologyError(f"{self._label()}: no source rank {self._refit_rank} among {len(specs)}")
-        return self._expected().check_all([(n, d, tuple(s)) for n, d, s in mine], partial, self._label())
+        self._expected().check_all([(n, d, tuple(s)) for n, d, s in mine], partial, self._label())
 
     @_returns_errors
-    def refit_update_weights(self) -> dict:
-        """One refit into the live model (see the module's docstring). Returns the receive stats
-        and the names loaded; raises the refit's error."""
+    def refit_update_weights(self, partial: bool = False) -> dict:
+        """One refit into the live model (see the module's docstring). Returns the receive stats,
+        the names loaded and the weights of the table not sent; raises the refit's error, also
+        when what arrived does not cover the model (or, ``partial``, whole layers of it)."""
         import torch
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import (finalize_layerwise_reload,
@@ -275,7 +267,7 @@ class RefitWorkerExtension:
 
         def checked(batch):
             for name, tensor in batch:
-                expected.check(name, _torch_dtype_name(tensor.dtype), tuple(tensor.shape), where)
+                expected.check(name, _dtype_name(tensor.dtype), tuple(tensor.shape), where)
                 loaded.append(name)
                 yield name, tensor
 
@@ -307,9 +299,11 @@ class RefitWorkerExtension:
         if half:
             raise refit.LayoutError(f"{where}: the refit loaded only part of {len(half)} vLLM layer(s), "
                                     f"e.g. {half[0]}: its other weights are now undefined; refit the whole model")
+        # Also where nothing was checked before (a source whose weights are a generator).
+        not_sent = expected.check_coverage(loaded, partial, where)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        return {"stats": stats, "loaded": loaded}
+        return {"stats": stats, "loaded": loaded, "not_sent": not_sent}
 
     @_returns_errors
     def refit_finalize(self) -> None:
@@ -388,7 +382,7 @@ class VllmRolloutGroup:
     refuses a refit that leaves any weight of the model out. Before each refit the policy's tensor
     list (EngineWorker.weight_specs) is checked on every vLLM worker; after it, each LLM's prefix
     cache is reset. ``last_not_sent`` holds, after a refit, the names each worker expects that
-    the refit did not bring."""
+    the refit did not bring (a refit that brings none, or not all without ``partial``, fails)."""
 
     def __init__(self, llms: Any, policy: Any, *, partial: bool = False, join_timeout_s: float = 60.0):
         self.llms = list(llms) if isinstance(llms, (list, tuple)) else [llms]
@@ -401,11 +395,11 @@ class VllmRolloutGroup:
         self._ranks: List[List[int]] = [self._rpc_one(llm, "refit_rollout_rank", d)
                                         for d, llm in enumerate(self.llms)]
         flat = [r for ranks in self._ranks for r in ranks]
-        if sorted(flat) != list(range(len(flat))):
+        if flat != list(range(len(flat))):
             dup = sorted({r for r in flat if flat.count(r) > 1})
             raise refit.TopologyError(
                 f"vLLM workers take rollout ranks {self._ranks} (per replica): they must be 0..{len(flat) - 1} "
-                f"once each" + (f"; rank(s) {dup} collide" if dup else ""))
+                f"once each, replica by replica" + (f"; rank(s) {dup} collide" if dup else ""))
         self.last_refit_seconds: Optional[float] = None
 
     @staticmethod
@@ -441,11 +435,8 @@ class VllmRolloutGroup:
         self._rpc("refit_init_engine", backend, bucket_size_bytes, dict(engine_kwargs))
 
     def prepare(self) -> List[bytes]:
-        # Destinations by rank: replica d's workers answer in local-rank order.
-        rollout = self._rpc("refit_prepare")
-        order = [r for ranks in self._ranks for r in ranks]
-        by_rank = [b for _, b in sorted(zip(order, rollout))]
-        return list(self.policy.call_all("prepare")) + by_rank
+        # Replica by replica, each in local-rank order: rollout rank order (checked at init).
+        return list(self.policy.call_all("prepare")) + self._rpc("refit_prepare")
 
     def init_process_groups(self, metadata: Sequence[bytes]) -> None:
         t, r = self.train_world_size, self.rollout_world_size
@@ -457,10 +448,9 @@ class VllmRolloutGroup:
         import time
 
         self.policy.call_all("stage", index)
-        self.last_not_sent = []
         specs = self.policy.call_all("weight_specs", index)
         if specs and all(s is not None for s in specs):
-            self.last_not_sent = [list(x) for x in self._rpc("refit_check_weights", specs, self.partial)]
+            self._rpc("refit_check_weights", specs, self.partial)
         out: Dict[str, Any] = {}
 
         def send() -> None:
@@ -473,7 +463,7 @@ class VllmRolloutGroup:
         thread = threading.Thread(target=send, name="refit-policy-send")
         thread.start()
         try:
-            rollout = self._rpc("refit_update_weights")
+            rollout = self._rpc("refit_update_weights", self.partial)
         except BaseException as e:
             thread.join(self.join_timeout_s)
             if "error" in out:
@@ -488,9 +478,8 @@ class VllmRolloutGroup:
         thread.join()
         if "error" in out:
             raise out["error"]
-        if not self.last_not_sent:
-            self.last_not_sent = [[] for _ in rollout]
-        return list(out["policy"]) + rollout  # {"stats", "loaded"} per vLLM worker
+        self.last_not_sent = [r["not_sent"] for r in rollout]
+        return list(out["policy"]) + rollout  # {"stats", "loaded", "not_sent"} per vLLM worker
 
     def finalize(self) -> None:
         self.policy.call_all("finalize")

@@ -134,7 +134,7 @@ class EngineWorker:
                 raise _refit.InvalidArgumentError(
                     f"{self.label}: tensor '{name}' is a meta tensor (it has a shape but no data): materialize "
                     f"the model's weights before sending them")
-            specs.append((name, str(t.dtype).replace("torch.", ""), tuple(int(d) for d in t.shape)))
+            specs.append((name, _refit.canonical_dtype(str(t.dtype)), tuple(int(d) for d in t.shape)))
         return specs
 
     def refit(self, index: int) -> dict:

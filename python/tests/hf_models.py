@@ -60,7 +60,8 @@ def mix_checkpoint(base: str, other: str, names: List[str], path: str) -> str:
 
 class CheckpointPolicy:
     """A policy program: refit ``index`` sends the state_dict() of a transformers model loaded from
-    ``plan[index]`` (a checkpoint folder), optionally only some names, or edited by ``edit``."""
+    ``plan[index]`` (a checkpoint folder), optionally only some names, or edited by ``edit``, as
+    a dict or (``stream``) a generator."""
 
     def __init__(self, plan: Dict[int, dict]):
         self.plan = plan
@@ -75,14 +76,16 @@ class CheckpointPolicy:
         import refit
 
         weights = dict(refit.checkpoint_weights(model.state_dict()))
-        if step.get("only"):
+        if "only" in step:
             weights = {n: weights[n] for n in step["only"]}
         for name, change in step.get("edit", {}).items():
             weights = _edit(weights, name, change)
         self._weights = weights
+        self._stream = step.get("stream", False)
 
     def weights(self, index: int):
-        return self._weights
+        # A generator: nothing can be checked before it is sent (EngineWorker.weight_specs is None).
+        return iter(self._weights.items()) if self._stream else self._weights
 
     def report(self, index: int) -> Tuple[int, int]:
         return len(self._weights), sum(t.numel() * t.element_size() for t in self._weights.values())

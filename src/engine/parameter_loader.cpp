@@ -15,7 +15,6 @@ constexpr size_t kLookAhead = 8;
 
 struct Parameter {
   std::byte* data = nullptr;
-  uint64_t bytes = 0;
   MemoryKind memory = MemoryKind::kHost;
   DType dtype = DType::kUInt8;
   std::vector<int64_t> shape;
@@ -31,6 +30,7 @@ struct ParameterLoader::Impl {
   CopyStream stream;
   double timeout_s;
   std::vector<CopyStream::Copy> copies;  // of the batch being loaded, kept from one to the next
+  std::vector<uint32_t> targets;         // the parameter of each of its tensors, likewise
   uint64_t tensors = 0, bytes = 0;
 };
 
@@ -46,7 +46,7 @@ void ParameterLoader::add(const TensorInfo& parameter, void* data, MemoryKind me
          bytes);
   if (!impl_->names.add(parameter.name).added)
     fail(ErrorKind::kInvalidArgument, "ParameterLoader: parameter '{}' was added twice", parameter.name);
-  impl_->parameters.push_back({static_cast<std::byte*>(data), bytes, memory, parameter.dtype, parameter.shape});
+  impl_->parameters.push_back({static_cast<std::byte*>(data), memory, parameter.dtype, parameter.shape});
 }
 
 size_t ParameterLoader::size() const { return impl_->parameters.size(); }
@@ -54,6 +54,7 @@ size_t ParameterLoader::size() const { return impl_->parameters.size(); }
 void ParameterLoader::load(LoadBatch batch) {
   Impl& m = *impl_;
   m.copies.clear();
+  m.targets.clear();
   uint64_t bytes = 0;
   for (size_t i = 0; i < batch.size(); ++i) {
     if (i + kLookAhead < batch.size()) m.names.prefetch(batch[i + kLookAhead].info->name);
@@ -71,11 +72,12 @@ void ParameterLoader::load(LoadBatch batch) {
            v.info->name, dtype_name(v.info->dtype), shape_string(v.info->shape), dtype_name(p.dtype),
            shape_string(p.shape));
     m.copies.push_back({p.data, v.data, n, p.memory, v.memory});
+    m.targets.push_back(*index);
     bytes += n;
   }
-  for (const TensorView& v : batch) m.parameters[*m.names.find(v.info->name)].loaded = true;
   m.stream.copy_batch(m.copies);
   if (m.stream.pending()) m.stream.synchronize(deadline_after(std::chrono::duration<double>(m.timeout_s)));
+  for (uint32_t target : m.targets) m.parameters[target].loaded = true;  // once the copies are done
   m.tensors += batch.size();
   m.bytes += bytes;
 }

@@ -144,6 +144,7 @@ def test_a_partial_refit_updates_the_tensors_it_sends(llama):
      "tensor 'model.layers.1.mlp.gate_proj.weight' is a meta tensor"),
     ({"only": ["model.layers.0.self_attn.q_proj.weight"], "partial": True},
      "sends part of vLLM layer 'model.layers.0.self_attn.qkv_proj' but not 'model.layers.0.self_attn.k_proj.weight'"),
+    ({"only": [], "partial": True}, "the refit sends no weights: nothing in vLLM would change"),
 ])
 def test_bad_input_is_refused_before_vllms_weights_change(llama, step, message):
     llm = llama["llm"]
@@ -153,6 +154,15 @@ def test_bad_input_is_refused_before_vllms_weights_change(llama, step, message):
         refit_once(llm, {"path": llama["b"], "dtype": "float32", **step}, partial=partial)
     assert message in str(error.value)
     assert outputs(llm) == llama["expected_a"]  # still serving A
+
+
+def test_a_stream_that_leaves_weights_out_fails_after_loading(llama):
+    """A generator source cannot be checked before it sends: what arrived is checked after."""
+    llm = llama["llm"]
+    with pytest.raises(refit.LayoutError, match="weight\\(s\\) of the vLLM model are not sent, e.g. 'model.norm.weight'"):
+        refit_once(llm, {"path": llama["a"], "dtype": "float32", "stream": True, "edit": {"model.norm.weight": "drop"}})
+    refit_once(llm, {"path": llama["a"], "dtype": "float32", "stream": True})
+    assert outputs(llm) == llama["expected_a"]
 
 
 # Last in this file: its engines start beside the fixture's, and stopping them ends the fixture's

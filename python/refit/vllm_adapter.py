@@ -23,9 +23,9 @@ dropped.
 What is checked, so that nothing wrong loads silently: every vLLM worker builds the table of the
 tensors its engine expects (checkpoint names and shapes, from the model's safetensors files or
 its config.json, and the engine's dtype). Before a refit moves anything, the policy's tensor list
-(``EngineWorker.weight_specs``) is checked against every table: an unknown name, another dtype or shape, or a
-tensor of the table that no source sends (unless the refit is partial) is an error naming the
-tensor, and vLLM keeps serving its old weights. During the refit, every received tensor is
+(``EngineWorker.weight_specs``) is checked against every table: an unknown name, another dtype or
+shape, or a tensor of the table that no source sends (unless the refit is partial) is an error
+naming the tensor, and vLLM keeps serving its old weights. During the refit, every received tensor is
 checked against the table again before vLLM sees it, and a partial refit must bring every tensor
 of each vLLM layer it touches (a fused layer half loaded would hold garbage). After it, what
 arrived must cover the table (or, partial, be something): a refit that left weights unchanged is
@@ -475,7 +475,10 @@ class VllmRolloutGroup:
             self.last_refit_seconds = time.perf_counter() - start
             for llm in self.llms:
                 llm.reset_prefix_cache()  # cached blocks hold the old weights' keys and values
-        thread.join()
+        thread.join(self.join_timeout_s)
+        if thread.is_alive():
+            raise refit.RefitTimeoutError(f"the vLLM side finished refit {index} but the policy side had not "
+                                          f"returned {self.join_timeout_s:.0f} s later")
         if "error" in out:
             raise out["error"]
         self.last_not_sent = [r["not_sent"] for r in rollout]

@@ -21,7 +21,8 @@ suite() {
   echo "=== test suite $preset: $((SECONDS - t0)) s (build and tests)"
 }
 
-# The installed package, used by a project outside refit (tests/package) as another project would.
+# The installed package, used by a project outside refit (tests/package) as another project would,
+# and the README's C++ example built against it.
 package() {
   local t0=$SECONDS prefix="$PWD/build/release/install"
   echo "=== package: install, then build and run tests/package against it"
@@ -30,6 +31,11 @@ package() {
   cmake -S tests/package -B build/package -G Ninja -DCMAKE_PREFIX_PATH="$prefix" >/dev/null
   cmake --build build/package
   build/package/refit_consumer
+  # The README's C++ example: one refit between two processes, the destination then holds 1.5.
+  local printed
+  printed="$(build/package/readme_example)"
+  echo "$printed"
+  [[ "$printed" == *"destination holds w[-1] = 1.500000"* ]] || { echo "README example: unexpected output" >&2; exit 1; }
   echo "=== package: $((SECONDS - t0)) s"
 }
 

@@ -9,8 +9,9 @@
 // draft weights) reach the source too and get the same rules.
 //
 // A destination builds its layout (layout_builders.h), encodes it into its metadata; the source
-// decodes it, validates it against its inventory, and applies `select` + `copy_slice` while
-// packing. Plain data: safe to share between threads once built.
+// decodes it, validates it against its inventory, and applies `select` while packing (its copies
+// are the engine's box copies; `copy_slice` below makes the same bytes, for callers that check
+// a slice). Plain data: safe to share between threads once built.
 #pragma once
 
 #include <array>

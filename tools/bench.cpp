@@ -14,6 +14,7 @@
 
 #include "baseline.h"
 #include "calibration_out.h"
+#include "gpu_request.h"
 #include "median.h"
 #include "programs.h"
 #include "refit/bucket_size.h"
@@ -186,16 +187,29 @@ MemoryKind bench_tensors(const BenchOptions& options, const RefitConfig& config)
   throw Error(ErrorKind::kInvalidArgument, fmt::format("--tensors '{}': expected cpu or cuda", options.tensors));
 }
 
+std::string model_option(const std::string& model) {
+  if (model.empty()) return kDefaultModel;
+  std::error_code ec;
+  if (!model.starts_with("builtin:") && !fs::exists(model, ec))
+    throw Error(ErrorKind::kModel,
+                fmt::format("--model '{}' does not exist; give a config.json (or its directory), a .safetensors file "
+                            "or a directory of them, or {}",
+                            model, kDefaultModel));
+  return model;
+}
+
 int run_bench(const BenchOptions& options) {
   const RefitConfig config = bench_config(options);
   BenchModel model;
   model.tensors = bench_tensors(options, config);
-  const std::string path = options.model.empty() ? std::string(kDefaultModel) : options.model;
+  check_gpu_request(gpu_request(options, config, model.tensors), config.device);
+  const std::string path = model_option(options.model);
   model.inventory = load_model_inventory(path);
   if (is_safetensors(path)) model.safetensors_path = path;
   std::optional<KillPoint> kill;
   if (!options.kill.empty()) kill = parse_kill_point(options.kill);
   const auto layouts = destination_layouts(path, model.inventory, config, options.parallel, options.destinations);
+  check_paired(options.source_parallel, options.sources, options.destinations);
   const auto holds = source_layouts(path, model.inventory, options.source_parallel, options.sources);
   if (options.refits < 1)
     throw Error(ErrorKind::kInvalidArgument, fmt::format("--refits must be >= 1, got {}", options.refits));
@@ -216,11 +230,12 @@ int run_bench(const BenchOptions& options) {
   std::optional<RankEnvironment> ranks;
   if (options.launcher == "env") {
     ranks = rank_environment(options.rendezvous);
+    ranks->join_timeout_s = options.join_timeout_s;
     if (ranks->rank != 0) return serve_rank(group_options, *ranks);
   } else if (options.launcher != "local") {
     throw Error(ErrorKind::kInvalidArgument, fmt::format("--launcher '{}': expected local or env", options.launcher));
-  } else if (!options.rendezvous.empty()) {
-    throw Error(ErrorKind::kInvalidArgument, "--rendezvous needs --launcher env");
+  } else if (!options.rendezvous.empty() || options.join_timeout_s > 0) {
+    throw Error(ErrorKind::kInvalidArgument, "--rendezvous and --join-timeout need --launcher env");
   }
 
   fmt::print(

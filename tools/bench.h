@@ -37,7 +37,12 @@ struct BenchOptions {
   // launcher (rank_group.h), meeting the others at `rendezvous` (or MASTER_ADDR:MASTER_PORT).
   std::string launcher = "local";
   std::string rendezvous;
+  double join_timeout_s = 0;  // how long ranks wait for each other at the rendezvous; 0: the default
 };
+
+// The model that --model names: `model`, or the default model when empty. Throws Error(kModel)
+// naming the path and what --model accepts when nothing is there.
+std::string model_option(const std::string& model);
 
 // Returns the process exit code: 0 only when every refit succeeded and verified.
 int run_bench(const BenchOptions& options);

@@ -6,6 +6,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "bench.h"
 #include "refit/bucket_size.h"
 #include "refit/cluster.h"
 #include "refit/config.h"
@@ -113,9 +114,8 @@ int run_cluster_plan(const PlanOptions& options) {
   Calibration calibration;
   for (const auto& path : options.calibrations) load_calibration(path, calibration);
   apply_calibration(cluster, calibration);
-  const std::string path = !options.model.empty()   ? options.model
-                           : !cluster.model.empty() ? cluster.model
-                                                    : std::string(kDefaultModel);
+  const std::string path =
+      !options.model.empty() || cluster.model.empty() ? model_option(options.model) : cluster.model;
   const auto inventory = load_model_inventory(path);
   std::vector<std::string> overrides = options.overrides;
   if (cluster.destinations.shard_experts) overrides.push_back("refit_cfg.nixl.shard_expert_weights=true");

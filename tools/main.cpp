@@ -48,6 +48,11 @@ int main(int argc, char** argv) {
   bench_cmd->add_option("--rendezvous", bench.rendezvous,
                         "With --launcher env: HOST:PORT where rank 0 listens (default REFIT_RENDEZVOUS, else "
                         "MASTER_ADDR:MASTER_PORT)");
+  bench_cmd
+      ->add_option("--join-timeout", bench.join_timeout_s,
+                   "With --launcher env: seconds the ranks wait for each other at the rendezvous (default "
+                   "refit_cfg.nixl.timeout_s, at least 60)")
+      ->check(CLI::PositiveNumber);
   bench.parallel.add_to(*bench_cmd);
   bench.source_parallel.add_to(*bench_cmd);
   bench_cmd->add_flag("--compare-paired", bench.compare_paired,

@@ -19,7 +19,9 @@ void ParallelOptions::add_to(CLI::App& command) {
 void SourceParallelOptions::add_to(CLI::App& command) {
   command.add_option("--src-tp", tp, "Sources hold Megatron tensor-parallel shards of this size (resharding)");
   command.add_option("--src-pp", pp, "Sources are split into this many Megatron pipeline stages");
-  command.add_option("--src-dp", dp, "Data-parallel replicas among the sources");
+  command.add_option("--src-dp", dp,
+                     "Data-parallel replicas among the sources (default, as Megatron derives it: --sources / "
+                     "(--src-tp x --src-pp))");
   command.add_option("--src-ep", ep, "Sources split routed experts over this many expert-parallel ranks per stage");
   command.add_option("--src-etp", etp, "Expert tensor-parallel size of the sources (default: --src-tp)");
   command.add_option("--src-fsdp", fsdp, "Sources hold FSDP2 shards (Shard(0) of every tensor) over this many ranks");
@@ -39,6 +41,16 @@ std::string config_json_of(const std::string& model_path) {
 
 }  // namespace
 
+void check_paired(const SourceParallelOptions& p, int sources, int destinations) {
+  // The engine's own refusal (source_rank_for_destination) names no option that helps.
+  if (!p.given() && sources < destinations)
+    fail(ErrorKind::kTopology,
+         "--sources {} < --destinations {}: without --src-* every destination reads the whole model from its own "
+         "source; for fewer sources, say what each holds (--src-tp/--src-pp/--src-dp/--src-ep/--src-etp, or "
+         "--src-fsdp) and what each destination keeps (--tp/--pp/--ep)",
+         sources, destinations);
+}
+
 std::vector<Layout> source_layouts(const std::string& model_path, const ModelInventory& inventory,
                                    const SourceParallelOptions& p, int sources) {
   if (!p.given()) return {};
@@ -54,13 +66,21 @@ std::vector<Layout> source_layouts(const std::string& model_path, const ModelInv
   TrainingParallel t;
   t.tp_size = std::max(1, p.tp);
   t.pp_size = std::max(1, p.pp);
-  t.dp_size = std::max(1, p.dp);
   t.ep_size = std::max(1, p.ep);
   if (p.etp) t.expert_tp_size = p.etp;
-  const int world = t.tp_size * t.pp_size * t.dp_size;
-  if (world != sources)
-    fail(ErrorKind::kTopology, "--src-tp {} x --src-dp {} x --src-pp {} = {} source ranks, but --sources is {}",
-         t.tp_size, t.dp_size, t.pp_size, world, sources);
+  // As Megatron: the data-parallel size is what the world size leaves, and must divide it exactly.
+  const int model_parallel = t.tp_size * t.pp_size;
+  if (sources % model_parallel != 0)
+    fail(ErrorKind::kTopology,
+         "--sources {} is not a multiple of --src-tp {} x --src-pp {} = {}: the data-parallel size, as Megatron "
+         "derives it, is --sources / (tp x pp)",
+         sources, t.tp_size, t.pp_size, model_parallel);
+  t.dp_size = sources / model_parallel;
+  if (p.dp && p.dp != t.dp_size)
+    fail(ErrorKind::kTopology,
+         "--src-dp {} disagrees with --sources {} / (--src-tp {} x --src-pp {}) = {}: leave --src-dp out, or make "
+         "--src-tp x --src-dp x --src-pp equal --sources",
+         p.dp, sources, t.tp_size, t.pp_size, t.dp_size);
   return megatron_source_layouts(inventory, model_dims_from_hf_config(config_json_of(model_path)), t);
 }
 

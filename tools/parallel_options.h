@@ -51,8 +51,13 @@ struct SourceParallelOptions {
   bool given() const { return tp || pp || dp || ep || etp || fsdp; }
 };
 
-// One layout per source rank (Megatron order, layout_builders.h), or none when not given().
-// Throws Error(kTopology) when the source count the flags describe is not `sources`.
+// Throws Error(kTopology) naming the resharding options when `parallel` is not given (the paired
+// topology) and there are fewer sources than destinations.
+void check_paired(const SourceParallelOptions& parallel, int sources, int destinations);
+
+// One layout per source rank (Megatron order, layout_builders.h), or none when not given(); an
+// absent --src-dp is sources / (tp x pp), as Megatron derives it. Throws Error(kTopology) when the
+// flags do not describe `sources` ranks.
 std::vector<Layout> source_layouts(const std::string& model_path, const ModelInventory& inventory,
                                    const SourceParallelOptions& parallel, int sources);
 

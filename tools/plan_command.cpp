@@ -88,8 +88,11 @@ void print_transfer_plan(const PlanOptions& options, const ModelInventory& inven
 int run_plan(const PlanOptions& options) {
   if (!options.cluster.empty()) return run_cluster_plan(options);
   const RefitConfig config = load_config(options.config_file, options.overrides);
-  const std::string path = options.model.empty() ? std::string(kDefaultModel) : options.model;
+  const std::string path = model_option(options.model);
   const auto inventory = load_model_inventory(path);
+  check_paired(options.source_parallel, options.sources, options.destinations);
+  const auto layouts = destination_layouts(path, inventory, config, options.parallel, options.destinations);
+  const auto sources = source_layouts(path, inventory, options.source_parallel, options.sources);
   // Bucket sizing takes the smallest total memory of any worker's transfer device: the target's
   // when given, else this host's (every worker of a local run shares it).
   const uint64_t memory = options.target_memory.empty() ? total_host_memory_bytes()
@@ -97,8 +100,6 @@ int run_plan(const PlanOptions& options) {
   std::vector<uint64_t> totals(options.sources + options.destinations, memory);
   const BucketSize size = resolve_bucket_size(config, totals, inventory.total_bytes());
   fmt::print("{}\n", bucket_size_line(size, config.device));
-  const auto layouts = destination_layouts(path, inventory, config, options.parallel, options.destinations);
-  const auto sources = source_layouts(path, inventory, options.source_parallel, options.sources);
   const double full_bytes = static_cast<double>(inventory.total_bytes());
 
   nlohmann::json out = {{"model", inventory.name},

@@ -26,6 +26,10 @@ struct RankEnvironment {
   int world_size = 1;
   std::string rendezvous_host;  // where rank 0 listens (an address of rank 0's host)
   int rendezvous_port = 0;
+  std::string rendezvous_origin;  // what gave the address: --rendezvous, REFIT_RENDEZVOUS, MASTER_ADDR:MASTER_PORT
+  // How long the ranks wait for each other at the rendezvous; 0: config.timeout_s, at least 60 s
+  // (launchers start ranks over seconds).
+  double join_timeout_s = 0;
 };
 
 // The rank environment a launcher sets: rank and world size from RANK/WORLD_SIZE (torchrun),
@@ -40,7 +44,7 @@ struct WorkerLink;  // private to src/sync
 class RankGroup final : public ProcessGroup {
  public:
   // On rank 0: listens at the rendezvous address, starts this rank's own worker, and waits until
-  // every rank has joined (deadline: config.timeout_s, at least 60 s). Throws Error(kTopology) when the world
+  // every rank has joined (deadline: env.join_timeout_s). Throws Error(kTopology) when the world
   // size is not sources + destinations, Error(kTimeout) naming the ranks that never joined,
   // Error(kProtocol) naming a rank whose model or counts differ.
   RankGroup(GroupOptions options, RankEnvironment env);
@@ -55,9 +59,9 @@ class RankGroup final : public ProcessGroup {
   int own_worker_ = -1;  // pid of this rank's worker process
 };
 
-// On any rank but 0: joins the rendezvous (retrying until config.timeout_s, at least 60 s: rank 0
-// may start later) and serves this rank's worker until the driver says exit or goes away. Returns the
-// process exit code.
+// On any rank but 0: joins the rendezvous (retrying until env.join_timeout_s, since rank 0 may
+// start later; then Error(kTimeout) naming the address, this rank and what to check) and serves
+// this rank's worker until the driver says exit or goes away. Returns the process exit code.
 int serve_rank(const GroupOptions& options, const RankEnvironment& env);
 
 }  // namespace refit

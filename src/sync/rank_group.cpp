@@ -60,8 +60,11 @@ std::string this_hostname() {
   return gethostname(name, sizeof name - 1) == 0 ? name : "?";
 }
 
-// Launchers start ranks over seconds (containers, many hosts): joining gets at least a minute.
-double join_timeout_s(const RefitConfig& config) { return std::max(config.timeout_s, 60.0); }
+// Launchers start ranks over seconds (containers, many hosts): joining gets at least a minute
+// unless the launcher's caller says otherwise.
+double join_timeout_s(const RefitConfig& config, const RankEnvironment& env) {
+  return env.join_timeout_s > 0 ? env.join_timeout_s : std::max(config.timeout_s, 60.0);
+}
 
 bool worker_is_source(const GroupOptions& o, int rank) { return rank < o.sources; }
 int worker_rank(const GroupOptions& o, int rank) { return rank < o.sources ? rank : rank - o.sources; }
@@ -113,6 +116,7 @@ RankEnvironment rank_environment(const std::string& rendezvous) {
     what = "MASTER_ADDR:MASTER_PORT";
   }
   std::tie(env.rendezvous_host, env.rendezvous_port) = parse_host_port(where, what);
+  env.rendezvous_origin = what;
   return env;
 }
 
@@ -150,7 +154,7 @@ RankGroup::RankGroup(GroupOptions options, RankEnvironment env)
   }
 
   std::vector<std::unique_ptr<WorkerLink>> by_rank(env_.world_size);
-  const auto deadline = deadline_after(std::chrono::duration<double>(join_timeout_s(options_.config)));
+  const auto deadline = deadline_after(std::chrono::duration<double>(join_timeout_s(options_.config, env_)));
   try {
     for (int joined = 0; joined < env_.world_size;) {
       int fd;
@@ -162,7 +166,7 @@ RankGroup::RankGroup(GroupOptions options, RankEnvironment env)
         for (int r = 0; r < env_.world_size; ++r)
           if (!by_rank[r]) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
         fail(ErrorKind::kTimeout, "rendezvous at {}:{}: rank(s) {} did not join within {} s", env_.rendezvous_host,
-             env_.rendezvous_port, missing, join_timeout_s(options_.config));
+             env_.rendezvous_port, missing, join_timeout_s(options_.config, env_));
       }
       auto link = std::make_unique<WorkerLink>();
       link->channel = Channel(fd, "a joining rank");
@@ -245,11 +249,21 @@ int serve_rank(const GroupOptions& options, const RankEnvironment& env) {
   const std::string host = this_hostname();
   const std::string self = fmt::format("{} rank {} on host {}", is_source ? "source" : "destination", rank, host);
   spdlog::set_pattern(log_pattern(self));
-  const auto deadline = deadline_after(std::chrono::duration<double>(join_timeout_s(options.config)));
+  const double join_s = join_timeout_s(options.config, env);
+  const auto deadline = deadline_after(std::chrono::duration<double>(join_s));
   const std::string driver = fmt::format("the driver (rank 0) at {}:{}", env.rendezvous_host, env.rendezvous_port);
-  Channel channel(
-      tcp_connect(env.rendezvous_host, env.rendezvous_port, deadline, options.config.timeout_s, self + " joining"),
-      driver);
+  int fd = -1;
+  try {
+    fd = tcp_connect(env.rendezvous_host, env.rendezvous_port, deadline, options.config.timeout_s);
+  } catch (const Error& e) {
+    if (e.kind() != ErrorKind::kTimeout) throw;
+    fail(ErrorKind::kTimeout,
+         "rank {} ({}) could not reach rank 0 at {}:{} ({}) within {} s ({}): check that rank 0 is started, that "
+         "this is an address of its host and a port it can listen on, and that no firewall blocks the port",
+         env.rank, self, env.rendezvous_host, env.rendezvous_port,
+         env.rendezvous_origin.empty() ? "the rendezvous" : env.rendezvous_origin, join_s, e.what());
+  }
+  Channel channel(fd, driver);
   channel.send({{"hello", kHello},
                 {"rank", env.rank},
                 {"world_size", env.world_size},

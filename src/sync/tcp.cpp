@@ -94,7 +94,7 @@ int tcp_accept(int listener, Deadline deadline, double timeout_s) {
   }
 }
 
-int tcp_connect(const std::string& host, int port, Deadline deadline, double timeout_s, const std::string& what) {
+int tcp_connect(const std::string& host, int port, Deadline deadline, double timeout_s) {
   std::string last_error = "no address";
   while (true) {
     AddressList addresses;
@@ -124,9 +124,7 @@ int tcp_connect(const std::string& host, int port, Deadline deadline, double tim
       last_error = std::strerror(errno);
       ::close(fd);
     }
-    if (expired(deadline))
-      fail(ErrorKind::kTimeout, "{}: cannot connect to {}:{} before the deadline (last error: {})", what, host, port,
-           last_error);
+    if (expired(deadline)) fail(ErrorKind::kTimeout, "{}", last_error);
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
 }

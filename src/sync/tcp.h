@@ -14,7 +14,8 @@ int tcp_listen(const std::string& host, int port);
 // The next connection on a listening socket; Error(kTimeout) past the deadline.
 int tcp_accept(int listener, Deadline deadline, double timeout_s);
 // Connects to host:port, retrying while nobody listens there yet (the listener may start later);
-// Error(kTimeout) naming `what` and the address past the deadline.
-int tcp_connect(const std::string& host, int port, Deadline deadline, double timeout_s, const std::string& what);
+// past the deadline, Error(kTimeout) whose message is the last attempt's error (the caller names
+// the address and what it was for).
+int tcp_connect(const std::string& host, int port, Deadline deadline, double timeout_s);
 
 }  // namespace refit

@@ -1,6 +1,11 @@
 // Bad input to the `refit` command: a clear error and a non-zero exit, never a reported success.
 #include <gtest/gtest.h>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+
+#include <algorithm>
 #include <filesystem>
 
 #include "cli_runner.h"
@@ -10,7 +15,9 @@
 namespace refit {
 namespace {
 
+using testing::CliResult;
 using testing::run_cli;
+using testing::run_program;
 using testing::TempDir;
 
 void expect_error(const std::vector<std::string>& args, const std::vector<std::string>& needles) {
@@ -20,6 +27,31 @@ void expect_error(const std::vector<std::string>& args, const std::vector<std::s
   for (const auto& n : needles)
     EXPECT_NE(r.output.find(n), std::string::npos) << "missing '" << n << "' in: " << r.output;
   EXPECT_EQ(r.output.find("verified: yes"), std::string::npos) << r.output;
+}
+
+// The errors a newcomer meets first: the whole output is one line, which says what is wrong and
+// what to do, and the exit is non-zero.
+void expect_one_line_error(const CliResult& r, const std::vector<std::string>& needles) {
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.exit_code, -1) << "hung: " << r.output;
+  EXPECT_EQ(std::count(r.output.begin(), r.output.end(), '\n'), 1) << r.output;
+  EXPECT_TRUE(r.output.starts_with("refit: error (")) << r.output;
+  for (const auto& n : needles)
+    EXPECT_NE(r.output.find(n), std::string::npos) << "missing '" << n << "' in: " << r.output;
+}
+
+// A port of this host that nobody listens on (bound, then closed).
+int closed_port() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t length = sizeof a;
+  if (fd < 0 || bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 ||
+      getsockname(fd, reinterpret_cast<sockaddr*>(&a), &length) != 0)
+    std::abort();
+  close(fd);
+  return ntohs(a.sin_port);
 }
 
 TEST(CliErrors, MalformedYaml) {
@@ -39,14 +71,48 @@ TEST(CliErrors, UnknownTransport) { expect_error({"bench", "refit_transport=carr
 
 TEST(CliErrors, BadDevice) { expect_error({"bench", "refit_cfg.nixl.device=tpu"}, {"device", "tpu"}); }
 
-TEST(CliErrors, GpuDeviceWithoutAGpuFailsBeforeAnyTransfer) {
-  if (cuda_device_count() > 0) GTEST_SKIP() << "this machine has a GPU (tests/gpu covers it)";
-  expect_error({"bench", "--device", "cuda"}, {"refit_cfg.nixl.device: device cuda requested but"});
-  expect_error({"bench", "--tensors", "cuda"}, {"GPU"});
+// Every option that asks for a GPU, refused before any worker starts: on a CUDA build without a
+// GPU with the CUDA runtime's reason, on a build without CUDA with how to build one (the build
+// here has CUDA; test_gpu_request.cpp checks that message).
+TEST(CliErrors, GpuOptionsWithoutAGpuFailWithOneLine) {
+  std::string reason;
+  if (cuda_device_count(&reason) > 0) GTEST_SKIP() << "this machine has a GPU (tests/gpu covers it)";
+  const std::string why = cuda_built() ? " needs a GPU, but CUDA finds no usable one here: " + reason
+                                       : " needs a GPU, but this build of refit has no CUDA: rebuild it with "
+                                         "-DREFIT_WITH_CUDA=ON";
+  const std::vector<std::pair<std::string, std::vector<std::string>>> requests = {
+      {"--device cuda", {"--device", "cuda"}},
+      {"refit_cfg.nixl.device=cuda:0", {"refit_cfg.nixl.device=cuda:0"}},
+      {"--tensors cuda", {"--tensors", "cuda"}},
+      {"refit_cfg.nixl.backend_name=CUDA_IPC", {"refit_cfg.nixl.backend_name=CUDA_IPC"}},
+      {"refit_cfg.nixl.backend_name=NCCL", {"refit_cfg.nixl.backend_name=NCCL"}}};
+  for (const auto& [request, args] : requests) {
+    std::vector<std::string> bench = {"bench"};
+    bench.insert(bench.end(), args.begin(), args.end());
+    expect_one_line_error(run_cli(bench, 60), {request + why, "--device cpu"});
+  }
   expect_error({"bench", "--tensors", "tpu"}, {"--tensors 'tpu'"});
 }
 
-TEST(CliErrors, ModelPathDoesNotExist) { expect_error({"bench", "--model", "/no/such/model"}, {"/no/such/model"}); }
+TEST(CliErrors, ModelPathDoesNotExistFailsWithOneLineSayingWhatIsAccepted) {
+  for (const char* command : {"bench", "plan"})
+    expect_one_line_error(
+        run_cli({command, "--model", "/no/such/model"}, 60),
+        {"--model '/no/such/model' does not exist", "config.json", ".safetensors", "builtin:refit-tiny-moe"});
+}
+
+// Rank 1 of a launcher's job whose rank 0 is not there: one line within --join-timeout, naming
+// the address, where it came from, the rank and what to check.
+TEST(CliErrors, UnreachableRendezvousFailsWithOneLineWithinTheJoinTimeout) {
+  const std::string port = std::to_string(closed_port());
+  auto r = run_program("/usr/bin/env",
+                       {"RANK=1", "WORLD_SIZE=2", "MASTER_ADDR=127.0.0.1", "MASTER_PORT=" + port, REFIT_CLI_PATH,
+                        "bench", "--launcher", "env", "--join-timeout", "2"},
+                       60);
+  expect_one_line_error(r, {"rank 1 (destination rank 0", "could not reach rank 0 at 127.0.0.1:" + port,
+                            "(MASTER_ADDR:MASTER_PORT) within 2 s", "check that rank 0 is started", "firewall"});
+  EXPECT_LT(r.seconds, 15) << r.output;
+}
 
 TEST(CliErrors, TruncatedSafetensors) {
   TempDir d;
@@ -58,12 +124,20 @@ TEST(CliErrors, TruncatedSafetensors) {
   expect_error({"bench", "--model", path}, {"m.safetensors"});
 }
 
-TEST(CliErrors, TooFewSourcesIsRefusedBeforeAnyProcessStarts) {
-  auto r = run_cli({"bench", "--sources", "1", "--destinations", "2", "refit_cfg.nixl.bucket_bytes=1MiB"}, 60);
-  EXPECT_NE(r.exit_code, 0) << r.output;
-  EXPECT_NE(r.output.find("train_world_size >= rollout_world_size"), std::string::npos) << r.output;
-  // Bucket sizing asks every worker for its memory: its line would mean workers were started.
-  EXPECT_EQ(r.output.find("Bucket size"), std::string::npos) << r.output;
+// A paired refit with fewer sources than destinations: one line, before any process starts,
+// pointing to the resharding options.
+TEST(CliErrors, TooFewSourcesIsRefusedWithTheReshardingOptions) {
+  for (const char* command : {"bench", "plan"})
+    expect_one_line_error(run_cli({command, "--sources", "1", "--destinations", "2"}, 60),
+                          {"--sources 1 < --destinations 2", "--src-tp/--src-pp/--src-dp/--src-ep/--src-etp",
+                           "--src-fsdp", "--tp/--pp/--ep"});
+}
+
+TEST(CliErrors, AnExplicitSourceDataParallelSizeMustAgreeWithTheSourceCount) {
+  expect_one_line_error(run_cli({"plan", "--sources", "4", "--src-tp", "2", "--src-dp", "3"}, 60),
+                        {"--src-dp 3 disagrees with --sources 4 / (--src-tp 2 x --src-pp 1) = 2"});
+  expect_one_line_error(run_cli({"plan", "--sources", "6", "--src-tp", "4"}, 60),
+                        {"--sources 6 is not a multiple of --src-tp 4 x --src-pp 1 = 4"});
 }
 
 TEST(CliErrors, BadKillSpec) { expect_error({"bench", "--kill", "nobody"}, {"--kill"}); }

@@ -46,6 +46,26 @@ TEST(PlanCommand, StagesThatDifferGetRowsOfTheirOwn) {
   EXPECT_NE(r.output.find("2-3       2-3         0/0/1..1/0/1       230"), std::string::npos) << r.output;
 }
 
+// As Megatron: without --src-dp the data-parallel size is --sources / (tp x pp), and the plan is
+// the one an explicit --src-dp of that size gives (the same source rank order).
+TEST(PlanCommand, TheSourceDataParallelSizeIsDerivedFromTheSourceCount) {
+  TempDir dir;
+  auto plan = [&](const std::vector<std::string>& extra) {
+    std::vector<std::string> args = {"plan",   "--sources",          "8", "--src-tp", "2", "--src-pp",
+                                     "2",      "--destinations",     "2", "--tp",     "2", "--shard-dense",
+                                     "--json", dir.file("plan.json")};
+    args.insert(args.end(), extra.begin(), extra.end());
+    auto r = run_cli(args, 60);
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    auto transfers = read_json(dir.file("plan.json")).at("transfer_plan");
+    transfers.erase("plan_seconds");
+    return transfers;
+  };
+  const auto derived = plan({});
+  EXPECT_EQ(derived.at("sources").size(), 8u);
+  EXPECT_EQ(derived, plan({"--src-dp", "2"}));
+}
+
 TEST(PlanCommand, ABadTargetMemoryIsAnError) {
   auto r = run_cli({"plan", "--target-memory", "lots"}, 30);
   EXPECT_NE(r.exit_code, 0);

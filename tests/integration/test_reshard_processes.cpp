@@ -89,8 +89,11 @@ TEST(ReshardProcesses, SourceFlagsThatDoNotMatchTheSourceCountAreRefused) {
   Bench b;
   auto r = b.run(3, 2, {"--src-tp", "2"}, 1);
   EXPECT_NE(r.exit_code, 0);
-  EXPECT_NE(r.output.find("--src-tp 2 x --src-dp 1 x --src-pp 1 = 2 source ranks, but --sources is 3"),
-            std::string::npos)
+  EXPECT_NE(r.output.find("--sources 3 is not a multiple of --src-tp 2 x --src-pp 1 = 2"), std::string::npos)
+      << r.output;
+  r = b.run(4, 2, {"--src-tp", "2", "--src-dp", "4"}, 1);
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("--src-dp 4 disagrees with --sources 4 / (--src-tp 2 x --src-pp 1) = 2"), std::string::npos)
       << r.output;
 }
 

@@ -7,11 +7,11 @@
 #include <cstring>
 #include <deque>
 #include <map>
-#include <random>
 #include <set>
 
 #include "core/fail.h"
 #include "core/name_index.h"
+#include "core/random_id.h"
 #include "engine/assembler.h"
 #include "engine/bucket_fetcher.h"
 #include "engine/link_sender.h"
@@ -46,17 +46,7 @@ auto in_phase(const std::string& context, F&& body) {
 
 }  // namespace
 
-uint64_t random_u64() {
-  std::random_device rd;
-  return (uint64_t{rd()} << 32) ^ rd();
-}
-
-SessionId new_session_id() {
-  std::random_device rd;
-  SessionId id;
-  for (auto& b : id) b = static_cast<uint8_t>(rd());
-  return id;
-}
+SessionId new_session_id() { return random_id(); }
 
 int source_rank_for_destination(int rollout_rank, int train_world_size, int rollout_world_size) {
   if (train_world_size < 1) fail(ErrorKind::kTopology, "train_world_size must be >= 1, got {}", train_world_size);

@@ -12,7 +12,6 @@
 namespace refit {
 namespace {
 // An abort is a courtesy to the peer; it must never hold up reporting our own error.
-constexpr std::chrono::duration<double> kAbortTimeout{2.0};
 
 // Spans this close are read as one (the bytes between, alignment padding, come along).
 constexpr uint64_t kSpanGap = 4 << 10;
@@ -319,14 +318,6 @@ void LinkSender::wait_acknowledged(uint64_t seq, std::string& phase) {
     const double seen = timeline_now();
     events_.push_back({TimelinePhase::kRelease, context_.peer_rank, seq, seen, seen, 0});
     return;
-  }
-}
-
-void LinkSender::abort(ErrorKind kind, const std::string& reason) noexcept {
-  try {
-    context_.transport->send(context_.peer, protocol::encode(protocol::Abort{refit_, kind, reason}),
-                             deadline_after(kAbortTimeout));
-  } catch (const std::exception&) {
   }
 }
 

@@ -71,8 +71,6 @@ class LinkSender {
   // Announces the last bucket; then wait_done() waits until the destination has every bucket.
   void flush_last(std::string& phase);
   void wait_done(std::string& phase);
-  // Tells the destination the refit failed; never throws (the peer may be why it failed).
-  void abort(ErrorKind kind, const std::string& reason) noexcept;
 
   const std::string& peer_label() const { return context_.peer_label; }
   uint64_t bucket() const { return bucket_.seq; }  // the one being packed

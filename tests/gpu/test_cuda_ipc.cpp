@@ -137,7 +137,7 @@ TEST(CudaIpc, RefusesPeersOnAnotherHostAndForeignAddresses) {
   REFIT_REQUIRE_GPUS(1);
   auto transport = ipc_on(0);
   LocalPeerAddress elsewhere;
-  elsewhere.endpoint = random_endpoint_id();
+  elsewhere.endpoint = random_id();
   elsewhere.identity = local_identity();
   elsewhere.identity.host = "another-boot-id/another-host";
   elsewhere.device = 0;

@@ -114,9 +114,8 @@ TEST(LocalSocket, ReceiveTimesOutPromptlyNamingThePeer) {
 TEST(LocalSocket, ConnectingToNobodyIsAPeerLossNamingIt) {
   LocalSocketEndpoint a(kTag);
   std::string message;
-  EXPECT_EQ(
-      error_kind_of([&] { a.connect(random_endpoint_id(), kTag, "source rank 9", deadline_after(2s)); }, &message),
-      ErrorKind::kPeerLost);
+  EXPECT_EQ(error_kind_of([&] { a.connect(random_id(), kTag, "source rank 9", deadline_after(2s)); }, &message),
+            ErrorKind::kPeerLost);
   EXPECT_NE(message.find("source rank 9"), std::string::npos) << message;
   EXPECT_NE(message.find("@refit-test-"), std::string::npos) << message;
 }
@@ -342,7 +341,7 @@ TEST(LocalSocketProcesses, AKilledPeerIsSeenWithoutWaitingOnIt) {
 
 TEST(LocalPeerAddress, RoundTripsAndRejectsForeignBlobs) {
   LocalPeerAddress address;
-  address.endpoint = random_endpoint_id();
+  address.endpoint = random_id();
   address.identity = local_identity();
   address.device = 3;
   address.bus_id = "0000:19:00.0";

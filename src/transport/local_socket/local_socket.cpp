@@ -16,11 +16,11 @@
 #include <deque>
 #include <map>
 #include <mutex>
-#include <random>
 #include <thread>
 #include <vector>
 
 #include "core/fail.h"
+#include "core/process_identity.h"
 #include "core/wire.h"
 #include "transport/local_socket/control_frame.h"
 
@@ -189,16 +189,6 @@ struct LocalSocketEndpoint::State {
   void watch_link(const std::shared_ptr<Link>& link);
 };
 
-EndpointId random_endpoint_id() {
-  std::random_device device;
-  EndpointId id;
-  for (size_t i = 0; i < id.size(); i += sizeof(uint32_t)) {
-    const auto word = wire::encode<uint32_t>(device());
-    std::copy(word.begin(), word.end(), id.begin() + static_cast<std::ptrdiff_t>(i));
-  }
-  return id;
-}
-
 std::string to_hex(std::span<const uint8_t> bytes) {
   static constexpr char kDigits[] = "0123456789abcdef";
   std::string out;
@@ -212,7 +202,7 @@ std::string to_hex(std::span<const uint8_t> bytes) {
 
 LocalSocketEndpoint::LocalSocketEndpoint(std::string_view tag) : state_(std::make_unique<State>()) {
   State& s = *state_;
-  s.id = random_endpoint_id();
+  s.id = random_id();
   s.tag = std::string(tag);
   int pipe_fds[2];
   if (::pipe2(pipe_fds, O_CLOEXEC | O_NONBLOCK) != 0)
@@ -633,20 +623,12 @@ LocalIdentity local_identity() {
   std::lock_guard lock(mutex);
   const pid_t pid = ::getpid();
   if (pid != cached_pid) {
-    token = random_endpoint_id();
+    token = random_id();
     cached_pid = pid;
   }
   if (host.empty()) {
-    std::string boot_id;
-    if (FILE* f = std::fopen("/proc/sys/kernel/random/boot_id", "r")) {
-      char line[128] = {};
-      if (std::fgets(line, sizeof(line), f) != nullptr) boot_id = line;
-      std::fclose(f);
-    }
-    while (!boot_id.empty() && (boot_id.back() == '\n' || boot_id.back() == ' ')) boot_id.pop_back();
-    char name[256] = {};
-    ::gethostname(name, sizeof(name) - 1);
-    host = (boot_id.empty() ? "unknown-boot" : boot_id) + "/" + name;
+    const ProcessIdentity self = this_process();
+    host = (self.boot_id.empty() ? "unknown-boot" : self.boot_id) + "/" + self.hostname;
   }
   return {host, token, static_cast<uint32_t>(pid)};
 }

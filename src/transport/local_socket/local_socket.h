@@ -32,14 +32,14 @@
 #include <string>
 #include <string_view>
 
+#include "core/random_id.h"
 #include "refit/deadline.h"
 #include "refit/transport.h"
 
 namespace refit {
 
-using EndpointId = std::array<uint8_t, 16>;
+using EndpointId = RandomId;  // random_id()
 
-EndpointId random_endpoint_id();
 std::string to_hex(std::span<const uint8_t> bytes);
 
 class LocalSocketEndpoint {

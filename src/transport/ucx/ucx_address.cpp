@@ -1,7 +1,5 @@
 #include "transport/ucx/ucx_address.h"
 
-#include <random>
-
 #include "core/fail.h"
 #include "core/wire.h"
 
@@ -12,16 +10,6 @@ namespace {
 constexpr std::string_view kMagic = "RFU1";
 
 }  // namespace
-
-InstanceId random_instance_id() {
-  std::random_device device;
-  InstanceId id;
-  for (size_t i = 0; i < id.size(); i += sizeof(uint32_t)) {
-    const auto word = wire::encode<uint32_t>(device());
-    std::copy(word.begin(), word.end(), id.begin() + static_cast<std::ptrdiff_t>(i));
-  }
-  return id;
-}
 
 Bytes encode_ucx_address(const InstanceId& id, std::span<const uint8_t> worker_address) {
   ByteWriter w;

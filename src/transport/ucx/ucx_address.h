@@ -11,13 +11,12 @@
 #include <span>
 #include <string>
 
+#include "core/random_id.h"
 #include "refit/transport.h"
 
 namespace refit {
 
-using InstanceId = std::array<uint8_t, 16>;
-
-InstanceId random_instance_id();
+using InstanceId = RandomId;  // random_id()
 
 Bytes encode_ucx_address(const InstanceId& id, std::span<const uint8_t> worker_address);
 

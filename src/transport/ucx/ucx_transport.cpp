@@ -194,7 +194,7 @@ bool has_shared_memory_transport(ucp_context_h context) {
   return false;
 }
 
-UcxTransport::UcxTransport(UcxOptions options) : options_(std::move(options)), id_(random_instance_id()) { init_ucx(); }
+UcxTransport::UcxTransport(UcxOptions options) : options_(std::move(options)), id_(random_id()) { init_ucx(); }
 
 void UcxTransport::init_ucx() {
   UcpConfig config = make_ucp_config(options_);

@@ -1,6 +1,8 @@
 #include "gpu_request.h"
 
 #include <fmt/format.h>
+#include <poll.h>
+#include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -38,6 +40,8 @@ std::string no_gpu_message(const std::string& request, bool cuda_built, const st
 
 namespace {
 
+constexpr int kProbeTimeoutMs = 60'000;
+
 // The GPUs CUDA sees, and why there are none, asked in a child process: the driver forks the
 // workers later, and a process that has made a CUDA call cannot fork children that use CUDA.
 int probe_gpus(std::string& reason) {
@@ -54,15 +58,28 @@ int probe_gpus(std::string& reason) {
     _exit(0);
   }
   close(out[1]);
+  // A driver that hangs in its initialization must not hang the bench: the probe has a deadline.
   std::string answer;
   char buf[512];
-  for (ssize_t n; (n = read(out[0], buf, sizeof buf)) > 0;) answer.append(buf, static_cast<size_t>(n));
+  bool timed_out = false;
+  for (;;) {
+    pollfd readable{out[0], POLLIN, 0};
+    if (poll(&readable, 1, kProbeTimeoutMs) <= 0) {
+      timed_out = true;
+      kill(pid, SIGKILL);
+      break;
+    }
+    const ssize_t n = read(out[0], buf, sizeof buf);
+    if (n <= 0) break;
+    answer.append(buf, static_cast<size_t>(n));
+  }
   close(out[0]);
   int status = 0;
   waitpid(pid, &status, 0);
   const size_t newline = answer.find('\n');
-  if (!WIFEXITED(status) || newline == std::string::npos) {
-    reason = "the process asking CUDA for its GPUs died";
+  if (timed_out || !WIFEXITED(status) || newline == std::string::npos) {
+    reason = timed_out ? fmt::format("CUDA did not answer within {} s", kProbeTimeoutMs / 1000)
+                       : "the process asking CUDA for its GPUs died";
     return 0;
   }
   reason = answer.substr(newline + 1);

@@ -320,7 +320,8 @@ class CheckpointEngine(CheckpointEngineBase):
 
 
 def create_checkpoint_engine(backend: str, bucket_size_bytes: int,
-                             engine_kwargs: Union[None, RefitConfig, Mapping[str, Any]] = None, **kwargs: Any):
+                             engine_kwargs: Union[None, RefitConfig, Mapping[str, Any]] = None,
+                             **kwargs: Any) -> CheckpointEngineBase:
     """The reference's factory. ``backend``: "nixl" (refit's engine) or "module:ClassName" (a
     plugin class, called as ``cls(bucket_size=bucket_size_bytes, **engine_kwargs)``). A plugin
     class must derive from refit.CheckpointEngineBase; a backend that cannot be loaded raises

@@ -168,7 +168,7 @@ void register_config(nb::module_& m) {
         int n = cuda_device_count(&reason);
         return nb::make_tuple(n, reason);
       },
-      "(number of usable GPUs, reason when 0).");
+      nb::sig("def cuda_device_count() -> tuple[int, str]"), "(number of usable GPUs, reason when 0).");
 
   // ---- sessions and topology ----
   m.def(
@@ -192,12 +192,14 @@ void register_config(nb::module_& m) {
   nb::class_<TensorInfo>(m, "TensorInfo", "A tensor's name, dtype and shape.")
       .def_ro("name", &TensorInfo::name)
       .def_prop_ro("dtype", [](const TensorInfo& t) { return std::string(dtype_name(t.dtype)); })
-      .def_prop_ro("shape",
-                   [](const TensorInfo& t) {
-                     nb::list l;
-                     for (int64_t d : t.shape) l.append(d);
-                     return nb::tuple(l);
-                   })
+      .def_prop_ro(
+          "shape",
+          [](const TensorInfo& t) {
+            nb::list l;
+            for (int64_t d : t.shape) l.append(d);
+            return nb::tuple(l);
+          },
+          nb::sig("def shape(self) -> tuple[int, ...]"))
       .def_prop_ro("nbytes", &TensorInfo::nbytes)
       .def_prop_ro("numel", &TensorInfo::numel)
       .def("__repr__", [](const TensorInfo& t) {

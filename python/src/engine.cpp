@@ -763,16 +763,21 @@ void register_engine(nb::module_& m) {
                             "Iterator over the batches of one refit (lists of (name, tensor)). Each batch's zero-copy "
                             "views are valid until the next batch is requested; merged tensors (split over buckets) "
                             "keep their own memory. Stopping early (close(), garbage collection) fails the refit.")
-      .def("__iter__", [](nb::handle self) { return self; })
-      .def("__next__", &BatchIterator::next)
+      // nb::sig: the stub's types for what the bindings return as bare Python objects.
+      .def(
+          "__iter__", [](nb::handle self) { return self; }, nb::sig("def __iter__(self) -> BatchIterator"))
+      .def("__next__", &BatchIterator::next, nb::sig("def __next__(self) -> list[tuple[str, typing.Any]]"))
       .def("close", &BatchIterator::close,
            "Stops the refit if it is still running (it then fails and the destination stays stale).")
-      .def("__enter__", [](nb::handle self) { return self; })
+      .def(
+          "__enter__", [](nb::handle self) { return self; }, nb::sig("def __enter__(self) -> BatchIterator"))
       .def(
           "__exit__", [](BatchIterator& it, nb::handle, nb::handle, nb::handle) { it.close(); }, nb::arg().none(),
           nb::arg().none(), nb::arg().none())
-      .def_prop_ro("stats", &BatchIterator::stats, "Receive statistics once the refit succeeded, else None.")
-      .def_prop_ro("error", &BatchIterator::error, "The refit's error message once it failed, else None.")
+      .def_prop_ro("stats", &BatchIterator::stats, nb::sig("def stats(self) -> dict[str, typing.Any] | None"),
+                   "Receive statistics once the refit succeeded, else None.")
+      .def_prop_ro("error", &BatchIterator::error, nb::sig("def error(self) -> str | None"),
+                   "The refit's error message once it failed, else None.")
       .def_prop_ro("batches", &BatchIterator::batches, "Batches handed out so far.")
       .def_prop_ro("running", &BatchIterator::running, "Whether the refit is in progress.");
 

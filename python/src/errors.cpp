@@ -11,7 +11,7 @@ namespace {
 
 struct KindSpec {
   ErrorKind kind;
-  const char* name;  // class name in module `refit`
+  const char* name;  // class name in package `refit`
   PyObject* extra;   // second base class, or null
   const char* doc;
 };
@@ -36,10 +36,14 @@ nb::handle error_type(ErrorKind kind) {
 }
 
 void register_errors(nb::module_& m) {
-  // Named "refit.X" so that pickling (multiprocessing, Ray) finds them through the package.
+  // Named after the package that holds the module, "refit.X", so that pickling (multiprocessing,
+  // Ray) finds them through the package. The module imported alone (nanobind's stubgen imports it
+  // as the top-level `_refit` at build time) names them after itself, so that its stub declares them.
+  const std::string module_name = nb::cast<std::string>(m.attr("__name__"));
+  const std::string owner = module_name.substr(0, module_name.rfind('.'));  // npos: the whole name
   nb::dict base_dict;
   base_dict["kind"] = "internal";
-  g_base = PyErr_NewExceptionWithDoc("refit.RefitError",
+  g_base = PyErr_NewExceptionWithDoc((owner + ".RefitError").c_str(),
                                      "Base class of every error refit raises; `kind` names its ErrorKind.",
                                      PyExc_RuntimeError, base_dict.ptr());
   if (!g_base) throw nb::python_error();
@@ -68,7 +72,7 @@ void register_errors(nb::module_& m) {
     dict["kind"] = kind_name(spec.kind);
     nb::object bases =
         spec.extra ? nb::object(nb::make_tuple(nb::handle(g_base), nb::handle(spec.extra))) : nb::borrow(g_base);
-    const std::string qualified = std::string("refit.") + spec.name;
+    const std::string qualified = owner + "." + spec.name;
     PyObject* type = PyErr_NewExceptionWithDoc(qualified.c_str(), spec.doc, bases.ptr(), dict.ptr());
     if (!type) throw nb::python_error();
     g_types[static_cast<int>(spec.kind)] = type;  // kept for the life of the process

@@ -556,7 +556,8 @@ void register_tensors(nb::module_& m) {
         for (int64_t d : t.info.shape) shape.append(d);
         return nb::make_tuple(std::string(dtype_name(t.info.dtype)), nb::tuple(shape), t.info.nbytes());
       },
-      nb::arg("tensor"), "(dtype name, shape, nbytes) of a tensor as refit reads it (for checks and tests).");
+      nb::arg("tensor"), nb::sig("def tensor_info(tensor: object) -> tuple[str, tuple[int, ...], int]"),
+      "(dtype name, shape, nbytes) of a tensor as refit reads it (for checks and tests).");
 }
 
 }  // namespace refit::py

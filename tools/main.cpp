@@ -114,7 +114,7 @@ int main(int argc, char** argv) {
 
   CLI11_PARSE(app, argc, argv);
   spdlog::cfg::load_env_levels();  // SPDLOG_LEVEL=debug shows per-bucket timings
-  spdlog::set_pattern(refit::log_pattern("driver"));
+  refit::log_to_stderr("driver");
   try {
     if (bench_cmd->parsed()) return refit::tools::run_bench(bench);
     if (plan_cmd->parsed()) return refit::tools::run_plan(plan);

@@ -403,6 +403,17 @@ class PyParameterLoader {
   std::vector<WritableTensor> keep_;
 };
 
+// convert_batch, failing the refit on both sides when it throws (a tensor the framework cannot
+// take): the source is told at once instead of waiting out its deadline.
+nb::list convert_or_fail(PullSession& session, const ReceivedBatch& batch, Framework framework, int device_id,
+                         nb::handle engine_obj) {
+  try {
+    return convert_batch(batch, framework, device_id, engine_obj);
+  } catch (const std::exception& e) {
+    session.close(fmt::format("converting batch {} to Python objects failed: {}", batch.index, e.what()));
+    throw;
+  }
+}
 class BatchIterator {
  public:
   BatchIterator(nb::object engine_obj, std::shared_ptr<PullSession> session, Framework framework, int device_id)
@@ -419,13 +430,7 @@ class BatchIterator {
   nb::object next() {
     std::optional<ReceivedBatch> batch = session_->take();
     if (!batch) throw nb::stop_iteration();
-    try {
-      return convert_batch(*batch, framework_, device_id_, engine_obj_);
-    } catch (const std::exception& e) {
-      session_->close(fmt::format("receive_weight_batches(): converting batch {} to Python objects failed: {}",
-                                  batch->index, e.what()));
-      throw;
-    }
+    return convert_or_fail(*session_, *batch, framework_, device_id_, engine_obj_);
   }
   void close() {
     session_->close(fmt::format(
@@ -632,7 +637,7 @@ class PyEngine {
       return receive_stats(*session.stats());
     }
     while (std::optional<ReceivedBatch> batch = session.take()) {
-      nb::list out = convert_batch(*batch, fw, device_id_, self);
+      nb::list out = convert_or_fail(session, *batch, fw, device_id_, self);
       try {
         load(out);
       } catch (nb::python_error& err) {

@@ -5,6 +5,7 @@ destination is then stale; the GIL is free during transfers."""
 from __future__ import annotations
 
 import gc
+import importlib.util
 import threading
 import time
 
@@ -265,6 +266,30 @@ def test_an_exception_in_the_load_callback_fails_the_refit_with_its_cause():
         assert pair.destination.stale
         with pytest.raises(refit.RefitError, match="destination rank 0"):
             sender.join()
+    finally:
+        pair.close()
+
+
+@pytest.mark.parametrize("receive", ["callback", "iterator"])
+def test_a_batch_the_framework_cannot_take_fails_the_refit_on_both_sides_at_once(receive):
+    # CuPy is not installed here: handing a batch over as CuPy arrays fails before any load. The
+    # source must hear of it at once, not at its deadline (timeout_s is 20 s here).
+    if importlib.util.find_spec("cupy") is not None:
+        pytest.skip("CuPy is installed: its arrays can be made")
+    pair = Pair(MiB)
+    try:
+        sender = pair.start_send(distinct_weights(1))
+        start = time.monotonic()
+        with pytest.raises(TypeError, match="could not export"):  # the conversion's own error
+            if receive == "callback":
+                pair.destination.receive_weights(lambda batch: None, framework="cupy")
+            else:
+                for _ in pair.destination.receive_weight_batches(framework="cupy"):
+                    pass
+        assert pair.destination.stale
+        with pytest.raises(refit.RefitError, match="destination rank 0 .*converting batch 0 to Python objects failed"):
+            sender.join()
+        assert time.monotonic() - start < 5
     finally:
         pair.close()
 

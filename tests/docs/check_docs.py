@@ -134,17 +134,28 @@ def commands(text):
     return out
 
 
-def check(root, refit, run_commands=True):
+class CodeFacts:
+    """What the code has, read once: the docs of any tree (the self-test's planted copies too) are
+    checked against it."""
+
+    def __init__(self, refit):
+        self.refit = refit
+        self.options = {s: help_options(refit, s) for s in SUBCOMMANDS}
+        every_refit_option = set().union(*self.options.values()) | {"--version", "--help"}
+        self.known_options = every_refit_option | repo_defined_options() | set().union(*EXTERNAL_OPTIONS.values())
+        self.defaults = config_defaults(refit)
+        self.env_named = set()  # REFIT_* anywhere in the code
+        for path in code_files():
+            self.env_named.update(re.findall(r"REFIT_\w+", read(path)))
+        self.env_read = env_reads()
+        self.public_headers = {os.path.basename(p) for p in glob.glob(os.path.join(REPO, "include", "refit", "*.h"))}
+
+
+def check(root, facts, run_commands=True):
     problems = Problems()
     docs = docs_of(root)
-    options = {s: help_options(refit, s) for s in SUBCOMMANDS}
-    every_refit_option = set().union(*options.values()) | {"--version", "--help"}
-    known_options = every_refit_option | repo_defined_options() | set().union(*EXTERNAL_OPTIONS.values())
-    defaults = config_defaults(refit)
-    env_known = set()
-    for path in code_files():
-        env_known.update(re.findall(r"REFIT_\w+", read(path)))
-    public_headers = {os.path.basename(p) for p in glob.glob(os.path.join(REPO, "include", "refit", "*.h"))}
+    options, known_options, defaults = facts.options, facts.known_options, facts.defaults
+    env_known, public_headers, refit = facts.env_named, facts.public_headers, facts.refit
 
     for name, text in docs.items():
         # Options: each `refit <subcommand>` command uses only that subcommand's options ...
@@ -177,9 +188,8 @@ def check(root, refit, run_commands=True):
         # Files named from the repository root, and relative links.
         for m in re.finditer(r"(?<![\w/.-])(" + PATH_ROOTS + r"/[\w./+<>-]*[\w+])", text):
             path = m.group(1)
-            if "<" in path or not os.path.exists(os.path.join(REPO, path)):
-                if "<" not in path:
-                    problems.add(f"{name}:{line_of(text, m.start())}", f"file {path} does not exist")
+            if "<" not in path and not os.path.exists(os.path.join(REPO, path)):  # <tag>: a placeholder
+                problems.add(f"{name}:{line_of(text, m.start())}", f"file {path} does not exist")
         for m in re.finditer(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text):
             target = m.group(1)
             if not re.match(r"\w+://", target) and not os.path.exists(os.path.join(root, os.path.dirname(name), target)):
@@ -197,7 +207,7 @@ def check(root, refit, run_commands=True):
                                                f"{(out.stderr or out.stdout).strip().splitlines()[-1:]}")
 
     check_cli_tables(docs.get("docs/CLI.md", ""), options, problems)
-    check_config_docs(docs, defaults, env_reads(), problems)
+    check_config_docs(docs, defaults, facts.env_read, problems)
     check_architecture(docs.get("docs/ARCHITECTURE.md", ""), public_headers, problems)
     return problems.items
 
@@ -255,10 +265,10 @@ def check_architecture(text, public_headers, problems):
                                              f"{'included by the tools or the binding but not named' if h in private else 'named but included by neither'}")
 
 
-def self_test(refit):
+def self_test(facts):
     """Plants one stale name of each kind in a copy of the docs; each must be reported, and the
     real docs must pass."""
-    real = check(REPO, refit)
+    real = check(REPO, facts)
     if real:
         print("\n".join(real))
         return 1
@@ -288,7 +298,7 @@ def self_test(refit):
                 continue
             with open(path, "w", encoding="utf-8") as f:
                 f.write(text.replace(old, new, 1))
-            found = check(tmp, refit, run_commands=expect == "--sources 255")
+            found = check(tmp, facts, run_commands=expect == "--sources 255")
             if not any(expect in p for p in found):
                 print(f"self-test: a planted {expect!r} in {doc} was not reported (reported: {found})")
                 failed += 1
@@ -303,10 +313,11 @@ def main():
     parser.add_argument("--docs", default=REPO, help="where README.md and docs/ are (default: the repository)")
     parser.add_argument("--self-test", action="store_true", help="plant stale names and check they are caught")
     args = parser.parse_args()
+    facts = CodeFacts(args.refit)
     if args.self_test:
-        return self_test(args.refit)
-    problems = check(args.docs, args.refit)
-    print("\n".join(problems) if problems else f"check_docs: README.md and docs/*.md match the code")
+        return self_test(facts)
+    problems = check(args.docs, facts)
+    print("\n".join(problems) if problems else "check_docs: README.md and docs/*.md match the code")
     return 1 if problems else 0
 
 

@@ -25,26 +25,14 @@ std::string gpu_request(const BenchOptions& options, const RefitConfig& config, 
   return "";
 }
 
-std::string no_gpu_message(const std::string& request, bool cuda_built, const std::string& reason) {
-  if (!cuda_built)
-    return fmt::format(
-        "{} needs a GPU, but this build of refit has no CUDA: rebuild it with -DREFIT_WITH_CUDA=ON on a host with the "
-        "CUDA toolkit (nvcc), or use the CPU (--device cpu)",
-        request);
-  const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
-  return fmt::format(
-      "{} needs a GPU, but CUDA finds no usable one here: {}{}; check the driver with nvidia-smi, or "
-      "use the CPU (--device cpu)",
-      request, reason, visible ? fmt::format(" (CUDA_VISIBLE_DEVICES={})", visible) : "");
-}
-
 namespace {
 
 constexpr int kProbeTimeoutMs = 60'000;
 
-// The GPUs CUDA sees, and why there are none, asked in a child process: the driver forks the
-// workers later, and a process that has made a CUDA call cannot fork children that use CUDA.
-int probe_gpus(std::string& reason) {
+// check_device(device) in a child process (the driver forks the workers later, and a process
+// that has made a CUDA call cannot fork children that use CUDA): "" when usable, else the error's
+// kind and message as "KIND\nMESSAGE".
+std::string probe_device(const Device& device) {
   int out[2];
   if (pipe(out) != 0) throw Error(ErrorKind::kIo, "pipe for the GPU probe");
   std::fflush(nullptr);
@@ -52,8 +40,12 @@ int probe_gpus(std::string& reason) {
   if (pid < 0) throw Error(ErrorKind::kIo, "fork for the GPU probe");
   if (pid == 0) {
     close(out[0]);
-    std::string why;
-    const std::string answer = fmt::format("{}\n{}", cuda_device_count(&why), why);
+    std::string answer;
+    try {
+      check_device(device);
+    } catch (const Error& e) {
+      answer = fmt::format("{}\n{}", static_cast<int>(e.kind()), e.what());
+    }
     [[maybe_unused]] ssize_t n = write(out[1], answer.data(), answer.size());
     _exit(0);
   }
@@ -76,27 +68,21 @@ int probe_gpus(std::string& reason) {
   close(out[0]);
   int status = 0;
   waitpid(pid, &status, 0);
-  const size_t newline = answer.find('\n');
-  if (timed_out || !WIFEXITED(status) || newline == std::string::npos) {
-    reason = timed_out ? fmt::format("CUDA did not answer within {} s", kProbeTimeoutMs / 1000)
-                       : "the process asking CUDA for its GPUs died";
-    return 0;
-  }
-  reason = answer.substr(newline + 1);
-  return std::atoi(answer.c_str());
+  if (timed_out || !WIFEXITED(status))
+    return fmt::format("{}\n{}", static_cast<int>(ErrorKind::kUnsupported),
+                       timed_out ? fmt::format("CUDA did not answer within {} s", kProbeTimeoutMs / 1000)
+                                 : std::string("the process asking CUDA for its GPUs died"));
+  return answer;
 }
 
 }  // namespace
 
 void check_gpu_request(const std::string& request, const Device& device) {
   if (request.empty()) return;
-  if (!cuda_built()) throw Error(ErrorKind::kUnsupported, no_gpu_message(request, false, ""));
-  std::string reason;
-  const int gpus = probe_gpus(reason);
-  if (gpus == 0) throw Error(ErrorKind::kUnsupported, no_gpu_message(request, true, reason));
-  if (device.index >= gpus)
-    throw Error(ErrorKind::kConfig, fmt::format("{}: this machine has {} GPU{} (cuda:0..cuda:{})", request, gpus,
-                                                gpus == 1 ? "" : "s", gpus - 1));
+  const std::string answer = probe_device(device.kind == Device::Kind::kCuda ? device : Device{Device::Kind::kCuda});
+  if (answer.empty()) return;
+  const size_t newline = answer.find('\n');
+  throw Error(static_cast<ErrorKind>(std::atoi(answer.c_str())), request + ": " + answer.substr(newline + 1));
 }
 
 }  // namespace refit::tools

@@ -15,12 +15,9 @@ struct BenchOptions;
 // "--tensors cuda", "refit_cfg.nixl.backend_name=CUDA_IPC" or NCCL), or "" when none does.
 std::string gpu_request(const BenchOptions& options, const RefitConfig& config, MemoryKind tensors);
 
-// The one-line error for `request` when no GPU is usable: `cuda_built` says whether this build
-// has CUDA, `reason` is the CUDA runtime's error when it has.
-std::string no_gpu_message(const std::string& request, bool cuda_built, const std::string& reason);
-
-// Throws Error(kUnsupported) with no_gpu_message() when `request` is not empty and `device` (a GPU)
-// is not usable here, Error(kConfig) when its index is past the GPUs there are.
+// Throws, before any worker starts, the error check_device() gives for `device` (a plain "cuda"
+// when `request` asks for a GPU by --tensors or backend_name), prefixed with `request`; nothing
+// when `request` is empty or the GPU is usable.
 void check_gpu_request(const std::string& request, const Device& device);
 
 }  // namespace refit::tools

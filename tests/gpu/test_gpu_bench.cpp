@@ -85,7 +85,8 @@ TEST(GpuBench, AnOutOfRangeDeviceFailsBeforeAnyTransfer) {
   REFIT_REQUIRE_GPUS(1);
   auto run = refit_cli("bench --device cuda:64 --refits 1");
   EXPECT_NE(run.status, 0) << run.output;
-  EXPECT_NE(run.output.find("--device cuda:64: this machine has"), std::string::npos) << run.output;
+  EXPECT_NE(run.output.find("--device cuda:64: device cuda:64 requested but this machine has"), std::string::npos)
+      << run.output;
 }
 
 TEST(GpuBench, BuffersLargerThanTheGpuAreRefusedBeforeAllocating) {

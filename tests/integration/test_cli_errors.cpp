@@ -77,9 +77,10 @@ TEST(CliErrors, BadDevice) { expect_error({"bench", "refit_cfg.nixl.device=tpu"}
 TEST(CliErrors, GpuOptionsWithoutAGpuFailWithOneLine) {
   std::string reason;
   if (cuda_device_count(&reason) > 0) GTEST_SKIP() << "this machine has a GPU (tests/gpu covers it)";
-  const std::string why = cuda_built() ? " needs a GPU, but CUDA finds no usable one here: " + reason
-                                       : " needs a GPU, but this build of refit has no CUDA: rebuild it with "
-                                         "-DREFIT_WITH_CUDA=ON";
+  // check_device()'s own message, after the option that asked.
+  const std::string why = cuda_built()
+                              ? " requested but CUDA is not available: " + reason
+                              : " requested but this build has no CUDA support; rebuild with REFIT_WITH_CUDA=ON";
   const std::vector<std::pair<std::string, std::vector<std::string>>> requests = {
       {"--device cuda", {"--device", "cuda"}},
       {"refit_cfg.nixl.device=cuda:0", {"refit_cfg.nixl.device=cuda:0"}},
@@ -89,7 +90,7 @@ TEST(CliErrors, GpuOptionsWithoutAGpuFailWithOneLine) {
   for (const auto& [request, args] : requests) {
     std::vector<std::string> bench = {"bench"};
     bench.insert(bench.end(), args.begin(), args.end());
-    expect_one_line_error(run_cli(bench, 60), {request + why, "--device cpu"});
+    expect_one_line_error(run_cli(bench, 60), {request + ": device cuda", why, "device"});
   }
   expect_error({"bench", "--tensors", "tpu"}, {"--tensors 'tpu'"});
 }

@@ -1,11 +1,12 @@
-// Which bench option asks for a GPU, and the one line a build without one gives (the CLI tests
-// reach only the build they run in: here one with CUDA).
+// Which bench option asks for a GPU, and the error when none is usable.
 #include "gpu_request.h"
 
 #include <gtest/gtest.h>
 
 #include "bench.h"
 #include "refit/config.h"
+#include "refit/device.h"
+#include "refit/error.h"
 
 namespace refit::tools {
 namespace {
@@ -23,17 +24,19 @@ TEST(GpuRequest, NamesTheOptionThatAsksForAGpu) {
   EXPECT_EQ(gpu_request(options, config, MemoryKind::kCuda), "--device cuda:1");
 }
 
-TEST(GpuRequest, ABuildWithoutCudaSaysHowToBuildOne) {
-  EXPECT_EQ(no_gpu_message("--device cuda", false, ""),
-            "--device cuda needs a GPU, but this build of refit has no CUDA: rebuild it with -DREFIT_WITH_CUDA=ON on "
-            "a host with the CUDA toolkit (nvcc), or use the CPU (--device cpu)");
-}
-
-TEST(GpuRequest, ACudaBuildWithoutAGpuGivesTheRuntimesReason) {
-  unsetenv("CUDA_VISIBLE_DEVICES");
-  EXPECT_EQ(no_gpu_message("--tensors cuda", true, "no CUDA-capable device is detected"),
-            "--tensors cuda needs a GPU, but CUDA finds no usable one here: no CUDA-capable device is detected; check "
-            "the driver with nvidia-smi, or use the CPU (--device cpu)");
+TEST(GpuRequest, AnUnusableGpuIsCheckDevicesErrorAfterTheOptionThatAskedForIt) {
+  std::string reason;
+  if (cuda_device_count(&reason) > 0) GTEST_SKIP() << "this machine has a GPU (tests/gpu covers it)";
+  EXPECT_NO_THROW(check_gpu_request("", Device{}));
+  try {
+    check_gpu_request("--tensors cuda", Device{});  // a CPU device: the probe checks a plain cuda
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kUnsupported);
+    const std::string expected = cuda_built() ? "--tensors cuda: device cuda requested but CUDA is not available: "
+                                              : "--tensors cuda: device cuda requested but this build has no CUDA";
+    EXPECT_TRUE(std::string(e.what()).starts_with(expected)) << e.what();
+  }
 }
 
 }  // namespace

@@ -113,8 +113,9 @@ void check_device(const Device& device) {
   std::string reason;
   const int count = cuda_device_count(&reason);
   if (count == 0) {
-    fail(ErrorKind::kUnsupported, "device {} requested but CUDA is not available: {}{}", to_string(device), reason,
-         visible_devices_note());
+    fail(ErrorKind::kUnsupported,
+         "device {} requested but CUDA is not available: {}{}; check the GPU driver (nvidia-smi), or use device cpu",
+         to_string(device), reason, visible_devices_note());
   }
   if (device.index < -1 || device.index >= count) {
     fail(ErrorKind::kConfig, "device {} requested but this machine has {} GPU{} (indices 0..{}){}", to_string(device),

@@ -11,6 +11,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/delta_codec.h"
 #include "core/wire.h"
 #include "engine/protocol.h"
 #include "refit/layout.h"
@@ -523,6 +524,28 @@ void safetensors_seeds() {
   write("safetensors", "short", {2, 0, 0});
 }
 
+// A record of `changed` elements of a tensor of `elements` elements; the first byte of each seed
+// is fuzz_delta's element-size selector.
+void delta_seed(const std::string& name, size_t element_size, size_t elements, size_t changed, size_t stride) {
+  std::vector<std::byte> old(elements * element_size), now;
+  for (size_t i = 0; i < old.size(); ++i) old[i] = static_cast<std::byte>(i * 7 + 3);  // as fuzz_delta's tensor
+  now = old;
+  for (size_t k = 0; k < changed; ++k) now[(k * stride % elements) * element_size] ^= std::byte{0x5a};
+  std::vector<uint8_t> record;
+  if (!encode_delta(old, now, element_size, delta_checksum(now), record)) return;
+  Bytes seed = {static_cast<uint8_t>(element_size == 1 ? 0 : element_size == 2 ? 1 : element_size == 4 ? 2 : 3)};
+  seed.insert(seed.end(), record.begin(), record.end());
+  write("delta", name, seed);
+}
+
+void delta_seeds() {
+  delta_seed("gaps_bf16", 2, 64, 3, 17);
+  delta_seed("bitmap_fp32", 4, 64, 30, 1);
+  delta_seed("none_fp64", 8, 32, 0, 1);
+  delta_seed("gaps_byte_long", 1, 4096, 5, 997);
+  write("delta", "short", {1, 'R', 'F', 'D'});
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -542,6 +565,7 @@ int main(int argc, char** argv) {
   nccl_request_seeds();
   ucx_address_seeds();
   safetensors_seeds();
+  delta_seeds();
   std::printf("wrote %d seed files under %s\n", g_files, g_root.c_str());
   return 0;
 }

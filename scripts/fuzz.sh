@@ -18,7 +18,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-all_targets=(metadata message layout assembler channel safetensors local_frame local_peer cuda_ipc_key nccl_request
+all_targets=(metadata message layout assembler channel safetensors delta local_frame local_peer cuda_ipc_key nccl_request
              ucx_address)
 short_targets=" local_frame local_peer cuda_ipc_key nccl_request ucx_address "
 mode=run

@@ -198,14 +198,39 @@ std::string model_option(const std::string& model) {
   return model;
 }
 
+namespace {
+
+// The *.safetensors files of a --versions folder, in name order; at least one per refit.
+std::vector<std::string> version_files(const std::string& folder, int refits) {
+  namespace fs = std::filesystem;
+  if (!fs::is_directory(folder))
+    throw Error(ErrorKind::kModel, fmt::format("--versions '{}' is not a folder of .safetensors files", folder));
+  std::vector<std::string> files;
+  for (const auto& e : fs::directory_iterator(folder))
+    if (e.path().extension() == ".safetensors") files.push_back(e.path().string());
+  std::sort(files.begin(), files.end());
+  if (files.size() < static_cast<size_t>(std::max(refits, 1)))
+    throw Error(ErrorKind::kModel, fmt::format("--versions '{}' holds {} .safetensors files, fewer than --refits {}",
+                                               folder, files.size(), refits));
+  return files;
+}
+
+}  // namespace
+
 int run_bench(const BenchOptions& options) {
   const RefitConfig config = bench_config(options);
   BenchModel model;
   model.tensors = bench_tensors(options, config);
   check_gpu_request(gpu_request(options, config, model.tensors), config.device);
-  const std::string path = model_option(options.model);
+  if (!options.versions.empty() && !options.model.empty())
+    throw Error(ErrorKind::kInvalidArgument, "--versions names the model itself: leave out --model");
+  if (!options.versions.empty()) model.versions = version_files(options.versions, options.refits);
+  const std::string path = model.versions.empty() ? model_option(options.model) : model.versions.front();
   model.inventory = load_model_inventory(path);
   if (is_safetensors(path)) model.safetensors_path = path;
+  if (!(options.changed >= 0 && options.changed <= 1))
+    throw Error(ErrorKind::kInvalidArgument, fmt::format("--changed must be in [0, 1], got {}", options.changed));
+  model.changed_share = options.changed;
   std::optional<KillPoint> kill;
   if (!options.kill.empty()) kill = parse_kill_point(options.kill);
   const auto layouts = destination_layouts(path, model.inventory, config, options.parallel, options.destinations);
@@ -317,6 +342,8 @@ int run_bench(const BenchOptions& options) {
                                      {"expected_bytes", expected},
                                      {"wire_bytes", w.receive.wire_bytes},
                                      {"in_place_bytes", w.receive.in_place_bytes},
+                                     {"delta_tensors", w.receive.delta_tensors},
+                                     {"delta_bytes", w.receive.delta_bytes},
                                      {"tensors", w.receive.tensors},
                                      {"batches", w.receive.batches},
                                      {"receive_seconds", w.receive.receive_seconds()},

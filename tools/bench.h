@@ -16,6 +16,12 @@ struct BenchOptions {
   int sources = 1;
   int destinations = 1;
   int refits = 3;
+  // A delta workload: each refit after the first changes this share of every tensor's elements
+  // (0: all new content every refit). Pair with refit_cfg.nixl.delta=true to send only changes.
+  double changed = 0;
+  // A folder of consecutive versions of the weights (*.safetensors, in name order): refit k sends
+  // version k. Instead of --model.
+  std::string versions;
   std::string config_file;
   std::vector<std::string> overrides;
   std::string json_path;

@@ -100,8 +100,14 @@ class SourceProgram final : public WorkerProgram {
       : model_(model), layout_(layout), holds_(holds), kill_(kill), kind_(model.tensors) {
     if (holds_ && (!synthetic() || kind_ == MemoryKind::kCuda))
       fail(ErrorKind::kInvalidArgument, "the resharding bench (--src-*) runs on synthetic content in host memory");
+    if (!model.versions.empty() && (holds_ || kind_ == MemoryKind::kCuda))
+      fail(ErrorKind::kInvalidArgument, "--versions replays files in host memory on the paired topology");
+    if (model.changed_share > 0 && (holds_ || !synthetic() || kind_ == MemoryKind::kCuda))
+      fail(ErrorKind::kInvalidArgument,
+           "--changed (a delta workload) changes synthetic content in host memory on the paired topology: leave out "
+           "--src-*, a safetensors --model and --tensors cuda");
     if (!model.safetensors_path.empty()) load_files();
-    if (synthetic() || kind_ == MemoryKind::kCuda) {
+    if (synthetic() || kind_ == MemoryKind::kCuda || !model.versions.empty()) {
       // One allocation for the whole model (or this source's shards of it): synthetic content is
       // refilled every refit, file content is copied to the GPU once.
       std::vector<const TensorInfo*> infos;
@@ -154,13 +160,17 @@ class SourceProgram final : public WorkerProgram {
   }
 
   void stage(uint64_t index) override {
+    if (!model_.versions.empty()) return stage_version(index);
     if (!synthetic() && !hashes_.empty()) return;  // file content does not change
     hashes_.clear();
     if (kind_ == MemoryKind::kCuda) return stage_on_gpu(index);
+    const bool change_in_place = model_.changed_share > 0 && index > 0;
     for (size_t i = 0; i < views_.size(); ++i) {
       const auto& v = views_[i];
       const uint64_t n = v.info->nbytes();
-      if (synthetic())
+      if (change_in_place)
+        change_elements(const_cast<std::byte*>(v.data), *v.info, seed_of(index, i));
+      else if (synthetic())
         fill_box(const_cast<std::byte*>(v.data), holds_ ? model_.inventory.tensors[full_index_[i]] : *v.info,
                  holds_ ? boxes_[i] : Box::whole(), seed_of(index, holds_ ? full_index_[i] : i));
       if (!holds_) hash_expected(v);
@@ -180,6 +190,40 @@ class SourceProgram final : public WorkerProgram {
 
  private:
   bool synthetic() const { return model_.safetensors_path.empty(); }
+
+  // The delta workload: changed_share of the tensor's elements get new bits (one byte of each
+  // XORed with a non-zero value), at positions drawn from `seed` (a position drawn twice changes
+  // once or not at all, as an optimizer step's may).
+  void change_elements(std::byte* data, const TensorInfo& info, uint64_t seed) const {
+    const uint64_t element = dtype_size(info.dtype), elements = info.numel();
+    const auto n = static_cast<uint64_t>(model_.changed_share * static_cast<double>(elements));
+    for (uint64_t k = 0; k < n; ++k) {
+      const uint64_t r = content_word(seed, k);
+      data[(r % elements) * element + (r >> 40) % element] ^= static_cast<std::byte>(1 + (r >> 48) % 255);
+    }
+  }
+
+  // Version `index` of the weights, copied over the previous one tensor by tensor.
+  void stage_version(uint64_t index) {
+    if (index >= model_.versions.size())
+      fail(ErrorKind::kInvalidArgument, "refit {} needs version {}, but --versions has {} files", index, index,
+           model_.versions.size());
+    hashes_.clear();
+    if (index > 0) {
+      SafetensorsFile file(model_.versions[index]);
+      std::map<std::string_view, size_t> by_name;
+      for (size_t i = 0; i < file.tensors().size(); ++i) by_name[file.tensors()[i].name] = i;
+      for (auto& v : views_) {
+        auto it = by_name.find(v.info->name);
+        if (it == by_name.end() || file.tensors()[it->second] != *v.info)
+          fail(ErrorKind::kModel, "{} has no tensor '{}' of {} {} (as the first version)", model_.versions[index],
+               v.info->name, dtype_name(v.info->dtype), shape_string(v.info->shape));
+        const auto bytes = file.data(it->second);
+        std::memcpy(const_cast<std::byte*>(v.data), bytes.data(), bytes.size());
+      }
+    }
+    for (const auto& v : views_) hash_expected(v);
+  }
 
   // What the paired destination holds of `info`: all of it without a layout.
   Selection expected(const TensorInfo& info) const {

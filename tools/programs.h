@@ -38,6 +38,13 @@ struct BenchModel {
   // Where the sources' weights and the destinations' parameters live: host memory (hashed with
   // xxh3 on the CPU) or the worker's current GPU (filled and hashed by GPU kernels).
   MemoryKind tensors = MemoryKind::kHost;
+  // A delta workload (synthetic host content, paired): each refit after the first changes this
+  // share of every tensor's elements in place, at positions and to values drawn from the refit;
+  // 0: all new content every refit.
+  double changed_share = 0;
+  // Consecutive versions of the weights (safetensors files, e.g. python/bench/delta_workload.py
+  // --save-dir): refit k sends version k; safetensors_path is the first.
+  std::vector<std::string> versions;
 };
 
 // `layouts[r]` is destination r's layout: source r hashes what that destination should get.

@@ -125,7 +125,11 @@ struct SendStats {
   uint64_t in_place_bytes = 0;  // of payload_bytes, loaded by destinations from our own tensors
   double seconds = 0;
   bool had_peer = false;
-  uint32_t destinations = 0;          // destinations served
+  uint32_t destinations = 0;  // destinations served
+  // Delta refit (config.delta): of tensors, those sent as their changed elements, and the bytes of
+  // those changes; the rest went whole.
+  uint64_t delta_tensors = 0;
+  uint64_t delta_bytes = 0;
   std::vector<TimelineEvent> events;  // pack, announce and release of every bucket on every link
 };
 
@@ -141,6 +145,10 @@ struct ReceiveStats {
   uint64_t buffer_bytes = 0;      // transfer-buffer memory this engine holds (0: receives_only and mapped)
   std::string route;              // what carried the bytes: "UCX mapped", "UCX tcp/eth0" (Transport::route)
   uint32_t sources = 0;           // sources read from
+  // Delta refit (config.delta): of tensors, those that came as their changed elements and were
+  // patched into this destination's copy, and the bytes of those changes.
+  uint64_t delta_tensors = 0;
+  uint64_t delta_bytes = 0;
   double total_seconds = 0;
   double load_seconds = 0;
   std::vector<TimelineEvent> events;  // read, load and release of every bucket from every source

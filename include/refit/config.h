@@ -16,6 +16,7 @@
 //       verify_checksums: false  # refit extension
 //       map_source_buffers: true # refit extension
 //       direct_reads: true       # refit extension
+//       delta: false             # refit extension
 //
 // The keys may also sit under `policy.generation`, as in a NeMo RL config. Two layouts:
 //  * refit layout (no `policy` key at the root): the root holds only refit_transport and
@@ -97,6 +98,13 @@ struct RefitConfig {
   // one copy per byte with no bucket on either side; other tensors still go through buckets.
   // Needs map_source_buffers. false: every tensor goes through a bucket.
   bool direct_reads = true;
+  // refit extension: delta refit. A source keeps a copy of what its destination last received and
+  // sends, per tensor, only the elements that changed (positions and values, bit-exact), or the
+  // tensor whole where that is smaller; the destination keeps the same copy and patches it. A
+  // destination that does not hold the source's base (new, restarted, failed refit) gets the whole
+  // model. Costs one host copy of the link's tensors on each side; pays on links slower than
+  // host memory (another host). Paired topology, whole tensors, host memory (device cpu) so far.
+  bool delta = false;
 
   bool operator==(const RefitConfig&) const = default;
 };

@@ -52,6 +52,8 @@ nb::dict send_stats(const SendStats& s) {
   d["in_place_bytes"] = s.in_place_bytes;
   d["seconds"] = s.seconds;
   d["had_peer"] = s.had_peer;
+  d["delta_tensors"] = s.delta_tensors;
+  d["delta_bytes"] = s.delta_bytes;
   return d;
 }
 
@@ -67,6 +69,8 @@ nb::dict receive_stats(const ReceiveStats& s) {
   d["mapped"] = s.mapped;
   d["buffer_bytes"] = s.buffer_bytes;
   d["route"] = s.route;
+  d["delta_tensors"] = s.delta_tensors;
+  d["delta_bytes"] = s.delta_bytes;
   d["total_seconds"] = s.total_seconds;
   d["load_seconds"] = s.load_seconds;
   d["receive_seconds"] = s.receive_seconds();

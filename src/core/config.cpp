@@ -21,7 +21,7 @@
 namespace refit {
 namespace {
 
-constexpr std::array<std::string_view, 11> kNixlKeys = {"update_weights_bucket_memory_ratio",
+constexpr std::array<std::string_view, 12> kNixlKeys = {"update_weights_bucket_memory_ratio",
                                                         "device",
                                                         "backend_name",
                                                         "backend_init_params",
@@ -31,7 +31,8 @@ constexpr std::array<std::string_view, 11> kNixlKeys = {"update_weights_bucket_m
                                                         "timeout_s",
                                                         "verify_checksums",
                                                         "map_source_buffers",
-                                                        "direct_reads"};
+                                                        "direct_reads",
+                                                        "delta"};
 
 bool is_nixl_key(std::string_view key) { return std::find(kNixlKeys.begin(), kNixlKeys.end(), key) != kNixlKeys.end(); }
 
@@ -355,6 +356,8 @@ RefitConfig build(const Raw& raw) {
       config.map_source_buffers = boolean(node, key);
     } else if (name == "direct_reads") {
       config.direct_reads = boolean(node, key);
+    } else if (name == "delta") {
+      config.delta = boolean(node, key);
     } else if (name == "bucket_bytes") {
       config.bucket_bytes = node.IsNull() ? std::nullopt : std::optional(byte_count(node, key));
     } else if (name == "timeout_s") {
@@ -480,6 +483,7 @@ std::string to_yaml(const RefitConfig& config) {
   out << YAML::Key << "verify_checksums" << YAML::Value << config.verify_checksums;
   out << YAML::Key << "map_source_buffers" << YAML::Value << config.map_source_buffers;
   out << YAML::Key << "direct_reads" << YAML::Value << config.direct_reads;
+  out << YAML::Key << "delta" << YAML::Value << config.delta;
   out << YAML::EndMap;
   if (config.uses_plugin()) {
     out << YAML::Key << YAML::DoubleQuoted << config.refit_transport << YAML::Value << YAML::BeginMap;

@@ -14,6 +14,7 @@
 #include "core/random_id.h"
 #include "engine/assembler.h"
 #include "engine/bucket_fetcher.h"
+#include "engine/delta.h"
 #include "engine/link_sender.h"
 #include "engine/peer_wait.h"
 #include "engine/protocol.h"
@@ -80,6 +81,11 @@ class CheckpointEngine::Impl {
            "refit_cfg.nixl.verify_checksums: checksums are computed on the CPU and need host transfer buffers "
            "(device: cpu); with device {} set verify_checksums=false",
            to_string(device));
+    if (options_.config.delta && device.kind == Device::Kind::kCuda)
+      fail(ErrorKind::kConfig,
+           "refit_cfg.nixl.delta: delta refit compares and patches host memory only so far; with device {} set "
+           "delta=false",
+           to_string(device));
     if (options_.holds && !options_.model)
       fail(ErrorKind::kConfig,
            "a source that declares what it holds (EngineOptions::holds) needs the model's inventory "
@@ -128,6 +134,8 @@ class CheckpointEngine::Impl {
     md.generation = generation_;
     md.reads_in_place = reads_in_place();
     md.reads_source_memory = options_.config.direct_reads && transport_->capabilities().reads_registered_memory;
+    md.delta = options_.config.delta;
+    md.weights_version = destination_delta_.version();
     return protocol::encode(md);
   }
 
@@ -157,6 +165,8 @@ class CheckpointEngine::Impl {
         }
       }
       for (auto& link : links_) link.first_refit = protocol::first_refit(generation_, link.metadata.generation);
+      check_delta(self);
+      destination_version_ = links_.size() == 1 ? links_[0].metadata.weights_version : 0;
       make_senders();
     });
     self_ = self;
@@ -199,6 +209,7 @@ class CheckpointEngine::Impl {
       }
       if (!all_mapped && !has_buffers_) allocate_buffers();
       assign_buffer_offsets();
+      check_delta(self);
     });
     is_destination_ = true;
   }
@@ -219,14 +230,27 @@ class CheckpointEngine::Impl {
     stats.destinations = static_cast<uint32_t>(senders_.size());
     std::string phase = "pack";
     try {
-      run_send(weights, stats, phase);
+      if (options_.config.delta) {
+        // A failure past this point leaves the base half updated: the next refit goes whole.
+        const uint64_t held = destination_version_;
+        destination_version_ = 0;
+        run_send(source_delta_.begin(weights, held, links_[0].label), stats, phase);
+        destination_version_ = source_delta_.commit();
+        stats.tensors -= 2;  // the delta header and trailer
+        stats.delta_tensors = source_delta_.counts().changed_tensors;
+        stats.delta_bytes = source_delta_.counts().record_bytes;
+      } else {
+        run_send(weights, stats, phase);
+      }
       source_regions().end_refit();
     } catch (const Error& e) {
+      source_delta_.drop();
       abort_links(e.kind(), e.what());
       throw Error(e.kind(),
                   fmt::format("{}, refit {} of this connection, phase {}: {}", self_, refits_, phase, e.what()));
     } catch (const std::exception& e) {
       // The weight iterator (caller code) failed.
+      source_delta_.drop();
       abort_links(ErrorKind::kInvalidArgument, e.what());
       throw Error(ErrorKind::kInvalidArgument,
                   fmt::format("{}, refit {} of this connection, phase {}: weight stream failed: {}", self_, refits_,
@@ -267,6 +291,7 @@ class CheckpointEngine::Impl {
     run->start = Clock::now();
     run->phase = "wait for bucket 0";
     assembler_.reset();
+    if (options_.config.delta) destination_delta_.begin();
     for (auto& link : links_) {
       FetchContext context{transport_.get(),
                            link.peer,
@@ -306,7 +331,8 @@ class CheckpointEngine::Impl {
         const uint64_t seen = run.signal.version();
         if (take_bucket(run)) {
           if (!run.views.empty()) {
-            *out = ReceivedBatch{run.batches_out++, run.views, assembler_.owners()};
+            *out = ReceivedBatch{run.batches_out++, run.views,
+                                 options_.config.delta ? std::span(run.delta_owners) : std::span(assembler_.owners())};
             run.held = true;
             run.handed_out = Clock::now();
             return ReceiveProgress::kBatch;
@@ -351,6 +377,7 @@ class CheckpointEngine::Impl {
       if (!expected_tensors_.empty() && assembler_.tensors_completed() != expected_tensors_.size())
         fail(ErrorKind::kProtocol, "the plan sends this destination {} tensors, but {} arrived",
              expected_tensors_.size(), assembler_.tensors_completed());
+      if (options_.config.delta) destination_delta_.finish(links_[0].label);
     });
     std::unique_ptr<ReceiveRun> done = std::move(receive_);
     ReceiveStats stats = std::move(done->stats);
@@ -360,6 +387,13 @@ class CheckpointEngine::Impl {
     for (const auto& r : routes) stats.route += (stats.route.empty() ? "" : "; ") + r;
     stats.total_seconds = seconds_since(done->start);
     stale_ = false;
+    if (options_.config.delta) {
+      stats.delta_tensors = destination_delta_.counts().changed_tensors;
+      stats.delta_bytes = destination_delta_.counts().record_bytes;
+      spdlog::info("delta refit: {} of {} tensors came as changes ({:.2f} MiB of changes, {:.2f} MiB read in all)",
+                   stats.delta_tensors, stats.tensors, stats.delta_bytes / double(1 << 20),
+                   stats.wire_bytes / double(1 << 20));
+    }
     if (!needs_nothing_)
       spdlog::info(
           "[vLLM refit] Loaded {} tensors in {} batches via checkpoint engine; bytes={:.2f}GiB total={:.2f}s "
@@ -423,6 +457,24 @@ class CheckpointEngine::Impl {
 
   Deadline next_deadline() const { return deadline_after(Seconds(options_.config.timeout_s)); }
 
+  // Delta refit needs it at both ends of every link, on the paired topology with whole tensors.
+  void check_delta(const std::string& self) {
+    for (const Link& link : links_)
+      if (link.metadata.delta != options_.config.delta)
+        fail(ErrorKind::kConfig, "refit_cfg.nixl.delta is {} on {} but {} on {}: set it the same on every worker",
+             options_.config.delta, self, link.metadata.delta, link.label);
+    if (!options_.config.delta) return;
+    if (resharding_)
+      fail(ErrorKind::kUnsupported,
+           "refit_cfg.nixl.delta: delta refit runs on the paired topology so far, not when sources declare what "
+           "they hold (resharding); set delta=false");
+    const bool sliced = target_layout_ || options_.layout || (!links_.empty() && !links_[0].metadata.layout.empty());
+    if (sliced)
+      fail(ErrorKind::kUnsupported,
+           "refit_cfg.nixl.delta: delta refit sends whole tensors so far, but {} declared a layout; set delta=false",
+           is_destination_ || options_.layout ? self : links_[0].label);
+  }
+
   void check_group(int train, int rollout, std::span<const Metadata> metadata) {
     if (!prepared_) fail(ErrorKind::kInvalidArgument, "prepare() must run before init (buffers are not registered)");
     if (train < 1 || rollout < 1)
@@ -446,6 +498,7 @@ class CheckpointEngine::Impl {
       all.push_back(protocol::decode_metadata(metadata[i], "metadata of " + label_of(i, train)));
       resharding = resharding || (i < train && !all.back().holds.empty());
     }
+    resharding_ = resharding;
     if (!resharding) return std::nullopt;
     if (!options_.model)
       fail(ErrorKind::kConfig,
@@ -746,8 +799,11 @@ class CheckpointEngine::Impl {
     size_t link = 0;
     double assembling = 0;              // on the timeline
     uint64_t mapped_in_place = 0;       // of the bucket: bytes its entries load from the source's tensors
-    std::span<const TensorView> views;  // the assembler's, of `bucket`
-    bool held = false;                  // handed out, not yet released
+    std::span<const TensorView> views;  // the assembler's, of `bucket` (or delta_views)
+    // Delta refit: the bucket's views as the loader gets them (DestinationDelta::transform).
+    std::vector<TensorView> delta_views;
+    std::vector<std::shared_ptr<const void>> delta_owners;
+    bool held = false;  // handed out, not yet released
     uint64_t batches_out = 0;
     Clock::time_point handed_out;
   };
@@ -791,6 +847,7 @@ class CheckpointEngine::Impl {
                   reason);
     receive_.reset();  // stops the fetchers
     stale_ = true;
+    destination_delta_.drop();
   }
 
   // Takes the next bucket any source has ready and assembles it into run.views; false when none is.
@@ -820,6 +877,11 @@ class CheckpointEngine::Impl {
       const bool repeats_checked =
           bucket.replay_of && run.previous_went_through && *bucket.replay_of == links_[k].first_refit + refits_ - 1;
       run.views = assembler_.add_bucket(bucket, run.bucket->bases, links_[k].label, next_deadline(), repeats_checked);
+      if (options_.config.delta) {
+        destination_delta_.transform(run.views, assembler_.owners(), run.delta_views, run.delta_owners,
+                                     links_[k].label);
+        run.views = run.delta_views;
+      }
       if (!run.views.empty()) run.phase = fmt::format("load bucket {} from {}", bucket.seq, links_[k].label);
       return true;
     }
@@ -880,7 +942,13 @@ class CheckpointEngine::Impl {
   NameIndex sent_;  // on a source: the tensors the stream yielded this refit (run_send)
   std::set<uint32_t> expected_tensors_;
   bool needs_nothing_ = false;  // a resharding destination whose layout holds no tensor
+  bool resharding_ = false;     // the group reshards (the latest init's plan_if_resharding)
   std::unique_ptr<ReceiveRun> receive_;
+  // Delta refit (engine/delta.h): a source's base and the version its destination holds (as far
+  // as it knows); a destination's copy of what it holds.
+  SourceDelta source_delta_;
+  uint64_t destination_version_ = 0;
+  DestinationDelta destination_delta_;
 };
 
 CheckpointEngine::CheckpointEngine(EngineOptions options) : impl_(std::make_unique<Impl>(std::move(options))) {}

@@ -78,6 +78,8 @@ Bytes encode(const EngineMetadata& m) {
   w.put<uint64_t>(m.generation);
   w.put<uint8_t>(m.reads_in_place ? 1 : 0);
   w.put<uint8_t>(m.reads_source_memory ? 1 : 0);
+  w.put<uint8_t>(m.delta ? 1 : 0);
+  w.put<uint64_t>(m.weights_version);
   return w.take();
 }
 
@@ -121,6 +123,10 @@ EngineMetadata decode_metadata(std::span<const uint8_t> blob, const std::string&
   const auto reads_source = r.get<uint8_t>("reads source memory");
   if (reads_source > 1) fail(ErrorKind::kProtocol, "malformed {}: reads_source_memory = {}", who, reads_source);
   m.reads_source_memory = reads_source == 1;
+  const auto delta = r.get<uint8_t>("delta");
+  if (delta > 1) fail(ErrorKind::kProtocol, "malformed {}: delta = {}", who, delta);
+  m.delta = delta == 1;
+  m.weights_version = r.get<uint64_t>("weights version");
   r.expect_end();
   return m;
 }

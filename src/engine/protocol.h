@@ -18,7 +18,7 @@
 
 namespace refit::protocol {
 
-inline constexpr uint32_t kVersion = 8;
+inline constexpr uint32_t kVersion = 9;
 
 struct EngineMetadata {
   uint32_t version = kVersion;
@@ -40,6 +40,10 @@ struct EngineMetadata {
   // A destination that reads tensors from its source's own registered memory into its buffers
   // (direct_reads where nothing maps, as across hosts): a source may then skip packing them.
   bool reads_source_memory = false;
+  // Delta refit (refit_cfg.nixl.delta, engine/delta.h): both ends must agree. A destination's
+  // weights_version is the version of the weights it holds (0: none).
+  bool delta = false;
+  uint64_t weights_version = 0;
 };
 
 // The refit number before the first refit of a connection, the same on both sides: derived from

@@ -1,5 +1,6 @@
 #include <gtest/gtest.h>
 
+#include "core/error_of.h"
 #include "engine/protocol.h"
 #include "refit/error.h"
 
@@ -231,8 +232,23 @@ TEST(Protocol, MetadataCarriesHowADestinationReachesSourceMemory) {
   EXPECT_TRUE(back.reads_source_memory);
   EXPECT_FALSE(back.reads_in_place);
   auto blob = encode(md);
-  blob.back() = 2;
+  blob[blob.size() - 1 - 8 - 1] = 2;  // reads_source_memory; the delta flag and weights version follow
   EXPECT_THROW(decode_metadata(blob, "metadata of destination rank 0"), Error);
+}
+
+TEST(Protocol, MetadataCarriesTheDeltaSettingAndTheWeightsVersion) {
+  auto md = sample_metadata();
+  md.delta = true;
+  md.weights_version = 0x0123456789abcdefull;
+  auto back = decode_metadata(encode(md), "metadata of destination rank 0");
+  EXPECT_TRUE(back.delta);
+  EXPECT_EQ(back.weights_version, 0x0123456789abcdefull);
+  auto blob = encode(md);
+  blob[blob.size() - 1 - 8] = 2;  // the delta flag
+  std::string message;
+  EXPECT_EQ(testing::error_kind_of([&] { decode_metadata(blob, "metadata of destination rank 0"); }, &message),
+            ErrorKind::kProtocol);
+  EXPECT_NE(message.find("delta = 2"), std::string::npos) << message;
 }
 
 }  // namespace

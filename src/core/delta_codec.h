@@ -1,0 +1,57 @@
+// The delta of one tensor between two versions: which elements changed and their new values,
+// compared and written as bits (nothing is added or subtracted, so applying a delta to the old
+// version gives the new one bit for bit; -0.0 vs 0.0 or two NaN payloads count as changes).
+//
+// A record is self-describing: a fixed header (magic "RFD1", encoding, element size, element
+// count, changed count, xxh3-64 of the whole tensor after the change), then the positions and the
+// new values. Positions are encoded whichever way is smaller:
+//   gaps:   each changed index as the LEB128 varint of its distance from the previous one (about
+//           1-2 bytes per change when under ~1% of the elements changed);
+//   bitmap: one bit per element (denser changes);
+//   none:   nothing changed (the header alone).
+// The values follow, element bytes in index order. apply_delta() checks every field before it
+// writes anything, so a malformed record is Error(kProtocol) naming it, never a stray write.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace refit {
+
+enum class DeltaEncoding : uint8_t { kNone = 0, kGaps = 1, kBitmap = 2 };
+
+inline constexpr size_t kDeltaHeaderBytes = 32;
+
+struct DeltaHeader {
+  DeltaEncoding encoding = DeltaEncoding::kNone;
+  uint32_t element_size = 0;
+  uint64_t elements = 0;
+  uint64_t changed = 0;
+  uint64_t checksum = 0;  // xxh3-64 of the tensor's bytes after applying
+};
+
+// Compares `now` with `base` (same size, a multiple of element_size) and, when the record is
+// smaller than `now` itself, writes it into `out` (replacing its contents), copies the changed
+// elements into `base` (so that base == now afterwards) and returns true. Otherwise returns false
+// and leaves `base` and `out` as they were (the caller sends the tensor whole). `checksum`: the
+// xxh3-64 of `now`, which the record carries.
+bool encode_delta(std::span<std::byte> base, std::span<const std::byte> now, size_t element_size, uint64_t checksum,
+                  std::vector<uint8_t>& out);
+
+// Reads and checks a record's header; `what` names the record in errors.
+DeltaHeader read_delta_header(std::span<const uint8_t> record, const std::string& what);
+
+// Applies the record to `target` (the old version, in place), after checking that it fits: the
+// element size and count must match `target`, positions must be in range and increasing, and the
+// record must end where its values end. Returns the header. Does not check the checksum (the
+// caller hashes what it holds afterwards).
+DeltaHeader apply_delta(std::span<std::byte> target, size_t element_size, std::span<const uint8_t> record,
+                        const std::string& what);
+
+// xxh3-64 of the bytes.
+uint64_t delta_checksum(std::span<const std::byte> bytes);
+
+}  // namespace refit

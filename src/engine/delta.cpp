@@ -1,0 +1,236 @@
+#include "engine/delta.h"
+
+#include <spdlog/spdlog.h>
+
+#include <cstring>
+
+#include "core/delta_codec.h"
+#include "core/fail.h"
+#include "core/random_id.h"
+#include "core/wire.h"
+
+namespace refit {
+namespace {
+
+constexpr std::string_view kMarkerMagic = "RFDV";
+constexpr std::string_view kDeltaEndName = "refit:delta-end";
+
+// The header ("refit:delta": the version the changes apply to, 0 for none, and the one they make)
+// and the trailer ("refit:delta-end": how many tensors came between them).
+std::vector<uint8_t> encode_marker(uint64_t a, uint64_t b) {
+  ByteWriter w;
+  w.put_raw(kMarkerMagic);
+  w.put<uint64_t>(a);
+  w.put<uint64_t>(b);
+  return w.take();
+}
+
+std::pair<uint64_t, uint64_t> decode_marker(const TensorView& view, const std::string& who) {
+  ByteReader in({reinterpret_cast<const uint8_t*>(view.data), view.info->nbytes()},
+                fmt::format("'{}' from {}", view.info->name, who));
+  in.expect_magic(kMarkerMagic);
+  const uint64_t a = in.get<uint64_t>("first"), b = in.get<uint64_t>("second");
+  in.expect_end();
+  return {a, b};
+}
+
+std::span<const std::byte> bytes_of(const TensorView& view) { return {view.data, view.info->nbytes()}; }
+
+}  // namespace
+
+// The weight stream a delta refit sends: header, each tensor as changes or whole, trailer. Every
+// record it makes lives until the next begin(), so the views outlive send() whenever the
+// caller's do.
+class SourceDelta::Stream : public WeightSource {
+ public:
+  Stream(SourceDelta& owner, WeightSource& inner, bool changes, uint64_t base, uint64_t made)
+      : owner_(owner), inner_(inner), changes_(changes) {
+    add_marker(kDeltaHeaderName, encode_marker(base, made));
+  }
+
+  bool next(TensorView* out) override {
+    if (pending_) {
+      *out = view_of(records_.back());
+      pending_ = false;
+      return true;
+    }
+    if (ended_) return false;
+    TensorView view;
+    if (!inner_.next(&view)) {
+      ended_ = true;
+      add_marker(kDeltaEndName, encode_marker(sent_, 0));
+      pending_ = false;
+      *out = view_of(records_.back());
+      return true;
+    }
+    if (view.info == nullptr) fail(ErrorKind::kInvalidArgument, "the weight stream yielded a tensor without metadata");
+    const TensorInfo& info = *view.info;
+    if (info.name.starts_with("refit:delta"))
+      fail(ErrorKind::kInvalidArgument, "tensor '{}': names starting with 'refit:delta' are refit's own (delta refit)",
+           info.name);
+    if (view.memory != MemoryKind::kHost)
+      fail(ErrorKind::kUnsupported,
+           "tensor '{}' is in GPU memory: delta refit (refit_cfg.nixl.delta) compares host memory only so far; "
+           "set delta=false for GPU weights",
+           info.name);
+    ++sent_;
+    const uint64_t nbytes = info.nbytes();
+    if (nbytes > 0 && view.data == nullptr)
+      fail(ErrorKind::kInvalidArgument, "tensor '{}' ({} bytes) has no data pointer", info.name, nbytes);
+    auto it = owner_.base_.find(info.name);
+    if (changes_ && it != owner_.base_.end() && it->second.info == info && nbytes > 0) {
+      std::vector<uint8_t> record;
+      const uint64_t checksum = delta_checksum(bytes_of(view));
+      if (encode_delta(it->second.bytes, bytes_of(view), dtype_size(info.dtype), checksum, record)) {
+        ++owner_.counts_.changed_tensors;
+        owner_.counts_.record_bytes += record.size();
+        records_.push_back({TensorInfo{std::string(kDeltaTensorPrefix) + info.name, DType::kUInt8,
+                                       {static_cast<int64_t>(record.size())}},
+                            std::move(record)});
+        *out = view_of(records_.back());
+        return true;
+      }
+    }
+    // Whole: the destination takes it as it is, and so does our base.
+    Base& base = it != owner_.base_.end() ? it->second : owner_.base_[info.name];
+    if (base.bytes.size() != nbytes) {
+      owner_.base_bytes_ = owner_.base_bytes_ - base.bytes.size() + nbytes;
+      base.bytes.assign(nbytes, std::byte{0});
+    }
+    base.info = info;
+    if (nbytes > 0) std::memcpy(base.bytes.data(), view.data, nbytes);
+    ++owner_.counts_.whole_tensors;
+    *out = view;
+    return true;
+  }
+
+  bool views_outlive_send() const override { return inner_.views_outlive_send(); }
+
+ private:
+  struct Record {
+    TensorInfo info;
+    std::vector<uint8_t> bytes;
+  };
+  static TensorView view_of(const Record& r) {
+    return {&r.info, reinterpret_cast<const std::byte*>(r.bytes.data()), MemoryKind::kHost};
+  }
+  void add_marker(std::string_view name, std::vector<uint8_t> bytes) {
+    const auto size = static_cast<int64_t>(bytes.size());
+    records_.push_back({TensorInfo{std::string(name), DType::kUInt8, {size}}, std::move(bytes)});
+    pending_ = true;
+  }
+
+  SourceDelta& owner_;
+  WeightSource& inner_;
+  const bool changes_;
+  std::deque<Record> records_;  // a deque: views of earlier records stay valid
+  bool pending_ = false;        // records_.back() is a marker not yet yielded
+  bool ended_ = false;
+  uint64_t sent_ = 0;
+};
+
+SourceDelta::SourceDelta() = default;
+SourceDelta::~SourceDelta() = default;
+
+WeightSource& SourceDelta::begin(WeightSource& weights, uint64_t destination_version, const std::string& destination) {
+  counts_ = {};
+  const bool changes = base_version_ != 0 && destination_version == base_version_;
+  if (!changes)
+    spdlog::info("delta refit: {} {}: sending every tensor whole", destination,
+                 destination_version == 0 ? "holds no version of the weights (new, restarted, or its last refit failed)"
+                                          : "holds another version of the weights than this source's base");
+  do next_version_ = random_u64();
+  while (next_version_ == 0);
+  stream_.reset();
+  stream_ = std::make_unique<Stream>(*this, weights, changes, changes ? base_version_ : 0, next_version_);
+  // Until commit(), the base is being rewritten: a failure in between must not leave it usable.
+  base_version_ = 0;
+  return *stream_;
+}
+
+uint64_t SourceDelta::commit() {
+  base_version_ = next_version_;
+  return base_version_;
+}
+
+void SourceDelta::drop() { base_version_ = 0; }
+
+void DestinationDelta::begin() {
+  header_seen_ = ended_ = false;
+  announced_ = arrived_ = 0;
+  counts_ = {};
+}
+
+void DestinationDelta::transform(std::span<const TensorView> in, std::span<const std::shared_ptr<const void>> in_owners,
+                                 std::vector<TensorView>& out, std::vector<std::shared_ptr<const void>>& owners,
+                                 const std::string& who) {
+  out.clear();
+  owners.clear();
+  for (size_t k = 0; k < in.size(); ++k) {
+    const TensorView& view = in[k];
+    const std::string& name = view.info->name;
+    if (view.memory != MemoryKind::kHost)
+      fail(ErrorKind::kUnsupported, "tensor '{}' from {} arrived in GPU memory: delta refit needs device cpu", name,
+           who);
+    if (name == kDeltaHeaderName) {
+      if (header_seen_ || arrived_ > 0)
+        fail(ErrorKind::kProtocol, "{} sent the delta header after {} tensors", who, arrived_);
+      auto [base, made] = decode_marker(view, who);
+      if (base != 0 && base != version_)
+        fail(ErrorKind::kProtocol,
+             "{} sent changes to weights version {:016x}, but this destination holds {}: refusing them", who, base,
+             version_ == 0 ? std::string("none") : fmt::format("{:016x}", version_));
+      if (made == 0) fail(ErrorKind::kProtocol, "{} sent a delta header without a version", who);
+      header_seen_ = true;
+      new_version_ = made;
+      version_ = 0;  // what we hold changes from here on, until finish()
+      continue;
+    }
+    if (!header_seen_)
+      fail(ErrorKind::kProtocol, "{} sent '{}' before the delta header (is delta on at both ends?)", who, name);
+    if (ended_) fail(ErrorKind::kProtocol, "{} sent '{}' after the end of its delta refit", who, name);
+    if (name == kDeltaEndName) {
+      announced_ = decode_marker(view, who).first;
+      ended_ = true;
+      continue;
+    }
+    ++arrived_;
+    if (name.starts_with(kDeltaTensorPrefix)) {
+      const std::string_view target = std::string_view(name).substr(kDeltaTensorPrefix.size());
+      auto it = held_.find(target);
+      if (it == held_.end())
+        fail(ErrorKind::kProtocol, "{} sent changes to '{}', which this destination never received whole", who,
+             target);
+      Held& held = it->second;
+      const std::string what = fmt::format("changes to '{}' from {}", target, who);
+      const DeltaHeader h = apply_delta(held.bytes, dtype_size(held.info.dtype),
+                                        {reinterpret_cast<const uint8_t*>(view.data), view.info->nbytes()}, what);
+      if (delta_checksum(held.bytes) != h.checksum)
+        fail(ErrorKind::kIntegrity,
+             "'{}' after applying {} changed elements from {} does not match the source's checksum: the weights "
+             "this destination held were not the source's base",
+             target, h.changed, who);
+      ++counts_.changed_tensors;
+      counts_.record_bytes += view.info->nbytes();
+      out.push_back({&held.info, held.bytes.data(), MemoryKind::kHost});
+      owners.push_back(nullptr);
+      continue;
+    }
+    Held& held = held_[name];
+    held.info = *view.info;
+    held.bytes.assign(view.data, view.data + view.info->nbytes());
+    ++counts_.whole_tensors;
+    out.push_back(view);
+    owners.push_back(k < in_owners.size() ? in_owners[k] : nullptr);
+  }
+}
+
+void DestinationDelta::finish(const std::string& who) {
+  if (!header_seen_) fail(ErrorKind::kProtocol, "{} sent no delta header (is delta on at both ends?)", who);
+  if (!ended_) fail(ErrorKind::kProtocol, "{} did not end its delta refit", who);
+  if (announced_ != arrived_)
+    fail(ErrorKind::kProtocol, "{} announced {} tensors in its delta refit, {} arrived", who, announced_, arrived_);
+  version_ = new_version_;
+}
+
+}  // namespace refit

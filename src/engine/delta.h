@@ -1,0 +1,112 @@
+// Delta refit (refit_cfg.nixl.delta): a source remembers the bytes its destination last received
+// and, per tensor, sends only the elements that changed since (core/delta_codec.h); the
+// destination keeps the same version and patches it, then hands its loader whole tensors as in
+// any refit. Bit-exact: nothing is computed in floating point, and every patched tensor is
+// checked against the checksum of the source's tensor.
+//
+// Versions: each refit's weights get a random 64-bit version. A destination declares the version
+// it holds in its metadata (0: none: new, restarted, or its last refit failed); a source sends
+// changes only when that is the version it last sent on the link and holds as its base, and the
+// whole model otherwise (saying so). The refit's first tensor, "refit:delta", says which version
+// the changes apply to and which they make; a destination refuses changes to a version it does not
+// hold, so a delta never applies twice or to the wrong weights. Both sides adopt the new version
+// only when the whole refit went through; a failed one drops it (the next refit goes whole).
+// Memory: each side holds one copy of the tensors of the link in host memory.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "refit/checkpoint_engine.h"
+#include "refit/tensor.h"
+
+namespace refit {
+
+// The reserved name of a refit's delta header, and the prefix of a tensor sent as changes.
+inline constexpr std::string_view kDeltaHeaderName = "refit:delta";
+inline constexpr std::string_view kDeltaTensorPrefix = "refit:delta:";
+
+// What one delta refit sent or applied.
+struct DeltaCounts {
+  uint64_t changed_tensors = 0;  // sent as changes (unchanged ones included)
+  uint64_t whole_tensors = 0;    // sent whole: no base, a new shape, or too many changes
+  uint64_t record_bytes = 0;     // bytes of the change records
+};
+
+// A source's side: the base (what its destination holds) and the stream that turns each tensor of
+// a refit into its changes or itself.
+class SourceDelta {
+ public:
+  SourceDelta();
+  ~SourceDelta();
+  // `destination_version`: what the destination holds (from its metadata, or the last refit that
+  // went through on this connection). Starts a refit that makes a fresh version; the returned
+  // stream yields the header, then every tensor of `weights` as changes against the base where
+  // the destination holds the base, else whole. Valid until the next begin().
+  WeightSource& begin(WeightSource& weights, uint64_t destination_version, const std::string& destination);
+  // The refit went through: the destination now holds this refit's version, which it returns.
+  uint64_t commit();
+  // The refit failed: the base may be half updated, so the next refit goes whole.
+  void drop();
+
+  const DeltaCounts& counts() const { return counts_; }
+  uint64_t base_bytes() const { return base_bytes_; }  // memory held for the base
+
+ private:
+  class Stream;
+  struct Base {
+    TensorInfo info;
+    std::vector<std::byte> bytes;
+  };
+  friend class Stream;
+
+  std::map<std::string, Base, std::less<>> base_;
+  uint64_t base_version_ = 0;  // 0: none
+  uint64_t next_version_ = 0;
+  uint64_t base_bytes_ = 0;
+  DeltaCounts counts_;
+  std::unique_ptr<Stream> stream_;
+};
+
+// A destination's side: the version it holds (a copy of every tensor it received) and the
+// patching of each batch before the loader sees it.
+class DestinationDelta {
+ public:
+  // What to declare in the metadata: 0 unless the last refit went through.
+  uint64_t version() const { return version_; }
+  // A refit starts; what we hold stays valid until its header arrives.
+  void begin();
+  // Turns a batch as received into the batch the loader gets: the header is checked and left out,
+  // changes are applied to the held copy and handed out as the whole tensor, whole tensors are
+  // copied into it and handed out as they came. `owners` is parallel to `views` (null for a view
+  // into our copy). `who` names the source in errors.
+  void transform(std::span<const TensorView> in, std::span<const std::shared_ptr<const void>> in_owners,
+                 std::vector<TensorView>& out, std::vector<std::shared_ptr<const void>>& owners,
+                 const std::string& who);
+  // The refit went through: checks that the header came and that as many tensors as it announced
+  // arrived, then holds the new version.
+  void finish(const std::string& who);
+  void drop() { version_ = 0; }
+
+  const DeltaCounts& counts() const { return counts_; }
+
+ private:
+  struct Held {
+    TensorInfo info;
+    std::vector<std::byte> bytes;
+  };
+  std::map<std::string, Held, std::less<>> held_;
+  uint64_t version_ = 0;  // of held_; 0 while a refit rewrites it
+  bool header_seen_ = false;
+  bool ended_ = false;
+  uint64_t new_version_ = 0;
+  uint64_t announced_ = 0;  // tensors the header says follow
+  uint64_t arrived_ = 0;
+  DeltaCounts counts_;
+};
+
+}  // namespace refit

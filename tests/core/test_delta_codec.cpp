@@ -1,0 +1,194 @@
+#include "core/delta_codec.h"
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <random>
+
+#include "refit/error.h"
+
+namespace refit {
+namespace {
+
+std::vector<std::byte> random_bytes(size_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<std::byte> out(n);
+  for (auto& b : out) b = static_cast<std::byte>(rng() & 0xff);
+  return out;
+}
+
+// Changes `count` distinct elements of `v` (each to a value with at least one bit different).
+std::vector<std::byte> changed(std::vector<std::byte> v, size_t element_size, size_t count, uint32_t seed) {
+  std::mt19937 rng(seed);
+  const size_t elements = v.size() / element_size;
+  std::vector<size_t> order(elements);
+  for (size_t i = 0; i < elements; ++i) order[i] = i;
+  std::shuffle(order.begin(), order.end(), rng);
+  for (size_t k = 0; k < count; ++k) {
+    std::byte* e = v.data() + order[k] * element_size;
+    e[rng() % element_size] ^= static_cast<std::byte>(1 + rng() % 255);
+  }
+  return v;
+}
+
+struct RoundTrip {
+  bool encoded = false;
+  std::vector<uint8_t> record;
+  DeltaHeader header;
+};
+
+// Encodes old -> now, checks the source's base became `now`, applies the record to a copy of
+// `old` and checks it became `now`, bit for bit.
+RoundTrip round_trip(const std::vector<std::byte>& old, const std::vector<std::byte>& now, size_t element_size) {
+  RoundTrip r;
+  std::vector<std::byte> base = old;
+  r.encoded = encode_delta(base, now, element_size, delta_checksum(now), r.record);
+  if (!r.encoded) {
+    EXPECT_EQ(base, old) << "a tensor sent whole leaves the base to the caller";
+    return r;
+  }
+  EXPECT_EQ(base, now);
+  std::vector<std::byte> target = old;
+  r.header = apply_delta(target, element_size, r.record, "test record");
+  EXPECT_EQ(target, now);
+  EXPECT_EQ(r.header.checksum, delta_checksum(target));
+  return r;
+}
+
+TEST(DeltaCodec, SparseChangesTravelAsGapsAndApplyBitExactly) {
+  const auto old = random_bytes(2 * 100000, 1);  // 100k bf16 elements
+  const auto now = changed(old, 2, 500, 2);       // 0.5% changed
+  const RoundTrip r = round_trip(old, now, 2);
+  ASSERT_TRUE(r.encoded);
+  EXPECT_EQ(r.header.encoding, DeltaEncoding::kGaps);
+  EXPECT_EQ(r.header.changed, 500u);
+  // 500 values of 2 bytes and gaps of ~200 elements (2 varint bytes each), far below 200 kB.
+  EXPECT_LE(r.record.size(), kDeltaHeaderBytes + 500 * (2 + 2));
+  EXPECT_GE(r.record.size(), kDeltaHeaderBytes + 500 * (2 + 1));
+}
+
+TEST(DeltaCodec, DenseChangesTravelAsABitmap) {
+  const auto old = random_bytes(4 * 40000, 3);
+  const auto now = changed(old, 4, 20000, 4);  // half of the fp32 elements
+  const RoundTrip r = round_trip(old, now, 4);
+  ASSERT_TRUE(r.encoded);
+  EXPECT_EQ(r.header.encoding, DeltaEncoding::kBitmap);
+  EXPECT_EQ(r.record.size(), kDeltaHeaderBytes + 40000 / 8 + 20000 * 4);
+}
+
+TEST(DeltaCodec, AlmostEverythingChangedGoesWhole) {
+  const auto old = random_bytes(2 * 4096, 5);
+  const auto now = changed(old, 2, 4000, 6);
+  EXPECT_FALSE(round_trip(old, now, 2).encoded);
+}
+
+TEST(DeltaCodec, NothingChangedIsTheHeaderAlone) {
+  const auto old = random_bytes(8 * 1000, 7);
+  const RoundTrip r = round_trip(old, old, 8);
+  ASSERT_TRUE(r.encoded);
+  EXPECT_EQ(r.header.encoding, DeltaEncoding::kNone);
+  EXPECT_EQ(r.record.size(), kDeltaHeaderBytes);
+}
+
+TEST(DeltaCodec, ChangesAreBitsNotValues) {
+  // -0.0 and 0.0 compare equal as floats, and a NaN never equals itself: both must be changes by
+  // bits, and a NaN that stays the same bits is no change.
+  std::vector<float> a = {0.0f, 1.0f, std::nanf("1"), 2.0f}, b = {-0.0f, 1.0f, std::nanf("1"), 2.0f};
+  std::vector<std::byte> old(16), now(16);
+  std::memcpy(old.data(), a.data(), 16);
+  std::memcpy(now.data(), b.data(), 16);
+  // Too small a tensor to win; a larger one with the same pattern.
+  std::vector<std::byte> big_old, big_now;
+  for (int i = 0; i < 256; ++i) {
+    big_old.insert(big_old.end(), old.begin(), old.end());
+    big_now.insert(big_now.end(), (i == 7 ? now : old).begin(), (i == 7 ? now : old).end());
+  }
+  const RoundTrip r = round_trip(big_old, big_now, 4);
+  ASSERT_TRUE(r.encoded);
+  EXPECT_EQ(r.header.changed, 1u);  // element 28: +0.0 -> -0.0; the NaNs kept their bits
+}
+
+TEST(DeltaCodec, EveryElementSizeAndTheLastElement) {
+  for (size_t element_size : {1, 2, 4, 8}) {
+    auto old = random_bytes(element_size * 3000, 8);
+    auto now = old;
+    now[now.size() - 1] ^= std::byte{0x80};  // the last element
+    now[0] ^= std::byte{0x01};               // and the first
+    const RoundTrip r = round_trip(old, now, element_size);
+    ASSERT_TRUE(r.encoded) << element_size;
+    EXPECT_EQ(r.header.changed, 2u);
+  }
+}
+
+TEST(DeltaCodec, AGapOfManyVarintBytesRoundTrips) {
+  // Two changes 2^21 + 6 elements apart: a gap of 22 bits, a four-byte varint.
+  const size_t elements = (1u << 21) + 10;
+  std::vector<std::byte> old(elements), now(elements);
+  now[3] = std::byte{1};
+  now[elements - 1] = std::byte{1};
+  const RoundTrip r = round_trip(old, now, 1);
+  ASSERT_TRUE(r.encoded);
+  EXPECT_EQ(r.record.size(), kDeltaHeaderBytes + 1 + 4 + 2);
+}
+
+class DeltaCodecBadRecord : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    old_ = random_bytes(2 * 5000, 9);
+    now_ = changed(old_, 2, 40, 10);
+    std::vector<std::byte> base = old_;
+    ASSERT_TRUE(encode_delta(base, now_, 2, delta_checksum(now_), record_));
+  }
+  // Applies `record` to a copy of the old version; expects kProtocol naming the record and the
+  // target left as it was.
+  void expect_refused(const std::vector<uint8_t>& record, const std::string& says, size_t element_size = 2) {
+    std::vector<std::byte> target = old_;
+    try {
+      apply_delta(target, element_size, record, "changes to 'w' from source rank 0");
+      FAIL() << "applied a bad record";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::kProtocol);
+      EXPECT_NE(std::string(e.what()).find("'w' from source rank 0"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(says), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(target, old_) << "a refused record must not write anything";
+  }
+  std::vector<std::byte> old_, now_;
+  std::vector<uint8_t> record_;
+};
+
+TEST_F(DeltaCodecBadRecord, TruncatedOrPadded) {
+  auto cut = record_;
+  cut.resize(20);
+  expect_refused(cut, "truncated");
+  auto padded = record_;
+  padded.insert(padded.begin() + kDeltaHeaderBytes, 3, 0);
+  expect_refused(padded, "between positions and values");
+}
+
+TEST_F(DeltaCodecBadRecord, ForAnotherTensor) {
+  expect_refused(record_, "for 5000 elements of 2 bytes", 4);
+  auto bad_magic = record_;
+  bad_magic[0] = 'X';
+  expect_refused(bad_magic, "magic");
+}
+
+TEST_F(DeltaCodecBadRecord, PositionOutOfRange) {
+  auto bad = record_;
+  // The first gap's varint: make it point past the end (0x7f... is the max single byte; set a
+  // multi-byte gap too large by rewriting the first position byte with continuation bits).
+  bad[kDeltaHeaderBytes] = 0xff;
+  bad[kDeltaHeaderBytes + 1] = 0xff;
+  bad[kDeltaHeaderBytes + 2] = 0x7f;
+  expect_refused(bad, "position");
+}
+
+TEST_F(DeltaCodecBadRecord, MoreChangesThanElements) {
+  auto bad = record_;
+  bad[16] = 0xff;  // changed count
+  bad[17] = 0xff;
+  expect_refused(bad, "changed of 5000 elements");
+}
+
+}  // namespace
+}  // namespace refit

@@ -1,0 +1,317 @@
+// Delta refit (refit_cfg.nixl.delta) through the engine: versions, whole refits where the
+// destination does not hold the base, and bit-exact results after many refits.
+#include <gtest/gtest.h>
+
+#include <random>
+
+#include "core/error_of.h"
+#include "engine/delta.h"
+#include "engine_harness.h"
+
+namespace refit {
+namespace {
+
+using testing::error_kind_of;
+using testing::expect_same;
+using testing::inproc_options;
+using testing::make_tensor;
+using testing::OwnedTensor;
+using testing::Received;
+using testing::VectorSource;
+
+std::vector<OwnedTensor> model(uint32_t seed) {
+  return {
+      make_tensor("model.embed_tokens.weight", DType::kBFloat16, {512, 64}, seed + 1),  // 64 KiB: split
+      make_tensor("model.layers.0.mlp.weight", DType::kBFloat16, {128, 64}, seed + 2),
+      make_tensor("model.layers.0.norm.weight", DType::kFloat32, {64}, seed + 3),
+      make_tensor("model.layers.0.empty", DType::kFloat32, {0, 4}, seed + 4),
+      make_tensor("model.layers.0.scale", DType::kFloat8E4M3FN, {300}, seed + 5),
+      make_tensor("lm_head.weight", DType::kBFloat16, {256, 64}, seed + 6),
+  };
+}
+
+// An optimizer step as bits see it: `share` of each tensor's elements get new bits.
+void step(std::vector<OwnedTensor>& weights, double share, uint32_t seed) {
+  std::mt19937 rng(seed);
+  for (auto& t : weights) {
+    const size_t element = dtype_size(t.info.dtype), elements = t.data.size() / element;
+    const size_t n = static_cast<size_t>(share * elements);
+    for (size_t k = 0; k < n; ++k) t.data[(rng() % elements) * element] ^= std::byte{0x01};
+  }
+}
+
+uint64_t bytes_of(const std::vector<OwnedTensor>& weights) {
+  uint64_t n = 0;
+  for (const auto& t : weights) n += t.info.nbytes();
+  return n;
+}
+
+// A source and a destination with delta on, over the in-process transport; either end can be
+// replaced, and every refit goes through connect() first when asked.
+struct DeltaPair {
+  std::shared_ptr<InProcFabric> fabric = make_inproc_fabric();
+  SessionId session = new_session_id();
+  std::unique_ptr<CheckpointEngine> source, destination;
+  SendStats sent;
+
+  explicit DeltaPair(bool source_delta = true, bool destination_delta = true) {
+    source = make(source_delta);
+    destination = make(destination_delta);
+  }
+  std::unique_ptr<CheckpointEngine> make(bool delta, bool release = false) {
+    auto o = inproc_options(fabric, 16 << 10, session);
+    o.config.delta = delta;
+    o.config.release_after_refit = release;
+    return std::make_unique<CheckpointEngine>(o);
+  }
+  void connect() {
+    std::vector<Metadata> md = {source->prepare(), destination->prepare()};
+    source->init_source(0, 1, 1, md);
+    destination->init_destination(0, 1, 1, md);
+  }
+  ReceiveStats refit(const std::vector<OwnedTensor>& weights, Received& got, const BatchLoader& loader = nullptr) {
+    auto sending = std::async(std::launch::async, [&] {
+      VectorSource src(weights);
+      return source->send(src);
+    });
+    ReceiveStats stats;
+    try {
+      stats = destination->receive(loader ? loader : got.loader());
+    } catch (...) {
+      try {
+        sending.get();
+      } catch (...) {
+      }
+      throw;
+    }
+    sent = sending.get();
+    return stats;
+  }
+};
+
+TEST(DeltaRefit, OnlyChangedElementsCrossAndEveryRefitIsBitExact) {
+  DeltaPair p;
+  p.connect();
+  auto weights = model(1);
+  const uint64_t full = bytes_of(weights);
+  Received got;
+  auto first = p.refit(weights, got);
+  expect_same(weights, got);
+  EXPECT_EQ(first.delta_tensors, 0u) << "the first refit has no base: everything goes whole";
+  EXPECT_EQ(first.tensors, weights.size());
+  EXPECT_GE(first.wire_bytes, full);
+  for (uint32_t r = 1; r <= 6; ++r) {
+    step(weights, 0.01, r);
+    Received next;
+    auto stats = p.refit(weights, next);
+    expect_same(weights, next);  // the loader gets every tensor whole, with its new bits
+    EXPECT_EQ(stats.tensors, weights.size());
+    EXPECT_EQ(stats.payload_bytes, full);
+    EXPECT_EQ(stats.delta_tensors, weights.size() - 1) << "all but the empty tensor come as changes";
+    EXPECT_EQ(p.sent.delta_tensors, stats.delta_tensors);
+    EXPECT_EQ(p.sent.tensors, weights.size());
+    EXPECT_LT(stats.wire_bytes, full / 10) << "1% of the elements changed, refit " << r;
+    EXPECT_FALSE(p.destination->stale());
+  }
+}
+
+TEST(DeltaRefit, UnchangedWeightsCostHeadersOnly) {
+  DeltaPair p;
+  p.connect();
+  auto weights = model(2);
+  Received a, b;
+  p.refit(weights, a);
+  auto stats = p.refit(weights, b);
+  expect_same(weights, b);
+  EXPECT_LT(stats.wire_bytes, 64u * (weights.size() + 2));
+}
+
+TEST(DeltaRefit, DenseChangesGoWhole) {
+  DeltaPair p;
+  p.connect();
+  auto weights = model(3);
+  Received a, b;
+  p.refit(weights, a);
+  weights = model(4);  // every element new
+  auto stats = p.refit(weights, b);
+  expect_same(weights, b);
+  EXPECT_EQ(stats.delta_tensors, 0u);
+  EXPECT_GE(stats.wire_bytes, bytes_of(weights));
+}
+
+TEST(DeltaRefit, ARestartedDestinationGetsTheWholeModelThenChangesAgain) {
+  DeltaPair p;
+  p.connect();
+  auto weights = model(5);
+  Received a;
+  p.refit(weights, a);
+  step(weights, 0.01, 50);
+  // The destination restarts: a fresh engine holds nothing, and says so in its metadata.
+  p.destination = p.make(true);
+  p.connect();
+  Received b;
+  auto whole = p.refit(weights, b);
+  expect_same(weights, b);
+  EXPECT_EQ(whole.delta_tensors, 0u);
+  EXPECT_GE(whole.wire_bytes, bytes_of(weights));
+  step(weights, 0.01, 51);
+  Received c;
+  auto delta = p.refit(weights, c);
+  expect_same(weights, c);
+  EXPECT_GT(delta.delta_tensors, 0u);
+}
+
+TEST(DeltaRefit, ARestartedSourceSendsTheWholeModel) {
+  DeltaPair p;
+  p.connect();
+  auto weights = model(6);
+  Received a;
+  p.refit(weights, a);
+  p.source = p.make(true);  // no base
+  p.connect();
+  step(weights, 0.01, 60);
+  Received b;
+  auto stats = p.refit(weights, b);
+  expect_same(weights, b);
+  EXPECT_EQ(stats.delta_tensors, 0u);
+}
+
+TEST(DeltaRefit, AFailedRefitIsFollowedByAWholeOne) {
+  DeltaPair p;
+  p.connect();
+  auto weights = model(7);
+  Received a;
+  p.refit(weights, a);
+  step(weights, 0.01, 70);
+  // The loader fails, after the batch's changes went into the destination's copy: neither side
+  // may use its copy as a base again.
+  int batches = 0;
+  Received failed;
+  EXPECT_THROW(p.refit(weights, failed,
+                       [&](LoadBatch) {
+                         if (++batches == 1) throw std::runtime_error("the inference engine ran out of memory");
+                       }),
+               Error);
+  EXPECT_TRUE(p.destination->stale());
+  p.connect();  // the same engines, prepared again (as the synchronizer does after a failure)
+  step(weights, 0.01, 71);
+  Received b;
+  auto stats = p.refit(weights, b);
+  expect_same(weights, b);
+  EXPECT_EQ(stats.delta_tensors, 0u);
+  step(weights, 0.01, 72);
+  Received c;
+  EXPECT_GT(p.refit(weights, c).delta_tensors, 0u);
+  expect_same(weights, c);
+}
+
+TEST(DeltaRefit, VersionsSurviveAReconnectWithReleasedBuffers) {
+  // release_after_refit: buffers are freed and the engines prepare again before every refit; the
+  // destination declares the version it holds, so changes keep flowing.
+  DeltaPair p;
+  p.source = p.make(true, true);
+  p.destination = p.make(true, true);
+  auto weights = model(8);
+  for (uint32_t r = 0; r < 4; ++r) {
+    p.connect();
+    if (r > 0) step(weights, 0.01, 80 + r);
+    Received got;
+    auto stats = p.refit(weights, got);
+    expect_same(weights, got);
+    EXPECT_EQ(stats.delta_tensors > 0, r > 0) << r;
+    p.source->finalize();
+    p.destination->finalize();
+  }
+}
+
+TEST(DeltaRefit, BothEndsMustAgree) {
+  for (bool source_delta : {true, false}) {
+    DeltaPair p(source_delta, !source_delta);
+    std::vector<Metadata> md = {p.source->prepare(), p.destination->prepare()};
+    auto kind = error_kind_of([&] { p.source->init_source(0, 1, 1, md); });
+    EXPECT_EQ(kind, ErrorKind::kConfig);
+    try {
+      p.destination->init_destination(0, 1, 1, md);
+      FAIL() << "a destination whose delta setting differs from its source's connected";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("refit_cfg.nixl.delta"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("source rank 0"), std::string::npos) << e.what();
+    }
+  }
+}
+
+TEST(DeltaRefit, ALayoutOrGpuDeviceIsRefusedWithTheKey) {
+  DeltaPair p;
+  auto o = inproc_options(p.fabric, 16 << 10, p.session);
+  o.config.delta = true;
+  o.layout = Layout{};
+  o.layout->tensors["lm_head.weight"] = Request::whole();
+  p.destination = std::make_unique<CheckpointEngine>(o);
+  std::vector<Metadata> md = {p.source->prepare(), p.destination->prepare()};
+  try {
+    p.destination->init_destination(0, 1, 1, md);
+    FAIL() << "delta with a layout connected";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kUnsupported);
+    EXPECT_NE(std::string(e.what()).find("refit_cfg.nixl.delta"), std::string::npos) << e.what();
+  }
+  auto gpu = inproc_options(p.fabric, 16 << 10, p.session);
+  gpu.config.delta = true;
+  gpu.config.device = Device{Device::Kind::kCuda, 0};
+  EXPECT_THROW(CheckpointEngine{gpu}, Error);
+}
+
+// The destination's side alone: changes to a version it does not hold are refused before
+// anything is written, and the same changes never apply twice.
+TEST(DeltaRefit, ChangesApplyOnlyToTheirBaseAndNeverTwice) {
+  auto weights = model(9);
+  SourceDelta source;
+  DestinationDelta destination, fresh;
+  std::vector<TensorView> out;
+  std::vector<std::shared_ptr<const void>> owners;
+  auto run = [&](DestinationDelta& d, uint64_t version, std::vector<TensorView>* records = nullptr) {
+    VectorSource inner(weights);
+    WeightSource& stream = source.begin(inner, version, "destination rank 0");
+    std::vector<TensorView> views;
+    TensorView v;
+    while (stream.next(&v)) views.push_back(v);
+    if (records) *records = views;
+    d.begin();
+    d.transform(views, {}, out, owners, "source rank 0");
+    d.finish("source rank 0");
+    source.commit();
+  };
+  run(destination, 0);
+  const uint64_t base = destination.version();
+  ASSERT_NE(base, 0u);
+  step(weights, 0.01, 90);
+  // Keep the records of this delta refit (their memory lives until the source's next begin()).
+  VectorSource inner(weights);
+  WeightSource& stream = source.begin(inner, base, "destination rank 0");
+  std::vector<TensorView> records;
+  TensorView v;
+  while (stream.next(&v)) records.push_back(v);
+  EXPECT_TRUE(records[1].info->name.starts_with("refit:delta:"));
+  // A destination that holds nothing refuses them.
+  fresh.begin();
+  EXPECT_EQ(error_kind_of([&] { fresh.transform(records, {}, out, owners, "source rank 0"); }), ErrorKind::kProtocol);
+  // The one that holds the base applies them, and gets the new bits.
+  destination.begin();
+  destination.transform(records, {}, out, owners, "source rank 0");
+  destination.finish("source rank 0");
+  ASSERT_EQ(out.size(), weights.size());  // every tensor, the markers left out
+  for (size_t k = 0; k < weights.size(); ++k)
+    EXPECT_EQ(0, std::memcmp(out[k].data, weights[k].data.data(), weights[k].data.size())) << weights[k].info.name;
+  // Applying them again is refused: the destination now holds the version they made.
+  destination.begin();
+  try {
+    destination.transform(records, {}, out, owners, "source rank 0");
+    FAIL() << "a delta applied twice";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kProtocol);
+    EXPECT_NE(std::string(e.what()).find("refusing"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace refit

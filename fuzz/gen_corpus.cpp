@@ -532,7 +532,7 @@ void delta_seed(const std::string& name, size_t element_size, size_t elements, s
   now = old;
   for (size_t k = 0; k < changed; ++k) now[(k * stride % elements) * element_size] ^= std::byte{0x5a};
   std::vector<uint8_t> record;
-  if (!encode_delta(old, now, element_size, delta_checksum(now), record)) return;
+  if (!encode_delta(old, now, element_size, record).encoded) return;
   Bytes seed = {static_cast<uint8_t>(element_size == 1 ? 0 : element_size == 2 ? 1 : element_size == 4 ? 2 : 3)};
   seed.insert(seed.end(), record.begin(), record.end());
   write("delta", name, seed);

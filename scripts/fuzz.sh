@@ -7,7 +7,7 @@
 #        scripts/fuzz.sh --seed                   rewrite the generated seeds in fuzz/corpus/
 #        scripts/fuzz.sh --merge                  add inputs (<= 1 KiB) of build/fuzz/corpus/ that
 #                                                 reach new coverage to fuzz/corpus/ (after a long run)
-# Targets: metadata message layout assembler channel safetensors local_frame local_peer cuda_ipc_key
+# Targets: metadata message layout assembler channel safetensors delta local_frame local_peer cuda_ipc_key
 # nccl_request ucx_address (all by default, and in CI). The last five decode small blobs of a fixed
 # layout and reach all their code within seconds: they run a quarter of SECONDS (at least 1 s).
 # FUZZ_JOBS=N runs N targets at once (default: the number of cores). Exit status is non-zero if
@@ -32,7 +32,7 @@ esac
 targets=("$@")
 [ ${#targets[@]} -eq 0 ] && targets=("${all_targets[@]}")
 
-packages=(clang-14 libclang-rt-14-dev cmake ninja-build libfmt-dev nlohmann-json3-dev)
+packages=(clang-14 libclang-rt-14-dev cmake ninja-build pkg-config libfmt-dev nlohmann-json3-dev libxxhash-dev)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

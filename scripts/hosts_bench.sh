@@ -14,7 +14,10 @@
 #              BUCKETS (default "16MiB 64MiB"), SOURCES and DESTINATIONS (default 2 and 2),
 #              BENCH_ARGS (more `refit bench` arguments, e.g. resharding:
 #              "--src-tp 2 --src-dp 2 --tp 2 --shard-dense" with SOURCES=4), KEEP_JSON (copy the
-#              last bench's --json here; scripts/check_planner.py uses it).
+#              last bench's --json here; scripts/check_planner.py uses it), DELTA (a changed share,
+#              e.g. 0.017: each model and bucket runs twice on the same hosts, a full refit and a
+#              delta refit (refit_cfg.nixl.delta=true) of the workload `refit bench --changed DELTA`,
+#              timed over the refits after the first, which a delta refit sends whole).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RATE="${1:-2gbit}"
@@ -72,45 +75,64 @@ ceiling() {
   echo "$line" | awk '{print $7 * 1048576}'
 }
 
-printf '%-8s %-7s %12s %10s %10s %9s %12s %9s\n' model bucket "MiB/dest" "bound s" "refit s" "x bound" "ucp_get MB/s" "x ucp_get"
+MODES=plain
+[ -z "${DELTA:-}" ] || MODES="full delta"
+printf '%-8s %-7s %-5s %12s %10s %10s %9s %12s %9s\n' model bucket mode "MiB/dest" "bound s" "refit s" "x bound" \
+  "ucp_get MB/s" "x ucp_get"
 for model in $MODELS; do
   for bucket in $BUCKETS; do
+   for mode in $MODES; do
     port=$((29000 + RANDOM % 1000))
-    json="$work/$model-$bucket.json"
+    json="$work/$model-$bucket-$mode.json"
+    MODE_ARGS=""
+    [ "$mode" = plain ] || MODE_ARGS="--changed $DELTA"
+    [ "$mode" != delta ] || MODE_ARGS="$MODE_ARGS refit_cfg.nixl.delta=true"
     pids=()
     for ((r = 1; r < WORLD; r++)); do
       # shellcheck disable=SC2086  # BENCH_ARGS is a list of arguments
       H exec $((r + 1)) env RANK=$r WORLD_SIZE=$WORLD MASTER_ADDR="$master" MASTER_PORT="$port" "$REFIT" bench \
         --launcher env --model "$(model_path "$model")" --sources "$SOURCES" --destinations "$DESTINATIONS" \
-        --refits "$REFITS" $BENCH_ARGS "refit_cfg.nixl.bucket_bytes=$bucket" >"$work/$model-$bucket.rank$r.log" 2>&1 &
+        --refits "$REFITS" $BENCH_ARGS $MODE_ARGS "refit_cfg.nixl.bucket_bytes=$bucket" >"$work/$model-$bucket.rank$r.log" 2>&1 &
       pids+=($!)
     done
     # shellcheck disable=SC2086
     H exec 1 env RANK=0 WORLD_SIZE=$WORLD MASTER_ADDR="$master" MASTER_PORT="$port" "$REFIT" bench --launcher env \
       --model "$(model_path "$model")" --sources "$SOURCES" --destinations "$DESTINATIONS" --refits "$REFITS" \
-      --json "$json" $BENCH_ARGS "refit_cfg.nixl.bucket_bytes=$bucket" >"$work/$model-$bucket.rank0.log" 2>&1 || {
+      --json "$json" $BENCH_ARGS $MODE_ARGS "refit_cfg.nixl.bucket_bytes=$bucket" >"$work/$model-$bucket.rank0.log" 2>&1 || {
       echo "hosts_bench: $model $bucket failed:"; tail -n 20 "$work/$model-$bucket.rank0.log"; exit 1; }
     wait "${pids[@]}" || true
     [ -z "${KEEP_JSON:-}" ] || cp "$json" "$KEEP_JSON"
     bucket_bytes=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["bucket_bytes"])' "$json")
     get=$(ceiling "$bucket_bytes")
-    python3 - "$json" "$bits" "$model" "$bucket" "${get:-0}" <<'EOF'
+    python3 - "$json" "$bits" "$model" "$bucket" "${get:-0}" "$mode" <<'EOF'
 import json, statistics, sys
 result, bits, model, bucket, get = json.load(open(sys.argv[1])), float(sys.argv[2]), sys.argv[3], sys.argv[4], float(sys.argv[5])
+mode = sys.argv[6]
 assert result["verified"], "not verified"
-per_dest = max(d["bytes"] for r in result["refits"] for d in r["bytes_received"])
+refits = result["refits"]
+if mode != "plain":
+    # The first refit of a delta run has no base and goes whole: both modes are timed without it.
+    assert len(refits) > 1, "DELTA needs at least 2 refits"
+    refits = refits[1:]
+per_dest = max(d["bytes"] for r in refits for d in r["bytes_received"])
+wire = max(d["wire_bytes"] for r in refits for d in r["bytes_received"])
 # Resharding: a source's link may carry more than any destination's.
-egress = max((s["bytes"] for r in result["refits"] for s in r.get("bytes_sent", []) if result.get("resharding")),
+egress = max((s["bytes"] for r in refits for s in r.get("bytes_sent", []) if result.get("resharding")),
              default=0)
-routes = sorted({d["route"] for r in result["refits"] for d in r["bytes_received"]})
-seconds = statistics.median(r["seconds"] for r in result["refits"])
-bound = max(per_dest, egress) / (bits / 8)
-line = f"{model:<8} {bucket:<7} {per_dest / 2**20:12.1f} {bound:10.3f} {seconds:10.3f} {seconds / bound:9.3f}"
+routes = sorted({d["route"] for r in refits for d in r["bytes_received"]})
+seconds = statistics.median(r["seconds"] for r in refits)
+# A delta refit's bound is what it puts on the wire; a full one's, the model.
+bound = (wire if mode == "delta" else max(per_dest, egress)) / (bits / 8)
+line = f"{model:<8} {bucket:<7} {mode:<5} {per_dest / 2**20:12.1f} {bound:10.3f} {seconds:10.3f} {seconds / bound:9.3f}"
 if get > 0:
     line += f" {get / 1e6:12.1f} {(per_dest / seconds) / get:9.3f}"
+if mode == "delta":
+    line += f"   (wire {wire / 2**20:.2f} MiB)"
 print(line + f"   ({', '.join(routes)})")
 EOF
+   done
   done
 done
 echo "rate $RATE per host link (tbf, both directions); refit s: median of $REFITS refits, every one verified bitwise;"
 echo "x bound = refit time / (most bytes on one host's link / rate); x ucp_get = refit throughput per destination / ucp_get"
+[ -z "${DELTA:-}" ] || echo "full / delta: the workload --changed $DELTA without and with refit_cfg.nixl.delta, timed over refits 2..$REFITS; a delta refit's bound is its wire bytes / rate"

@@ -28,8 +28,9 @@ int main(int argc, char** argv) {
   bench_cmd->add_option("--destinations", bench.destinations, "Destination (rollout) processes")->capture_default_str();
   bench_cmd->add_option("--refits", bench.refits, "Refits to run")->capture_default_str();
   bench_cmd->add_option("--changed", bench.changed,
-                        "A delta workload: each refit after the first changes this share of every tensor's elements "
-                        "(0: all new content every refit); with refit_cfg.nixl.delta=true only the changes travel");
+                        "A delta workload: each refit after the first moves this share of every tensor's elements "
+                        "by one or two units in the last place, as an optimizer step does (0: all new content every "
+                        "refit); with refit_cfg.nixl.delta=true only the changes travel");
   bench_cmd->add_option("--versions", bench.versions,
                         "A folder of consecutive versions of the weights (*.safetensors in name order, e.g. from "
                         "python/bench/delta_workload.py --save-dir): refit k sends version k (instead of --model)");

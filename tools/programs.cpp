@@ -191,15 +191,20 @@ class SourceProgram final : public WorkerProgram {
  private:
   bool synthetic() const { return model_.safetensors_path.empty(); }
 
-  // The delta workload: changed_share of the tensor's elements get new bits (one byte of each
-  // XORed with a non-zero value), at positions drawn from `seed` (a position drawn twice changes
-  // once or not at all, as an optimizer step's may).
+  // The delta workload: changed_share of the tensor's elements take a step of one or two units in
+  // the last place, up or down (their bytes as a little-endian integer, modulo 2^bits), as an
+  // optimizer step moves a bf16 weight; positions are drawn from `seed` (one drawn twice may step
+  // back, as a weight may).
   void change_elements(std::byte* data, const TensorInfo& info, uint64_t seed) const {
     const uint64_t element = dtype_size(info.dtype), elements = info.numel();
     const auto n = static_cast<uint64_t>(model_.changed_share * static_cast<double>(elements));
     for (uint64_t k = 0; k < n; ++k) {
       const uint64_t r = content_word(seed, k);
-      data[(r % elements) * element + (r >> 40) % element] ^= static_cast<std::byte>(1 + (r >> 48) % 255);
+      std::byte* e = data + (r % elements) * element;
+      uint64_t v = 0;
+      for (uint64_t b = 0; b < element; ++b) v |= static_cast<uint64_t>(e[b]) << (8 * b);
+      v += (r >> 62) & 1 ? 1 + ((r >> 61) & 1) : ~uint64_t{0} - ((r >> 61) & 1);  // +1, +2, -1 or -2
+      for (uint64_t b = 0; b < element; ++b) e[b] = static_cast<std::byte>(v >> (8 * b));
     }
   }
 

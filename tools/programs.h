@@ -38,9 +38,9 @@ struct BenchModel {
   // Where the sources' weights and the destinations' parameters live: host memory (hashed with
   // xxh3 on the CPU) or the worker's current GPU (filled and hashed by GPU kernels).
   MemoryKind tensors = MemoryKind::kHost;
-  // A delta workload (synthetic host content, paired): each refit after the first changes this
-  // share of every tensor's elements in place, at positions and to values drawn from the refit;
-  // 0: all new content every refit.
+  // A delta workload (synthetic host content, paired): each refit after the first moves this
+  // share of every tensor's elements by one or two units in the last place, as an optimizer step
+  // does, at positions drawn from the refit; 0: all new content every refit.
   double changed_share = 0;
   // Consecutive versions of the weights (safetensors files, e.g. python/bench/delta_workload.py
   // --save-dir): refit k sends version k; safetensors_path is the first.

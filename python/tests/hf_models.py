@@ -40,22 +40,49 @@ def make_checkpoint(family: str, dtype: str, seed: int, path: str) -> str:
     return path
 
 
-def mix_checkpoint(base: str, other: str, names: List[str], path: str) -> str:
-    """``base`` with the tensors ``names`` taken from ``other``, saved to ``path``."""
+def _save_like(base: str, tensors: dict, path: str) -> str:
+    """``tensors`` as the checkpoint of ``base``'s other files (config.json ...), saved to ``path``."""
     import shutil
 
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
 
-    tensors = load_file(os.path.join(base, "model.safetensors"))
-    donor = load_file(os.path.join(other, "model.safetensors"))
-    for name in names:
-        tensors[name] = donor[name]
     os.makedirs(path, exist_ok=True)
     for f in os.listdir(base):
         if f != "model.safetensors":
             shutil.copy(os.path.join(base, f), path)
     save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     return path
+
+
+def mix_checkpoint(base: str, other: str, names: List[str], path: str) -> str:
+    """``base`` with the tensors ``names`` taken from ``other``, saved to ``path``."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(os.path.join(base, "model.safetensors"))
+    donor = load_file(os.path.join(other, "model.safetensors"))
+    for name in names:
+        tensors[name] = donor[name]
+    return _save_like(base, tensors, path)
+
+
+def nudge_checkpoint(base: str, share: float, seed: int, path: str) -> str:
+    """``base`` after a simulated optimizer step: ``share`` of every floating tensor's elements
+    move by one unit in the last place (their bits as an integer, +1 or -1), saved to ``path``."""
+    import torch
+    from safetensors.torch import load_file
+
+    integer = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+    generator = torch.Generator().manual_seed(seed)
+    tensors = load_file(os.path.join(base, "model.safetensors"))
+    for name, t in tensors.items():
+        if not t.is_floating_point() or t.numel() == 0:
+            continue
+        bits = t.view(integer[t.element_size()]).flatten()
+        n = max(1, int(share * bits.numel()))
+        where = torch.randperm(bits.numel(), generator=generator)[:n]
+        step = torch.randint(0, 2, (n,), generator=generator, dtype=bits.dtype) * 2 - 1
+        bits[where] += step
+    return _save_like(base, tensors, path)
 
 
 class CheckpointPolicy:

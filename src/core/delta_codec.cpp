@@ -46,27 +46,69 @@ uint64_t load_word(const std::byte* p) {
   return w;
 }
 
-// The indices of the elements that differ, stopping (and returning false) once keeping them would
-// cost `budget` bytes or more (header, the cheaper of gaps and bitmap, values).
-bool changed_elements(std::span<const std::byte> base, std::span<const std::byte> now, size_t element_size,
-                      uint64_t budget, std::vector<uint64_t>& changed, uint64_t& gap_bytes) {
+// An element's bytes as the little-endian integer they spell, whatever the host: both ends then
+// take the same differences.
+uint64_t element_bits(const std::byte* p, size_t size) {
+  uint64_t v = 0;
+  for (size_t k = 0; k < size; ++k) v |= static_cast<uint64_t>(p[k]) << (8 * k);
+  return v;
+}
+
+void store_element(std::byte* p, size_t size, uint64_t v) {
+  for (size_t k = 0; k < size; ++k) p[k] = static_cast<std::byte>(v >> (8 * k));
+}
+
+// The new element as a difference of bit patterns (modulo 2^bits, so exact whatever the values),
+// zigzagged so that small steps either way are small numbers: an optimizer step moves most
+// elements by a few units in the last place, which then take one varint byte instead of two.
+uint64_t zigzag_step(uint64_t before, uint64_t after, size_t size) {
+  const unsigned bits = 8 * static_cast<unsigned>(size);
+  const uint64_t mask = bits == 64 ? ~uint64_t{0} : (uint64_t{1} << bits) - 1;
+  const uint64_t d = (after - before) & mask;
+  // As a signed number of `bits` bits: negative when the top bit is set.
+  const bool negative = (d >> (bits - 1)) & 1;
+  const uint64_t magnitude = negative ? ((~d + 1) & mask) : d;
+  return negative ? 2 * magnitude - 1 : 2 * magnitude;
+}
+
+uint64_t unzigzag_step(uint64_t before, uint64_t z, size_t size) {
+  const unsigned bits = 8 * static_cast<unsigned>(size);
+  const uint64_t mask = bits == 64 ? ~uint64_t{0} : (uint64_t{1} << bits) - 1;
+  const uint64_t magnitude = (z >> 1) + (z & 1);
+  return ((z & 1) ? before - magnitude : before + magnitude) & mask;
+}
+
+// What a scan found: the changed elements and what each way of writing them costs.
+struct Scan {
+  std::vector<uint64_t> changed;
+  uint64_t gap_bytes = 0;   // positions as LEB128 gaps
+  uint64_t step_bytes = 0;  // values as LEB128 zigzag steps
+};
+
+// Finds the elements that differ, and hashes `now` on the way (one pass over its memory). Stops,
+// returning false, once writing the changes would cost `budget` bytes or more.
+bool scan(std::span<const std::byte> base, std::span<const std::byte> now, size_t element_size, uint64_t budget,
+          Scan& s, XXH3_state_t* hash) {
   const uint64_t elements = now.size() / element_size;
   const uint64_t bitmap_bytes = (elements + 7) / 8;
   uint64_t previous = 0;
-  gap_bytes = 0;
+  const std::byte* a = base.data();
+  const std::byte* b = now.data();
   auto note = [&](uint64_t i) {
-    gap_bytes += varint_size(changed.empty() ? i : i - previous - 1);
+    s.gap_bytes += varint_size(s.changed.empty() ? i : i - previous - 1);
+    s.step_bytes += varint_size(
+        zigzag_step(element_bits(a + i * element_size, element_size), element_bits(b + i * element_size, element_size),
+                    element_size));
     previous = i;
-    changed.push_back(i);
-    return kDeltaHeaderBytes + std::min(gap_bytes, bitmap_bytes) + changed.size() * element_size < budget;
+    s.changed.push_back(i);
+    const uint64_t values = std::min<uint64_t>(s.changed.size() * element_size, s.step_bytes);
+    return kDeltaHeaderBytes + std::min(s.gap_bytes, bitmap_bytes) + values < budget;
   };
   // Eight bytes at a time (element sizes divide 8): a word that differs names its elements by
-  // which lanes of the XOR are non-zero; 64 bytes that all match are skipped with one test.
+  // which lanes of the XOR are non-zero; 64 bytes that all match cost one test.
   const size_t lanes = 8 / element_size;
   const uint64_t lane_mask = element_size == 8 ? ~uint64_t{0} : (uint64_t{1} << (8 * element_size)) - 1;
   const size_t words = now.size() / 8;
-  const std::byte* a = base.data();
-  const std::byte* b = now.data();
   auto word_changes = [&](size_t w) {
     const uint64_t x = load_word(a + w * 8) ^ load_word(b + w * 8);
     if (x == 0) return true;
@@ -77,14 +119,21 @@ bool changed_elements(std::span<const std::byte> base, std::span<const std::byte
     }
     return true;
   };
+  // Hashed in blocks that stay in cache between the hash and the compare.
+  constexpr size_t kBlockWords = 4096;
   size_t w = 0;
-  for (; w + 8 <= words; w += 8) {
-    uint64_t any = 0;
-    for (size_t k = 0; k < 8; ++k) any |= load_word(a + (w + k) * 8) ^ load_word(b + (w + k) * 8);
-    if (any == 0) continue;
-    for (size_t k = 0; k < 8; ++k)
-      if (!word_changes(w + k)) return false;
+  while (w + 8 <= words) {
+    const size_t end = std::min(words - words % 8, w + kBlockWords);
+    XXH3_64bits_update(hash, b + w * 8, (end - w) * 8);
+    for (; w < end; w += 8) {
+      uint64_t any = 0;
+      for (size_t k = 0; k < 8; ++k) any |= load_word(a + (w + k) * 8) ^ load_word(b + (w + k) * 8);
+      if (any == 0) continue;
+      for (size_t k = 0; k < 8; ++k)
+        if (!word_changes(w + k)) return false;
+    }
   }
+  XXH3_64bits_update(hash, b + w * 8, now.size() - w * 8);
   for (; w < words; ++w)
     if (!word_changes(w)) return false;
   // The tail shorter than a word.
@@ -97,46 +146,62 @@ bool changed_elements(std::span<const std::byte> base, std::span<const std::byte
 
 uint64_t delta_checksum(std::span<const std::byte> bytes) { return XXH3_64bits(bytes.data(), bytes.size()); }
 
-bool encode_delta(std::span<std::byte> base, std::span<const std::byte> now, size_t element_size, uint64_t checksum,
-                  std::vector<uint8_t>& out) {
-  if (element_size == 0 || base.size() != now.size() || now.size() % element_size != 0)
+DeltaResult encode_delta(std::span<std::byte> base, std::span<const std::byte> now, size_t element_size,
+                         std::vector<uint8_t>& out) {
+  if (element_size == 0 || element_size > 8 || 8 % element_size != 0 || base.size() != now.size() ||
+      now.size() % element_size != 0)
     fail(ErrorKind::kInternal, "encode_delta: {} and {} bytes of {}-byte elements", base.size(), now.size(),
          element_size);
   const uint64_t elements = now.size() / element_size;
-  std::vector<uint64_t> changed;
-  uint64_t gap_bytes = 0;
-  if (!changed_elements(base, now, element_size, now.size(), changed, gap_bytes)) return false;
+  Scan s;
+  XXH3_state_t* hash = XXH3_createState();
+  if (hash == nullptr) throw std::bad_alloc();
+  XXH3_64bits_reset(hash);
+  const bool fits = scan(base, now, element_size, now.size(), s, hash);
+  const uint64_t checksum = fits ? XXH3_64bits_digest(hash) : 0;
+  XXH3_freeState(hash);
+  if (!fits) return {};
   const uint64_t bitmap_bytes = (elements + 7) / 8;
-  const DeltaEncoding encoding =
-      changed.empty() ? DeltaEncoding::kNone : (gap_bytes <= bitmap_bytes ? DeltaEncoding::kGaps : DeltaEncoding::kBitmap);
+  const DeltaEncoding encoding = s.changed.empty()              ? DeltaEncoding::kNone
+                                 : s.gap_bytes <= bitmap_bytes ? DeltaEncoding::kGaps
+                                                               : DeltaEncoding::kBitmap;
+  const bool steps = s.step_bytes < s.changed.size() * element_size;
   const uint64_t positions =
-      encoding == DeltaEncoding::kNone ? 0 : (encoding == DeltaEncoding::kGaps ? gap_bytes : bitmap_bytes);
-  out.assign(kDeltaHeaderBytes + positions + changed.size() * element_size, 0);
+      encoding == DeltaEncoding::kNone ? 0 : (encoding == DeltaEncoding::kGaps ? s.gap_bytes : bitmap_bytes);
+  const uint64_t values = steps ? s.step_bytes : s.changed.size() * element_size;
+  out.assign(kDeltaHeaderBytes + positions + values, 0);
   uint8_t* p = out.data();
   std::memcpy(p, kMagic.data(), kMagic.size());
   p += kMagic.size();
   p = put_le<uint8_t>(p, static_cast<uint8_t>(encoding));
   p = put_le<uint8_t>(p, static_cast<uint8_t>(element_size));
-  p = put_le<uint16_t>(p, 0);
+  p = put_le<uint8_t>(p, static_cast<uint8_t>(steps ? DeltaValues::kSteps : DeltaValues::kRaw));
+  p = put_le<uint8_t>(p, 0);
   p = put_le<uint64_t>(p, elements);
-  p = put_le<uint64_t>(p, changed.size());
+  p = put_le<uint64_t>(p, s.changed.size());
   p = put_le<uint64_t>(p, checksum);
   if (encoding == DeltaEncoding::kGaps) {
     uint64_t previous = 0;
-    for (size_t k = 0; k < changed.size(); ++k) {
-      p = put_varint(p, k == 0 ? changed[k] : changed[k] - previous - 1);
-      previous = changed[k];
+    for (size_t k = 0; k < s.changed.size(); ++k) {
+      p = put_varint(p, k == 0 ? s.changed[k] : s.changed[k] - previous - 1);
+      previous = s.changed[k];
     }
   } else if (encoding == DeltaEncoding::kBitmap) {
-    for (uint64_t i : changed) p[i / 8] |= static_cast<uint8_t>(1u << (i % 8));
+    for (uint64_t i : s.changed) p[i / 8] |= static_cast<uint8_t>(1u << (i % 8));
     p += bitmap_bytes;
   }
-  for (uint64_t i : changed) {
-    std::memcpy(p, now.data() + i * element_size, element_size);
-    std::memcpy(base.data() + i * element_size, now.data() + i * element_size, element_size);
-    p += element_size;
+  for (uint64_t i : s.changed) {
+    std::byte* old = base.data() + i * element_size;
+    const std::byte* fresh = now.data() + i * element_size;
+    if (steps) {
+      p = put_varint(p, zigzag_step(element_bits(old, element_size), element_bits(fresh, element_size), element_size));
+    } else {
+      std::memcpy(p, fresh, element_size);
+      p += element_size;
+    }
+    std::memcpy(old, fresh, element_size);
   }
-  return true;
+  return {true, checksum};
 }
 
 DeltaHeader read_delta_header(std::span<const uint8_t> record, const std::string& what) {
@@ -148,7 +213,11 @@ DeltaHeader read_delta_header(std::span<const uint8_t> record, const std::string
     fail(ErrorKind::kProtocol, "malformed {}: unknown encoding {}", what, encoding);
   h.encoding = static_cast<DeltaEncoding>(encoding);
   h.element_size = in.get<uint8_t>("element size");
-  if (in.get<uint16_t>("reserved") != 0) fail(ErrorKind::kProtocol, "malformed {}: reserved bytes are set", what);
+  const uint8_t values = in.get<uint8_t>("values");
+  if (values > static_cast<uint8_t>(DeltaValues::kSteps))
+    fail(ErrorKind::kProtocol, "malformed {}: unknown value coding {}", what, values);
+  h.values = static_cast<DeltaValues>(values);
+  if (in.get<uint8_t>("reserved") != 0) fail(ErrorKind::kProtocol, "malformed {}: reserved byte is set", what);
   h.elements = in.get<uint64_t>("elements");
   h.changed = in.get<uint64_t>("changed");
   h.checksum = in.get<uint64_t>("checksum");
@@ -162,37 +231,39 @@ DeltaHeader read_delta_header(std::span<const uint8_t> record, const std::string
 DeltaHeader apply_delta(std::span<std::byte> target, size_t element_size, std::span<const uint8_t> record,
                         const std::string& what) {
   const DeltaHeader h = read_delta_header(record, what);
-  if (h.element_size != element_size || h.elements * element_size != target.size())
+  if (h.element_size != element_size || element_size == 0 || element_size > 8 ||
+      h.elements * element_size != target.size() || h.elements > target.size())
     fail(ErrorKind::kProtocol, "{} is for {} elements of {} bytes, but the tensor has {} bytes of {}-byte elements",
          what, h.elements, h.element_size, target.size(), element_size);
   const uint8_t* p = record.data() + kDeltaHeaderBytes;
-  const uint8_t* end = record.data() + record.size();
-  // The values are the record's last changed * element_size bytes; positions lie before them.
-  const uint64_t value_bytes = h.changed * element_size;
-  if (static_cast<uint64_t>(end - p) < value_bytes)
-    fail(ErrorKind::kProtocol, "malformed {}: {} bytes cannot hold {} values", what, end - p, h.changed);
-  const uint8_t* values = end - value_bytes;
+  const uint8_t* const end = record.data() + record.size();
+  auto varint = [&](const char* field, uint64_t k) {
+    uint64_t v = 0;
+    for (int shift = 0;; shift += 7) {
+      if (p >= end || shift > 63) fail(ErrorKind::kProtocol, "malformed {}: {} {} is cut off", what, field, k);
+      const uint8_t byte = *p++;
+      v |= static_cast<uint64_t>(byte & 0x7f) << shift;
+      if (!(byte & 0x80)) return v;
+    }
+  };
+  // Positions first (checked whole before anything is written), then the values.
+  if (h.changed > static_cast<uint64_t>(end - p))
+    fail(ErrorKind::kProtocol, "malformed {}: {} bytes cannot hold {} changes", what, end - p, h.changed);
   std::vector<uint64_t> index;
   index.reserve(h.changed);
   if (h.encoding == DeltaEncoding::kGaps) {
     uint64_t previous = 0;
     for (uint64_t k = 0; k < h.changed; ++k) {
-      uint64_t gap = 0;
-      for (int shift = 0;; shift += 7) {
-        if (p >= values || shift > 63) fail(ErrorKind::kProtocol, "malformed {}: position {} is cut off", what, k);
-        const uint8_t byte = *p++;
-        gap |= static_cast<uint64_t>(byte & 0x7f) << shift;
-        if (!(byte & 0x80)) break;
-      }
+      const uint64_t gap = varint("position", k);
       const uint64_t i = k == 0 ? gap : previous + 1 + gap;
-      if (i >= h.elements || (k > 0 && i <= previous))
-        fail(ErrorKind::kProtocol, "malformed {}: position {} is element {} of {}", what, k, i, h.elements);
+      if (gap >= h.elements || i >= h.elements || (k > 0 && i <= previous))
+        fail(ErrorKind::kProtocol, "malformed {}: position {} is past element {}", what, k, h.elements);
       index.push_back(i);
       previous = i;
     }
   } else if (h.encoding == DeltaEncoding::kBitmap) {
     const uint64_t bitmap_bytes = (h.elements + 7) / 8;
-    if (static_cast<uint64_t>(values - p) < bitmap_bytes)
+    if (static_cast<uint64_t>(end - p) < bitmap_bytes)
       fail(ErrorKind::kProtocol, "malformed {}: the bitmap of {} elements is cut off", what, h.elements);
     for (uint64_t i = 0; i < h.elements; ++i)
       if (p[i / 8] & (1u << (i % 8))) index.push_back(i);
@@ -204,9 +275,24 @@ DeltaHeader apply_delta(std::span<std::byte> target, size_t element_size, std::s
            h.changed);
     p += bitmap_bytes;
   }
-  if (p != values) fail(ErrorKind::kProtocol, "malformed {}: {} bytes between positions and values", what, values - p);
-  for (uint64_t k = 0; k < index.size(); ++k)
-    std::memcpy(target.data() + index[k] * element_size, values + k * element_size, element_size);
+  std::vector<uint64_t> fresh(index.size());
+  if (h.values == DeltaValues::kRaw) {
+    if (static_cast<uint64_t>(end - p) != index.size() * element_size)
+      fail(ErrorKind::kProtocol, "malformed {}: {} bytes of values for {} changes of {} bytes", what, end - p,
+           index.size(), element_size);
+    for (size_t k = 0; k < index.size(); ++k) fresh[k] = element_bits(reinterpret_cast<const std::byte*>(p) + k * element_size, element_size);
+    p = end;
+  } else {
+    for (size_t k = 0; k < index.size(); ++k) {
+      const uint64_t z = varint("value", k);
+      // A step larger than the element's range would be a second spelling of another step.
+      if (element_size < 8 && (z >> (8 * element_size)) != 0)
+        fail(ErrorKind::kProtocol, "malformed {}: value {} steps by {} in {}-byte elements", what, k, z, element_size);
+      fresh[k] = unzigzag_step(element_bits(target.data() + index[k] * element_size, element_size), z, element_size);
+    }
+  }
+  if (p != end) fail(ErrorKind::kProtocol, "malformed {}: {} bytes after the values", what, end - p);
+  for (size_t k = 0; k < index.size(); ++k) store_element(target.data() + index[k] * element_size, element_size, fresh[k]);
   return h;
 }
 

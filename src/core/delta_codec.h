@@ -2,15 +2,20 @@
 // compared and written as bits (nothing is added or subtracted, so applying a delta to the old
 // version gives the new one bit for bit; -0.0 vs 0.0 or two NaN payloads count as changes).
 //
-// A record is self-describing: a fixed header (magic "RFD1", encoding, element size, element
-// count, changed count, xxh3-64 of the whole tensor after the change), then the positions and the
-// new values. Positions are encoded whichever way is smaller:
-//   gaps:   each changed index as the LEB128 varint of its distance from the previous one (about
-//           1-2 bytes per change when under ~1% of the elements changed);
-//   bitmap: one bit per element (denser changes);
-//   none:   nothing changed (the header alone).
-// The values follow, element bytes in index order. apply_delta() checks every field before it
-// writes anything, so a malformed record is Error(kProtocol) naming it, never a stray write.
+// A record is self-describing: a fixed header (magic "RFD1", position encoding, element size,
+// value coding, element count, changed count, xxh3-64 of the whole tensor after the change), then
+// the positions and the new values, each written whichever way is smaller:
+//   positions: gaps   each changed index as the LEB128 varint of its distance from the previous
+//                     one (about 1 byte per change when more than ~1% of the elements changed);
+//              bitmap one bit per element (denser changes);
+//              none   nothing changed (the header alone);
+//   values:    raw    the new element bytes, in index order;
+//              steps  the difference of the new and old bit patterns (the elements' bytes as
+//                     little-endian integers, modulo 2^bits), zigzagged and LEB128-coded: an
+//                     optimizer step moves most bf16 weights by a few units in the last place,
+//                     one byte instead of two. Integer arithmetic on bits: still exact.
+// apply_delta() checks every field before it writes anything, so a malformed record is
+// Error(kProtocol) naming it, never a stray write.
 #pragma once
 
 #include <cstddef>
@@ -22,24 +27,31 @@
 namespace refit {
 
 enum class DeltaEncoding : uint8_t { kNone = 0, kGaps = 1, kBitmap = 2 };
+enum class DeltaValues : uint8_t { kRaw = 0, kSteps = 1 };
 
 inline constexpr size_t kDeltaHeaderBytes = 32;
 
 struct DeltaHeader {
   DeltaEncoding encoding = DeltaEncoding::kNone;
   uint32_t element_size = 0;
+  DeltaValues values = DeltaValues::kRaw;
   uint64_t elements = 0;
   uint64_t changed = 0;
   uint64_t checksum = 0;  // xxh3-64 of the tensor's bytes after applying
 };
 
-// Compares `now` with `base` (same size, a multiple of element_size) and, when the record is
-// smaller than `now` itself, writes it into `out` (replacing its contents), copies the changed
-// elements into `base` (so that base == now afterwards) and returns true. Otherwise returns false
-// and leaves `base` and `out` as they were (the caller sends the tensor whole). `checksum`: the
-// xxh3-64 of `now`, which the record carries.
-bool encode_delta(std::span<std::byte> base, std::span<const std::byte> now, size_t element_size, uint64_t checksum,
-                  std::vector<uint8_t>& out);
+struct DeltaResult {
+  bool encoded = false;
+  uint64_t checksum = 0;  // of `now`, when encoded
+};
+
+// Compares `now` with `base` (same size, a multiple of element_size, which is 1, 2, 4 or 8) and
+// hashes `now` in the same pass. When the record is smaller than `now` itself, writes it into
+// `out` (replacing its contents), copies the changed elements into `base` (so that base == now
+// afterwards) and returns {true, checksum}. Otherwise returns {false} and leaves `base` and `out`
+// as they were (the caller sends the tensor whole).
+DeltaResult encode_delta(std::span<std::byte> base, std::span<const std::byte> now, size_t element_size,
+                         std::vector<uint8_t>& out);
 
 // Reads and checks a record's header; `what` names the record in errors.
 DeltaHeader read_delta_header(std::span<const uint8_t> record, const std::string& what);

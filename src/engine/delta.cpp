@@ -80,8 +80,7 @@ class SourceDelta::Stream : public WeightSource {
     auto it = owner_.base_.find(info.name);
     if (changes_ && it != owner_.base_.end() && it->second.info == info && nbytes > 0) {
       std::vector<uint8_t> record;
-      const uint64_t checksum = delta_checksum(bytes_of(view));
-      if (encode_delta(it->second.bytes, bytes_of(view), dtype_size(info.dtype), checksum, record)) {
+      if (encode_delta(it->second.bytes, bytes_of(view), dtype_size(info.dtype), record).encoded) {
         ++owner_.counts_.changed_tensors;
         owner_.counts_.record_bytes += record.size();
         records_.push_back({TensorInfo{std::string(kDeltaTensorPrefix) + info.name, DType::kUInt8,

@@ -18,7 +18,7 @@ import refit  # noqa: E402
 from refit.multiprocessing_group import ProcessWorkerGroup  # noqa: E402
 from refit.vllm_adapter import VllmRolloutGroup  # noqa: E402
 
-from hf_models import checkpoint_policy, make_checkpoint, mix_checkpoint  # noqa: E402
+from hf_models import checkpoint_policy, make_checkpoint, mix_checkpoint, nudge_checkpoint  # noqa: E402
 
 EXTENSION = "refit.vllm_adapter.RefitWorkerExtension"
 # A long prompt (2 blocks of 32 tokens) is cached before each refit: after it, only a reset prefix
@@ -83,6 +83,38 @@ def test_refits_from_dummy_weights_match_a_fresh_vllm(family, dtype, tmp_path):
             [received] = report.destination_results
             assert len(received["loaded"]) == tensors == received["stats"]["tensors"] > 0
             assert group.last_not_sent == [[]]
+            assert outputs(llm) == expected[path], f"refit to {path}"
+        sync.shutdown()
+    finally:
+        group.close()
+        policy.close()
+        stop(llm)
+
+
+def test_delta_refits_send_only_changes_and_match_a_fresh_vllm(tmp_path):
+    """refit_cfg.nixl.delta into vLLM: the first refit goes whole, the next ones carry only the
+    elements an optimizer-like step moved, and vLLM then answers as a fresh vLLM of that version."""
+    a = make_checkpoint("llama", "bfloat16", 1, str(tmp_path / "a"))
+    a1 = nudge_checkpoint(a, 0.02, 1, str(tmp_path / "a1"))
+    a2 = nudge_checkpoint(a1, 0.02, 2, str(tmp_path / "a2"))
+    expected = {p: fresh_outputs(p, "bfloat16") for p in (a, a1, a2)}
+    assert expected[a] != expected[a2]
+    steps = [a, a1, a2]
+    llm = start(a, "bfloat16", load_format="dummy")
+    policy = policy_of({i: {"path": p, "dtype": "bfloat16"} for i, p in enumerate(steps)})
+    group = VllmRolloutGroup([llm], policy)
+    try:
+        sync = refit.WeightSynchronizer({**CONFIG, "delta": True}, group)
+        for i, path in enumerate(steps):
+            report = sync.sync_weights()
+            [received] = report.destination_results
+            stats = received["stats"]
+            assert len(received["loaded"]) == stats["tensors"] > 0
+            if i == 0:
+                assert stats["delta_tensors"] == 0  # no base yet
+            else:
+                assert stats["delta_tensors"] > 0
+                assert stats["wire_bytes"] * 5 < stats["payload_bytes"], stats
             assert outputs(llm) == expected[path], f"refit to {path}"
         sync.shutdown()
     finally:

@@ -96,9 +96,8 @@ bool scan(std::span<const std::byte> base, std::span<const std::byte> now, size_
   const std::byte* b = now.data();
   auto note = [&](uint64_t i) {
     s.gap_bytes += varint_size(s.changed.empty() ? i : i - previous - 1);
-    s.step_bytes += varint_size(
-        zigzag_step(element_bits(a + i * element_size, element_size), element_bits(b + i * element_size, element_size),
-                    element_size));
+    s.step_bytes += varint_size(zigzag_step(element_bits(a + i * element_size, element_size),
+                                            element_bits(b + i * element_size, element_size), element_size));
     previous = i;
     s.changed.push_back(i);
     const uint64_t values = std::min<uint64_t>(s.changed.size() * element_size, s.step_bytes);
@@ -162,7 +161,7 @@ DeltaResult encode_delta(std::span<std::byte> base, std::span<const std::byte> n
   XXH3_freeState(hash);
   if (!fits) return {};
   const uint64_t bitmap_bytes = (elements + 7) / 8;
-  const DeltaEncoding encoding = s.changed.empty()              ? DeltaEncoding::kNone
+  const DeltaEncoding encoding = s.changed.empty()             ? DeltaEncoding::kNone
                                  : s.gap_bytes <= bitmap_bytes ? DeltaEncoding::kGaps
                                                                : DeltaEncoding::kBitmap;
   const bool steps = s.step_bytes < s.changed.size() * element_size;
@@ -280,7 +279,8 @@ DeltaHeader apply_delta(std::span<std::byte> target, size_t element_size, std::s
     if (static_cast<uint64_t>(end - p) != index.size() * element_size)
       fail(ErrorKind::kProtocol, "malformed {}: {} bytes of values for {} changes of {} bytes", what, end - p,
            index.size(), element_size);
-    for (size_t k = 0; k < index.size(); ++k) fresh[k] = element_bits(reinterpret_cast<const std::byte*>(p) + k * element_size, element_size);
+    for (size_t k = 0; k < index.size(); ++k)
+      fresh[k] = element_bits(reinterpret_cast<const std::byte*>(p) + k * element_size, element_size);
     p = end;
   } else {
     for (size_t k = 0; k < index.size(); ++k) {
@@ -292,7 +292,8 @@ DeltaHeader apply_delta(std::span<std::byte> target, size_t element_size, std::s
     }
   }
   if (p != end) fail(ErrorKind::kProtocol, "malformed {}: {} bytes after the values", what, end - p);
-  for (size_t k = 0; k < index.size(); ++k) store_element(target.data() + index[k] * element_size, element_size, fresh[k]);
+  for (size_t k = 0; k < index.size(); ++k)
+    store_element(target.data() + index[k] * element_size, element_size, fresh[k]);
   return h;
 }
 

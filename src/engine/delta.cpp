@@ -83,9 +83,10 @@ class SourceDelta::Stream : public WeightSource {
       if (encode_delta(it->second.bytes, bytes_of(view), dtype_size(info.dtype), record).encoded) {
         ++owner_.counts_.changed_tensors;
         owner_.counts_.record_bytes += record.size();
-        records_.push_back({TensorInfo{std::string(kDeltaTensorPrefix) + info.name, DType::kUInt8,
-                                       {static_cast<int64_t>(record.size())}},
-                            std::move(record)});
+        records_.push_back(
+            {TensorInfo{
+                 std::string(kDeltaTensorPrefix) + info.name, DType::kUInt8, {static_cast<int64_t>(record.size())}},
+             std::move(record)});
         *out = view_of(records_.back());
         return true;
       }
@@ -198,8 +199,7 @@ void DestinationDelta::transform(std::span<const TensorView> in, std::span<const
       const std::string_view target = std::string_view(name).substr(kDeltaTensorPrefix.size());
       auto it = held_.find(target);
       if (it == held_.end())
-        fail(ErrorKind::kProtocol, "{} sent changes to '{}', which this destination never received whole", who,
-             target);
+        fail(ErrorKind::kProtocol, "{} sent changes to '{}', which this destination never received whole", who, target);
       Held& held = it->second;
       const std::string what = fmt::format("changes to '{}' from {}", target, who);
       const DeltaHeader h = apply_delta(held.bytes, dtype_size(held.info.dtype),

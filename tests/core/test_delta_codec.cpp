@@ -59,7 +59,7 @@ RoundTrip round_trip(const std::vector<std::byte>& old, const std::vector<std::b
 
 TEST(DeltaCodec, SparseChangesTravelAsGapsAndApplyBitExactly) {
   const auto old = random_bytes(2 * 100000, 1);  // 100k bf16 elements
-  const auto now = changed(old, 2, 500, 2);       // 0.5% changed
+  const auto now = changed(old, 2, 500, 2);      // 0.5% changed
   const RoundTrip r = round_trip(old, now, 2);
   ASSERT_TRUE(r.encoded);
   EXPECT_EQ(r.header.encoding, DeltaEncoding::kGaps);

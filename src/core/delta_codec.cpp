@@ -15,14 +15,7 @@ namespace {
 constexpr std::string_view kMagic = "RFD1";
 
 // Bytes of the LEB128 varint of v.
-size_t varint_size(uint64_t v) {
-  size_t n = 1;
-  while (v >= 0x80) {
-    v >>= 7;
-    ++n;
-  }
-  return n;
-}
+size_t varint_size(uint64_t v) { return (std::bit_width(v | 1) + 6) / 7; }
 
 uint8_t* put_varint(uint8_t* p, uint64_t v) {
   while (v >= 0x80) {
@@ -48,6 +41,15 @@ uint64_t load_word(const std::byte* p) {
 
 // An element's bytes as the little-endian integer they spell, whatever the host: both ends then
 // take the same differences.
+template <size_t Size>
+uint64_t element_bits(const std::byte* p) {
+  using U = typename wire::UnsignedOfSize<Size>::type;
+  U v;
+  std::memcpy(&v, p, Size);
+  if constexpr (std::endian::native == std::endian::big) v = wire::byteswap(v);
+  return v;
+}
+
 uint64_t element_bits(const std::byte* p, size_t size) {
   uint64_t v = 0;
   for (size_t k = 0; k < size; ++k) v |= static_cast<uint64_t>(p[k]) << (8 * k);
@@ -58,64 +60,75 @@ void store_element(std::byte* p, size_t size, uint64_t v) {
   for (size_t k = 0; k < size; ++k) p[k] = static_cast<std::byte>(v >> (8 * k));
 }
 
+constexpr uint64_t mask_of(size_t size) { return size == 8 ? ~uint64_t{0} : (uint64_t{1} << (8 * size)) - 1; }
+
 // The new element as a difference of bit patterns (modulo 2^bits, so exact whatever the values),
 // zigzagged so that small steps either way are small numbers: an optimizer step moves most
 // elements by a few units in the last place, which then take one varint byte instead of two.
 uint64_t zigzag_step(uint64_t before, uint64_t after, size_t size) {
-  const unsigned bits = 8 * static_cast<unsigned>(size);
-  const uint64_t mask = bits == 64 ? ~uint64_t{0} : (uint64_t{1} << bits) - 1;
+  const uint64_t mask = mask_of(size);
   const uint64_t d = (after - before) & mask;
-  // As a signed number of `bits` bits: negative when the top bit is set.
-  const bool negative = (d >> (bits - 1)) & 1;
+  // As a signed number of the element's bits: negative when the top bit is set.
+  const bool negative = (d >> (8 * size - 1)) & 1;
   const uint64_t magnitude = negative ? ((~d + 1) & mask) : d;
   return negative ? 2 * magnitude - 1 : 2 * magnitude;
 }
 
 uint64_t unzigzag_step(uint64_t before, uint64_t z, size_t size) {
-  const unsigned bits = 8 * static_cast<unsigned>(size);
-  const uint64_t mask = bits == 64 ? ~uint64_t{0} : (uint64_t{1} << bits) - 1;
   const uint64_t magnitude = (z >> 1) + (z & 1);
-  return ((z & 1) ? before - magnitude : before + magnitude) & mask;
+  return ((z & 1) ? before - magnitude : before + magnitude) & mask_of(size);
 }
 
-// What a scan found: the changed elements and what each way of writing them costs.
+// What a scan found: the changed elements and their values written both ways, so that the record
+// is made without a second pass over the tensor.
 struct Scan {
   std::vector<uint64_t> changed;
-  uint64_t gap_bytes = 0;   // positions as LEB128 gaps
-  uint64_t step_bytes = 0;  // values as LEB128 zigzag steps
+  uint64_t gap_bytes = 0;      // positions as LEB128 gaps
+  std::vector<uint8_t> steps;  // values as LEB128 zigzag steps
+  std::vector<uint8_t> raw;    // values as they are
 };
 
-// Finds the elements that differ, and hashes `now` on the way (one pass over its memory). Stops,
-// returning false, once writing the changes would cost `budget` bytes or more.
-bool scan(std::span<const std::byte> base, std::span<const std::byte> now, size_t element_size, uint64_t budget,
-          Scan& s, XXH3_state_t* hash) {
-  const uint64_t elements = now.size() / element_size;
+// Finds the elements that differ, writes their values both ways and copies them into `base`,
+// and hashes `now` on the way: one pass over the tensor's memory. Stops, returning false, once
+// writing the changes would cost `budget` bytes or more (`base` is then partly updated). One
+// instance per element size, so that the per-change work has no loops over bytes.
+template <size_t Size>
+bool scan(std::span<std::byte> base, std::span<const std::byte> now, uint64_t budget, Scan& s, XXH3_state_t* hash) {
+  const uint64_t elements = now.size() / Size;
   const uint64_t bitmap_bytes = (elements + 7) / 8;
-  uint64_t previous = 0;
-  const std::byte* a = base.data();
+  std::byte* a = base.data();
   const std::byte* b = now.data();
+  uint64_t next_gap_from = 0;  // the index after the previous change
   auto note = [&](uint64_t i) {
-    s.gap_bytes += varint_size(s.changed.empty() ? i : i - previous - 1);
-    s.step_bytes += varint_size(zigzag_step(element_bits(a + i * element_size, element_size),
-                                            element_bits(b + i * element_size, element_size), element_size));
-    previous = i;
+    s.gap_bytes += varint_size(i - next_gap_from);
+    next_gap_from = i + 1;
+    std::byte* old = a + i * Size;
+    const std::byte* fresh = b + i * Size;
+    uint8_t varint[10];
+    uint8_t* end = put_varint(varint, zigzag_step(element_bits<Size>(old), element_bits<Size>(fresh), Size));
+    s.steps.insert(s.steps.end(), varint, end);
+    s.raw.insert(s.raw.end(), reinterpret_cast<const uint8_t*>(fresh), reinterpret_cast<const uint8_t*>(fresh) + Size);
+    std::memcpy(old, fresh, Size);
     s.changed.push_back(i);
-    const uint64_t values = std::min<uint64_t>(s.changed.size() * element_size, s.step_bytes);
+    const uint64_t values = std::min<uint64_t>(s.raw.size(), s.steps.size());
     return kDeltaHeaderBytes + std::min(s.gap_bytes, bitmap_bytes) + values < budget;
   };
   // Eight bytes at a time (element sizes divide 8): a word that differs names its elements by
   // which lanes of the XOR are non-zero; 64 bytes that all match cost one test.
-  const size_t lanes = 8 / element_size;
-  const uint64_t lane_mask = element_size == 8 ? ~uint64_t{0} : (uint64_t{1} << (8 * element_size)) - 1;
+  constexpr size_t kLanes = 8 / Size;
   const size_t words = now.size() / 8;
   auto word_changes = [&](size_t w) {
     const uint64_t x = load_word(a + w * 8) ^ load_word(b + w * 8);
     if (x == 0) return true;
-    for (size_t lane = 0; lane < lanes; ++lane) {
-      // Lane j of the word holds bytes [j * element_size, +element_size) in memory order.
-      const unsigned shift = 8 * element_size * (std::endian::native == std::endian::little ? lane : lanes - 1 - lane);
-      if (((x >> shift) & lane_mask) != 0 && !note(w * lanes + lane)) return false;
+    // The lanes that differ as bits, without a branch per lane (changes fall at random), then
+    // one turn per change. Lane j holds bytes [j * Size, +Size) in memory order.
+    unsigned differ = 0;
+    for (size_t lane = 0; lane < kLanes; ++lane) {
+      const unsigned shift = 8 * Size * (std::endian::native == std::endian::little ? lane : kLanes - 1 - lane);
+      differ |= static_cast<unsigned>(((x >> shift) & mask_of(Size)) != 0) << lane;
     }
+    for (; differ != 0; differ &= differ - 1)
+      if (!note(w * kLanes + std::countr_zero(differ))) return false;
     return true;
   };
   // Hashed in blocks that stay in cache between the hash and the compare.
@@ -136,11 +149,31 @@ bool scan(std::span<const std::byte> base, std::span<const std::byte> now, size_
   for (; w < words; ++w)
     if (!word_changes(w)) return false;
   // The tail shorter than a word.
-  for (uint64_t i = w * lanes; i < elements; ++i)
-    if (std::memcmp(a + i * element_size, b + i * element_size, element_size) != 0 && !note(i)) return false;
+  for (uint64_t i = w * kLanes; i < elements; ++i)
+    if (std::memcmp(a + i * Size, b + i * Size, Size) != 0 && !note(i)) return false;
   return true;
 }
 
+template <template <size_t> typename F, typename... Args>
+auto by_element_size(size_t size, Args&&... args) {
+  switch (size) {
+    case 1:
+      return F<1>::run(std::forward<Args>(args)...);
+    case 2:
+      return F<2>::run(std::forward<Args>(args)...);
+    case 4:
+      return F<4>::run(std::forward<Args>(args)...);
+    default:
+      return F<8>::run(std::forward<Args>(args)...);
+  }
+}
+template <size_t Size>
+struct ScanOf {
+  static bool run(std::span<std::byte> base, std::span<const std::byte> now, uint64_t budget, Scan& s,
+                  XXH3_state_t* hash) {
+    return scan<Size>(base, now, budget, s, hash);
+  }
+};
 }  // namespace
 
 uint64_t delta_checksum(std::span<const std::byte> bytes) { return XXH3_64bits(bytes.data(), bytes.size()); }
@@ -156,19 +189,22 @@ DeltaResult encode_delta(std::span<std::byte> base, std::span<const std::byte> n
   XXH3_state_t* hash = XXH3_createState();
   if (hash == nullptr) throw std::bad_alloc();
   XXH3_64bits_reset(hash);
-  const bool fits = scan(base, now, element_size, now.size(), s, hash);
+  const bool fits = by_element_size<ScanOf>(element_size, base, now, uint64_t{now.size()}, s, hash);
   const uint64_t checksum = fits ? XXH3_64bits_digest(hash) : 0;
   XXH3_freeState(hash);
-  if (!fits) return {};
+  if (!fits) {
+    std::memcpy(base.data(), now.data(), now.size());  // the scan stopped part way
+    return {};
+  }
   const uint64_t bitmap_bytes = (elements + 7) / 8;
   const DeltaEncoding encoding = s.changed.empty()             ? DeltaEncoding::kNone
                                  : s.gap_bytes <= bitmap_bytes ? DeltaEncoding::kGaps
                                                                : DeltaEncoding::kBitmap;
-  const bool steps = s.step_bytes < s.changed.size() * element_size;
+  const bool steps = s.steps.size() < s.raw.size();
   const uint64_t positions =
       encoding == DeltaEncoding::kNone ? 0 : (encoding == DeltaEncoding::kGaps ? s.gap_bytes : bitmap_bytes);
-  const uint64_t values = steps ? s.step_bytes : s.changed.size() * element_size;
-  out.assign(kDeltaHeaderBytes + positions + values, 0);
+  const std::vector<uint8_t>& values = steps ? s.steps : s.raw;
+  out.assign(kDeltaHeaderBytes + positions + values.size(), 0);
   uint8_t* p = out.data();
   std::memcpy(p, kMagic.data(), kMagic.size());
   p += kMagic.size();
@@ -180,26 +216,16 @@ DeltaResult encode_delta(std::span<std::byte> base, std::span<const std::byte> n
   p = put_le<uint64_t>(p, s.changed.size());
   p = put_le<uint64_t>(p, checksum);
   if (encoding == DeltaEncoding::kGaps) {
-    uint64_t previous = 0;
-    for (size_t k = 0; k < s.changed.size(); ++k) {
-      p = put_varint(p, k == 0 ? s.changed[k] : s.changed[k] - previous - 1);
-      previous = s.changed[k];
+    uint64_t next_gap_from = 0;
+    for (uint64_t i : s.changed) {
+      p = put_varint(p, i - next_gap_from);
+      next_gap_from = i + 1;
     }
   } else if (encoding == DeltaEncoding::kBitmap) {
     for (uint64_t i : s.changed) p[i / 8] |= static_cast<uint8_t>(1u << (i % 8));
     p += bitmap_bytes;
   }
-  for (uint64_t i : s.changed) {
-    std::byte* old = base.data() + i * element_size;
-    const std::byte* fresh = now.data() + i * element_size;
-    if (steps) {
-      p = put_varint(p, zigzag_step(element_bits(old, element_size), element_bits(fresh, element_size), element_size));
-    } else {
-      std::memcpy(p, fresh, element_size);
-      p += element_size;
-    }
-    std::memcpy(old, fresh, element_size);
-  }
+  if (!values.empty()) std::memcpy(p, values.data(), values.size());
   return {true, checksum};
 }
 

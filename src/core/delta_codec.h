@@ -45,11 +45,10 @@ struct DeltaResult {
   uint64_t checksum = 0;  // of `now`, when encoded
 };
 
-// Compares `now` with `base` (same size, a multiple of element_size, which is 1, 2, 4 or 8) and
-// hashes `now` in the same pass. When the record is smaller than `now` itself, writes it into
-// `out` (replacing its contents), copies the changed elements into `base` (so that base == now
-// afterwards) and returns {true, checksum}. Otherwise returns {false} and leaves `base` and `out`
-// as they were (the caller sends the tensor whole).
+// Compares `now` with `base` (same size, a multiple of element_size, which is 1, 2, 4 or 8),
+// hashes `now` in the same pass and makes `base` equal to `now`. When the record is smaller than
+// `now` itself, writes it into `out` (replacing its contents) and returns {true, checksum};
+// otherwise returns {false} and leaves `out` as it was (the caller sends the tensor whole).
 DeltaResult encode_delta(std::span<std::byte> base, std::span<const std::byte> now, size_t element_size,
                          std::vector<uint8_t>& out);
 

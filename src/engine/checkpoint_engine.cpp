@@ -33,6 +33,10 @@ constexpr int kBufferCount = 2;
 // An abort is a courtesy to the peer; it must never hold up reporting our own error.
 constexpr Seconds kAbortTimeout{2.0};
 
+// Delta refit: a bucket goes once it holds this much (engine/delta.h), so that the destination
+// patches while the source scans on; a few round trips per refit at most.
+constexpr uint64_t kDeltaBucketBytes = 1 << 20;
+
 double seconds_since(Clock::time_point start) { return Seconds(Clock::now() - start).count(); }
 
 // Runs `body`; a refit::Error escaping it gets `context` in front of its message.
@@ -743,6 +747,7 @@ class CheckpointEngine::Impl {
       }
       if (!target_layout_) {  // paired, whole tensors: nothing to select or to check afterwards
         senders_[0]->add(view, Box::whole(), info, Box::whole(), phase);
+        if (options_.config.delta) senders_[0]->send_early(kDeltaBucketBytes, phase);
         ++stats.tensors;
         continue;
       }

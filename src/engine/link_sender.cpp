@@ -285,6 +285,12 @@ void LinkSender::flush(bool is_last, std::string& phase) {
 
 void LinkSender::flush_last(std::string& phase) { flush(true, phase); }
 
+void LinkSender::send_early(uint64_t bytes, std::string& phase) {
+  if (bucket_.used_bytes < bytes) return;
+  flush(false, phase);
+  packer_->close_bucket();
+}
+
 void LinkSender::wait_done(std::string& phase) {
   while (!unacknowledged_.empty()) acknowledged_oldest(phase);
   // The destination has every bucket of this refit, so the next may replay their manifests.

@@ -68,6 +68,10 @@ class LinkSender {
   // tensor `tensor` (its name, dtype and shape at the destination). `phase` says where a failure
   // happened.
   void add(const TensorView& view, const Box& box, const TensorInfo& tensor, const Box& piece, std::string& phase);
+  // Announces the open bucket now, if it holds at least `bytes`, so that the destination works on
+  // it while the next one fills (delta refit: change records are small, and each stands for a
+  // scan of a whole tensor here and a patch of it there).
+  void send_early(uint64_t bytes, std::string& phase);
   // Announces the last bucket; then wait_done() waits until the destination has every bucket.
   void flush_last(std::string& phase);
   void wait_done(std::string& phase);

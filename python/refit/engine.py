@@ -250,7 +250,9 @@ class CheckpointEngine(CheckpointEngineBase):
         if kv_scales is not None and isinstance(kv_scales, Mapping) and not isinstance(kv_scales, dict):
             kv_scales = dict(kv_scales)
         if not isinstance(weights, _refit.TensorSet):
-            weights = local_tensors(iter_weights(weights))
+            # Lazily: what is wrong with `weights` then surfaces inside the send, which tells the
+            # destinations at once instead of leaving them to their deadline.
+            weights = local_tensors(_pairs_of(weights))
         self.last_send_stats = self._engine.send(weights, kv_scales, bool(in_place))
         return self.last_send_stats
 
@@ -394,6 +396,10 @@ def load_plugin_class(backend: str) -> type:
             f"checkpoint-engine backend '{backend}': {cls.__qualname__} does not implement "
             f"{', '.join(missing)} (abstract in refit.CheckpointEngineBase)")
     return cls
+
+
+def _pairs_of(weights: Union[Mapping[str, Any], Iterable[Tuple[str, Any]]]) -> Iterator[Tuple[str, Any]]:
+    yield from iter_weights(weights)
 
 
 def iter_weights(weights: Union[Mapping[str, Any], Iterable[Tuple[str, Any]]]) -> Iterator[Tuple[str, Any]]:

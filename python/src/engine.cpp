@@ -531,7 +531,12 @@ class PyEngine {
 
   nb::dict send(nb::handle iterable, nb::handle kv_scales, bool in_place) {
     CheckpointEngine& e = idle("send_weights()");
-    std::optional<KvScales> scales = kv_scales_for_send(kv_scales);
+    std::optional<KvScales> scales;
+    try {
+      scales = kv_scales_for_send(kv_scales);
+    } catch (const Error& bad) {
+      fail_send(e, bad);
+    }
     // Without the GIL: the weights, followed by the KV-cache scales if any.
     auto send_all = [&](WeightSource& weights) {
       nb::gil_scoped_release nogil;
@@ -555,6 +560,24 @@ class PyEngine {
     }
     source.finish();
     return send_stats(stats);
+  }
+
+  // A send refused before its first tensor (its arguments are wrong) is still this refit's
+  // failure: the engine sends nothing but tells its destinations why, so that they fail now
+  // instead of at their deadline; the caller gets `bad` itself.
+  [[noreturn]] void fail_send(CheckpointEngine& e, const Error& bad) {
+    struct Refused final : WeightSource {
+      const Error& why;
+      explicit Refused(const Error& e) : why(e) {}
+      bool next(TensorView*) override { throw why; }
+    } refused(bad);
+    try {
+      nb::gil_scoped_release nogil;
+      e.send(refused);
+    } catch (const Error&) {
+      // The engine's own words for it (phase, refit): the caller gets the argument error as it was.
+    }
+    throw bad;
   }
 
   // The KV-cache scales a send appends (None: this engine appends none). As the reference does:

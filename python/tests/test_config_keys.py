@@ -14,13 +14,14 @@ NON_DEFAULT = {
     "verify_checksums": True,
     "map_source_buffers": False,
     "direct_reads": False,
+    "delta": True,
 }
 SIZING = {"update_weights_bucket_memory_ratio", "bucket_bytes"}
 
 
 def test_every_key_reaches_the_workers():
-    # CONFIG_KEYS comes from the C++ configuration: the eleven keys of refit_cfg.nixl.
-    assert len(CONFIG_KEYS) == 11
+    # CONFIG_KEYS comes from the C++ configuration: the twelve keys of refit_cfg.nixl.
+    assert len(CONFIG_KEYS) == 12
     assert set(NON_DEFAULT) == set(CONFIG_KEYS) - SIZING
     config = refit.as_config(NON_DEFAULT)
     kwargs = engine_kwargs_from_config(config)

@@ -4,6 +4,8 @@ engines, and the destination's FP8 quantizing loader."""
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import ml_dtypes
 import numpy as np
@@ -142,7 +144,8 @@ def test_bad_layer_counts_and_kv_scales_are_errors():
             pair.source.send_weights(make_weights(), kv_scales={0: 1.0})
         with pytest.raises(refit.InvalidArgumentError, match="must be a dict"):
             pair.source.send_weights(make_weights(), kv_scales=[("model.layers.0.self_attn.k_scale", 1.0)])
-        # The engines still refit afterwards.
+        # Each refused send failed a refit (its destination was told); connected again, the engines refit.
+        pair.connect()
         got, _, _ = receive_all(pair, make_weights(), kv_scales={"model.layers.0.self_attn.k_scale": 0.75})
         assert float(dict(got)["model.layers.0.self_attn.k_scale"][0]) == 0.75
     finally:
@@ -159,10 +162,51 @@ def test_auto_sends_no_scales_and_refuses_kv_scales():
         assert sstats["tensors"] == len(weights)
         with pytest.raises(refit.InvalidArgumentError, match="kv_cache_dtype is 'auto'"):
             pair.source.send_weights(weights, kv_scales={"model.layers.0.self_attn.k_scale": 0.5})
-        got, _, _ = receive_all(pair, weights)  # still usable
+        pair.connect()  # the refused send failed that refit on both sides
+        got, _, _ = receive_all(pair, weights)
         assert not any(refit.is_kv_scale_name(n) for n, _ in got)
     finally:
         pair.close()
+
+
+@pytest.mark.parametrize("bad", ["auto engine", "not a number", "not iterable"])
+def test_a_refused_send_ends_its_destinations_refit_at_once(bad):
+    # The destination waits with timeout_s = 60: it must hear of the source's argument error now.
+    pair = Pair(MiB, config(timeout_s=60), source_options={"num_layers": 2, "kv_cache_dtype":
+                                                             "auto" if bad == "auto engine" else "fp8"},
+                destination_options={"kv_cache_dtype": "auto" if bad == "auto engine" else "fp8"})
+    try:
+        errors = []
+        receiving = threading.Thread(target=lambda: errors.append(_receive_error(pair)))
+        receiving.start()
+        start = time.monotonic()
+        weights = 42 if bad == "not iterable" else make_weights()
+        scales = {"model.layers.0.self_attn.k_scale": "big" if bad == "not a number" else 0.5}
+        with pytest.raises(refit.InvalidArgumentError) as sent:
+            pair.source.send_weights(weights, kv_scales=None if bad == "not iterable" else scales)
+        receiving.join(30)
+        assert not receiving.is_alive()
+        assert time.monotonic() - start < 10, "the destination waited for its deadline"
+        [received] = errors
+        assert isinstance(received, refit.InvalidArgumentError), received
+        why = {"auto engine": "kv_cache_dtype is 'auto'", "not a number": "must be a number",
+               "not iterable": "'int' object is not iterable"}[bad]
+        assert why in str(sent.value) and why in str(received), (sent.value, received)
+        assert "source rank 0 aborted the refit" in str(received)
+        pair.connect()  # both sides failed that refit; connected again, they refit
+        got, _, _ = receive_all(pair, make_weights())
+        assert len(got) >= len(make_weights())
+    finally:
+        pair.close()
+
+
+def _receive_error(pair):
+    try:
+        for _ in pair.destination.receive_weight_batches():
+            pass
+    except refit.RefitError as e:
+        return e
+    return None
 
 
 def test_engine_kwargs_carry_the_options():

@@ -104,10 +104,10 @@ bool scan(std::span<std::byte> base, std::span<const std::byte> now, uint64_t bu
     next_gap_from = i + 1;
     std::byte* old = a + i * Size;
     const std::byte* fresh = b + i * Size;
-    uint8_t varint[10];
-    uint8_t* end = put_varint(varint, zigzag_step(element_bits<Size>(old), element_bits<Size>(fresh), Size));
-    s.steps.insert(s.steps.end(), varint, end);
-    s.raw.insert(s.raw.end(), reinterpret_cast<const uint8_t*>(fresh), reinterpret_cast<const uint8_t*>(fresh) + Size);
+    uint64_t step = zigzag_step(element_bits<Size>(old), element_bits<Size>(fresh), Size);
+    for (; step >= 0x80; step >>= 7) s.steps.push_back(static_cast<uint8_t>(step | 0x80));
+    s.steps.push_back(static_cast<uint8_t>(step));
+    for (size_t k = 0; k < Size; ++k) s.raw.push_back(static_cast<uint8_t>(fresh[k]));
     std::memcpy(old, fresh, Size);
     s.changed.push_back(i);
     const uint64_t values = std::min<uint64_t>(s.raw.size(), s.steps.size());

@@ -66,12 +66,11 @@ constexpr uint64_t mask_of(size_t size) { return size == 8 ? ~uint64_t{0} : (uin
 // zigzagged so that small steps either way are small numbers: an optimizer step moves most
 // elements by a few units in the last place, which then take one varint byte instead of two.
 uint64_t zigzag_step(uint64_t before, uint64_t after, size_t size) {
-  const uint64_t mask = mask_of(size);
-  const uint64_t d = (after - before) & mask;
-  // As a signed number of the element's bits: negative when the top bit is set.
-  const bool negative = (d >> (8 * size - 1)) & 1;
-  const uint64_t magnitude = negative ? ((~d + 1) & mask) : d;
-  return negative ? 2 * magnitude - 1 : 2 * magnitude;
+  // The difference as a signed number of the element's bits (sign-extended from its top bit), then
+  // zigzagged: 0, -1, 1, -2 ... -> 0, 1, 2, 3 ... (no branch: steps go either way at random).
+  const unsigned unused = 64 - 8 * static_cast<unsigned>(size);
+  const auto d = static_cast<int64_t>((after - before) << unused) >> unused;
+  return (static_cast<uint64_t>(d) << 1) ^ static_cast<uint64_t>(d >> 63);
 }
 
 uint64_t unzigzag_step(uint64_t before, uint64_t z, size_t size) {
@@ -79,13 +78,18 @@ uint64_t unzigzag_step(uint64_t before, uint64_t z, size_t size) {
   return ((z & 1) ? before - magnitude : before + magnitude) & mask_of(size);
 }
 
-// What a scan found: the changed elements and their values written both ways, so that the record
-// is made without a second pass over the tensor.
+// What a scan found: the changed elements and their values written both ways (in the scratch
+// buffers), so that the record is made without a second pass over the tensor.
 struct Scan {
-  std::vector<uint64_t> changed;
-  uint64_t gap_bytes = 0;      // positions as LEB128 gaps
-  std::vector<uint8_t> steps;  // values as LEB128 zigzag steps
-  std::vector<uint8_t> raw;    // values as they are
+  explicit Scan(DeltaScratch& buffers) : changed(buffers.changed), steps(buffers.steps), raw(buffers.raw) {
+    changed.clear();
+    steps.clear();
+    raw.clear();
+  }
+  std::vector<uint64_t>& changed;
+  std::vector<uint8_t>& steps;  // values as LEB128 zigzag steps
+  std::vector<uint8_t>& raw;    // values as they are
+  uint64_t gap_bytes = 0;       // positions as LEB128 gaps
 };
 
 // Finds the elements that differ, writes their values both ways and copies them into `base`,
@@ -179,13 +183,14 @@ struct ScanOf {
 uint64_t delta_checksum(std::span<const std::byte> bytes) { return XXH3_64bits(bytes.data(), bytes.size()); }
 
 DeltaResult encode_delta(std::span<std::byte> base, std::span<const std::byte> now, size_t element_size,
-                         std::vector<uint8_t>& out) {
+                         std::vector<uint8_t>& out, DeltaScratch* scratch) {
   if (element_size == 0 || element_size > 8 || 8 % element_size != 0 || base.size() != now.size() ||
       now.size() % element_size != 0)
     fail(ErrorKind::kInternal, "encode_delta: {} and {} bytes of {}-byte elements", base.size(), now.size(),
          element_size);
   const uint64_t elements = now.size() / element_size;
-  Scan s;
+  DeltaScratch local;
+  Scan s(scratch != nullptr ? *scratch : local);
   XXH3_state_t* hash = XXH3_createState();
   if (hash == nullptr) throw std::bad_alloc();
   XXH3_64bits_reset(hash);

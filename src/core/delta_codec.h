@@ -40,6 +40,13 @@ struct DeltaHeader {
   uint64_t checksum = 0;  // xxh3-64 of the tensor's bytes after applying
 };
 
+// Buffers an encoder reuses from one tensor to the next: fresh ones for every large tensor cost
+// page faults and copies as they grow.
+struct DeltaScratch {
+  std::vector<uint64_t> changed;
+  std::vector<uint8_t> steps, raw;
+};
+
 struct DeltaResult {
   bool encoded = false;
   uint64_t checksum = 0;  // of `now`, when encoded
@@ -49,8 +56,9 @@ struct DeltaResult {
 // hashes `now` in the same pass and makes `base` equal to `now`. When the record is smaller than
 // `now` itself, writes it into `out` (replacing its contents) and returns {true, checksum};
 // otherwise returns {false} and leaves `out` as it was (the caller sends the tensor whole).
+// `scratch`, if given, holds the buffers of the scan (kept for the next call).
 DeltaResult encode_delta(std::span<std::byte> base, std::span<const std::byte> now, size_t element_size,
-                         std::vector<uint8_t>& out);
+                         std::vector<uint8_t>& out, DeltaScratch* scratch = nullptr);
 
 // Reads and checks a record's header; `what` names the record in errors.
 DeltaHeader read_delta_header(std::span<const uint8_t> record, const std::string& what);

@@ -80,7 +80,7 @@ class SourceDelta::Stream : public WeightSource {
     auto it = owner_.base_.find(info.name);
     if (changes_ && it != owner_.base_.end() && it->second.info == info && nbytes > 0) {
       std::vector<uint8_t> record;
-      if (encode_delta(it->second.bytes, bytes_of(view), dtype_size(info.dtype), record).encoded) {
+      if (encode_delta(it->second.bytes, bytes_of(view), dtype_size(info.dtype), record, &owner_.scratch_).encoded) {
         ++owner_.counts_.changed_tensors;
         owner_.counts_.record_bytes += record.size();
         records_.push_back(

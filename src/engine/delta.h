@@ -21,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "core/delta_codec.h"
 #include "refit/checkpoint_engine.h"
 #include "refit/tensor.h"
 
@@ -65,6 +66,7 @@ class SourceDelta {
   friend class Stream;
 
   std::map<std::string, Base, std::less<>> base_;
+  DeltaScratch scratch_;       // the scans' buffers, kept from tensor to tensor
   uint64_t base_version_ = 0;  // 0: none
   uint64_t next_version_ = 0;
   uint64_t base_bytes_ = 0;

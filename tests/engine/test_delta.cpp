@@ -87,6 +87,13 @@ struct DeltaPair {
     sent = sending.get();
     return stats;
   }
+  // A refit that must deliver `weights` bitwise.
+  ReceiveStats refit_exact(const std::vector<OwnedTensor>& weights) {
+    Received got;
+    ReceiveStats stats = refit(weights, got);
+    expect_same(weights, got);
+    return stats;
+  }
 };
 
 TEST(DeltaRefit, OnlyChangedElementsCrossAndEveryRefitIsBitExact) {
@@ -94,17 +101,13 @@ TEST(DeltaRefit, OnlyChangedElementsCrossAndEveryRefitIsBitExact) {
   p.connect();
   auto weights = model(1);
   const uint64_t full = bytes_of(weights);
-  Received got;
-  auto first = p.refit(weights, got);
-  expect_same(weights, got);
+  auto first = p.refit_exact(weights);
   EXPECT_EQ(first.delta_tensors, 0u) << "the first refit has no base: everything goes whole";
   EXPECT_EQ(first.tensors, weights.size());
   EXPECT_GE(first.wire_bytes, full);
   for (uint32_t r = 1; r <= 6; ++r) {
     step(weights, 0.01, r);
-    Received next;
-    auto stats = p.refit(weights, next);
-    expect_same(weights, next);  // the loader gets every tensor whole, with its new bits
+    auto stats = p.refit_exact(weights);
     EXPECT_EQ(stats.tensors, weights.size());
     EXPECT_EQ(stats.payload_bytes, full);
     EXPECT_EQ(stats.delta_tensors, weights.size() - 1) << "all but the empty tensor come as changes";
@@ -119,10 +122,8 @@ TEST(DeltaRefit, UnchangedWeightsCostHeadersOnly) {
   DeltaPair p;
   p.connect();
   auto weights = model(2);
-  Received a, b;
-  p.refit(weights, a);
-  auto stats = p.refit(weights, b);
-  expect_same(weights, b);
+  p.refit_exact(weights);
+  auto stats = p.refit_exact(weights);
   EXPECT_LT(stats.wire_bytes, 64u * (weights.size() + 2));
 }
 
@@ -130,11 +131,9 @@ TEST(DeltaRefit, DenseChangesGoWhole) {
   DeltaPair p;
   p.connect();
   auto weights = model(3);
-  Received a, b;
-  p.refit(weights, a);
+  p.refit_exact(weights);
   weights = model(4);  // every element new
-  auto stats = p.refit(weights, b);
-  expect_same(weights, b);
+  auto stats = p.refit_exact(weights);
   EXPECT_EQ(stats.delta_tensors, 0u);
   EXPECT_GE(stats.wire_bytes, bytes_of(weights));
 }
@@ -143,21 +142,16 @@ TEST(DeltaRefit, ARestartedDestinationGetsTheWholeModelThenChangesAgain) {
   DeltaPair p;
   p.connect();
   auto weights = model(5);
-  Received a;
-  p.refit(weights, a);
+  p.refit_exact(weights);
   step(weights, 0.01, 50);
   // The destination restarts: a fresh engine holds nothing, and says so in its metadata.
   p.destination = p.make(true);
   p.connect();
-  Received b;
-  auto whole = p.refit(weights, b);
-  expect_same(weights, b);
+  auto whole = p.refit_exact(weights);
   EXPECT_EQ(whole.delta_tensors, 0u);
   EXPECT_GE(whole.wire_bytes, bytes_of(weights));
   step(weights, 0.01, 51);
-  Received c;
-  auto delta = p.refit(weights, c);
-  expect_same(weights, c);
+  auto delta = p.refit_exact(weights);
   EXPECT_GT(delta.delta_tensors, 0u);
 }
 
@@ -165,14 +159,11 @@ TEST(DeltaRefit, ARestartedSourceSendsTheWholeModel) {
   DeltaPair p;
   p.connect();
   auto weights = model(6);
-  Received a;
-  p.refit(weights, a);
+  p.refit_exact(weights);
   p.source = p.make(true);  // no base
   p.connect();
   step(weights, 0.01, 60);
-  Received b;
-  auto stats = p.refit(weights, b);
-  expect_same(weights, b);
+  auto stats = p.refit_exact(weights);
   EXPECT_EQ(stats.delta_tensors, 0u);
 }
 
@@ -180,8 +171,7 @@ TEST(DeltaRefit, AFailedRefitIsFollowedByAWholeOne) {
   DeltaPair p;
   p.connect();
   auto weights = model(7);
-  Received a;
-  p.refit(weights, a);
+  p.refit_exact(weights);
   step(weights, 0.01, 70);
   // The loader fails, after the batch's changes went into the destination's copy: neither side
   // may use its copy as a base again.
@@ -195,14 +185,10 @@ TEST(DeltaRefit, AFailedRefitIsFollowedByAWholeOne) {
   EXPECT_TRUE(p.destination->stale());
   p.connect();  // the same engines, prepared again (as the synchronizer does after a failure)
   step(weights, 0.01, 71);
-  Received b;
-  auto stats = p.refit(weights, b);
-  expect_same(weights, b);
+  auto stats = p.refit_exact(weights);
   EXPECT_EQ(stats.delta_tensors, 0u);
   step(weights, 0.01, 72);
-  Received c;
-  EXPECT_GT(p.refit(weights, c).delta_tensors, 0u);
-  expect_same(weights, c);
+  EXPECT_GT(p.refit_exact(weights).delta_tensors, 0u);
 }
 
 TEST(DeltaRefit, VersionsSurviveAReconnectWithReleasedBuffers) {
@@ -215,9 +201,7 @@ TEST(DeltaRefit, VersionsSurviveAReconnectWithReleasedBuffers) {
   for (uint32_t r = 0; r < 4; ++r) {
     p.connect();
     if (r > 0) step(weights, 0.01, 80 + r);
-    Received got;
-    auto stats = p.refit(weights, got);
-    expect_same(weights, got);
+    auto stats = p.refit_exact(weights);
     EXPECT_EQ(stats.delta_tensors > 0, r > 0) << r;
     p.source->finalize();
     p.destination->finalize();

@@ -297,6 +297,8 @@ int run_bench(const BenchOptions& options) {
   std::vector<double> throughputs;
   uint64_t bucket_bytes = 0;
   uint64_t all_received = 0, in_place_received = 0;  // over every refit
+  // Delta refit: what the refits that sent changes delivered, and what crossed the wire for it.
+  uint64_t delta_delivered = 0, delta_wire = 0;
   {
     const auto start = std::chrono::steady_clock::now();
     if (isatty(STDERR_FILENO) == 1)
@@ -333,6 +335,10 @@ int run_bench(const BenchOptions& options) {
           received += w.receive.payload_bytes;
           all_received += w.receive.payload_bytes;
           in_place_received += w.receive.in_place_bytes;
+          if (w.receive.delta_tensors > 0) {
+            delta_delivered += w.receive.payload_bytes;
+            delta_wire += w.receive.wire_bytes;
+          }
           const uint64_t expected = expected_bytes.at(w.rank);
           if (w.receive.payload_bytes != expected)
             problems.push_back(fmt::format("destination rank {} received {} bytes, its layout holds {}", w.rank,
@@ -394,6 +400,10 @@ int run_bench(const BenchOptions& options) {
              in_place_received > 0 ? fmt::format("; {:.0f}% of the bytes read in place (direct_reads)",
                                                  100.0 * in_place_received / std::max<uint64_t>(all_received, 1))
                                    : "");
+  if (delta_wire > 0)
+    fmt::print("delta refits: {:.2f} MiB on the wire for {:.2f} MiB delivered (1/{:.1f})\n",
+               delta_wire / double(1 << 20), delta_delivered / double(1 << 20),
+               double(delta_delivered) / double(delta_wire));
 
   if (options.compare_paired) {
     if (holds.empty() || ranks)

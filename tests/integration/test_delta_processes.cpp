@@ -44,6 +44,7 @@ TEST(DeltaProcesses, TwoToTwoOverTcpSendOnlyTheChanges) {
   expect_delta_refits(b, r, 2, 4, 0.05);
   EXPECT_NE(r.output.find("sending every tensor whole"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("tensors came as changes"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("delta refits: "), std::string::npos) << r.output;
 }
 
 TEST(DeltaProcesses, OverSharedMemoryWithReleasedBuffers) {

@@ -203,6 +203,11 @@ class CheckpointEngine {
   Error abort_receive(const std::string& reason);
   bool receiving() const;  // between begin_receive() and finish_receive() or an error
 
+  // Delta refit (config.delta): a destination asks for the whole model at its next refit, by
+  // declaring that it holds no version in the metadata of its next prepare() (so call it before
+  // that; a connection made earlier still sends changes).
+  void request_full_refit();
+
   // Disconnects (aborting a receive in progress).
   void finalize();
 

@@ -283,6 +283,11 @@ class CheckpointEngine(CheckpointEngineBase):
 
     # ---- refit's additions ----
 
+    def request_full_refit(self) -> None:
+        """Delta refit (``delta``): this destination asks for the whole model at its next refit,
+        by declaring in its next prepare()'s metadata that it holds no version of the weights."""
+        self._engine.request_full_refit()
+
     @property
     def stale(self) -> bool:
         """A destination is stale from the start of a receive until a refit completes."""

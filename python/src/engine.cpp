@@ -676,6 +676,8 @@ class PyEngine {
     return receive_stats(*session.stats());
   }
 
+  void request_full_refit() { idle("request_full_refit()").request_full_refit(); }
+
   void finalize() {
     if (in_receive_) throw Error(ErrorKind::kInvalidArgument, "finalize() inside receive_weights()'s load callback");
     cancel_active("finalize() was called during receive_weight_batches()");
@@ -849,6 +851,7 @@ void register_engine(nb::module_& m) {
             return nb::cast<PyEngine&>(self).receive_into(self, load, framework);
           },
           nb::arg("load"), nb::arg("framework") = "numpy")
+      .def("request_full_refit", &PyEngine::request_full_refit)
       .def("finalize", &PyEngine::finalize)
       .def("close", &PyEngine::close)
       .def_prop_ro("stale", &PyEngine::stale)

@@ -88,3 +88,31 @@ def test_delta_at_one_end_only_is_refused_naming_the_key():
             source.init_policy_process_group(0, 1, 1, metadata)
         with pytest.raises(refit.ConfigError, match=r"delta is false on destination rank 0 but true on source rank 0"):
             destination.init_rollout_process_group(0, 1, 1, metadata)
+
+
+def test_a_destination_may_ask_for_the_whole_model():
+    import numpy as np
+
+    from helpers import Pair, config
+
+    rng = np.random.default_rng(0)
+    weights = [("w", rng.standard_normal(1 << 16).astype(np.float32)), ("b", np.ones(64, np.float32))]
+    pair = Pair(1 << 20, config(delta=True))
+    try:
+        def refit_once():
+            got = {}
+            _, stats = pair.refit(weights, lambda batch: got.update((n, np.array(t)) for n, t in batch))
+            assert all(np.array_equal(got[n], t) for n, t in weights)
+            return stats
+
+        assert refit_once()["delta_tensors"] == 0
+        weights[0][1][::97] += 1.0
+        assert refit_once()["delta_tensors"] == 2
+        pair.destination.request_full_refit()
+        pair.connect()  # its next metadata declares no version
+        weights[0][1][::89] += 1.0
+        assert refit_once()["delta_tensors"] == 0
+        weights[0][1][::83] += 1.0
+        assert refit_once()["delta_tensors"] == 2
+    finally:
+        pair.close()

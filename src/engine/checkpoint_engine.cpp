@@ -424,6 +424,8 @@ class CheckpointEngine::Impl {
     }
   }
 
+  void request_full_refit() { destination_delta_.drop(); }
+
   bool stale() const { return is_destination_ && stale_; }
   const Layout* target_layout() const { return target_layout_ ? &*target_layout_ : nullptr; }
   uint64_t bucket_bytes() const { return options_.bucket_bytes; }
@@ -978,6 +980,7 @@ void CheckpointEngine::release_batch() { impl_->release_batch(); }
 ReceiveStats CheckpointEngine::finish_receive() { return impl_->finish_receive(); }
 Error CheckpointEngine::abort_receive(const std::string& reason) { return impl_->abort_receive(reason); }
 bool CheckpointEngine::receiving() const { return impl_->receiving(); }
+void CheckpointEngine::request_full_refit() { impl_->request_full_refit(); }
 void CheckpointEngine::finalize() { impl_->finalize(); }
 bool CheckpointEngine::stale() const { return impl_->stale(); }
 uint64_t CheckpointEngine::bucket_bytes() const { return impl_->bucket_bytes(); }

@@ -156,6 +156,21 @@ TEST(DeltaRefit, ARestartedDestinationGetsTheWholeModelThenChangesAgain) {
   EXPECT_GT(delta.delta_tensors, 0u);
 }
 
+TEST(DeltaRefit, ADestinationMayAskForTheWholeModel) {
+  DeltaPair p;
+  p.connect();
+  auto weights = model(10);
+  p.refit_exact(weights);
+  step(weights, 0.01, 100);
+  EXPECT_GT(p.refit_exact(weights).delta_tensors, 0u);
+  p.destination->request_full_refit();
+  p.connect();  // its next metadata declares no version
+  step(weights, 0.01, 101);
+  EXPECT_EQ(p.refit_exact(weights).delta_tensors, 0u);
+  step(weights, 0.01, 102);
+  EXPECT_GT(p.refit_exact(weights).delta_tensors, 0u);
+}
+
 TEST(DeltaRefit, ARestartedSourceSendsTheWholeModel) {
   DeltaPair p;
   p.connect();

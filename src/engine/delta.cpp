@@ -2,8 +2,6 @@
 
 #include <spdlog/spdlog.h>
 
-#include <cstring>
-
 #include "core/delta_codec.h"
 #include "core/fail.h"
 #include "core/random_id.h"
@@ -93,13 +91,8 @@ class SourceDelta::Stream : public WeightSource {
     }
     // Whole: the destination takes it as it is, and so does our base.
     Base& base = it != owner_.base_.end() ? it->second : owner_.base_[info.name];
-    if (base.bytes.size() != nbytes) {
-      owner_.base_bytes_ = owner_.base_bytes_ - base.bytes.size() + nbytes;
-      base.bytes.assign(nbytes, std::byte{0});
-    }
     base.info = info;
-    if (nbytes > 0) std::memcpy(base.bytes.data(), view.data, nbytes);
-    ++owner_.counts_.whole_tensors;
+    base.bytes.assign(view.data, view.data + nbytes);
     *out = view;
     return true;
   }
@@ -218,7 +211,6 @@ void DestinationDelta::transform(std::span<const TensorView> in, std::span<const
     Held& held = held_[name];
     held.info = *view.info;
     held.bytes.assign(view.data, view.data + view.info->nbytes());
-    ++counts_.whole_tensors;
     out.push_back(view);
     owners.push_back(k < in_owners.size() ? in_owners[k] : nullptr);
   }

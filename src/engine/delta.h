@@ -34,7 +34,6 @@ inline constexpr std::string_view kDeltaTensorPrefix = "refit:delta:";
 // What one delta refit sent or applied.
 struct DeltaCounts {
   uint64_t changed_tensors = 0;  // sent as changes (unchanged ones included)
-  uint64_t whole_tensors = 0;    // sent whole: no base, a new shape, or too many changes
   uint64_t record_bytes = 0;     // bytes of the change records
 };
 
@@ -55,7 +54,6 @@ class SourceDelta {
   void drop();
 
   const DeltaCounts& counts() const { return counts_; }
-  uint64_t base_bytes() const { return base_bytes_; }  // memory held for the base
 
  private:
   class Stream;
@@ -69,7 +67,6 @@ class SourceDelta {
   DeltaScratch scratch_;       // the scans' buffers, kept from tensor to tensor
   uint64_t base_version_ = 0;  // 0: none
   uint64_t next_version_ = 0;
-  uint64_t base_bytes_ = 0;
   DeltaCounts counts_;
   std::unique_ptr<Stream> stream_;
 };

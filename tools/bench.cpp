@@ -20,6 +20,7 @@
 #include "refit/bucket_size.h"
 #include "refit/config.h"
 #include "refit/error.h"
+#include "refit/fp8.h"
 #include "refit/local_group.h"
 #include "refit/memory.h"
 #include "refit/model.h"
@@ -198,6 +199,11 @@ std::string model_option(const std::string& model) {
   return model;
 }
 
+ModelInventory load_model(const std::string& path, bool fp8) {
+  ModelInventory inventory = load_model_inventory(path);
+  return fp8 ? fp8_block_inventory(inventory) : inventory;
+}
+
 namespace {
 
 // The *.safetensors files of a --versions folder, in name order; at least one per refit.
@@ -226,7 +232,7 @@ int run_bench(const BenchOptions& options) {
     throw Error(ErrorKind::kInvalidArgument, "--versions names the model itself: leave out --model");
   if (!options.versions.empty()) model.versions = version_files(options.versions, options.refits);
   const std::string path = model.versions.empty() ? model_option(options.model) : model.versions.front();
-  model.inventory = load_model_inventory(path);
+  model.inventory = load_model(path, options.fp8);
   if (is_safetensors(path)) model.safetensors_path = path;
   if (!(options.changed >= 0 && options.changed <= 1))
     throw Error(ErrorKind::kInvalidArgument, fmt::format("--changed must be in [0, 1], got {}", options.changed));

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "parallel_options.h"
+#include "refit/model.h"
 
 namespace refit::tools {
 
@@ -19,6 +20,7 @@ struct BenchOptions {
   // A delta workload: each refit after the first changes this share of every tensor's elements
   // (0: all new content every refit). Pair with refit_cfg.nixl.delta=true to send only changes.
   double changed = 0;
+  bool fp8 = false;  // the sources hold FP8 weights with their block scales (load_model)
   // A folder of consecutive versions of the weights (*.safetensors, in name order): refit k sends
   // version k. Instead of --model.
   std::string versions;
@@ -49,6 +51,10 @@ struct BenchOptions {
 // The model that --model names: `model`, or the default model when empty. Throws Error(kModel)
 // naming the path and what --model accepts when nothing is there.
 std::string model_option(const std::string& model);
+
+// The inventory of `path` (load_model_inventory); with `fp8` (--fp8), its FP8 checkpoint form:
+// FP8 linear weights with their 128 x 128 block scales (fp8_block_inventory).
+ModelInventory load_model(const std::string& path, bool fp8);
 
 // Returns the process exit code: 0 only when every refit succeeded and verified.
 int run_bench(const BenchOptions& options);

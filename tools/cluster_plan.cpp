@@ -116,7 +116,7 @@ int run_cluster_plan(const PlanOptions& options) {
   apply_calibration(cluster, calibration);
   const std::string path =
       !options.model.empty() || cluster.model.empty() ? model_option(options.model) : cluster.model;
-  const auto inventory = load_model_inventory(path);
+  const auto inventory = load_model(path, options.fp8);
   std::vector<std::string> overrides = options.overrides;
   if (cluster.destinations.shard_experts) overrides.push_back("refit_cfg.nixl.shard_expert_weights=true");
   const RefitConfig config = load_config(options.config_file, overrides);

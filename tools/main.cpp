@@ -24,6 +24,10 @@ int main(int argc, char** argv) {
   bench_cmd->add_option(
       "--model", bench.model,
       "config.json, safetensors file or directory, or builtin:refit-tiny-moe (the default, compiled in)");
+  bench_cmd->add_flag(
+      "--fp8", bench.fp8,
+      "FP8 weights as DeepSeek-V3 and Qwen3 FP8 checkpoints hold them: each linear weight float8_e4m3fn with "
+      "its 128x128 block scales (<name>_scale_inv), sliced with its weight");
   bench_cmd->add_option("--sources", bench.sources, "Source (policy) processes")->capture_default_str();
   bench_cmd->add_option("--destinations", bench.destinations, "Destination (rollout) processes")->capture_default_str();
   bench_cmd->add_option("--refits", bench.refits, "Refits to run")->capture_default_str();
@@ -73,6 +77,10 @@ int main(int argc, char** argv) {
   plan_cmd->add_option(
       "--model", plan.model,
       "config.json, safetensors file or directory, or builtin:refit-tiny-moe (the default, compiled in)");
+  plan_cmd->add_flag(
+      "--fp8", plan.fp8,
+      "FP8 weights as DeepSeek-V3 and Qwen3 FP8 checkpoints hold them: each linear weight float8_e4m3fn with "
+      "its 128x128 block scales (<name>_scale_inv), sliced with its weight");
   plan_cmd->add_option("--sources", plan.sources, "Source processes")->capture_default_str();
   plan_cmd->add_option("--destinations", plan.destinations, "Destination processes")->capture_default_str();
   plan_cmd->add_option("--config", plan.config_file, "YAML config file");

@@ -89,7 +89,7 @@ int run_plan(const PlanOptions& options) {
   if (!options.cluster.empty()) return run_cluster_plan(options);
   const RefitConfig config = load_config(options.config_file, options.overrides);
   const std::string path = model_option(options.model);
-  const auto inventory = load_model_inventory(path);
+  const auto inventory = load_model(path, options.fp8);
   check_paired(options.source_parallel, options.sources, options.destinations);
   const auto layouts = destination_layouts(path, inventory, config, options.parallel, options.destinations);
   const auto sources = source_layouts(path, inventory, options.source_parallel, options.sources);

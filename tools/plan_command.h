@@ -11,6 +11,7 @@ namespace refit::tools {
 
 struct PlanOptions {
   std::string model;
+  bool fp8 = false;  // the model in its FP8 checkpoint form (load_model)
   int sources = 1;
   int destinations = 1;
   std::string config_file;

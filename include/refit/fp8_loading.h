@@ -3,7 +3,8 @@
 //  - a destination quantizes the bf16/fp32 weights it receives to float8_e4m3fn as they arrive
 //    (Fp8QuantizingLoader), hands everything else through, collects the KV scales, and calls a
 //    post-load hook once per refit, after the last batch.
-// Sharded expert refit into FP8 storage is not supported (check_sharded_experts_not_fp8).
+// Sharded expert refit into vLLM's FP8 storage is not supported (check_sharded_experts_not_fp8);
+// FP8 weights that the sources already hold reshard with their scales (fp8.h).
 #pragma once
 
 #include <functional>
@@ -31,8 +32,7 @@ class WeightSourceWithKvScales final : public WeightSource {
 
 struct Fp8LoaderOptions {
   Fp8Scaling scaling = Fp8Scaling::kBlock128;
-  // Which received tensors to quantize; default: 2-D bf16/fp32 "*.weight" tensors other than
-  // embeddings, lm_head, norms and routers (what FP8 linear layers hold).
+  // Which received tensors to quantize; default: is_fp8_linear_weight (fp8.h).
   std::function<bool(const TensorInfo&)> quantize;
   // Receives each quantized tensor (data and scales are valid during the call).
   std::function<void(const TensorInfo& source, const Fp8Tensor& quantized)> store_fp8;
@@ -42,8 +42,6 @@ struct Fp8LoaderOptions {
   std::function<void(const std::map<std::string, float>& kv_scales)> post_load;
 };
 
-// The default `quantize` predicate.
-bool is_fp8_linear_weight(const TensorInfo& info);
 // True for the reference's KV-scale names (…self_attn.attn.q_scale, …self_attn.k_scale, …v_scale).
 bool is_kv_scale_name(const std::string& name);
 

@@ -107,9 +107,10 @@ Selection select(const Layout& layout, const TensorInfo& source);
 std::vector<uint8_t> encode_layout(const Layout& layout);
 Layout decode_layout(std::span<const uint8_t> bytes, std::string_view what = "layout");
 
-// Checks a layout against the model's inventory: every listed name exists, slice dims and
-// bounds fit, no listed tensor is also under a dropped prefix, prefixes are non-empty and end
-// with '.'. Throws Error(kLayout) naming the tensor and `owner` ("destination rank 3").
+// Checks a destination's layout against the model's inventory: every listed name exists, slice
+// dims and bounds fit, no listed tensor is also under a dropped prefix, prefixes are non-empty
+// and end with '.', every FP8 scale is asked for as its weight's slice needs (fp8.h). Throws Error(kLayout) naming the
+// tensor and `owner` ("destination rank 3").
 void validate_layout(const Layout& layout, const ModelInventory& inventory, std::string_view owner);
 
 struct LayoutSummary {

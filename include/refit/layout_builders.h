@@ -21,6 +21,8 @@
 //        routers (mlp.gate, block_sparse_moe.gate, e_score_correction_bias,
 //        shared_expert_gate), MLA q_a_proj and kv_a_proj_with_mqa.
 //    Routed experts are not touched by dense TP: without shard_experts they go whole.
+//  * FP8 scales (fp8.h) follow their weights: a sliced FP8 weight's "_scale_inv" gets the scale
+//    blocks of its slice, a dropped weight's scale is dropped (add_fp8_scale_requests).
 //  * Pipeline stages: the prefixes a stage lacks, as vLLM's get_pp_missing_layer_names gives
 //    them ("model.layers.7.", "model.embed_tokens.", "model.norm.", "lm_head."), matched by
 //    plain prefix.
@@ -143,6 +145,13 @@ struct ModelParallel {
 Layout build_layout(const ModelInventory& inventory, const ModelDims& dims, const ModelParallel& parallel);
 // Reads both from a config.json (file or directory).
 Layout build_layout(const std::string& config_path, const ModelParallel& parallel);
+
+// Gives every FP8 scale of `inventory` (fp8_scales_of) the request its weight's request needs
+// (fp8_scale_request), so that a layout that slices FP8 weights holds or asks for exactly their
+// scale blocks. build_layout, layout_from_compact and megatron_source_layouts end with it; a
+// layout written by hand can call it. Throws Error(kLayout) naming `owner`, the weight and the
+// scale block when a slice cuts through a block.
+void add_fp8_scale_requests(Layout& layout, const ModelInventory& inventory, std::string_view owner);
 
 // ---- the training side: source layouts -------------------------------------------------------
 // A source's layout says what it holds (transfer_plan.h). These give every training rank's.

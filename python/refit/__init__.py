@@ -50,6 +50,7 @@ from ._refit import (
     cuda_device_count,
     destination_layout,
     fill_synthetic,
+    fp8_block_inventory,
     fsdp_source_layout,
     is_fp8_linear_weight,
     is_kv_scale_name,
@@ -112,7 +113,7 @@ __all__ = [
     "total_device_memory_bytes", "total_host_memory_bytes", "cuda_built", "cuda_device_count",
     "load_model_inventory", "xxh3_64", "fill_synthetic", "set_log_level", "log",
     # FP8 and sharded experts
-    "Fp8QuantizingLoader", "is_kv_scale_name", "is_fp8_linear_weight", "ExpertLoader",
+    "Fp8QuantizingLoader", "is_kv_scale_name", "is_fp8_linear_weight", "fp8_block_inventory", "ExpertLoader",
     # plugins and chunks
     "TensorMeta", "split_weight_chunks", "merge_weight_chunk_batches",
     # resharding

@@ -10,6 +10,7 @@
 #include "refit/checkpoint_engine.h"
 #include "refit/device.h"
 #include "refit/dtype.h"
+#include "refit/fp8.h"
 #include "refit/layout.h"
 #include "refit/layout_builders.h"
 #include "refit/memory.h"
@@ -72,6 +73,12 @@ Layout make_layout(nb::handle tensors, std::vector<std::string> drop_prefixes, c
 
 nb::bytes to_bytes(const std::vector<uint8_t>& v) {
   return nb::bytes(reinterpret_cast<const char*>(v.data()), v.size());
+}
+
+// A config.json's inventory, in its FP8 checkpoint form when `fp8`.
+ModelInventory inventory_of(const std::string& config_path, bool fp8) {
+  ModelInventory inventory = inventory_from_hf_config(config_path);
+  return fp8 ? fp8_block_inventory(inventory) : inventory;
 }
 
 }  // namespace
@@ -217,6 +224,10 @@ void register_config(nb::module_& m) {
         "Tensors of a model from a config.json (or its directory), safetensors files, or a built-in model "
         "('builtin:refit-tiny-moe'); raises ModelError.");
   m.attr("DEFAULT_MODEL") = kDefaultModel;
+  m.def("fp8_block_inventory", &fp8_block_inventory, nb::arg("model"),
+        "The model as DeepSeek-V3's and Qwen3's FP8 checkpoints hold it: each linear weight float8_e4m3fn followed "
+        "by '<name>_scale_inv' (float32, its 128 x 128 block scales); embeddings, lm_head, norms and routers as "
+        "they are.");
 
   // ---- layouts ----
   nb::class_<Layout>(m, "Layout",
@@ -276,20 +287,21 @@ void register_config(nb::module_& m) {
       "shards.");
   m.def(
       "megatron_source_layouts",
-      [](const std::string& config_path, int tp, int pp, int dp, int ep, std::optional<int> expert_tp) {
-        return megatron_source_layouts(inventory_from_hf_config(config_path), model_dims_from_hf_config(config_path),
+      [](const std::string& config_path, int tp, int pp, int dp, int ep, std::optional<int> expert_tp, bool fp8) {
+        return megatron_source_layouts(inventory_of(config_path, fp8), model_dims_from_hf_config(config_path),
                                        TrainingParallel{tp, pp, dp, ep, expert_tp});
       },
       nb::arg("config_path"), nb::arg("tp") = 1, nb::arg("pp") = 1, nb::arg("dp") = 1, nb::arg("ep") = 1,
-      nb::arg("expert_tp").none() = nb::none(),
-      "Every Megatron rank's holdings (rank = tp_rank + tp * (dp_rank + dp * pp_rank)) for a model's config.json.");
+      nb::arg("expert_tp").none() = nb::none(), nb::arg("fp8") = false,
+      "Every Megatron rank's holdings (rank = tp_rank + tp * (dp_rank + dp * pp_rank)) for a model's config.json; "
+      "fp8: of its FP8 form (fp8_block_inventory), each scale sliced with its weight.");
   // ---- what a destination keeps (its layout: EngineOptions::layout, the `layout=` engine option) ----
   m.def(
       "destination_layout",
       [](const std::string& config_path, int tp_size, int tp_rank, int ep_size, int ep_rank,
          std::vector<int64_t> expert_map, std::optional<int> expert_tp_size, std::optional<int> expert_tp_rank,
          int pp_size, int pp_rank, std::vector<std::string> missing_prefixes, bool shard_experts, bool shard_dense,
-         std::optional<int> destination_rank) {
+         std::optional<int> destination_rank, bool fp8) {
         ModelParallel p;
         p.tp_size = tp_size;
         p.tp_rank = tp_rank;
@@ -304,14 +316,16 @@ void register_config(nb::module_& m) {
         p.shard_experts = shard_experts;
         p.shard_dense = shard_dense;
         p.destination_rank = destination_rank.value_or(tp_rank + tp_size * pp_rank);
-        return build_layout(config_path, p);
+        return build_layout(inventory_of(config_path, fp8), model_dims_from_hf_config(config_path), p);
       },
       nb::arg("config_path"), nb::kw_only(), nb::arg("tp_size") = 1, nb::arg("tp_rank") = 0, nb::arg("ep_size") = 1,
       nb::arg("ep_rank") = 0, nb::arg("expert_map") = std::vector<int64_t>{},
       nb::arg("expert_tp_size").none() = nb::none(), nb::arg("expert_tp_rank").none() = nb::none(),
       nb::arg("pp_size") = 1, nb::arg("pp_rank") = 0, nb::arg("missing_prefixes") = std::vector<std::string>{},
       nb::arg("shard_experts") = false, nb::arg("shard_dense") = false, nb::arg("destination_rank").none() = nb::none(),
-      "A vLLM destination's layout for a model's config.json: pipeline stages drop other stages' layers; "
+      nb::arg("fp8") = false,
+      "A vLLM destination's layout for a model's config.json (fp8: for its FP8 form, fp8_block_inventory, each "
+      "scale sliced with its weight): pipeline stages drop other stages' layers; "
       "shard_experts (the reference's shard_expert_weights) keeps the routed experts this rank owns (EP by "
       "linear placement, or vLLM's expert_map), TP-sliced; shard_dense TP-slices dense tensors as vLLM does. "
       "Raises LayoutError naming the rank for sizes that do not divide.");

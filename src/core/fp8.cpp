@@ -5,6 +5,8 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <string_view>
+#include <unordered_map>
 
 #include "core/fail.h"
 
@@ -143,6 +145,111 @@ KvScales kv_scale_tensors(int64_t num_layers, const std::map<std::string, float>
     }
   }
   return out;
+}
+
+namespace {
+
+bool ends_with(std::string_view s, std::string_view suffix) {
+  return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
+}
+
+bool is_float8(DType dtype) { return dtype == DType::kFloat8E4M3FN || dtype == DType::kFloat8E5M2; }
+
+// Weight elements per scale element along a weight dim of `size` that the scale gives `scales`
+// elements (0: not understood).
+int64_t block_along(int64_t size, int64_t scales) {
+  if (scales == size) return 1;
+  if (scales == 1) return std::max<int64_t>(size, 1);
+  if (scales == (size + kFp8BlockSize - 1) / kFp8BlockSize) return kFp8BlockSize;
+  return 0;
+}
+
+}  // namespace
+
+bool is_fp8_linear_weight(const TensorInfo& info) {
+  const std::string& n = info.name;
+  if (info.shape.size() != 2 || !ends_with(n, ".weight")) return false;
+  if (info.dtype != DType::kBFloat16 && info.dtype != DType::kFloat32) return false;
+  for (std::string_view skip :
+       {"embed_tokens", "lm_head", "norm", ".mlp.gate.weight", "block_sparse_moe.gate.", "shared_expert_gate"})
+    if (n.find(skip) != std::string::npos) return false;
+  return true;
+}
+
+ModelInventory fp8_block_inventory(const ModelInventory& model) {
+  ModelInventory out;
+  out.name = model.name + "-fp8";
+  out.tensors.reserve(model.tensors.size() * 2);
+  for (const auto& t : model.tensors) {
+    if (!is_fp8_linear_weight(t)) {
+      out.tensors.push_back(t);
+      continue;
+    }
+    out.tensors.push_back({t.name, DType::kFloat8E4M3FN, t.shape});
+    out.tensors.push_back({t.name + "_scale_inv", DType::kFloat32, fp8_scale_shape(t, Fp8Scaling::kBlock128)});
+  }
+  return out;
+}
+
+std::vector<Fp8ScaleOf> fp8_scales_of(const ModelInventory& model) {
+  const auto& tensors = model.tensors;
+  std::unordered_map<std::string_view, uint32_t> weights;  // 2-D float8 tensors by name
+  for (uint32_t i = 0; i < tensors.size(); ++i)
+    if (is_float8(tensors[i].dtype) && tensors[i].shape.size() == 2) weights.emplace(tensors[i].name, i);
+  std::vector<Fp8ScaleOf> out;
+  if (weights.empty()) return out;
+  for (uint32_t i = 0; i < tensors.size(); ++i) {
+    std::string_view name = tensors[i].name;
+    for (std::string_view suffix : {"_scale_inv", "_scale"}) {
+      if (!ends_with(name, suffix)) continue;
+      auto it = weights.find(name.substr(0, name.size() - suffix.size()));
+      if (it == weights.end()) continue;
+      const auto& w = tensors[it->second].shape;
+      const auto& s = tensors[i].shape;
+      Fp8ScaleOf link{i, it->second, {}};
+      if (s.size() == 2) {
+        link.block = {block_along(w[0], s[0]), block_along(w[1], s[1])};
+      } else if (s.empty() || (s.size() == 1 && s[0] == 1)) {  // per tensor
+        link.block = {std::max<int64_t>(w[0], 1), std::max<int64_t>(w[1], 1)};
+      } else if (s.size() == 1 && s[0] == w[0]) {  // per channel, [R]
+        link.block = {1, std::max<int64_t>(w[1], 1)};
+      }
+      out.push_back(link);
+      break;
+    }
+  }
+  return out;
+}
+
+Request fp8_scale_request(const ModelInventory& model, const Fp8ScaleOf& link, const Request& weight,
+                          std::string_view owner) {
+  if (weight.take != Take::kSlice) return weight;
+  const TensorInfo& w = model.tensors[link.weight];
+  const TensorInfo& s = model.tensors[link.scale];
+  const Slice& cut = weight.slice;
+  if (cut.dim < 0 || cut.dim > 1)
+    fail(ErrorKind::kLayout, "layout of {}: FP8 weight '{}' is sliced along dim {}, which a 2-D weight lacks", owner,
+         w.name, cut.dim);
+  const int64_t block = link.block[cut.dim], size = w.shape[cut.dim];
+  if (block == 0)
+    fail(ErrorKind::kLayout,
+         "layout of {}: FP8 weight '{}' {} is sliced, but its scale '{}' of shape {} is neither per tensor, per "
+         "channel nor in {} x {} blocks, so which scales go with the slice is unknown",
+         owner, w.name, shape_string(w.shape), s.name, shape_string(s.shape), kFp8BlockSize, kFp8BlockSize);
+  if (block >= size && size > 0) return Request::whole();  // the scale does not split this dim
+  const int64_t end = cut.start + cut.length;
+  for (int64_t edge : {cut.start, end})
+    if (edge % block != 0 && edge != size)
+      fail(ErrorKind::kLayout,
+           "layout of {}: FP8 weight '{}' slice dim {} [{}, {}) cuts through scale block {} (elements [{}, {})) of "
+           "'{}': a holder of the slice would need a scale shared with another holder's elements; use parallel "
+           "sizes that split dim {} (size {}) at multiples of {}",
+           owner, w.name, cut.dim, cut.start, end, edge / block, edge / block * block,
+           std::min(edge / block * block + block, size), s.name, cut.dim, size, block);
+  // Here the scale splits the dim, so it has one (a per-channel [R]: dim 0) or two dims.
+  const int64_t first = cut.start / block, last = (end + block - 1) / block;
+  if (first == 0 && last == s.shape[cut.dim]) return Request::whole();
+  return Request::narrow(cut.dim, first, last - first);
 }
 
 void check_sharded_experts_not_fp8(bool shard_expert_weights, bool fp8_model, int destination_rank) {

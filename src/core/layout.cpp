@@ -223,7 +223,7 @@ Layout decode_layout(std::span<const uint8_t> bytes, std::string_view what) {
 
 void validate_layout(const Layout& layout, const ModelInventory& inventory, std::string_view owner) {
   std::vector<Request> requests;
-  LayoutResolver(inventory).resolve(layout, owner, requests);
+  LayoutResolver(inventory).resolve(layout, LayoutRole::kDestination, owner, requests);
 }
 
 LayoutSummary layout_bytes(const Layout& layout, const ModelInventory& inventory) {

@@ -7,6 +7,7 @@
 #include "core/fail.h"
 #include "core/hf_config.h"
 #include "core/prefix_set.h"
+#include "refit/fp8.h"
 
 namespace refit {
 namespace {
@@ -167,7 +168,10 @@ std::optional<HfExpertName> parse_hf_expert_name(std::string_view name) {
   return out;
 }
 
-Layout layout_from_compact(const CompactLayout& compact, const ModelInventory& inventory, int destination_rank) {
+namespace {
+
+// layout_from_compact and build_layout before their FP8 scales are added (which name the owner).
+Layout compact_without_scales(const CompactLayout& compact, const ModelInventory& inventory, int destination_rank) {
   for (const auto& [param, e] : compact.expert_params) {
     if (e.tp_size < 1 || e.tp_rank < 0 || e.tp_rank >= e.tp_size)
       fail(ErrorKind::kLayout, "destination rank {}: expert parameter '{}' has tp_rank {} outside [0, tp_size {})",
@@ -194,6 +198,14 @@ Layout layout_from_compact(const CompactLayout& compact, const ModelInventory& i
     if (e.tp_size == 1) continue;
     put_even(layout, t, expert->shard_dim(), e.tp_size, e.tp_rank, destination_rank);
   }
+  return layout;
+}
+
+}  // namespace
+
+Layout layout_from_compact(const CompactLayout& compact, const ModelInventory& inventory, int destination_rank) {
+  Layout layout = compact_without_scales(compact, inventory, destination_rank);
+  add_fp8_scale_requests(layout, inventory, fmt::format("destination rank {}", destination_rank));
   return layout;
 }
 
@@ -301,7 +313,9 @@ ModelDims model_dims_from_hf_config(const std::string& path) {
   return d;
 }
 
-Layout build_layout(const ModelInventory& inventory, const ModelDims& dims, const ModelParallel& p) {
+namespace {
+
+Layout build_without_scales(const ModelInventory& inventory, const ModelDims& dims, const ModelParallel& p) {
   const int dest = p.destination_rank;
   check_rank("tp", p.tp_size, p.tp_rank, dest);
   check_rank("ep", p.ep_size, p.ep_rank, dest);
@@ -347,7 +361,7 @@ Layout build_layout(const ModelInventory& inventory, const ModelDims& dims, cons
       if (dropped.matches(t.name)) continue;
       if (auto name = parse_hf_expert_name(t.name)) compact.expert_params.emplace(name->param_name(), e);
     }
-    layout = layout_from_compact(compact, inventory, dest);
+    layout = compact_without_scales(compact, inventory, dest);
   } else {
     layout.drop_prefixes = prefixes;
   }
@@ -359,6 +373,23 @@ Layout build_layout(const ModelInventory& inventory, const ModelDims& dims, cons
     }
   }
   return layout;
+}
+
+}  // namespace
+
+Layout build_layout(const ModelInventory& inventory, const ModelDims& dims, const ModelParallel& parallel) {
+  Layout layout = build_without_scales(inventory, dims, parallel);
+  add_fp8_scale_requests(layout, inventory, fmt::format("destination rank {}", parallel.destination_rank));
+  return layout;
+}
+
+void add_fp8_scale_requests(Layout& layout, const ModelInventory& inventory, std::string_view owner) {
+  for (const auto& link : fp8_scales_of(inventory)) {
+    const std::string& scale = inventory.tensors[link.scale].name;
+    const Request need =
+        fp8_scale_request(inventory, link, layout.request_for(inventory.tensors[link.weight].name), owner);
+    if (layout.request_for(scale) != need) layout.tensors[scale] = need;
+  }
 }
 
 Layout build_layout(const std::string& config_path, const ModelParallel& parallel) {
@@ -394,7 +425,8 @@ std::vector<Layout> megatron_source_layouts(const ModelInventory& inventory, con
     m.shard_experts = true;
     m.shard_dense = p.tp_size > 1;
     m.vocab_padding = 128 * static_cast<int64_t>(p.tp_size);
-    out.push_back(build_layout(inventory, dims, m));
+    out.push_back(build_without_scales(inventory, dims, m));
+    add_fp8_scale_requests(out.back(), inventory, fmt::format("source rank {}", rank));
   }
   return out;
 }

@@ -6,7 +6,8 @@
 
 namespace refit {
 
-LayoutResolver::LayoutResolver(const ModelInventory& inventory) : inventory_(inventory) {}
+LayoutResolver::LayoutResolver(const ModelInventory& inventory)
+    : inventory_(inventory), scales_(fp8_scales_of(inventory)) {}
 
 const std::vector<uint32_t>& LayoutResolver::sorted() const {
   std::call_once(sorted_once_, [&] {
@@ -19,7 +20,8 @@ const std::vector<uint32_t>& LayoutResolver::sorted() const {
   return sorted_;
 }
 
-void LayoutResolver::resolve(const Layout& layout, std::string_view owner, std::vector<Request>& out) const {
+void LayoutResolver::resolve(const Layout& layout, LayoutRole role, std::string_view owner,
+                             std::vector<Request>& out) const {
   const auto& tensors = inventory_.tensors;
   if (layout.fallback == Take::kSlice)
     fail(ErrorKind::kLayout, "layout of {}: the fallback must be whole or drop, not slice", owner);
@@ -67,6 +69,20 @@ void LayoutResolver::resolve(const Layout& layout, std::string_view owner, std::
       fail(ErrorKind::kLayout, "layout of {} asks for tensor '{}' ({}) but also drops its prefix '{}'", owner, name,
            to_string(request.take), *dropped_by[index]);
     out[index] = r;
+  }
+  if (role == LayoutRole::kDestination) check_fp8_scales(out, owner);
+}
+
+void LayoutResolver::check_fp8_scales(std::span<const Request> requests, std::string_view owner) const {
+  auto text = [](const Request& r) { return r.take == Take::kDrop ? std::string("drop") : to_string(Box::of(r)); };
+  for (const auto& link : scales_) {
+    const Request need = fp8_scale_request(inventory_, link, requests[link.weight], owner);
+    if (requests[link.scale] == need) continue;
+    fail(ErrorKind::kLayout,
+         "layout of {} asks for FP8 scale '{}' as {} but for its weight '{}' as {}, which needs {} of the scale "
+         "(add_fp8_scale_requests gives a layout its scales)",
+         owner, inventory_.tensors[link.scale].name, text(requests[link.scale]), inventory_.tensors[link.weight].name,
+         text(requests[link.weight]), text(need));
   }
 }
 

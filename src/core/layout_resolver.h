@@ -5,10 +5,12 @@
 #pragma once
 
 #include <mutex>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
 
+#include "refit/fp8.h"
 #include "refit/layout.h"
 #include "refit/model.h"
 
@@ -17,6 +19,11 @@ namespace refit {
 // Empty if `slice` fits `info`, else what is wrong (for error messages).
 std::string slice_problem(const TensorInfo& info, const Slice& slice);
 
+// A source's layout says what it holds, a destination's what it needs. Only a destination must
+// take each FP8 scale exactly as its weight's slice needs (a source may hold scales sharded on
+// their own, as FSDP shards every tensor).
+enum class LayoutRole { kSource, kDestination };
+
 // resolve() may run on several threads at once.
 class LayoutResolver {
  public:
@@ -24,17 +31,20 @@ class LayoutResolver {
 
   // The request for every inventory tensor, by index, as Layout::request_for gives it; a slice
   // that covers its whole dimension comes back as whole. Checks what validate_layout checks and
-  // throws Error(kLayout) naming `owner` ("source rank 2").
+  // throws Error(kLayout) naming `owner` ("source rank 2"); for a destination, also that every
+  // FP8 scale is requested as fp8_scale_request says.
   // `out` is reused: resolving hundreds of layouts then allocates once.
-  void resolve(const Layout& layout, std::string_view owner, std::vector<Request>& out) const;
+  void resolve(const Layout& layout, LayoutRole role, std::string_view owner, std::vector<Request>& out) const;
 
  private:
   const std::vector<uint32_t>& sorted() const;
+  void check_fp8_scales(std::span<const Request> requests, std::string_view owner) const;
 
   const ModelInventory& inventory_;
   // Inventory indices in name order, sorted on first use.
   mutable std::once_flag sorted_once_;
   mutable std::vector<uint32_t> sorted_;
+  const std::vector<Fp8ScaleOf> scales_;
 };
 
 }  // namespace refit

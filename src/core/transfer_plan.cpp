@@ -86,14 +86,15 @@ Holdings group_holders(const TensorInfo& info, std::vector<Holder>& holders) {
 // tens of thousands of scattered names); out[k] gets layouts[first + k]'s requests. The first
 // failing layout's error (in layout order) is rethrown, so errors do not depend on timing.
 void resolve_batch(const LayoutResolver& resolver, std::span<const Layout> layouts, size_t first, size_t count,
-                   const char* role, std::vector<std::vector<Request>>& out) {
+                   LayoutRole role, std::vector<std::vector<Request>>& out) {
   out.resize(std::max(out.size(), count));
   std::vector<std::exception_ptr> errors(count);
   std::atomic<size_t> next{0};
   auto work = [&] {
     for (size_t k; (k = next++) < count;) {
       try {
-        resolver.resolve(layouts[first + k], fmt::format("{} rank {}", role, first + k), out[k]);
+        const char* who = role == LayoutRole::kSource ? "source" : "destination";
+        resolver.resolve(layouts[first + k], role, fmt::format("{} rank {}", who, first + k), out[k]);
       } catch (...) {
         errors[k] = std::current_exception();
       }
@@ -147,7 +148,7 @@ TransferPlan plan_transfers(const ModelInventory& model, std::span<const Layout>
   std::vector<std::vector<Holder>> holders(tensors.size());
   for (uint32_t first = 0; first < S; first += batch_size()) {
     const uint32_t count = std::min<uint32_t>(batch_size(), S - first);
-    resolve_batch(resolver, sources, first, count, "source", resolved);
+    resolve_batch(resolver, sources, first, count, LayoutRole::kSource, resolved);
     for (uint32_t k = 0; k < count; ++k)
       for (uint32_t i = 0; i < resolved[k].size(); ++i)
         if (resolved[k][i].take != Take::kDrop) holders[i].push_back({first + k, resolved[k][i]});
@@ -181,7 +182,8 @@ TransferPlan plan_transfers(const ModelInventory& model, std::span<const Layout>
 
   for (uint32_t d = 0; d < D; ++d) {
     if (d % batch_size() == 0)
-      resolve_batch(resolver, destinations, d, std::min<size_t>(batch_size(), D - d), "destination", resolved);
+      resolve_batch(resolver, destinations, d, std::min<size_t>(batch_size(), D - d), LayoutRole::kDestination,
+                    resolved);
     const std::vector<Request>& requests = resolved[d % batch_size()];
     pieces.clear();
     for (uint32_t i = 0; i < requests.size(); ++i) {

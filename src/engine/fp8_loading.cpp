@@ -11,8 +11,6 @@ bool ends_with(const std::string& s, std::string_view suffix) {
   return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
-bool contains(const std::string& s, std::string_view part) { return s.find(part) != std::string::npos; }
-
 }  // namespace
 
 WeightSourceWithKvScales::WeightSourceWithKvScales(WeightSource& weights, KvScales scales)
@@ -27,16 +25,6 @@ bool WeightSourceWithKvScales::next(TensorView* out) {
   *out = {&scales_.tensors[next_scale_], reinterpret_cast<const std::byte*>(&scales_.values[next_scale_]),
           MemoryKind::kHost};
   ++next_scale_;
-  return true;
-}
-
-bool is_fp8_linear_weight(const TensorInfo& info) {
-  const std::string& n = info.name;
-  if (info.shape.size() != 2 || !ends_with(n, ".weight")) return false;
-  if (info.dtype != DType::kBFloat16 && info.dtype != DType::kFloat32) return false;
-  for (std::string_view skip :
-       {"embed_tokens", "lm_head", "norm", ".mlp.gate.weight", "block_sparse_moe.gate.", "shared_expert_gate"})
-    if (contains(n, skip)) return false;
   return true;
 }
 

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "refit/fp8.h"
 #include "refit/layout_builders.h"
 #include "refit/model.h"
 
@@ -35,6 +36,25 @@ inline const char* kDeepseek = R"({
   "rms_norm_eps": 1e-6, "tie_word_embeddings": false
 })";
 
+// The same families with every dimension that TP 2 splits a multiple of 2 x 128, so that their
+// FP8 forms (fp8_block_inventory: 128 x 128 scale blocks) reshard at TP 2.
+inline const char* kQwenMoeAligned = R"({
+  "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "torch_dtype": "bfloat16",
+  "hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 256, "num_hidden_layers": 2,
+  "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 128, "vocab_size": 1003,
+  "num_experts": 4, "num_experts_per_tok": 2, "decoder_sparse_step": 1, "mlp_only_layers": [],
+  "rms_norm_eps": 1e-6, "tie_word_embeddings": false
+})";
+inline const char* kDeepseekAligned = R"({
+  "model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], "torch_dtype": "bfloat16",
+  "hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 256, "num_hidden_layers": 3,
+  "first_k_dense_replace": 1, "moe_layer_freq": 1, "n_routed_experts": 4, "n_shared_experts": 1,
+  "num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 128, "q_lora_rank": 256,
+  "qk_nope_head_dim": 64, "qk_rope_head_dim": 64, "v_head_dim": 128, "vocab_size": 777,
+  "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1, "num_nextn_predict_layers": 0,
+  "rms_norm_eps": 1e-6, "tie_word_embeddings": false
+})";
+
 struct Model {
   ModelInventory inventory;
   ModelDims dims;
@@ -54,6 +74,22 @@ inline const Model& qwen_moe() {
 }
 inline const Model& deepseek() {
   static const Model m = model_from(kDeepseek, "deepseek");
+  return m;
+}
+
+// FP8 checkpoint forms (fp8.h) of the aligned models.
+inline const Model& qwen_moe_fp8() {
+  static const Model m = [] {
+    Model bf16 = model_from(kQwenMoeAligned, "qwen-moe-aligned");
+    return Model{fp8_block_inventory(bf16.inventory), bf16.dims};
+  }();
+  return m;
+}
+inline const Model& deepseek_fp8() {
+  static const Model m = [] {
+    Model bf16 = model_from(kDeepseekAligned, "deepseek-aligned");
+    return Model{fp8_block_inventory(bf16.inventory), bf16.dims};
+  }();
   return m;
 }
 

@@ -240,6 +240,114 @@ TEST(KvScales, NamesOrderAndDefaults) {
   error_of(ErrorKind::kInvalidArgument, [] { kv_scale_tensors(-1, {}); });
 }
 
+// ---- FP8 checkpoints: weights with their scales ----------------------------------------------
+
+const TensorInfo& named(const ModelInventory& inv, std::string_view name) {
+  for (const auto& t : inv.tensors)
+    if (t.name == name) return t;
+  throw std::runtime_error("no tensor " + std::string(name));
+}
+
+TEST(Fp8Checkpoint, LinearWeightsBecomeFp8FollowedByTheirBlockScales) {
+  const ModelInventory bf16 = inventory_from_hf_config(kDefaultModel);
+  const ModelInventory fp8 = fp8_block_inventory(bf16);
+  uint64_t quantized = 0, scale_bytes = 0;
+  for (size_t i = 0, j = 0; i < bf16.tensors.size(); ++i, ++j) {
+    const TensorInfo& t = bf16.tensors[i];
+    ASSERT_EQ(fp8.tensors[j].name, t.name);
+    if (!is_fp8_linear_weight(t)) {
+      EXPECT_EQ(fp8.tensors[j], t);
+      continue;
+    }
+    ++quantized;
+    EXPECT_EQ(fp8.tensors[j].dtype, DType::kFloat8E4M3FN) << t.name;
+    EXPECT_EQ(fp8.tensors[j].shape, t.shape);
+    const TensorInfo& scale = fp8.tensors[++j];
+    EXPECT_EQ(scale.name, t.name + "_scale_inv");
+    EXPECT_EQ(scale.dtype, DType::kFloat32);
+    EXPECT_EQ(scale.shape, fp8_scale_shape(t, Fp8Scaling::kBlock128));
+    scale_bytes += scale.nbytes();
+  }
+  EXPECT_GT(quantized, 400u);  // every expert, attention and dense projection
+  EXPECT_EQ(named(fp8, "model.embed_tokens.weight").dtype, DType::kBFloat16);
+  EXPECT_EQ(named(fp8, "lm_head.weight").dtype, DType::kBFloat16);
+  EXPECT_EQ(named(fp8, "model.layers.0.mlp.gate.weight").dtype, DType::kBFloat16);  // the router
+  EXPECT_EQ(fp8.tensors.size(), bf16.tensors.size() + quantized);
+  EXPECT_EQ(named(fp8, "model.layers.3.mlp.experts.5.down_proj.weight_scale_inv").shape,
+            (std::vector<int64_t>{8, 2}));  // [1024, 256] in 128-blocks
+  EXPECT_GT(scale_bytes, 0u);
+  EXPECT_NE(fp8.fingerprint(), bf16.fingerprint());
+}
+
+ModelInventory scaled_model() {
+  ModelInventory m;
+  m.name = "scales";
+  m.tensors = {
+      {"block.weight", DType::kFloat8E4M3FN, {300, 256}},
+      {"block.weight_scale_inv", DType::kFloat32, {3, 2}},
+      {"channel.weight", DType::kFloat8E4M3FN, {64, 32}},
+      {"channel.weight_scale", DType::kFloat32, {64, 1}},
+      {"row.weight", DType::kFloat8E5M2, {64, 32}},
+      {"row.weight_scale", DType::kFloat32, {64}},
+      {"tensor.weight", DType::kFloat8E4M3FN, {64, 32}},
+      {"tensor.weight_scale", DType::kFloat32, {1}},
+      {"odd.weight", DType::kFloat8E4M3FN, {300, 256}},
+      {"odd.weight_scale_inv", DType::kFloat32, {5, 2}},
+      {"bf16.weight", DType::kBFloat16, {64, 32}},
+      {"bf16.weight_scale", DType::kFloat32, {64, 1}},  // not an FP8 weight's scale
+      {"model.layers.0.self_attn.k_scale", DType::kFloat32, {1}},
+  };
+  return m;
+}
+
+TEST(Fp8Checkpoint, ScalesAreFoundByNameWithTheBlockTheirShapeGives) {
+  const ModelInventory m = scaled_model();
+  const auto links = fp8_scales_of(m);
+  ASSERT_EQ(links.size(), 5u);
+  auto link = [&](uint32_t scale, uint32_t weight, int64_t b0, int64_t b1) {
+    return ::testing::AllOf(::testing::Field(&Fp8ScaleOf::scale, scale), ::testing::Field(&Fp8ScaleOf::weight, weight),
+                            ::testing::Field(&Fp8ScaleOf::block, std::array<int64_t, 2>{b0, b1}));
+  };
+  EXPECT_THAT(links, ElementsAre(link(1, 0, 128, 128), link(3, 2, 1, 32), link(5, 4, 1, 32), link(7, 6, 64, 32),
+                                 link(9, 8, 0, 128)));
+}
+
+TEST(Fp8Checkpoint, ASliceTakesTheScaleBlocksItCovers) {
+  const ModelInventory m = scaled_model();
+  const auto links = fp8_scales_of(m);
+  const Fp8ScaleOf& block = links[0];
+  auto scale_of = [&](const Fp8ScaleOf& l, Request w) { return fp8_scale_request(m, l, w, "destination rank 1"); };
+  EXPECT_EQ(scale_of(block, Request::whole()), Request::whole());
+  EXPECT_EQ(scale_of(block, Request::drop()), Request::drop());
+  EXPECT_EQ(scale_of(block, Request::narrow(0, 128, 128)), Request::narrow(0, 1, 1));
+  EXPECT_EQ(scale_of(block, Request::narrow(0, 256, 44)), Request::narrow(0, 2, 1));  // the last, partial block
+  EXPECT_EQ(scale_of(block, Request::narrow(0, 0, 300)), Request::whole());
+  EXPECT_EQ(scale_of(block, Request::narrow(1, 128, 128)), Request::narrow(1, 1, 1));
+  // Per channel: rows go with their rows; a column slice keeps every row's scale.
+  EXPECT_EQ(scale_of(links[1], Request::narrow(0, 16, 16)), Request::narrow(0, 16, 16));
+  EXPECT_EQ(scale_of(links[1], Request::narrow(1, 0, 16)), Request::whole());
+  EXPECT_EQ(scale_of(links[2], Request::narrow(0, 16, 16)), Request::narrow(0, 16, 16));
+  // Per tensor: every holder needs the one scale.
+  EXPECT_EQ(scale_of(links[3], Request::narrow(0, 16, 16)), Request::whole());
+}
+
+TEST(Fp8Checkpoint, ASliceThroughAScaleBlockIsRefusedNamingTheBlock) {
+  const ModelInventory m = scaled_model();
+  const auto links = fp8_scales_of(m);
+  EXPECT_THAT(error_of(ErrorKind::kLayout,
+                       [&] { fp8_scale_request(m, links[0], Request::narrow(0, 150, 150), "destination rank 1"); }),
+              AllOf(HasSubstr("destination rank 1"), HasSubstr("'block.weight' slice dim 0 [150, 300)"),
+                    HasSubstr("scale block 1 (elements [128, 256)) of 'block.weight_scale_inv'"),
+                    HasSubstr("multiples of 128")));
+  EXPECT_THAT(
+      error_of(ErrorKind::kLayout, [&] { fp8_scale_request(m, links[0], Request::narrow(1, 0, 64), "source rank 0"); }),
+      AllOf(HasSubstr("source rank 0"), HasSubstr("scale block 0 (elements [0, 128))")));
+  // A scale shape that none of the conventions explains: whole only.
+  EXPECT_EQ(fp8_scale_request(m, links[4], Request::whole(), "x"), Request::whole());
+  EXPECT_THAT(error_of(ErrorKind::kLayout, [&] { fp8_scale_request(m, links[4], Request::narrow(0, 0, 128), "x"); }),
+              AllOf(HasSubstr("'odd.weight_scale_inv' of shape [5, 2]"), HasSubstr("is unknown")));
+}
+
 TEST(Fp8, ShardedExpertsAreRejectedForFp8Models) {
   EXPECT_THAT(error_of(ErrorKind::kUnsupported, [] { check_sharded_experts_not_fp8(true, true, 4); }),
               AllOf(HasSubstr("Sharded NIXL expert refit is not supported for FP8 vLLM models"),

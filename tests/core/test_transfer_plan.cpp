@@ -15,6 +15,7 @@
 #include "core/box_copy.h"
 #include "core/error_of.h"
 #include "core/reshard_models.h"
+#include "refit/fp8.h"
 #include "refit/layout_builders.h"
 
 namespace refit {
@@ -170,6 +171,75 @@ TEST(TransferPlan, EveryDestinationGetsExactlyItsBytesOverManyLayoutPairs) {
     ++checked;
   }
   EXPECT_EQ(checked, 60);
+}
+
+// ---- FP8 weights with their scales ------------------------------------------------------------
+
+// Every FP8 scale a destination gets is exactly the blocks of the weight slice it gets.
+void expect_scales_follow_weights(const ModelInventory& inv, const Layout& need, const std::string& what) {
+  for (const auto& link : fp8_scales_of(inv)) {
+    const Request weight = need.request_for(inv.tensors[link.weight].name);
+    EXPECT_EQ(need.request_for(inv.tensors[link.scale].name), fp8_scale_request(inv, link, weight, what))
+        << what << ": " << inv.tensors[link.scale].name;
+  }
+}
+
+TEST(TransferPlan, Fp8WeightsReshardWithTheirScaleBlocks) {
+  int sliced_scales = 0;
+  for (const Model* m : {&testing::qwen_moe_fp8(), &testing::deepseek_fp8()}) {
+    std::vector<Side> source_sides;
+    for (TrainingParallel t :
+         {TrainingParallel{2, 1, 2, 2, 1}, TrainingParallel{2, 1, 1, 1, std::nullopt}, TrainingParallel{1, 2, 4, 4, 1}})
+      source_sides.push_back({fmt::format("Megatron tp{} pp{} ep{}", t.tp_size, t.pp_size, t.ep_size),
+                              megatron_source_layouts(m->inventory, m->dims, t)});
+    Side fsdp{"FSDP 3", {}};  // shards every tensor (scales too) on its own: a source may
+    for (int r = 0; r < 3; ++r) fsdp.layouts.push_back(fsdp_source_layout(m->inventory, 3, r));
+    source_sides.push_back(fsdp);
+    for (const Side& dest :
+         {vllm_side(*m, 2, 1, false, true), vllm_side(*m, 2, 2, true, true), vllm_side(*m, 1, 2, false, false)}) {
+      for (const Side& sources : source_sides) {
+        const std::string what = sources.name + " -> " + dest.name + " (" + m->inventory.name + ")";
+        const TransferPlan plan = plan_transfers(m->inventory, sources.layouts, dest.layouts);
+        move_and_check(m->inventory, sources.layouts, dest.layouts, plan, 3000, what);
+        if (HasFatalFailure()) return;
+        // The plan moves the scale bytes: each destination receives what its layout says it keeps.
+        for (size_t d = 0; d < dest.layouts.size(); ++d)
+          EXPECT_EQ(plan.ingress()[d], layout_bytes(dest.layouts[d], m->inventory).bytes) << what;
+      }
+      for (const Layout& need : dest.layouts) {
+        expect_scales_follow_weights(m->inventory, need, dest.name);
+        for (const auto& link : fp8_scales_of(m->inventory))
+          sliced_scales += need.request_for(m->inventory.tensors[link.scale].name).take == Take::kSlice;
+      }
+    }
+  }
+  EXPECT_GT(sliced_scales, 100);  // the check above was not only about whole scales
+}
+
+TEST(TransferPlan, Fp8SlicesThatCutScaleBlocksAreRefusedBeforeAnyTransfer) {
+  const Model& m = testing::qwen_moe_fp8();
+  // TP 4 narrows each KV projection (2 heads x 128 rows) to 64 rows: half a scale block.
+  EXPECT_THAT(
+      error_of(ErrorKind::kLayout, [&] { vllm_side(m, 4, 1, false, true); }),
+      AllOf(HasSubstr("destination rank 0"), HasSubstr("cuts through scale block 0"), HasSubstr("_scale_inv'")));
+  TrainingParallel tp4{4, 1, 1, 1, std::nullopt};
+  EXPECT_THAT(error_of(ErrorKind::kLayout, [&] { megatron_source_layouts(m.inventory, m.dims, tp4); }),
+              HasSubstr("source rank 0"));
+
+  // A layout written by hand that slices a weight but not its scale.
+  const auto sources = megatron_source_layouts(m.inventory, m.dims, {2, 1, 1, 1, std::nullopt});
+  Layout need;
+  need.tensors["model.layers.1.self_attn.q_proj.weight"] = Request::narrow(0, 256, 256);
+  const std::vector<Layout> needs{need};
+  EXPECT_THAT(
+      error_of(ErrorKind::kLayout, [&] { plan_transfers(m.inventory, sources, needs); }),
+      AllOf(HasSubstr("destination rank 0 asks for FP8 scale 'model.layers.1.self_attn.q_proj.weight_scale_inv' as "
+                      "whole but for its weight 'model.layers.1.self_attn.q_proj.weight' as dim 0 [256, 512), which "
+                      "needs dim 0 [2, 4) of the scale")));
+  add_fp8_scale_requests(need, m.inventory, "destination rank 0");
+  const std::vector<Layout> fixed{need};
+  const TransferPlan plan = plan_transfers(m.inventory, sources, fixed);
+  move_and_check(m.inventory, sources, fixed, plan, 1000, "hand-written layout with its scales added");
 }
 
 TEST(TransferPlan, ReplicasShareTheEgress) {

@@ -161,6 +161,37 @@ TEST(Reshard, FsdpShardsToPipelinedDestinations) {
   expect_exact(m.inventory, needs, refit_once(g, shards_of(m.inventory, holds)));
 }
 
+TEST(Reshard, Fp8WeightsAndTheirScalesReachEachDestinationAsSlicesOfTheFullCheckpoint) {
+  // Qwen3-MoE-shaped: TP2 x EP2 sources (DP 2) to TP2 destinations whose experts are TP-narrowed;
+  // DeepSeek-V3-shaped: TP2 sources to TP2 x PP2 destinations with EP.
+  struct Case {
+    const testing::Model& model;
+    TrainingParallel training;
+    testing::Side destinations;
+  };
+  const Case cases[] = {
+      {testing::qwen_moe_fp8(), {2, 1, 2, 2, 1}, testing::vllm_side(testing::qwen_moe_fp8(), 2, 1, false, true)},
+      {testing::deepseek_fp8(),
+       {2, 1, 1, 1, std::nullopt},
+       testing::vllm_side(testing::deepseek_fp8(), 2, 2, true, true)},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.model.inventory.name + " to " + c.destinations.name);
+    const auto holds = megatron(c.model, c.training);
+    const auto& needs = c.destinations.layouts;
+    auto g = make_group(c.model, holds, needs, 64 << 10);
+    auto outcome = refit_once(g, shards_of(c.model.inventory, holds));
+    expect_exact(c.model.inventory, needs, outcome);
+    // What was checked includes sliced FP8 weights and sliced scales.
+    const auto& received = outcome.received[0].tensors;
+    const auto scale = received.find("model.layers.1.self_attn.o_proj.weight_scale_inv");
+    ASSERT_NE(scale, received.end());
+    EXPECT_EQ(scale->second.info.dtype, DType::kFloat32);
+    EXPECT_EQ(scale->second.info.shape, (std::vector<int64_t>{2, 2}));  // [256, 512] at TP2: columns [0, 256)
+    EXPECT_EQ(received.at("model.layers.1.self_attn.o_proj.weight").info.dtype, DType::kFloat8E4M3FN);
+  }
+}
+
 TEST(Reshard, ADestinationThatHoldsNothingReceivesNothingAndIsNotStale) {
   const auto& m = testing::qwen_moe();
   const auto holds = megatron(m, {2, 1, 1, 1, std::nullopt});

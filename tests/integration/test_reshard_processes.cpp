@@ -62,6 +62,22 @@ TEST(ReshardProcesses, TwoSourcesFeedSixDestinations) {
   expect_resharded(r, read_json(b.json), 2, 3);
 }
 
+// FP8 weights with their 128 x 128 block scales: Megatron TP2 x EP2 shards to TP2 destinations;
+// every destination's FP8 weights and scales are checked against the full checkpoint's slices.
+TEST(ReshardProcesses, Fp8WeightsMoveWithTheirScaleBlocks) {
+  Bench b;
+  b.model = b.dir.write("fp8.json", testing::kSmallMoeAligned);
+  auto r = b.run(4, 2,
+                 {"--fp8", "--src-tp", "2", "--src-ep", "2", "--src-etp", "1", "--tp", "2", "--shard-dense",
+                  "refit_cfg.nixl.shard_expert_weights=true"});
+  expect_resharded(r, read_json(b.json), 2, 1);
+  // TP 4 would cut each expert's 256 rows inside a scale block: refused before any refit.
+  auto cut = b.run(
+      4, 4, {"--fp8", "--src-tp", "2", "--tp", "4", "--shard-dense", "refit_cfg.nixl.shard_expert_weights=true"}, 1);
+  EXPECT_NE(cut.exit_code, 0);
+  EXPECT_NE(cut.output.find("cuts through scale block"), std::string::npos) << cut.output;
+}
+
 TEST(ReshardProcesses, ThePairedPathIsTimedInTheSameRun) {
   Bench b;
   auto r = b.run(2, 2, {"--src-tp", "2", "--tp", "2", "--shard-dense", "--compare-paired"});

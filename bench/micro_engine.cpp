@@ -38,21 +38,6 @@ Model many_small_tensors(size_t count, size_t size) {
   return m;
 }
 
-class Views final : public WeightSource {
- public:
-  explicit Views(const std::vector<TensorView>& views) : views_(views) {}
-  bool next(TensorView* out) override {
-    if (index_ == views_.size()) return false;
-    *out = views_[index_++];
-    return true;
-  }
-  bool views_outlive_send() const override { return true; }
-
- private:
-  const std::vector<TensorView>& views_;
-  size_t index_ = 0;
-};
-
 // range(0): tensors; range(1): 1 = direct reads (tensors in place), 0 = through buckets.
 void BM_RefitManySmallTensors(benchmark::State& state) {
   const size_t count = static_cast<size_t>(state.range(0));
@@ -96,7 +81,7 @@ void BM_RefitManySmallTensors(benchmark::State& state) {
 
   for (auto _ : state) {
     auto sending = std::async(std::launch::async, [&] {
-      Views weights(model.views);
+      ViewSource weights(model.views);
       return source.send(weights);
     });
     destination.receive(loader);

@@ -74,21 +74,19 @@ uint64_t aligned(uint64_t n) { return (n + kTensorAlignment - 1) / kTensorAlignm
   _exit(137);
 }
 
-// Streams a list of views; kills the process at the kill point, if one is set for it.
-class ViewSource final : public WeightSource {
+// The source's views (ViewSource); kills the process at the kill point, if one is set for it.
+class KillingViewSource final : public WeightSource {
  public:
-  ViewSource(const std::vector<TensorView>& views, std::optional<uint64_t> kill_at)
+  KillingViewSource(std::span<const TensorView> views, std::optional<uint64_t> kill_at)
       : views_(views), kill_at_(kill_at) {}
   bool next(TensorView* out) override {
-    if (kill_at_ && index_ == *kill_at_) die_on_purpose();
-    if (index_ == views_.size()) return false;
-    *out = views_[index_++];
-    return true;
+    if (kill_at_ && index_++ == *kill_at_) die_on_purpose();
+    return views_.next(out);
   }
-  bool views_outlive_send() const override { return true; }  // the source's own weights
+  bool views_outlive_send() const override { return views_.views_outlive_send(); }
 
  private:
-  const std::vector<TensorView>& views_;
+  ViewSource views_;
   std::optional<uint64_t> kill_at_;
   size_t index_ = 0;
 };
@@ -98,8 +96,8 @@ class SourceProgram final : public WorkerProgram {
   SourceProgram(const BenchModel& model, const std::optional<Layout>* layout, const Layout* holds,
                 std::optional<KillPoint> kill)
       : model_(model), layout_(layout), holds_(holds), kill_(kill), kind_(model.tensors) {
-    if (holds_ && (!synthetic() || kind_ == MemoryKind::kCuda))
-      fail(ErrorKind::kInvalidArgument, "the resharding bench (--src-*) runs on synthetic content in host memory");
+    if (holds_ && !synthetic())
+      fail(ErrorKind::kInvalidArgument, "the resharding bench (--src-*) runs on synthetic content (a config.json)");
     if (!model.versions.empty() && (holds_ || kind_ == MemoryKind::kCuda))
       fail(ErrorKind::kInvalidArgument, "--versions replays files in host memory on the paired topology");
     if (model.changed_share > 0 && (holds_ || !synthetic() || kind_ == MemoryKind::kCuda))
@@ -163,7 +161,7 @@ class SourceProgram final : public WorkerProgram {
     if (!model_.versions.empty()) return stage_version(index);
     if (!synthetic() && !hashes_.empty()) return;  // file content does not change
     hashes_.clear();
-    if (kind_ == MemoryKind::kCuda) return stage_on_gpu(index);
+    if (kind_ == MemoryKind::kCuda) return holds_ ? stage_shards_on_gpu(index) : stage_on_gpu(index);
     const bool change_in_place = model_.changed_share > 0 && index > 0;
     for (size_t i = 0; i < views_.size(); ++i) {
       const auto& v = views_[i];
@@ -181,7 +179,8 @@ class SourceProgram final : public WorkerProgram {
   std::unique_ptr<WeightSource> weights(uint64_t index) override {
     std::optional<uint64_t> kill;
     if (kill_ && kill_->refit == index) kill = kill_->step;
-    return std::make_unique<ViewSource>(views_, kill);
+    if (kill) return std::make_unique<KillingViewSource>(views_, kill);
+    return std::make_unique<ViewSource>(views_);
   }
 
   BatchLoader loader(uint64_t) override { fail(ErrorKind::kInternal, "a source has no loader"); }
@@ -264,6 +263,20 @@ class SourceProgram final : public WorkerProgram {
                       MemoryKind::kCuda, MemoryKind::kCuda);
       copies_.synchronize(deadline_after(kGpuWait));
       hashes_[v->info->name] = hex(hash_device_ranges({{gpu_scratch_.data(), s.info.nbytes()}}, nullptr).at(0));
+    }
+  }
+
+  // Resharding with GPU tensors: each shard is the box of the model's content that this source
+  // holds, made on the host (any process computes any box) and uploaded; destinations check
+  // themselves against the same content.
+  void stage_shards_on_gpu(uint64_t index) {
+    for (size_t i = 0; i < views_.size(); ++i) {
+      const auto& v = views_[i];
+      scratch_.resize(v.info->nbytes());
+      fill_box(scratch_.data(), model_.inventory.tensors[full_index_[i]], boxes_[i], seed_of(index, full_index_[i]));
+      copies_.copy(const_cast<std::byte*>(v.data), scratch_.data(), scratch_.size(), MemoryKind::kCuda,
+                   MemoryKind::kHost);
+      copies_.synchronize(deadline_after(kGpuWait));  // scratch_ is refilled next
     }
   }
 
@@ -382,10 +395,14 @@ class DestinationProgram final : public WorkerProgram {
  private:
   // The hashes of what this destination holds and of what it should hold (its slices of the
   // synthetic content of refit `index`); verify() compares the two.
+  // GPU parameters are hashed on the GPU, beside the expected content uploaded there.
   std::string self_check(uint64_t index) {
     json held = json::object(), expected = json::object();
-    for (size_t i = 0; i < tensors_.size(); ++i)
-      held[tensors_[i].name] = hex(XXH3_64bits(parameters_[i], tensors_[i].nbytes()));
+    if (kind_ == MemoryKind::kHost)
+      for (size_t i = 0; i < tensors_.size(); ++i)
+        held[tensors_[i].name] = hex(XXH3_64bits(parameters_[i], tensors_[i].nbytes()));
+    std::map<std::string_view, size_t> parameter_of;
+    for (size_t i = 0; i < tensors_.size(); ++i) parameter_of[tensors_[i].name] = i;
     std::vector<std::byte> want;
     for (uint32_t i = 0; i < model_->tensors.size(); ++i) {
       const TensorInfo& t = model_->tensors[i];
@@ -395,7 +412,19 @@ class DestinationProgram final : public WorkerProgram {
       const uint64_t n = box.nbytes_in(t);
       want.resize(n);
       fill_box(want.data(), t, box, seed_of(index, i));
-      expected[t.name] = hex(XXH3_64bits(want.data(), n));
+      if (kind_ == MemoryKind::kHost) {
+        expected[t.name] = hex(XXH3_64bits(want.data(), n));
+        continue;
+      }
+      const auto p = parameter_of.find(t.name);
+      if (p == parameter_of.end()) continue;  // verify() reports it missing
+      if (gpu_scratch_.size() < n) gpu_scratch_ = DeviceBuffer(Device{Device::Kind::kCuda, -1}, n);
+      copies_.copy(gpu_scratch_.data(), want.data(), n, MemoryKind::kCuda, MemoryKind::kHost);
+      copies_.synchronize(deadline_after(kGpuWait));
+      const auto sums = hash_device_ranges(
+          {{parameters_[p->second], tensors_[p->second].nbytes()}, {gpu_scratch_.data(), n}}, nullptr);
+      held[t.name] = hex(sums[0]);
+      expected[t.name] = hex(sums[1]);
     }
     return json{{"hashes", held}, {"expected", expected}}.dump();
   }
@@ -411,6 +440,8 @@ class DestinationProgram final : public WorkerProgram {
   uint64_t loaded_before_ = 0;  // tensors loaded before this refit
   uint64_t batches_ = 0;
   std::map<std::string, std::string> hashes_;
+  DeviceBuffer gpu_scratch_;  // GPU parameters: the expected content, to hash beside them
+  CopyStream copies_;
 };
 
 }  // namespace

@@ -95,6 +95,20 @@ class WeightSource {
   virtual bool views_outlive_send() const { return false; }
 };
 
+// The weight stream of tensors that the caller keeps (its weights themselves): each view once per
+// send, in order. They must stay valid and unchanged until send() returns, so destinations may
+// read them in place.
+class ViewSource final : public WeightSource {
+ public:
+  explicit ViewSource(std::span<const TensorView> views) : views_(views) {}
+  bool next(TensorView* out) override;
+  bool views_outlive_send() const override { return true; }
+
+ private:
+  std::span<const TensorView> views_;
+  size_t index_ = 0;
+};
+
 // A batch of received tensors. Views into transfer buffers (and merged tensors) are valid only
 // during the loader call: copy what must outlive it.
 using LoadBatch = std::span<const TensorView>;

@@ -969,6 +969,12 @@ void CheckpointEngine::init_destination(int rollout_rank, int train_world_size, 
                                         std::span<const Metadata> metadata) {
   impl_->init_destination(rollout_rank, train_world_size, rollout_world_size, metadata);
 }
+bool ViewSource::next(TensorView* out) {
+  if (index_ == views_.size()) return false;
+  *out = views_[index_++];
+  return true;
+}
+
 SendStats CheckpointEngine::send(WeightSource& weights) { return impl_->send(weights); }
 std::byte* CheckpointEngine::allocate_weight_memory(uint64_t bytes) { return impl_->allocate_weight_memory(bytes); }
 ReceiveStats CheckpointEngine::receive(const BatchLoader& loader) { return impl_->receive(loader); }

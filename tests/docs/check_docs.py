@@ -279,7 +279,7 @@ def self_test(facts):
          "option --target-memory of `refit bench`"),
         ("docs/CLI.md", "--sources 256 --destinations 32", "--sources 255 --destinations 32", "--sources 255"),
         ("README.md", "## Configuration\n", "## Configuration\n\n`refit_cfg.nixl.bucket_size`\n", "bucket_size"),
-        ("README.md", "## Log lines\n", "## Log lines\n\n`REFIT_NO_SUCH_VARIABLE=1`\n", "REFIT_NO_SUCH_VARIABLE"),
+        ("docs/CONFIG.md", "## Log lines\n", "## Log lines\n\n`REFIT_NO_SUCH_VARIABLE=1`\n", "REFIT_NO_SUCH_VARIABLE"),
         ("README.md", "docs/CLI.md (the", "docs/CLIs.md (the", "docs/CLIs.md"),
         ("docs/ARCHITECTURE.md", "| `version.h` |", "| `versions.h` |", "versions.h"),
         ("docs/CONFIG.md", "| `refit_cfg.nixl.timeout_s` | number | `300`", "| `refit_cfg.nixl.timeout_s` | number | `30`",

@@ -54,6 +54,34 @@ TEST(Engine, DeliversEveryTensorBitwiseWithSplitsAlignmentAndEmptyTensors) {
   EXPECT_LT(stats.wire_bytes, payload + 64);
 }
 
+TEST(Engine, AViewSourceStreamsTheCallersTensorsOnceInOrderForInPlaceReads) {
+  const auto weights = mixed_model(9);
+  std::vector<TensorView> views;
+  for (const auto& t : weights) views.push_back({&t.info, t.data.data(), MemoryKind::kHost});
+  ViewSource source(views);
+  EXPECT_TRUE(source.views_outlive_send());  // the caller's own tensors: destinations may read them in place
+  TensorView v;
+  for (const auto& expected : views) {
+    ASSERT_TRUE(source.next(&v));
+    EXPECT_EQ(v.info, expected.info);
+    EXPECT_EQ(v.data, expected.data);
+  }
+  EXPECT_FALSE(source.next(&v));
+  EXPECT_FALSE(source.next(&v));  // stays at the end
+
+  // Through an engine: every tensor arrives bitwise.
+  Pair p(256);
+  p.connect();
+  Received got;
+  auto sending = std::async(std::launch::async, [&] {
+    ViewSource again(views);
+    return p.source->send(again);
+  });
+  p.destination->receive(got.loader());
+  EXPECT_EQ(sending.get().tensors, weights.size());
+  expect_same(weights, got);
+}
+
 TEST(Engine, StagedAndMappedDestinationsGetTheSameBytesOverManyBuckets) {
   // 40-byte buckets: many buckets in flight, split tensors; both ways of reading, three refits.
   for (bool map : {false, true}) {

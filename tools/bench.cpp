@@ -419,6 +419,7 @@ int run_bench(const BenchOptions& options) {
     // training side's all-gather), then each full copy sent to its paired destination.
     const std::vector<std::optional<Layout>> whole(options.destinations);
     GroupOptions gather = group_options;
+    gather.config.shard_expert_weights = false;  // its destinations keep everything
     gather.destination_layouts = whole;
     gather.program = bench_programs(model, whole, holds, std::nullopt);
     const double gather_s = timed_refits(config, gather, options.refits, "the gather", model.inventory.total_bytes());

@@ -80,7 +80,9 @@ TEST(ReshardProcesses, Fp8WeightsMoveWithTheirScaleBlocks) {
 
 TEST(ReshardProcesses, ThePairedPathIsTimedInTheSameRun) {
   Bench b;
-  auto r = b.run(2, 2, {"--src-tp", "2", "--tp", "2", "--shard-dense", "--compare-paired"});
+  auto r = b.run(
+      2, 2,
+      {"--src-tp", "2", "--tp", "2", "--shard-dense", "--compare-paired", "refit_cfg.nixl.shard_expert_weights=true"});
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const auto c = read_json(b.json).at("compare_paired");
   EXPECT_GT(c.at("gather_seconds").get<double>(), 0);

@@ -1,0 +1,359 @@
+"""refit.megatron_source_layouts against real Megatron-Core models (megatron-core on the CPU, 4 gloo
+ranks, the local layer spec; no Apex or TransformerEngine).
+
+The full HF checkpoint (seeded, one generator per tensor) is split per rank as Megatron's checkpoint
+converters do (q/k/v fused per query group, fc1 = [gate; up] per TP rank, the vocabulary padded to a
+multiple of 128 x TP, experts in contiguous blocks per EP rank) and loaded with load_state_dict
+(strict). The sharded models' logits must equal transformers' on the full checkpoint: the split is
+Megatron's layout, not a guess. Forward passes cannot tell which TP rank holds which heads or MLP
+columns (any consistent permutation computes the same), so what each rank holds is read from
+Megatron's own sharded_state_dict() (each tensor's global offset, as its distributed checkpoints
+store it) and must be, tensor by tensor and byte for byte, what refit's layout of that rank says.
+"""
+
+import importlib.util
+import json
+import os
+import socket
+import zlib
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if importlib.util.find_spec("megatron.core") is None:  # imported only in the ranks (it takes seconds)
+    pytest.skip("megatron.core cannot be imported (pip install megatron-core)", allow_module_level=True)
+
+import refit  # noqa: E402
+
+WORLD = 4
+# 8 query heads in 4 groups (TP 4 needs a group per rank). Megatron pads the vocabulary to 384 rows
+# at TP 1 and 512 at TP 2 and 4 (vLLM's multiple of 64 would not), where TP rank 3 holds padding only.
+_COMMON = {"hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4,
+           "head_dim": 8, "vocab_size": 300, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+           "max_position_embeddings": 64, "torch_dtype": "float32"}
+FAMILIES = {
+    "qwen3": {"architectures": ["Qwen3ForCausalLM"], "intermediate_size": 128, "tie_word_embeddings": False},
+    "qwen2": {"architectures": ["Qwen2ForCausalLM"], "intermediate_size": 128, "tie_word_embeddings": False},
+    "llama": {"architectures": ["LlamaForCausalLM"], "intermediate_size": 128, "num_key_value_heads": 2,
+              "tie_word_embeddings": True},
+    "qwen3_moe": {"architectures": ["Qwen3MoeForCausalLM"], "intermediate_size": 128, "moe_intermediate_size": 32,
+                  "num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": True, "decoder_sparse_step": 1,
+                  "mlp_only_layers": [], "tie_word_embeddings": False},
+    "mixtral": {"architectures": ["MixtralForCausalLM"], "intermediate_size": 32, "num_local_experts": 4,
+                "num_experts_per_tok": 2, "tie_word_embeddings": False},
+}
+# (family, tp, pp, ep, expert_tp); dp = WORLD / (tp * pp); expert_tp None: both sides' default (tp).
+CASES = [
+    ("qwen3", 2, 2, 1, None), ("qwen3", 4, 1, 1, None), ("qwen3", 2, 1, 1, None), ("qwen3", 1, 2, 1, None),
+    ("qwen2", 2, 2, 1, None),  # q/k/v biases
+    ("llama", 2, 2, 1, None),  # tied embeddings: the last stage holds embed_tokens for its output layer
+    ("llama", 4, 1, 1, None),  # TP 4 over 2 KV heads
+    ("qwen3_moe", 2, 1, 2, None), ("qwen3_moe", 2, 1, 4, 1), ("qwen3_moe", 2, 2, 2, 1), ("qwen3_moe", 1, 1, 2, 1),
+    ("mixtral", 2, 2, 2, 1),
+]
+TOKENS = torch.randint(0, _COMMON["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(5))
+
+
+def _hf_config(family):
+    return {"model_type": family, **_COMMON, **FAMILIES[family]}
+
+
+def _full_weights(config_path):
+    """The full HF checkpoint, the same in every process: a generator per tensor name, unit-scale
+    activations so that every weight moves the logits."""
+    out = {}
+    for t in refit.load_model_inventory(config_path).tensors:
+        g = torch.Generator().manual_seed(zlib.crc32(t.name.encode()))
+        if len(t.shape) == 1:
+            out[t.name] = 1 + 0.2 * torch.randn(t.shape, generator=g)  # norms
+        elif t.name.endswith("embed_tokens.weight"):
+            out[t.name] = torch.randn(t.shape, generator=g)
+        else:
+            out[t.name] = torch.randn(t.shape, generator=g) / t.shape[1] ** 0.5
+    return out
+
+
+def _names(family, layer):
+    """HF names of a decoder layer's MLP parts (Mixtral: w1 = gate, w3 = up, w2 = down)."""
+    p = f"model.layers.{layer}."
+    if family == "mixtral":
+        return {"router": p + "block_sparse_moe.gate.weight",
+                "expert": lambda e, part: p + f"block_sparse_moe.experts.{e}.{dict(gate='w1', up='w3', down='w2')[part]}.weight"}
+    return {"router": p + "mlp.gate.weight", "expert": lambda e, part: p + f"mlp.experts.{e}.{part}_proj.weight",
+            "dense": lambda part: p + f"mlp.{part}_proj.weight"}
+
+
+# ---- HF -> Megatron, one rank's state_dict, as Megatron-LM's checkpoint converters split it ----
+
+def _qkv(full, c, layer, kind):
+    """[q heads of group 0; k 0; v 0; q heads of group 1; ...]: Megatron's fused linear_qkv (weight or bias)."""
+    p, groups = f"model.layers.{layer}.self_attn.", c["num_key_value_heads"]
+    q, k, v = (full[f"{p}{n}_proj.{kind}"] for n in "qkv")
+    return torch.cat([t.view(groups, -1, *t.shape[1:]) for t in (q, k, v)], dim=1).flatten(0, 1)
+
+
+def _local_state(model, full, family, c, ps):
+    tp, r = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    etp, er = ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_rank()
+    ep_rank = ps.get_expert_model_parallel_rank()
+    padded = -(-c["vocab_size"] // (128 * tp)) * 128 * tp  # Megatron-LM's make-vocab-size-divisible-by 128
+
+    def vocab(name):
+        t = torch.zeros(padded, c["hidden_size"])
+        t[:c["vocab_size"]] = full[name]
+        return t.chunk(tp)[r]
+
+    out = {}
+    for key, value in model.state_dict().items():
+        if key.endswith("._extra_state"):
+            out[key] = value
+        elif key in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            out[key] = vocab("lm_head.weight" if key == "output_layer.weight" and "lm_head.weight" in full
+                             else "model.embed_tokens.weight")
+        elif key == "decoder.final_layernorm.weight":
+            out[key] = full["model.norm.weight"]
+        else:
+            j, rest = key.removeprefix("decoder.layers.").split(".", 1)
+            layer = model.decoder.layers[int(j)].layer_number - 1  # Megatron's global layer number
+            p, n = f"model.layers.{layer}.", _names(family, layer)
+            if rest.startswith("mlp.experts.local_experts."):
+                i, part = rest.removeprefix("mlp.experts.local_experts.").split(".", 1)
+                e = ep_rank * len(model.decoder.layers[int(j)].mlp.experts.local_experts) + int(i)
+                out[key] = (torch.cat([full[n["expert"](e, "gate")].chunk(etp)[er], full[n["expert"](e, "up")].chunk(etp)[er]])
+                            if part == "linear_fc1.weight" else full[n["expert"](e, "down")].chunk(etp, 1)[er])
+                continue
+            out[key] = {
+                "input_layernorm.weight": lambda: full[p + "input_layernorm.weight"],
+                "pre_mlp_layernorm.weight": lambda: full[p + "post_attention_layernorm.weight"],
+                "self_attention.q_layernorm.weight": lambda: full[p + "self_attn.q_norm.weight"],
+                "self_attention.k_layernorm.weight": lambda: full[p + "self_attn.k_norm.weight"],
+                "self_attention.linear_qkv.weight": lambda: _qkv(full, c, layer, "weight").chunk(tp)[r],
+                "self_attention.linear_qkv.bias": lambda: _qkv(full, c, layer, "bias").chunk(tp)[r],
+                "self_attention.linear_proj.weight": lambda: full[p + "self_attn.o_proj.weight"].chunk(tp, 1)[r],
+                "mlp.linear_fc1.weight": lambda: torch.cat([full[n["dense"]("gate")].chunk(tp)[r],
+                                                            full[n["dense"]("up")].chunk(tp)[r]]),
+                "mlp.linear_fc2.weight": lambda: full[n["dense"]("down")].chunk(tp, 1)[r],
+                "mlp.router.weight": lambda: full[n["router"]],
+            }[rest]()
+    return out
+
+
+# ---- Megatron's sharded_state_dict -> the HF slices a rank holds ---------------------------------
+
+def _held(model, family, c):
+    """{HF name: (dim, start, tensor)}: every tensor the rank holds, where Megatron's distributed
+    checkpoint metadata says it sits in the global tensor, translated to HF names and slices."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+
+    sharded = model.sharded_state_dict()
+    apply_factories(sharded)  # fc1 -> its gate and up halves, each at its own global offset
+    h, d = c["hidden_size"], c["head_dim"]
+    q_per_group = c["num_attention_heads"] // c["num_key_value_heads"]
+    ffn = c.get("moe_intermediate_size", c["intermediate_size"])
+    # Each row of the fused linear_qkv (as _qkv builds it): which of q, k, v and which row of it.
+    groups = c["num_key_value_heads"]
+    fused_part = torch.cat([torch.full((groups, q_per_group * d), 0), torch.full((groups, d), 1),
+                            torch.full((groups, d), 2)], dim=1).flatten()
+    fused_row = torch.cat([torch.arange(groups * q_per_group * d).view(groups, -1),
+                           torch.arange(groups * d).view(groups, -1), torch.arange(groups * d).view(groups, -1)],
+                          dim=1).flatten()
+    held = {}
+
+    def put(name, dim, start, tensor):
+        assert name not in held, f"{name} held twice"
+        held[name] = (dim, start, tensor)
+
+    for sh in nested_values(sharded):
+        if not isinstance(sh, ShardedTensor):
+            continue  # _extra_state objects
+        pre, key, data = sh.prepend_axis_num, sh.key, sh.data
+        offset = sh.global_offset[pre:]
+        if key in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            name = "lm_head.weight" if key == "output_layer.weight" else "model.embed_tokens.weight"
+            start = min(offset[0], c["vocab_size"])  # rows past the vocabulary are padding
+            put(name, 0, start, data[:c["vocab_size"] - start])
+            continue
+        if key == "decoder.final_layernorm.weight":
+            put("model.norm.weight", 0, 0, data)
+            continue
+        layer = sh.global_offset[0]
+        p, n, rest = f"model.layers.{layer}.", _names(family, layer), key.removeprefix("decoder.layers.")
+        if rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):  # q, k and v rows
+            rows = slice(offset[0], offset[0] + data.shape[0])
+            for i, proj in enumerate(("q_proj", "k_proj", "v_proj")):
+                mine = fused_part[rows] == i
+                if mine.any():
+                    hf_rows = fused_row[rows][mine]
+                    assert torch.equal(hf_rows, torch.arange(hf_rows[0], hf_rows[0] + len(hf_rows))), (key, proj)
+                    put(p + f"self_attn.{proj}.{rest.rsplit('.', 1)[1]}", 0, int(hf_rows[0]), data[mine])
+        elif rest in ("mlp.linear_fc1.weight", "mlp.experts.experts.linear_fc1.weight"):
+            part = "gate" if offset[0] < ffn else "up"
+            name = n["dense"](part) if rest.startswith("mlp.linear") else n["expert"](sh.global_offset[1], part)
+            put(name, 0, offset[0] % ffn, data)
+        elif rest in ("mlp.linear_fc2.weight", "mlp.experts.experts.linear_fc2.weight"):
+            name = n["dense"]("down") if rest.startswith("mlp.linear") else n["expert"](sh.global_offset[1], "down")
+            put(name, 1, offset[1], data)
+        elif rest == "self_attention.linear_proj.weight":
+            put(p + "self_attn.o_proj.weight", 1, offset[1], data)
+        else:
+            put({"self_attention.linear_qkv.layer_norm_weight": p + "input_layernorm.weight",
+                 "mlp.linear_fc1.layer_norm_weight": p + "post_attention_layernorm.weight",
+                 "self_attention.q_layernorm.weight": p + "self_attn.q_norm.weight",
+                 "self_attention.k_layernorm.weight": p + "self_attn.k_norm.weight",
+                 "mlp.router.weight": n["router"]}[rest], 0, 0, data)
+    return held
+
+
+def _compare(held, full, inventory, layout):
+    """Where the rank's holdings and refit's layout of it differ, one line each."""
+    problems = []
+    for t in inventory.tensors:
+        want = layout.request_for(t.name)
+        if t.name not in held:
+            if want != ("drop",):
+                problems.append(f"{t.name}: Megatron holds nothing, refit says {want}")
+            continue
+        dim, start, tensor = held.pop(t.name)
+        length = tensor.shape[dim]
+        have = ("whole",) if start == 0 and length == t.shape[dim] else ("narrow", dim, start, length)
+        if have != want:
+            problems.append(f"{t.name}: Megatron holds {have}, refit says {want}")
+        elif not torch.equal(tensor, full[t.name] if want == ("whole",) else full[t.name].narrow(*want[1:])):
+            problems.append(f"{t.name}: the bytes held are not refit's slice {want} of the checkpoint")
+    problems += [f"{name}: held by Megatron, not in refit's inventory" for name in held]
+    return problems
+
+
+# ---- the ranks ----------------------------------------------------------------------------------
+
+def _run_case(root, case, rank):
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.core.transformer import TransformerConfig
+
+    family, tp, pp, ep, etp = case
+    config_path = os.path.join(root, family, "config.json")
+    c = _hf_config(family)
+    experts = c.get("num_experts", c.get("num_local_experts"))
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+    model_parallel_cuda_manual_seed(0, inference_rng_tracker=True)  # no CUDA RNG: a no-op tracker
+    moe = dict(num_moe_experts=experts, moe_ffn_hidden_size=c["intermediate_size"] if family == "mixtral"
+               else c["moe_intermediate_size"], moe_router_topk=c["num_experts_per_tok"],
+               moe_router_load_balancing_type="none", moe_token_dispatcher_type="allgather") if experts else {}
+    config = TransformerConfig(
+        num_layers=c["num_hidden_layers"], hidden_size=c["hidden_size"], num_attention_heads=c["num_attention_heads"],
+        num_query_groups=c["num_key_value_heads"], kv_channels=c["head_dim"], ffn_hidden_size=c["intermediate_size"],
+        gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm", layernorm_epsilon=c["rms_norm_eps"],
+        add_bias_linear=False, add_qkv_bias=family == "qwen2", qk_layernorm=family.startswith("qwen3"), hidden_dropout=0.0, attention_dropout=0.0,
+        use_cpu_initialization=True, params_dtype=torch.float32, pipeline_dtype=torch.float32,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp, bias_dropout_fusion=False, apply_rope_fusion=False,
+        masked_softmax_fusion=False, bias_activation_fusion=False, gradient_accumulation_fusion=False, **moe)
+    spec = get_gpt_layer_local_spec(num_experts=experts, qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
+    padded = -(-c["vocab_size"] // (128 * tp)) * 128 * tp
+    model = GPTModel(config, spec, vocab_size=padded, max_sequence_length=c["max_position_embeddings"],
+                     pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
+                     share_embeddings_and_output_weights=c["tie_word_embeddings"], position_embedding_type="rope",
+                     rotary_base=int(c["rope_theta"])).eval()
+    full = _full_weights(config_path)
+    model.load_state_dict(_local_state(model, full, family, c, ps), strict=True)
+
+    # One forward pass, the pipeline by hand: stage s sends its hidden states to stage s + 1.
+    b, s = TOKENS.shape
+    with torch.no_grad():
+        if not ps.is_pipeline_first_stage():
+            hidden = torch.empty(s, b, c["hidden_size"])
+            dist.recv(hidden, ps.get_pipeline_model_parallel_prev_rank())
+            model.set_input_tensor(hidden)
+        out = model(TOKENS, torch.arange(s).expand(b, s), torch.ones(s, s).triu(1).bool()[None, None])
+        if not ps.is_pipeline_last_stage():
+            dist.send(out.contiguous(), ps.get_pipeline_model_parallel_next_rank())
+            logits = None
+        else:  # each TP rank has its vocabulary rows' logits
+            parts = [torch.empty_like(out) for _ in range(tp)]
+            dist.all_gather(parts, out, group=ps.get_tensor_model_parallel_group())
+            logits = torch.cat(parts, dim=-1)[..., :c["vocab_size"]]
+
+    layouts = refit.megatron_source_layouts(config_path, tp=tp, pp=pp, dp=WORLD // (tp * pp), ep=ep, expert_tp=etp)
+    problems = _compare(_held(model, family, c), full, refit.load_model_inventory(config_path), layouts[rank])
+    return {"logits": logits, "problems": problems}
+
+
+def _rank(rank, port, root):
+    import warnings
+
+    import torch.distributed as dist
+
+    warnings.filterwarnings("ignore")  # megatron warns at import that Apex and TransformerEngine are missing
+    # Megatron moves RoPE's frequencies and the tied output layer's weight to CUDA unconditionally.
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    moe_utils.te_general_gemm = None  # megatron-core 0.16.1 reads it unset without TransformerEngine
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        results = {case: _run_case(root, case, rank) for case in CASES}
+        torch.save(results, os.path.join(root, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def megatron_runs(tmp_path_factory):
+    """Every case on 4 ranks in one spawn (importing megatron.core takes seconds), and transformers'
+    logits of each family's full checkpoint."""
+    import torch.multiprocessing as mp
+
+    root = str(tmp_path_factory.mktemp("megatron"))
+    for family in FAMILIES:
+        os.makedirs(os.path.join(root, family))
+        with open(os.path.join(root, family, "config.json"), "w") as f:
+            json.dump(_hf_config(family), f)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("OMP_NUM_THREADS", "1")  # 4 ranks on few cores: one thread each starts them sooner
+        context = mp.start_processes(_rank, args=(_free_port(), root), nprocs=WORLD, join=False,
+                                     start_method="spawn")
+    reference = {family: _hf_logits(os.path.join(root, family)) for family in FAMILIES}  # while the ranks start
+    while not context.join():
+        pass
+    ranks = [torch.load(os.path.join(root, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
+    return reference, ranks
+
+
+def _hf_logits(path):
+    import transformers
+    from safetensors.torch import save_file
+
+    save_file(_full_weights(os.path.join(path, "config.json")), os.path.join(path, "model.safetensors"))
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                                    output_loading_info=True)
+    assert not any(info.values()), info  # transformers took every tensor of refit's inventory
+    with torch.no_grad():
+        return model(TOKENS).logits
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "{}-tp{}-pp{}-ep{}-etp{}".format(*c))
+def test_megatron_ranks_hold_what_refit_says(megatron_runs, case):
+    reference, ranks = megatron_runs
+    family, tp, pp, _, _ = case
+    last_stage = [r for r in range(WORLD) if r // (WORLD // pp) == pp - 1]  # rank = tp_rank + tp * (dp + dp * pp)
+    assert [r for r in range(WORLD) if ranks[r][case]["logits"] is not None] == last_stage
+    for r in last_stage:  # first the forward pass: the split computes the model
+        torch.testing.assert_close(ranks[r][case]["logits"], reference[family], rtol=1e-4, atol=1e-4,
+                                   msg=lambda m: f"rank {r}: Megatron's logits are not transformers': {m}")
+    for r in range(WORLD):  # then where each part sits
+        assert not ranks[r][case]["problems"], f"rank {r}:\n" + "\n".join(ranks[r][case]["problems"])

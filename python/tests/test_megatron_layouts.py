@@ -26,8 +26,8 @@ if importlib.util.find_spec("megatron.core") is None:  # imported only in the ra
 import refit  # noqa: E402
 
 WORLD = 4
-# 8 query heads in 4 groups (TP 4 needs a group per rank). Megatron pads the vocabulary to 384 rows
-# at TP 1 and 512 at TP 2 and 4 (vLLM's multiple of 64 would not), where TP rank 3 holds padding only.
+# 8 query heads in 4 KV groups (2 for llama). Megatron pads the vocabulary to 384 rows at TP 1 and
+# 512 at TP 2 and 4 (vLLM's multiple of 64 would not); at TP 4 rank 3 holds padding rows only.
 _COMMON = {"hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4,
            "head_dim": 8, "vocab_size": 300, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
            "max_position_embeddings": 64, "torch_dtype": "float32"}
@@ -47,10 +47,19 @@ CASES = [
     ("qwen3", 2, 2, 1, None), ("qwen3", 4, 1, 1, None), ("qwen3", 2, 1, 1, None), ("qwen3", 1, 2, 1, None),
     ("qwen2", 2, 2, 1, None),  # q/k/v biases
     ("llama", 2, 2, 1, None),  # tied embeddings: the last stage holds embed_tokens for its output layer
-    ("llama", 4, 1, 1, None),  # TP 4 over 2 KV heads
+    ("llama", 4, 1, 1, None),  # TP 4 over 2 KV heads: see DISAGREEMENTS
     ("qwen3_moe", 2, 1, 2, None), ("qwen3_moe", 2, 1, 4, 1), ("qwen3_moe", 2, 2, 2, 1), ("qwen3_moe", 1, 1, 2, 1),
     ("mixtral", 2, 2, 2, 1),
 ]
+# Confirmed here: a layout of refit that is not what the Megatron ranks hold.
+DISAGREEMENTS = {
+    # 8 query heads, 2 KV heads: Megatron splits its fused linear_qkv ([4 q heads, k, v] per group)
+    # into 4 equal row blocks: rank 0 holds q heads 0-2 and no k/v, rank 1 q head 3 and k/v head 0
+    # (ranks 2 and 3 likewise); refit's layout (vLLM's) gives each rank 2 q heads and k/v head rank // 2.
+    ("llama", 4, 1, 1, None): (
+        "refit disagrees with megatron-core 0.16.1 for TP > num_key_value_heads: Megatron's ranks hold "
+        "equal row blocks of the fused q/k/v, not their q heads and a copy of a KV head"),
+}
 TOKENS = torch.randint(0, _COMMON["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(5))
 
 
@@ -77,8 +86,9 @@ def _names(family, layer):
     """HF names of a decoder layer's MLP parts (Mixtral: w1 = gate, w3 = up, w2 = down)."""
     p = f"model.layers.{layer}."
     if family == "mixtral":
+        w = {"gate": "w1", "up": "w3", "down": "w2"}
         return {"router": p + "block_sparse_moe.gate.weight",
-                "expert": lambda e, part: p + f"block_sparse_moe.experts.{e}.{dict(gate='w1', up='w3', down='w2')[part]}.weight"}
+                "expert": lambda e, part: p + f"block_sparse_moe.experts.{e}.{w[part]}.weight"}
     return {"router": p + "mlp.gate.weight", "expert": lambda e, part: p + f"mlp.experts.{e}.{part}_proj.weight",
             "dense": lambda part: p + f"mlp.{part}_proj.weight"}
 
@@ -86,13 +96,16 @@ def _names(family, layer):
 # ---- HF -> Megatron, one rank's state_dict, as Megatron-LM's checkpoint converters split it ----
 
 def _qkv(full, c, layer, kind):
-    """[q heads of group 0; k 0; v 0; q heads of group 1; ...]: Megatron's fused linear_qkv (weight or bias)."""
+    """[q heads of group 0; k 0; v 0; q heads of group 1; ...]: Megatron's fused linear_qkv (weight
+    or bias)."""
     p, groups = f"model.layers.{layer}.self_attn.", c["num_key_value_heads"]
     q, k, v = (full[f"{p}{n}_proj.{kind}"] for n in "qkv")
     return torch.cat([t.view(groups, -1, *t.shape[1:]) for t in (q, k, v)], dim=1).flatten(0, 1)
 
 
 def _local_state(model, full, family, c, ps):
+    """This rank's state_dict from the full checkpoint: TP, expert-TP and EP ranks from Megatron's
+    parallel_state, each layer's global number from Megatron's layer_number."""
     tp, r = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     etp, er = ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_rank()
     ep_rank = ps.get_expert_model_parallel_rank()
@@ -119,8 +132,9 @@ def _local_state(model, full, family, c, ps):
             if rest.startswith("mlp.experts.local_experts."):
                 i, part = rest.removeprefix("mlp.experts.local_experts.").split(".", 1)
                 e = ep_rank * len(model.decoder.layers[int(j)].mlp.experts.local_experts) + int(i)
-                out[key] = (torch.cat([full[n["expert"](e, "gate")].chunk(etp)[er], full[n["expert"](e, "up")].chunk(etp)[er]])
-                            if part == "linear_fc1.weight" else full[n["expert"](e, "down")].chunk(etp, 1)[er])
+                gate, up, down = (full[n["expert"](e, x)] for x in ("gate", "up", "down"))
+                out[key] = (torch.cat([gate.chunk(etp)[er], up.chunk(etp)[er]]) if part == "linear_fc1.weight"
+                            else down.chunk(etp, 1)[er])
                 continue
             out[key] = {
                 "input_layernorm.weight": lambda: full[p + "input_layernorm.weight"],
@@ -250,11 +264,12 @@ def _run_case(root, case, rank):
         num_layers=c["num_hidden_layers"], hidden_size=c["hidden_size"], num_attention_heads=c["num_attention_heads"],
         num_query_groups=c["num_key_value_heads"], kv_channels=c["head_dim"], ffn_hidden_size=c["intermediate_size"],
         gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm", layernorm_epsilon=c["rms_norm_eps"],
-        add_bias_linear=False, add_qkv_bias=family == "qwen2", qk_layernorm=family.startswith("qwen3"), hidden_dropout=0.0, attention_dropout=0.0,
-        use_cpu_initialization=True, params_dtype=torch.float32, pipeline_dtype=torch.float32,
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
-        expert_tensor_parallel_size=etp, bias_dropout_fusion=False, apply_rope_fusion=False,
-        masked_softmax_fusion=False, bias_activation_fusion=False, gradient_accumulation_fusion=False, **moe)
+        add_bias_linear=False, add_qkv_bias=family == "qwen2", qk_layernorm=family.startswith("qwen3"),
+        hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True, params_dtype=torch.float32,
+        pipeline_dtype=torch.float32, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep, expert_tensor_parallel_size=etp, bias_dropout_fusion=False,
+        apply_rope_fusion=False, masked_softmax_fusion=False, bias_activation_fusion=False,
+        gradient_accumulation_fusion=False, **moe)  # the unfused paths: plain PyTorch on the CPU
     spec = get_gpt_layer_local_spec(num_experts=experts, qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
     padded = -(-c["vocab_size"] // (128 * tp)) * 128 * tp
     model = GPTModel(config, spec, vocab_size=padded, max_sequence_length=c["max_position_embeddings"],
@@ -324,7 +339,7 @@ def megatron_runs(tmp_path_factory):
         with open(os.path.join(root, family, "config.json"), "w") as f:
             json.dump(_hf_config(family), f)
     with pytest.MonkeyPatch.context() as env:
-        env.setenv("OMP_NUM_THREADS", "1")  # 4 ranks on few cores: one thread each starts them sooner
+        env.setenv("OMP_NUM_THREADS", "1")  # 4 ranks on 2 cores: a thread each is seconds faster
         context = mp.start_processes(_rank, args=(_free_port(), root), nprocs=WORLD, join=False,
                                      start_method="spawn")
     reference = {family: _hf_logits(os.path.join(root, family)) for family in FAMILIES}  # while the ranks start
@@ -346,14 +361,26 @@ def _hf_logits(path):
         return model(TOKENS).logits
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "{}-tp{}-pp{}-ep{}-etp{}".format(*c))
-def test_megatron_ranks_hold_what_refit_says(megatron_runs, case):
+def _ids(case):
+    return "{}-tp{}-pp{}-ep{}-etp{}".format(*case)
+
+
+@pytest.mark.parametrize("case", CASES, ids=_ids)
+def test_megatron_split_computes_the_model(megatron_runs, case):
+    """The split is Megatron's: the ranks' logits are transformers' on the full checkpoint."""
     reference, ranks = megatron_runs
-    family, tp, pp, _, _ = case
+    family, _, pp, _, _ = case
     last_stage = [r for r in range(WORLD) if r // (WORLD // pp) == pp - 1]  # rank = tp_rank + tp * (dp + dp * pp)
     assert [r for r in range(WORLD) if ranks[r][case]["logits"] is not None] == last_stage
-    for r in last_stage:  # first the forward pass: the split computes the model
+    for r in last_stage:
         torch.testing.assert_close(ranks[r][case]["logits"], reference[family], rtol=1e-4, atol=1e-4,
                                    msg=lambda m: f"rank {r}: Megatron's logits are not transformers': {m}")
-    for r in range(WORLD):  # then where each part sits
+
+
+@pytest.mark.parametrize("case", [
+    pytest.param(c, marks=pytest.mark.xfail(strict=True, reason=DISAGREEMENTS[c])) if c in DISAGREEMENTS else c
+    for c in CASES], ids=_ids)
+def test_megatron_ranks_hold_what_refit_says(megatron_runs, case):
+    _, ranks = megatron_runs
+    for r in range(WORLD):
         assert not ranks[r][case]["problems"], f"rank {r}:\n" + "\n".join(ranks[r][case]["problems"])

@@ -18,6 +18,7 @@
 #include "engine/link_sender.h"
 #include "engine/peer_wait.h"
 #include "engine/protocol.h"
+#include "engine/read_route.h"
 #include "engine/source_regions.h"
 #include "memory/device_memory.h"
 #include "refit/device.h"
@@ -210,6 +211,9 @@ class CheckpointEngine::Impl {
           fail(ErrorKind::kProtocol, "{} published no transfer buffers (it was created to receive only)", link.label);
         if (options_.config.map_source_buffers) map_source_buffers(link);
         all_mapped = all_mapped && link.mapped != nullptr;
+        const ReadRoute route{buffer_kind_, transport_->name(), same_host(link.metadata.process),
+                              link.mapped != nullptr, options_.config.map_source_buffers};
+        if (auto warning = slow_read_warning(route, self, link.label); !warning.empty()) spdlog::warn("{}", warning);
       }
       if (!all_mapped && !has_buffers_) allocate_buffers();
       assign_buffer_offsets();

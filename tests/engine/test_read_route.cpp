@@ -1,0 +1,37 @@
+// The one read route measured to be ~1,000x slower than the alternatives is named at init with
+// what to set instead; every other route stays quiet.
+#include "engine/read_route.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+namespace refit {
+namespace {
+
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+
+std::string warning(MemoryKind buffers, const char* transport, bool same_host, bool mapped, bool map_option) {
+  return slow_read_warning({buffers, transport, same_host, mapped, map_option}, "destination rank 1", "source rank 0");
+}
+
+TEST(ReadRoute, UcxReadsOfGpuBucketsOnThisHostNameTheCliffAndTheFix) {
+  EXPECT_THAT(warning(MemoryKind::kCuda, "UCX", true, false, false),
+              AllOf(HasSubstr("destination rank 1 reads the GPU buckets of source rank 0 on this host with UCX"),
+                    HasSubstr("because refit_cfg.nixl.map_source_buffers is false"), HasSubstr("0.68 GiB/s"),
+                    HasSubstr("set refit_cfg.nixl.map_source_buffers=true")));
+  // Mapping was asked for but the transport could not map: only another backend helps.
+  EXPECT_THAT(warning(MemoryKind::kCuda, "NIXL", true, false, true),
+              AllOf(HasSubstr("because NIXL could not map them"), HasSubstr("set backend_name=CUDA_IPC")));
+}
+
+TEST(ReadRoute, FastRoutesAreQuiet) {
+  EXPECT_EQ(warning(MemoryKind::kCuda, "UCX", true, true, true), "");        // mapped
+  EXPECT_EQ(warning(MemoryKind::kCuda, "UCX", false, false, true), "");      // another host: GPUDirect RDMA
+  EXPECT_EQ(warning(MemoryKind::kHost, "UCX", true, false, false), "");      // host buffers
+  EXPECT_EQ(warning(MemoryKind::kCuda, "CUDA_IPC", true, false, false), "");  // maps or fails loudly
+  EXPECT_EQ(warning(MemoryKind::kCuda, "NCCL", true, false, false), "");
+}
+
+}  // namespace
+}  // namespace refit

@@ -9,6 +9,7 @@
 #include <map>
 #include <set>
 
+#include "core/caught.h"
 #include "core/fail.h"
 #include "core/name_index.h"
 #include "core/random_id.h"
@@ -251,18 +252,14 @@ class CheckpointEngine::Impl {
         run_send(weights, stats, phase);
       }
       source_regions().end_refit();
-    } catch (const Error& e) {
+    } catch (...) {
+      // A plain std::exception comes from the weight stream (caller code); whatever it was, every
+      // destination is told at once.
+      const Caught c = describe_caught(std::current_exception(), ErrorKind::kInvalidArgument,
+                                       "weight stream failed: ", "the weight stream");
       source_delta_.drop();
-      abort_links(e.kind(), e.what());
-      throw Error(e.kind(),
-                  fmt::format("{}, refit {} of this connection, phase {}: {}", self_, refits_, phase, e.what()));
-    } catch (const std::exception& e) {
-      // The weight iterator (caller code) failed.
-      source_delta_.drop();
-      abort_links(ErrorKind::kInvalidArgument, e.what());
-      throw Error(ErrorKind::kInvalidArgument,
-                  fmt::format("{}, refit {} of this connection, phase {}: weight stream failed: {}", self_, refits_,
-                              phase, e.what()));
+      abort_links(c.kind, c.what);
+      throw Error(c.kind, fmt::format("{}, refit {} of this connection, phase {}: {}", self_, refits_, phase, c.what));
     }
     stats.seconds = seconds_since(start);
     return stats;
@@ -705,7 +702,7 @@ class CheckpointEngine::Impl {
         transport_->send(links_[k].peer,
                          protocol::encode(protocol::Abort{links_[k].first_refit + refits_, kind, reason}),
                          deadline_after(kAbortTimeout));
-      } catch (const std::exception&) {
+      } catch (...) {
         // The peer may be the reason we are aborting.
       }
     }
@@ -835,11 +832,11 @@ class CheckpointEngine::Impl {
   std::invoke_result_t<F> guarded(F&& step) {
     try {
       return step();
-    } catch (const std::exception& e) {
-      ErrorKind kind = ErrorKind::kInvalidArgument;  // the loader (caller code) failed
-      if (const auto* err = dynamic_cast<const Error*>(&e)) kind = err->kind();
-      Error error = receive_error(kind, e.what());
-      end_receive(kind, e.what());
+    } catch (...) {
+      // A plain std::exception comes from the loader (caller code).
+      const Caught c = describe_caught(std::current_exception(), ErrorKind::kInvalidArgument, "", "the loader");
+      Error error = receive_error(c.kind, c.what);
+      end_receive(c.kind, c.what);
       throw error;
     }
   }

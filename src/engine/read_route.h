@@ -13,8 +13,8 @@ struct ReadRoute {
   MemoryKind buffers = MemoryKind::kHost;  // where the source's transfer buffers live
   std::string transport;                   // Transport::name()
   bool same_host = false;
-  bool mapped = false;              // the destination maps the source's buffers (loads from them)
-  bool map_source_buffers = true;   // refit_cfg.nixl.map_source_buffers
+  bool mapped = false;             // the destination maps the source's buffers (loads from them)
+  bool map_source_buffers = true;  // refit_cfg.nixl.map_source_buffers
 };
 
 // Empty when the route is not a known cliff; otherwise why it is slow, what was measured and what

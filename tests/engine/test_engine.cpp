@@ -1,7 +1,9 @@
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
 #include <future>
 #include <map>
 #include <optional>
@@ -282,6 +284,83 @@ TEST(Engine, RepeatedNameFailsTheRefitOnBothSides) {
   Received got;
   EXPECT_THROW(p.refit(weights, got), Error);
   EXPECT_TRUE(p.destination->stale());
+}
+
+// Whatever a weight stream or a loader throws ends the refit on both sides at once, reported as
+// what it was: not a std::exception, std::bad_alloc, or the caller's own error.
+class ThrowingSource final : public WeightSource {
+ public:
+  ThrowingSource(const std::vector<OwnedTensor>& weights, std::function<void()> fail_after)
+      : weights_(weights), fail_(std::move(fail_after)) {}
+  bool next(TensorView* out) override {
+    if (index_ == 2) fail_();
+    if (index_ == weights_.size()) return false;
+    const auto& t = weights_[index_++];
+    *out = {&t.info, t.data.data(), MemoryKind::kHost};
+    return true;
+  }
+
+ private:
+  const std::vector<OwnedTensor>& weights_;
+  std::function<void()> fail_;
+  size_t index_ = 0;
+};
+
+TEST(Engine, AnythingTheWeightStreamThrowsAbortsTheDestinationAtOnceAndIsNamed) {
+  struct Case {
+    std::function<void()> fail;
+    ErrorKind kind;
+    const char* says;
+  };
+  const Case cases[] = {
+      {[] { throw 42; }, ErrorKind::kInternal, "the weight stream threw something that is not a std::exception"},
+      {[] { throw std::bad_alloc(); }, ErrorKind::kInternal, "out of memory (std::bad_alloc)"},
+      {[] { throw std::runtime_error("gather failed"); }, ErrorKind::kInvalidArgument,
+       "weight stream failed: gather failed"},
+  };
+  for (const Case& c : cases) {
+    Pair p(64, false, 30.0);
+    p.connect();
+    const auto weights = mixed_model(5);
+    const auto start = std::chrono::steady_clock::now();
+    auto sending = std::async(std::launch::async, [&] {
+      ThrowingSource source(weights, c.fail);
+      return p.source->send(source);
+    });
+    Received got;
+    try {
+      p.destination->receive(got.loader());
+      ADD_FAILURE() << "the destination should fail: " << c.says;
+    } catch (const Error& e) {
+      EXPECT_THAT(e.what(), ::testing::HasSubstr(c.says));
+    }
+    try {
+      sending.get();
+      ADD_FAILURE() << "the source should fail: " << c.says;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), c.kind) << e.what();
+      EXPECT_THAT(e.what(), ::testing::HasSubstr(c.says));
+    }
+    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5)) << "not the 30 s timeout";
+    EXPECT_TRUE(p.destination->stale());
+  }
+}
+
+TEST(Engine, ALoaderThatThrowsSomethingElseStillAbortsTheSource) {
+  Pair p(64, false, 30.0);
+  p.connect();
+  auto weights = mixed_model(6);
+  const auto start = std::chrono::steady_clock::now();
+  auto sent = p.start_send(weights);
+  try {
+    p.destination->receive([](LoadBatch) { throw 7; });
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kInternal);
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("the loader threw something that is not a std::exception"));
+  }
+  EXPECT_THROW(sent.get(), Error);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5)) << "not the 30 s timeout";
 }
 
 TEST(Engine, LoaderFailureAbortsTheSourceAndLeavesDestinationStale) {

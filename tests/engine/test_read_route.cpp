@@ -26,9 +26,9 @@ TEST(ReadRoute, UcxReadsOfGpuBucketsOnThisHostNameTheCliffAndTheFix) {
 }
 
 TEST(ReadRoute, FastRoutesAreQuiet) {
-  EXPECT_EQ(warning(MemoryKind::kCuda, "UCX", true, true, true), "");        // mapped
-  EXPECT_EQ(warning(MemoryKind::kCuda, "UCX", false, false, true), "");      // another host: GPUDirect RDMA
-  EXPECT_EQ(warning(MemoryKind::kHost, "UCX", true, false, false), "");      // host buffers
+  EXPECT_EQ(warning(MemoryKind::kCuda, "UCX", true, true, true), "");         // mapped
+  EXPECT_EQ(warning(MemoryKind::kCuda, "UCX", false, false, true), "");       // another host: GPUDirect RDMA
+  EXPECT_EQ(warning(MemoryKind::kHost, "UCX", true, false, false), "");       // host buffers
   EXPECT_EQ(warning(MemoryKind::kCuda, "CUDA_IPC", true, false, false), "");  // maps or fails loudly
   EXPECT_EQ(warning(MemoryKind::kCuda, "NCCL", true, false, false), "");
 }

@@ -13,14 +13,4 @@ inline const char* kSmallMoe = R"({
   "rms_norm_eps": 1e-6, "tie_word_embeddings": false
 })";
 
-// The same family with what TP 2 splits in multiples of 2 x 128: its FP8 form (refit bench --fp8,
-// 128 x 128 scale blocks) reshards at TP 2.
-inline const char* kSmallMoeAligned = R"({
-  "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "torch_dtype": "bfloat16",
-  "hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 256, "num_hidden_layers": 2,
-  "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 128, "vocab_size": 8000,
-  "num_experts": 4, "num_experts_per_tok": 2, "decoder_sparse_step": 1, "mlp_only_layers": [],
-  "rms_norm_eps": 1e-6, "tie_word_embeddings": false
-})";
-
 }  // namespace refit::testing

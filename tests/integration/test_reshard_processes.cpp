@@ -5,6 +5,7 @@
 
 #include "bench_runner.h"
 #include "cli_runner.h"
+#include "core/reshard_models.h"
 #include "small_models.h"
 
 namespace refit {
@@ -66,7 +67,7 @@ TEST(ReshardProcesses, TwoSourcesFeedSixDestinations) {
 // every destination's FP8 weights and scales are checked against the full checkpoint's slices.
 TEST(ReshardProcesses, Fp8WeightsMoveWithTheirScaleBlocks) {
   Bench b;
-  b.model = b.dir.write("fp8.json", testing::kSmallMoeAligned);
+  b.model = b.dir.write("fp8.json", testing::kQwenMoeAligned);  // TP 2 splits it in 128-row blocks
   auto r = b.run(4, 2,
                  {"--fp8", "--src-tp", "2", "--src-ep", "2", "--src-etp", "1", "--tp", "2", "--shard-dense",
                   "refit_cfg.nixl.shard_expert_weights=true"});

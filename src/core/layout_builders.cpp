@@ -407,6 +407,18 @@ std::vector<Layout> megatron_source_layouts(const ModelInventory& inventory, con
     fail(ErrorKind::kLayout,
          "training parallelism: the tp x dp = {} ranks of a stage cannot be split into expert tp {} x ep {} groups",
          stage_ranks, etp, p.ep_size);
+  // With more TP ranks than KV heads Megatron (megatron-core 0.16.1) gives each rank an equal row
+  // block of its fused q/k/v, which is no slice of the HF q/k/v tensors (vLLM instead replicates KV
+  // heads, as build_layout does): refused rather than described wrongly.
+  const int64_t kv_heads = dims.num_key_value_heads > 0 ? dims.num_key_value_heads : dims.num_attention_heads;
+  const bool has_kv_projections =
+      std::any_of(inventory.tensors.begin(), inventory.tensors.end(),
+                  [](const TensorInfo& t) { return t.name.ends_with(".self_attn.k_proj.weight"); });
+  if (p.tp_size > 1 && has_kv_projections && kv_heads > 0 && p.tp_size > kv_heads)
+    fail(ErrorKind::kLayout,
+         "training parallelism: tp {} exceeds num_key_value_heads {}: Megatron then gives each rank an equal row "
+         "block of its fused q/k/v, which is no slice of the q/k/v tensors a layout can name; use tp <= {}",
+         p.tp_size, kv_heads, kv_heads);
   std::vector<Layout> out;
   const int world = stage_ranks * p.pp_size;
   out.reserve(world);

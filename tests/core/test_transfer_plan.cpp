@@ -154,6 +154,7 @@ TEST(TransferPlan, EveryDestinationGetsExactlyItsBytesOverManyLayoutPairs) {
     } else {
       TrainingParallel t;
       t.tp_size = 1 << (rng() % 3);
+      if (&m == &qwen_moe()) t.tp_size = std::min(t.tp_size, 2);  // Megatron's limit: its 2 KV heads
       t.pp_size = 1 + rng() % 2;
       t.dp_size = 1 + rng() % 2;
       t.ep_size = 1 << (rng() % 3);
@@ -218,13 +219,15 @@ TEST(TransferPlan, Fp8WeightsReshardWithTheirScaleBlocks) {
 
 TEST(TransferPlan, Fp8SlicesThatCutScaleBlocksAreRefusedBeforeAnyTransfer) {
   const Model& m = testing::qwen_moe_fp8();
-  // TP 4 narrows each KV projection (2 heads x 128 rows) to 64 rows: half a scale block.
+  // TP 4 narrows each expert's 256 gate/up rows to 64: half a scale block.
   EXPECT_THAT(
       error_of(ErrorKind::kLayout, [&] { vllm_side(m, 4, 1, false, true); }),
       AllOf(HasSubstr("destination rank 0"), HasSubstr("cuts through scale block 0"), HasSubstr("_scale_inv'")));
+  // Megatron TP 4 of DeepSeek-V3's MLA: kv_b_proj's 4 x 192 rows in 192-row shards.
+  const Model& mla = testing::deepseek_fp8();
   TrainingParallel tp4{4, 1, 1, 1, std::nullopt};
-  EXPECT_THAT(error_of(ErrorKind::kLayout, [&] { megatron_source_layouts(m.inventory, m.dims, tp4); }),
-              HasSubstr("source rank 0"));
+  EXPECT_THAT(error_of(ErrorKind::kLayout, [&] { megatron_source_layouts(mla.inventory, mla.dims, tp4); }),
+              AllOf(HasSubstr("source rank 0"), HasSubstr("kv_b_proj.weight' slice dim 0 [0, 192)")));
 
   // A layout written by hand that slices a weight but not its scale.
   const auto sources = megatron_source_layouts(m.inventory, m.dims, {2, 1, 1, 1, std::nullopt});
@@ -351,6 +354,20 @@ TEST(SourceLayouts, DTensorPlacementsShardAsTorchDoes) {
   const Placement two_dims[] = {Placement::shard_dim(0), Placement::shard_dim(1)};
   EXPECT_THAT(error_of(ErrorKind::kLayout, [&] { dtensor_request("w", shape, two_dims, mesh2, at); }),
               HasSubstr("tensor 'w' is sharded along dims 0 and 1"));
+}
+
+TEST(SourceLayouts, MegatronWithMoreTensorRanksThanKvHeadsIsRefused) {
+  // Megatron then splits its fused q/k/v into equal row blocks (checked against megatron-core in
+  // python/tests/test_megatron_layouts.py): no slice of the HF q/k/v says what a rank holds.
+  const Model& m = qwen_moe();  // 2 KV heads
+  EXPECT_THAT(error_of(ErrorKind::kLayout,
+                       [&] {
+                         megatron_source_layouts(m.inventory, m.dims, {4, 1, 1, 1, std::nullopt});
+                       }),
+              HasSubstr("tp 4 exceeds num_key_value_heads 2"));
+  EXPECT_EQ(megatron_source_layouts(m.inventory, m.dims, {2, 1, 2, 1, std::nullopt}).size(), 4u);
+  // MLA has no per-head K/V projections: any TP that divides its heads.
+  EXPECT_EQ(megatron_source_layouts(deepseek().inventory, deepseek().dims, {4, 1, 1, 1, std::nullopt}).size(), 4u);
 }
 
 TEST(SourceLayouts, MegatronRanksSplitExpertsWithinAStage) {

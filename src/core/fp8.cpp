@@ -149,10 +149,6 @@ KvScales kv_scale_tensors(int64_t num_layers, const std::map<std::string, float>
 
 namespace {
 
-bool ends_with(std::string_view s, std::string_view suffix) {
-  return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
-}
-
 bool is_float8(DType dtype) { return dtype == DType::kFloat8E4M3FN || dtype == DType::kFloat8E5M2; }
 
 // Weight elements per scale element along a weight dim of `size` that the scale gives `scales`
@@ -168,7 +164,7 @@ int64_t block_along(int64_t size, int64_t scales) {
 
 bool is_fp8_linear_weight(const TensorInfo& info) {
   const std::string& n = info.name;
-  if (info.shape.size() != 2 || !ends_with(n, ".weight")) return false;
+  if (info.shape.size() != 2 || !n.ends_with(".weight")) return false;
   if (info.dtype != DType::kBFloat16 && info.dtype != DType::kFloat32) return false;
   for (std::string_view skip :
        {"embed_tokens", "lm_head", "norm", ".mlp.gate.weight", "block_sparse_moe.gate.", "shared_expert_gate"})
@@ -201,7 +197,7 @@ std::vector<Fp8ScaleOf> fp8_scales_of(const ModelInventory& model) {
   for (uint32_t i = 0; i < tensors.size(); ++i) {
     std::string_view name = tensors[i].name;
     for (std::string_view suffix : {"_scale_inv", "_scale"}) {
-      if (!ends_with(name, suffix)) continue;
+      if (!name.ends_with(suffix)) continue;
       auto it = weights.find(name.substr(0, name.size() - suffix.size()));
       if (it == weights.end()) continue;
       const auto& w = tensors[it->second].shape;

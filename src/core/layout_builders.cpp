@@ -6,6 +6,7 @@
 
 #include "core/fail.h"
 #include "core/hf_config.h"
+#include "core/layout_resolver.h"
 #include "core/prefix_set.h"
 #include "refit/fp8.h"
 
@@ -383,13 +384,26 @@ Layout build_layout(const ModelInventory& inventory, const ModelDims& dims, cons
   return layout;
 }
 
-void add_fp8_scale_requests(Layout& layout, const ModelInventory& inventory, std::string_view owner) {
-  for (const auto& link : fp8_scales_of(inventory)) {
-    const std::string& scale = inventory.tensors[link.scale].name;
-    const Request need =
-        fp8_scale_request(inventory, link, layout.request_for(inventory.tensors[link.weight].name), owner);
-    if (layout.request_for(scale) != need) layout.tensors[scale] = need;
+namespace {
+
+// add_fp8_scale_requests with a resolver shared by every layout of one model: the layout is
+// resolved once (request_for per scale would scan every dropped prefix twice per scale, for each
+// of hundreds of Megatron ranks).
+void add_scales(Layout& layout, const LayoutResolver& resolver, const ModelInventory& inventory,
+                std::string_view owner) {
+  if (resolver.fp8_scales().empty()) return;
+  std::vector<Request> requests;
+  resolver.resolve(layout, LayoutRole::kSource, owner, requests);
+  for (const auto& link : resolver.fp8_scales()) {
+    const Request need = fp8_scale_request(inventory, link, requests[link.weight], owner);
+    if (requests[link.scale] != need) layout.tensors[inventory.tensors[link.scale].name] = need;
   }
+}
+
+}  // namespace
+
+void add_fp8_scale_requests(Layout& layout, const ModelInventory& inventory, std::string_view owner) {
+  add_scales(layout, LayoutResolver(inventory), inventory, owner);
 }
 
 Layout build_layout(const std::string& config_path, const ModelParallel& parallel) {
@@ -420,6 +434,7 @@ std::vector<Layout> megatron_source_layouts(const ModelInventory& inventory, con
          "block of its fused q/k/v, which is no slice of the q/k/v tensors a layout can name; use tp <= {}",
          p.tp_size, kv_heads, kv_heads);
   std::vector<Layout> out;
+  const LayoutResolver resolver(inventory);  // one for every rank
   const int world = stage_ranks * p.pp_size;
   out.reserve(world);
   for (int rank = 0; rank < world; ++rank) {
@@ -438,7 +453,7 @@ std::vector<Layout> megatron_source_layouts(const ModelInventory& inventory, con
     m.shard_dense = p.tp_size > 1;
     m.vocab_padding = 128 * static_cast<int64_t>(p.tp_size);
     out.push_back(build_without_scales(inventory, dims, m));
-    add_fp8_scale_requests(out.back(), inventory, fmt::format("source rank {}", rank));
+    add_scales(out.back(), resolver, inventory, fmt::format("source rank {}", rank));
   }
   return out;
 }

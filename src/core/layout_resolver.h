@@ -35,6 +35,8 @@ class LayoutResolver {
   // FP8 scale is requested as fp8_scale_request says.
   // `out` is reused: resolving hundreds of layouts then allocates once.
   void resolve(const Layout& layout, LayoutRole role, std::string_view owner, std::vector<Request>& out) const;
+  // The model's FP8 scales (fp8_scales_of), found once.
+  const std::vector<Fp8ScaleOf>& fp8_scales() const { return scales_; }
 
  private:
   const std::vector<uint32_t>& sorted() const;

@@ -5,14 +5,6 @@
 #include "core/fail.h"
 
 namespace refit {
-namespace {
-
-bool ends_with(const std::string& s, std::string_view suffix) {
-  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
-
-}  // namespace
-
 WeightSourceWithKvScales::WeightSourceWithKvScales(WeightSource& weights, KvScales scales)
     : weights_(weights), scales_(std::move(scales)) {}
 
@@ -29,8 +21,8 @@ bool WeightSourceWithKvScales::next(TensorView* out) {
 }
 
 bool is_kv_scale_name(const std::string& name) {
-  return ends_with(name, ".self_attn.attn.q_scale") || ends_with(name, ".self_attn.k_scale") ||
-         ends_with(name, ".self_attn.v_scale");
+  return name.ends_with(".self_attn.attn.q_scale") || name.ends_with(".self_attn.k_scale") ||
+         name.ends_with(".self_attn.v_scale");
 }
 
 Fp8QuantizingLoader::Fp8QuantizingLoader(Fp8LoaderOptions options) : options_(std::move(options)) {

@@ -5,7 +5,8 @@
 //   - peers: an opaque address blob goes into metadata; connect() turns a peer's blob into a PeerId;
 //   - data and control: reads pull bytes from a peer's registered region into local memory, posted
 //     and then tested or waited for, so that one thread keeps reads from many peers in flight (as
-//     NIXL's prepare/post/check); send()/receive() carry small control messages, ordered per pair.
+//     NIXL's prepare/post/check); send()/receive() carry small control messages, ordered per pair,
+//     and try_receive() with activity()/wait_activity() let one thread serve every peer at once.
 // All blocking calls take a deadline and throw Error(kTimeout) past it, Error(kPeerLost) when
 // the peer went away, Error(kTransport) for other failures; messages name the peer's label.
 // A transport instance is used by one engine thread at a time; backends may run internal
@@ -20,6 +21,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -148,6 +150,16 @@ class Transport {
 
   // Waits for the next control message from `peer`.
   virtual Bytes receive(PeerId peer, Deadline deadline) = 0;
+  // The next control message from `peer` if one is here, without waiting; throws as receive()
+  // does when the peer is lost. The default asks receive() with a deadline already past.
+  virtual std::optional<Bytes> try_receive(PeerId peer);
+
+  // One thread serving many peers: take activity(), look at every peer (try_receive, test_read),
+  // and when nothing was ready, wait_activity() until the count moves past what was taken (a
+  // message arrived, a read ended, a peer was lost) or the deadline. Wakes may be spurious. A
+  // backend without a count returns 0 and its wait_activity() sleeps a short slice.
+  virtual uint64_t activity() { return 0; }
+  virtual void wait_activity(uint64_t seen, Deadline deadline);
 };
 
 // What each backend offers on this machine and in this build, or why it is unavailable (for

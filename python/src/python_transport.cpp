@@ -192,14 +192,17 @@ class PythonTransport final : public Transport {
     guarded("send", [&] { return impl_.attr("send")(peer, blob); });
   }
 
+  std::optional<Bytes> try_receive(PeerId peer) override {
+    nb::gil_scoped_acquire gil;
+    nb::object message = guarded("poll", [&] { return impl_.attr("poll")(peer); });
+    if (message.is_none()) return std::nullopt;
+    return bytes_from(message);
+  }
+
   Bytes receive(PeerId peer, Deadline deadline) override {
     Backoff backoff;
     for (;;) {
-      {
-        nb::gil_scoped_acquire gil;
-        nb::object message = guarded("poll", [&] { return impl_.attr("poll")(peer); });
-        if (!message.is_none()) return bytes_from(message);
-      }
+      if (auto message = try_receive(peer)) return std::move(*message);
       if (expired(deadline))
         throw Error(ErrorKind::kTimeout, fmt::format("{}: no message from {} by the deadline", name_, label(peer)));
       backoff.pause();

@@ -14,8 +14,8 @@
 #include "core/name_index.h"
 #include "core/random_id.h"
 #include "engine/assembler.h"
-#include "engine/bucket_fetcher.h"
 #include "engine/delta.h"
+#include "engine/link_reader.h"
 #include "engine/link_sender.h"
 #include "engine/peer_wait.h"
 #include "engine/protocol.h"
@@ -34,6 +34,9 @@ using Seconds = std::chrono::duration<double>;
 constexpr int kBufferCount = 2;
 // An abort is a courtesy to the peer; it must never hold up reporting our own error.
 constexpr Seconds kAbortTimeout{2.0};
+// The longest a waiting destination sleeps before it looks at its sources again (their readers'
+// deadlines, whether their processes still live).
+constexpr auto kLivenessSlice = std::chrono::milliseconds(50);
 
 // Delta refit: a bucket goes once it holds this much (engine/delta.h), so that the destination
 // patches while the source scans on; a few round trips per refit at most.
@@ -298,29 +301,27 @@ class CheckpointEngine::Impl {
     assembler_.reset();
     if (options_.config.delta) destination_delta_.begin();
     for (auto& link : links_) {
-      FetchContext context{transport_.get(),
-                           link.peer,
-                           link.label,
-                           link.peer_rank,
-                           &link.metadata,
-                           {region_base_ + link.offset, region_base_ + link.offset + link.bucket_bytes},
-                           region_,
-                           link.mapped,
-                           link.bucket_bytes,
-                           link.first_refit + refits_,
-                           options_.config.timeout_s,
-                           options_.config.verify_checksums,
-                           &run->signal,
-                           &link.in_place_maps,
-                           &link.manifests};
-      run->fetchers.push_back(std::make_unique<BucketFetcher>(std::move(context)));
+      LinkReadContext context{transport_.get(),
+                              link.peer,
+                              link.label,
+                              link.peer_rank,
+                              &link.metadata,
+                              {region_base_ + link.offset, region_base_ + link.offset + link.bucket_bytes},
+                              region_,
+                              link.mapped,
+                              link.bucket_bytes,
+                              link.first_refit + refits_,
+                              options_.config.timeout_s,
+                              options_.config.verify_checksums,
+                              &link.in_place_maps,
+                              &link.manifests};
+      run->readers.push_back(std::make_unique<LinkReader>(std::move(context)));
     }
-    run->done.assign(links_.size(), false);
     run->remaining = needs_nothing_ ? 0 : links_.size();  // resharding, and this destination holds nothing
     run->stats.mapped = std::all_of(links_.begin(), links_.end(), [](const Link& l) { return l.mapped != nullptr; });
     run->stats.buffer_bytes = has_buffers_ ? kBufferCount * options_.bucket_bytes : 0;
     run->stats.sources = static_cast<uint32_t>(links_.size());
-    // Each fetcher ends its own waits by their deadlines; this one only backs them up.
+    // Each reader ends its own waits by their deadlines; this one only backs them up.
     run->idle_deadline = deadline_after(backstop());
     receive_ = std::move(run);
   }
@@ -333,7 +334,9 @@ class CheckpointEngine::Impl {
     return guarded([&] {
       for (;;) {
         if (run.remaining == 0) return ReceiveProgress::kDone;
-        const uint64_t seen = run.signal.version();
+        // Taken before looking at the links, so that news arriving after the look ends the wait.
+        const uint64_t seen = transport_->activity();
+        advance_links(run);
         if (take_bucket(run)) {
           if (!run.views.empty()) {
             *out = ReceivedBatch{run.batches_out++, run.views,
@@ -348,8 +351,13 @@ class CheckpointEngine::Impl {
         if (expired(run.idle_deadline))
           fail(ErrorKind::kTimeout, "no bucket arrived from any of {} source(s) in {:.0f} s", run.remaining,
                backstop().count());
+        Deadline wake = std::min({until, run.idle_deadline, deadline_after(kLivenessSlice)});
+        for (auto& reader : run.readers) {
+          on_link(run, *reader, [&] { reader->check(); });
+          if (auto due = reader->deadline()) wake = std::min(wake, *due);
+        }
         if (expired(until)) return ReceiveProgress::kWaiting;
-        run.signal.wait(seen, std::min({until, run.idle_deadline, deadline_after(std::chrono::milliseconds(200))}));
+        transport_->wait_activity(seen, wake);
       }
     });
   }
@@ -792,18 +800,16 @@ class CheckpointEngine::Impl {
 
   // A pull-style receive in progress.
   struct ReceiveRun {
-    FetchSignal signal;
-    std::vector<std::unique_ptr<BucketFetcher>> fetchers;
-    std::vector<bool> done;  // per link: its last bucket was released
-    size_t remaining = 0;    // links not done
-    size_t cursor = 0;       // the link to look at first, so that no source starves the others
+    std::vector<std::unique_ptr<LinkReader>> readers;  // one per link, all advanced by this thread
+    size_t remaining = 0;                              // links not done
+    size_t cursor = 0;  // the link to look at first, so that no source starves the others
     Clock::time_point start;
     bool previous_went_through = false;  // the refit before this one, on this connection
     Deadline idle_deadline;
     ReceiveStats stats;
     std::string phase;
     // The bucket being assembled or loaded, and the batch it completed.
-    std::optional<BucketFetcher::Fetched> bucket;
+    std::optional<LinkReader::Fetched> bucket;
     size_t link = 0;
     double assembling = 0;              // on the timeline
     uint64_t mapped_in_place = 0;       // of the bucket: bytes its entries load from the source's tensors
@@ -853,19 +859,21 @@ class CheckpointEngine::Impl {
     abort_links(kind, reason);
     spdlog::error("{} is stale: refit {} of this connection failed in phase {}: {}", self_, refits_, receive_->phase,
                   reason);
-    receive_.reset();  // stops the fetchers
+    receive_.reset();  // cancels the reads in flight
     stale_ = true;
     destination_delta_.drop();
   }
 
   // Takes the next bucket any source has ready and assembles it into run.views; false when none is.
   bool take_bucket(ReceiveRun& run) {
-    for (size_t n = 0; n < run.fetchers.size(); ++n) {
-      const size_t k = (run.cursor + n) % run.fetchers.size();
-      if (run.done[k]) continue;
-      auto fetched = run.fetchers[k]->try_next(run.phase);
+    for (size_t n = 0; n < run.readers.size(); ++n) {
+      const size_t k = (run.cursor + n) % run.readers.size();
+      if (run.readers[k]->done()) continue;
+      auto fetched = run.readers[k]->take();
       if (!fetched) continue;
-      run.cursor = (k + 1) % run.fetchers.size();
+      // The link's next bucket is read while this one is loaded.
+      on_link(run, *run.readers[k], [&] { run.readers[k]->advance(); });
+      run.cursor = (k + 1) % run.readers.size();
       run.idle_deadline = deadline_after(backstop());
       run.link = k;
       run.bucket = std::move(fetched);
@@ -896,6 +904,23 @@ class CheckpointEngine::Impl {
     return false;
   }
 
+  // Moves every link on as far as it goes without waiting: announcements taken, reads posted.
+  void advance_links(ReceiveRun& run) {
+    for (size_t k = 0; k < run.readers.size(); ++k)
+      if (!run.readers[k]->done()) on_link(run, *run.readers[k], [&] { run.readers[k]->advance(); });
+  }
+
+  // Runs a step of one link's reader; an error names the link's phase.
+  template <typename F>
+  void on_link(ReceiveRun& run, LinkReader& reader, F&& step) {
+    try {
+      step();
+    } catch (...) {
+      run.phase = reader.phase();
+      throw;
+    }
+  }
+
   // The bucket's tensors are loaded: its buffer goes back to its source.
   void finish_bucket(ReceiveRun& run) {
     const auto& bucket = run.bucket->bucket;
@@ -907,14 +932,12 @@ class CheckpointEngine::Impl {
     run.stats.events.push_back({TimelinePhase::kLoad, peer, bucket.seq, run.assembling, released,
                                 bucket.used_bytes + run.mapped_in_place,
                                 static_cast<uint32_t>(bucket.entries().size())});
-    run.fetchers[k]->release(bucket.seq);
+    LinkReader& reader = *run.readers[k];
+    on_link(run, reader, [&] { reader.release(bucket.seq); });
     run.stats.events.push_back({TimelinePhase::kRelease, peer, bucket.seq, released, released, 0});
     spdlog::debug("{}: bucket {} ({} bytes) from {} done", self_, bucket.seq, bucket.used_bytes, links_[k].label);
-    if (bucket.is_last) {
-      run.fetchers[k]->finish(run.phase);
-      run.stats.events.insert(run.stats.events.end(), run.fetchers[k]->events().begin(),
-                              run.fetchers[k]->events().end());
-      run.done[k] = true;
+    if (reader.done()) {
+      run.stats.events.insert(run.stats.events.end(), reader.events().begin(), reader.events().end());
       --run.remaining;
     }
     run.views = {};

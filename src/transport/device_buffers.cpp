@@ -67,6 +67,9 @@ class DeviceBufferTransport final : public Transport {
     inner_->send(peer, message, deadline);
   }
   Bytes receive(PeerId peer, Deadline deadline) override { return inner_->receive(peer, deadline); }
+  std::optional<Bytes> try_receive(PeerId peer) override { return inner_->try_receive(peer); }
+  uint64_t activity() override { return inner_->activity(); }
+  void wait_activity(uint64_t seen, Deadline deadline) override { inner_->wait_activity(seen, deadline); }
 
  private:
   std::unique_ptr<Transport> inner_;

@@ -350,6 +350,11 @@ class CudaIpcTransport final : public SynchronousReads {
   Bytes receive(PeerId id, Deadline deadline) override {
     return control_.receive(find_peer(id, "receiving a message").link, kMessages, deadline);
   }
+  std::optional<Bytes> try_receive(PeerId id) override {
+    return control_.try_receive(find_peer(id, "receiving a message").link, kMessages);
+  }
+  uint64_t activity() override { return control_.activity(); }
+  void wait_activity(uint64_t seen, Deadline deadline) override { control_.wait_activity(seen, deadline); }
 
  private:
   CudaIpcRegionKey self_key() const {

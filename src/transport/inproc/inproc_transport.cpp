@@ -28,6 +28,7 @@ class InProcFabric {
  public:
   std::mutex mutex;
   std::condition_variable changed;
+  uint64_t activity = 0;                         // moves with every notify of `changed`
   std::map<uint64_t, InProcEndpoint> endpoints;  // live endpoints by id
   uint64_t next_id = 1;
 };
@@ -59,6 +60,7 @@ class InProcTransport final : public SynchronousReads {
   ~InProcTransport() override {
     std::lock_guard lock(fabric_->mutex);
     fabric_->endpoints.erase(id_);
+    ++fabric_->activity;
     fabric_->changed.notify_all();
   }
 
@@ -138,7 +140,30 @@ class InProcTransport final : public SynchronousReads {
   void send(PeerId peer, std::span<const uint8_t> message, Deadline) override {
     std::lock_guard lock(fabric_->mutex);
     live_peer(peer, "send").inbox[id_].emplace_back(message.begin(), message.end());
+    ++fabric_->activity;
     fabric_->changed.notify_all();
+  }
+
+  std::optional<Bytes> try_receive(PeerId peer) override {
+    std::lock_guard lock(fabric_->mutex);
+    auto& queue = self().inbox[peer];
+    if (!queue.empty()) {
+      Bytes m = std::move(queue.front());
+      queue.pop_front();
+      return m;
+    }
+    if (!fabric_->endpoints.count(peer)) fail(ErrorKind::kPeerLost, "lost {} while waiting for a message", label(peer));
+    return std::nullopt;
+  }
+
+  uint64_t activity() override {
+    std::lock_guard lock(fabric_->mutex);
+    return fabric_->activity;
+  }
+
+  void wait_activity(uint64_t seen, Deadline deadline) override {
+    std::unique_lock lock(fabric_->mutex);
+    fabric_->changed.wait_until(lock, deadline, [&] { return fabric_->activity != seen; });
   }
 
   Bytes receive(PeerId peer, Deadline deadline) override {

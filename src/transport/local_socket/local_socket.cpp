@@ -137,6 +137,7 @@ struct LocalSocketEndpoint::State {
 
   std::mutex mutex;
   std::condition_variable changed;
+  uint64_t activity = 0;                          // moves with every notify of `changed`; under mutex
   std::map<LinkId, std::shared_ptr<Link>> links;  // under mutex
   LinkId next_link = 1;                           // under mutex
   std::map<EndpointId, Sender> senders;           // under mutex
@@ -380,6 +381,7 @@ void LocalSocketEndpoint::send(LinkId id, uint8_t channel, std::span<const uint8
     case WriteResult::kClosed: {
       std::lock_guard lock(s.mutex);
       link->closed = true;
+      ++s.activity;
       s.changed.notify_all();
       fail(ErrorKind::kPeerLost, "lost {} while sending a {}-byte message: its control connection closed ({})",
            link->label, message.size(), std::strerror(error));
@@ -407,6 +409,16 @@ std::optional<Bytes> LocalSocketEndpoint::try_receive(LinkId id, uint8_t channel
   if (auto message = s.pop(*link, channel)) return message;
   if (std::string why = s.lost_reason(*link); !why.empty()) fail(ErrorKind::kPeerLost, "lost {}: {}", link->label, why);
   return std::nullopt;
+}
+
+uint64_t LocalSocketEndpoint::activity() {
+  std::lock_guard lock(state_->mutex);
+  return state_->activity;
+}
+
+void LocalSocketEndpoint::wait_activity(uint64_t seen, Deadline deadline) {
+  std::unique_lock lock(state_->mutex);
+  state_->changed.wait_until(lock, deadline, [&] { return state_->activity != seen; });
 }
 
 void LocalSocketEndpoint::check_alive(LinkId id, std::string_view doing) {
@@ -515,6 +527,7 @@ void LocalSocketEndpoint::State::watch_link(const std::shared_ptr<Link>& link) {
   {
     std::lock_guard lock(mutex);
     link->closed = true;
+    ++activity;
   }
   changed.notify_all();
 }
@@ -527,6 +540,7 @@ void LocalSocketEndpoint::State::close_inbound(Inbound& in, const std::string& w
     Sender& sender = senders[in.sender];
     --sender.open;
     if (!in.said_bye) sender.crashed = true;
+    ++activity;
   }
   changed.notify_all();
 }
@@ -589,6 +603,7 @@ bool LocalSocketEndpoint::State::read_inbound(Inbound& in, std::vector<HandledMe
         handled.push_back({handler->second, in.sender, std::move(message)});
       } else {
         senders[in.sender].queues[frame.channel].push_back(std::move(message));
+        ++activity;
         delivered = true;
       }
     }

@@ -77,6 +77,10 @@ class LocalSocketEndpoint {
   // The next message if one is queued; throws Error(kPeerLost) when the peer is gone and
   // nothing is queued.
   std::optional<Bytes> try_receive(LinkId link, uint8_t channel);
+  // A count that moves whenever a message arrives or a connection ends (Transport::activity()),
+  // and a wait for it to move past `seen`.
+  uint64_t activity();
+  void wait_activity(uint64_t seen, Deadline deadline);
 
   // Throws Error(kPeerLost) naming the link's label when its peer is gone (either connection
   // closed); `doing` says what we were doing ("reading 4 MiB from source rank 0").

@@ -103,6 +103,9 @@ class UcxTransport final : public Transport {
   std::string route(PeerId peer) override;
   void send(PeerId peer, std::span<const uint8_t> message, Deadline deadline) override;
   Bytes receive(PeerId peer, Deadline deadline) override;
+  std::optional<Bytes> try_receive(PeerId peer) override;
+  uint64_t activity() override;
+  void wait_activity(uint64_t seen, Deadline deadline) override;
 
  private:
   static void on_operation_done(void* request, ucs_status_t status, void* user_data);
@@ -151,6 +154,7 @@ class UcxTransport final : public Transport {
   // Declared before the worker: completion callbacks may still run while it is destroyed.
   std::mutex mutex_;
   std::condition_variable changed_;
+  uint64_t activity_ = 0;                                       // moves with every notify of changed_; under mutex_
   std::map<InstanceId, std::deque<Inbound>> inbox_;             // by sender instance; under mutex_
   std::map<Operation*, std::unique_ptr<Operation>> abandoned_;  // timed out, not completed yet; under mutex_
   HandleTable<std::unique_ptr<Peer>> peers_{"UCX", "peer", "connected"};
@@ -627,6 +631,27 @@ Bytes UcxTransport::receive(PeerId id, Deadline deadline) {
   return std::move(message.data);
 }
 
+std::optional<Bytes> UcxTransport::try_receive(PeerId id) {
+  Peer& peer = find_peer(id, "receiving a message");
+  {
+    std::lock_guard lock(mutex_);
+    const std::deque<Inbound>& queue = inbox_[peer.id];
+    const bool ready = (!queue.empty() && queue.front().complete) || peer.lost || peer.ep == nullptr;
+    if (!ready) return std::nullopt;
+  }
+  return receive(id, Clock::now());  // takes the message, or says why the peer is gone
+}
+
+uint64_t UcxTransport::activity() {
+  std::lock_guard lock(mutex_);
+  return activity_;
+}
+
+void UcxTransport::wait_activity(uint64_t seen, Deadline deadline) {
+  std::unique_lock lock(mutex_);
+  changed_.wait_until(lock, deadline, [&] { return activity_ != seen; });
+}
+
 std::optional<ucs_status_t> UcxTransport::wait(ucs_status_ptr_t request, std::unique_ptr<Operation> operation,
                                                Deadline deadline) {
   if (!UCS_PTR_IS_PTR(request)) return UCS_PTR_STATUS(request);
@@ -676,6 +701,7 @@ void UcxTransport::on_operation_done(void* request, ucs_status_t status, void* u
   }
   operation->done = true;
   operation->status = status;
+  ++self->activity_;
   lock.unlock();
   self->changed_.notify_all();
 }
@@ -687,6 +713,7 @@ void UcxTransport::on_endpoint_error(void* arg, ucp_ep_h, ucs_status_t status) {
     std::lock_guard lock(peer->owner->mutex_);
     peer->lost = true;
     peer->lost_status = status;
+    ++peer->owner->activity_;
   }
   peer->owner->changed_.notify_all();
 }
@@ -713,6 +740,7 @@ ucs_status_t UcxTransport::on_message(void* arg, const void* header, size_t head
   {
     std::lock_guard lock(self->mutex_);
     message = &self->inbox_[sender].emplace_back(Inbound{self, std::move(bytes), !rendezvous, UCS_OK});
+    ++self->activity_;
   }
   if (!rendezvous) {
     self->changed_.notify_all();
@@ -741,6 +769,7 @@ void UcxTransport::complete_inbound(Inbound& message, ucs_status_t status) {
     std::lock_guard lock(mutex_);
     message.complete = true;
     message.status = status;
+    ++activity_;
   }
   changed_.notify_all();
 }

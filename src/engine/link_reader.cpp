@@ -1,0 +1,240 @@
+#include "engine/link_reader.h"
+
+#include <spdlog/spdlog.h>
+
+#include "core/fail.h"
+#include "engine/bucket_checksum.h"
+
+namespace refit {
+namespace {
+
+using Seconds = std::chrono::duration<double>;
+// How often a reader waiting for its source looks whether the source's process is still there
+// (a transport cannot always tell that a peer on this host was killed).
+constexpr auto kLivenessSlice = std::chrono::milliseconds(50);
+// Buckets a reader fetches ahead of the engine: two buffers.
+constexpr size_t kReadAhead = 2;
+
+}  // namespace
+
+LinkReader::LinkReader(LinkReadContext context) : context_(std::move(context)) {
+  phase_ = "wait for bucket 0";
+}
+
+LinkReader::~LinkReader() {
+  if (!reading_) return;
+  for (ReadId read : reading_->posted) {
+    try {
+      context_.transport->cancel_read(read);
+    } catch (const std::exception& e) {
+      spdlog::debug("cancelling a read from {}: {}", context_.peer_label, e.what());
+    }
+  }
+}
+
+bool LinkReader::buffer_free(uint64_t seq) const {
+  // Staged: bucket seq goes into the local buffer of bucket seq - 2, which the engine must have loaded.
+  return context_.mapped != nullptr || seq < 2 || (released_ && *released_ >= seq - 2);
+}
+
+bool LinkReader::advance() {
+  bool moved = false;
+  while (!done_) {
+    if (reading_) {
+      if (!reads_complete()) return moved;
+      complete();
+      moved = true;
+      continue;
+    }
+    if (last_fetched_ || ready_.size() >= kReadAhead) return moved;
+    if (!buffer_free(next_)) {
+      phase_ = fmt::format("wait for the loader to finish bucket {}", next_ - 2);
+      return moved;
+    }
+    if (!take_announcement()) return moved;
+    moved = true;
+  }
+  return moved;
+}
+
+bool LinkReader::take_announcement() {
+  phase_ = fmt::format("wait for bucket {}", next_);
+  if (!wait_deadline_) wait_deadline_ = deadline_after(Seconds(context_.timeout_s));
+  protocol::Message msg;
+  while (true) {
+    std::optional<Bytes> bytes = context_.transport->try_receive(context_.peer);
+    if (!bytes) return false;
+    msg = protocol::decode_message(*bytes, context_.peer_label);
+    if (msg.refit() == context_.refit) break;
+    spdlog::debug("discarding a message of an earlier refit from {}", context_.peer_label);  // left by a failure
+  }
+  if (msg.type == protocol::MessageType::kAbort)
+    protocol::raise_abort(msg.abort, context_.peer_label, fmt::format("bucket {}", next_));
+  if (msg.type != protocol::MessageType::kBucketReady || msg.ready.seq != next_)
+    fail(ErrorKind::kProtocol, "{} sent an unexpected message (type {}, bucket {}) instead of bucket {}",
+         context_.peer_label, static_cast<int>(msg.type), msg.ready.seq, next_);
+  protocol::validate(msg.ready, context_.bucket_bytes, context_.peer_metadata->buffers.length, context_.peer_label);
+  context_.manifests->fill(msg.ready, context_.peer_label);
+  context_.manifests->arrived(context_.refit, msg.ready);
+  if (context_.verify_checksums != msg.ready.checksum.has_value())
+    fail(ErrorKind::kConfig, "verify_checksums differs between {} ({}) and this destination ({})", context_.peer_label,
+         msg.ready.checksum.has_value(), context_.verify_checksums);
+  start_reading(std::move(msg.ready));
+  return true;
+}
+
+void LinkReader::start_reading(protocol::BucketReady bucket) {
+  const uint64_t seq = bucket.seq;
+  Reading& r = reading_.emplace();
+  r.data = context_.buffers[seq % 2];
+  const bool mapped = context_.mapped != nullptr;
+  if (mapped && !bucket.spans().empty())
+    fail(ErrorKind::kProtocol, "{} sent bucket {} to be read from its memory, but this destination maps its buffers",
+         context_.peer_label, seq);
+  if (mapped) {
+    r.data = context_.mapped + bucket.offset;
+  } else if (bucket.used_bytes > 0) {
+    phase_ = bucket.spans().empty() ? fmt::format("read bucket {}", seq)
+                                    : fmt::format("read bucket {} from the source's memory", seq);
+    r.started = timeline_now();
+    std::byte* local = context_.buffers[seq % 2];
+    Transport& transport = *context_.transport;
+    if (bucket.spans().empty()) {
+      r.posted.push_back(transport.post_read(context_.peer, context_.peer_metadata->buffers, bucket.offset, local,
+                                             context_.region, bucket.used_bytes, *wait_deadline_));
+      r.bytes = bucket.used_bytes;
+    } else {
+      auto range_of = [&](const protocol::BucketSpan& span) {
+        const bool own = span.region == 0;
+        return Transport::ReadRange{own ? &context_.peer_metadata->buffers : &bucket.regions()[span.region - 1].remote,
+                                    own ? bucket.offset + span.bucket_offset : span.source_offset,
+                                    local + span.bucket_offset, span.size};
+      };
+      if (transport.capabilities().batched_reads) {
+        // One backend call for the whole bucket.
+        std::vector<Transport::ReadRange> ranges;
+        ranges.reserve(bucket.spans().size());
+        for (const protocol::BucketSpan& span : bucket.spans()) ranges.push_back(range_of(span));
+        r.posted.push_back(transport.post_reads(context_.peer, ranges, context_.region, *wait_deadline_));
+      } else {
+        r.posted.reserve(bucket.spans().size());
+        for (const protocol::BucketSpan& span : bucket.spans()) {
+          const Transport::ReadRange range = range_of(span);
+          r.posted.push_back(transport.post_read(context_.peer, *range.remote, range.remote_offset, range.local,
+                                                 context_.region, range.length, *wait_deadline_));
+        }
+      }
+      for (const protocol::BucketSpan& span : bucket.spans()) r.bytes += span.size;
+    }
+  }
+  r.bucket = std::move(bucket);
+}
+
+bool LinkReader::reads_complete() {
+  std::vector<ReadId>& posted = reading_->posted;
+  // Reads complete in any order; the ones complete leave the list (a read ends once tested true).
+  size_t kept = 0;
+  for (size_t k = 0; k < posted.size(); ++k) {
+    if (context_.transport->test_read(posted[k])) continue;
+    posted[kept++] = posted[k];
+  }
+  posted.resize(kept);
+  return posted.empty();
+}
+
+void LinkReader::complete() {
+  Reading r = std::move(*reading_);
+  reading_.reset();
+  const protocol::BucketReady& bucket = r.bucket;
+  const uint64_t seq = bucket.seq;
+  if (r.bytes > 0)
+    events_.push_back({TimelinePhase::kRead, context_.peer_rank, seq, r.started, timeline_now(), r.bytes,
+                       static_cast<uint32_t>(bucket.entries().size())});
+  if (bucket.has_in_place_entries()) phase_ = fmt::format("map the source memory of bucket {}", seq);
+  std::vector<const std::byte*> bases = map_regions(bucket, r.data);
+  if (bucket.checksum) {
+    phase_ = fmt::format("verify bucket {}", seq);
+    const uint64_t actual = bucket_checksum(
+        bucket, r.data, [&](size_t k) { return bases[bucket.entries()[k].region] + bucket.entries()[k].bucket_offset; });
+    if (actual != *bucket.checksum)
+      fail(ErrorKind::kIntegrity, "bucket {} from {} arrived corrupted: checksum {:016x}, sent {:016x} ({} bytes)", seq,
+           context_.peer_label, actual, *bucket.checksum, bucket.used_bytes);
+  }
+  // The source may refill its buffer as soon as the bytes are here, unless the engine loads from it.
+  if (!(context_.mapped || bucket.has_in_place_entries())) acknowledge(seq);
+  last_fetched_ = bucket.is_last;
+  wait_deadline_.reset();
+  ++next_;
+  phase_ = fmt::format("hand bucket {} to the loader", seq);
+  ready_.push_back(Fetched{std::move(r.bucket), std::move(bases)});
+}
+
+std::vector<const std::byte*> LinkReader::map_regions(const protocol::BucketReady& bucket, const std::byte* data) {
+  std::vector<const std::byte*> bases{data};
+  if (!bucket.has_in_place_entries()) return bases;  // a bucket of spans has read its regions
+  const auto& regions = bucket.regions();
+  for (size_t k = 0; k < regions.size(); ++k) {
+    const RemoteRegion& remote = regions[k].remote;
+    auto [it, fresh] = context_.in_place_maps->try_emplace({remote.address, remote.key}, nullptr);
+    if (fresh) {
+      try {
+        it->second = context_.transport->map(context_.peer, remote);
+      } catch (...) {
+        context_.in_place_maps->erase(it);
+        throw;
+      }
+      if (it->second == nullptr) {
+        context_.in_place_maps->erase(it);
+        fail(ErrorKind::kTransport,
+             "{} sent tensors in place (its own memory, {} bytes at 0x{:x}), but {} cannot map that memory here; set "
+             "refit_cfg.nixl.direct_reads=false on the source",
+             context_.peer_label, remote.length, remote.address, context_.transport->name());
+      }
+    }
+    bases.push_back(it->second);
+  }
+  return bases;
+}
+
+std::optional<LinkReader::Fetched> LinkReader::take() {
+  if (ready_.empty()) return std::nullopt;
+  Fetched out = std::move(ready_.front());
+  ready_.pop_front();
+  held_ = Held{out.bucket.seq, context_.mapped != nullptr || out.bucket.has_in_place_entries(), out.bucket.is_last};
+  return out;
+}
+
+void LinkReader::release(uint64_t seq) {
+  if (!held_ || held_->seq != seq)
+    fail(ErrorKind::kInternal, "released bucket {} from {}, which the engine did not hold", seq, context_.peer_label);
+  released_ = seq;
+  // The source refills its buffer (or changes its tensors) only once the engine is done with them.
+  if (held_->acknowledge) acknowledge(seq);
+  done_ = held_->last;
+  held_.reset();
+}
+
+void LinkReader::acknowledge(uint64_t seq) {
+  phase_ = fmt::format("acknowledge bucket {}", seq);
+  context_.transport->send(context_.peer, protocol::encode(protocol::BucketDone{context_.refit, seq}),
+                           deadline_after(Seconds(context_.timeout_s)));
+}
+
+void LinkReader::check() {
+  if (!wait_deadline_) return;
+  if (expired(*wait_deadline_)) {
+    if (reading_)
+      fail(ErrorKind::kTimeout, "reading bucket {} from {} took more than timeout_s={} s", next_, context_.peer_label,
+           context_.timeout_s);
+    fail(ErrorKind::kTimeout, "timed out waiting for bucket {} from {} (timeout_s={} s)", next_, context_.peer_label,
+         context_.timeout_s);
+  }
+  const auto now = Clock::now();
+  if (now - last_liveness_check_ < kLivenessSlice) return;
+  last_liveness_check_ = now;
+  const ProcessIdentity& process = context_.peer_metadata->process;
+  if (process_is_gone(process))
+    fail(ErrorKind::kPeerLost, "lost {}: its process (pid {}) is gone", context_.peer_label, process.pid);
+}
+
+}  // namespace refit

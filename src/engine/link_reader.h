@@ -1,0 +1,126 @@
+// The destination's reading side of one link (one source). It has no thread: the engine's one
+// receive loop advances every link's reader in turn (advance() never waits), takes buckets from
+// whichever has one, and sleeps on the transport's activity count when none moved. So a
+// destination reading from hundreds of sources runs one thread, and reads stay in flight on all
+// of them while the loader works. For each bucket, in order, a reader
+//   - waits for its buffer (staged: bucket k goes where bucket k - 2 was, which must be released);
+//   - takes the announcement, validates it, and replays its manifest from the link's
+//     ManifestCache when the source names a bucket of the refit before;
+//   - reads: the used bytes into the local buffer (staged), or the bucket's spans from the
+//     source's buffer and memory all at once, or nothing (mapped: the engine loads straight from
+//     the source's buffer); it maps the source memory of entries sent in place (once per link);
+//   - verifies the checksum and hands the bucket out (at most two ahead of the engine);
+//   - acknowledges it: at once when its bytes are here (staged, so the source refills that buffer
+//     while the destination loads), or once released when the engine loads from the source's
+//     memory (mapped, in place).
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "core/process_identity.h"
+#include "engine/manifest_cache.h"
+#include "engine/protocol.h"
+#include "refit/timeline.h"
+#include "refit/transport.h"
+
+namespace refit {
+
+struct LinkReadContext {
+  Transport* transport = nullptr;
+  PeerId peer = 0;
+  std::string peer_label;
+  uint32_t peer_rank = 0;  // the source's rank, for timeline events
+  const protocol::EngineMetadata* peer_metadata = nullptr;
+  std::byte* buffers[2] = {};  // both inside `region`
+  RegionId region = 0;
+  const std::byte* mapped = nullptr;  // the source's transfer region, mapped; null: staged reads
+  uint64_t bucket_bytes = 0;          // of this link (both sides derive it)
+  uint64_t refit = 0;
+  double timeout_s = 0;
+  bool verify_checksums = false;
+  // The link's mappings of its source's memory for in-place entries, by (address, key), kept
+  // across refits; and the manifests its source may replay.
+  std::map<std::pair<uint64_t, Bytes>, const std::byte*>* in_place_maps = nullptr;
+  ManifestCache* manifests = nullptr;
+};
+
+class LinkReader {
+ public:
+  struct Fetched {
+    protocol::BucketReady bucket;  // with its manifest (a replayed one's from the cache)
+    // Where each region of the bucket's entries starts: [0] the used bytes (in a local buffer
+    // until release()), [k] the source's memory of bucket.regions[k - 1], mapped.
+    std::vector<const std::byte*> bases;
+  };
+
+  explicit LinkReader(LinkReadContext context);
+  ~LinkReader();  // cancels reads still in flight: nothing lands in the buffers afterwards
+  LinkReader(const LinkReader&) = delete;
+  LinkReader& operator=(const LinkReader&) = delete;
+
+  // Moves on as far as it can without waiting; true when anything changed. Throws the link's
+  // error (phase() says where).
+  bool advance();
+  // The next bucket, in order, once it is here and checked; nothing when none is yet.
+  std::optional<Fetched> take();
+  // The engine is done with bucket `seq`, the one it took last.
+  void release(uint64_t seq);
+  // Throws Error(kTimeout) when what the reader waits for (an announcement, a read) is overdue,
+  // Error(kPeerLost) when the source's process on this host is gone.
+  void check();
+  // The deadline of what the reader waits for, if it waits for its source.
+  std::optional<Deadline> deadline() const { return wait_deadline_; }
+  // The last bucket was released and acknowledged.
+  bool done() const { return done_; }
+  const std::string& phase() const { return phase_; }
+  const std::string& peer_label() const { return context_.peer_label; }
+  // The reads of this refit (staged and spans).
+  const std::vector<TimelineEvent>& events() const { return events_; }
+
+ private:
+  // A bucket whose announcement is here and whose reads are in flight.
+  struct Reading {
+    protocol::BucketReady bucket;
+    const std::byte* data = nullptr;  // the used bytes: a local buffer, or the source's mapped
+    std::vector<ReadId> posted;       // not yet complete
+    uint64_t bytes = 0;               // read in all
+    double started = 0;               // on the timeline
+  };
+
+  // Takes the next message if one is here; false when none is.
+  bool take_announcement();
+  // Posts the reads of an announced bucket.
+  void start_reading(protocol::BucketReady bucket);
+  // True once every read of the bucket in flight is complete.
+  bool reads_complete();
+  // Maps, verifies and hands out the bucket whose bytes are here.
+  void complete();
+  std::vector<const std::byte*> map_regions(const protocol::BucketReady& bucket, const std::byte* data);
+  void acknowledge(uint64_t seq);
+  bool buffer_free(uint64_t seq) const;
+
+  LinkReadContext context_;
+  std::string phase_;
+  uint64_t next_ = 0;                      // the bucket to fetch next
+  bool last_fetched_ = false;              // the last bucket was announced
+  std::optional<Reading> reading_;         // bucket next_, announced
+  std::deque<Fetched> ready_;              // fetched, not yet taken
+  struct Held {
+    uint64_t seq = 0;
+    bool acknowledge = false;  // once released (the engine loads from the source's memory)
+    bool last = false;
+  };
+  std::optional<Held> held_;               // taken, not yet released
+  std::optional<uint64_t> released_;       // the highest bucket the engine is done with
+  std::optional<Deadline> wait_deadline_;  // of bucket next_'s announcement and reads
+  Clock::time_point last_liveness_check_{};
+  bool done_ = false;
+  std::vector<TimelineEvent> events_;
+};
+
+}  // namespace refit

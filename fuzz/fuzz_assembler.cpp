@@ -7,7 +7,7 @@
 // thread does, buckets must come in order (0, 1, ...), a replayed manifest comes from the
 // ManifestCache of the buckets that arrived, and a replay of the refit before, when that refit
 // went through, is assembled as repeating checked manifests. The harness numbers its refits 1,
-// 2, ... (the fetcher drops messages of other refits), so a replay names one of those.
+// 2, ... (the link reader drops messages of other refits), so a replay names one of those.
 //
 // Input: byte 0 picks the bucket size; then frames of [u16 little-endian length][message].
 // Oracles: errors are Error(kProtocol), or Error(kTransport) when a split tensor's merge
@@ -71,7 +71,7 @@ class Harness {
   void step(std::span<const uint8_t> bytes) {
     protocol::Message msg = protocol::decode_message(bytes, kWho);
     if (msg.type != protocol::MessageType::kBucketReady) {
-      new_refit(false);  // the fetch thread fails on anything but the bucket it waits for
+      new_refit(false);  // the link reader fails on anything but the bucket it waits for
       return;
     }
     protocol::BucketReady& bucket = msg.ready;
@@ -153,7 +153,7 @@ class Harness {
   TensorAssembler assembler_;
   ManifestCache cache_;
   uint64_t refit_ = 1;                     // this harness's refit number
-  uint64_t next_seq_ = 0;                  // the bucket the fetcher waits for
+  uint64_t next_seq_ = 0;                  // the bucket the link reader waits for
   std::optional<uint64_t> checked_refit_;  // the refit before, if it went through
   std::set<std::string> handed_out_;       // this refit's tensors
   std::map<std::string, std::vector<Chunk>> pending_;

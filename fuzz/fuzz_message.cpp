@@ -1,6 +1,6 @@
-// protocol::decode_message on arbitrary bytes, as the destination's fetch thread decodes what
+// protocol::decode_message on arbitrary bytes, as the destination's link reader decodes what
 // its source sends; a BucketReady is then validated against several bucket sizes, as
-// BucketFetcher does before it reads anything.
+// LinkReader does before it reads anything.
 // Oracles: only Error(kProtocol) may come out; an accepted message re-encodes to bytes that
 // decode to the same encoding;
 // a manifest that validate() accepts really lies inside the bucket's used bytes and inside each

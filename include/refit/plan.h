@@ -47,9 +47,11 @@ class BucketPacker {
   // Places the next tensor; throws Error(kInvalidArgument) for a repeated name. The placements
   // are valid until the next call.
   const std::vector<ChunkPlacement>& place(const TensorInfo& tensor);
-  // A tensor that goes without being placed (read in place from the source's memory): only its
-  // name is checked and recorded.
-  void skip(const TensorInfo& tensor);
+  // A tensor that goes without being placed (read in place from the source's memory): its name is
+  // checked and recorded, and its `bytes` count against what the open bucket holds in place: at
+  // most bucket_bytes besides its chunks, so that batches keep their size (one larger tensor goes
+  // alone). True when it opens a new bucket: announce the open one first.
+  bool place_in_place(const TensorInfo& tensor, uint64_t bytes);
   // The bucket was sent early: the next chunk starts a fresh one, with no flush before it.
   void close_bucket();
   // Starts the next refit's stream: every name may come again, the first chunk at offset 0.
@@ -59,8 +61,11 @@ class BucketPacker {
 
  private:
   uint64_t bucket_bytes_;
+  void check_name(const TensorInfo& tensor);
+
   uint64_t offset_ = 0;
   bool bucket_has_chunks_ = false;
+  uint64_t in_place_ = 0;  // bytes of the open bucket that go in place
   std::unique_ptr<NameIndex> names_;
   std::vector<ChunkPlacement> placed_;  // of the latest place()
 };

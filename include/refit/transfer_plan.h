@@ -43,6 +43,10 @@ class TransferPlan {
   // The sources a destination reads from, and the destinations a source serves, ascending.
   std::vector<uint32_t> sources_of(uint32_t destination) const;
   std::vector<uint32_t> destinations_of(uint32_t source) const;
+  // The bytes each of link (source, destination)'s two buffers holds: both ends split their two
+  // buckets of `bucket_bytes` over their links and the link gets the smaller share, so both
+  // compute it alike (and the planner as the engines do).
+  uint64_t link_bucket_bytes(uint32_t source, uint32_t destination, uint64_t bucket_bytes) const;
 
   uint32_t source_count() const { return sources_; }
   uint32_t destination_count() const { return destinations_; }

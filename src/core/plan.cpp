@@ -19,14 +19,23 @@ BucketPacker::~BucketPacker() = default;
 BucketPacker::BucketPacker(BucketPacker&&) noexcept = default;
 BucketPacker& BucketPacker::operator=(BucketPacker&&) noexcept = default;
 
-void BucketPacker::skip(const TensorInfo& tensor) {
+void BucketPacker::check_name(const TensorInfo& tensor) {
   if (!names_->add(tensor.name).added)
     fail(ErrorKind::kInvalidArgument, "tensor '{}' appears twice in one refit", tensor.name);
+}
+
+bool BucketPacker::place_in_place(const TensorInfo& tensor, uint64_t bytes) {
+  check_name(tensor);
+  const bool opens = in_place_ > 0 && in_place_ + bytes > bucket_bytes_;
+  if (opens) close_bucket();
+  in_place_ += bytes;
+  return opens;
 }
 
 void BucketPacker::close_bucket() {
   offset_ = 0;
   bucket_has_chunks_ = false;
+  in_place_ = 0;
 }
 
 void BucketPacker::restart() {
@@ -35,7 +44,7 @@ void BucketPacker::restart() {
 }
 
 const std::vector<ChunkPlacement>& BucketPacker::place(const TensorInfo& tensor) {
-  skip(tensor);
+  check_name(tensor);
   const uint64_t element = dtype_size(tensor.dtype);
   const uint64_t total = tensor.nbytes();
   // Whole elements per chunk keep every chunk a typed view; a bucket smaller than one element
@@ -51,6 +60,7 @@ const std::vector<ChunkPlacement>& BucketPacker::place(const TensorInfo& tensor)
     if (chunk.bucket_offset + size > bucket_bytes_) {
       chunk.bucket_offset = 0;
       chunk.starts_bucket = bucket_has_chunks_;
+      if (chunk.starts_bucket) in_place_ = 0;
     }
     offset_ = chunk.bucket_offset + size;
     bucket_has_chunks_ = true;

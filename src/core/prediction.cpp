@@ -290,14 +290,14 @@ struct SimLink {
   // Source side.
   int64_t acknowledged = -1;    // highest bucket the source has seen acknowledged
   std::deque<int64_t> holding;  // announced buckets in the source's buffers, not acknowledged yet
-  // Destination side (its fetcher, as BucketFetcher::fetch): where it is with bucket next_fetch.
-  enum class Fetch { kBuffer, kAnnouncement, kReading, kTaken, kAcknowledge, kDone };
+  // Destination side (its reader, as LinkReader::advance): where it is with bucket next_fetch.
+  enum class Fetch { kBuffer, kAnnouncement, kReading, kTaken, kDone };
   Fetch fetch = Fetch::kBuffer;
   std::vector<bool> announced;
   uint64_t next_fetch = 0;
-  int64_t ready = -1;           // handed to the engine, not yet taken
-  int64_t released = -1;        // highest bucket the engine is done with
-  int64_t unacknowledged = -1;  // handed over, to be acknowledged once the engine released it
+  bool read_done = false;  // the read of bucket next_fetch is complete, not yet seen by the engine
+  int64_t ready = -1;      // handed to the engine, not yet taken
+  int64_t released = -1;   // highest bucket the engine is done with
 };
 
 class PipelineModel {
@@ -460,10 +460,10 @@ class PipelineModel {
     });
   }
 
-  // The destination's fetcher for link k, as BucketFetcher::fetch: for each bucket, a free local
-  // buffer (staged), its announcement, its read (staged), the engine's taking the one before, and
-  // then the acknowledgement of the one before once the engine released it (mapped, or in place:
-  // acknowledged once loaded; staged buckets are acknowledged once read).
+  // The destination's reader for link k, as LinkReader::advance: for each bucket, a free local
+  // buffer (staged), its announcement, its read (staged), then the hand-over once the engine took
+  // the one before; a staged bucket is acknowledged once read, a mapped one (or one in place) once
+  // released (try_load). Readers move on while the engine loads (LinkProgress).
   void try_fetch(uint32_t k) {
     using Fetch = SimLink::Fetch;
     SimLink& l = links_[k];
@@ -487,36 +487,27 @@ class PipelineModel {
           [[fallthrough]];
         case Fetch::kTaken:
           if (l.ready >= 0) return;
-          l.fetch = Fetch::kAcknowledge;
           hand_over(k, b);
-          [[fallthrough]];
-        case Fetch::kAcknowledge:
-          if (l.unacknowledged >= 0) {
-            if (l.released < l.unacknowledged) return;
-            acknowledge(k, static_cast<uint64_t>(l.unacknowledged));
-            l.unacknowledged = -1;
-          }
-          if (once_loaded) l.unacknowledged = static_cast<int64_t>(b);
           if (b + 1 < l.buckets.size()) {
             ++l.next_fetch;
             l.fetch = Fetch::kBuffer;
             continue;
           }
           l.fetch = Fetch::kDone;
-          [[fallthrough]];
-        case Fetch::kDone:  // the last: acknowledged once loaded, if it waits for that
-          if (l.unacknowledged >= 0 && l.released >= l.unacknowledged) {
-            acknowledge(k, static_cast<uint64_t>(l.unacknowledged));
-            l.unacknowledged = -1;
-          }
           return;
         case Fetch::kReading:
+          if (!l.read_done) return;
+          l.read_done = false;
+          if (l.in_place[b] == 0) acknowledge(k, b);
+          l.fetch = Fetch::kTaken;
+          continue;
+        case Fetch::kDone:
           return;
       }
     }
   }
 
-  // A staged read of bucket b of link k; once done, it is acknowledged and goes on to the hand-over.
+  // A staged read of bucket b of link k; once done, it is acknowledged and handed over.
   void start_read(uint32_t k, uint64_t b) {
     SimLink& l = links_[k];
     const Place& src = source_places_[l.source];
@@ -525,8 +516,7 @@ class PipelineModel {
     auto done = [this, k, b, begun] {
       SimLink& l = links_[k];
       event(out_destinations_[l.destination], TimelinePhase::kRead, l.source, b, begun, now(), l.buckets[b]);
-      if (l.in_place[b] == 0) acknowledge(k, b);
-      l.fetch = SimLink::Fetch::kTaken;
+      l.read_done = true;
       try_fetch(k);
     };
     const double bytes = static_cast<double>(l.buckets[b]);
@@ -554,7 +544,7 @@ class PipelineModel {
     SimLink& l = links_[k];
     l.ready = static_cast<int64_t>(b);
     destination_state_[l.destination].ready.push_back(k);
-    // Not from within the fetcher's step: the engine takes it as an event of its own.
+    // Not from within the reader's step: the engine takes it as an event of its own.
     sim_.at(sim_.now(), [this, d = l.destination] { try_load(d); });
   }
 
@@ -566,7 +556,7 @@ class PipelineModel {
     st.ready.pop_front();
     SimLink& l = links_[k];
     const uint64_t b = static_cast<uint64_t>(l.ready);
-    l.ready = -1;  // taken: the fetcher may hand over the next
+    l.ready = -1;  // taken: the reader may hand over the next
     try_fetch(k);
     st.loading = true;
     const Place& dst = destination_places_[d];
@@ -580,6 +570,7 @@ class PipelineModel {
       event(w, TimelinePhase::kRelease, l.source, b, t, t, 0);
       w.bytes += l.buckets[b] + l.in_place[b];
       l.released = static_cast<int64_t>(b);
+      if (l.mapped || l.in_place[b] > 0) acknowledge(k, b);  // LinkReader::release
       try_fetch(k);
       // The engine turns to the next bucket after its measured turnaround.
       sim_.at(sim_.now() + (l.reads_in_place ? in_place_turnaround_ : turnaround_), [this, d] {
@@ -647,13 +638,6 @@ class PipelineModel {
   std::vector<PredictedWorker> out_sources_, out_destinations_;
 };
 
-// The bytes a link's buffers can hold: as the engine splits its two buffers over its links.
-uint64_t link_bucket_bytes(uint64_t bucket, size_t ways) {
-  uint64_t bytes = bucket / std::max<uint64_t>(ways, 1);
-  if (bytes >= 4096) bytes &= ~uint64_t{255};
-  return std::max<uint64_t>(bytes, 1);
-}
-
 // Packs one source's pieces as its engine would: tensors in inventory order, each tensor's pieces
 // to its links, every link with its own packer; returns the flushes in stream order.
 struct PieceRef {
@@ -701,13 +685,12 @@ uint64_t strided_rows(const PieceRef& p, uint64_t begin, uint64_t size) {
 std::vector<Flush> pack_stream(const std::vector<std::vector<PieceRef>>& by_tensor, PipelineModel& model,
                                const std::vector<uint32_t>& links, const std::vector<uint64_t>& link_bytes) {
   std::map<uint32_t, BucketPacker> packers;
-  std::map<uint32_t, uint64_t> used, count, rows, merged, pieces, in_place, in_place_rows, capacity;
+  std::map<uint32_t, uint64_t> used, count, rows, merged, pieces, in_place, in_place_rows;
   std::map<uint32_t, uint64_t> packed;  // chunks of the open bucket the source copies into it
   for (size_t i = 0; i < links.size(); ++i) {
     packers.emplace(links[i], BucketPacker(link_bytes[i]));
     used[links[i]] = count[links[i]] = rows[links[i]] = merged[links[i]] = pieces[links[i]] = 0;
     in_place[links[i]] = in_place_rows[links[i]] = packed[links[i]] = 0;
-    capacity[links[i]] = link_bytes[i];
   }
   std::vector<Flush> flushes;
   uint64_t since = 0, rows_since = 0, pieces_since = 0;
@@ -728,16 +711,10 @@ std::vector<Flush> pack_stream(const std::vector<std::vector<PieceRef>>& by_tens
   for (const auto& tensor_pieces : by_tensor)
     for (const auto& p : tensor_pieces) {
       // In place, as LinkSender::add_in_place: a non-empty piece that is one contiguous range of
-      // the source's memory. A group holds at most the link's bucket bytes in place (one larger
-      // tensor goes alone), besides what the bucket packs; the next that does not fit closes it.
+      // the source's memory; the packer closes the group as it does the engine's.
       const uint64_t size = p.info.nbytes();
       if (model.link(p.link).reads_in_place && p.contiguous && size > 0) {
-        BucketPacker& packer = packers.at(p.link);
-        if (in_place[p.link] > 0 && in_place[p.link] + size > capacity[p.link]) {
-          flush(p.link, false);
-          packer.close_bucket();
-        }
-        packer.skip(p.info);
+        if (packers.at(p.link).place_in_place(p.info, size)) flush(p.link, false);
         if (p.one_of_several) merged[p.link] += size;
         ++pieces[p.link];
         in_place[p.link] += size;
@@ -848,8 +825,7 @@ Prediction predict_refit(const ModelInventory& model, std::span<const Layout> ho
     for (uint32_t d : plan.destinations_of(s)) {
       const uint32_t k = pipeline.add_link(s, d);
       links.push_back(k);
-      link_bytes.push_back(link_bucket_bytes(cluster.transfer.bucket_bytes,
-                                             std::max(plan.destinations_of(s).size(), plan.sources_of(d).size())));
+      link_bytes.push_back(plan.link_bucket_bytes(s, d, cluster.transfer.bucket_bytes));
       largest = std::max(largest, link_bytes.back());
       for (const TransferPiece& p : plan.link(s, d)) {
         const TensorInfo& t = model.tensors[p.tensor];

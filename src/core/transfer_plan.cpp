@@ -135,6 +135,13 @@ std::vector<uint32_t> TransferPlan::destinations_of(uint32_t source) const {
   return out;
 }
 
+uint64_t TransferPlan::link_bucket_bytes(uint32_t source, uint32_t destination, uint64_t bucket_bytes) const {
+  const uint64_t ways = std::max(destinations_of(source).size(), sources_of(destination).size());
+  uint64_t bytes = bucket_bytes / std::max<uint64_t>(ways, 1);
+  if (bytes >= 4096) bytes &= ~uint64_t{255};  // keep chunk offsets aligned
+  return std::max<uint64_t>(bytes, 1);
+}
+
 TransferPlan plan_transfers(const ModelInventory& model, std::span<const Layout> sources,
                             std::span<const Layout> destinations) {
   if (sources.empty() || destinations.empty())

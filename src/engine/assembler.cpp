@@ -83,7 +83,7 @@ std::span<const TensorView> TensorAssembler::add_bucket(const protocol::BucketRe
       merging_.erase(merge);
     }
   }
-  // The loader reads merged tensors, and the fetcher refills this bucket's buffer, after we return.
+  // The loader reads merged tensors, and the link's reader refills this bucket's buffer, after we return.
   if (stream_->pending()) stream_->synchronize(deadline);
   return views_;
 }

@@ -75,7 +75,7 @@ class CheckpointEngine::Impl {
  public:
   explicit Impl(EngineOptions options) : options_(std::move(options)) {
     // spdlog makes its registry on first use, behind a guard ThreadSanitizer cannot see (the
-    // library is not instrumented): make it here, before a send and the fetch threads log at once.
+    // library is not instrumented): make it here, before engines on several threads log at once.
     spdlog::default_logger_raw();
     if (options_.bucket_bytes == 0) fail(ErrorKind::kConfig, "bucket size must be at least 1 byte");
     if (options_.config.uses_plugin())
@@ -161,7 +161,8 @@ class CheckpointEngine::Impl {
              "source");
       if (auto plan = plan_if_resharding(train, rollout, metadata)) {
         for (uint32_t d : plan->destinations_of(worker_rank))
-          add_link(metadata, train + d, d, fmt::format("destination rank {}", d), link_bytes(*plan, worker_rank, d));
+          add_link(metadata, train + d, d, fmt::format("destination rank {}", d),
+                   plan->link_bucket_bytes(worker_rank, d, options_.bucket_bytes));
         plan_sends(*plan, worker_rank);
       } else {
         // Validate the whole pairing, so that every source agrees on it, then find our peer.
@@ -199,7 +200,8 @@ class CheckpointEngine::Impl {
              self);
       if (auto plan = plan_if_resharding(train, rollout, metadata)) {
         for (uint32_t s : plan->sources_of(rollout_rank))
-          add_link(metadata, s, s, fmt::format("source rank {}", s), link_bytes(*plan, s, rollout_rank));
+          add_link(metadata, s, s, fmt::format("source rank {}", s),
+                   plan->link_bucket_bytes(s, rollout_rank, options_.bucket_bytes));
         expected_tensors_.clear();
         for (uint32_t s = 0; s < plan->source_count(); ++s)
           for (const auto& piece : plan->link(s, rollout_rank)) expected_tensors_.insert(piece.tensor);
@@ -294,6 +296,7 @@ class CheckpointEngine::Impl {
     if (links_.empty() && !needs_nothing_)
       fail(ErrorKind::kTopology,
            "{}: receive() before init_destination(): the destination is not connected to a source", self_label());
+    if (!progress_) progress_ = std::make_unique<LinkProgress>(*transport_);
     auto run = std::make_unique<ReceiveRun>();
     run->previous_went_through = previous_went_through;
     run->start = Clock::now();
@@ -343,6 +346,7 @@ class CheckpointEngine::Impl {
                                  options_.config.delta ? std::span(run.delta_owners) : std::span(assembler_.owners())};
             run.held = true;
             run.handed_out = Clock::now();
+            progress_->resume(run.readers);  // the links go on while the loader works
             return ReceiveProgress::kBatch;
           }
           finish_bucket(run);  // it completed no tensor
@@ -367,9 +371,10 @@ class CheckpointEngine::Impl {
     if (!run.held) fail(ErrorKind::kInvalidArgument, "{}: release_batch() without a batch held", self_);
     guarded([&] {
       const double held = seconds_since(run.handed_out);
-      if (held > options_.config.timeout_s)
+      if (held > options_.config.timeout_s)  // the cause, whatever the sources did meanwhile
         fail(ErrorKind::kTimeout, "the caller held batch {} for more than timeout_s={} s ({:.1f} s)",
              run.batches_out - 1, options_.config.timeout_s, held);
+      progress_->pause(run.phase);
       run.held = false;
       run.stats.load_seconds += held;
       ++run.stats.batches;
@@ -453,9 +458,9 @@ class CheckpointEngine::Impl {
     uint64_t offset = 0;        // of this link's two buffers in our transfer region
     const std::byte* mapped = nullptr;  // on a destination: the source's transfer region, mapped (or null)
     HostPin mapped_pin;
-    // On a destination: the source memory its in-place entries lie in, mapped (BucketFetcher).
+    // On a destination: the source memory its in-place entries lie in, mapped (LinkReader).
     std::map<std::pair<uint64_t, Bytes>, const std::byte*> in_place_maps;
-    ManifestCache manifests;  // on a destination: what its source may replay (BucketFetcher)
+    ManifestCache manifests;  // on a destination: what its source may replay (LinkReader)
   };
   // On a resharding source: where one tensor's pieces go.
   struct SendPiece {
@@ -528,15 +533,6 @@ class CheckpointEngine::Impl {
     holds_ = holds;
     needs_ = needs;
     return plan_transfers(*options_.model, holds, needs);
-  }
-
-  // Both ends of link (s, d) split their two buckets of transfer memory over their links; the
-  // link gets the smaller share, which both ends compute alike.
-  uint64_t link_bytes(const TransferPlan& plan, uint32_t s, uint32_t d) const {
-    const uint64_t ways = std::max(plan.destinations_of(s).size(), plan.sources_of(d).size());
-    uint64_t bytes = options_.bucket_bytes / std::max<uint64_t>(ways, 1);
-    if (bytes >= 4096) bytes &= ~uint64_t{255};  // keep chunk offsets aligned
-    return std::max<uint64_t>(bytes, 1);
   }
 
   // Decodes a peer's metadata, refuses it unless it belongs to the same group, model and bucket
@@ -859,6 +855,11 @@ class CheckpointEngine::Impl {
     abort_links(kind, reason);
     spdlog::error("{} is stale: refit {} of this connection failed in phase {}: {}", self_, refits_, receive_->phase,
                   reason);
+    try {
+      progress_->pause(receive_->phase);  // the readers are this thread's again
+    } catch (...) {
+      // A reader's error while the receive ends for another reason: that one is reported.
+    }
     receive_.reset();  // cancels the reads in flight
     stale_ = true;
     destination_delta_.drop();
@@ -947,6 +948,7 @@ class CheckpointEngine::Impl {
   EngineOptions options_;
   std::shared_ptr<Transport> transport_;
   std::unique_ptr<SourceRegions> source_regions_;  // on a source: its memory registered for in-place reads
+  std::unique_ptr<LinkProgress> progress_;         // on a destination: moves the links on while the loader works
   RegionId region_ = 0;                            // one allocation of the transport holds every link's two buffers
   std::byte* region_base_ = nullptr;
   // Where transfer buffers (ours, or the source's mapped) live: the configured device's kind.

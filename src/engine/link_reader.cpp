@@ -17,9 +17,7 @@ constexpr size_t kReadAhead = 2;
 
 }  // namespace
 
-LinkReader::LinkReader(LinkReadContext context) : context_(std::move(context)) {
-  phase_ = "wait for bucket 0";
-}
+LinkReader::LinkReader(LinkReadContext context) : context_(std::move(context)) { phase_ = "wait for bucket 0"; }
 
 LinkReader::~LinkReader() {
   if (!reading_) return;
@@ -154,8 +152,9 @@ void LinkReader::complete() {
   std::vector<const std::byte*> bases = map_regions(bucket, r.data);
   if (bucket.checksum) {
     phase_ = fmt::format("verify bucket {}", seq);
-    const uint64_t actual = bucket_checksum(
-        bucket, r.data, [&](size_t k) { return bases[bucket.entries()[k].region] + bucket.entries()[k].bucket_offset; });
+    const uint64_t actual = bucket_checksum(bucket, r.data, [&](size_t k) {
+      return bases[bucket.entries()[k].region] + bucket.entries()[k].bucket_offset;
+    });
     if (actual != *bucket.checksum)
       fail(ErrorKind::kIntegrity, "bucket {} from {} arrived corrupted: checksum {:016x}, sent {:016x} ({} bytes)", seq,
            context_.peer_label, actual, *bucket.checksum, bucket.used_bytes);
@@ -235,6 +234,65 @@ void LinkReader::check() {
   const ProcessIdentity& process = context_.peer_metadata->process;
   if (process_is_gone(process))
     fail(ErrorKind::kPeerLost, "lost {}: its process (pid {}) is gone", context_.peer_label, process.pid);
+}
+
+}  // namespace refit
+
+namespace refit {
+
+LinkProgress::LinkProgress(Transport& transport) : transport_(transport) {
+  thread_ = std::thread([this] { run(); });
+}
+
+LinkProgress::~LinkProgress() {
+  {
+    std::lock_guard lock(mutex_);
+    stop_ = true;
+  }
+  resumed_.notify_all();
+  thread_.join();
+}
+
+void LinkProgress::resume(std::span<const std::unique_ptr<LinkReader>> readers) {
+  {
+    std::lock_guard lock(mutex_);
+    readers_ = readers;
+  }
+  resumed_.notify_all();
+}
+
+void LinkProgress::pause(std::string& phase) {
+  std::lock_guard lock(mutex_);
+  readers_ = {};
+  if (!error_) return;
+  std::exception_ptr error = std::exchange(error_, nullptr);
+  phase = error_phase_;
+  std::rethrow_exception(error);
+}
+
+void LinkProgress::run() {
+  std::unique_lock lock(mutex_);
+  while (true) {
+    resumed_.wait(lock, [&] { return stop_ || (!readers_.empty() && !error_); });
+    if (stop_) return;
+    const uint64_t seen = transport_.activity();
+    bool moved = false;
+    for (const auto& reader : readers_) {
+      if (reader->done()) continue;
+      try {
+        moved = reader->advance() || moved;
+      } catch (...) {
+        error_ = std::current_exception();  // the engine's thread reports it at pause()
+        error_phase_ = reader->phase();
+        break;
+      }
+    }
+    if (moved || error_) continue;
+    // Nothing moved: wait for news without holding the readers from the engine's thread.
+    lock.unlock();
+    transport_.wait_activity(seen, deadline_after(kLivenessSlice));
+    lock.lock();
+  }
 }
 
 }  // namespace refit

@@ -1,8 +1,9 @@
 // The destination's reading side of one link (one source). It has no thread: the engine's one
 // receive loop advances every link's reader in turn (advance() never waits), takes buckets from
-// whichever has one, and sleeps on the transport's activity count when none moved. So a
-// destination reading from hundreds of sources runs one thread, and reads stay in flight on all
-// of them while the loader works. For each bucket, in order, a reader
+// whichever has one, and sleeps on the transport's activity count when none moved; while the
+// loader holds a batch, LinkProgress's one thread does the same. So a destination reading from
+// hundreds of sources runs two threads, and reads stay in flight on all of them while the loader
+// works. For each bucket, in order, a reader
 //   - waits for its buffer (staged: bucket k goes where bucket k - 2 was, which must be released);
 //   - takes the announcement, validates it, and replays its manifest from the link's
 //     ManifestCache when the source names a bucket of the refit before;
@@ -15,11 +16,17 @@
 //     memory (mapped, in place).
 #pragma once
 
+#include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <exception>
 #include <map>
+#include <memory>
+#include <mutex>
 #include <optional>
+#include <span>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "core/process_identity.h"
@@ -106,10 +113,10 @@ class LinkReader {
 
   LinkReadContext context_;
   std::string phase_;
-  uint64_t next_ = 0;                      // the bucket to fetch next
-  bool last_fetched_ = false;              // the last bucket was announced
-  std::optional<Reading> reading_;         // bucket next_, announced
-  std::deque<Fetched> ready_;              // fetched, not yet taken
+  uint64_t next_ = 0;               // the bucket to fetch next
+  bool last_fetched_ = false;       // the last bucket was announced
+  std::optional<Reading> reading_;  // bucket next_, announced
+  std::deque<Fetched> ready_;       // fetched, not yet taken
   struct Held {
     uint64_t seq = 0;
     bool acknowledge = false;  // once released (the engine loads from the source's memory)
@@ -121,6 +128,41 @@ class LinkReader {
   Clock::time_point last_liveness_check_{};
   bool done_ = false;
   std::vector<TimelineEvent> events_;
+};
+
+}  // namespace refit
+
+namespace refit {
+
+// Moves the links on while the engine's thread is away in the loader: one thread per engine
+// (however many links it has) advances every reader between resume() and pause(), so that reads
+// complete and are acknowledged (the source refills its buffer meanwhile) and the next ones are
+// posted. Only one of the two threads touches the readers at a time: this one between resume()
+// and pause(), the engine's otherwise.
+class LinkProgress {
+ public:
+  explicit LinkProgress(Transport& transport);
+  ~LinkProgress();  // stops the thread
+  LinkProgress(const LinkProgress&) = delete;
+  LinkProgress& operator=(const LinkProgress&) = delete;
+
+  // Hands `readers` to the thread until pause().
+  void resume(std::span<const std::unique_ptr<LinkReader>> readers);
+  // Takes them back; once it returns the thread no longer touches them. Rethrows what a reader
+  // threw meanwhile, setting `phase` to where.
+  void pause(std::string& phase);
+
+ private:
+  void run();
+
+  Transport& transport_;
+  std::mutex mutex_;  // held while the thread advances the readers
+  std::condition_variable resumed_;
+  std::span<const std::unique_ptr<LinkReader>> readers_;  // empty while paused
+  bool stop_ = false;
+  std::exception_ptr error_;
+  std::string error_phase_;
+  std::thread thread_;
 };
 
 }  // namespace refit

@@ -47,7 +47,6 @@ void LinkSender::begin(uint64_t refit, bool in_place) {
   unacknowledged_.clear();
   buffers_held_ = 0;
   buckets_ = payload_bytes_ = in_place_bytes_ = replayed_ = 0;
-  bucket_in_place_ = 0;
   regions_.clear();
   bucket_regions_.clear();
   bucket_spans_.clear();
@@ -126,16 +125,11 @@ bool LinkSender::add_in_place(const TensorView& view, const Box& box, const Tens
   const std::byte* data = nullptr;
   const auto found = find_in_place(view, box, size, SourceRegions::Access::kMap, &data);
   if (!found) return false;
-  if (bucket_in_place_ > 0 && bucket_in_place_ + size > context_.bucket_bytes) {
-    flush(false, phase);
-    packer_->close_bucket();
-  }
-  packer_->skip(tensor);
+  if (packer_->place_in_place(tensor, size)) flush(false, phase);
   if (!pack_start_) pack_start_ = timeline_now();
   record(tensor, piece, 0, size, found->offset, bucket_region(*found));
   in_place_data_.resize(bucket_entries_, nullptr);
   in_place_data_.back() = data;
-  bucket_in_place_ += size;
   in_place_bytes_ += size;
   payload_bytes_ += size;
   return true;
@@ -270,7 +264,6 @@ void LinkSender::flush(bool is_last, std::string& phase) {
   bucket_spans_.clear();
   span_data_.clear();
   bucket_.used_bytes = 0;
-  bucket_in_place_ = 0;
   regions_.clear();
   in_place_data_.clear();
   pack_phase_ = fmt::format("pack bucket {} for {}", bucket_.seq, context_.peer_label);

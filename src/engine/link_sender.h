@@ -149,7 +149,6 @@ class LinkSender {
   std::deque<Announced> unacknowledged_;
   int buffers_held_ = 0;  // of unacknowledged_, those that hold bytes in a buffer
   uint64_t buckets_ = 0, payload_bytes_ = 0, in_place_bytes_ = 0;
-  uint64_t bucket_in_place_ = 0;                 // bytes of the open bucket sent in place
   std::map<RegionId, uint32_t> regions_;         // of the open bucket: our region -> its index there
   std::vector<const std::byte*> in_place_data_;  // by entry of the open bucket: where an in-place one lies
   std::optional<double> pack_start_;             // when the open bucket got its first byte

@@ -5,6 +5,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <filesystem>
 #include <future>
 #include <thread>
 
@@ -13,6 +14,8 @@
 #include "core/reshard_models.h"
 #include "engine/assembler.h"
 #include "engine/engine_harness.h"
+#include "refit/cluster.h"
+#include "refit/prediction.h"
 #include "refit/transfer_plan.h"
 
 namespace refit {
@@ -29,7 +32,7 @@ struct Group {
 
 // One engine per layout over one in-process fabric; prepared and initialized.
 Group make_group(const testing::Model& m, const std::vector<Layout>& holds, const std::vector<Layout>& needs,
-                 uint64_t bucket_bytes, double timeout_s = 10.0) {
+                 uint64_t bucket_bytes, double timeout_s = 10.0, bool direct_reads = false) {
   auto fabric = make_inproc_fabric();
   const SessionId session = new_session_id();
   auto model = std::make_shared<const ModelInventory>(m.inventory);
@@ -37,6 +40,7 @@ Group make_group(const testing::Model& m, const std::vector<Layout>& holds, cons
   std::vector<Metadata> metadata;
   for (const auto& h : holds) {
     auto o = testing::inproc_options(fabric, bucket_bytes, session, timeout_s);
+    o.config.direct_reads = direct_reads;
     o.holds = h;
     o.model = model;
     g.sources.push_back(std::make_unique<CheckpointEngine>(std::move(o)));
@@ -44,6 +48,7 @@ Group make_group(const testing::Model& m, const std::vector<Layout>& holds, cons
   }
   for (const auto& n : needs) {
     auto o = testing::inproc_options(fabric, bucket_bytes, session, timeout_s);
+    o.config.direct_reads = direct_reads;
     o.layout = n;
     o.model = model;
     g.destinations.push_back(std::make_unique<CheckpointEngine>(std::move(o)));
@@ -159,6 +164,94 @@ TEST(Reshard, FsdpShardsToPipelinedDestinations) {
   const auto needs = testing::vllm_side(m, 2, 2, true, true).layouts;
   auto g = make_group(m, holds, needs, 4 << 10);
   expect_exact(m.inventory, needs, refit_once(g, shards_of(m.inventory, holds)));
+}
+
+size_t threads_of_this_process() {
+  return static_cast<size_t>(
+      std::distance(std::filesystem::directory_iterator("/proc/self/task"), std::filesystem::directory_iterator{}));
+}
+
+// A destination reads from every source at once from its own thread: the receive loop starts no
+// thread per source, so hundreds of sources cost it no more threads than one.
+TEST(Reshard, OneDestinationReadsFromTwoHundredFiftySixSourcesOnItsOwnThread) {
+  const auto& m = testing::qwen_moe();
+  constexpr int kSources = 256;
+  std::vector<Layout> holds;
+  for (int r = 0; r < kSources; ++r) holds.push_back(fsdp_source_layout(m.inventory, kSources, r));
+  const std::vector<Layout> needs = {Layout{}};  // the whole model
+  auto g = make_group(m, holds, needs, 4 << 10, 30.0);
+  const auto shards = shards_of(m.inventory, holds);
+  for (int refit = 0; refit < 2; ++refit) {
+    const size_t before = threads_of_this_process();
+    std::vector<std::future<SendStats>> sending;
+    for (int s = 0; s < kSources; ++s)
+      sending.push_back(std::async(std::launch::async, [&, s] {
+        VectorSource source(shards[s]);
+        return g.sources[s]->send(source);
+      }));
+    Outcome outcome;
+    outcome.received.resize(1);
+    size_t most_threads = 0;
+    BatchLoader record = outcome.received[0].loader();
+    outcome.received_stats.push_back(g.destinations[0]->receive([&](LoadBatch batch) {
+      most_threads = std::max(most_threads, threads_of_this_process());
+      record(batch);
+    }));
+    for (auto& s : sending) outcome.sent.push_back(s.get());
+    expect_exact(m.inventory, needs, outcome);
+    // Every source that holds a byte of the model is read from (a few hold empty shards).
+    uint32_t holding = 0;
+    for (const auto& shard : shards)
+      holding += std::any_of(shard.begin(), shard.end(), [](const OwnedTensor& t) { return !t.data.empty(); });
+    EXPECT_GT(holding, kSources * 9u / 10);
+    EXPECT_EQ(outcome.received_stats[0].sources, holding) << "fan-in";
+    // The sources' threads, and at most one of the destination's (LinkProgress) besides this
+    // one; before, there was one more per source.
+    EXPECT_LE(most_threads, before + kSources + 1) << "refit " << refit;
+  }
+}
+
+// The planner packs each link as its engines do (one packer and one link size for both), so it
+// predicts the buckets the engines send, through buckets and with pieces in place: a change to
+// the engine's schedule moves both.
+TEST(Reshard, ThePlannerPredictsTheBucketsEveryLinkSends) {
+  const auto& m = testing::qwen_moe();
+  const auto holds = megatron(m, {2, 1, 4, 4, 1});  // 8 sources TP2 x EP4 (DP 4)
+  const auto needs = testing::vllm_side(m, 4, 1, false, true).layouts;
+  for (const bool direct_reads : {false, true}) {
+    SCOPED_TRACE(direct_reads ? "in place" : "buckets");
+    auto g = make_group(m, holds, needs, 16 << 10, 10.0, direct_reads);
+    const auto outcome = refit_once(g, shards_of(m.inventory, holds));
+    expect_exact(m.inventory, needs, outcome);
+
+    const Cluster cluster = parse_cluster(fmt::format(R"(
+name: one-host
+nodes:
+  - {{name: host, count: 1, workers: 12, device: cpu, cores: 12, copy: 5GB/s, node_copy: 20GB/s}}
+sources: {{nodes: host, ranks: 8}}
+destinations: {{nodes: host, ranks: 4}}
+transfer: {{bucket: 16KiB, transport: ucx, direct_reads: {}}}
+)",
+                                                      direct_reads),
+                                          "test");
+    const Prediction predicted = predict_refit(m.inventory, holds, needs, cluster);
+    using Buckets = std::map<std::pair<size_t, uint32_t>, uint64_t>;  // (source, destination) -> buckets
+    Buckets sent, modelled;
+    uint64_t in_place = 0;
+    for (size_t s = 0; s < holds.size(); ++s) {
+      for (const TimelineEvent& e : outcome.sent[s].events) sent[{s, e.peer}] += e.phase == TimelinePhase::kAnnounce;
+      for (const TimelineEvent& e : predicted.sources[s].events)
+        modelled[{s, e.peer}] += e.phase == TimelinePhase::kAnnounce;
+      in_place += outcome.sent[s].in_place_bytes;
+    }
+    EXPECT_EQ(sent, modelled);
+    uint64_t total = 0;
+    for (const auto& [link, buckets] : sent) total += buckets;
+    EXPECT_GT(total, 2 * sent.size()) << "links of several buckets each";
+    EXPECT_EQ(predicted.buckets, total);
+    EXPECT_EQ(predicted.in_place_bytes, in_place);
+    EXPECT_EQ(in_place > 0, direct_reads);
+  }
 }
 
 TEST(Reshard, Fp8WeightsAndTheirScalesReachEachDestinationAsSlicesOfTheFullCheckpoint) {

@@ -22,13 +22,14 @@ struct InProcRegion {
 struct InProcEndpoint {
   std::map<RegionId, InProcRegion> regions;
   std::map<uint64_t, std::deque<Bytes>> inbox;  // by sender endpoint id
+  // Its owner waits here, so that a message wakes its receiver only, not every endpoint.
+  std::condition_variable changed;
+  uint64_t activity = 0;  // moves with every notify of `changed`
 };
 
 class InProcFabric {
  public:
   std::mutex mutex;
-  std::condition_variable changed;
-  uint64_t activity = 0;                         // moves with every notify of `changed`
   std::map<uint64_t, InProcEndpoint> endpoints;  // live endpoints by id
   uint64_t next_id = 1;
 };
@@ -60,8 +61,11 @@ class InProcTransport final : public SynchronousReads {
   ~InProcTransport() override {
     std::lock_guard lock(fabric_->mutex);
     fabric_->endpoints.erase(id_);
-    ++fabric_->activity;
-    fabric_->changed.notify_all();
+    // Whoever waits for this endpoint's messages learns that it is gone.
+    for (auto& [id, endpoint] : fabric_->endpoints) {
+      ++endpoint.activity;
+      endpoint.changed.notify_all();
+    }
   }
 
   std::string name() const override { return "INPROC"; }
@@ -139,9 +143,10 @@ class InProcTransport final : public SynchronousReads {
 
   void send(PeerId peer, std::span<const uint8_t> message, Deadline) override {
     std::lock_guard lock(fabric_->mutex);
-    live_peer(peer, "send").inbox[id_].emplace_back(message.begin(), message.end());
-    ++fabric_->activity;
-    fabric_->changed.notify_all();
+    InProcEndpoint& receiver = live_peer(peer, "send");
+    receiver.inbox[id_].emplace_back(message.begin(), message.end());
+    ++receiver.activity;
+    receiver.changed.notify_all();
   }
 
   std::optional<Bytes> try_receive(PeerId peer) override {
@@ -158,12 +163,12 @@ class InProcTransport final : public SynchronousReads {
 
   uint64_t activity() override {
     std::lock_guard lock(fabric_->mutex);
-    return fabric_->activity;
+    return self().activity;
   }
 
   void wait_activity(uint64_t seen, Deadline deadline) override {
     std::unique_lock lock(fabric_->mutex);
-    fabric_->changed.wait_until(lock, deadline, [&] { return fabric_->activity != seen; });
+    self().changed.wait_until(lock, deadline, [&] { return self().activity != seen; });
   }
 
   Bytes receive(PeerId peer, Deadline deadline) override {
@@ -177,7 +182,7 @@ class InProcTransport final : public SynchronousReads {
       }
       if (!fabric_->endpoints.count(peer))
         fail(ErrorKind::kPeerLost, "lost {} while waiting for a message", label(peer));
-      if (fabric_->changed.wait_until(lock, deadline) == std::cv_status::timeout && self().inbox[peer].empty())
+      if (self().changed.wait_until(lock, deadline) == std::cv_status::timeout && self().inbox[peer].empty())
         fail(ErrorKind::kTimeout, "no message from {} before the deadline", label(peer));
     }
   }

@@ -467,6 +467,51 @@ TEST(EnginePull, ASlowSourceMakesNextBatchReturnWaitingUntilItsBatchesCome) {
   expect_same(weights, got);
 }
 
+// While the caller holds a batch, the destination's links move on (LinkProgress): a bucket
+// announced meanwhile is read and acknowledged, so that the source refills its buffer and goes
+// on instead of waiting for the caller.
+TEST(EnginePull, LinksMoveOnWhileTheCallerHoldsABatch) {
+  Pair p(256, false, 10.0, /*map=*/false);  // staged: every bucket read and acknowledged once read
+  p.connect();
+  std::vector<OwnedTensor> weights;
+  for (uint32_t k = 0; k < 6; ++k)  // one bucket each
+    weights.push_back(make_tensor("w" + std::to_string(k), DType::kFloat32, {64}, k));
+  // Bucket 1 is announced 100 ms into the refit, when the caller already holds batch 0.
+  class Slow : public WeightSource {
+   public:
+    explicit Slow(const std::vector<OwnedTensor>& w) : inner_(w) {}
+    bool next(TensorView* out) override {
+      if (yielded_++ == 2) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      return inner_.next(out);
+    }
+
+   private:
+    VectorSource inner_;
+    int yielded_ = 0;
+  };
+  auto sent = std::async(std::launch::async, [&] {
+    Slow source(weights);
+    return p.source->send(source);
+  });
+  p.destination->begin_receive();
+  ReceivedBatch batch;
+  ASSERT_EQ(p.destination->next_batch(deadline_after(std::chrono::seconds(10)), &batch), ReceiveProgress::kBatch);
+  std::this_thread::sleep_for(std::chrono::milliseconds(400));
+  const double released = timeline_now();
+  p.destination->release_batch();
+  while (p.destination->next_batch(deadline_after(std::chrono::seconds(10)), &batch) == ReceiveProgress::kBatch)
+    p.destination->release_batch();
+  p.destination->finish_receive();
+  const SendStats stats = sent.get();
+  std::map<uint64_t, double> announced;
+  for (const TimelineEvent& e : stats.events)
+    if (e.phase == TimelinePhase::kAnnounce) announced[e.bucket] = e.start;
+  ASSERT_EQ(announced.size(), 6u);
+  // Bucket 3 goes into the buffer of bucket 1, which was read and acknowledged during the hold.
+  EXPECT_LT(announced.at(3), released);
+  EXPECT_GT(announced.at(4), released) << "bucket 4 needs the local buffer of bucket 2, freed by the release";
+}
+
 TEST(EnginePull, CallsOutOfOrderAreErrorsThatNameTheCall) {
   Pair p(256);
   p.connect();

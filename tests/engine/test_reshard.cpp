@@ -171,9 +171,10 @@ size_t threads_of_this_process() {
       std::distance(std::filesystem::directory_iterator("/proc/self/task"), std::filesystem::directory_iterator{}));
 }
 
-// A destination reads from every source at once from its own thread: the receive loop starts no
-// thread per source, so hundreds of sources cost it no more threads than one.
-TEST(Reshard, OneDestinationReadsFromTwoHundredFiftySixSourcesOnItsOwnThread) {
+// A destination reads from every source at once from one receive loop (its own thread, and
+// LinkProgress's while the loader works): no thread per source, so hundreds of sources cost it no
+// more threads than one.
+TEST(Reshard, OneDestinationReadsFromTwoHundredFiftySixSourcesWithoutAThreadPerSource) {
   const auto& m = testing::qwen_moe();
   constexpr int kSources = 256;
   std::vector<Layout> holds;

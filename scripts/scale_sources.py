@@ -61,7 +61,7 @@ def main():
         for _ in range(args.runs):
             report = run(n, args)
             medians.append(statistics.median(refit_seconds(report)))
-            bytes_ = report["expected_bytes"]
+            bytes_ = sum(report["expected_bytes"])  # per destination
         median = statistics.median(medians)
         rows.append({"sources": n, "median_s": median, "run_medians_s": medians, "bytes": bytes_})
         print(f"{n:>8} {median:>9.4f} {' / '.join(f'{m:.4f}' for m in medians):>26} {bytes_ / 2**20:>8.1f} "

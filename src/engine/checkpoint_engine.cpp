@@ -36,7 +36,7 @@ constexpr int kBufferCount = 2;
 constexpr Seconds kAbortTimeout{2.0};
 // The longest a waiting destination sleeps before it looks at its sources again (their readers'
 // deadlines, whether their processes still live).
-constexpr auto kLivenessSlice = std::chrono::milliseconds(50);
+constexpr auto kWakeSlice = std::chrono::milliseconds(50);
 
 // Delta refit: a bucket goes once it holds this much (engine/delta.h), so that the destination
 // patches while the source scans on; a few round trips per refit at most.
@@ -355,7 +355,7 @@ class CheckpointEngine::Impl {
         if (expired(run.idle_deadline))
           fail(ErrorKind::kTimeout, "no bucket arrived from any of {} source(s) in {:.0f} s", run.remaining,
                backstop().count());
-        Deadline wake = std::min({until, run.idle_deadline, deadline_after(kLivenessSlice)});
+        Deadline wake = std::min({until, run.idle_deadline, deadline_after(kWakeSlice)});
         for (auto& reader : run.readers) {
           on_link(run, *reader, [&] { reader->check(); });
           if (auto due = reader->deadline()) wake = std::min(wake, *due);

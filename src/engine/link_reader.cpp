@@ -4,16 +4,17 @@
 
 #include "core/fail.h"
 #include "engine/bucket_checksum.h"
+#include "engine/peer_wait.h"
 
 namespace refit {
 namespace {
 
 using Seconds = std::chrono::duration<double>;
-// How often a reader waiting for its source looks whether the source's process is still there
-// (a transport cannot always tell that a peer on this host was killed).
-constexpr auto kLivenessSlice = std::chrono::milliseconds(50);
 // Buckets a reader fetches ahead of the engine: two buffers.
 constexpr size_t kReadAhead = 2;
+// The longest LinkProgress sleeps between looks at its readers (it wakes on the transport's news
+// before); also how long its engine's destruction may wait for it.
+constexpr auto kProgressSlice = std::chrono::milliseconds(20);
 
 }  // namespace
 
@@ -290,7 +291,7 @@ void LinkProgress::run() {
     if (moved || error_) continue;
     // Nothing moved: wait for news without holding the readers from the engine's thread.
     lock.unlock();
-    transport_.wait_activity(seen, deadline_after(kLivenessSlice));
+    transport_.wait_activity(seen, deadline_after(kProgressSlice));
     lock.lock();
   }
 }

@@ -303,9 +303,9 @@ void LinkSender::wait_acknowledged(uint64_t seq, std::string& phase) {
   const Deadline deadline = deadline_after(std::chrono::duration<double>(context_.timeout_s));
   const std::string expecting = fmt::format("bucket {} done", seq);
   while (true) {
-    auto bytes =
+    const Bytes bytes =
         receive_watching(*context_.transport, context_.peer, context_.peer_label, context_.peer_process, deadline);
-    auto msg = protocol::decode_message(*bytes, context_.peer_label);
+    auto msg = protocol::decode_message(bytes, context_.peer_label);
     if (msg.refit() != refit_) {
       spdlog::debug("discarding a message of an earlier refit from {}", context_.peer_label);
       continue;

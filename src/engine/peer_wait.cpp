@@ -5,20 +5,15 @@
 #include "core/fail.h"
 
 namespace refit {
-namespace {
-constexpr std::chrono::milliseconds kSlice{50};
-}
 
-std::optional<Bytes> receive_watching(Transport& transport, PeerId peer, const std::string& label,
-                                      const ProcessIdentity& process, Deadline deadline,
-                                      const std::function<bool()>& stopped) {
+Bytes receive_watching(Transport& transport, PeerId peer, const std::string& label, const ProcessIdentity& process,
+                       Deadline deadline) {
   while (true) {
     try {
-      return transport.receive(peer, std::min(deadline, Clock::now() + kSlice));
+      return transport.receive(peer, std::min(deadline, Clock::now() + kLivenessSlice));
     } catch (const Error& e) {
       if (e.kind() != ErrorKind::kTimeout || expired(deadline)) throw;
     }
-    if (stopped && stopped()) return std::nullopt;
     if (process_is_gone(process))
       fail(ErrorKind::kPeerLost, "lost {}: its process (pid {}) is gone", label, process.pid);
   }

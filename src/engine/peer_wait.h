@@ -1,10 +1,9 @@
 // Waiting for a peer's next control message without waiting on a dead peer: the wait is cut
-// into short slices, and between slices a peer on this host is checked for being alive, so a
-// killed process is reported within a slice even when the transport has no way to tell.
+// into slices, and between slices a peer on this host is checked for being alive, so a killed
+// process is reported within a slice even when the transport has no way to tell.
 #pragma once
 
-#include <functional>
-#include <optional>
+#include <chrono>
 #include <string>
 
 #include "core/process_identity.h"
@@ -12,10 +11,14 @@
 
 namespace refit {
 
-// Returns the message, or nothing when `stopped` became true. Throws Error(kPeerLost) naming
-// `label` when the peer process is gone, Error(kTimeout) past the deadline.
-std::optional<Bytes> receive_watching(Transport& transport, PeerId peer, const std::string& label,
-                                      const ProcessIdentity& process, Deadline deadline,
-                                      const std::function<bool()>& stopped = {});
+// How often a peer on this host is looked up while we wait for it: often enough to report a
+// killed peer at once, rarely enough that a destination waiting for hundreds of sources (or as
+// many sources waiting for it, on one host) spends nothing on it (each look reads /proc).
+inline constexpr auto kLivenessSlice = std::chrono::milliseconds(200);
+
+// Returns the message. Throws Error(kPeerLost) naming `label` when the peer process is gone,
+// Error(kTimeout) past the deadline.
+Bytes receive_watching(Transport& transport, PeerId peer, const std::string& label, const ProcessIdentity& process,
+                       Deadline deadline);
 
 }  // namespace refit

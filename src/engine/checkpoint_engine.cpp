@@ -34,9 +34,6 @@ using Seconds = std::chrono::duration<double>;
 constexpr int kBufferCount = 2;
 // An abort is a courtesy to the peer; it must never hold up reporting our own error.
 constexpr Seconds kAbortTimeout{2.0};
-// The longest a waiting destination sleeps before it looks at its sources again (their readers'
-// deadlines, whether their processes still live).
-constexpr auto kWakeSlice = std::chrono::milliseconds(50);
 
 // Delta refit: a bucket goes once it holds this much (engine/delta.h), so that the destination
 // patches while the source scans on; a few round trips per refit at most.
@@ -355,7 +352,7 @@ class CheckpointEngine::Impl {
         if (expired(run.idle_deadline))
           fail(ErrorKind::kTimeout, "no bucket arrived from any of {} source(s) in {:.0f} s", run.remaining,
                backstop().count());
-        Deadline wake = std::min({until, run.idle_deadline, deadline_after(kWakeSlice)});
+        Deadline wake = std::min({until, run.idle_deadline, deadline_after(kReceiveSlice)});
         for (auto& reader : run.readers) {
           on_link(run, *reader, [&] { reader->check(); });
           if (auto due = reader->deadline()) wake = std::min(wake, *due);

@@ -12,9 +12,6 @@ namespace {
 using Seconds = std::chrono::duration<double>;
 // Buckets a reader fetches ahead of the engine: two buffers.
 constexpr size_t kReadAhead = 2;
-// The longest LinkProgress sleeps between looks at its readers (it wakes on the transport's news
-// before); also how long its engine's destruction may wait for it.
-constexpr auto kProgressSlice = std::chrono::milliseconds(20);
 
 }  // namespace
 
@@ -291,7 +288,7 @@ void LinkProgress::run() {
     if (moved || error_) continue;
     // Nothing moved: wait for news without holding the readers from the engine's thread.
     lock.unlock();
-    transport_.wait_activity(seen, deadline_after(kProgressSlice));
+    transport_.wait_activity(seen, deadline_after(kReceiveSlice));
     lock.lock();
   }
 }

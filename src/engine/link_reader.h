@@ -16,6 +16,7 @@
 //     memory (mapped, in place).
 #pragma once
 
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -36,6 +37,10 @@
 #include "refit/transport.h"
 
 namespace refit {
+
+// The longest the receive loop sleeps (on either thread) before it looks at its links again,
+// when no news woke it first: readers' deadlines and liveness, and stopping LinkProgress.
+inline constexpr auto kReceiveSlice = std::chrono::milliseconds(20);
 
 struct LinkReadContext {
   Transport* transport = nullptr;

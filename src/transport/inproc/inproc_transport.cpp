@@ -151,14 +151,7 @@ class InProcTransport final : public SynchronousReads {
 
   std::optional<Bytes> try_receive(PeerId peer) override {
     std::lock_guard lock(fabric_->mutex);
-    auto& queue = self().inbox[peer];
-    if (!queue.empty()) {
-      Bytes m = std::move(queue.front());
-      queue.pop_front();
-      return m;
-    }
-    if (!fabric_->endpoints.count(peer)) fail(ErrorKind::kPeerLost, "lost {} while waiting for a message", label(peer));
-    return std::nullopt;
+    return take_message(peer);
   }
 
   uint64_t activity() override {
@@ -173,21 +166,27 @@ class InProcTransport final : public SynchronousReads {
 
   Bytes receive(PeerId peer, Deadline deadline) override {
     std::unique_lock lock(fabric_->mutex);
-    while (true) {
-      auto& queue = self().inbox[peer];
-      if (!queue.empty()) {
-        Bytes m = std::move(queue.front());
-        queue.pop_front();
-        return m;
-      }
-      if (!fabric_->endpoints.count(peer))
-        fail(ErrorKind::kPeerLost, "lost {} while waiting for a message", label(peer));
-      if (self().changed.wait_until(lock, deadline) == std::cv_status::timeout && self().inbox[peer].empty())
-        fail(ErrorKind::kTimeout, "no message from {} before the deadline", label(peer));
-    }
+    std::optional<Bytes> message;
+    if (!self().changed.wait_until(lock, deadline, [&] { return (message = take_message(peer)).has_value(); }))
+      fail(ErrorKind::kTimeout, "no message from {} before the deadline", label(peer));
+    return std::move(*message);
   }
 
  private:
+  // The next message from `peer`, if one is here; throws once the peer is gone and nothing it
+  // sent is left. Under the fabric's mutex.
+  std::optional<Bytes> take_message(PeerId peer) {
+    auto& queue = self().inbox[peer];
+    if (queue.empty()) {
+      if (!fabric_->endpoints.count(peer))
+        fail(ErrorKind::kPeerLost, "lost {} while waiting for a message", label(peer));
+      return std::nullopt;
+    }
+    Bytes m = std::move(queue.front());
+    queue.pop_front();
+    return m;
+  }
+
   InProcEndpoint& self() { return fabric_->endpoints.at(id_); }
 
   std::string label(PeerId peer) const {

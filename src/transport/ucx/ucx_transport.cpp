@@ -123,6 +123,9 @@ class UcxTransport final : public Transport {
   // Throws unless operations on `peer` can proceed; `what` says which ("reading 8 bytes from <label>").
   void check_usable(const Peer& peer, std::string_view what);
   [[noreturn]] static void fail_closed(const Peer& peer, std::string_view what);
+  // The peer's next complete message, if one is here; throws when the peer is closed or lost and
+  // nothing it sent is left. Under mutex_.
+  std::optional<Bytes> take_message(Peer& peer);
   ucp_rkey_h remote_key(Peer& peer, const Bytes& packed);
   // Waits for what ucp_*_nbx returned. Returns the request's status, or nothing when the deadline
   // passed: the operation is then abandoned to its callback.
@@ -608,19 +611,14 @@ void UcxTransport::send(PeerId id, std::span<const uint8_t> message, Deadline de
   finish(peer, request, std::move(operation), deadline, what);
 }
 
-Bytes UcxTransport::receive(PeerId id, Deadline deadline) {
-  Peer& peer = find_peer(id, "receiving a message");
-  const bool closed = peer.ep == nullptr;
-  std::unique_lock lock(mutex_);
+std::optional<Bytes> UcxTransport::take_message(Peer& peer) {
   std::deque<Inbound>& queue = inbox_[peer.id];
-  auto ready = [&] { return (!queue.empty() && queue.front().complete) || peer.lost || closed; };
-  if (!changed_.wait_until(lock, deadline, ready)) {
-    fail(ErrorKind::kTimeout, "timed out waiting for a message from {}", peer.label);
-  }
   if (queue.empty() || !queue.front().complete) {
-    if (closed) fail_closed(peer, "waiting for a message from " + peer.label);
-    fail(ErrorKind::kPeerLost, "lost {} ({}) while waiting for a message from it", peer.label,
-         ucs_status_string(peer.lost_status));
+    if (peer.ep == nullptr) fail_closed(peer, "waiting for a message from " + peer.label);
+    if (peer.lost)
+      fail(ErrorKind::kPeerLost, "lost {} ({}) while waiting for a message from it", peer.label,
+           ucs_status_string(peer.lost_status));
+    return std::nullopt;
   }
   Inbound message = std::move(queue.front());
   queue.pop_front();
@@ -631,15 +629,19 @@ Bytes UcxTransport::receive(PeerId id, Deadline deadline) {
   return std::move(message.data);
 }
 
+Bytes UcxTransport::receive(PeerId id, Deadline deadline) {
+  Peer& peer = find_peer(id, "receiving a message");
+  std::unique_lock lock(mutex_);
+  std::optional<Bytes> message;
+  if (!changed_.wait_until(lock, deadline, [&] { return (message = take_message(peer)).has_value(); }))
+    fail(ErrorKind::kTimeout, "timed out waiting for a message from {}", peer.label);
+  return std::move(*message);
+}
+
 std::optional<Bytes> UcxTransport::try_receive(PeerId id) {
   Peer& peer = find_peer(id, "receiving a message");
-  {
-    std::lock_guard lock(mutex_);
-    const std::deque<Inbound>& queue = inbox_[peer.id];
-    const bool ready = (!queue.empty() && queue.front().complete) || peer.lost || peer.ep == nullptr;
-    if (!ready) return std::nullopt;
-  }
-  return receive(id, Clock::now());  // takes the message, or says why the peer is gone
+  std::lock_guard lock(mutex_);
+  return take_message(peer);
 }
 
 uint64_t UcxTransport::activity() {

@@ -96,11 +96,13 @@ class CopyStream {
   void copy(void* dst, const void* src, size_t bytes, MemoryKind dst_kind, MemoryKind src_kind);
 
   // Copies `rows` rows of `row_bytes` bytes each: row r from src + r * src_pitch to
-  // dst + r * dst_pitch (cudaMemcpy2DAsync on the GPU). A strided slice such as
-  // narrow(dim, start, len) of a row-major tensor is one such copy: rows = the product of the
-  // dims before `dim`, row_bytes = len * (bytes of one index of `dim`), src_pitch = shape[dim] *
-  // (the same), dst_pitch = row_bytes. Same rules as copy(); Error(kInvalidArgument) when a
-  // pitch is smaller than row_bytes.
+  // dst + r * dst_pitch. Between GPU memory, copies wait and go out together as one kernel per
+  // ~100 (at synchronize(), before any other copy, or when that many wait): a source packing a
+  // bucket of strided slices launches once instead of once per slice; with a host side,
+  // cudaMemcpy2DAsync. A strided slice such as narrow(dim, start, len) of a row-major tensor is
+  // one such copy: rows = the product of the dims before `dim`, row_bytes = len * (bytes of one
+  // index of `dim`), src_pitch = shape[dim] * (the same), dst_pitch = row_bytes. Same rules as
+  // copy(); Error(kInvalidArgument) when a pitch is smaller than row_bytes.
   void copy_2d(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t row_bytes, size_t rows,
                MemoryKind dst_kind, MemoryKind src_kind);
 
@@ -113,9 +115,9 @@ class CopyStream {
     MemoryKind src_kind = MemoryKind::kHost;
   };
   // Copies that copy() would do one by one, whose destinations do not overlap each other: a
-  // loader's batch of tensors. Copies between GPU memory go out together, as one kernel per ~100
-  // copies, instead of one cudaMemcpyAsync each: no launch per small tensor, and from memory
-  // another process exported (CUDA IPC) the kernel reads at 0.84 of the device copy where
+  // loader's batch of tensors. Copies between GPU memory go out together, as copy_2d's do,
+  // instead of one cudaMemcpyAsync each: no launch per small tensor, and from memory another
+  // process exported (CUDA IPC) the kernel reads at 0.84 of the device copy where
   // cudaMemcpyAsync reached 0.76 (H200, docs/GPU.md). Copies with a host side go as copy().
   void copy_batch(std::span<const Copy> copies);
 

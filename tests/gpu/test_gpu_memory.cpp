@@ -202,6 +202,56 @@ TEST(CopyStream, GathersAStridedSliceFromGpuMemory) {
   EXPECT_EQ(read_device(device_slice.data(), expected.size()), expected);
 }
 
+// A source packing a bucket: strided slices of every row length (1 byte to longer than a kernel
+// chunk), pitch and alignment, one after another into one buffer, with a copy that reads what an
+// earlier one wrote (it must see the written bytes) and a host copy among them.
+TEST(CopyStream, GathersManyStridedSlicesOnTheGpuBitwise) {
+  REFIT_REQUIRE_GPUS(1);
+  struct Slice {
+    size_t src = 0, pitch = 0, row_bytes = 0, rows = 0, dst = 0;
+  };
+  const std::vector<size_t> row_lengths = {1, 2, 3, 6, 16, 48, 250, 1536, 4096, 32768, 32769, 65536, 200000};
+  std::vector<Slice> slices;
+  size_t src_total = 0, dst_total = 0;
+  for (size_t i = 0; i < 260; ++i) {
+    const size_t row = row_lengths[i % row_lengths.size()];
+    const size_t rows = row > 60000 ? 1 + i % 3 : 1 + (i * 7) % 97;
+    const size_t pitch = row + (i % 4 == 0 ? 0 : 1 + i % 33);  // some contiguous, most strided
+    slices.push_back({src_total + i % 3, pitch, row, rows, dst_total + i % 2});
+    src_total += pitch * rows + 8;
+    dst_total += row * rows + 8;
+  }
+  DeviceBuffer src(cuda(0), src_total), dst(cuda(0), dst_total), again(cuda(0), dst_total);
+  fill_device(src.data(), src_total, 31);
+  const std::vector<uint8_t> from = pattern(src_total, 31);
+  CopyStream stream(cuda(0));
+  std::vector<uint8_t> host_rows(slices[5].row_bytes * slices[5].rows);
+  for (size_t i = 0; i < slices.size(); ++i) {
+    const Slice& x = slices[i];
+    stream.copy_2d(dst.data() + x.dst, x.row_bytes, src.data() + x.src, x.pitch, x.row_bytes, x.rows, MemoryKind::kCuda,
+                   MemoryKind::kCuda);
+    if (i == 5)  // with a host side: cudaMemcpy2DAsync, in order with the grouped copies
+      stream.copy_2d(host_rows.data(), x.row_bytes, src.data() + x.src, x.pitch, x.row_bytes, x.rows, MemoryKind::kHost,
+                     MemoryKind::kCuda);
+  }
+  // Reads what the copies above wrote: ordered after them although it is grouped too.
+  stream.copy_2d(again.data(), dst_total, dst.data(), dst_total, dst_total, 1, MemoryKind::kCuda, MemoryKind::kCuda);
+  EXPECT_TRUE(stream.pending());
+  stream.synchronize(deadline_after(60s));
+  const std::vector<uint8_t> to = read_device(dst.data(), dst_total);
+  for (size_t i = 0; i < slices.size(); ++i) {
+    const Slice& x = slices[i];
+    for (size_t r = 0; r < x.rows; ++r)
+      ASSERT_EQ(std::memcmp(to.data() + x.dst + r * x.row_bytes, from.data() + x.src + r * x.pitch, x.row_bytes), 0)
+          << "slice " << i << " (rows of " << x.row_bytes << " bytes, pitch " << x.pitch << "), row " << r;
+  }
+  EXPECT_EQ(read_device(again.data(), dst_total), to);
+  for (size_t r = 0; r < slices[5].rows; ++r)
+    ASSERT_EQ(std::memcmp(host_rows.data() + r * slices[5].row_bytes, from.data() + slices[5].src + r * slices[5].pitch,
+                          slices[5].row_bytes),
+              0);
+}
+
 TEST(CopyStream, CopiesAcrossGpus) {
   REFIT_REQUIRE_GPUS(2);
   const size_t size = 32 << 20;

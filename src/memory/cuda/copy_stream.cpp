@@ -1,5 +1,6 @@
-// CopyStream: host-to-host copies with memcpy at once; copies with a GPU side as
-// cudaMemcpyAsync on one non-blocking stream, created on first use.
+// CopyStream: host-to-host copies with memcpy at once; copies with a GPU side on one non-blocking
+// stream, created on first use: between GPU memory grouped into batch-copy kernels, else
+// cudaMemcpy(2D)Async.
 #include <algorithm>
 #include <array>
 #include <cstdint>
@@ -99,6 +100,7 @@ struct CopyStream::Impl {
   void synchronize(Deadline deadline) {
     if (!pending) return;
 #ifdef REFIT_HAVE_CUDA
+    launch_group();
     cuda::DeviceGuard guard(cuda_device);
     cuda::wait_stream(stream, deadline, "waiting for GPU copies of the copy stream");
 #endif
@@ -118,6 +120,7 @@ struct CopyStream::Impl {
   // name it in errors (made only then: a loader issues a copy per tensor).
   template <typename What, typename Issue>
   void enqueue(Range dst, Range src, std::string_view call, What&& what, Issue&& issue) {
+    launch_group();  // copies grouped before this one go first
     if (stream == nullptr) create_stream();
     cuda::DeviceGuard guard(cuda_device);
     const cudaError_t status = issue(stream);
@@ -125,6 +128,43 @@ struct CopyStream::Impl {
     pending = true;
     reads.add(src);
     writes.add(dst);
+  }
+
+  // Copies between GPU memory wait here and go as one kernel (launch_group) when the group is
+  // full, before any other copy, or at synchronize(): a source packing a hundred strided slices
+  // into a bucket launches once instead of a cudaMemcpy2DAsync per slice.
+  std::array<cuda::BatchCopy, cuda::kMaxBatchCopies> group;
+  size_t grouped = 0;
+  RangeSet group_reads, group_writes;
+
+  void add_to_group(const cuda::BatchCopy& c) {
+    if (stream == nullptr) create_stream();  // where CUDA is not usable, the copy fails now
+    const Range dst = range_of(c.dst, (c.rows - 1) * c.dst_pitch + c.row_bytes);
+    const Range src = range_of(c.src, (c.rows - 1) * c.src_pitch + c.row_bytes);
+    // One kernel runs its copies in no order: one that depends on another waits for the next launch.
+    if (group_writes.overlaps(src) || group_writes.overlaps(dst) || group_reads.overlaps(dst)) launch_group();
+    group[grouped++] = c;
+    group_reads.add(src);
+    group_writes.add(dst);
+    pending = true;
+    reads.add(src);
+    writes.add(dst);
+    if (grouped == group.size()) launch_group();
+  }
+
+  void launch_group() {
+    if (grouped == 0) return;
+    const size_t count = grouped;
+    grouped = 0;
+    group_reads.clear();
+    group_writes.clear();
+    if (stream == nullptr) create_stream();
+    cuda::DeviceGuard guard(cuda_device);
+    const auto status = static_cast<cudaError_t>(cuda::launch_batch_copy(group.data(), count, stream));
+    if (status != cudaSuccess)
+      cuda::check(status, "a batch copy kernel",
+                  fmt::format("copying {} GPU ranges at once, the first {} rows of {} bytes to {}", count,
+                              group[0].rows, group[0].row_bytes, group[0].dst));
   }
 #else
   [[noreturn]] static void no_cuda() {
@@ -154,6 +194,7 @@ bool CopyStream::pending() const { return impl_->pending; }
 
 void* CopyStream::cuda_stream() const {
 #ifdef REFIT_HAVE_CUDA
+  impl_->launch_group();  // what the caller enqueues next comes after every copy issued so far
   return impl_->stream;
 #else
   return nullptr;
@@ -203,6 +244,8 @@ void CopyStream::copy_2d(void* dst, size_t dst_pitch, const void* src, size_t sr
     return;
   }
 #ifdef REFIT_HAVE_CUDA
+  if (dst_kind == MemoryKind::kCuda && src_kind == MemoryKind::kCuda)
+    return impl_->add_to_group({dst, src, row_bytes, rows, dst_pitch, src_pitch});
   impl_->enqueue(
       d, s, "cudaMemcpy2DAsync",
       [&] { return fmt::format("copying {} rows of {} bytes from {} to {}", rows, row_bytes, src, dst); },
@@ -215,43 +258,16 @@ void CopyStream::copy_2d(void* dst, size_t dst_pitch, const void* src, size_t sr
 }
 
 void CopyStream::copy_batch(std::span<const Copy> copies) {
-#ifdef REFIT_HAVE_CUDA
-  // On the stack: a batch runs inside a refit, where a heap block of this size could first make
-  // malloc consolidate every small block a caller freed before.
-  std::array<cuda::BatchCopy, cuda::kMaxBatchCopies> group;
-  size_t grouped = 0;
-  auto launch = [&] {
-    if (grouped == 0) return;
-    const auto first = group[0];
-    impl_->enqueue(
-        range_of(first.dst, first.bytes), range_of(first.src, first.bytes), "a batch copy kernel",
-        [&] {
-          return fmt::format("copying {} GPU ranges at once, the first {} bytes to {}", grouped, first.bytes,
-                             first.dst);
-        },
-        [&](cudaStream_t stream) {
-          return static_cast<cudaError_t>(cuda::launch_batch_copy(group.data(), grouped, stream));
-        });
-    for (size_t i = 1; i < grouped; ++i) {
-      impl_->reads.add(range_of(group[i].src, group[i].bytes));
-      impl_->writes.add(range_of(group[i].dst, group[i].bytes));
-    }
-    grouped = 0;
-  };
   for (const Copy& c : copies) {
-    const bool batched = c.dst_kind == MemoryKind::kCuda && c.src_kind == MemoryKind::kCuda && c.bytes > 0 &&
-                         c.dst != nullptr && c.src != nullptr;
-    if (!batched) {
-      copy(c.dst, c.src, c.bytes, c.dst_kind, c.src_kind);
+#ifdef REFIT_HAVE_CUDA
+    if (c.dst_kind == MemoryKind::kCuda && c.src_kind == MemoryKind::kCuda && c.bytes > 0 && c.dst != nullptr &&
+        c.src != nullptr) {
+      impl_->add_to_group({c.dst, c.src, c.bytes, 1, c.bytes, c.bytes});
       continue;
     }
-    group[grouped++] = {c.dst, c.src, c.bytes};
-    if (grouped == cuda::kMaxBatchCopies) launch();
-  }
-  launch();
-#else
-  for (const Copy& c : copies) copy(c.dst, c.src, c.bytes, c.dst_kind, c.src_kind);
 #endif
+    copy(c.dst, c.src, c.bytes, c.dst_kind, c.src_kind);
+  }
 }
 
 void CopyStream::synchronize(Deadline deadline) { impl_->synchronize(deadline); }

@@ -74,7 +74,7 @@ from .chunks import TensorMeta, merge_weight_chunk_batches, split_weight_chunks
 from .engine import CheckpointEngine, as_config, create_checkpoint_engine
 from .reshard import holdings_of, local_tensors
 from .synchronizer import RefitReport, WeightSynchronizer, WorkerGroup
-from .worker import BroadcastWorkerGroup, EngineWorker
+from .worker import BroadcastWorkerGroup, EngineWorker, TensorProgram
 
 # Public but not (yet) in docs/PYTHON.md, so not in __all__: return types to annotate with, and
 # helpers refit's own modules and tests use. "X as X" re-exports them for type checkers (mypy
@@ -119,5 +119,5 @@ __all__ = [
     # resharding
     "holdings_of", "local_tensors", "megatron_source_layouts", "fsdp_source_layout", "plan_transfers",
     # the driver
-    "WeightSynchronizer", "RefitReport", "WorkerGroup", "EngineWorker", "BroadcastWorkerGroup",
+    "WeightSynchronizer", "RefitReport", "WorkerGroup", "EngineWorker", "BroadcastWorkerGroup", "TensorProgram",
 ]

@@ -3,7 +3,8 @@ and CUDA do not survive fork). Each worker runs an EngineWorker in a command loo
 
     group = ProcessWorkerGroup(
         sources=2, destinations=2,
-        program=make_program,            # picklable callable: make_program(role, rank) -> program
+        program=make_program,            # picklable callable: make_program(role, rank) -> program,
+                                         # or a mapping {name: tensor} (refit.TensorProgram)
         framework="numpy")
     sync = WeightSynchronizer(config, group)
     report = sync.sync_weights()
@@ -90,7 +91,9 @@ class ProcessWorkerGroup(BroadcastWorkerGroup):
     ``destinations=0`` makes a policy side for destinations driven elsewhere (refit.vllm_adapter).
 
     ``program``: a picklable callable ``program(role, rank)`` run inside each worker, returning
-    its WorkerProgram (refit.worker). ``framework``/``receive``: how destinations
+    its WorkerProgram (refit.worker), or the tensors the worker holds: a refit.TensorProgram, or
+    just a mapping ``{name: tensor}`` (a source sends them, a destination copies what it receives
+    into them). ``framework``/``receive``: how destinations
     receive (refit.EngineWorker). ``engine_kwargs``: engine options every worker adds to the
     driver's (refit.EngineWorker), e.g. ``{"kv_cache_dtype": "fp8", "model": path}``.
     ``timeout_s``: the longest the driver waits for one call (None: forever; the engines' own

@@ -12,6 +12,9 @@ with what it receives:
                                                   # takes (a refit.ParameterLoader of its parameters)
         def report(self, index): ...              # anything picklable, returned to the driver
 
+A program that is only the named tensors a worker holds is a ``TensorProgram(tensors)`` (below), or
+just the mapping ``{name: tensor}``: a source sends them, a destination copies what arrives into them.
+
 A source's ``kv_scales(index)`` (called after ``weights(index)``, before the send) gives the
 calibrated FP8 KV-cache scales that ``send_weights(weights, kv_scales=...)`` appends to the
 weights; its engine needs ``kv_cache_dtype="fp8"`` and a layer count (``engine_kwargs`` of
@@ -27,7 +30,7 @@ from __future__ import annotations
 import contextlib
 
 import time
-from typing import Any, Iterable, List, Mapping, Optional, Protocol, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Protocol, Sequence, Tuple, Union
 
 from . import _refit
 from .engine import CheckpointEngine, create_checkpoint_engine
@@ -45,8 +48,82 @@ class WorkerProgram(Protocol):
     def report(self, index: int) -> Any: ...
 
 
+class TensorProgram:
+    """A program that is only the named tensors a worker holds: a source sends them (through a
+    refit.TensorSet), a destination copies what it receives into them by name (through a
+    refit.ParameterLoader: a received tensor with no tensor of its name here, or of another dtype
+    or shape, fails the refit with a LayoutError naming it, before anything of its batch is copied).
+
+    ``tensors``: a mapping or (name, tensor) pairs, contiguous, in host memory or on one GPU (NumPy,
+    PyTorch, CuPy), kept alive; a destination's are written in place. ``report``: called with no
+    arguments after each refit, its value is the worker's report (default: ``{"tensors": n,
+    "bytes": b}``). After a refit a destination's report first raises LayoutError naming the
+    tensors it holds that no source sent (they keep their old values). A destination's EngineWorker
+    receives with ``receive="callback"`` (its default), not "iterator".
+
+        def program(role, rank):  # a ProcessWorkerGroup's program, run in each worker process
+            w = np.zeros(1 << 20, np.float32)
+            return refit.TensorProgram({"w": w}, report=lambda: float(w[-1]))
+    """
+
+    def __init__(self, tensors: Union[Mapping[str, Any], Iterable[Tuple[str, Any]]],
+                 report: Optional[Callable[[], Any]] = None):
+        self.tensors: Dict[str, Any] = {}
+        for item in (tensors.items() if isinstance(tensors, Mapping) else tensors):
+            if not isinstance(item, tuple) or len(item) != 2:
+                raise _refit.InvalidArgumentError(
+                    f"TensorProgram(tensors): expected a mapping or (name, tensor) pairs, got an item {item!r:.80}")
+            name, tensor = item
+            if name in self.tensors:
+                raise _refit.InvalidArgumentError(f"TensorProgram: tensor '{name}' was given twice")
+            self.tensors[name] = tensor
+        self._report = report
+        self._send: Optional[_refit.TensorSet] = None      # made at the first send
+        self._load: Optional[_refit.ParameterLoader] = None  # made at the first receive
+        self._loading = False  # loader() was asked for since the last stage() or report()
+        self._bytes: Optional[int] = None
+
+    def weight_specs(self, index: int) -> List[Tuple[str, str, Tuple[int, ...]]]:
+        return [(name, dtype, tuple(shape)) for name, (dtype, shape, _) in self._infos()]
+
+    def weights(self, index: int) -> _refit.TensorSet:
+        if self._send is None:
+            self._send = _refit.TensorSet(self.tensors)
+        return self._send
+
+    def loader(self, index: int) -> _refit.ParameterLoader:
+        if self._load is None:
+            self._load = _refit.ParameterLoader(self.tensors)
+        self._loading = True
+        return self._load
+
+    def stage(self, index: int) -> None:
+        if self._load is not None and self._loading:  # a refit that failed before its report: count afresh
+            self._load.take_not_loaded()
+            self._loading = False
+
+    def report(self, index: int) -> Any:
+        if self._load is not None and self._loading:
+            self._loading = False
+            missing = self._load.take_not_loaded()
+            if missing:
+                named = "', '".join(missing[:5]) + ("'" if len(missing) <= 5 else f"' and {len(missing) - 5} more")
+                raise _refit.LayoutError(
+                    f"refit {index}: no source sent {len(missing)} of the {len(self.tensors)} tensors this destination "
+                    f"holds ('{named}); they still hold their old bytes")
+        if self._report is not None:
+            return self._report()
+        if self._bytes is None:
+            self._bytes = sum(nbytes for _, (_, _, nbytes) in self._infos())
+        return {"tensors": len(self.tensors), "bytes": self._bytes}
+
+    def _infos(self) -> List[Tuple[str, Tuple[str, Tuple[int, ...], int]]]:
+        return [(name, _refit.tensor_info(t)) for name, t in self.tensors.items()]
+
+
 class EngineWorker:
-    """One worker: role "policy" (a source) or "rollout" (a destination), its rank, its program.
+    """One worker: role "policy" (a source) or "rollout" (a destination), its rank, its program (a
+    mapping of name to tensor is a TensorProgram of them).
 
     ``framework`` is how a destination receives tensors ("numpy", "torch", ... or "auto");
     ``receive`` how a destination drives a refit:
@@ -55,7 +132,7 @@ class EngineWorker:
     worker added to the driver's (e.g. ``kv_cache_dtype`` and ``model`` or ``num_layers`` for FP8
     KV-cache scales, ``layout`` for a destination), the driver's winning where both give a key."""
 
-    def __init__(self, role: str, rank: int, program: Optional[WorkerProgram] = None, *,
+    def __init__(self, role: str, rank: int, program: Union[None, WorkerProgram, Mapping[str, Any]] = None, *,
                  framework: str = "auto", receive: str = "callback",
                  engine_kwargs: Optional[Mapping[str, Any]] = None):
         if receive not in ("callback", "iterator"):
@@ -65,7 +142,10 @@ class EngineWorker:
             raise _refit.InvalidArgumentError(f"role must be 'policy' or 'rollout', got {role!r}")
         self.role = role
         self.rank = int(rank)
-        self.program = program
+        self.program = TensorProgram(program) if isinstance(program, Mapping) else program
+        if isinstance(self.program, TensorProgram) and role == "rollout" and receive == "iterator":
+            raise _refit.InvalidArgumentError(f"destination rank {rank}: a TensorProgram loads through its "
+                                              f"refit.ParameterLoader, with receive='callback', not 'iterator'")
         self.framework = framework
         self.engine_kwargs = dict(engine_kwargs or {})
         self.engine: Optional[CheckpointEngine] = None

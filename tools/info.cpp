@@ -1,8 +1,12 @@
 #include "info.h"
 
 #include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include <optional>
 
 #include "refit/config.h"
+#include "refit/config_keys.h"
 #include "refit/device.h"
 #include "refit/memory.h"
 #include "refit/transport.h"
@@ -10,7 +14,46 @@
 
 namespace refit::tools {
 
+namespace {
+
+int print_keys(bool json) {
+  if (json) {
+    auto rows = nlohmann::json::array();
+    for (const ConfigKey& key : config_keys()) {
+      nlohmann::json row = {{"scope", to_string(key.scope)},
+                            {"name", key.name},
+                            {"type", key.type},
+                            {"default", key.default_value},
+                            {"summary", key.summary}};
+      if (key.scope == ConfigScope::kBackendParam) row["backends"] = key.backends;
+      if (key.scope == ConfigScope::kNixl) row["extension"] = key.extension;
+      rows.push_back(std::move(row));
+    }
+    fmt::print("{}\n", rows.dump(1));
+    return 0;
+  }
+  std::optional<ConfigScope> scope;
+  for (const ConfigKey& key : config_keys()) {
+    if (key.scope != scope) {
+      fmt::print("{}{}\n", scope ? "\n" : "",
+                 key.scope == ConfigScope::kNixl           ? "refit_cfg.nixl"
+                 : key.scope == ConfigScope::kBackendParam ? "refit_cfg.nixl.backend_init_params"
+                                                           : "environment");
+      scope = key.scope;
+    }
+    const std::string where = key.scope == ConfigScope::kBackendParam ? fmt::format(" [{}]", key.backends)
+                              : key.extension                         ? " [refit]"
+                                                                      : "";
+    fmt::print("  {:<36} {:<22} default {:<10} {}{}\n", key.name, key.type,
+               key.default_value.empty() ? "none" : key.default_value, key.summary, where);
+  }
+  return 0;
+}
+
+}  // namespace
+
 int run_info(const InfoOptions& options) {
+  if (options.keys) return print_keys(options.json);
   const RefitConfig config = load_config(options.config_file, options.overrides);
   fmt::print("refit        {}\n", kVersionString);
   fmt::print("host memory  {:.2f} GiB\n", total_host_memory_bytes() / double(1ull << 30));

@@ -126,6 +126,10 @@ int main(int argc, char** argv) {
       "Show what refit detects (version, GPUs, transports and why one is unavailable) and the effective config");
   info_cmd->add_option("--config", info.config_file, "YAML config file");
   info_cmd->add_option("overrides", info.overrides, "Config overrides, key=value");
+  info_cmd->add_flag("--keys", info.keys,
+                     "Print the configuration table instead: every refit_cfg.nixl key, backend init param and "
+                     "environment variable with its type, default and meaning");
+  info_cmd->add_flag("--json", info.json, "With --keys: the table as JSON");
 
   CLI11_PARSE(app, argc, argv);
   spdlog::cfg::load_env_levels();  // SPDLOG_LEVEL=debug shows per-bucket timings

@@ -46,6 +46,7 @@ from ._refit import (
     TransportError,
     UnsupportedError,
     bucket_size_line,
+    config_keys,
     cuda_built,
     cuda_device_count,
     destination_layout,
@@ -109,8 +110,8 @@ __all__ = [
     "TransportError", "RefitTimeoutError", "PeerLostError", "IntegrityError", "ProtocolError", "RefitIOError",
     "UnsupportedError", "InternalError",
     # configuration, bucket sizing, machines, models, checks, the log
-    "RefitConfig", "parse_config", "load_config", "as_config", "resolve_bucket_size", "bucket_size_line",
-    "total_device_memory_bytes", "total_host_memory_bytes", "cuda_built", "cuda_device_count",
+    "RefitConfig", "parse_config", "load_config", "as_config", "config_keys", "resolve_bucket_size",
+    "bucket_size_line", "total_device_memory_bytes", "total_host_memory_bytes", "cuda_built", "cuda_device_count",
     "load_model_inventory", "xxh3_64", "fill_synthetic", "set_log_level", "log",
     # FP8 and sharded experts
     "Fp8QuantizingLoader", "is_kv_scale_name", "is_fp8_linear_weight", "fp8_block_inventory", "ExpertLoader",

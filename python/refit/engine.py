@@ -40,16 +40,9 @@ from . import _refit
 from ._refit import Layout, RefitConfig
 from .base import CheckpointEngineBase
 
-def _config_keys() -> Tuple[str, ...]:
-    # The C++ configuration writes every key of its refit_cfg.nixl scope (its one list, config.cpp).
-    text = RefitConfig().to_yaml()
-    scope = text[text.index("nixl:") + len("nixl:"):]
-    return tuple(line.split(":", 1)[0].strip() for line in scope.splitlines() if line.startswith("    ") and ":" in line
-                 and not line.startswith("     "))
-
-
-#: The keys of the reference's refit_cfg.nixl scope, plus refit's extensions, that configure an engine.
-CONFIG_KEYS = _config_keys()
+#: The keys of the reference's refit_cfg.nixl scope, plus refit's extensions, that configure an engine
+#: (from the configuration table, refit.config_keys()).
+CONFIG_KEYS = tuple(row["name"] for row in _refit.config_keys() if row["scope"] == "nixl")
 #: engine_kwargs keys that are not configuration: the driver's session id, the model fingerprint,
 #: the destination layout, the framework received tensors are handed out as, whether the engine
 #: only receives (then it holds transfer buffers only when it cannot map its source's), and for

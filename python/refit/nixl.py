@@ -53,7 +53,8 @@ NIXL_MODULES = ("nixl_cu13", "nixl_cu12", "nixl")
 #: tensors from their own memory (one transfer per bucket, its spans as descriptors) instead of
 #: the sources packing them. Off by default: on one host it measured no faster than buckets
 #: (docs/PYTHON.md); it is for sources on other hosts, where packing is what costs.
-REFIT_PARAMS = ("backend", "device", "read_source_memory")
+REFIT_PARAMS = tuple(row["name"] for row in _refit.config_keys()
+                     if row["scope"] == "backend_init_params" and "NIXL" in row["backends"].split())
 
 # A control message: kind, then (for a message) its number in the pair's sequence.
 _MESSAGE = 0

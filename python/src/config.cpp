@@ -123,6 +123,27 @@ void register_config(nb::module_& m) {
       .def("__setstate__", [](RefitConfig& c, const std::string& yaml) { new (&c) RefitConfig(parse_config(yaml)); });
 
   m.def(
+      "config_keys",
+      [] {
+        nb::list rows;
+        for (const ConfigKey& key : config_keys()) {
+          nb::dict row;
+          row["scope"] = std::string(to_string(key.scope));
+          row["name"] = std::string(key.name);
+          row["type"] = std::string(key.type);
+          row["default"] = std::string(key.default_value);
+          row["backends"] = std::string(key.backends);
+          row["extension"] = key.extension;
+          row["summary"] = std::string(key.summary);
+          rows.append(row);
+        }
+        return rows;
+      },
+      "refit's configuration table: every refit_cfg.nixl key (scope 'nixl'), backend init param "
+      "('backend_init_params', with the backends that take it) and environment variable ('environment'), "
+      "each a dict of scope, name, type, default, backends, extension and summary.");
+
+  m.def(
       "parse_config",
       [](const std::string& text, const std::vector<std::string>& overrides) { return parse_config(text, overrides); },
       nb::arg("yaml_text") = "", nb::arg("overrides") = std::vector<std::string>{},

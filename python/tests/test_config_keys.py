@@ -36,3 +36,21 @@ def test_every_key_reaches_the_workers():
     for key in NON_DEFAULT:
         if key not in ("device", "backend_name"):
             assert getattr(defaults, key) != getattr(worker_config, key), key
+
+
+def test_the_configuration_table_is_the_parsers():
+    rows = refit.config_keys()
+    nixl = [row for row in rows if row["scope"] == "nixl"]
+    assert [row["name"] for row in nixl] == list(CONFIG_KEYS)
+    # Every key is an attribute of RefitConfig, and the table's default is what RefitConfig() writes.
+    yaml = refit.RefitConfig().to_yaml()
+    for row in nixl:
+        assert hasattr(refit.RefitConfig(), row["name"]), row["name"]
+        assert f"    {row['name']}: " in yaml, row["name"]
+        written = yaml.split(f"    {row['name']}: ", 1)[1].splitlines()[0].strip('"')
+        assert written == row["default"], row["name"]
+    # The NIXL backend's own params come from the table, and every scope has rows.
+    from refit.nixl import REFIT_PARAMS
+    assert set(REFIT_PARAMS) == {"device", "backend", "read_source_memory"}
+    assert {row["scope"] for row in rows} == {"nixl", "backend_init_params", "environment"}
+    assert all(row["name"].startswith("REFIT_") for row in rows if row["scope"] == "environment")

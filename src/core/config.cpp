@@ -16,25 +16,16 @@
 #include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
+#include "core/config_rows.h"
 #include "core/fail.h"
 
 namespace refit {
 namespace {
 
-constexpr std::array<std::string_view, 12> kNixlKeys = {"update_weights_bucket_memory_ratio",
-                                                        "device",
-                                                        "backend_name",
-                                                        "backend_init_params",
-                                                        "release_after_refit",
-                                                        "shard_expert_weights",
-                                                        "bucket_bytes",
-                                                        "timeout_s",
-                                                        "verify_checksums",
-                                                        "map_source_buffers",
-                                                        "direct_reads",
-                                                        "delta"};
-
-bool is_nixl_key(std::string_view key) { return std::find(kNixlKeys.begin(), kNixlKeys.end(), key) != kNixlKeys.end(); }
+// The nixl scope's keys (kNixlFields, below the value readers they use).
+struct NixlField;
+const NixlField* find_field(std::string_view name);
+std::string field_names();
 
 // A value as the user wrote it, for error messages.
 std::string describe(const YAML::Node& node) {
@@ -98,9 +89,8 @@ void gather_refit_cfg(Raw& raw, const YAML::Node& refit_cfg) {
     if (nixl.IsNull()) continue;
     if (!nixl.IsMap()) fail(ErrorKind::kConfig, "{}.nixl must be a mapping, got {}", path, describe(nixl));
     for (const auto& [key, value] : entries(nixl, path + ".nixl")) {
-      if (!is_nixl_key(key)) {
-        fail(ErrorKind::kConfig, "unknown key {}.nixl.{}: valid keys are {}", path, key, fmt::join(kNixlKeys, ", "));
-      }
+      if (!find_field(key))
+        fail(ErrorKind::kConfig, "unknown key {}.nixl.{}: valid keys are {}", path, key, field_names());
       put(raw.nixl, key, value);
     }
   }
@@ -179,7 +169,7 @@ void apply_override(Raw& raw, const std::string& text) {
   bool scoped = strip_prefix(key, "refit_cfg.nixl.");
   if (!scoped && key == "refit_transport") {
     raw.transport.emplace(value);
-  } else if (is_nixl_key(key)) {
+  } else if (find_field(key)) {
     put(raw.nixl, std::string(key), value);
   } else if (strip_prefix(key, "backend_init_params.") && !key.empty()) {
     auto it = raw.nixl.find("backend_init_params");
@@ -191,7 +181,7 @@ void apply_override(Raw& raw, const std::string& text) {
     fail(ErrorKind::kConfig,
          "override '{}': unknown key; expected refit_transport, refit_cfg.nixl.<key> (or just <key>) with <key> one of "
          "{}, or backend_init_params.<param>",
-         text, fmt::join(kNixlKeys, ", "));
+         text, field_names());
   }
 }
 
@@ -283,6 +273,120 @@ std::string string_value(const YAML::Node& node, const std::string& key) {
   return node.Scalar();
 }
 
+// Writes a YAML scalar as its own text (numbers as fmt's shortest round-trip text, so parsing gives
+// back the same double).
+template <typename T>
+void emit_plain(YAML::Emitter& out, const T& value) {
+  out << fmt::format("{}", value);
+}
+
+// One key of the nixl scope: its row of the configuration table (config_keys.h), how the parser
+// reads it into a RefitConfig (after the file and every override are gathered) and how to_yaml
+// writes it. The defaults are RefitConfig's member initializers, written by `write`.
+struct NixlField {
+  std::string_view name;
+  std::string_view type;
+  bool extension;
+  std::string_view summary;
+  bool plugin_scope;  // a plugin transport's scope holds it instead of nixl's
+  void (*read)(RefitConfig& config, const YAML::Node& node, const std::string& key);
+  void (*write)(YAML::Emitter& out, const RefitConfig& config);
+};
+
+const NixlField kNixlFields[] = {
+    {"update_weights_bucket_memory_ratio", "number", false,
+     "fraction of the smallest worker's memory each of the two transfer buffers takes; 0 < r < 0.5", true,
+     [](RefitConfig& c, const YAML::Node& node, const std::string& key) {
+       const double r = number(node, key);
+       if (!(r > 0 && 2 * r < 1))  // also rejects NaN and inf
+         fail(ErrorKind::kConfig,
+              "{} must be > 0 and < 0.5 (each of the two transfer buffers takes this fraction of the smallest worker "
+              "memory), got {}",
+              key, describe(node));
+       c.update_weights_bucket_memory_ratio = r;
+     },
+     [](YAML::Emitter& out, const RefitConfig& c) { emit_plain(out, c.update_weights_bucket_memory_ratio); }},
+    {"device", "cpu | cuda | cuda:N", false, "where the transfer buffers live", false,
+     [](RefitConfig& c, const YAML::Node& node, const std::string& key) {
+       c.device = parse_device(string_value(node, key), key);
+     },
+     [](YAML::Emitter& out, const RefitConfig& c) { out << to_string(c.device); }},
+    {"backend_name", "string", false, "the transport backend: UCX, CUDA_IPC, NCCL (C++) or NIXL (Python)", false,
+     [](RefitConfig& c, const YAML::Node& node, const std::string& key) { c.backend_name = string_value(node, key); },
+     [](YAML::Emitter& out, const RefitConfig& c) { out << YAML::DoubleQuoted << c.backend_name; }},
+    {"backend_init_params", "mapping or null", false, "the backend's parameters, values as strings", false,
+     [](RefitConfig& c, const YAML::Node& node, const std::string& key) {
+       c.backend_init_params.clear();
+       if (node.IsNull()) return;
+       if (!node.IsMap()) fail(ErrorKind::kConfig, "{} must be null or a mapping, got {}", key, describe(node));
+       for (const auto& [param, value] : entries(node, key)) {
+         if (!value.IsScalar())
+           fail(ErrorKind::kConfig, "{}.{} must be a string, number or bool, got {}", key, param, describe(value));
+         c.backend_init_params[param] = value.Scalar();  // as written: 8 -> "8", true -> "true"
+       }
+     },
+     [](YAML::Emitter& out, const RefitConfig& c) {
+       if (c.backend_init_params.empty()) {
+         out << YAML::Null;
+         return;
+       }
+       out << YAML::BeginMap;
+       for (const auto& [k, v] : c.backend_init_params)
+         out << YAML::Key << YAML::DoubleQuoted << k << YAML::Value << YAML::DoubleQuoted << v;
+       out << YAML::EndMap;
+     }},
+    {"release_after_refit", "bool", false, "free the transfer buffers after every refit", true,
+     [](RefitConfig& c, const YAML::Node& node, const std::string& key) { c.release_after_refit = boolean(node, key); },
+     [](YAML::Emitter& out, const RefitConfig& c) { out << c.release_after_refit; }},
+    {"shard_expert_weights", "bool", false, "send each destination only its expert shards (needs a layout)", false,
+     [](RefitConfig& c, const YAML::Node& node, const std::string& key) {
+       c.shard_expert_weights = boolean(node, key);
+     },
+     [](YAML::Emitter& out, const RefitConfig& c) { out << c.shard_expert_weights; }},
+    {"bucket_bytes", "byte count or null", true, "a fixed size of each transfer buffer instead of the ratio", false,
+     [](RefitConfig& c, const YAML::Node& node, const std::string& key) {
+       c.bucket_bytes = node.IsNull() ? std::nullopt : std::optional(byte_count(node, key));
+     },
+     [](YAML::Emitter& out, const RefitConfig& c) {
+       if (c.bucket_bytes)
+         emit_plain(out, *c.bucket_bytes);
+       else
+         out << YAML::Null;
+     }},
+    {"timeout_s", "number", true, "the deadline, in seconds, of every wait of one refit phase", false,
+     [](RefitConfig& c, const YAML::Node& node, const std::string& key) {
+       const double t = number(node, key);
+       if (!(t > 0 && std::isfinite(t)))
+         fail(ErrorKind::kConfig, "{} must be a positive finite number of seconds, got {}", key, describe(node));
+       c.timeout_s = t;
+     },
+     [](YAML::Emitter& out, const RefitConfig& c) { emit_plain(out, c.timeout_s); }},
+    {"verify_checksums", "bool", true, "an xxh3 checksum per bucket, checked on arrival", false,
+     [](RefitConfig& c, const YAML::Node& node, const std::string& key) { c.verify_checksums = boolean(node, key); },
+     [](YAML::Emitter& out, const RefitConfig& c) { out << c.verify_checksums; }},
+    {"map_source_buffers", "bool", true, "load from a same-host source's transfer buffers, mapped", false,
+     [](RefitConfig& c, const YAML::Node& node, const std::string& key) { c.map_source_buffers = boolean(node, key); },
+     [](YAML::Emitter& out, const RefitConfig& c) { out << c.map_source_buffers; }},
+    {"direct_reads", "bool", true, "load a same-host source's tensors in place, no bucket", false,
+     [](RefitConfig& c, const YAML::Node& node, const std::string& key) { c.direct_reads = boolean(node, key); },
+     [](YAML::Emitter& out, const RefitConfig& c) { out << c.direct_reads; }},
+    {"delta", "bool", true, "send only the elements whose bits changed since the last refit", false,
+     [](RefitConfig& c, const YAML::Node& node, const std::string& key) { c.delta = boolean(node, key); },
+     [](YAML::Emitter& out, const RefitConfig& c) { out << c.delta; }},
+};
+
+const NixlField* find_field(std::string_view name) {
+  for (const NixlField& f : kNixlFields)
+    if (f.name == name) return &f;
+  return nullptr;
+}
+
+std::string field_names() {
+  std::string out;
+  for (const NixlField& f : kNixlFields) out += fmt::format("{}{}", out.empty() ? "" : ", ", f.name);
+  return out;
+}
+
 // The plugin scope: the two keys it shares with nixl fill `config`, the others are the plugin's.
 void build_plugin(const Raw& raw, RefitConfig& config) {
   const std::string path = raw.prefix + "refit_cfg";
@@ -321,53 +425,8 @@ void build_plugin(const Raw& raw, RefitConfig& config) {
 RefitConfig build(const Raw& raw) {
   RefitConfig config;
   if (raw.transport) config.refit_transport = check_transport(*raw.transport, raw.prefix);
-  for (const auto& [name, node] : raw.nixl) {
-    const std::string key = raw.prefix + "refit_cfg.nixl." + name;
-    if (name == "update_weights_bucket_memory_ratio") {
-      double r = number(node, key);
-      if (!(r > 0 && 2 * r < 1)) {  // also rejects NaN and inf
-        fail(ErrorKind::kConfig,
-             "{} must be > 0 and < 0.5 (each of the two transfer buffers takes this fraction of the smallest worker "
-             "memory), got {}",
-             key, describe(node));
-      }
-      config.update_weights_bucket_memory_ratio = r;
-    } else if (name == "device") {
-      config.device = parse_device(string_value(node, key), key);
-    } else if (name == "backend_name") {
-      config.backend_name = string_value(node, key);
-    } else if (name == "backend_init_params") {
-      config.backend_init_params.clear();
-      if (node.IsNull()) continue;
-      if (!node.IsMap()) fail(ErrorKind::kConfig, "{} must be null or a mapping, got {}", key, describe(node));
-      for (const auto& [param, value] : entries(node, key)) {
-        if (!value.IsScalar()) {
-          fail(ErrorKind::kConfig, "{}.{} must be a string, number or bool, got {}", key, param, describe(value));
-        }
-        config.backend_init_params[param] = value.Scalar();  // as written: 8 -> "8", true -> "true"
-      }
-    } else if (name == "release_after_refit") {
-      config.release_after_refit = boolean(node, key);
-    } else if (name == "shard_expert_weights") {
-      config.shard_expert_weights = boolean(node, key);
-    } else if (name == "verify_checksums") {
-      config.verify_checksums = boolean(node, key);
-    } else if (name == "map_source_buffers") {
-      config.map_source_buffers = boolean(node, key);
-    } else if (name == "direct_reads") {
-      config.direct_reads = boolean(node, key);
-    } else if (name == "delta") {
-      config.delta = boolean(node, key);
-    } else if (name == "bucket_bytes") {
-      config.bucket_bytes = node.IsNull() ? std::nullopt : std::optional(byte_count(node, key));
-    } else if (name == "timeout_s") {
-      double t = number(node, key);
-      if (!(t > 0 && std::isfinite(t))) {
-        fail(ErrorKind::kConfig, "{} must be a positive finite number of seconds, got {}", key, describe(node));
-      }
-      config.timeout_s = t;
-    }
-  }
+  for (const auto& [name, node] : raw.nixl)
+    find_field(name)->read(config, node, raw.prefix + "refit_cfg.nixl." + name);  // gather() let known keys only
   build_plugin(raw, config);
   return config;
 }
@@ -454,42 +513,19 @@ std::string to_yaml(const RefitConfig& config) {
   out << YAML::Key << "refit_transport" << YAML::Value << config.refit_transport;
   out << YAML::Key << "refit_cfg" << YAML::Value << YAML::BeginMap << YAML::Key << "nixl" << YAML::Value
       << YAML::BeginMap;
-  // Numbers as fmt's shortest round-trip text, so parsing gives back the same double. A plugin's
-  // ratio and release_after_refit are in its own scope.
-  if (!config.uses_plugin())
-    out << YAML::Key << "update_weights_bucket_memory_ratio" << YAML::Value
-        << fmt::format("{}", config.update_weights_bucket_memory_ratio);
-  out << YAML::Key << "device" << YAML::Value << to_string(config.device);
-  out << YAML::Key << "backend_name" << YAML::Value << YAML::DoubleQuoted << config.backend_name;
-  out << YAML::Key << "backend_init_params" << YAML::Value;
-  if (config.backend_init_params.empty()) {
-    out << YAML::Null;
-  } else {
-    out << YAML::BeginMap;
-    for (const auto& [k, v] : config.backend_init_params) {
-      out << YAML::Key << YAML::DoubleQuoted << k << YAML::Value << YAML::DoubleQuoted << v;
-    }
-    out << YAML::EndMap;
+  for (const NixlField& f : kNixlFields) {
+    if (f.plugin_scope && config.uses_plugin()) continue;  // in the plugin's scope below
+    out << YAML::Key << std::string(f.name) << YAML::Value;
+    f.write(out, config);
   }
-  if (!config.uses_plugin()) out << YAML::Key << "release_after_refit" << YAML::Value << config.release_after_refit;
-  out << YAML::Key << "shard_expert_weights" << YAML::Value << config.shard_expert_weights;
-  out << YAML::Key << "bucket_bytes" << YAML::Value;
-  if (config.bucket_bytes) {
-    out << std::to_string(*config.bucket_bytes);
-  } else {
-    out << YAML::Null;
-  }
-  out << YAML::Key << "timeout_s" << YAML::Value << fmt::format("{}", config.timeout_s);
-  out << YAML::Key << "verify_checksums" << YAML::Value << config.verify_checksums;
-  out << YAML::Key << "map_source_buffers" << YAML::Value << config.map_source_buffers;
-  out << YAML::Key << "direct_reads" << YAML::Value << config.direct_reads;
-  out << YAML::Key << "delta" << YAML::Value << config.delta;
   out << YAML::EndMap;
   if (config.uses_plugin()) {
     out << YAML::Key << YAML::DoubleQuoted << config.refit_transport << YAML::Value << YAML::BeginMap;
-    out << YAML::Key << "update_weights_bucket_memory_ratio" << YAML::Value
-        << fmt::format("{}", config.update_weights_bucket_memory_ratio);
-    out << YAML::Key << "release_after_refit" << YAML::Value << config.release_after_refit;
+    for (const NixlField& f : kNixlFields) {
+      if (!f.plugin_scope) continue;
+      out << YAML::Key << std::string(f.name) << YAML::Value;
+      f.write(out, config);
+    }
     for (const auto& [k, v] : config.plugin_params) {
       out << YAML::Key << YAML::DoubleQuoted << k << YAML::Value;
       emit_json(out, nlohmann::json::parse(v));
@@ -498,6 +534,27 @@ std::string to_yaml(const RefitConfig& config) {
   }
   out << YAML::EndMap << YAML::EndMap;
   return std::string(out.c_str()) + "\n";
+}
+
+std::vector<ConfigKey> nixl_config_rows() {
+  static const std::vector<std::string> defaults = [] {
+    std::vector<std::string> out;
+    for (const NixlField& f : kNixlFields) {
+      YAML::Emitter value;
+      value.SetNullFormat(YAML::LowerNull);
+      f.write(value, RefitConfig{});
+      std::string text = value.c_str();
+      if (text.size() >= 2 && text.front() == '"' && text.back() == '"') text = text.substr(1, text.size() - 2);
+      out.push_back(std::move(text));
+    }
+    return out;
+  }();
+  std::vector<ConfigKey> rows;
+  for (size_t i = 0; i < std::size(kNixlFields); ++i) {
+    const NixlField& f = kNixlFields[i];
+    rows.push_back({ConfigScope::kNixl, f.name, f.type, defaults[i], {}, f.extension, f.summary});
+  }
+  return rows;
 }
 
 }  // namespace refit

@@ -1,5 +1,6 @@
 #include "refit/config.h"
 
+#include <fmt/format.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -7,9 +8,12 @@
 #include <fstream>
 #include <limits>
 #include <map>
+#include <set>
+#include <sstream>
 #include <string>
 #include <vector>
 
+#include "refit/config_keys.h"
 #include "refit/error.h"
 
 namespace refit {
@@ -505,6 +509,64 @@ TEST(ConfigLoad, MissingFileNamesPath) {
     EXPECT_THAT(e.what(), HasSubstr(path));
   }
   EXPECT_THROW(load_config(std::filesystem::temp_directory_path().string()), Error);  // a directory
+}
+
+}  // namespace
+}  // namespace refit
+
+namespace refit {
+namespace {
+
+// The configuration table's nixl rows are the parser's keys: to_yaml writes exactly them, in
+// their order, with their defaults; every one is accepted in a file and as an override; any other
+// name is refused, and the refusal lists the table's keys.
+TEST(ConfigTable, TheNixlRowsAreWhatTheParserReadsAndWrites) {
+  std::vector<std::string> written;
+  std::map<std::string, std::string> defaults;
+  const std::string yaml = to_yaml(RefitConfig{});
+  std::istringstream lines(yaml.substr(yaml.find("  nixl:\n") + 8));
+  for (std::string line; std::getline(lines, line) && line.starts_with("    ");) {
+    const size_t colon = line.find(':');
+    written.push_back(line.substr(4, colon - 4));
+    std::string value = line.substr(colon + 2);
+    if (value.size() >= 2 && value.front() == '"') value = value.substr(1, value.size() - 2);
+    defaults[written.back()] = value;
+  }
+  std::vector<std::string> rows;
+  for (const ConfigKey& key : config_keys()) {
+    if (key.scope != ConfigScope::kNixl) continue;
+    rows.emplace_back(key.name);
+    EXPECT_EQ(key.default_value, defaults[rows.back()]) << key.name;
+    EXPECT_FALSE(key.type.empty() || key.summary.empty()) << key.name;
+    // Its default, written back, parses as a file key and as an override.
+    const std::string value = key.default_value.empty() ? "null" : std::string(key.default_value);
+    EXPECT_EQ(parse_config(nixl(fmt::format("{}: {}", key.name, value))), RefitConfig{}) << key.name;
+    const std::vector<std::string> override = {fmt::format("refit_cfg.nixl.{}={}", key.name, value)};
+    EXPECT_EQ(parse_config("", override), RefitConfig{}) << key.name;
+  }
+  EXPECT_EQ(rows, written);
+  EXPECT_EQ(rows.size(), 12u);
+  const Error e = config_error(nixl("bucket_size: 1"));
+  for (const std::string& name : rows) EXPECT_THAT(e.what(), HasSubstr(name));
+}
+
+TEST(ConfigTable, BackendParamsAndVariablesByScope) {
+  using ::testing::ElementsAre;
+  EXPECT_THAT(config_key_names(ConfigScope::kBackendParam, "ucx"),
+              ElementsAre("device", "ucx_error_handling_mode", "device_list", "tls", "engine_config"));
+  EXPECT_THAT(config_key_names(ConfigScope::kBackendParam, "CUDA_IPC"), ElementsAre("device", "connect_timeout_s"));
+  EXPECT_THAT(config_key_names(ConfigScope::kBackendParam, "NCCL"), ElementsAre("device", "timeout_s"));
+  EXPECT_THAT(config_key_names(ConfigScope::kBackendParam, "NIXL"),
+              ElementsAre("device", "backend", "read_source_memory"));
+  EXPECT_TRUE(config_key_names(ConfigScope::kBackendParam, "NO_SUCH_BACKEND").empty());
+  for (std::string_view name : config_key_names(ConfigScope::kEnvironment)) EXPECT_TRUE(name.starts_with("REFIT_"));
+  // Every row has a type and a summary; names are unique within a scope.
+  std::set<std::pair<ConfigScope, std::string_view>> seen;
+  for (const ConfigKey& key : config_keys()) {
+    EXPECT_FALSE(key.type.empty() || key.summary.empty()) << key.name;
+    EXPECT_TRUE(seen.insert({key.scope, key.name}).second) << key.name;
+    EXPECT_EQ(key.scope == ConfigScope::kBackendParam, !key.backends.empty()) << key.name;
+  }
 }
 
 }  // namespace

@@ -3,8 +3,9 @@
 
 A doc may name only command-line options, configuration keys, environment variables, files and
 headers that exist; docs/CLI.md must list every option of every `refit` subcommand, docs/CONFIG.md
-every configuration key (with the parser's default) and every REFIT_* variable the product reads,
-README.md's YAML every key, docs/ARCHITECTURE.md every public header and every private header the
+every row of the configuration table (`refit info --keys --json`: each refit_cfg.nixl key with its
+default, each backend init param, each environment variable), the table every REFIT_* variable the
+product reads, README.md's YAML every key, docs/ARCHITECTURE.md every public header and every private header the
 tools and the binding include. `refit plan` and `refit info` commands written in the docs are
 run. Each problem is printed as FILE:LINE: what is wrong; the exit status is 1 when there is one.
 
@@ -14,6 +15,7 @@ Usage: check_docs.py --refit PATH/TO/refit [--docs DIR]   (DIR: where README.md 
 
 import argparse
 import glob
+import json
 import os
 import re
 import shutil
@@ -71,12 +73,11 @@ def help_options(refit, subcommand):
     return set(re.findall(r"^\s+(?:-\w,)?(--[a-z][\w-]*)", out.stdout, flags=re.M)) - {"--help"}
 
 
-def config_defaults(refit):
-    out = subprocess.run([refit, "info"], capture_output=True, text=True, timeout=60)
+def config_table(refit):
+    out = subprocess.run([refit, "info", "--keys", "--json"], capture_output=True, text=True, timeout=60)
     if out.returncode != 0:
-        raise SystemExit(f"check_docs: `refit info` failed: {out.stderr}")
-    yaml = out.stdout[out.stdout.index("  nixl:"):]
-    return {k: v.strip().strip('"') for k, v in re.findall(r"^ {4}(\w+): (.*)$", yaml, flags=re.M)}
+        raise SystemExit(f"check_docs: `refit info --keys --json` failed: {out.stderr}")
+    return json.loads(out.stdout)
 
 
 def repo_defined_options():
@@ -143,7 +144,8 @@ class CodeFacts:
         self.options = {s: help_options(refit, s) for s in SUBCOMMANDS}
         every_refit_option = set().union(*self.options.values()) | {"--version", "--help"}
         self.known_options = every_refit_option | repo_defined_options() | set().union(*EXTERNAL_OPTIONS.values())
-        self.defaults = config_defaults(refit)
+        self.table = config_table(refit)
+        self.defaults = {row["name"]: row["default"] for row in self.table if row["scope"] == "nixl"}
         self.env_named = set()  # REFIT_* anywhere in the code
         for path in code_files():
             self.env_named.update(re.findall(r"REFIT_\w+", read(path)))
@@ -207,7 +209,7 @@ def check(root, facts, run_commands=True):
                                                f"{(out.stderr or out.stdout).strip().splitlines()[-1:]}")
 
     check_cli_tables(docs.get("docs/CLI.md", ""), options, problems)
-    check_config_docs(docs, defaults, facts.env_read, problems)
+    check_config_docs(docs, facts.table, facts.env_read, problems)
     check_architecture(docs.get("docs/ARCHITECTURE.md", ""), public_headers, problems)
     return problems.items
 
@@ -228,8 +230,9 @@ def check_cli_tables(text, options, problems):
             problems.add("docs/CLI.md", f"the table of `refit {sub}` lists {opt}, which it does not have")
 
 
-def check_config_docs(docs, defaults, env_vars, problems):
+def check_config_docs(docs, table, env_read, problems):
     config = docs.get("docs/CONFIG.md", "")
+    defaults = {row["name"]: row["default"] for row in table if row["scope"] == "nixl"}
     rows = dict(re.findall(r"^\| `refit_cfg\.nixl\.(\w+)` \| [^|]+ \| `([^`]+)`", config, flags=re.M))
     for key in sorted(set(defaults) - set(rows)):
         problems.add("docs/CONFIG.md", f"the keys table omits refit_cfg.nixl.{key}")
@@ -237,10 +240,31 @@ def check_config_docs(docs, defaults, env_vars, problems):
         if rows[key] != defaults[key]:
             problems.add("docs/CONFIG.md", f"refit_cfg.nixl.{key}: the table says the default is {rows[key]}, "
                                            f"the parser's is {defaults[key]}")
+    # Backend init params: each section's table lists its backends' params, and only those.
+    params = [row for row in table if row["scope"] == "backend_init_params"]
+    for m in re.finditer(r"^### `backend_init_params` for ([\w ]+)\n(.*?)(?=^##)", config, flags=re.M | re.S):
+        backends = m.group(1).replace(" and ", " ").split()
+        listed = set(re.findall(r"^\| `(\w+)` \|", m.group(2), flags=re.M))
+        takes = {row["name"] for row in params if set(row["backends"].split()) & set(backends)}
+        for name in sorted(listed - takes):
+            problems.add("docs/CONFIG.md", f"backend_init_params for {m.group(1)} lists {name}, which the "
+                                           f"configuration table does not give those backends")
+        for name in sorted(takes - listed):
+            if f"`{name}`" not in m.group(2):
+                problems.add("docs/CONFIG.md", f"backend_init_params for {m.group(1)} omits {name}")
+    python_doc = docs.get("docs/PYTHON.md", "")
+    for row in params:
+        if "NIXL" in row["backends"].split() and not re.search(rf"\b{row['name']}\b", python_doc):
+            problems.add("docs/PYTHON.md", f"the NIXL backend's init param {row['name']} is not documented")
+    # Environment variables: the doc's table is the configuration table's, which holds every one read.
+    env_rows = {row["name"] for row in table if row["scope"] == "environment"}
     env = re.search(r"^## Environment\n(.*?)(?=^## |\Z)", config, flags=re.M | re.S)
-    table = set(re.findall(r"^\| `(\w+)`", env.group(1), flags=re.M)) if env else set()
-    for var in sorted(env_vars - table):
-        problems.add("docs/CONFIG.md", f"refit reads {var}, which the Environment table does not list")
+    listed_env = set(re.findall(r"^\| `(\w+)`", env.group(1), flags=re.M)) if env else set()
+    for var in sorted(env_rows ^ listed_env):
+        problems.add("docs/CONFIG.md", f"the Environment table {'omits' if var in env_rows else 'lists'} {var}"
+                                       f"{'' if var in env_rows else ', which the configuration table does not'}")
+    for var in sorted(env_read - env_rows):
+        problems.add("refit info --keys", f"refit reads {var}, which the configuration table does not list")
     readme = docs.get("README.md", "")
     yaml = re.search(r"^```yaml\n(.*?)^```", readme, flags=re.M | re.S)
     keys = set(re.findall(r"^ {4}(\w+):", yaml.group(1), flags=re.M)) if yaml else set()
@@ -284,6 +308,8 @@ def self_test(facts):
         ("docs/ARCHITECTURE.md", "| `version.h` |", "| `versions.h` |", "versions.h"),
         ("docs/CONFIG.md", "| `refit_cfg.nixl.timeout_s` | number | `300`", "| `refit_cfg.nixl.timeout_s` | number | `30`",
          "timeout_s"),
+        ("docs/CONFIG.md", "| `tls` |", "| `transports` |", "lists transports"),
+        ("docs/CONFIG.md", "| `REFIT_RENDEZVOUS` |", "| `REFIT_RENDEZVOU` |", "omits REFIT_RENDEZVOUS"),
     ]
     failed = 0
     for doc, old, new, expect in plants:

@@ -1,10 +1,14 @@
 #include "transport/local_socket/local_peer.h"
 
+#include <fmt/ranges.h>
+
+#include <algorithm>
 #include <charconv>
 #include <cmath>
 
 #include "core/fail.h"
 #include "core/wire.h"
+#include "refit/config_keys.h"
 
 namespace refit {
 namespace {
@@ -64,12 +68,15 @@ double InitParams::seconds(const std::string& key, double fallback) {
 }
 
 void InitParams::finish() const {
+  const std::vector<std::string_view> accepted = config_key_names(ConfigScope::kBackendParam, backend_);
+  for (const auto& [key, value] : known_)
+    if (std::find(accepted.begin(), accepted.end(), key) == accepted.end())
+      fail(ErrorKind::kInternal, "backend {} reads init param '{}', which the configuration table does not list",
+           backend_, key);
   for (const auto& [key, value] : params_) {
     if (known_.count(key)) continue;
-    std::string accepted;
-    for (const auto& [k, unused] : known_) accepted += (accepted.empty() ? "" : ", ") + k;
     fail(ErrorKind::kConfig, "refit_cfg.nixl.backend_init_params.{}: unknown parameter for backend {} (accepted: {})",
-         key, backend_, accepted);
+         key, backend_, fmt::join(accepted, ", "));
   }
 }
 

@@ -4,6 +4,8 @@
 #include <ucs/datastruct/list.h>
 #include <uct/api/uct.h>
 
+#include <fmt/ranges.h>
+
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -12,6 +14,7 @@
 #include <string_view>
 
 #include "core/fail.h"
+#include "refit/config_keys.h"
 
 namespace refit {
 namespace {
@@ -162,10 +165,8 @@ UcxOptions parse_ucx_options(const std::map<std::string, std::string>& params) {
     } else if (key == "engine_config") {
       parse_engine_config(value, user);
     } else {
-      fail(ErrorKind::kConfig,
-           "{}='{}': unknown UCX backend parameter (expected ucx_error_handling_mode, device_list, tls or "
-           "engine_config)",
-           ucx_param_name(key), value);
+      fail(ErrorKind::kConfig, "{}='{}': unknown UCX backend parameter (expected one of {})", ucx_param_name(key),
+           value, fmt::join(config_key_names(ConfigScope::kBackendParam, "UCX"), ", "));
     }
   }
   if (options.error_mode == UCP_ERR_HANDLING_MODE_PEER) {

@@ -11,9 +11,11 @@
 //                        the refit's batches itself: begin_receive() ... finish_receive());
 //   finalize()           disconnect; with release_after_refit also free the buffers, after
 //                        which prepare() must run again (with a fresh metadata exchange).
-// Two topologies, chosen by what the sources declare (every peer reaches the same choice):
-//  - paired (the reference's): sources hold the whole model; source rank i sends to destination
-//    rank i what its layout needs; sources without a destination drain their weights and return;
+// Two topologies, chosen by what the sources declare (every peer reaches the same choice), each a
+// transfer plan (transfer_plan.h) that gives every engine its links:
+//  - paired (the reference's; paired_plan()): sources hold the whole model; source rank i sends to
+//    destination rank i what its layout needs; sources without a destination drain their
+//    weights and return;
 //  - resharding: sources declare what they hold (EngineOptions::holds: their shards, no gather
 //    on the training side); every engine computes the same transfer plan (transfer_plan.h) from
 //    all layouts, and each destination reads its pieces from every source that has them, all at
@@ -237,8 +239,8 @@ class CheckpointEngine {
   std::unique_ptr<Impl> impl_;
 };
 
-// The reference's pairing: destination r is fed by source r. Validates the world sizes and
-// the rank, throwing Error(kTopology): T >= 1, R >= 1, 0 <= r < R, T >= R.
+// The reference's pairing (paired_plan()): destination r is fed by source r. Validates the world
+// sizes and the rank, throwing Error(kTopology): T >= 1, R >= 1, 0 <= r < R, T >= R.
 int source_rank_for_destination(int rollout_rank, int train_world_size, int rollout_world_size);
 
 }  // namespace refit

@@ -48,6 +48,9 @@ class TransferPlan {
   // compute it alike (and the planner as the engines do).
   uint64_t link_bucket_bytes(uint32_t source, uint32_t destination, uint64_t bucket_bytes) const;
 
+  // The paired topology's plan (paired_plan): source i serves destination i with whatever its
+  // weight stream yields, selected by the destination's layout; no pieces are planned ahead.
+  bool paired() const { return paired_; }
   uint32_t source_count() const { return sources_; }
   uint32_t destination_count() const { return destinations_; }
   const std::vector<uint64_t>& egress() const { return egress_; }    // bytes each source sends
@@ -55,7 +58,9 @@ class TransferPlan {
 
  private:
   friend TransferPlan plan_transfers(const ModelInventory&, std::span<const Layout>, std::span<const Layout>);
+  friend TransferPlan paired_plan(int, int);
   uint32_t sources_ = 0, destinations_ = 0;
+  bool paired_ = false;
   std::vector<TransferPiece> pieces_;
   std::vector<uint64_t> link_begin_;  // [destination * sources + source] -> first piece; one past the end last
   std::vector<uint64_t> egress_, ingress_;
@@ -66,5 +71,9 @@ class TransferPlan {
 // Error(kInvalidArgument) for no sources or no destinations.
 TransferPlan plan_transfers(const ModelInventory& model, std::span<const Layout> sources,
                             std::span<const Layout> destinations);
+
+// The plan of the paired topology: `sources` >= `destinations`, source i -> destination i, the
+// sources past the destinations idle. Throws Error(kTopology) otherwise, naming both counts.
+TransferPlan paired_plan(int sources, int destinations);
 
 }  // namespace refit

@@ -116,12 +116,13 @@ size_t batch_size() { return 4 * std::max(1u, std::thread::hardware_concurrency(
 }  // namespace
 
 std::span<const TransferPiece> TransferPlan::link(uint32_t source, uint32_t destination) const {
-  if (source >= sources_ || destination >= destinations_) return {};
+  if (paired_ || source >= sources_ || destination >= destinations_) return {};
   const size_t k = static_cast<size_t>(destination) * sources_ + source;
   return {pieces_.data() + link_begin_[k], pieces_.data() + link_begin_[k + 1]};
 }
 
 std::vector<uint32_t> TransferPlan::sources_of(uint32_t destination) const {
+  if (paired_) return destination < destinations_ ? std::vector<uint32_t>{destination} : std::vector<uint32_t>{};
   std::vector<uint32_t> out;
   for (uint32_t s = 0; s < sources_; ++s)
     if (!link(s, destination).empty()) out.push_back(s);
@@ -129,6 +130,7 @@ std::vector<uint32_t> TransferPlan::sources_of(uint32_t destination) const {
 }
 
 std::vector<uint32_t> TransferPlan::destinations_of(uint32_t source) const {
+  if (paired_) return source < destinations_ ? std::vector<uint32_t>{source} : std::vector<uint32_t>{};
   std::vector<uint32_t> out;
   for (uint32_t d = 0; d < destinations_; ++d)
     if (!link(source, d).empty()) out.push_back(d);
@@ -137,6 +139,7 @@ std::vector<uint32_t> TransferPlan::destinations_of(uint32_t source) const {
 
 uint64_t TransferPlan::link_bucket_bytes(uint32_t source, uint32_t destination, uint64_t bucket_bytes) const {
   const uint64_t ways = std::max(destinations_of(source).size(), sources_of(destination).size());
+  if (ways <= 1) return bucket_bytes;  // the link's buffers are the engine's
   uint64_t bytes = bucket_bytes / std::max<uint64_t>(ways, 1);
   if (bytes >= 4096) bytes &= ~uint64_t{255};  // keep chunk offsets aligned
   return std::max<uint64_t>(bytes, 1);
@@ -244,6 +247,24 @@ TransferPlan plan_transfers(const ModelInventory& model, std::span<const Layout>
     for (const auto& p : pieces) plan.pieces_[offset + count[p.source]++] = p;
   }
   plan.link_begin_.back() = plan.pieces_.size();
+  return plan;
+}
+
+TransferPlan paired_plan(int sources, int destinations) {
+  if (sources < 1 || destinations < 1)
+    fail(ErrorKind::kTopology, "world sizes must be >= 1, got train_world_size={} rollout_world_size={}", sources,
+         destinations);
+  if (sources < destinations)
+    fail(ErrorKind::kTopology,
+         "paired refit needs train_world_size >= rollout_world_size (every destination needs its own source), got {} < "
+         "{}",
+         sources, destinations);
+  TransferPlan plan;
+  plan.paired_ = true;
+  plan.sources_ = static_cast<uint32_t>(sources);
+  plan.destinations_ = static_cast<uint32_t>(destinations);
+  plan.egress_.assign(plan.sources_, 0);
+  plan.ingress_.assign(plan.destinations_, 0);
   return plan;
 }
 

@@ -56,16 +56,10 @@ auto in_phase(const std::string& context, F&& body) {
 SessionId new_session_id() { return random_id(); }
 
 int source_rank_for_destination(int rollout_rank, int train_world_size, int rollout_world_size) {
-  if (train_world_size < 1) fail(ErrorKind::kTopology, "train_world_size must be >= 1, got {}", train_world_size);
-  if (rollout_world_size < 1) fail(ErrorKind::kTopology, "rollout_world_size must be >= 1, got {}", rollout_world_size);
+  const TransferPlan plan = paired_plan(train_world_size, rollout_world_size);
   if (rollout_rank < 0 || rollout_rank >= rollout_world_size)
     fail(ErrorKind::kTopology, "rollout_rank must be in [0, {}), got {}", rollout_world_size, rollout_rank);
-  if (train_world_size < rollout_world_size)
-    fail(ErrorKind::kTopology,
-         "paired refit needs train_world_size >= rollout_world_size (every destination needs its own source), got {} < "
-         "{}",
-         train_world_size, rollout_world_size);
-  return rollout_rank;
+  return static_cast<int>(plan.sources_of(static_cast<uint32_t>(rollout_rank)).front());
 }
 
 class CheckpointEngine::Impl {
@@ -156,21 +150,14 @@ class CheckpointEngine::Impl {
         fail(ErrorKind::kInvalidArgument,
              "this engine was created to receive only (receives_only): it cannot be a "
              "source");
-      if (auto plan = plan_if_resharding(train, rollout, metadata)) {
-        for (uint32_t d : plan->destinations_of(worker_rank))
-          add_link(metadata, train + d, d, fmt::format("destination rank {}", d),
-                   plan->link_bucket_bytes(worker_rank, d, options_.bucket_bytes));
-        plan_sends(*plan, worker_rank);
-      } else {
-        // Validate the whole pairing, so that every source agrees on it, then find our peer.
-        for (int r = 0; r < rollout; ++r) source_rank_for_destination(r, train, rollout);
-        if (worker_rank < rollout) {
-          add_link(metadata, train + worker_rank, worker_rank, fmt::format("destination rank {}", worker_rank),
-                   options_.bucket_bytes);
-          const auto& md = links_[0].metadata;
-          if (!md.layout.empty()) target_layout_ = decode_layout(md.layout, "layout of " + links_[0].label);
-        }
-      }
+      const TransferPlan plan = plan_of_group(train, rollout, metadata);
+      for (uint32_t d : plan.destinations_of(worker_rank))
+        add_link(metadata, train + d, d, fmt::format("destination rank {}", d),
+                 plan.link_bucket_bytes(worker_rank, d, options_.bucket_bytes));
+      if (!plan.paired())
+        plan_sends(plan, worker_rank);
+      else if (!links_.empty() && !links_[0].metadata.layout.empty())  // what its destination holds
+        target_layout_ = decode_layout(links_[0].metadata.layout, "layout of " + links_[0].label);
       for (auto& link : links_) link.first_refit = protocol::first_refit(generation_, link.metadata.generation);
       check_delta(self);
       destination_version_ = links_.size() == 1 ? links_[0].metadata.weights_version : 0;
@@ -195,18 +182,14 @@ class CheckpointEngine::Impl {
              "(EngineOptions::layout; in Python layout=refit.destination_layout(..., shard_experts=True) or "
              "refit.layout_from_compact(...))",
              self);
-      if (auto plan = plan_if_resharding(train, rollout, metadata)) {
-        for (uint32_t s : plan->sources_of(rollout_rank))
-          add_link(metadata, s, s, fmt::format("source rank {}", s),
-                   plan->link_bucket_bytes(s, rollout_rank, options_.bucket_bytes));
-        expected_tensors_.clear();
-        for (uint32_t s = 0; s < plan->source_count(); ++s)
-          for (const auto& piece : plan->link(s, rollout_rank)) expected_tensors_.insert(piece.tensor);
-        needs_nothing_ = expected_tensors_.empty();
-      } else {
-        const int source = source_rank_for_destination(rollout_rank, train, rollout);
-        add_link(metadata, source, source, fmt::format("source rank {}", source), options_.bucket_bytes);
-      }
+      const TransferPlan plan = plan_of_group(train, rollout, metadata);
+      for (uint32_t s : plan.sources_of(rollout_rank))
+        add_link(metadata, s, s, fmt::format("source rank {}", s),
+                 plan.link_bucket_bytes(s, rollout_rank, options_.bucket_bytes));
+      expected_tensors_.clear();
+      for (uint32_t s = 0; s < plan.source_count(); ++s)
+        for (const auto& piece : plan.link(s, rollout_rank)) expected_tensors_.insert(piece.tensor);
+      needs_nothing_ = links_.empty();  // resharding, and this destination holds nothing
       bool all_mapped = true;
       for (auto& link : links_) {
         link.first_refit = protocol::first_refit(link.metadata.generation, generation_);
@@ -506,9 +489,10 @@ class CheckpointEngine::Impl {
     return index < train ? fmt::format("source rank {}", index) : fmt::format("destination rank {}", index - train);
   }
 
-  // The transfer plan when any source declares what it holds; nothing for the paired topology.
-  // Every engine of the group computes the same plan from the same metadata.
-  std::optional<TransferPlan> plan_if_resharding(int train, int rollout, std::span<const Metadata> metadata) {
+  // The group's transfer plan: planned from the layouts when any source declares what it holds
+  // (resharding), else the paired plan. Every engine of the group computes the same plan from
+  // the same metadata.
+  TransferPlan plan_of_group(int train, int rollout, std::span<const Metadata> metadata) {
     std::vector<protocol::EngineMetadata> all;
     bool resharding = false;
     for (int i = 0; i < train + rollout; ++i) {
@@ -516,7 +500,7 @@ class CheckpointEngine::Impl {
       resharding = resharding || (i < train && !all.back().holds.empty());
     }
     resharding_ = resharding;
-    if (!resharding) return std::nullopt;
+    if (!resharding) return paired_plan(train, rollout);
     if (!options_.model)
       fail(ErrorKind::kConfig,
            "the sources declare what they hold (resharding), so this engine needs the model's "
@@ -731,7 +715,7 @@ class CheckpointEngine::Impl {
       const uint64_t nbytes = info.nbytes();
       if (nbytes > 0 && view.data == nullptr)
         fail(ErrorKind::kInvalidArgument, "tensor '{}' ({} bytes) has no data pointer", info.name, nbytes);
-      if (!send_tensors_.empty() || !holds_.empty()) {
+      if (resharding_) {
         // Resharding: the pieces the plan asks of this shard.
         auto it = send_tensors_.find(info.name);
         if (it == send_tensors_.end()) {

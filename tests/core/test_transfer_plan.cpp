@@ -388,5 +388,26 @@ TEST(SourceLayouts, MegatronRanksSplitExpertsWithinAStage) {
               HasSubstr("cannot be split into expert tp 1 x ep 4 groups"));
 }
 
+// The paired topology is the degenerate plan: source i serves destination i with its whole
+// bucket, the sources past the destinations idle, no pieces planned ahead.
+TEST(TransferPlan, ThePairedTopologyIsTheDegeneratePlan) {
+  const TransferPlan plan = paired_plan(3, 2);
+  EXPECT_TRUE(plan.paired());
+  EXPECT_EQ(plan.source_count(), 3u);
+  EXPECT_EQ(plan.destination_count(), 2u);
+  EXPECT_EQ(plan.destinations_of(0), std::vector<uint32_t>{0});
+  EXPECT_EQ(plan.destinations_of(1), std::vector<uint32_t>{1});
+  EXPECT_TRUE(plan.destinations_of(2).empty());
+  EXPECT_EQ(plan.sources_of(1), std::vector<uint32_t>{1});
+  EXPECT_TRUE(plan.link(0, 0).empty());
+  EXPECT_EQ(plan.link_bucket_bytes(1, 1, 5000), 5000u);  // one link per end: the engine's buffers
+  EXPECT_THAT(error_of(ErrorKind::kTopology, [] { paired_plan(1, 2); }),
+              HasSubstr("paired refit needs train_world_size >= rollout_world_size"));
+  EXPECT_THAT(error_of(ErrorKind::kTopology, [] { paired_plan(0, 1); }), HasSubstr("world sizes must be >= 1"));
+  ModelInventory model;
+  model.tensors.push_back({"w", DType::kFloat32, {4}});
+  EXPECT_FALSE(plan_transfers(model, std::vector<Layout>(1), std::vector<Layout>(1)).paired());
+}
+
 }  // namespace
 }  // namespace refit

@@ -258,9 +258,11 @@ class SourceProgram final : public WorkerProgram {
     for (const auto& [v, s] : slices) {
       if (gpu_scratch_.size() < s.info.nbytes())
         gpu_scratch_ = DeviceBuffer(Device{Device::Kind::kCuda, -1}, s.info.nbytes());
-      const SliceRows rows = slice_rows(*v->info, s.slice);
-      copies_.copy_2d(gpu_scratch_.data(), rows.row_bytes, v->data + rows.offset, rows.pitch, rows.row_bytes, rows.rows,
-                      MemoryKind::kCuda, MemoryKind::kCuda);
+      const Box box = Box::of(Request::narrow(s.slice.dim, s.slice.start, s.slice.length));
+      for_each_box_block(v->info->shape, dtype_size(v->info->dtype), box, 0, s.info.nbytes(), [&](const BoxBlock& b) {
+        copies_.copy_2d(gpu_scratch_.data() + b.packed_offset, b.row_bytes, v->data + b.tensor_offset, b.pitch,
+                        b.row_bytes, b.rows, MemoryKind::kCuda, MemoryKind::kCuda);
+      });
       copies_.synchronize(deadline_after(kGpuWait));
       hashes_[v->info->name] = hex(hash_device_ranges({{gpu_scratch_.data(), s.info.nbytes()}}, nullptr).at(0));
     }

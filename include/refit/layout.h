@@ -121,22 +121,9 @@ struct LayoutSummary {
 };
 LayoutSummary layout_bytes(const Layout& layout, const ModelInventory& inventory);
 
-// A slice of a row-major tensor as strided rows: `rows` rows of `row_bytes` each, row r at byte
-// `offset + r * pitch` of the tensor, packed one after another in the slice (what
-// the engine's 2-D copies take). rows == 1 when the slice is one block (dim 0, or leading dims of 1).
-// Throws Error(kLayout) for a slice that does not fit `info`.
-struct SliceRows {
-  uint64_t rows = 0;
-  uint64_t row_bytes = 0;
-  uint64_t pitch = 0;
-  uint64_t offset = 0;
-};
-SliceRows slice_rows(const TensorInfo& info, const Slice& slice);
-
-// Row-major narrow of the contiguous tensor at `src` (described by `info`) into the contiguous
-// buffer `dst` (slice_bytes of the result). One memcpy when the slice is a single block (dim 0,
-// or all leading dims are 1), strided rows otherwise. Throws Error(kLayout) for a slice that does
-// not fit `info`.
+// Row-major narrow of the contiguous host tensor at `src` (described by `info`) into the
+// contiguous buffer `dst` (the slice's bytes), with the engine's box copies. Throws
+// Error(kLayout) for a slice that does not fit `info`.
 void copy_slice(const std::byte* src, const TensorInfo& info, const Slice& slice, std::byte* dst);
 
 }  // namespace refit

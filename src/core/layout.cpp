@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "core/box_copy.h"
 #include "core/fail.h"
 #include "core/layout_resolver.h"
 #include "core/wire.h"
@@ -241,28 +242,11 @@ LayoutSummary layout_bytes(const Layout& layout, const ModelInventory& inventory
   return s;
 }
 
-SliceRows slice_rows(const TensorInfo& info, const Slice& slice) {
+void copy_slice(const std::byte* src, const TensorInfo& info, const Slice& slice, std::byte* dst) {
   if (auto problem = slice_problem(info, slice); !problem.empty())
     fail(ErrorKind::kLayout, "slice of tensor '{}': {}", info.name, problem);
-  uint64_t outer = 1;
-  for (int32_t d = 0; d < slice.dim; ++d) outer *= static_cast<uint64_t>(info.shape[d]);
-  uint64_t inner = dtype_size(info.dtype);  // bytes of one index step along `dim`
-  for (size_t d = slice.dim + 1; d < info.shape.size(); ++d) inner *= static_cast<uint64_t>(info.shape[d]);
-  const uint64_t pitch = static_cast<uint64_t>(info.shape[slice.dim]) * inner;
-  SliceRows r{outer, static_cast<uint64_t>(slice.length) * inner, pitch, static_cast<uint64_t>(slice.start) * inner};
-  // A slice over the whole of `dim` (or with one outer row) is one block.
-  if (r.rows > 1 && r.row_bytes == pitch) {
-    r.row_bytes *= r.rows;
-    r.pitch = r.row_bytes;
-    r.rows = 1;
-  }
-  return r;
-}
-
-void copy_slice(const std::byte* src, const TensorInfo& info, const Slice& slice, std::byte* dst) {
-  const SliceRows r = slice_rows(info, slice);
-  for (uint64_t o = 0; o < r.rows && r.row_bytes > 0; ++o)
-    std::memcpy(dst + o * r.row_bytes, src + r.offset + o * r.pitch, r.row_bytes);
+  const Box box = Box::of(Request::narrow(slice.dim, slice.start, slice.length));
+  pack_box(src, info.shape, dtype_size(info.dtype), box, 0, box.nbytes_in(info), dst);
 }
 
 }  // namespace refit

@@ -210,13 +210,13 @@ class CheckpointEngine {
   // refit at release_batch(); the time a batch is held counts as load time. A batch must be
   // released before the next is asked for. Any error ends the receive: it is thrown, the sources
   // are told, and the destination stays stale until a later refit succeeds. abort_receive()
-  // gives up the same way, with the caller's reason, and returns the error (refit and phase in
-  // front) for the caller to throw or not.
+  // gives up the same way, with the caller's reason and its kind (the sources fail with that
+  // kind too), and returns the error (refit and phase in front) for the caller to throw or not.
   void begin_receive();
   ReceiveProgress next_batch(Deadline until, ReceivedBatch* batch);
   void release_batch();
   ReceiveStats finish_receive();
-  Error abort_receive(const std::string& reason);
+  Error abort_receive(const std::string& reason, ErrorKind kind = ErrorKind::kInvalidArgument);
   bool receiving() const;  // between begin_receive() and finish_receive() or an error
 
   // Delta refit (config.delta): a destination asks for the whole model at its next refit, by

@@ -44,6 +44,8 @@ void register_errors(nb::module_& m);
 
 // The Python exception class for `kind`.
 nb::handle error_type(ErrorKind kind);
+// The kind of a raised Python exception: its refit error class's, else kInvalidArgument.
+ErrorKind error_kind_of(nb::handle exception);
 
 // Raises `e` as its Python class with `cause` (if any) as __cause__: sets the Python error and
 // throws nb::python_error. Needs the GIL.

@@ -8,6 +8,7 @@
 #include "common.h"
 #include "refit/bucket_size.h"
 #include "refit/checkpoint_engine.h"
+#include "refit/config_keys.h"
 #include "refit/device.h"
 #include "refit/dtype.h"
 #include "refit/fp8.h"

@@ -308,9 +308,10 @@ class PullSession {
     }
   }
 
-  // Fails the refit with `reason` unless it ended already; returns the error it made (none when
-  // the refit had ended). Needs the GIL; releases it while it waits.
-  std::optional<Error> close(const std::string& reason) {
+  // Fails the refit with `reason` (of `kind`: the sources fail with it too) unless it ended
+  // already; returns the error it made (none when the refit had ended). Needs the GIL; releases it
+  // while it waits.
+  std::optional<Error> close(const std::string& reason, ErrorKind kind = ErrorKind::kInvalidArgument) {
     // Without the GIL when we have it (a destructor at interpreter exit may not).
     std::optional<nb::gil_scoped_release> nogil;
     if (PyGILState_Check() && !interpreter_finalizing()) nogil.emplace();
@@ -322,7 +323,7 @@ class PullSession {
       return std::nullopt;
     }
     std::optional<Error> error;
-    if (started_) error = engine_->abort_receive(reason);
+    if (started_) error = engine_->abort_receive(reason, kind);
     finished_ = true;
     error_ = reason;
     return error;
@@ -657,7 +658,7 @@ class PyEngine {
           }
         }
         if (failed) {
-          std::optional<Error> error = session.close(failed->what());
+          std::optional<Error> error = session.close(failed->what(), failed->kind());
           throw error ? Error(failed->kind(), error->what()) : *failed;
         }
       }
@@ -669,7 +670,8 @@ class PyEngine {
         load(out);
       } catch (nb::python_error& err) {
         nb::object cause = nb::borrow(err.value());
-        std::optional<Error> error = session.close(fmt::format("the loader raised {}", describe_exception(cause)));
+        std::optional<Error> error =
+            session.close(fmt::format("the loader raised {}", describe_exception(cause)), error_kind_of(cause));
         raise_error(*error, cause);
       }
     }

@@ -35,6 +35,13 @@ nb::handle error_type(ErrorKind kind) {
   return g_base;
 }
 
+ErrorKind error_kind_of(nb::handle exception) {
+  for (int i = 0; i < kKinds; ++i)
+    if (g_types[i] && PyObject_IsInstance(exception.ptr(), g_types[i]) == 1) return static_cast<ErrorKind>(i);
+  PyErr_Clear();
+  return ErrorKind::kInvalidArgument;  // not refit's: the caller's code failed
+}
+
 void register_errors(nb::module_& m) {
   // Named after the package that holds the module, "refit.X", so that pickling (multiprocessing,
   // Ray) finds them through the package. The module imported alone (nanobind's stubgen imports it

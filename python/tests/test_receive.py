@@ -270,6 +270,23 @@ def test_an_exception_in_the_load_callback_fails_the_refit_with_its_cause():
         pair.close()
 
 
+def test_a_refit_error_raised_by_the_load_callback_fails_the_source_with_its_class():
+    pair = Pair(MiB)
+    try:
+        sender = pair.start_send(distinct_weights(1))
+
+        def load(batch):
+            raise refit.LayoutError("this engine holds no tensor 'w0'")
+
+        with pytest.raises(refit.LayoutError, match="the loader raised LayoutError: this engine holds no tensor"):
+            pair.destination.receive_weights(load)
+        # The source fails with the destination's kind, not a generic one.
+        with pytest.raises(refit.LayoutError, match="this engine holds no tensor 'w0'"):
+            sender.join()
+    finally:
+        pair.close()
+
+
 @pytest.mark.parametrize("receive", ["callback", "iterator"])
 def test_a_batch_the_framework_cannot_take_fails_the_refit_on_both_sides_at_once(receive):
     # CuPy is not installed here: handing a batch over as CuPy arrays fails before any load. The

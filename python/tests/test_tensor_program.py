@@ -75,8 +75,9 @@ def test_a_destination_of_another_dtype_or_shape_fails_the_refit_naming_the_tens
                        (other_dtype, "received tensor 'ids' is int64 [7] but its parameter here is int32 [7]")]:
         group = group_of(tensors("policy", 0), held)
         try:
-            # The source raises first (sources come first), naming what its destination said.
-            with pytest.raises(refit.RefitError, match=re.escape(says)):
+            # The source raises first (sources come first), naming what its destination said, with
+            # the destination's error class.
+            with pytest.raises(refit.LayoutError, match=re.escape(says)):
                 refit.WeightSynchronizer(CONFIG, group).sync_weights()
         finally:
             group.close()

@@ -401,16 +401,16 @@ class CheckpointEngine::Impl {
     return stats;
   }
 
-  Error abort_receive(const std::string& reason) {
-    Error error = receive_error(ErrorKind::kInvalidArgument, reason);
-    end_receive(ErrorKind::kInvalidArgument, reason);
+  Error abort_receive(const std::string& reason, ErrorKind kind) {
+    Error error = receive_error(kind, reason);
+    end_receive(kind, reason);
     return error;
   }
 
   bool receiving() const { return receive_ != nullptr; }
 
   void finalize() {
-    abort_receive("finalize() was called during the receive");
+    abort_receive("finalize() was called during the receive", ErrorKind::kInvalidArgument);
     disconnect();
     if (options_.config.release_after_refit) {
       release_buffers();
@@ -991,7 +991,9 @@ ReceiveProgress CheckpointEngine::next_batch(Deadline until, ReceivedBatch* batc
 }
 void CheckpointEngine::release_batch() { impl_->release_batch(); }
 ReceiveStats CheckpointEngine::finish_receive() { return impl_->finish_receive(); }
-Error CheckpointEngine::abort_receive(const std::string& reason) { return impl_->abort_receive(reason); }
+Error CheckpointEngine::abort_receive(const std::string& reason, ErrorKind kind) {
+  return impl_->abort_receive(reason, kind);
+}
 bool CheckpointEngine::receiving() const { return impl_->receiving(); }
 void CheckpointEngine::request_full_refit() { impl_->request_full_refit(); }
 void CheckpointEngine::finalize() { impl_->finalize(); }

@@ -24,6 +24,7 @@
 #include "core/error_of.h"
 #include "process_harness.h"
 #include "refit/error.h"
+#include "transport/local_socket/init_params.h"
 #include "transport/local_socket/local_peer.h"
 #include "transport/local_socket/local_socket.h"
 
@@ -387,7 +388,12 @@ TEST(InitParams, RejectsUnknownKeysNamingThem) {
   std::string message;
   EXPECT_EQ(error_kind_of([&] { params.finish(); }, &message), ErrorKind::kConfig);
   EXPECT_NE(message.find("backend_init_params.devcie"), std::string::npos) << message;
-  EXPECT_NE(message.find("accepted: device"), std::string::npos) << message;
+  EXPECT_NE(message.find("accepted: device, connect_timeout_s"), std::string::npos) << message;
+  // A backend that reads a param the configuration table does not give it is refit's own bug.
+  InitParams unlisted("CUDA_IPC", {});
+  unlisted.seconds("timeout_s", 1.0);  // NCCL's, not CUDA_IPC's
+  EXPECT_EQ(error_kind_of([&] { unlisted.finish(); }, &message), ErrorKind::kInternal);
+  EXPECT_NE(message.find("'timeout_s', which the configuration table does not list"), std::string::npos) << message;
 
   InitParams seconds("NCCL", {{"timeout_s", "-1"}});
   EXPECT_EQ(error_kind_of([&] { seconds.seconds("timeout_s", 1.0); }), ErrorKind::kConfig);

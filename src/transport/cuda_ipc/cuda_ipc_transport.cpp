@@ -15,6 +15,7 @@
 #include "memory/device_memory.h"
 #include "transport/cuda_ipc/cuda_ipc_key.h"
 #include "transport/handle_table.h"
+#include "transport/local_socket/init_params.h"
 #include "transport/local_socket/local_peer.h"
 #include "transport/local_socket/local_socket.h"
 #include "transport/synchronous_reads.h"

@@ -19,6 +19,7 @@
 #include "memory/cuda/cuda_util.h"
 #include "memory/device_memory.h"
 #include "transport/handle_table.h"
+#include "transport/local_socket/init_params.h"
 #include "transport/local_socket/local_peer.h"
 #include "transport/local_socket/local_socket.h"
 #include "transport/nccl/nccl_wire.h"

@@ -151,8 +151,9 @@ class Transport {
   // Waits for the next control message from `peer`.
   virtual Bytes receive(PeerId peer, Deadline deadline) = 0;
   // The next control message from `peer` if one is here, without waiting; throws as receive()
-  // does when the peer is lost. The default asks receive() with a deadline already past.
-  virtual std::optional<Bytes> try_receive(PeerId peer);
+  // does when the peer is lost. The receive loop calls it for every link on every turn, so a
+  // backend answers it from what it holds (no exception for "nothing yet").
+  virtual std::optional<Bytes> try_receive(PeerId peer) = 0;
 
   // One thread serving many peers: take activity(), look at every peer (try_receive, test_read),
   // and when nothing was ready, wait_activity() until the count moves past what was taken (a

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <optional>
 
 #include "refit/config.h"
@@ -32,6 +33,13 @@ int print_keys(bool json) {
     fmt::print("{}\n", rows.dump(1));
     return 0;
   }
+  // Columns as wide as their widest entry.
+  size_t name_width = 0, type_width = 0, default_width = 4;  // "none"
+  for (const ConfigKey& key : config_keys()) {
+    name_width = std::max(name_width, key.name.size());
+    type_width = std::max(type_width, key.type.size());
+    default_width = std::max(default_width, key.default_value.size());
+  }
   std::optional<ConfigScope> scope;
   for (const ConfigKey& key : config_keys()) {
     if (key.scope != scope) {
@@ -44,8 +52,8 @@ int print_keys(bool json) {
     const std::string where = key.scope == ConfigScope::kBackendParam ? fmt::format(" [{}]", key.backends)
                               : key.extension                         ? " [refit]"
                                                                       : "";
-    fmt::print("  {:<36} {:<22} default {:<10} {}{}\n", key.name, key.type,
-               key.default_value.empty() ? "none" : key.default_value, key.summary, where);
+    fmt::print("  {:<{}}  {:<{}}  default {:<{}}  {}{}\n", key.name, name_width, key.type, type_width,
+               key.default_value.empty() ? "none" : key.default_value, default_width, key.summary, where);
   }
   return 0;
 }

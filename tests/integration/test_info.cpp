@@ -2,11 +2,14 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <nlohmann/json.hpp>
+
 #include <fstream>
 #include <regex>
 #include <sstream>
 
 #include "cli_runner.h"
+#include "refit/config_keys.h"
 #include "refit/device.h"
 #include "refit/transport.h"
 #include "refit/version.h"
@@ -44,6 +47,26 @@ TEST(Info, ReportsEachTransportAndTheEffectiveConfig) {
   if (cuda_device_count() == 0) EXPECT_NE(r.output.find("CUDA_IPC   unavailable"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("bucket_bytes: 67108864"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("timeout_s: 42"), std::string::npos) << r.output;
+}
+
+// `refit info --keys` is the configuration table: every row, under its scope's heading, with its
+// default; `--json` the same rows for tools.
+TEST(Info, KeysPrintsTheConfigurationTable) {
+  auto r = run_cli({"info", "--keys"}, 30);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  for (const char* heading : {"refit_cfg.nixl\n", "\nrefit_cfg.nixl.backend_init_params\n", "\nenvironment\n"})
+    EXPECT_NE(r.output.find(heading), std::string::npos) << heading << "\n" << r.output;
+  for (const ConfigKey& key : config_keys()) {
+    const std::regex row("\n  " + std::string(key.name) + " +[^\n]* default " +
+                         std::string(key.default_value.empty() ? "none" : key.default_value) + " ");
+    EXPECT_TRUE(std::regex_search(r.output, row)) << key.name << "\n" << r.output;
+  }
+  auto json = run_cli({"info", "--keys", "--json"}, 30);
+  ASSERT_EQ(json.exit_code, 0) << json.output;
+  const auto rows = nlohmann::json::parse(json.output);
+  ASSERT_EQ(rows.size(), config_keys().size());
+  EXPECT_EQ(rows[0]["scope"], "nixl");
+  EXPECT_EQ(rows[0]["name"], config_keys()[0].name);
 }
 
 TEST(Info, ABadOverrideIsAnError) {

@@ -22,7 +22,6 @@
 #include <string>
 #include <string_view>
 #include <type_traits>
-#include <unordered_set>
 #include <vector>
 
 #include "refit/dtype.h"
@@ -76,8 +75,7 @@ class TensorProgram final : public WorkerProgram {
     std::byte* data;
     MemoryKind memory;
   };
-  std::deque<Held> tensors_;                    // stable: names_ and views_ point into it
-  std::unordered_set<std::string_view> names_;  // of tensors_
+  std::deque<Held> tensors_;  // stable: views_ point into it
   std::vector<std::shared_ptr<const void>> owned_;
   std::vector<TensorView> views_;  // of the last weights()
   ParameterLoader loads_;

@@ -25,15 +25,9 @@ void check_shape(const TensorInfo& info) {
 
 void TensorProgram::add(TensorInfo info, void* data, MemoryKind memory) {
   if (info.name.empty()) fail(ErrorKind::kInvalidArgument, "TensorProgram: a tensor needs a name");
-  if (names_.contains(info.name))
-    fail(ErrorKind::kInvalidArgument, "TensorProgram: tensor '{}' was added twice", info.name);
   check_shape(info);
-  if (data == nullptr && info.nbytes() > 0)
-    fail(ErrorKind::kInvalidArgument, "TensorProgram: tensor '{}' ({} {}) has no data pointer", info.name,
-         dtype_name(info.dtype), shape_string(info.shape));
-  loads_.add(info, data, memory);
+  loads_.add(info, data, memory);  // refuses a name added before and a missing data pointer, naming the tensor
   tensors_.push_back({std::move(info), static_cast<std::byte*>(data), memory});
-  names_.insert(tensors_.back().info.name);
 }
 
 void TensorProgram::add_owned(TensorInfo info, void* data, uint64_t elements, std::shared_ptr<const void> owner) {

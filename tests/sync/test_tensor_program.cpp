@@ -95,18 +95,18 @@ TEST(TensorProgram, AddRefusesADuplicateNameNoDataOrAShapeThatDoesNotHoldTheValu
   TensorProgram p;
   p.add("w", std::vector<float>(4, 0.0f));
   EXPECT_THAT(error_of(ErrorKind::kInvalidArgument, [&] { p.add("w", std::vector<float>(4, 0.0f)); }),
-              HasSubstr("tensor 'w' was added twice"));
+              HasSubstr("'w' was added twice"));
   float other[4] = {};
   EXPECT_THAT(error_of(ErrorKind::kInvalidArgument,
                        [&] {
                          p.add(TensorInfo{"w", DType::kFloat32, {4}}, other, MemoryKind::kHost);
                        }),
-              HasSubstr("tensor 'w' was added twice"));
+              HasSubstr("'w' was added twice"));
   EXPECT_THAT(error_of(ErrorKind::kInvalidArgument,
                        [&] {
                          p.add(TensorInfo{"null", DType::kBFloat16, {8}}, nullptr, MemoryKind::kCuda);
                        }),
-              HasSubstr("tensor 'null' (bfloat16 [8]) has no data pointer"));
+              HasSubstr("'null' of 16 bytes has no data pointer"));
   EXPECT_THAT(error_of(ErrorKind::kInvalidArgument,
                        [&] {
                          p.add("m", std::vector<int8_t>(6, 0), {4, 2});

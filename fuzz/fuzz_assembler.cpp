@@ -1,13 +1,12 @@
 // The destination's receive path on a stream of hostile control messages: decode_message,
-// validate against the bucket size, then TensorAssembler::add_bucket over a heap buffer of
-// exactly used_bytes and one of exactly each source region's length for entries sent in place
-// (so AddressSanitizer flags any read outside them), then every byte of every tensor handed out
-// is read, as a loader would. On is_last, finish() and reset() start
-// the next refit, as run_receive does; any error ends the refit the same way. As the fetch
-// thread does, buckets must come in order (0, 1, ...), a replayed manifest comes from the
-// ManifestCache of the buckets that arrived, and a replay of the refit before, when that refit
-// went through, is assembled as repeating checked manifests. The harness numbers its refits 1,
-// 2, ... (the link reader drops messages of other refits), so a replay names one of those.
+// validate against the bucket size (on a link that maps source memory), then TensorAssembler::add_bucket over a heap
+// buffer of exactly used_bytes and one of exactly each source region's length for entries sent in place (so
+// AddressSanitizer flags any read outside them), then every byte of every tensor handed out is read, as a loader would.
+// On is_last, finish() and reset() start the next refit, as run_receive does; any error ends the refit the same way. As
+// the fetch thread does, buckets must come in order (0, 1, ...), a replayed manifest comes from the ManifestCache of
+// the buckets that arrived, and a replay of the refit before, when that refit went through, is assembled as repeating
+// checked manifests. The harness numbers its refits 1, 2, ... (the link reader drops messages of other refits), so a
+// replay names one of those.
 //
 // Input: byte 0 picks the bucket size; then frames of [u16 little-endian length][message].
 // Oracles: errors are Error(kProtocol), or Error(kTransport) when a split tensor's merge
@@ -77,7 +76,8 @@ class Harness {
     protocol::BucketReady& bucket = msg.ready;
     if (bucket.seq != next_seq_) fail(ErrorKind::kProtocol, "bucket {} instead of bucket {}", bucket.seq, next_seq_);
     ++next_seq_;
-    protocol::validate(bucket, bucket_bytes_, 2 * bucket_bytes_, kWho);
+    // A link that maps the source's memory: entries in place are loaded from their regions.
+    protocol::validate(bucket, bucket_bytes_, 2 * bucket_bytes_, protocol::SourceAccess::kMap, kWho);
     cache_.fill(bucket, kWho);
     cache_.arrived(refit_, bucket);
     const bool repeats_checked = bucket.replay_of && bucket.replay_of == checked_refit_;
@@ -99,14 +99,16 @@ class Harness {
     add(bucket.used_bytes);
     for (const auto& r : bucket.regions()) add(r.remote.length);
 
+    const protocol::BucketBytes where{bases[0], {bases.begin() + 1, bases.end()}};
+
     // What a merged tensor must hold: the bytes of the chunks of split tensors, as sent.
     for (const auto& e : bucket.entries()) {
       if (e.box.is_whole() && e.tensor_offset == 0 && e.size == e.tensor.nbytes()) continue;
-      const std::byte* p = bases[e.region] + e.bucket_offset;
+      const std::byte* p = where.at(e);
       pending_[e.tensor.name].push_back({e.tensor_offset, std::vector<std::byte>(p, p + e.size), !e.box.is_whole()});
     }
 
-    auto views = assembler_.add_bucket(bucket, bases, kWho, deadline_after(std::chrono::seconds(10)), repeats_checked);
+    auto views = assembler_.add_bucket(bucket, where, kWho, deadline_after(std::chrono::seconds(10)), repeats_checked);
     for (const TensorView& v : views) {
       FUZZ_CHECK(v.info != nullptr);
       FUZZ_CHECK(handed_out_.insert(v.info->name).second);

@@ -3,9 +3,11 @@
 // LinkReader does before it reads anything.
 // Oracles: only Error(kProtocol) may come out; an accepted message re-encodes to bytes that
 // decode to the same encoding;
-// a manifest that validate() accepts really lies inside the bucket's used bytes and inside each
-// tensor (checked here in 128-bit arithmetic), and TensorInfo::nbytes() (unchecked, used by the
-// assembler) agrees with the exact size.
+// a manifest that validate() accepts (for each way a link takes source memory) really lies inside
+// the bucket's used bytes, its source regions and each tensor (checked here in 128-bit
+// arithmetic), TensorInfo::nbytes() (unchecked, used by the assembler) agrees with the exact
+// size, and the reads bucket_reads() makes of it stay inside the bucket and its regions and bring
+// every byte of every entry the link does not map.
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
@@ -36,11 +38,36 @@ u128 exact_nbytes(const TensorInfo& t, bool* overflow) {
   return n;
 }
 
-void check_validated(const protocol::BucketReady& m, uint64_t bucket_bytes) {
+void check_reads(const protocol::BucketReady& m, protocol::SourceAccess access) {
+  const auto reads = protocol::bucket_reads(*m.manifest, access);
+  u128 end = 0;
+  for (const auto& read : reads) {
+    FUZZ_CHECK(read.bucket_offset >= end);  // no two reads land on one byte
+    end = u128{read.bucket_offset} + read.size;
+    FUZZ_CHECK(end <= m.used_bytes);
+    FUZZ_CHECK(read.region <= m.regions().size());
+    if (read.region == 0)
+      FUZZ_CHECK(read.source_offset == read.bucket_offset);
+    else
+      FUZZ_CHECK(u128{read.source_offset} + read.size <= m.regions()[read.region - 1].remote.length);
+  }
+  for (const auto& e : m.entries()) {
+    if (e.size == 0 || (e.region > 0 && access == protocol::SourceAccess::kMap)) continue;
+    const uint64_t from = e.region == 0 ? e.bucket_offset : e.source_offset;
+    FUZZ_CHECK(std::any_of(reads.begin(), reads.end(), [&](const auto& read) {
+      return read.region == e.region && e.bucket_offset >= read.bucket_offset &&
+             u128{e.bucket_offset} + e.size <= u128{read.bucket_offset} + read.size &&
+             from - read.source_offset == e.bucket_offset - read.bucket_offset;
+    }));
+  }
+}
+
+void check_validated(const protocol::BucketReady& m, uint64_t bucket_bytes, protocol::SourceAccess access) {
   FUZZ_CHECK(u128{m.offset} + m.used_bytes <= 2 * u128{bucket_bytes});
   FUZZ_CHECK(m.used_bytes <= bucket_bytes);
   FUZZ_CHECK(m.replay_of.has_value() == (m.manifest == nullptr));  // a replay's manifest is not on the wire
   if (!m.manifest) return;
+  u128 read_end = 0;
   for (const auto& e : m.entries()) {
     bool overflow = false;
     const u128 nbytes = exact_nbytes(e.tensor, &overflow);
@@ -59,29 +86,25 @@ void check_validated(const protocol::BucketReady& m, uint64_t bucket_bytes) {
     }
     FUZZ_CHECK(piece <= nbytes);
     FUZZ_CHECK(u128{e.tensor_offset} + e.size <= piece);
-    // ... and in the bucket's used bytes, or in the source region it names.
+    // ... in the source region it names, only on a link that takes source memory ...
     FUZZ_CHECK(e.region <= m.regions().size());
-    const u128 limit = e.region == 0 ? m.used_bytes : m.regions()[e.region - 1].remote.length;
-    FUZZ_CHECK(u128{e.bucket_offset} + e.size <= limit);
-  }
-  // Spans are ordered, inside the used bytes; each reads from its region or, region 0, from the
-  // same offset of the bucket's buffer. Entries of a bucket of spans are all in the bucket.
-  u128 end = 0;
-  for (const auto& span : m.spans()) {
-    FUZZ_CHECK(span.bucket_offset >= end);
-    end = u128{span.bucket_offset} + span.size;
-    FUZZ_CHECK(end <= m.used_bytes);
-    FUZZ_CHECK(span.region <= m.regions().size());
-    if (span.region == 0)
-      FUZZ_CHECK(span.source_offset == span.bucket_offset);
+    if (e.region > 0) {
+      FUZZ_CHECK(access != protocol::SourceAccess::kNone);
+      FUZZ_CHECK(u128{e.source_offset} + e.size <= m.regions()[e.region - 1].remote.length);
+    }
+    // ... and in the bucket's used bytes where it lands in the bucket (mapped in place: not at all).
+    if (e.region == 0 || access == protocol::SourceAccess::kRead)
+      FUZZ_CHECK(u128{e.bucket_offset} + e.size <= m.used_bytes);
     else
-      FUZZ_CHECK(u128{span.source_offset} + span.size <= m.regions()[span.region - 1].remote.length);
+      FUZZ_CHECK(e.bucket_offset == 0);
+    if ((e.region == 0 || access == protocol::SourceAccess::kRead) && e.size > 0) {
+      FUZZ_CHECK(e.bucket_offset >= read_end);
+      read_end = u128{e.bucket_offset} + e.size;
+    }
   }
-  if (!m.spans().empty())
-    FUZZ_CHECK(std::all_of(m.entries().begin(), m.entries().end(), [](const auto& e) { return e.region == 0; }));
   for (size_t k = 0; k < m.regions().size(); ++k)  // every region is used
-    FUZZ_CHECK(std::any_of(m.entries().begin(), m.entries().end(), [&](const auto& e) { return e.region == k + 1; }) ||
-               std::any_of(m.spans().begin(), m.spans().end(), [&](const auto& s) { return s.region == k + 1; }));
+    FUZZ_CHECK(std::any_of(m.entries().begin(), m.entries().end(), [&](const auto& e) { return e.region == k + 1; }));
+  check_reads(m, access);
 }
 
 }  // namespace
@@ -120,13 +143,15 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   }
   if (msg.type != protocol::MessageType::kBucketReady) return 0;
   for (uint64_t bucket_bytes : kBucketSizes) {
-    try {
-      protocol::validate(msg.ready, bucket_bytes, 2 * bucket_bytes, "source rank 0");
-    } catch (const Error& e) {
-      FUZZ_EXPECT_PROTOCOL_ERROR(e);
-      continue;
+    for (auto access : {protocol::SourceAccess::kNone, protocol::SourceAccess::kMap, protocol::SourceAccess::kRead}) {
+      try {
+        protocol::validate(msg.ready, bucket_bytes, 2 * bucket_bytes, access, "source rank 0");
+      } catch (const Error& e) {
+        FUZZ_EXPECT_PROTOCOL_ERROR(e);
+        continue;
+      }
+      check_validated(msg.ready, bucket_bytes, access);
     }
-    check_validated(msg.ready, bucket_bytes);
   }
   return 0;
 }

@@ -186,30 +186,31 @@ void message_seeds() {
   protocol::BucketReady empty;
   empty.is_last = true;
   write("message", "ready_empty", protocol::encode(empty));
-  // Entries sent in place: a whole tensor in one source region, a chunk in another, and one packed.
+  // Entries sent in place, mapped: a whole tensor in one source region, a chunk in another, and
+  // one packed.
   protocol::BucketReady in_place;
   in_place.refit = 5;
   in_place.used_bytes = 16;
   protocol::edit_manifest(in_place).regions = {{{0x7f0000001000, 64, {1, 2, 3}}, MemoryKind::kHost},
                                                {{0x7f0000100000, 48, {}}, MemoryKind::kHost}};
-  protocol::edit_manifest(in_place).entries = {{tensor("a", DType::kFloat32, {4, 4}), Box::whole(), 0, 64, 0, 1},
-                                               {tensor("b", DType::kUInt8, {40}), Box::whole(), 0, 24, 8, 2},
+  protocol::edit_manifest(in_place).entries = {{tensor("a", DType::kFloat32, {4, 4}), Box::whole(), 0, 64, 0, 1, 0},
+                                               {tensor("b", DType::kUInt8, {40}), Box::whole(), 0, 24, 0, 2, 8},
                                                {tensor("b", DType::kUInt8, {40}), Box::whole(), 24, 16, 0, 0}};
   write("message", "ready_in_place", protocol::encode(in_place));
-  // A bucket of spans: a tensor read from a source region, then one packed in the buffer.
-  protocol::BucketReady spans;
-  spans.refit = 5;
-  spans.used_bytes = 104;
-  protocol::edit_manifest(spans).regions = {{{0x7f0000001000, 4096, {1, 2, 3}}, MemoryKind::kHost}};
-  protocol::edit_manifest(spans).entries = {{tensor("a", DType::kFloat32, {4, 4}), Box::whole(), 0, 64, 0},
-                                            {tensor("b", DType::kUInt8, {40}), Box::whole(), 0, 40, 64}};
-  protocol::edit_manifest(spans).spans = {{0, 64, 1, 1024}, {64, 40, 0, 64}};
-  write("message", "ready_spans", protocol::encode(spans));
-  protocol::edit_manifest(spans).spans[1].bucket_offset = 60;  // overlaps the span before
-  write("message", "spans_overlapping", protocol::encode(spans));
-  protocol::edit_manifest(spans).spans[1] = {64, 40, 0, 64};
-  protocol::edit_manifest(spans).spans[0].source_offset = 4090;  // past its region
-  write("message", "span_past_region", protocol::encode(spans));
+  // For a link that reads source memory: a tensor read from a source region into the bucket, then
+  // one packed in the buffer.
+  protocol::BucketReady read;
+  read.refit = 5;
+  read.used_bytes = 104;
+  protocol::edit_manifest(read).regions = {{{0x7f0000001000, 4096, {1, 2, 3}}, MemoryKind::kHost}};
+  protocol::edit_manifest(read).entries = {{tensor("a", DType::kFloat32, {4, 4}), Box::whole(), 0, 64, 0, 1, 1024},
+                                           {tensor("b", DType::kUInt8, {40}), Box::whole(), 0, 40, 64}};
+  write("message", "ready_read", protocol::encode(read));
+  protocol::edit_manifest(read).entries[1].bucket_offset = 60;  // overlaps the entry before
+  write("message", "read_overlapping", protocol::encode(read));
+  protocol::edit_manifest(read).entries[1].bucket_offset = 64;
+  protocol::edit_manifest(read).entries[0].source_offset = 4090;  // past its region
+  write("message", "read_past_region", protocol::encode(read));
   // A replay: the manifest of bucket 1 of refit 4, not on the wire.
   protocol::BucketReady replay = buckets[1];
   replay.refit = 5;
@@ -247,7 +248,7 @@ void message_seeds() {
   write("message", "offset_wraps", protocol::encode(bad));
   bad.used_bytes = 8;
   protocol::edit_manifest(bad).regions = {{{0x1000, 4, {}}, MemoryKind::kHost}};
-  protocol::edit_manifest(bad).entries[0] = {tensor("t", DType::kUInt8, {8}), Box::whole(), 0, 8, 0, 1};
+  protocol::edit_manifest(bad).entries[0] = {tensor("t", DType::kUInt8, {8}), Box::whole(), 0, 8, 0, 1, 0};
   write("message", "chunk_past_region", protocol::encode(bad));
   protocol::edit_manifest(bad).entries[0].region = 2;
   write("message", "region_out_of_range", protocol::encode(bad));

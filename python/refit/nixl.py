@@ -50,7 +50,7 @@ NIXL_MODULES = ("nixl_cu13", "nixl_cu12", "nixl")
 #: backend_init_params keys refit reads itself; the rest go to NIXL's create_backend.
 #: ``device`` is refit's (the engine's device, passed to every backend). ``read_source_memory``
 #: ("true" or "false", the default): with direct_reads, destinations READ the sources' large
-#: tensors from their own memory (one transfer per bucket, its spans as descriptors) instead of
+#: tensors from their own memory (one transfer per bucket, its reads as descriptors) instead of
 #: the sources packing them. Off by default: on one host it measured no faster than buckets
 #: (docs/PYTHON.md); it is for sources on other hosts, where packing is what costs.
 REFIT_PARAMS = tuple(row["name"] for row in _refit.config_keys()
@@ -258,7 +258,7 @@ class NixlTransport:
     def post_reads(self, peer: int, ranges, local_region: int) -> int:
         """Reads every (key, remote_address, local_address, length) of `ranges` from the peer into
         `local_region` as one read: one NIXL transfer per kind of remote memory, each a list of
-        descriptors (a bucket's spans go in one call, not one per tensor)."""
+        descriptors (a bucket's reads go in one call, not one per tensor)."""
         p = self._peer(peer)
         read = next(self._ids)
         groups: Dict[tuple, list] = {}  # (memory type, device) -> [(remote, local, length)]

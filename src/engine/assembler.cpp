@@ -17,7 +17,7 @@ void TensorAssembler::set_memory(MemoryKind kind, const Device& device) {
 }
 
 std::span<const TensorView> TensorAssembler::add_bucket(const protocol::BucketReady& bucket,
-                                                        std::span<const std::byte* const> bases, const std::string& who,
+                                                        const protocol::BucketBytes& bytes, const std::string& who,
                                                         Deadline deadline, bool repeats_checked) {
   batch_infos_.clear();
   owners_.clear();
@@ -35,8 +35,8 @@ std::span<const TensorView> TensorAssembler::add_bucket(const protocol::BucketRe
   }
   for (const auto& e : bucket.entries()) {
     const uint64_t nbytes = e.tensor.nbytes();
-    const std::byte* chunk = bases[e.region] + e.bucket_offset;
-    const MemoryKind chunk_kind = e.region == 0 ? kind_ : bucket.regions()[e.region - 1].memory;
+    const std::byte* chunk = bytes.at(e);
+    const MemoryKind chunk_kind = bytes.in_region(e) ? bucket.regions()[e.region - 1].memory : kind_;
     const bool whole = e.box.is_whole() && e.tensor_offset == 0 && e.size == nbytes;
     auto merge = merging_.empty() ? merging_.end() : merging_.find(e.tensor.name);
     const bool delivered = whole ? merge != merging_.end() || (!deferring_ && !names_.add(e.tensor.name).added)

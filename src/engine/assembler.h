@@ -38,13 +38,12 @@ class TensorAssembler {
   void set_memory(MemoryKind kind, const Device& device);
 
   // Returns the tensors completed by this bucket, in bucket order. The list and the views stay
-  // valid until the next add_bucket() or reset(). `bases[0]` holds the bucket's used bytes,
-  // `bases[k]` the source memory of its regions[k - 1] (entries sent in place).
+  // valid until the next add_bucket() or reset(). `bytes` says where each entry lies.
   // `repeats_checked`: the bucket's manifest is one this assembler took in the previous refit,
   // which went through whole (a replay). While every bucket of a refit is such, no whole tensor
   // can come twice (that refit checked every name), so their names are recorded only once a
   // bucket is not: a replayed refit of tens of thousands of tensors makes no lookup per tensor.
-  std::span<const TensorView> add_bucket(const protocol::BucketReady& bucket, std::span<const std::byte* const> bases,
+  std::span<const TensorView> add_bucket(const protocol::BucketReady& bucket, const protocol::BucketBytes& bytes,
                                          const std::string& who, Deadline deadline, bool repeats_checked = false);
 
   // Parallel to the views the latest add_bucket() returned: the buffer of a merged tensor (holding

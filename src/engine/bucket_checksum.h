@@ -10,11 +10,8 @@
 
 namespace refit {
 
-// xxh3-64 of the bucket's `used` bytes (a bucket of spans: of each span's bytes, which
-// `span(k)` gives for span k, or, without it, `used` at the span's bucket offset), then of each
-// in-place entry's bytes (which `in_place(k)` gives for entry k), in entry order.
-uint64_t bucket_checksum(const protocol::BucketReady& m, const std::byte* used,
-                         const std::function<const std::byte*(size_t entry)>& in_place,
-                         const std::function<const std::byte*(size_t span)>& span = nullptr);
+// xxh3-64 of each entry's bytes, in entry order, wherever they lie (`at(k)` gives entry k's): what
+// the destination loads, not what happened to travel.
+uint64_t bucket_checksum(const protocol::Manifest& m, const std::function<const std::byte*(size_t entry)>& at);
 
 }  // namespace refit

@@ -132,8 +132,7 @@ class CheckpointEngine::Impl {
     md.process = this_process();
     generation_ = random_u64();
     md.generation = generation_;
-    md.reads_in_place = reads_in_place();
-    md.reads_source_memory = options_.config.direct_reads && transport_->capabilities().reads_registered_memory;
+    md.takes = takes();
     md.delta = options_.config.delta;
     md.weights_version = destination_delta_.version();
     return protocol::encode(md);
@@ -197,6 +196,9 @@ class CheckpointEngine::Impl {
           fail(ErrorKind::kProtocol, "{} published no transfer buffers (it was created to receive only)", link.label);
         if (options_.config.map_source_buffers) map_source_buffers(link);
         all_mapped = all_mapped && link.mapped != nullptr;
+        protocol::EngineMetadata own;
+        own.takes = takes();
+        link.access = protocol::link_access(own, same_host(link.metadata.process), transport_->capabilities());
         const ReadRoute route{buffer_kind_, transport_->name(), same_host(link.metadata.process),
                               link.mapped != nullptr, options_.config.map_source_buffers};
         if (auto warning = slow_read_warning(route, self, link.label); !warning.empty()) spdlog::warn("{}", warning);
@@ -292,6 +294,7 @@ class CheckpointEngine::Impl {
                               {region_base_ + link.offset, region_base_ + link.offset + link.bucket_bytes},
                               region_,
                               link.mapped,
+                              link.access,
                               link.bucket_bytes,
                               link.first_refit + refits_,
                               options_.config.timeout_s,
@@ -438,6 +441,8 @@ class CheckpointEngine::Impl {
     uint64_t offset = 0;        // of this link's two buffers in our transfer region
     const std::byte* mapped = nullptr;  // on a destination: the source's transfer region, mapped (or null)
     HostPin mapped_pin;
+    // How the link's destination takes tensors left in the source's memory (both ends agree).
+    protocol::SourceAccess access = protocol::SourceAccess::kNone;
     // On a destination: the source memory its in-place entries lie in, mapped (LinkReader).
     std::map<std::pair<uint64_t, Bytes>, const std::byte*> in_place_maps;
     ManifestCache manifests;  // on a destination: what its source may replay (LinkReader)
@@ -599,13 +604,11 @@ class CheckpointEngine::Impl {
       c.stream = pack_stream_.get();
       c.timeout_s = options_.config.timeout_s;
       c.verify_checksums = options_.config.verify_checksums;
-      // In place to a destination on this host that maps our memory (the same test it makes), or
-      // read from our memory by one that cannot map it.
-      const TransportCapabilities caps = transport_->capabilities();
-      const bool maps = link.metadata.reads_in_place && same_host(link.metadata.process) && caps.maps_peer_memory;
-      const bool reads = !maps && link.metadata.reads_source_memory && caps.reads_registered_memory;
-      if (options_.config.direct_reads && (maps || reads)) c.in_place = &source_regions();
-      c.reads_source_memory = reads;
+      // In place to a destination on this host that maps our memory, or read from our memory by one
+      // that cannot map it (the choice it makes too).
+      link.access = protocol::link_access(link.metadata, same_host(link.metadata.process), transport_->capabilities());
+      if (options_.config.direct_reads && link.access != protocol::SourceAccess::kNone) c.in_place = &source_regions();
+      c.access = link.access;
       senders_.push_back(std::make_unique<LinkSender>(std::move(c)));
     }
   }
@@ -626,10 +629,13 @@ class CheckpointEngine::Impl {
     spdlog::debug("{} loads straight from the mapped buffers of {}", self_.empty() ? "destination" : self_, link.label);
   }
 
-  // Whether this engine, as a destination, loads tensors in place from a source on its host.
-  bool reads_in_place() const {
-    return options_.config.direct_reads && options_.config.map_source_buffers &&
-           transport_->capabilities().maps_peer_memory;
+  // How this engine, as a destination, can take tensors from its sources' own memory
+  // (EngineMetadata::takes): load them mapped from a source on its host, read them from another.
+  uint8_t takes() const {
+    if (!options_.config.direct_reads) return 0;
+    const TransportCapabilities caps = transport_->capabilities();
+    return (options_.config.map_source_buffers && caps.maps_peer_memory ? protocol::kTakesByMap : 0) |
+           (caps.reads_registered_memory ? protocol::kTakesByRead : 0);
   }
 
   SourceRegions& source_regions() {
@@ -861,11 +867,11 @@ class CheckpointEngine::Impl {
       run.bucket = std::move(fetched);
       const auto& bucket = run.bucket->bucket;
       run.mapped_in_place = 0;
-      for (const auto& e : bucket.entries())
-        if (e.region > 0) run.mapped_in_place += e.size;
-      run.stats.in_place_bytes += run.mapped_in_place;
-      for (const auto& span : bucket.spans())
-        if (span.region > 0) run.stats.in_place_bytes += span.size;
+      for (const auto& e : bucket.entries()) {
+        if (e.region == 0) continue;
+        run.stats.in_place_bytes += e.size;
+        if (run.bucket->bytes.in_region(e)) run.mapped_in_place += e.size;
+      }
       run.stats.wire_bytes += bucket.used_bytes;
       ++run.stats.buckets;
       if (bucket.replay_of) ++run.stats.replayed_buckets;
@@ -874,7 +880,7 @@ class CheckpointEngine::Impl {
       // A replay of a bucket of the previous refit, which this destination checked whole.
       const bool repeats_checked =
           bucket.replay_of && run.previous_went_through && *bucket.replay_of == links_[k].first_refit + refits_ - 1;
-      run.views = assembler_.add_bucket(bucket, run.bucket->bases, links_[k].label, next_deadline(), repeats_checked);
+      run.views = assembler_.add_bucket(bucket, run.bucket->bytes, links_[k].label, next_deadline(), repeats_checked);
       if (options_.config.delta) {
         destination_delta_.transform(run.views, assembler_.owners(), run.delta_views, run.delta_owners,
                                      links_[k].label);

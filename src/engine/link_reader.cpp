@@ -69,7 +69,8 @@ bool LinkReader::take_announcement() {
   if (msg.type != protocol::MessageType::kBucketReady || msg.ready.seq != next_)
     fail(ErrorKind::kProtocol, "{} sent an unexpected message (type {}, bucket {}) instead of bucket {}",
          context_.peer_label, static_cast<int>(msg.type), msg.ready.seq, next_);
-  protocol::validate(msg.ready, context_.bucket_bytes, context_.peer_metadata->buffers.length, context_.peer_label);
+  protocol::validate(msg.ready, context_.bucket_bytes, context_.peer_metadata->buffers.length, context_.access,
+                     context_.peer_label);
   context_.manifests->fill(msg.ready, context_.peer_label);
   context_.manifests->arrived(context_.refit, msg.ready);
   if (context_.verify_checksums != msg.ready.checksum.has_value())
@@ -82,46 +83,40 @@ bool LinkReader::take_announcement() {
 void LinkReader::start_reading(protocol::BucketReady bucket) {
   const uint64_t seq = bucket.seq;
   Reading& r = reading_.emplace();
-  r.data = context_.buffers[seq % 2];
   const bool mapped = context_.mapped != nullptr;
-  if (mapped && !bucket.spans().empty())
+  r.data = mapped ? context_.mapped + bucket.offset : context_.buffers[seq % 2];
+  std::vector<protocol::BucketRead> reads = protocol::bucket_reads(*bucket.manifest, context_.access);
+  if (mapped) std::erase_if(reads, [](const protocol::BucketRead& read) { return read.region == 0; });
+  if (mapped && !reads.empty())
     fail(ErrorKind::kProtocol, "{} sent bucket {} to be read from its memory, but this destination maps its buffers",
          context_.peer_label, seq);
-  if (mapped) {
-    r.data = context_.mapped + bucket.offset;
-  } else if (bucket.used_bytes > 0) {
-    phase_ = bucket.spans().empty() ? fmt::format("read bucket {}", seq)
-                                    : fmt::format("read bucket {} from the source's memory", seq);
+  if (!reads.empty()) {
+    phase_ = bucket.regions().empty() ? fmt::format("read bucket {}", seq)
+                                      : fmt::format("read bucket {} from the source's memory", seq);
     r.started = timeline_now();
     std::byte* local = context_.buffers[seq % 2];
     Transport& transport = *context_.transport;
-    if (bucket.spans().empty()) {
-      r.posted.push_back(transport.post_read(context_.peer, context_.peer_metadata->buffers, bucket.offset, local,
-                                             context_.region, bucket.used_bytes, *wait_deadline_));
-      r.bytes = bucket.used_bytes;
+    auto range_of = [&](const protocol::BucketRead& read) {
+      const bool buffer = read.region == 0;
+      return Transport::ReadRange{buffer ? &context_.peer_metadata->buffers : &bucket.regions()[read.region - 1].remote,
+                                  buffer ? bucket.offset + read.source_offset : read.source_offset,
+                                  local + read.bucket_offset, read.size};
+    };
+    if (reads.size() > 1 && transport.capabilities().batched_reads) {
+      // One backend call for the whole bucket.
+      std::vector<Transport::ReadRange> ranges;
+      ranges.reserve(reads.size());
+      for (const protocol::BucketRead& read : reads) ranges.push_back(range_of(read));
+      r.posted.push_back(transport.post_reads(context_.peer, ranges, context_.region, *wait_deadline_));
     } else {
-      auto range_of = [&](const protocol::BucketSpan& span) {
-        const bool own = span.region == 0;
-        return Transport::ReadRange{own ? &context_.peer_metadata->buffers : &bucket.regions()[span.region - 1].remote,
-                                    own ? bucket.offset + span.bucket_offset : span.source_offset,
-                                    local + span.bucket_offset, span.size};
-      };
-      if (transport.capabilities().batched_reads) {
-        // One backend call for the whole bucket.
-        std::vector<Transport::ReadRange> ranges;
-        ranges.reserve(bucket.spans().size());
-        for (const protocol::BucketSpan& span : bucket.spans()) ranges.push_back(range_of(span));
-        r.posted.push_back(transport.post_reads(context_.peer, ranges, context_.region, *wait_deadline_));
-      } else {
-        r.posted.reserve(bucket.spans().size());
-        for (const protocol::BucketSpan& span : bucket.spans()) {
-          const Transport::ReadRange range = range_of(span);
-          r.posted.push_back(transport.post_read(context_.peer, *range.remote, range.remote_offset, range.local,
-                                                 context_.region, range.length, *wait_deadline_));
-        }
+      r.posted.reserve(reads.size());
+      for (const protocol::BucketRead& read : reads) {
+        const Transport::ReadRange range = range_of(read);
+        r.posted.push_back(transport.post_read(context_.peer, *range.remote, range.remote_offset, range.local,
+                                               context_.region, range.length, *wait_deadline_));
       }
-      for (const protocol::BucketSpan& span : bucket.spans()) r.bytes += span.size;
     }
+    for (const protocol::BucketRead& read : reads) r.bytes += read.size;
   }
   r.bucket = std::move(bucket);
 }
@@ -146,29 +141,29 @@ void LinkReader::complete() {
   if (r.bytes > 0)
     events_.push_back({TimelinePhase::kRead, context_.peer_rank, seq, r.started, timeline_now(), r.bytes,
                        static_cast<uint32_t>(bucket.entries().size())});
-  if (bucket.has_in_place_entries()) phase_ = fmt::format("map the source memory of bucket {}", seq);
-  std::vector<const std::byte*> bases = map_regions(bucket, r.data);
+  protocol::BucketBytes bytes{r.data, {}};
+  if (context_.access == protocol::SourceAccess::kMap && !bucket.regions().empty()) {
+    phase_ = fmt::format("map the source memory of bucket {}", seq);
+    bytes.mapped_regions = map_regions(bucket);
+  }
   if (bucket.checksum) {
     phase_ = fmt::format("verify bucket {}", seq);
-    const uint64_t actual = bucket_checksum(bucket, r.data, [&](size_t k) {
-      return bases[bucket.entries()[k].region] + bucket.entries()[k].bucket_offset;
-    });
+    const uint64_t actual = bucket_checksum(*bucket.manifest, [&](size_t k) { return bytes.at(bucket.entries()[k]); });
     if (actual != *bucket.checksum)
       fail(ErrorKind::kIntegrity, "bucket {} from {} arrived corrupted: checksum {:016x}, sent {:016x} ({} bytes)", seq,
            context_.peer_label, actual, *bucket.checksum, bucket.used_bytes);
   }
   // The source may refill its buffer as soon as the bytes are here, unless the engine loads from it.
-  if (!(context_.mapped || bucket.has_in_place_entries())) acknowledge(seq);
+  if (!loads_from_source(bytes)) acknowledge(seq);
   last_fetched_ = bucket.is_last;
   wait_deadline_.reset();
   ++next_;
   phase_ = fmt::format("hand bucket {} to the loader", seq);
-  ready_.push_back(Fetched{std::move(r.bucket), std::move(bases)});
+  ready_.push_back(Fetched{std::move(r.bucket), std::move(bytes)});
 }
 
-std::vector<const std::byte*> LinkReader::map_regions(const protocol::BucketReady& bucket, const std::byte* data) {
-  std::vector<const std::byte*> bases{data};
-  if (!bucket.has_in_place_entries()) return bases;  // a bucket of spans has read its regions
+std::vector<const std::byte*> LinkReader::map_regions(const protocol::BucketReady& bucket) {
+  std::vector<const std::byte*> bases;
   const auto& regions = bucket.regions();
   for (size_t k = 0; k < regions.size(); ++k) {
     const RemoteRegion& remote = regions[k].remote;
@@ -197,7 +192,7 @@ std::optional<LinkReader::Fetched> LinkReader::take() {
   if (ready_.empty()) return std::nullopt;
   Fetched out = std::move(ready_.front());
   ready_.pop_front();
-  held_ = Held{out.bucket.seq, context_.mapped != nullptr || out.bucket.has_in_place_entries(), out.bucket.is_last};
+  held_ = Held{out.bucket.seq, loads_from_source(out.bytes), out.bucket.is_last};
   return out;
 }
 

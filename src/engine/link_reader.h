@@ -7,9 +7,10 @@
 //   - waits for its buffer (staged: bucket k goes where bucket k - 2 was, which must be released);
 //   - takes the announcement, validates it, and replays its manifest from the link's
 //     ManifestCache when the source names a bucket of the refit before;
-//   - reads: the used bytes into the local buffer (staged), or the bucket's spans from the
-//     source's buffer and memory all at once, or nothing (mapped: the engine loads straight from
-//     the source's buffer); it maps the source memory of entries sent in place (once per link);
+//   - reads the bucket's entries from the source's buffer, and from its memory those it leaves in
+//     place on a link that reads them, into the local buffer (protocol::bucket_reads), all at once;
+//     or nothing from the buffer when it is mapped (the engine loads straight from it); on a link
+//     that maps, it maps the source memory of entries sent in place (once per link);
 //   - verifies the checksum and hands the bucket out (at most two ahead of the engine);
 //   - acknowledges it: at once when its bytes are here (staged, so the source refills that buffer
 //     while the destination loads), or once released when the engine loads from the source's
@@ -51,7 +52,8 @@ struct LinkReadContext {
   std::byte* buffers[2] = {};  // both inside `region`
   RegionId region = 0;
   const std::byte* mapped = nullptr;  // the source's transfer region, mapped; null: staged reads
-  uint64_t bucket_bytes = 0;          // of this link (both sides derive it)
+  protocol::SourceAccess access = protocol::SourceAccess::kNone;  // how entries in place are taken
+  uint64_t bucket_bytes = 0;                                      // of this link (both sides derive it)
   uint64_t refit = 0;
   double timeout_s = 0;
   bool verify_checksums = false;
@@ -65,9 +67,7 @@ class LinkReader {
  public:
   struct Fetched {
     protocol::BucketReady bucket;  // with its manifest (a replayed one's from the cache)
-    // Where each region of the bucket's entries starts: [0] the used bytes (in a local buffer
-    // until release()), [k] the source's memory of bucket.regions[k - 1], mapped.
-    std::vector<const std::byte*> bases;
+    protocol::BucketBytes bytes;   // where its entries lie (a local buffer: until release())
   };
 
   explicit LinkReader(LinkReadContext context);
@@ -91,14 +91,14 @@ class LinkReader {
   bool done() const { return done_; }
   const std::string& phase() const { return phase_; }
   const std::string& peer_label() const { return context_.peer_label; }
-  // The reads of this refit (staged and spans).
+  // The reads of this refit.
   const std::vector<TimelineEvent>& events() const { return events_; }
 
  private:
   // A bucket whose announcement is here and whose reads are in flight.
   struct Reading {
     protocol::BucketReady bucket;
-    const std::byte* data = nullptr;  // the used bytes: a local buffer, or the source's mapped
+    const std::byte* data = nullptr;  // the bucket's bytes: a local buffer, or the source's mapped
     std::vector<ReadId> posted;       // not yet complete
     uint64_t bytes = 0;               // read in all
     double started = 0;               // on the timeline
@@ -112,7 +112,12 @@ class LinkReader {
   bool reads_complete();
   // Maps, verifies and hands out the bucket whose bytes are here.
   void complete();
-  std::vector<const std::byte*> map_regions(const protocol::BucketReady& bucket, const std::byte* data);
+  // The source memory of the bucket's entries in place, mapped (cached for the link).
+  std::vector<const std::byte*> map_regions(const protocol::BucketReady& bucket);
+  // Whether the engine loads the bucket from the source's memory (so it is acknowledged once released).
+  bool loads_from_source(const protocol::BucketBytes& bytes) const {
+    return context_.mapped != nullptr || !bytes.mapped_regions.empty();
+  }
   void acknowledge(uint64_t seq);
   bool buffer_free(uint64_t seq) const;
 

@@ -11,17 +11,6 @@
 
 namespace refit {
 namespace {
-// An abort is a courtesy to the peer; it must never hold up reporting our own error.
-
-// Spans this close are read as one (the bytes between, alignment padding, come along).
-constexpr uint64_t kSpanGap = 4 << 10;
-
-bool same_spans(const std::vector<protocol::BucketSpan>& a, const std::vector<protocol::BucketSpan>& b) {
-  return std::equal(a.begin(), a.end(), b.begin(), b.end(), [](const auto& x, const auto& y) {
-    return x.bucket_offset == y.bucket_offset && x.size == y.size && x.region == y.region &&
-           x.source_offset == y.source_offset;
-  });
-}
 
 bool same_regions(const std::vector<protocol::SourceRegion>& a, const std::vector<protocol::SourceRegion>& b) {
   return std::equal(a.begin(), a.end(), b.begin(), b.end(), [](const auto& x, const auto& y) {
@@ -30,12 +19,16 @@ bool same_regions(const std::vector<protocol::SourceRegion>& a, const std::vecto
   });
 }
 
+bool same_entry(const protocol::ManifestEntry& a, const protocol::ManifestEntry& b) {
+  return a.tensor_offset == b.tensor_offset && a.size == b.size && a.bucket_offset == b.bucket_offset &&
+         a.region == b.region && a.source_offset == b.source_offset && a.box == b.box && a.tensor == b.tensor;
+}
+
 }  // namespace
 
 void LinkSender::begin(uint64_t refit, bool in_place) {
   refit_ = refit;
-  in_place_ = in_place && context_.in_place != nullptr;
-  spans_ = in_place_ && context_.reads_source_memory;
+  in_place_ = in_place && context_.in_place != nullptr ? context_.access : protocol::SourceAccess::kNone;
   if (packer_)
     packer_->restart();
   else
@@ -49,10 +42,9 @@ void LinkSender::begin(uint64_t refit, bool in_place) {
   buckets_ = payload_bytes_ = in_place_bytes_ = replayed_ = 0;
   regions_.clear();
   bucket_regions_.clear();
-  bucket_spans_.clear();
-  span_data_.clear();
-  in_place_data_.clear();
-  bucket_entries_ = 0;
+  entry_data_.clear();
+  bucket_entries_ = buffer_bytes_ = 0;
+  last_entry_ = {};
   pack_start_.reset();
   events_.clear();
   // A refit that failed may have left the destination with other manifests than ours.
@@ -65,23 +57,22 @@ void LinkSender::begin(uint64_t refit, bool in_place) {
   pack_phase_ = fmt::format("pack bucket 0 for {}", context_.peer_label);
 }
 
-void LinkSender::record(const TensorInfo& tensor, const Box& piece, uint64_t tensor_offset, uint64_t size,
-                        uint64_t bucket_offset, uint32_t region) {
+void LinkSender::record(const protocol::ManifestEntry& entry, const std::byte* data) {
   ++bucket_entries_;
+  if (context_.verify_checksums) entry_data_.push_back(data);
+  if (entry.size > 0)
+    last_entry_ = {entry.region, entry.region == 0 ? entry.bucket_offset : entry.source_offset, entry.bucket_offset,
+                   entry.size};
   if (replaying_) {
     const protocol::Manifest* counterpart =
         bucket_.seq < previous_.size() ? previous_[bucket_.seq].manifest.get() : nullptr;
-    if (counterpart && matched_ < counterpart->entries.size()) {
-      const protocol::ManifestEntry& e = counterpart->entries[matched_];
-      if (e.tensor_offset == tensor_offset && e.size == size && e.bucket_offset == bucket_offset &&
-          e.region == region && e.box == piece && e.tensor == tensor) {
-        ++matched_;
-        return;
-      }
+    if (counterpart && matched_ < counterpart->entries.size() && same_entry(counterpart->entries[matched_], entry)) {
+      ++matched_;
+      return;
     }
     stop_replaying();
   }
-  manifest_->entries.push_back({tensor, piece, tensor_offset, size, bucket_offset, region});
+  manifest_->entries.push_back(entry);
 }
 
 void LinkSender::stop_replaying() {
@@ -127,46 +118,25 @@ bool LinkSender::add_in_place(const TensorView& view, const Box& box, const Tens
   if (!found) return false;
   if (packer_->place_in_place(tensor, size)) flush(false, phase);
   if (!pack_start_) pack_start_ = timeline_now();
-  record(tensor, piece, 0, size, found->offset, bucket_region(*found));
-  in_place_data_.resize(bucket_entries_, nullptr);
-  in_place_data_.back() = data;
+  // Mapped: it takes no room in the bucket.
+  record({tensor, piece, 0, size, 0, bucket_region(*found), found->offset}, data);
   in_place_bytes_ += size;
   payload_bytes_ += size;
   return true;
 }
 
-bool LinkSender::extends_span(uint64_t bucket_offset, uint32_t region, uint64_t source_offset) const {
-  if (bucket_spans_.empty()) return false;
-  const protocol::BucketSpan& last = bucket_spans_.back();
-  const uint64_t end = last.bucket_offset + last.size;
-  const uint64_t gap = bucket_offset - end;  // chunks are placed in order
-  return last.region == region && bucket_offset >= end && gap <= kSpanGap &&
-         source_offset == last.source_offset + last.size + gap;
-}
-
-void LinkSender::add_span(uint64_t bucket_offset, uint64_t size, uint32_t region, uint64_t source_offset,
-                          const std::byte* data) {
-  if (extends_span(bucket_offset, region, source_offset)) {
-    protocol::BucketSpan& last = bucket_spans_.back();
-    last.size = bucket_offset + size - last.bucket_offset;
-    return;
-  }
-  bucket_spans_.push_back({bucket_offset, size, region, source_offset});
-  span_data_.push_back(data);
-}
-
 void LinkSender::add(const TensorView& view, const Box& box, const TensorInfo& tensor, const Box& piece,
                      std::string& phase) {
-  if (in_place_ && !spans_ && add_in_place(view, box, tensor, piece, phase)) return;
+  using protocol::SourceAccess;
+  if (in_place_ == SourceAccess::kMap && add_in_place(view, box, tensor, piece, phase)) return;
   const TensorInfo& source = *view.info;
   const TensorInfo packed{tensor.name, tensor.dtype, piece.shape_in(tensor.shape)};
   const uint64_t element = dtype_size(source.dtype);
-  // Read from our memory: where the piece lies there, if it can go so.
+  // Read from our memory: where the piece lies there, if it can go so. A small piece only where it
+  // might continue the read before it, so in memory registered already.
   const std::byte* readable_data = nullptr;
-  // A small piece only where it might continue a span of our memory, so registered already.
   const bool large = packed.nbytes() >= kMinSpanBytes;
-  const bool after_span = !bucket_spans_.empty() && bucket_spans_.back().region > 0;
-  const auto readable = spans_ && (large || after_span)
+  const auto readable = in_place_ == SourceAccess::kRead && (large || last_entry_.region > 0)
                             ? find_in_place(view, box, packed.nbytes(), SourceRegions::Access::kRead, &readable_data,
                                             /*register_new=*/large)
                             : std::nullopt;
@@ -174,25 +144,29 @@ void LinkSender::add(const TensorView& view, const Box& box, const TensorInfo& t
     if (c.starts_bucket) flush(false, phase);
     if (!pack_start_) pack_start_ = timeline_now();
     phase = pack_phase_;
-    bool read = false;
+    protocol::ManifestEntry entry{tensor, piece, c.tensor_offset, c.size, c.bucket_offset};
+    const std::byte* data = nullptr;
     if (readable) {
       const uint64_t source_offset = readable->offset + c.tensor_offset;
       const auto known = regions_.find(readable->region);
-      read = large || (known != regions_.end() && extends_span(c.bucket_offset, known->second, source_offset));
-      if (read) {
-        add_span(c.bucket_offset, c.size, bucket_region(*readable), source_offset, readable_data + c.tensor_offset);
+      if (large || (known != regions_.end() &&
+                    protocol::continues(last_entry_, known->second, source_offset, c.bucket_offset))) {
+        entry.region = bucket_region(*readable);
+        entry.source_offset = source_offset;
+        data = readable_data + c.tensor_offset;
         in_place_bytes_ += c.size;
       }
     }
-    if (!read) {
+    if (entry.region == 0) {
       std::byte* out = context_.buffers[buffer_] + c.bucket_offset;
       for_each_box_block(source.shape, element, box, c.tensor_offset, c.size, [&](const BoxBlock& b) {
         context_.stream->copy_2d(out + (b.packed_offset - c.tensor_offset), b.row_bytes, view.data + b.tensor_offset,
                                  b.pitch, b.row_bytes, b.rows, context_.buffer_kind, view.memory);
       });
-      if (spans_) add_span(c.bucket_offset, c.size, 0, c.bucket_offset, out);
+      data = out;
+      buffer_bytes_ += c.size;
     }
-    record(tensor, piece, c.tensor_offset, c.size, c.bucket_offset, 0);
+    record(entry, data);
     bucket_.used_bytes = c.bucket_offset + c.size;
   }
   payload_bytes_ += packed.nbytes();
@@ -205,22 +179,14 @@ void LinkSender::flush(bool is_last, std::string& phase) {
     phase = fmt::format("copy into bucket {} for {}", bucket_.seq, context_.peer_label);
     context_.stream->synchronize(deadline_after(std::chrono::duration<double>(context_.timeout_s)));
   }
-  // A bucket of which nothing is read from our memory is read from the buffer whole.
-  if (bucket_regions_.empty()) {
-    bucket_spans_.clear();
-    span_data_.clear();
-  }
-  // Whether the destination reads any of the bucket from the buffer (else all of it lies in our
+  // Whether the destination takes any of the bucket from the buffer (else all of it lies in our
   // tensors, and the buffer is free for the next bucket at once).
-  const bool uses_buffer = bucket_spans_.empty() ? bucket_.used_bytes > 0
-                                                 : std::any_of(bucket_spans_.begin(), bucket_spans_.end(),
-                                                               [](const auto& s) { return s.region == 0; });
+  const bool uses_buffer = buffer_bytes_ > 0;
   // The bucket goes as a replay when it equals its counterpart of the previous refit whole.
   const bool replay = replaying_ && bucket_.seq < previous_.size() &&
                       matched_ == previous_[bucket_.seq].manifest->entries.size() &&
                       bucket_.used_bytes == previous_[bucket_.seq].used_bytes &&
-                      same_regions(bucket_regions_, previous_[bucket_.seq].manifest->regions) &&
-                      same_spans(bucket_spans_, previous_[bucket_.seq].manifest->spans);
+                      same_regions(bucket_regions_, previous_[bucket_.seq].manifest->regions);
   if (replay) {
     bucket_.replay_of = previous_refit_;
     bucket_.manifest = previous_[bucket_.seq].manifest;
@@ -228,15 +194,12 @@ void LinkSender::flush(bool is_last, std::string& phase) {
   } else {
     if (replaying_) stop_replaying();
     manifest_->regions = std::move(bucket_regions_);
-    manifest_->spans = std::move(bucket_spans_);
     bucket_.replay_of.reset();
     bucket_.manifest = std::move(manifest_);
   }
   sent_.push_back({bucket_.manifest, bucket_.used_bytes});
   if (context_.verify_checksums)
-    bucket_.checksum = bucket_checksum(
-        bucket_, context_.buffers[buffer_], [&](size_t k) { return in_place_data_[k]; },
-        [&](size_t k) { return span_data_[k]; });
+    bucket_.checksum = bucket_checksum(*bucket_.manifest, [&](size_t k) { return entry_data_[k]; });
   bucket_.is_last = is_last;
   phase = fmt::format("announce bucket {} to {}", bucket_.seq, context_.peer_label);
   const double packed = timeline_now();
@@ -259,13 +222,12 @@ void LinkSender::flush(bool is_last, std::string& phase) {
   bucket_.manifest.reset();
   if (!replaying_) manifest_ = std::make_shared<protocol::Manifest>();
   matched_ = 0;
-  bucket_entries_ = 0;
+  bucket_entries_ = buffer_bytes_ = 0;
+  last_entry_ = {};
   bucket_regions_.clear();
-  bucket_spans_.clear();
-  span_data_.clear();
+  entry_data_.clear();
   bucket_.used_bytes = 0;
   regions_.clear();
-  in_place_data_.clear();
   pack_phase_ = fmt::format("pack bucket {} for {}", bucket_.seq, context_.peer_label);
   // The next bucket goes into the other buffer: the destination must be done with the bucket that
   // buffer holds (acknowledgements come in order). Buckets that hold nothing in a buffer do not

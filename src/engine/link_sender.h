@@ -11,8 +11,9 @@
 // that batches keep their size; the destination acknowledges such a bucket once it has loaded it.
 // Read from our memory (a destination that reads the source's memory but cannot map it, as on
 // another host): the bucket is laid out as if packed, but a piece lying contiguous in registered
-// memory is not copied; the bucket's spans tell the destination to read those bytes from our
-// memory and the rest from the buffer. One copy fewer per byte, and no packing work here.
+// memory is not copied; its entries say where it lies in our memory, and the destination reads it
+// from there into its buffer (protocol::bucket_reads). One copy fewer per byte, and no packing
+// work here.
 // Replay: a refit of the same model makes the same manifests, so while a refit's buckets match
 // the previous refit's (checked entry by entry as they are packed, no copy made), a bucket goes as
 // "the manifest of bucket k of refit r", which the destination kept: neither side encodes,
@@ -53,8 +54,8 @@ struct LinkContext {
   bool verify_checksums = false;
   // The engine's registrations of its own memory; null: nothing is sent in place on this link.
   SourceRegions* in_place = nullptr;
-  // The destination reads what goes in place from our memory (spans) rather than mapping it.
-  bool reads_source_memory = false;
+  // How the destination takes what goes in place (protocol::link_access): maps or reads it.
+  protocol::SourceAccess access = protocol::SourceAccess::kNone;
 };
 
 class LinkSender {
@@ -99,31 +100,25 @@ class LinkSender {
                                                     bool register_new = true) const;
   // The open bucket's index of our region (adding it to the bucket's regions).
   uint32_t bucket_region(const SourceRegions::Found& found);
-  // Whether a span at `bucket_offset` read from `source_offset` of region `region` continues the
-  // open bucket's last span (so that both are read as one).
-  bool extends_span(uint64_t bucket_offset, uint32_t region, uint64_t source_offset) const;
-  // Adds [bucket_offset, +size) of the open bucket to its spans, read from `source_offset` of
-  // its region `region` (0: the buffer), whose bytes lie at `data` here.
-  void add_span(uint64_t bucket_offset, uint64_t size, uint32_t region, uint64_t source_offset, const std::byte* data);
-  // Adds an entry to the open bucket's manifest; while replaying, checks it against the previous
-  // refit's instead.
-  void record(const TensorInfo& tensor, const Box& piece, uint64_t tensor_offset, uint64_t size, uint64_t bucket_offset,
-              uint32_t region);
+  // Adds an entry to the open bucket's manifest (its bytes lie at `data` here); while replaying,
+  // checks it against the previous refit's instead.
+  void record(const protocol::ManifestEntry& entry, const std::byte* data);
   // The open bucket differs from its counterpart of the previous refit: from here on this refit's
   // manifests are made, starting with the entries the open bucket had in common with it.
   void stop_replaying();
 
   LinkContext context_;
   uint64_t refit_ = 0;
-  bool in_place_ = false;  // this refit may send in place
-  bool spans_ = false;     // ... and does so with spans (context_.reads_source_memory)
+  // How this refit sends in place: kNone, or the link's way (when the weight stream allows).
+  protocol::SourceAccess in_place_ = protocol::SourceAccess::kNone;
   std::optional<BucketPacker> packer_;
   protocol::BucketReady bucket_;                        // the open bucket's announcement, but for its manifest
   std::shared_ptr<protocol::Manifest> manifest_;        // of the open bucket, unless replaying
   std::vector<protocol::SourceRegion> bucket_regions_;  // of the open bucket (few; made even while replaying)
-  std::vector<protocol::BucketSpan> bucket_spans_;      // of the open bucket (made even while replaying)
-  std::vector<const std::byte*> span_data_;             // by span of the open bucket: where its bytes lie here
   uint64_t bucket_entries_ = 0;                         // of the open bucket
+  uint64_t buffer_bytes_ = 0;                           // of the open bucket: packed into the buffer
+  protocol::BucketRead last_entry_;                     // of the open bucket, where the latest entry lies
+  std::vector<const std::byte*> entry_data_;            // by entry of the open bucket: where it lies here (checksums)
   std::string pack_phase_;                              // "pack bucket k for ...", made once per bucket
   // Replay. A bucket's manifest and used bytes, as sent; previous_: the last refit on this link
   // whose every bucket the destination acknowledged (so it has them all), numbered previous_refit_.
@@ -149,9 +144,8 @@ class LinkSender {
   std::deque<Announced> unacknowledged_;
   int buffers_held_ = 0;  // of unacknowledged_, those that hold bytes in a buffer
   uint64_t buckets_ = 0, payload_bytes_ = 0, in_place_bytes_ = 0;
-  std::map<RegionId, uint32_t> regions_;         // of the open bucket: our region -> its index there
-  std::vector<const std::byte*> in_place_data_;  // by entry of the open bucket: where an in-place one lies
-  std::optional<double> pack_start_;             // when the open bucket got its first byte
+  std::map<RegionId, uint32_t> regions_;  // of the open bucket: our region -> its index there
+  std::optional<double> pack_start_;      // when the open bucket got its first byte
   std::vector<TimelineEvent> events_;
 };
 

@@ -76,8 +76,7 @@ Bytes encode(const EngineMetadata& m) {
   w.put<int32_t>(m.process.pid);
   w.put<uint64_t>(m.process.start_time);
   w.put<uint64_t>(m.generation);
-  w.put<uint8_t>(m.reads_in_place ? 1 : 0);
-  w.put<uint8_t>(m.reads_source_memory ? 1 : 0);
+  w.put<uint8_t>(m.takes);
   w.put<uint8_t>(m.delta ? 1 : 0);
   w.put<uint64_t>(m.weights_version);
   return w.take();
@@ -117,12 +116,9 @@ EngineMetadata decode_metadata(std::span<const uint8_t> blob, const std::string&
   m.process.pid = r.get<int32_t>("pid");
   m.process.start_time = r.get<uint64_t>("start time");
   m.generation = r.get<uint64_t>("generation");
-  const auto in_place = r.get<uint8_t>("reads in place");
-  if (in_place > 1) fail(ErrorKind::kProtocol, "malformed {}: reads_in_place = {}", who, in_place);
-  m.reads_in_place = in_place == 1;
-  const auto reads_source = r.get<uint8_t>("reads source memory");
-  if (reads_source > 1) fail(ErrorKind::kProtocol, "malformed {}: reads_source_memory = {}", who, reads_source);
-  m.reads_source_memory = reads_source == 1;
+  m.takes = r.get<uint8_t>("takes");
+  if ((m.takes & ~(kTakesByMap | kTakesByRead)) != 0)
+    fail(ErrorKind::kProtocol, "malformed {}: takes source memory in ways {:#x}", who, m.takes);
   const auto delta = r.get<uint8_t>("delta");
   if (delta > 1) fail(ErrorKind::kProtocol, "malformed {}: delta = {}", who, delta);
   m.delta = delta == 1;
@@ -164,13 +160,7 @@ Bytes encode(const BucketReady& m) {
     w.put<uint64_t>(e.size);
     w.put<uint64_t>(e.bucket_offset);
     w.put<uint32_t>(e.region);
-  }
-  w.put<uint64_t>(manifest.spans.size());
-  for (const auto& span : manifest.spans) {
-    w.put<uint64_t>(span.bucket_offset);
-    w.put<uint64_t>(span.size);
-    w.put<uint32_t>(span.region);
-    w.put<uint64_t>(span.source_offset);
+    if (e.region > 0) w.put<uint64_t>(e.source_offset);
   }
   return w.take();
 }
@@ -235,7 +225,7 @@ Message decode_message(std::span<const uint8_t> bytes, const std::string& who) {
           fail(ErrorKind::kProtocol, "garbled message from {}: memory kind {}", who, memory);
         region.memory = static_cast<MemoryKind>(memory);
       }
-      // Smallest entry: empty name, dtype, rank 0, no cuts, three offsets, a region.
+      // Smallest entry: empty name, dtype, rank 0, no cuts, three offsets, a region (0: no source offset).
       uint64_t n = r.get_count("entry count", 8 + 1 + 8 + 1 + 24 + 4);
       manifest->entries.reserve(n);
       for (uint64_t i = 0; i < n; ++i) {
@@ -254,15 +244,8 @@ Message decode_message(std::span<const uint8_t> bytes, const std::string& who) {
         e.size = r.get<uint64_t>("chunk size");
         e.bucket_offset = r.get<uint64_t>("bucket offset");
         e.region = r.get<uint32_t>("region");
+        if (e.region > 0) e.source_offset = r.get<uint64_t>("source offset");
         manifest->entries.push_back(std::move(e));
-      }
-      const uint64_t spans = r.get_count("span count", 8 + 8 + 4 + 8);
-      manifest->spans.resize(spans);
-      for (auto& span : manifest->spans) {
-        span.bucket_offset = r.get<uint64_t>("span bucket offset");
-        span.size = r.get<uint64_t>("span size");
-        span.region = r.get<uint32_t>("span region");
-        span.source_offset = r.get<uint64_t>("span source offset");
       }
       m.manifest = std::move(manifest);
       break;
@@ -298,6 +281,36 @@ uint64_t first_refit(uint64_t source_generation, uint64_t destination_generation
   return z ^ (z >> 31);
 }
 
+SourceAccess link_access(const EngineMetadata& destination, bool same_host, const TransportCapabilities& caps) {
+  if ((destination.takes & kTakesByMap) != 0 && same_host && caps.maps_peer_memory) return SourceAccess::kMap;
+  if ((destination.takes & kTakesByRead) != 0 && caps.reads_registered_memory) return SourceAccess::kRead;
+  return SourceAccess::kNone;
+}
+
+bool continues(const BucketRead& last, uint32_t region, uint64_t source_offset, uint64_t bucket_offset) {
+  // Neighbours this close are read as one (the bytes between, alignment padding, come along).
+  constexpr uint64_t kJoinGap = 4 << 10;
+  const uint64_t end = last.bucket_offset + last.size;
+  const uint64_t gap = bucket_offset - end;
+  return last.size > 0 && last.region == region && bucket_offset >= end && gap <= kJoinGap &&
+         source_offset == last.source_offset + last.size + gap;
+}
+
+std::vector<BucketRead> bucket_reads(const Manifest& manifest, SourceAccess access) {
+  std::vector<BucketRead> reads;
+  for (const ManifestEntry& e : manifest.entries) {
+    if (e.size == 0 || (e.region > 0 && access == SourceAccess::kMap)) continue;
+    const uint64_t from = e.region == 0 ? e.bucket_offset : e.source_offset;
+    if (!reads.empty() && continues(reads.back(), e.region, from, e.bucket_offset)) {
+      BucketRead& last = reads.back();
+      last.size = e.bucket_offset + e.size - last.bucket_offset;
+      continue;
+    }
+    reads.push_back({e.region, from, e.bucket_offset, e.size});
+  }
+  return reads;
+}
+
 uint64_t Message::refit() const {
   switch (type) {
     case MessageType::kBucketReady:
@@ -320,7 +333,8 @@ Manifest& edit_manifest(BucketReady& bucket) {
   return *copy;
 }
 
-void validate(const BucketReady& b, uint64_t bucket_bytes, uint64_t region_bytes, const std::string& who) {
+void validate(const BucketReady& b, uint64_t bucket_bytes, uint64_t region_bytes, SourceAccess access,
+              const std::string& who) {
   if (b.used_bytes > bucket_bytes)
     fail(ErrorKind::kProtocol, "bucket {} from {} uses {} bytes, more than the bucket size {}", b.seq, who,
          b.used_bytes, bucket_bytes);
@@ -329,6 +343,8 @@ void validate(const BucketReady& b, uint64_t bucket_bytes, uint64_t region_bytes
          b.offset, b.used_bytes, region_bytes);
   if (!b.manifest) return;  // replayed: checked when it first came
   const Manifest& m = *b.manifest;
+  std::vector<bool> used(m.regions.size(), false);
+  uint64_t bucket_end = 0;  // of the chunk before that lies in the bucket
   for (const auto& e : m.entries) {
     uint64_t nbytes = 0;
     if (!checked_nbytes(e.tensor, &nbytes))
@@ -349,44 +365,34 @@ void validate(const BucketReady& b, uint64_t bucket_bytes, uint64_t region_bytes
     if (e.region > m.regions.size())
       fail(ErrorKind::kProtocol, "bucket {} from {}: chunk of '{}' names region {} of {}", b.seq, who, e.tensor.name,
            e.region, m.regions.size());
-    const uint64_t limit = e.region == 0 ? b.used_bytes : m.regions[e.region - 1].remote.length;
-    if (e.bucket_offset > limit || e.size > limit - e.bucket_offset)
-      fail(ErrorKind::kProtocol, "bucket {} from {}: chunk of '{}' at [{}, +{}) lies outside the {} bytes of {}", b.seq,
-           who, e.tensor.name, e.bucket_offset, e.size, limit,
-           e.region == 0 ? std::string("its bucket") : fmt::format("source region {}", e.region));
-  }
-  std::vector<bool> used(m.regions.size(), false);
-  uint64_t end = 0;  // of the span before
-  for (size_t k = 0; k < m.spans.size(); ++k) {
-    const BucketSpan& s = m.spans[k];
-    if (s.bucket_offset < end || s.bucket_offset > b.used_bytes || s.size > b.used_bytes - s.bucket_offset)
-      fail(
-          ErrorKind::kProtocol,
-          "bucket {} from {}: span {} at [{}, +{}) overlaps the span before (ending at {}) or lies outside the {} used "
-          "bytes",
-          b.seq, who, k, s.bucket_offset, s.size, end, b.used_bytes);
-    end = s.bucket_offset + s.size;
-    if (s.region > m.regions.size())
-      fail(ErrorKind::kProtocol, "bucket {} from {}: span {} names region {} of {}", b.seq, who, k, s.region,
-           m.regions.size());
-    if (s.region == 0) {
-      if (s.source_offset != s.bucket_offset)
-        fail(ErrorKind::kProtocol, "bucket {} from {}: span {} of its buffer is at offset {}, not {}", b.seq, who, k,
-             s.source_offset, s.bucket_offset);
-      continue;
+    if (e.region > 0) {
+      if (access == SourceAccess::kNone)
+        fail(ErrorKind::kProtocol,
+             "bucket {} from {}: chunk of '{}' is in place (source region {}), but this link takes nothing from the "
+             "source's memory",
+             b.seq, who, e.tensor.name, e.region);
+      used[e.region - 1] = true;
+      const uint64_t limit = m.regions[e.region - 1].remote.length;
+      if (e.source_offset > limit || e.size > limit - e.source_offset)
+        fail(ErrorKind::kProtocol,
+             "bucket {} from {}: chunk of '{}' at [{}, +{}) lies outside the {} bytes of source region {}", b.seq, who,
+             e.tensor.name, e.source_offset, e.size, limit, e.region);
     }
-    const uint64_t limit = m.regions[s.region - 1].remote.length;
-    if (s.source_offset > limit || s.size > limit - s.source_offset)
-      fail(ErrorKind::kProtocol,
-           "bucket {} from {}: span {} at [{}, +{}) lies outside the {} bytes of source region {}", b.seq, who, k,
-           s.source_offset, s.size, limit, s.region);
-    used[s.region - 1] = true;
-  }
-  for (const auto& e : m.entries) {
-    if (e.region > 0 && !m.spans.empty())
-      fail(ErrorKind::kProtocol, "bucket {} from {}: chunk of '{}' is in place (region {}) in a bucket of spans", b.seq,
-           who, e.tensor.name, e.region);
-    if (e.region > 0) used[e.region - 1] = true;
+    const bool in_bucket = e.region == 0 || access == SourceAccess::kRead;
+    if (!in_bucket && e.bucket_offset != 0)
+      fail(ErrorKind::kProtocol, "bucket {} from {}: chunk of '{}' is mapped in place but has bucket offset {}", b.seq,
+           who, e.tensor.name, e.bucket_offset);
+    if (in_bucket && (e.bucket_offset > b.used_bytes || e.size > b.used_bytes - e.bucket_offset))
+      fail(ErrorKind::kProtocol, "bucket {} from {}: chunk of '{}' at [{}, +{}) lies outside the {} used bytes", b.seq,
+           who, e.tensor.name, e.bucket_offset, e.size, b.used_bytes);
+    // In bucket order, apart: each byte of the bucket is one chunk's (and is read once).
+    if (in_bucket && e.size > 0) {
+      if (e.bucket_offset < bucket_end)
+        fail(ErrorKind::kProtocol,
+             "bucket {} from {}: chunk of '{}' at [{}, +{}) overlaps the chunk before (ending at {})", b.seq, who,
+             e.tensor.name, e.bucket_offset, e.size, bucket_end);
+      bucket_end = e.bucket_offset + e.size;
+    }
   }
   for (size_t k = 0; k < used.size(); ++k)
     if (!used[k])

@@ -18,7 +18,15 @@
 
 namespace refit::protocol {
 
-inline constexpr uint32_t kVersion = 9;
+inline constexpr uint32_t kVersion = 10;
+
+// How a destination takes the tensors a source leaves in its own memory instead of packing them
+// (direct_reads): it maps that memory (a source on its host) and loads from it, or reads it into
+// its buffers with one-sided reads, or neither (the source packs everything). A destination says
+// which it can do (EngineMetadata::takes); link_access() picks one per link, alike on both sides.
+enum class SourceAccess : uint8_t { kNone = 0, kMap = 1, kRead = 2 };
+inline constexpr uint8_t kTakesByMap = 1;   // EngineMetadata::takes: maps a source's memory on its host
+inline constexpr uint8_t kTakesByRead = 2;  // ... reads a source's registered memory
 
 struct EngineMetadata {
   uint32_t version = kVersion;
@@ -34,12 +42,8 @@ struct EngineMetadata {
   Bytes holds;              // a source's encoded layout (what it holds); empty: the whole model
   ProcessIdentity process;  // lets a peer on the same host see at once that we are gone
   uint64_t generation = 0;  // random per prepare(): tells one connection from the next
-  // A destination that loads tensors straight from its source's own memory wherever it can map
-  // it (direct_reads): a source on its host may then send tensors in place.
-  bool reads_in_place = false;
-  // A destination that reads tensors from its source's own registered memory into its buffers
-  // (direct_reads where nothing maps, as across hosts): a source may then skip packing them.
-  bool reads_source_memory = false;
+  // A destination's ways of taking tensors from its sources' own memory (kTakesBy*; 0: none).
+  uint8_t takes = 0;
   // Delta refit (refit_cfg.nixl.delta, engine/delta.h): both ends must agree. A destination's
   // weights_version is the version of the weights it holds (0: none).
   bool delta = false;
@@ -51,15 +55,23 @@ struct EngineMetadata {
 // failed refit) never match a refit of this one and are discarded.
 uint64_t first_refit(uint64_t source_generation, uint64_t destination_generation);
 
+// The way a destination takes source memory on the link between `source` and `destination`:
+// map where both are on one host and the transport maps, else read where it reads registered
+// memory. Both ends call it with the same arguments (same_host is symmetric, and both run the
+// same transport), so they agree without another message.
+SourceAccess link_access(const EngineMetadata& destination, bool same_host, const TransportCapabilities& caps);
+
 Bytes encode(const EngineMetadata& metadata);
 // `who` names the blob's owner in errors ("metadata of source rank 1").
 EngineMetadata decode_metadata(std::span<const uint8_t> blob, const std::string& who);
 
 // One chunk of a bucket, with the destination tensor's description so the receiver can
 // reassemble. The chunk is bytes [tensor_offset, +size) of a piece: `box` of the tensor, packed
-// (box.h); a whole box makes the piece the tensor itself. It lies at `bucket_offset` of the
-// bucket's bytes (region 0), or, sent in place, at that offset of the source's own memory
-// described by the bucket's regions[region - 1].
+// (box.h); a whole box makes the piece the tensor itself. Its bytes lie at `bucket_offset` of the
+// bucket (region 0: packed into the source's buffer), or at `source_offset` of the source's own
+// memory described by the bucket's regions[region - 1] (sent in place). The destination takes the
+// latter as its link says (SourceAccess): mapped, it loads them from there (`bucket_offset` is
+// then 0: they take no room in the bucket); read, it reads them to `bucket_offset` of its buffer.
 struct ManifestEntry {
   TensorInfo tensor;
   Box box;
@@ -67,6 +79,7 @@ struct ManifestEntry {
   uint64_t size = 0;
   uint64_t bucket_offset = 0;
   uint32_t region = 0;
+  uint64_t source_offset = 0;
 };
 
 // Source memory that a bucket's in-place entries lie in, and what kind of memory it is.
@@ -75,31 +88,44 @@ struct SourceRegion {
   MemoryKind memory = MemoryKind::kHost;
 };
 
-// A range of a bucket that its destination reads from where the source left it: bytes
-// [bucket_offset, +size) of the bucket come from `source_offset` of regions[region - 1] (the
-// source's own memory, not packed), or, region 0, from the same offset of the bucket's buffer.
-struct BucketSpan {
-  uint64_t bucket_offset = 0;
-  uint64_t size = 0;
-  uint32_t region = 0;
-  uint64_t source_offset = 0;
-};
-
 enum class MessageType : uint8_t { kBucketReady = 1, kBucketDone = 2, kAbort = 3 };
 
-// What a bucket holds: its chunks, and the source memory of those sent in place. A refit of the
-// same model makes the same manifests, so they are shared (never changed once made) and replayed:
-// the source sends bucket k's manifest once per connection and afterwards only says it is the
-// one of bucket k of the refit before.
-// A bucket either names entries in place (region > 0: the destination maps that memory) or, for
-// a destination that reads the source's memory, lists spans: then every entry lies in the bucket
-// (region 0) and the spans say where its bytes are read from. Without spans the destination
-// reads (or maps) the used bytes of the bucket's buffer.
+// What a bucket holds: its chunks, in bucket order, and the source memory of those sent in place.
+// A refit of the same model makes the same manifests, so they are shared (never changed once made)
+// and replayed: the source sends bucket k's manifest once per connection and afterwards only says
+// it is the one of bucket k of the refit before.
 struct Manifest {
-  std::vector<SourceRegion> regions;  // of the entries sent in place, or of the spans
+  std::vector<SourceRegion> regions;  // of the entries sent in place
   std::vector<ManifestEntry> entries;
-  std::vector<BucketSpan> spans;  // in bucket order, not overlapping
 };
+
+// Where a destination finds the bytes of a bucket's entries once it has them.
+struct BucketBytes {
+  const std::byte* buffer = nullptr;  // the bucket's bytes: a local buffer, or the source's buffer mapped
+  // The source memory of the manifest's regions, mapped (a link that maps it); empty where the
+  // link reads what lies there into `buffer`.
+  std::vector<const std::byte*> mapped_regions;
+
+  bool in_region(const ManifestEntry& e) const { return e.region > 0 && !mapped_regions.empty(); }
+  const std::byte* at(const ManifestEntry& e) const {
+    return in_region(e) ? mapped_regions[e.region - 1] + e.source_offset : buffer + e.bucket_offset;
+  }
+};
+
+// The ranges a destination reads for a bucket whose bytes it does not map: each entry's bytes,
+// from the source's buffer or memory into `bucket_offset` of its own buffer, neighbours within a
+// few KiB of each other (alignment padding, small pieces packed between large ones) joined into
+// one read. Entries that the link maps are skipped.
+struct BucketRead {
+  uint32_t region = 0;  // 0: the source's buffer (at the bucket's offset)
+  uint64_t source_offset = 0;
+  uint64_t bucket_offset = 0;
+  uint64_t size = 0;
+};
+std::vector<BucketRead> bucket_reads(const Manifest& manifest, SourceAccess access);
+// Whether a chunk at `bucket_offset` of the bucket, whose bytes lie at `source_offset` of `region`,
+// is read together with `last` (the rule of bucket_reads(), which a source follows to choose).
+bool continues(const BucketRead& last, uint32_t region, uint64_t source_offset, uint64_t bucket_offset);
 
 struct BucketReady {
   uint64_t refit = 0;   // refit number: first_refit() of the connection, plus one per refit
@@ -107,8 +133,7 @@ struct BucketReady {
   uint64_t offset = 0;  // where the bucket starts in the source's transfer region (metadata `buffers`)
   bool is_last = false;
   uint64_t used_bytes = 0;  // only this prefix of the buffer is read
-  // With verify_checksums: xxh3-64 of the used bytes (with spans: of each span's bytes), then of
-  // every in-place entry's bytes in entry order.
+  // With verify_checksums: xxh3-64 of every entry's bytes, in entry order (bucket_checksum.h).
   std::optional<uint64_t> checksum;
   // Set: the manifest is that of bucket `seq` of refit `replay_of` on this connection (which the
   // destination has), and is not on the wire; `manifest` is then null until the receiver fills it.
@@ -117,8 +142,6 @@ struct BucketReady {
 
   const std::vector<ManifestEntry>& entries() const { return manifest->entries; }
   const std::vector<SourceRegion>& regions() const { return manifest->regions; }
-  const std::vector<BucketSpan>& spans() const { return manifest->spans; }
-  bool has_in_place_entries() const { return !manifest->regions.empty() && manifest->spans.empty(); }
 };
 
 // A copy of the bucket's manifest that only `bucket` holds, to change (tests, fuzz seeds).
@@ -151,10 +174,12 @@ Message decode_message(std::span<const uint8_t> bytes, const std::string& who);
 // Throws the error a peer's Abort stands for: its kind, naming the peer and what we waited for.
 [[noreturn]] void raise_abort(const Abort& m, const std::string& who, const std::string& waiting_for);
 
-// Checks a bucket against the link's bucket size and the source's region length: where it lies,
-// used bytes, and every entry's ranges (box inside the tensor, chunk inside the piece and the
-// bucket or its source region, sizes matching dtype x shape), spans (ordered, inside the used
-// bytes and their region); every region is used.
-void validate(const BucketReady& m, uint64_t bucket_bytes, uint64_t region_bytes, const std::string& who);
+// Checks a bucket against the link's bucket size, the source's buffer length and the way the link
+// takes source memory: where it lies, used bytes, and every entry's ranges (box inside the tensor,
+// chunk inside the piece, inside the bucket and its source region, sizes matching dtype x shape);
+// entries in place only on a link that takes them; those in the bucket in bucket order, apart;
+// every region is used.
+void validate(const BucketReady& m, uint64_t bucket_bytes, uint64_t region_bytes, SourceAccess access,
+              const std::string& who);
 
 }  // namespace refit::protocol

@@ -111,7 +111,7 @@ struct InPlacePair {
     bool destination_maps = true;  // map_source_buffers at the destination
     bool checksums = false;
     bool corrupt_maps = false;
-    bool batched_reads = false;  // the destination's transport takes a bucket's spans in one call
+    bool batched_reads = false;  // the destination's transport takes a bucket's reads in one call
     std::optional<Layout> layout;
   };
   explicit InPlacePair(Options o) {
@@ -444,16 +444,16 @@ TEST(InPlace, ADestinationThatReadsTheSourcesMemoryGetsLargeTensorsUnpacked) {
       EXPECT_EQ(stats.in_place_bytes, read_in_place) << "refit " << r << ", checksums " << checksums;
       EXPECT_EQ(p.sent.in_place_bytes, read_in_place);
       EXPECT_EQ(p.destination_transport->mapped, 0);
-      // The same buckets every refit: their manifests (spans with them) are replayed.
+      // The same buckets every refit: their manifests are replayed.
       if (r > 0) EXPECT_EQ(stats.replayed_buckets, stats.buckets) << "refit " << r;
     }
     EXPECT_EQ(p.source_transport->registered, 3);  // the three large tensors, once
   }
 }
 
-// A transport with batched_reads gets each bucket's spans in one post_reads call; one without it
+// A transport with batched_reads gets each bucket's reads in one post_reads call; one without it
 // refuses such a call.
-TEST(InPlace, ABatchingTransportReadsEachBucketOfSpansInOneCall) {
+TEST(InPlace, ABatchingTransportReadsEachBucketInOneCall) {
   InPlacePair p({.bucket = 256 << 10,
                  .destination_maps = false,
                  .checksums = true,

@@ -1,3 +1,4 @@
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include "core/error_of.h"
@@ -6,6 +7,8 @@
 
 namespace refit::protocol {
 namespace {
+
+using ::testing::HasSubstr;
 
 BucketReady sample_bucket() {
   BucketReady m;
@@ -20,9 +23,9 @@ BucketReady sample_bucket() {
 }
 
 // What validate() says of a bucket of a 1024-byte link whose source has 2048 bytes of buffers.
-std::string message_of(const BucketReady& bad) {
+std::string message_of(const BucketReady& bad, SourceAccess access = SourceAccess::kNone) {
   try {
-    validate(bad, 1024, 2048, "source rank 0");
+    validate(bad, 1024, 2048, access, "source rank 0");
   } catch (const Error& e) {
     EXPECT_EQ(e.kind(), ErrorKind::kProtocol);
     return std::string(e.what());
@@ -50,7 +53,7 @@ TEST(Protocol, BucketMessageRoundTrips) {
   ASSERT_EQ(decoded.ready.entries().size(), 2u);
   EXPECT_EQ(decoded.ready.entries()[1].tensor.name, "b.bias");
   EXPECT_EQ(decoded.ready.entries()[1].bucket_offset, 32u);
-  EXPECT_NO_THROW(validate(decoded.ready, 1024, 2048, "source rank 0"));
+  EXPECT_NO_THROW(validate(decoded.ready, 1024, 2048, SourceAccess::kNone, "source rank 0"));
 }
 
 // The byte layout of a message, little-endian whatever the host: magic "RMSG", u32 version, u8
@@ -76,16 +79,16 @@ TEST(Protocol, APieceRoundTripsAndMustFitItsTensor) {
   auto decoded = decode_message(encode(m), "source rank 0");
   EXPECT_EQ(decoded.ready.entries()[0].box, m.entries()[0].box);
   EXPECT_EQ(decoded.ready.offset, 1024u);
-  EXPECT_NO_THROW(validate(decoded.ready, 1024, 2048, "source rank 0"));
+  EXPECT_NO_THROW(validate(decoded.ready, 1024, 2048, SourceAccess::kNone, "source rank 0"));
   auto bad = m;
   edit_manifest(bad).entries[0].size = 16;  // more than the piece's 8 bytes
-  EXPECT_THROW(validate(bad, 1024, 2048, "s"), Error);
+  EXPECT_THROW(validate(bad, 1024, 2048, SourceAccess::kNone, "s"), Error);
   bad = m;
   edit_manifest(bad).entries[0].box.cuts[1].start = 3;  // columns [3, 5) of 4
-  EXPECT_THROW(validate(bad, 1024, 2048, "s"), Error);
+  EXPECT_THROW(validate(bad, 1024, 2048, SourceAccess::kNone, "s"), Error);
   bad = m;
   edit_manifest(bad).entries[0].box.cuts[1].dim = 2;  // a 2-D tensor has no dim 2
-  EXPECT_THROW(validate(bad, 1024, 2048, "s"), Error);
+  EXPECT_THROW(validate(bad, 1024, 2048, SourceAccess::kNone, "s"), Error);
 }
 
 TEST(Protocol, EveryTruncationOfEveryMessageIsAProtocolError) {
@@ -137,102 +140,139 @@ TEST(Protocol, OtherVersionIsRefused) {
 TEST(Protocol, ValidationRejectsRangesOutsideBucketOrTensor) {
   auto m = sample_bucket();
   edit_manifest(m).entries[1].bucket_offset = 40;  // 40 + 16 > 48 used
-  EXPECT_THROW(validate(m, 1024, 2048, "s"), Error);
+  EXPECT_THROW(validate(m, 1024, 2048, SourceAccess::kNone, "s"), Error);
   m = sample_bucket();
   m.used_bytes = 2048;  // more than the bucket
-  EXPECT_THROW(validate(m, 1024, 2048, "s"), Error);
+  EXPECT_THROW(validate(m, 1024, 2048, SourceAccess::kNone, "s"), Error);
   m = sample_bucket();
   edit_manifest(m).entries[0].tensor_offset = 8;  // 8 + 32 > 32 bytes of tensor
-  EXPECT_THROW(validate(m, 1024, 2048, "s"), Error);
+  EXPECT_THROW(validate(m, 1024, 2048, SourceAccess::kNone, "s"), Error);
   m = sample_bucket();
   edit_manifest(m).entries[0].tensor.shape = {INT64_MAX, INT64_MAX};
-  EXPECT_THROW(validate(m, 1024, 2048, "s"), Error);
+  EXPECT_THROW(validate(m, 1024, 2048, SourceAccess::kNone, "s"), Error);
   m = sample_bucket();
   m.offset = 2010;  // 2010 + 48 bytes run past the source's 2048-byte region
-  EXPECT_THROW(validate(m, 1024, 2048, "s"), Error);
+  EXPECT_THROW(validate(m, 1024, 2048, SourceAccess::kNone, "s"), Error);
 }
 
-// Entries sent in place name a region of the source's own memory; they must lie inside it, and
-// every region must be used.
+// Entries sent in place name a region of the source's own memory and where they lie in it; they
+// must lie inside it, come only on a link that takes source memory, and every region must be used.
+// On a link that maps, such an entry takes no room in the bucket (bucket offset 0).
 TEST(Protocol, InPlaceEntriesRoundTripAndMustFitTheirSourceRegion) {
   auto m = sample_bucket();
   edit_manifest(m).regions = {{{0x7f0000000000, 4096, {1, 2, 3}}, MemoryKind::kCuda}};
-  edit_manifest(m).entries.push_back({{"c.weight", DType::kBFloat16, {1024}}, Box::whole(), 0, 2048, 2048, 1});
+  edit_manifest(m).entries.push_back({{"c.weight", DType::kBFloat16, {1024}}, Box::whole(), 0, 2048, 0, 1, 2048});
   auto back = decode_message(encode(m), "source rank 0").ready;
   ASSERT_EQ(back.regions().size(), 1u);
   EXPECT_EQ(back.regions()[0].remote.address, 0x7f0000000000u);
   EXPECT_EQ(back.regions()[0].remote.key, (Bytes{1, 2, 3}));
   EXPECT_EQ(back.regions()[0].memory, MemoryKind::kCuda);
   EXPECT_EQ(back.entries()[2].region, 1u);
-  EXPECT_TRUE(back.has_in_place_entries());
-  EXPECT_NO_THROW(validate(back, 1024, 2048, "source rank 0"));
+  EXPECT_EQ(back.entries()[2].source_offset, 2048u);
+  EXPECT_EQ(back.entries()[0].source_offset, 0u);
+  EXPECT_NO_THROW(validate(back, 1024, 2048, SourceAccess::kMap, "source rank 0"));
+  EXPECT_NE(message_of(m).find("is in place (source region 1), but this link takes nothing from the source's memory"),
+            std::string::npos)
+      << message_of(m);
   auto bad = m;
-  edit_manifest(bad).entries[2].bucket_offset = 2049;  // 2049 + 2048 > 4096
-  EXPECT_NE(message_of(bad).find("outside the 4096 bytes of source region 1"), std::string::npos) << message_of(bad);
+  edit_manifest(bad).entries[2].source_offset = 2049;  // 2049 + 2048 > 4096
+  EXPECT_NE(message_of(bad, SourceAccess::kMap).find("at [2049, +2048) lies outside the 4096 bytes of source region 1"),
+            std::string::npos)
+      << message_of(bad, SourceAccess::kMap);
   bad = m;
   edit_manifest(bad).entries[2].region = 2;
-  EXPECT_NE(message_of(bad).find("names region 2 of 1"), std::string::npos) << message_of(bad);
+  EXPECT_NE(message_of(bad, SourceAccess::kMap).find("names region 2 of 1"), std::string::npos);
   bad = m;
   const SourceRegion again = bad.regions()[0];
   edit_manifest(bad).regions.push_back(again);
-  EXPECT_NE(message_of(bad).find("source region 2 is used by no chunk"), std::string::npos) << message_of(bad);
-  // An in-place entry may lie beyond the bucket's used bytes: it is not in the bucket.
-  EXPECT_GT(m.entries()[2].bucket_offset, m.used_bytes);
-}
-
-// A bucket of spans, for a destination that reads the source's memory: its entries lie in the
-// bucket; each span is read from the bucket's buffer (region 0, at the same offset) or from a
-// source region. Spans are ordered, inside the used bytes and their region.
-TEST(Protocol, SpansRoundTripAndMustFitTheBucketAndTheirRegion) {
-  auto m = sample_bucket();  // entries at [0, 32) and [32, 48)
-  edit_manifest(m).regions = {{{0x7f0000000000, 4096, {1, 2, 3}}, MemoryKind::kHost}};
-  edit_manifest(m).spans = {{0, 32, 1, 1000}, {32, 16, 0, 32}};
-  auto back = decode_message(encode(m), "source rank 0").ready;
-  ASSERT_EQ(back.spans().size(), 2u);
-  EXPECT_EQ(back.spans()[0].region, 1u);
-  EXPECT_EQ(back.spans()[0].source_offset, 1000u);
-  EXPECT_EQ(back.spans()[1].bucket_offset, 32u);
-  EXPECT_EQ(back.spans()[1].size, 16u);
-  EXPECT_FALSE(back.has_in_place_entries());  // its region is read, not mapped
-  EXPECT_NO_THROW(validate(back, 1024, 2048, "source rank 0"));
-  auto bad = back;
-  edit_manifest(bad).spans[0].source_offset = 4090;  // 4090 + 32 > 4096
-  EXPECT_NE(message_of(bad).find("span 0 at [4090, +32) lies outside the 4096 bytes of source region 1"),
+  EXPECT_NE(message_of(bad, SourceAccess::kMap).find("source region 2 is used by no chunk"), std::string::npos);
+  bad = m;
+  edit_manifest(bad).entries[2].bucket_offset = 8;
+  EXPECT_NE(message_of(bad, SourceAccess::kMap).find("is mapped in place but has bucket offset 8"), std::string::npos)
+      << message_of(bad, SourceAccess::kMap);
+  // On a link that reads it, the same entry must land inside the bucket's used bytes.
+  EXPECT_NE(message_of(m, SourceAccess::kRead).find("chunk of 'c.weight' at [0, +2048) lies outside the 48 used bytes"),
             std::string::npos)
-      << message_of(bad);
-  bad = back;
-  edit_manifest(bad).spans[1].bucket_offset = 24;  // overlaps span 0
-  EXPECT_NE(message_of(bad).find("span 1 at [24, +16) overlaps"), std::string::npos) << message_of(bad);
-  bad = back;
-  edit_manifest(bad).spans[1].size = 17;  // past the 48 used bytes
-  EXPECT_NE(message_of(bad).find("lies outside the 48 used bytes"), std::string::npos) << message_of(bad);
-  bad = back;
-  edit_manifest(bad).spans[1].source_offset = 40;  // region 0 is read at the bucket's own offsets
-  EXPECT_NE(message_of(bad).find("span 1 of its buffer is at offset 40, not 32"), std::string::npos) << message_of(bad);
-  bad = back;
-  edit_manifest(bad).spans[0].region = 2;
-  EXPECT_NE(message_of(bad).find("span 0 names region 2 of 1"), std::string::npos) << message_of(bad);
-  bad = back;
-  edit_manifest(bad).spans[0].region = 0;
-  edit_manifest(bad).spans[0].source_offset = 0;
-  EXPECT_NE(message_of(bad).find("source region 1 is used by no chunk"), std::string::npos) << message_of(bad);
-  bad = back;
-  edit_manifest(bad).entries[0].region = 1;
-  EXPECT_NE(message_of(bad).find("is in place (region 1) in a bucket of spans"), std::string::npos) << message_of(bad);
-  // Every truncation of a bucket of spans is refused.
-  const Bytes wire = encode(back);
+      << message_of(m, SourceAccess::kRead);
+  // Every truncation is refused.
+  const Bytes wire = encode(m);
   for (size_t n = 0; n < wire.size(); ++n)
     EXPECT_THROW(decode_message(std::span(wire.data(), n), "source rank 0"), Error) << n;
 }
 
+// On a link that reads source memory, the bucket is laid out as if packed: an entry in place lands
+// at its bucket offset, read from its region; read entries are in bucket order, not overlapping.
+// bucket_reads() joins neighbours (alignment padding between them comes along) and keeps the
+// buffer's bytes and each region's apart.
+TEST(Protocol, ALinkThatReadsGetsOneReadPerRunOfNeighbours) {
+  BucketReady m;
+  m.used_bytes = 12000;
+  edit_manifest(m).regions = {{{0x7f0000000000, 1 << 20, {1}}, MemoryKind::kHost}};
+  auto entry = [](const char* name, uint64_t size, uint64_t at, uint32_t region = 0, uint64_t from = 0) {
+    return ManifestEntry{{name, DType::kUInt8, {static_cast<int64_t>(size)}}, Box::whole(), 0, size, at, region, from};
+  };
+  edit_manifest(m).entries = {entry("a", 1000, 0, 1, 5000),    entry("b", 996, 1004, 1, 6004),  // 4 bytes of padding
+                              entry("c", 100, 2000),           entry("d", 100, 2104),           // packed
+                              entry("e", 2000, 2204, 1, 0),    entry("f", 0, 4204),             // a new run; empty
+                              entry("g", 1000, 10000, 1, 7796)};  // 5796 past e: too far to join
+  EXPECT_NO_THROW(validate(m, 1 << 16, 1 << 17, SourceAccess::kRead, "source rank 0"));
+  const auto reads = bucket_reads(*m.manifest, SourceAccess::kRead);
+  ASSERT_EQ(reads.size(), 4u);
+  EXPECT_EQ(reads[0].region, 1u);
+  EXPECT_EQ(reads[0].source_offset, 5000u);
+  EXPECT_EQ(reads[0].bucket_offset, 0u);
+  EXPECT_EQ(reads[0].size, 2000u);
+  EXPECT_EQ(reads[1].region, 0u);
+  EXPECT_EQ(reads[1].source_offset, 2000u);  // the buffer: at the bucket's own offsets
+  EXPECT_EQ(reads[1].size, 204u);
+  EXPECT_EQ(reads[2].source_offset, 0u);
+  EXPECT_EQ(reads[2].size, 2000u);
+  EXPECT_EQ(reads[3].bucket_offset, 10000u);
+  // A link that maps reads only the buffer's bytes; the entries in place are loaded mapped.
+  BucketReady mapped = m;
+  for (auto& e : edit_manifest(mapped).entries)
+    if (e.region > 0) e.bucket_offset = 0;
+  EXPECT_NO_THROW(validate(mapped, 1 << 16, 1 << 17, SourceAccess::kMap, "source rank 0"));
+  const auto buffer_reads = bucket_reads(*mapped.manifest, SourceAccess::kMap);
+  ASSERT_EQ(buffer_reads.size(), 1u);
+  EXPECT_EQ(buffer_reads[0].bucket_offset, 2000u);
+  EXPECT_EQ(buffer_reads[0].size, 204u);
+  // Two read entries landing on one byte would race: refused.
+  BucketReady bad = m;
+  edit_manifest(bad).entries[1].bucket_offset = 999;
+  EXPECT_THAT(testing::error_of(ErrorKind::kProtocol,
+                                [&] { validate(bad, 1 << 16, 1 << 17, SourceAccess::kRead, "source rank 0"); }),
+              HasSubstr("chunk of 'b' at [999, +996) overlaps the chunk before (ending at 1000)"));
+}
+
+// The link's way is worked out alike on both ends from the destination's `takes`, whether the two
+// share a host, and what the transport can do.
+TEST(Protocol, BothEndsDeriveHowALinkTakesSourceMemory) {
+  EngineMetadata destination;
+  TransportCapabilities both;
+  both.maps_peer_memory = both.reads_registered_memory = true;
+  destination.takes = kTakesByMap | kTakesByRead;
+  EXPECT_EQ(link_access(destination, /*same_host=*/true, both), SourceAccess::kMap);
+  EXPECT_EQ(link_access(destination, /*same_host=*/false, both), SourceAccess::kRead);
+  destination.takes = kTakesByMap;
+  EXPECT_EQ(link_access(destination, false, both), SourceAccess::kNone);
+  destination.takes = kTakesByRead;
+  EXPECT_EQ(link_access(destination, true, both), SourceAccess::kRead);
+  TransportCapabilities maps_only;
+  maps_only.maps_peer_memory = true;
+  destination.takes = kTakesByMap | kTakesByRead;
+  EXPECT_EQ(link_access(destination, false, maps_only), SourceAccess::kNone);
+  destination.takes = 0;
+  EXPECT_EQ(link_access(destination, true, both), SourceAccess::kNone);
+}
+
 TEST(Protocol, MetadataCarriesHowADestinationReachesSourceMemory) {
   auto md = sample_metadata();
-  md.reads_source_memory = true;
+  md.takes = kTakesByRead;
   auto back = decode_metadata(encode(md), "metadata of destination rank 0");
-  EXPECT_TRUE(back.reads_source_memory);
-  EXPECT_FALSE(back.reads_in_place);
+  EXPECT_EQ(back.takes, kTakesByRead);
   auto blob = encode(md);
-  blob[blob.size() - 1 - 8 - 1] = 2;  // reads_source_memory; the delta flag and weights version follow
+  blob[blob.size() - 1 - 8 - 1] = 4;  // an unknown way; the delta flag and weights version follow
   EXPECT_THROW(decode_metadata(blob, "metadata of destination rank 0"), Error);
 }
 

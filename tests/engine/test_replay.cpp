@@ -174,14 +174,14 @@ TEST(Replay, TheWireCarriesOnlyTheBucketsNumbers) {
   EXPECT_EQ(back.manifest, nullptr);  // the destination fills it from what it kept
   EXPECT_EQ(back.checksum, std::optional<uint64_t>(0xabcdef));
   EXPECT_EQ(back.used_bytes, 48u);
-  EXPECT_NO_THROW(protocol::validate(back, 64, 128, "source rank 0"));
+  EXPECT_NO_THROW(protocol::validate(back, 64, 128, protocol::SourceAccess::kNone, "source rank 0"));
 }
 
 // The assembler records the names of a replayed refit only once a bucket is new: a name in it
 // that a replayed bucket had delivered is still caught.
 TEST(Replay, TheAssemblerCatchesUpOnNamesWhenABucketIsNew) {
   std::vector<std::byte> bytes(64, std::byte{1});
-  const std::byte* bases[] = {bytes.data()};
+  const protocol::BucketBytes bases{bytes.data(), {}};
   auto bucket = [](uint64_t seq, const std::string& name) {
     protocol::BucketReady b;
     b.seq = seq;

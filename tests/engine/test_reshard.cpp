@@ -332,7 +332,7 @@ TEST(Reshard, AHoldingNobodyCoversFailsAtInitNamingTheDestination) {
 TEST(Reshard, TheAssemblerRefusesBytesSentTwice) {
   const TensorInfo t{"w", DType::kUInt8, {4, 4}};
   std::vector<std::byte> data_bytes(16, std::byte{7});
-  const std::byte* data[] = {data_bytes.data()};  // the bucket's bytes; no source regions
+  const protocol::BucketBytes data{data_bytes.data(), {}};  // the bucket's bytes; no source regions
   auto bucket = [&](Box box, uint64_t offset, uint64_t size) {
     protocol::BucketReady b;
     b.used_bytes = size;

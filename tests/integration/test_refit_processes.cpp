@@ -105,7 +105,7 @@ TEST(RefitProcesses, ACopiedBinaryRefitsTheBuiltinDefaultModel) {
   EXPECT_EQ(result.at("model_bytes").get<uint64_t>(), load_model_inventory(kDefaultModel).total_bytes());
 }
 
-// A destination that does not map reads the source's large tensors from its memory (spans): the
+// A destination that does not map reads the source's large tensors from its memory: the
 // source packs only the small ones. Returns the bytes read so of each refit.
 std::vector<uint64_t> expect_read_from_source_memory(const nlohmann::json& result, uint64_t model_bytes) {
   std::vector<uint64_t> read;

@@ -530,7 +530,7 @@ TEST(Prediction, OnlyDestinationsThatMapTheSourcesTensorsReadInPlace) {
   const ModelInventory m = rows_model(4, 1024, 256);
   const std::vector<Layout> whole(1);
   // Another node: the bytes are read, but with direct_reads the destination reads these 1 MiB
-  // tensors from the source's memory (spans), so the source packs nothing and finishes sooner.
+  // tensors from the source's memory, so the source packs nothing and finishes sooner.
   const Cluster remote_off = two_sides(1, 1, "8Gbit", "1GB/s", "64MiB");
   Cluster remote_on = remote_off;
   remote_on.transfer.direct_reads = true;

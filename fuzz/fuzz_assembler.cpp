@@ -77,7 +77,7 @@ class Harness {
     if (bucket.seq != next_seq_) fail(ErrorKind::kProtocol, "bucket {} instead of bucket {}", bucket.seq, next_seq_);
     ++next_seq_;
     // A link that maps the source's memory: entries in place are loaded from their regions.
-    protocol::validate(bucket, bucket_bytes_, 2 * bucket_bytes_, protocol::SourceAccess::kMap, kWho);
+    protocol::validate(bucket, bucket_bytes_, 2 * bucket_bytes_, SourceAccess::kMap, kWho);
     cache_.fill(bucket, kWho);
     cache_.arrived(refit_, bucket);
     const bool repeats_checked = bucket.replay_of && bucket.replay_of == checked_refit_;

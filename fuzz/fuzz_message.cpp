@@ -38,7 +38,7 @@ u128 exact_nbytes(const TensorInfo& t, bool* overflow) {
   return n;
 }
 
-void check_reads(const protocol::BucketReady& m, protocol::SourceAccess access) {
+void check_reads(const protocol::BucketReady& m, SourceAccess access) {
   const auto reads = protocol::bucket_reads(*m.manifest, access);
   u128 end = 0;
   for (const auto& read : reads) {
@@ -52,7 +52,7 @@ void check_reads(const protocol::BucketReady& m, protocol::SourceAccess access) 
       FUZZ_CHECK(u128{read.source_offset} + read.size <= m.regions()[read.region - 1].remote.length);
   }
   for (const auto& e : m.entries()) {
-    if (e.size == 0 || (e.region > 0 && access == protocol::SourceAccess::kMap)) continue;
+    if (e.size == 0 || (e.region > 0 && access == SourceAccess::kMap)) continue;
     const uint64_t from = e.region == 0 ? e.bucket_offset : e.source_offset;
     FUZZ_CHECK(std::any_of(reads.begin(), reads.end(), [&](const auto& read) {
       return read.region == e.region && e.bucket_offset >= read.bucket_offset &&
@@ -62,7 +62,7 @@ void check_reads(const protocol::BucketReady& m, protocol::SourceAccess access) 
   }
 }
 
-void check_validated(const protocol::BucketReady& m, uint64_t bucket_bytes, protocol::SourceAccess access) {
+void check_validated(const protocol::BucketReady& m, uint64_t bucket_bytes, SourceAccess access) {
   FUZZ_CHECK(u128{m.offset} + m.used_bytes <= 2 * u128{bucket_bytes});
   FUZZ_CHECK(m.used_bytes <= bucket_bytes);
   FUZZ_CHECK(m.replay_of.has_value() == (m.manifest == nullptr));  // a replay's manifest is not on the wire
@@ -89,15 +89,15 @@ void check_validated(const protocol::BucketReady& m, uint64_t bucket_bytes, prot
     // ... in the source region it names, only on a link that takes source memory ...
     FUZZ_CHECK(e.region <= m.regions().size());
     if (e.region > 0) {
-      FUZZ_CHECK(access != protocol::SourceAccess::kNone);
+      FUZZ_CHECK(access != SourceAccess::kNone);
       FUZZ_CHECK(u128{e.source_offset} + e.size <= m.regions()[e.region - 1].remote.length);
     }
     // ... and in the bucket's used bytes where it lands in the bucket (mapped in place: not at all).
-    if (e.region == 0 || access == protocol::SourceAccess::kRead)
+    if (e.region == 0 || access == SourceAccess::kRead)
       FUZZ_CHECK(u128{e.bucket_offset} + e.size <= m.used_bytes);
     else
       FUZZ_CHECK(e.bucket_offset == 0);
-    if ((e.region == 0 || access == protocol::SourceAccess::kRead) && e.size > 0) {
+    if ((e.region == 0 || access == SourceAccess::kRead) && e.size > 0) {
       FUZZ_CHECK(e.bucket_offset >= read_end);
       read_end = u128{e.bucket_offset} + e.size;
     }
@@ -143,7 +143,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   }
   if (msg.type != protocol::MessageType::kBucketReady) return 0;
   for (uint64_t bucket_bytes : kBucketSizes) {
-    for (auto access : {protocol::SourceAccess::kNone, protocol::SourceAccess::kMap, protocol::SourceAccess::kRead}) {
+    for (auto access : {SourceAccess::kNone, SourceAccess::kMap, SourceAccess::kRead}) {
       try {
         protocol::validate(msg.ready, bucket_bytes, 2 * bucket_bytes, access, "source rank 0");
       } catch (const Error& e) {

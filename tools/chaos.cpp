@@ -9,7 +9,6 @@
 #include <nlohmann/json.hpp>
 #include <random>
 
-#include "core/fail.h"
 #include "programs.h"
 #include "refit/local_group.h"
 #include "refit/plan.h"

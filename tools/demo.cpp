@@ -6,8 +6,8 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
-#include "core/fail.h"
 #include "programs.h"
+#include "refit/error.h"
 #include "refit/local_group.h"
 #include "refit/synchronizer.h"
 #include "verify.h"
@@ -33,18 +33,21 @@ std::vector<int> parse_sequence(const std::string& text) {
     } catch (const std::exception&) {
       used = 0;
     }
-    if (used != item.size()) fail(ErrorKind::kInvalidArgument, "--sequence: '{}' is not a count", item);
-    if (n < 1) fail(ErrorKind::kInvalidArgument, "--sequence: destination counts must be positive, got {}", n);
+    if (used != item.size())
+      throw Error(ErrorKind::kInvalidArgument, fmt::format("--sequence: '{}' is not a count", item));
+    if (n < 1)
+      throw Error(ErrorKind::kInvalidArgument,
+                  fmt::format("--sequence: destination counts must be positive, got {}", n));
     out.push_back(n);
   }
-  if (out.empty()) fail(ErrorKind::kInvalidArgument, "--sequence must contain at least one count");
+  if (out.empty()) throw Error(ErrorKind::kInvalidArgument, fmt::format("--sequence must contain at least one count"));
   return out;
 }
 
 int run_elastic_demo(const ElasticOptions& options) {
   const auto sequence = parse_sequence(options.sequence);
   if (options.bucket_mb < 1 || options.tensor_mb < 1)
-    fail(ErrorKind::kInvalidArgument, "--bucket-mb and --tensor-mb must be >= 1");
+    throw Error(ErrorKind::kInvalidArgument, fmt::format("--bucket-mb and --tensor-mb must be >= 1"));
   std::vector<std::string> overrides = {"refit_cfg.nixl.release_after_refit=true",
                                         fmt::format("refit_cfg.nixl.bucket_bytes={}MiB", options.bucket_mb)};
   overrides.insert(overrides.end(), options.overrides.begin(), options.overrides.end());
@@ -84,7 +87,7 @@ int run_elastic_demo(const ElasticOptions& options) {
     if (!problems.empty()) {
       std::string all;
       for (const auto& p : problems) all += "\n" + p;
-      fail(ErrorKind::kIntegrity, "rollout result mismatch in phase {}:{}", phase, all);
+      throw Error(ErrorKind::kIntegrity, fmt::format("rollout result mismatch in phase {}:{}", phase, all));
     }
     json send_s = json::array(), receive_s = json::array();
     for (const auto& w : report.workers) {

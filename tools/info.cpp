@@ -9,8 +9,8 @@
 #include "refit/config.h"
 #include "refit/config_keys.h"
 #include "refit/device.h"
+#include "refit/ext/transport.h"
 #include "refit/memory.h"
-#include "refit/transport.h"
 #include "refit/version.h"
 
 namespace refit::tools {

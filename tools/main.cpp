@@ -6,11 +6,11 @@
 
 #include "bench.h"
 #include "chaos.h"
-#include "core/log_pattern.h"
 #include "demo.h"
 #include "info.h"
 #include "plan_command.h"
 #include "refit/error.h"
+#include "refit/logging.h"
 #include "refit/version.h"
 
 int main(int argc, char** argv) {

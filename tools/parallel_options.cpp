@@ -1,10 +1,11 @@
 #include "parallel_options.h"
 
+#include <fmt/format.h>
 #include <CLI/CLI.hpp>
 
 #include <filesystem>
 
-#include "core/fail.h"
+#include "refit/error.h"
 #include "refit/layout_builders.h"
 
 namespace refit::tools {
@@ -34,8 +35,9 @@ std::string config_json_of(const std::string& model_path) {
   std::string config_json = model_path;
   if (fs::is_directory(model_path)) config_json = (fs::path(model_path) / "config.json").string();
   if (!model_path.starts_with("builtin:") && (!fs::exists(config_json) || fs::path(config_json).extension() != ".json"))
-    fail(ErrorKind::kModel, "sharded layouts need the model's config.json (head counts), not found for '{}'",
-         model_path);
+    throw Error(
+        ErrorKind::kModel,
+        fmt::format("sharded layouts need the model's config.json (head counts), not found for '{}'", model_path));
   return config_json;
 }
 
@@ -44,11 +46,13 @@ std::string config_json_of(const std::string& model_path) {
 void check_paired(const SourceParallelOptions& p, int sources, int destinations) {
   // The engine's own refusal (source_rank_for_destination) names no option that helps.
   if (!p.given() && sources < destinations)
-    fail(ErrorKind::kTopology,
-         "--sources {} < --destinations {}: without --src-* every destination reads the whole model from its own "
-         "source; for fewer sources, say what each holds (--src-tp/--src-pp/--src-dp/--src-ep/--src-etp, or "
-         "--src-fsdp) and what each destination keeps (--tp/--pp/--ep)",
-         sources, destinations);
+    throw Error(
+        ErrorKind::kTopology,
+        fmt::format(
+            "--sources {} < --destinations {}: without --src-* every destination reads the whole model from its own "
+            "source; for fewer sources, say what each holds (--src-tp/--src-pp/--src-dp/--src-ep/--src-etp, or "
+            "--src-fsdp) and what each destination keeps (--tp/--pp/--ep)",
+            sources, destinations));
 }
 
 std::vector<Layout> source_layouts(const std::string& model_path, const ModelInventory& inventory,
@@ -56,9 +60,11 @@ std::vector<Layout> source_layouts(const std::string& model_path, const ModelInv
   if (!p.given()) return {};
   if (p.fsdp) {
     if (p.tp || p.pp || p.dp || p.ep || p.etp)
-      fail(ErrorKind::kConfig, "--src-fsdp describes the sources alone: leave out --src-tp/--src-pp/--src-dp/--src-ep");
+      throw Error(ErrorKind::kConfig,
+                  fmt::format("--src-fsdp describes the sources alone: leave out --src-tp/--src-pp/--src-dp/--src-ep"));
     if (p.fsdp != sources)
-      fail(ErrorKind::kTopology, "--src-fsdp {} describes {} sources, but --sources is {}", p.fsdp, p.fsdp, sources);
+      throw Error(ErrorKind::kTopology,
+                  fmt::format("--src-fsdp {} describes {} sources, but --sources is {}", p.fsdp, p.fsdp, sources));
     std::vector<Layout> out;
     for (int r = 0; r < sources; ++r) out.push_back(fsdp_source_layout(inventory, sources, r));
     return out;
@@ -71,16 +77,20 @@ std::vector<Layout> source_layouts(const std::string& model_path, const ModelInv
   // As Megatron: the data-parallel size is what the world size leaves, and must divide it exactly.
   const int model_parallel = t.tp_size * t.pp_size;
   if (sources % model_parallel != 0)
-    fail(ErrorKind::kTopology,
-         "--sources {} is not a multiple of --src-tp {} x --src-pp {} = {}: the data-parallel size, as Megatron "
-         "derives it, is --sources / (tp x pp)",
-         sources, t.tp_size, t.pp_size, model_parallel);
+    throw Error(
+        ErrorKind::kTopology,
+        fmt::format(
+            "--sources {} is not a multiple of --src-tp {} x --src-pp {} = {}: the data-parallel size, as Megatron "
+            "derives it, is --sources / (tp x pp)",
+            sources, t.tp_size, t.pp_size, model_parallel));
   t.dp_size = sources / model_parallel;
   if (p.dp && p.dp != t.dp_size)
-    fail(ErrorKind::kTopology,
-         "--src-dp {} disagrees with --sources {} / (--src-tp {} x --src-pp {}) = {}: leave --src-dp out, or make "
-         "--src-tp x --src-dp x --src-pp equal --sources",
-         p.dp, sources, t.tp_size, t.pp_size, t.dp_size);
+    throw Error(
+        ErrorKind::kTopology,
+        fmt::format(
+            "--src-dp {} disagrees with --sources {} / (--src-tp {} x --src-pp {}) = {}: leave --src-dp out, or make "
+            "--src-tp x --src-dp x --src-pp equal --sources",
+            p.dp, sources, t.tp_size, t.pp_size, t.dp_size));
   return megatron_source_layouts(inventory, model_dims_from_hf_config(config_json_of(model_path)), t);
 }
 
@@ -93,17 +103,19 @@ std::vector<std::optional<Layout>> destination_layouts(const std::string& model_
   const bool sharded = config.shard_expert_weights || p.shard_dense;
   const bool parallel = p.tp * p.ep * p.pp > 1;
   if (p.tp < 1 || p.ep < 1 || p.pp < 1)
-    fail(ErrorKind::kTopology, "--tp, --ep and --pp must be >= 1, got {}, {}, {}", p.tp, p.ep, p.pp);
+    throw Error(ErrorKind::kTopology,
+                fmt::format("--tp, --ep and --pp must be >= 1, got {}, {}, {}", p.tp, p.ep, p.pp));
   if (!sharded) {
     if (parallel)
-      fail(ErrorKind::kConfig,
-           "--tp/--ep/--pp describe sharded destinations, but nothing is sharded: set "
-           "refit_cfg.nixl.shard_expert_weights=true and/or --shard-dense");
+      throw Error(ErrorKind::kConfig,
+                  fmt::format("--tp/--ep/--pp describe sharded destinations, but nothing is sharded: set "
+                              "refit_cfg.nixl.shard_expert_weights=true and/or --shard-dense"));
     return out;
   }
   if (p.tp * p.ep * p.pp != destinations)
-    fail(ErrorKind::kTopology, "--tp {} x --ep {} x --pp {} = {} destination ranks, but --destinations is {}", p.tp,
-         p.ep, p.pp, p.tp * p.ep * p.pp, destinations);
+    throw Error(ErrorKind::kTopology,
+                fmt::format("--tp {} x --ep {} x --pp {} = {} destination ranks, but --destinations is {}", p.tp, p.ep,
+                            p.pp, p.tp * p.ep * p.pp, destinations));
   const ModelDims dims = model_dims_from_hf_config(config_json_of(model_path));
   for (int r = 0; r < destinations; ++r) {
     const ParallelRank rank = parallel_rank(p, r);

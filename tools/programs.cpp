@@ -1,5 +1,6 @@
 #include "programs.h"
 
+#include <fmt/format.h>
 #include <signal.h>
 #include <xxhash.h>
 
@@ -10,13 +11,13 @@
 #include <filesystem>
 #include <map>
 
-#include "core/box_copy.h"
-#include "core/fail.h"
 #include "device_kernels.h"
-#include "memory/device_memory.h"
-#include "memory/tensor_memory.h"
 #include "parallel_options.h"
 #include "refit/device.h"
+#include "refit/error.h"
+#include "refit/ext/box_copy.h"
+#include "refit/ext/device_memory.h"
+#include "refit/ext/tensor_memory.h"
 #include "refit/memory.h"
 #include "refit/parameter_loader.h"
 #include "refit/safetensors.h"
@@ -97,13 +98,17 @@ class SourceProgram final : public WorkerProgram {
                 std::optional<KillPoint> kill)
       : model_(model), layout_(layout), holds_(holds), kill_(kill), kind_(model.tensors) {
     if (holds_ && !synthetic())
-      fail(ErrorKind::kInvalidArgument, "the resharding bench (--src-*) runs on synthetic content (a config.json)");
+      throw Error(ErrorKind::kInvalidArgument,
+                  fmt::format("the resharding bench (--src-*) runs on synthetic content (a config.json)"));
     if (!model.versions.empty() && (holds_ || kind_ == MemoryKind::kCuda))
-      fail(ErrorKind::kInvalidArgument, "--versions replays files in host memory on the paired topology");
+      throw Error(ErrorKind::kInvalidArgument,
+                  fmt::format("--versions replays files in host memory on the paired topology"));
     if (model.changed_share > 0 && (holds_ || !synthetic() || kind_ == MemoryKind::kCuda))
-      fail(ErrorKind::kInvalidArgument,
-           "--changed (a delta workload) changes synthetic content in host memory on the paired topology: leave out "
-           "--src-*, a safetensors --model and --tensors cuda");
+      throw Error(
+          ErrorKind::kInvalidArgument,
+          fmt::format(
+              "--changed (a delta workload) changes synthetic content in host memory on the paired topology: leave out "
+              "--src-*, a safetensors --model and --tensors cuda"));
     if (!model.safetensors_path.empty()) load_files();
     if (synthetic() || kind_ == MemoryKind::kCuda || !model.versions.empty()) {
       // One allocation for the whole model (or this source's shards of it): synthetic content is
@@ -183,7 +188,7 @@ class SourceProgram final : public WorkerProgram {
     return std::make_unique<ViewSource>(views_);
   }
 
-  BatchLoader loader(uint64_t) override { fail(ErrorKind::kInternal, "a source has no loader"); }
+  BatchLoader loader(uint64_t) override { throw Error(ErrorKind::kInternal, fmt::format("a source has no loader")); }
 
   std::string report(uint64_t) override { return json{{"hashes", hashes_}}.dump(); }
 
@@ -210,8 +215,8 @@ class SourceProgram final : public WorkerProgram {
   // Version `index` of the weights, copied over the previous one tensor by tensor.
   void stage_version(uint64_t index) {
     if (index >= model_.versions.size())
-      fail(ErrorKind::kInvalidArgument, "refit {} needs version {}, but --versions has {} files", index, index,
-           model_.versions.size());
+      throw Error(ErrorKind::kInvalidArgument, fmt::format("refit {} needs version {}, but --versions has {} files",
+                                                           index, index, model_.versions.size()));
     hashes_.clear();
     if (index > 0) {
       SafetensorsFile file(model_.versions[index]);
@@ -220,8 +225,9 @@ class SourceProgram final : public WorkerProgram {
       for (auto& v : views_) {
         auto it = by_name.find(v.info->name);
         if (it == by_name.end() || file.tensors()[it->second] != *v.info)
-          fail(ErrorKind::kModel, "{} has no tensor '{}' of {} {} (as the first version)", model_.versions[index],
-               v.info->name, dtype_name(v.info->dtype), shape_string(v.info->shape));
+          throw Error(ErrorKind::kModel,
+                      fmt::format("{} has no tensor '{}' of {} {} (as the first version)", model_.versions[index],
+                                  v.info->name, dtype_name(v.info->dtype), shape_string(v.info->shape)));
         const auto bytes = file.data(it->second);
         std::memcpy(const_cast<std::byte*>(v.data), bytes.data(), bytes.size());
       }
@@ -351,7 +357,7 @@ class DestinationProgram final : public WorkerProgram {
   }
 
   std::unique_ptr<WeightSource> weights(uint64_t) override {
-    fail(ErrorKind::kInternal, "a destination has no weights");
+    throw Error(ErrorKind::kInternal, fmt::format("a destination has no weights"));
   }
 
   // Outside the timed refit: the last refit's hashes are many small blocks to free.
@@ -379,8 +385,8 @@ class DestinationProgram final : public WorkerProgram {
   std::string report(uint64_t index) override {
     const uint64_t loaded = loads_.tensors_loaded() - loaded_before_;
     if (loaded != tensors_.size())
-      fail(ErrorKind::kProtocol, "the destination loaded {} tensors in refit {}, it holds {}", loaded, index,
-           tensors_.size());
+      throw Error(ErrorKind::kProtocol, fmt::format("the destination loaded {} tensors in refit {}, it holds {}",
+                                                    loaded, index, tensors_.size()));
     if (model_) return self_check(index);
     if (kind_ == MemoryKind::kHost) {
       for (size_t i = 0; i < tensors_.size(); ++i)
@@ -459,10 +465,11 @@ KillPoint parse_kill_point(const std::string& text) {
                   ((r == "source" && (w.empty() || w == "pack")) ||
                    (r == "destination" && (w.empty() || w == "load" || w == "after")));
   if (!ok)
-    fail(ErrorKind::kInvalidArgument,
-         "--kill '{}': expected ROLE:RANK:REFIT:STEP[:WHEN], e.g. source:0:1:25 or destination:0:1:2:after "
-         "(WHEN: pack for a source; load or after for a destination)",
-         text);
+    throw Error(
+        ErrorKind::kInvalidArgument,
+        fmt::format("--kill '{}': expected ROLE:RANK:REFIT:STEP[:WHEN], e.g. source:0:1:25 or destination:0:1:2:after "
+                    "(WHEN: pack for a source; load or after for a destination)",
+                    text));
   k.source = r == "source";
   k.rank = rank;
   k.refit = refit;

@@ -48,10 +48,10 @@
 #include "refit/config.h"
 #include "refit/deadline.h"
 #include "refit/error.h"
+#include "refit/ext/transport.h"
 #include "refit/layout.h"
 #include "refit/tensor.h"
 #include "refit/timeline.h"
-#include "refit/transport.h"
 
 namespace refit {
 

@@ -6,8 +6,8 @@
 //   - capacity:  total_device_memory_bytes() (GPU total memory, host RAM for cpu) for bucket
 //                sizing, check_buffers_fit() before any transfer;
 //   - where a pointer lives: memory_kind_of().
-// (The engine's GPU memory and copies, DeviceBuffer, HostPin and CopyStream, are private:
-// src/memory/device_memory.h.)
+// (The engine's GPU memory and copies, DeviceBuffer, HostPin and CopyStream, are in the
+// extension tier: refit/ext/device_memory.h.)
 //
 // Every CUDA call's return code is checked; a failure becomes Error(kTransport) (or kUnsupported
 // when CUDA is not usable at all) naming the call and cudaGetErrorString.

@@ -32,10 +32,23 @@ struct ChunkPlacement {
 
 class NameIndex;
 
-// A destination that reads its source's memory (spans) gets a piece read where it lies only if
-// it is at least this large (or continues the span before it): a read per small tensor costs
-// more than packing it. The engine's rule, which the planner models too.
-inline constexpr uint64_t kMinSpanBytes = 64 << 10;
+// A destination that reads its source's memory gets a piece read where it lies only if it is at
+// least this large (or continues the read before it): a read per small tensor costs more than
+// packing it. The engine's rule, which the planner models too.
+inline constexpr uint64_t kMinSourceReadBytes = 64 << 10;
+
+// How a destination takes the pieces its source leaves in its own memory (direct_reads): it maps
+// them (a source on its host) and loads them from there, or reads them into its buffer, or neither
+// (the source packs everything).
+enum class SourceAccess : uint8_t { kNone = 0, kMap = 1, kRead = 2 };
+
+// Where a source puts a piece (or a chunk of one) of `bytes` on a link whose destination takes
+// source memory by `access`: packed into the bucket; left in its memory and mapped (it takes no
+// room in the bucket); or left there and read into the bucket. `contiguous`: it is one range of
+// the source's registered memory; `continues_read`: it lies right after the chunk before, which is
+// read, so both are one read. The engine's rule (LinkSender), which the planner follows too.
+enum class PieceRoute : uint8_t { kPack, kMap, kRead };
+PieceRoute route_piece(SourceAccess access, bool contiguous, uint64_t bytes, bool continues_read = false);
 
 class BucketPacker {
  public:

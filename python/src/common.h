@@ -20,8 +20,8 @@
 
 #include "refit/config.h"
 #include "refit/error.h"
+#include "refit/ext/transport.h"
 #include "refit/tensor.h"
-#include "refit/transport.h"
 
 namespace nb = nanobind;
 

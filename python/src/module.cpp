@@ -1,6 +1,6 @@
 // refit._refit: the C++ extension module of the `refit` Python package.
 #include "common.h"
-#include "core/log_pattern.h"
+#include "refit/logging.h"
 
 NB_MODULE(_refit, m) {
   m.doc() = "refit's C++ engine (checkpoint engine, configuration, bucket sizing) for Python. Use the `refit` package.";

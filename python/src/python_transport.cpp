@@ -28,9 +28,9 @@
 
 #include "common.h"
 #include "refit/device.h"
+#include "refit/ext/device_buffers.h"
+#include "refit/ext/transport.h"
 #include "refit/memory.h"
-#include "refit/transport.h"
-#include "transport/device_buffers.h"
 
 namespace refit::py {
 namespace {

@@ -1,4 +1,4 @@
-#include "core/box_copy.h"
+#include "refit/ext/box_copy.h"
 
 #include <cstring>
 #include <vector>

@@ -3,10 +3,10 @@
 #include <algorithm>
 #include <cstring>
 
-#include "core/box_copy.h"
 #include "core/fail.h"
 #include "core/layout_resolver.h"
 #include "core/wire.h"
+#include "refit/ext/box_copy.h"
 
 namespace refit {
 namespace {

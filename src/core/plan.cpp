@@ -24,6 +24,13 @@ void BucketPacker::check_name(const TensorInfo& tensor) {
     fail(ErrorKind::kInvalidArgument, "tensor '{}' appears twice in one refit", tensor.name);
 }
 
+PieceRoute route_piece(SourceAccess access, bool contiguous, uint64_t bytes, bool continues_read) {
+  if (!contiguous || bytes == 0) return PieceRoute::kPack;
+  if (access == SourceAccess::kMap) return PieceRoute::kMap;
+  if (access == SourceAccess::kRead && (bytes >= kMinSourceReadBytes || continues_read)) return PieceRoute::kRead;
+  return PieceRoute::kPack;
+}
+
 bool BucketPacker::place_in_place(const TensorInfo& tensor, uint64_t bytes) {
   check_name(tensor);
   const bool opens = in_place_ > 0 && in_place_ + bytes > bucket_bytes_;

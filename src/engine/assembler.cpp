@@ -2,9 +2,9 @@
 
 #include <cstring>
 
-#include "core/box_copy.h"
 #include "core/fail.h"
-#include "memory/device_memory.h"
+#include "refit/ext/box_copy.h"
+#include "refit/ext/device_memory.h"
 
 namespace refit {
 

@@ -22,10 +22,10 @@
 
 #include "core/name_index.h"
 #include "engine/protocol.h"
-#include "memory/device_memory.h"
-#include "memory/tensor_memory.h"
 #include "refit/deadline.h"
 #include "refit/device.h"
+#include "refit/ext/device_memory.h"
+#include "refit/ext/tensor_memory.h"
 #include "refit/memory.h"
 #include "refit/tensor.h"
 

@@ -21,8 +21,8 @@
 #include "engine/protocol.h"
 #include "engine/read_route.h"
 #include "engine/source_regions.h"
-#include "memory/device_memory.h"
 #include "refit/device.h"
+#include "refit/ext/device_memory.h"
 #include "refit/plan.h"
 #include "refit/transfer_plan.h"
 
@@ -442,7 +442,7 @@ class CheckpointEngine::Impl {
     const std::byte* mapped = nullptr;  // on a destination: the source's transfer region, mapped (or null)
     HostPin mapped_pin;
     // How the link's destination takes tensors left in the source's memory (both ends agree).
-    protocol::SourceAccess access = protocol::SourceAccess::kNone;
+    SourceAccess access = SourceAccess::kNone;
     // On a destination: the source memory its in-place entries lie in, mapped (LinkReader).
     std::map<std::pair<uint64_t, Bytes>, const std::byte*> in_place_maps;
     ManifestCache manifests;  // on a destination: what its source may replay (LinkReader)
@@ -607,7 +607,7 @@ class CheckpointEngine::Impl {
       // In place to a destination on this host that maps our memory, or read from our memory by one
       // that cannot map it (the choice it makes too).
       link.access = protocol::link_access(link.metadata, same_host(link.metadata.process), transport_->capabilities());
-      if (options_.config.direct_reads && link.access != protocol::SourceAccess::kNone) c.in_place = &source_regions();
+      if (options_.config.direct_reads && link.access != SourceAccess::kNone) c.in_place = &source_regions();
       c.access = link.access;
       senders_.push_back(std::make_unique<LinkSender>(std::move(c)));
     }

@@ -142,7 +142,7 @@ void LinkReader::complete() {
     events_.push_back({TimelinePhase::kRead, context_.peer_rank, seq, r.started, timeline_now(), r.bytes,
                        static_cast<uint32_t>(bucket.entries().size())});
   protocol::BucketBytes bytes{r.data, {}};
-  if (context_.access == protocol::SourceAccess::kMap && !bucket.regions().empty()) {
+  if (context_.access == SourceAccess::kMap && !bucket.regions().empty()) {
     phase_ = fmt::format("map the source memory of bucket {}", seq);
     bytes.mapped_regions = map_regions(bucket);
   }

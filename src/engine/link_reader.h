@@ -34,8 +34,8 @@
 #include "core/process_identity.h"
 #include "engine/manifest_cache.h"
 #include "engine/protocol.h"
+#include "refit/ext/transport.h"
 #include "refit/timeline.h"
-#include "refit/transport.h"
 
 namespace refit {
 
@@ -51,9 +51,9 @@ struct LinkReadContext {
   const protocol::EngineMetadata* peer_metadata = nullptr;
   std::byte* buffers[2] = {};  // both inside `region`
   RegionId region = 0;
-  const std::byte* mapped = nullptr;  // the source's transfer region, mapped; null: staged reads
-  protocol::SourceAccess access = protocol::SourceAccess::kNone;  // how entries in place are taken
-  uint64_t bucket_bytes = 0;                                      // of this link (both sides derive it)
+  const std::byte* mapped = nullptr;          // the source's transfer region, mapped; null: staged reads
+  SourceAccess access = SourceAccess::kNone;  // how entries in place are taken
+  uint64_t bucket_bytes = 0;                  // of this link (both sides derive it)
   uint64_t refit = 0;
   double timeout_s = 0;
   bool verify_checksums = false;

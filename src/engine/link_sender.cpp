@@ -4,10 +4,10 @@
 
 #include <algorithm>
 
-#include "core/box_copy.h"
 #include "core/fail.h"
 #include "engine/bucket_checksum.h"
 #include "engine/peer_wait.h"
+#include "refit/ext/box_copy.h"
 
 namespace refit {
 namespace {
@@ -28,7 +28,7 @@ bool same_entry(const protocol::ManifestEntry& a, const protocol::ManifestEntry&
 
 void LinkSender::begin(uint64_t refit, bool in_place) {
   refit_ = refit;
-  in_place_ = in_place && context_.in_place != nullptr ? context_.access : protocol::SourceAccess::kNone;
+  in_place_ = in_place && context_.in_place != nullptr ? context_.access : SourceAccess::kNone;
   if (packer_)
     packer_->restart();
   else
@@ -115,7 +115,7 @@ bool LinkSender::add_in_place(const TensorView& view, const Box& box, const Tens
   const uint64_t size = piece.is_whole() ? tensor.nbytes() : piece.nbytes_in(tensor);
   const std::byte* data = nullptr;
   const auto found = find_in_place(view, box, size, SourceRegions::Access::kMap, &data);
-  if (!found) return false;
+  if (route_piece(SourceAccess::kMap, found.has_value(), size) != PieceRoute::kMap) return false;
   if (packer_->place_in_place(tensor, size)) flush(false, phase);
   if (!pack_start_) pack_start_ = timeline_now();
   // Mapped: it takes no room in the bucket.
@@ -127,7 +127,6 @@ bool LinkSender::add_in_place(const TensorView& view, const Box& box, const Tens
 
 void LinkSender::add(const TensorView& view, const Box& box, const TensorInfo& tensor, const Box& piece,
                      std::string& phase) {
-  using protocol::SourceAccess;
   if (in_place_ == SourceAccess::kMap && add_in_place(view, box, tensor, piece, phase)) return;
   const TensorInfo& source = *view.info;
   const TensorInfo packed{tensor.name, tensor.dtype, piece.shape_in(tensor.shape)};
@@ -135,10 +134,10 @@ void LinkSender::add(const TensorView& view, const Box& box, const TensorInfo& t
   // Read from our memory: where the piece lies there, if it can go so. A small piece only where it
   // might continue the read before it, so in memory registered already.
   const std::byte* readable_data = nullptr;
-  const bool large = packed.nbytes() >= kMinSpanBytes;
-  const auto readable = in_place_ == SourceAccess::kRead && (large || last_entry_.region > 0)
+  const bool read_alone = route_piece(in_place_, true, packed.nbytes()) == PieceRoute::kRead;
+  const auto readable = in_place_ == SourceAccess::kRead && (read_alone || last_entry_.region > 0)
                             ? find_in_place(view, box, packed.nbytes(), SourceRegions::Access::kRead, &readable_data,
-                                            /*register_new=*/large)
+                                            /*register_new=*/read_alone)
                             : std::nullopt;
   for (const ChunkPlacement& c : packer_->place(packed)) {
     if (c.starts_bucket) flush(false, phase);
@@ -149,8 +148,9 @@ void LinkSender::add(const TensorView& view, const Box& box, const TensorInfo& t
     if (readable) {
       const uint64_t source_offset = readable->offset + c.tensor_offset;
       const auto known = regions_.find(readable->region);
-      if (large || (known != regions_.end() &&
-                    protocol::continues(last_entry_, known->second, source_offset, c.bucket_offset))) {
+      const bool continues =
+          known != regions_.end() && protocol::continues(last_entry_, known->second, source_offset, c.bucket_offset);
+      if (route_piece(in_place_, true, packed.nbytes(), continues) == PieceRoute::kRead) {
         entry.region = bucket_region(*readable);
         entry.source_offset = source_offset;
         data = readable_data + c.tensor_offset;

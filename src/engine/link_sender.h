@@ -30,12 +30,12 @@
 #include "core/process_identity.h"
 #include "engine/protocol.h"
 #include "engine/source_regions.h"
-#include "memory/device_memory.h"
 #include "refit/device.h"
+#include "refit/ext/device_memory.h"
+#include "refit/ext/transport.h"
 #include "refit/plan.h"
 #include "refit/tensor.h"
 #include "refit/timeline.h"
-#include "refit/transport.h"
 
 namespace refit {
 
@@ -55,7 +55,7 @@ struct LinkContext {
   // The engine's registrations of its own memory; null: nothing is sent in place on this link.
   SourceRegions* in_place = nullptr;
   // How the destination takes what goes in place (protocol::link_access): maps or reads it.
-  protocol::SourceAccess access = protocol::SourceAccess::kNone;
+  SourceAccess access = SourceAccess::kNone;
 };
 
 class LinkSender {
@@ -110,7 +110,7 @@ class LinkSender {
   LinkContext context_;
   uint64_t refit_ = 0;
   // How this refit sends in place: kNone, or the link's way (when the weight stream allows).
-  protocol::SourceAccess in_place_ = protocol::SourceAccess::kNone;
+  SourceAccess in_place_ = SourceAccess::kNone;
   std::optional<BucketPacker> packer_;
   protocol::BucketReady bucket_;                        // the open bucket's announcement, but for its manifest
   std::shared_ptr<protocol::Manifest> manifest_;        // of the open bucket, unless replaying

@@ -4,7 +4,7 @@
 
 #include "core/fail.h"
 #include "core/name_index.h"
-#include "memory/device_memory.h"
+#include "refit/ext/device_memory.h"
 
 namespace refit {
 namespace {

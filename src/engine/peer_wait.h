@@ -7,7 +7,7 @@
 #include <string>
 
 #include "core/process_identity.h"
-#include "refit/transport.h"
+#include "refit/ext/transport.h"
 
 namespace refit {
 

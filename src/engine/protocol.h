@@ -13,18 +13,17 @@
 #include "core/process_identity.h"
 #include "refit/checkpoint_engine.h"
 #include "refit/error.h"
+#include "refit/ext/transport.h"
+#include "refit/plan.h"
 #include "refit/tensor.h"
-#include "refit/transport.h"
 
 namespace refit::protocol {
 
 inline constexpr uint32_t kVersion = 10;
 
-// How a destination takes the tensors a source leaves in its own memory instead of packing them
-// (direct_reads): it maps that memory (a source on its host) and loads from it, or reads it into
-// its buffers with one-sided reads, or neither (the source packs everything). A destination says
-// which it can do (EngineMetadata::takes); link_access() picks one per link, alike on both sides.
-enum class SourceAccess : uint8_t { kNone = 0, kMap = 1, kRead = 2 };
+// How a destination takes the tensors a source leaves in its own memory (SourceAccess, plan.h):
+// a destination says which ways it can (EngineMetadata::takes); link_access() picks one per link,
+// alike on both sides.
 inline constexpr uint8_t kTakesByMap = 1;   // EngineMetadata::takes: maps a source's memory on its host
 inline constexpr uint8_t kTakesByRead = 2;  // ... reads a source's registered memory
 

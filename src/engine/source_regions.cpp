@@ -2,7 +2,7 @@
 
 #include <spdlog/spdlog.h>
 
-#include "memory/device_memory.h"
+#include "refit/ext/device_memory.h"
 
 namespace refit {
 

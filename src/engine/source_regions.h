@@ -11,8 +11,8 @@
 #include <optional>
 
 #include "engine/protocol.h"
+#include "refit/ext/transport.h"
 #include "refit/tensor.h"
-#include "refit/transport.h"
 
 namespace refit {
 

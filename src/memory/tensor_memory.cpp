@@ -1,5 +1,5 @@
-#include "memory/tensor_memory.h"
-#include "memory/device_memory.h"
+#include "refit/ext/tensor_memory.h"
+#include "refit/ext/device_memory.h"
 
 #include <utility>
 

@@ -9,8 +9,8 @@
 #include <queue>
 #include <set>
 
-#include "core/box_copy.h"
 #include "core/fail.h"
+#include "refit/ext/box_copy.h"
 #include "refit/plan.h"
 #include "refit/transfer_plan.h"
 
@@ -282,11 +282,10 @@ struct SimLink {
   // (no pack, no read), and the strided rows of those loads.
   std::vector<uint64_t> in_place, in_place_rows;
   bool mapped = false;
-  bool reads_in_place = false;  // the destination maps the source's tensors (direct_reads)
-  // The destination reads the source's large tensors from its memory (direct_reads where it
-  // cannot map: another node): the source packs only the rest of each bucket.
-  bool reads_source_memory = false;
-  uint64_t span_bytes = 0;  // ... so read
+  // How the destination takes the source's tensors in its memory (direct_reads): maps them, or
+  // (where it cannot map: another node) reads the large ones, the source packing only the rest.
+  SourceAccess access = SourceAccess::kNone;
+  uint64_t source_read_bytes = 0;  // ... so read
   // Source side.
   int64_t acknowledged = -1;    // highest bucket the source has seen acknowledged
   std::deque<int64_t> holding;  // announced buckets in the source's buffers, not acknowledged yet
@@ -340,9 +339,11 @@ class PipelineModel {
     // GPU allocation.
     const bool maps_tensors =
         a.group->gpu == b.group->gpu && cluster_.transfer.transport == (a.group->gpu ? "cuda_ipc" : "ucx");
-    link.reads_in_place = link.mapped && cluster_.transfer.direct_reads && maps_tensors;
     // UCX reads any registered memory of a peer (TransportCapabilities::reads_registered_memory).
-    link.reads_source_memory = !link.mapped && cluster_.transfer.direct_reads && cluster_.transfer.transport == "ucx";
+    if (cluster_.transfer.direct_reads && link.mapped && maps_tensors)
+      link.access = SourceAccess::kMap;
+    else if (cluster_.transfer.direct_reads && !link.mapped && cluster_.transfer.transport == "ucx")
+      link.access = SourceAccess::kRead;
     links_.push_back(std::move(link));
     source_state_[s].links.push_back(static_cast<uint32_t>(links_.size() - 1));
     destination_state_[d].links.push_back(static_cast<uint32_t>(links_.size() - 1));
@@ -366,7 +367,7 @@ class PipelineModel {
     uint64_t total = 0;
     for (const auto& l : links_) {
       for (uint64_t b : l.in_place) total += b;
-      total += l.span_bytes;
+      total += l.source_read_bytes;
     }
     return total;
   }
@@ -426,7 +427,7 @@ class PipelineModel {
       event(out_sources_[s], TimelinePhase::kAnnounce, l.destination, f.bucket, t, t, f.bytes);
       out_sources_[s].bytes += f.bytes + f.in_place;
       const uint32_t k = f.link;
-      sim_.at(sim_.now() + (l.reads_in_place ? in_place_latency_ : latency_), [this, k, f] {
+      sim_.at(sim_.now() + (l.access == SourceAccess::kMap ? in_place_latency_ : latency_), [this, k, f] {
         links_[k].announced[f.bucket] = true;
         try_fetch(k);
       });
@@ -440,24 +441,25 @@ class PipelineModel {
         pack_next(s);
     };
     // A bucket of tensors in place only: nothing to copy or wait for, the source announces it.
-    if (f.packed == 0 && f.rows == 0 && (links_[f.link].reads_in_place || links_[f.link].reads_source_memory))
+    if (f.packed == 0 && f.rows == 0 && links_[f.link].access != SourceAccess::kNone)
       return sim_.at(sim_.now(), announce);
     start_copy(copy_bytes(p, f.packed, f.rows), cap, {cores, memory}, copy_cost(p), announce);
   }
 
   void acknowledge(uint32_t k, uint64_t bucket) {
-    sim_.at(sim_.now() + (links_[k].reads_in_place ? in_place_ack_latency_ : ack_latency_), [this, k, bucket] {
-      SimLink& l = links_[k];
-      l.acknowledged = std::max(l.acknowledged, static_cast<int64_t>(bucket));
-      while (!l.holding.empty() && l.holding.front() <= l.acknowledged) l.holding.pop_front();
-      const double t = now();
-      event(out_sources_[l.source], TimelinePhase::kRelease, l.destination, bucket, t, t, 0);
-      SourceState& st = source_state_[l.source];
-      if (st.waiting && st.waiting->first == k && l.acknowledged >= st.waiting->second) {
-        st.waiting.reset();
-        pack_next(l.source);
-      }
-    });
+    sim_.at(sim_.now() + (links_[k].access == SourceAccess::kMap ? in_place_ack_latency_ : ack_latency_),
+            [this, k, bucket] {
+              SimLink& l = links_[k];
+              l.acknowledged = std::max(l.acknowledged, static_cast<int64_t>(bucket));
+              while (!l.holding.empty() && l.holding.front() <= l.acknowledged) l.holding.pop_front();
+              const double t = now();
+              event(out_sources_[l.source], TimelinePhase::kRelease, l.destination, bucket, t, t, 0);
+              SourceState& st = source_state_[l.source];
+              if (st.waiting && st.waiting->first == k && l.acknowledged >= st.waiting->second) {
+                st.waiting.reset();
+                pack_next(l.source);
+              }
+            });
   }
 
   // The destination's reader for link k, as LinkReader::advance: for each bucket, a free local
@@ -573,7 +575,7 @@ class PipelineModel {
       if (l.mapped || l.in_place[b] > 0) acknowledge(k, b);  // LinkReader::release
       try_fetch(k);
       // The engine turns to the next bucket after its measured turnaround.
-      sim_.at(sim_.now() + (l.reads_in_place ? in_place_turnaround_ : turnaround_), [this, d] {
+      sim_.at(sim_.now() + (l.access == SourceAccess::kMap ? in_place_turnaround_ : turnaround_), [this, d] {
         destination_state_[d].loading = false;
         try_load(d);
       });
@@ -695,8 +697,8 @@ std::vector<Flush> pack_stream(const std::vector<std::vector<PieceRef>>& by_tens
   std::vector<Flush> flushes;
   uint64_t since = 0, rows_since = 0, pieces_since = 0;
   auto flush = [&](uint32_t k, bool last) {
-    // A bucket of spans only (nothing packed) is read from the source's memory whole.
-    const bool uses_buffer = model.link(k).reads_source_memory ? packed[k] > 0 : used[k] > 0;
+    // A bucket read wholly from the source's memory (nothing packed) leaves its buffer free.
+    const bool uses_buffer = model.link(k).access == SourceAccess::kRead ? packed[k] > 0 : used[k] > 0;
     flushes.push_back({k, count[k], used[k], in_place[k], since, last, rows_since, pieces_since, uses_buffer});
     model.link(k).buckets.push_back(used[k]);
     model.link(k).rows.push_back(rows[k]);
@@ -710,10 +712,12 @@ std::vector<Flush> pack_stream(const std::vector<std::vector<PieceRef>>& by_tens
   };
   for (const auto& tensor_pieces : by_tensor)
     for (const auto& p : tensor_pieces) {
-      // In place, as LinkSender::add_in_place: a non-empty piece that is one contiguous range of
-      // the source's memory; the packer closes the group as it does the engine's.
+      // Where the engine puts it (route_piece); in place, the packer closes the group as it does
+      // the engine's. (A small piece that continues a read is packed here: the model knows no
+      // addresses.)
       const uint64_t size = p.info.nbytes();
-      if (model.link(p.link).reads_in_place && p.contiguous && size > 0) {
+      const PieceRoute route = route_piece(model.link(p.link).access, p.contiguous, size);
+      if (route == PieceRoute::kMap) {
         if (packers.at(p.link).place_in_place(p.info, size)) flush(p.link, false);
         if (p.one_of_several) merged[p.link] += size;
         ++pieces[p.link];
@@ -721,9 +725,9 @@ std::vector<Flush> pack_stream(const std::vector<std::vector<PieceRef>>& by_tens
         in_place_rows[p.link] += p.in_place_rows;
         continue;
       }
-      // Read from the source's memory (LinkSender::add): a contiguous piece of at least 64 KiB is
-      // placed in the bucket (the destination reads it there) but not copied by the source.
-      const bool spans = model.link(p.link).reads_source_memory && p.contiguous && size >= kMinSpanBytes;
+      // Read from the source's memory: placed in the bucket (the destination reads it there) but
+      // not copied by the source.
+      const bool read_there = route == PieceRoute::kRead;
       const auto chunks = packers.at(p.link).place(p.info);
       for (const ChunkPlacement& c : chunks) {
         if (c.starts_bucket) flush(p.link, false);
@@ -732,8 +736,8 @@ std::vector<Flush> pack_stream(const std::vector<std::vector<PieceRef>>& by_tens
           merged[p.link] += p.info.nbytes();
         ++pieces[p.link];
         used[p.link] = c.bucket_offset + c.size;
-        if (spans) {
-          model.link(p.link).span_bytes += c.size;
+        if (read_there) {
+          model.link(p.link).source_read_bytes += c.size;
           continue;
         }
         ++pieces_since;

@@ -1,10 +1,10 @@
-#include "transport/device_buffers.h"
+#include "refit/ext/device_buffers.h"
 
 #include <map>
 
 #include "core/fail.h"
-#include "memory/device_memory.h"
 #include "refit/device.h"
+#include "refit/ext/device_memory.h"
 
 namespace refit {
 namespace {

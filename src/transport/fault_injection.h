@@ -6,7 +6,7 @@
 
 #include <memory>
 
-#include "refit/transport.h"
+#include "refit/ext/transport.h"
 
 namespace refit {
 

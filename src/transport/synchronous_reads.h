@@ -9,7 +9,7 @@
 #include <mutex>
 
 #include "core/fail.h"
-#include "refit/transport.h"
+#include "refit/ext/transport.h"
 
 namespace refit {
 

@@ -2,7 +2,7 @@
 #include <algorithm>
 #include <thread>
 
-#include "refit/transport.h"
+#include "refit/ext/transport.h"
 
 namespace refit {
 namespace {

@@ -114,5 +114,20 @@ TEST(Plan, SamePlanForSameInput) {
   }
 }
 
+// Where a source puts a piece: the one rule the engine's LinkSender and the planner's model both
+// follow. Mapped: any non-empty contiguous piece. Read: a contiguous piece of at least
+// kMinSourceReadBytes, or a smaller one that continues the read before it. Anything else is packed.
+TEST(RoutePiece, MapsOrReadsContiguousPiecesAndPacksTheRest) {
+  const uint64_t large = kMinSourceReadBytes, small = kMinSourceReadBytes - 1;
+  EXPECT_EQ(route_piece(SourceAccess::kMap, true, 1), PieceRoute::kMap);
+  EXPECT_EQ(route_piece(SourceAccess::kMap, true, 0), PieceRoute::kPack);  // an empty tensor: its name in a bucket
+  EXPECT_EQ(route_piece(SourceAccess::kMap, false, large), PieceRoute::kPack);
+  EXPECT_EQ(route_piece(SourceAccess::kRead, true, large), PieceRoute::kRead);
+  EXPECT_EQ(route_piece(SourceAccess::kRead, true, small), PieceRoute::kPack);
+  EXPECT_EQ(route_piece(SourceAccess::kRead, true, small, /*continues_read=*/true), PieceRoute::kRead);
+  EXPECT_EQ(route_piece(SourceAccess::kRead, false, large, true), PieceRoute::kPack);  // strided
+  EXPECT_EQ(route_piece(SourceAccess::kNone, true, large, true), PieceRoute::kPack);
+}
+
 }  // namespace
 }  // namespace refit

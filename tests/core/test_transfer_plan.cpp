@@ -12,9 +12,9 @@
 #include <fstream>
 #include <random>
 
-#include "core/box_copy.h"
 #include "core/error_of.h"
 #include "core/reshard_models.h"
+#include "refit/ext/box_copy.h"
 #include "refit/fp8.h"
 #include "refit/layout_builders.h"
 

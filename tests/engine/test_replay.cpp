@@ -174,7 +174,7 @@ TEST(Replay, TheWireCarriesOnlyTheBucketsNumbers) {
   EXPECT_EQ(back.manifest, nullptr);  // the destination fills it from what it kept
   EXPECT_EQ(back.checksum, std::optional<uint64_t>(0xabcdef));
   EXPECT_EQ(back.used_bytes, 48u);
-  EXPECT_NO_THROW(protocol::validate(back, 64, 128, protocol::SourceAccess::kNone, "source rank 0"));
+  EXPECT_NO_THROW(protocol::validate(back, 64, 128, SourceAccess::kNone, "source rank 0"));
 }
 
 // The assembler records the names of a replayed refit only once a bucket is new: a name in it

@@ -9,12 +9,12 @@
 #include <future>
 #include <thread>
 
-#include "core/box_copy.h"
 #include "core/error_of.h"
 #include "core/reshard_models.h"
 #include "engine/assembler.h"
 #include "engine/engine_harness.h"
 #include "refit/cluster.h"
+#include "refit/ext/box_copy.h"
 #include "refit/prediction.h"
 #include "refit/transfer_plan.h"
 

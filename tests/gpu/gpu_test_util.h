@@ -18,7 +18,7 @@
 #include "core/error_of.h"
 #include "refit/device.h"
 #include "refit/error.h"
-#include "refit/transport.h"
+#include "refit/ext/transport.h"
 
 namespace refit::gpu_test {
 

@@ -39,9 +39,9 @@
 
 #include <filesystem>
 
-#include "memory/device_memory.h"
 #include "refit/cluster.h"
 #include "refit/device.h"
+#include "refit/ext/device_memory.h"
 #include "refit/memory.h"
 #include "refit/model.h"
 

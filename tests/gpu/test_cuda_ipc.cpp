@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "gpu_test_util.h"
-#include "memory/device_memory.h"
+#include "refit/ext/device_memory.h"
 #include "refit/memory.h"
 #include "transport/local_socket/local_peer.h"
 

@@ -11,7 +11,7 @@
 #include "cli_runner.h"
 #include "refit/config_keys.h"
 #include "refit/device.h"
-#include "refit/transport.h"
+#include "refit/ext/transport.h"
 #include "refit/version.h"
 
 namespace refit {

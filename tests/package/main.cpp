@@ -2,9 +2,9 @@
 // bucket plan, and a UCX transport.
 #include <cstdio>
 
+#include "refit/ext/transport.h"
 #include "refit/model.h"
 #include "refit/plan.h"
-#include "refit/transport.h"
 #include "refit/version.h"
 
 int main() {

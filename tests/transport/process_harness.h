@@ -17,7 +17,7 @@
 #include <stdexcept>
 #include <string>
 
-#include "refit/transport.h"
+#include "refit/ext/transport.h"
 
 namespace refit::testing {
 

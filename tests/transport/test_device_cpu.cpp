@@ -11,12 +11,12 @@
 #include <vector>
 
 #include "core/error_of.h"
-#include "memory/device_memory.h"
 #include "memory/host_copy_pool.h"
 #include "refit/device.h"
 #include "refit/error.h"
+#include "refit/ext/device_memory.h"
+#include "refit/ext/transport.h"
 #include "refit/memory.h"
-#include "refit/transport.h"
 
 namespace refit {
 namespace {

@@ -23,8 +23,8 @@
 #include "core/error_of.h"
 #include "process_harness.h"
 #include "refit/error.h"
+#include "refit/ext/transport.h"
 #include "refit/memory.h"
-#include "refit/transport.h"
 #include "transport/ucx/ucx_options.h"
 
 namespace refit {

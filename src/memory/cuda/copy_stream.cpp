@@ -10,9 +10,9 @@
 #include "core/fail.h"
 #include "memory/cuda/batch_copy.h"
 #include "memory/cuda/cuda_util.h"
-#include "memory/device_memory.h"
 #include "memory/host_copy_pool.h"
 #include "refit/device.h"
+#include "refit/ext/device_memory.h"
 
 namespace refit {
 namespace {

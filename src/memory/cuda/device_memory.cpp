@@ -6,8 +6,8 @@
 
 #include "core/fail.h"
 #include "memory/cuda/cuda_util.h"
-#include "memory/device_memory.h"
 #include "refit/device.h"
+#include "refit/ext/device_memory.h"
 
 namespace refit {
 

@@ -12,7 +12,7 @@
 #include <mutex>
 
 #include "memory/cuda/cuda_util.h"
-#include "memory/device_memory.h"
+#include "refit/ext/device_memory.h"
 #include "transport/cuda_ipc/cuda_ipc_key.h"
 #include "transport/handle_table.h"
 #include "transport/local_socket/init_params.h"

@@ -21,7 +21,7 @@
 #include <memory>
 #include <string>
 
-#include "refit/transport.h"
+#include "refit/ext/transport.h"
 
 namespace refit {
 

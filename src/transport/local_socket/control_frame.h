@@ -9,7 +9,7 @@
 #include <string>
 #include <string_view>
 
-#include "refit/transport.h"
+#include "refit/ext/transport.h"
 #include "transport/local_socket/local_socket.h"
 
 namespace refit::control_frame {

@@ -8,7 +8,7 @@
 #include <string_view>
 
 #include "refit/config.h"
-#include "refit/transport.h"
+#include "refit/ext/transport.h"
 #include "transport/local_socket/local_socket.h"
 
 namespace refit {

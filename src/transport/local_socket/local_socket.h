@@ -34,7 +34,7 @@
 
 #include "core/random_id.h"
 #include "refit/deadline.h"
-#include "refit/transport.h"
+#include "refit/ext/transport.h"
 
 namespace refit {
 

@@ -17,7 +17,7 @@
 #include <thread>
 
 #include "memory/cuda/cuda_util.h"
-#include "memory/device_memory.h"
+#include "refit/ext/device_memory.h"
 #include "transport/handle_table.h"
 #include "transport/local_socket/init_params.h"
 #include "transport/local_socket/local_peer.h"

@@ -12,7 +12,7 @@
 #include <string>
 
 #include "core/random_id.h"
-#include "refit/transport.h"
+#include "refit/ext/transport.h"
 
 namespace refit {
 

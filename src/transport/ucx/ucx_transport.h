@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "refit/transport.h"
+#include "refit/ext/transport.h"
 
 namespace refit {
 

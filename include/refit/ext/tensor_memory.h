@@ -1,13 +1,14 @@
-// Memory for tensors wherever they live: host memory (page-locked when asked and a GPU is
+// Extension tier (refit/ext/: for backends, benches and bindings built on refit, not for its
+// users' programs). Memory for tensors wherever they live: host memory (page-locked when asked and a GPU is
 // usable) or one allocation on a GPU. What the destination merges split tensors into, and where
 // the bench keeps its weights and parameters.
 #pragma once
 
 #include <cstddef>
 
-#include "memory/device_memory.h"
 #include "refit/config.h"
 #include "refit/device.h"
+#include "refit/ext/device_memory.h"
 #include "refit/memory.h"
 #include "refit/tensor.h"
 

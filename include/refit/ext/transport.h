@@ -1,4 +1,6 @@
-// The interface every transport backend implements (UCX, CUDA IPC, NCCL; in-process for tests).
+// Extension tier (refit/ext/: for backends, benches and bindings built on refit, not for its
+// users' programs). The interface every transport backend implements (UCX, CUDA IPC, NCCL;
+// in-process for tests; the Python binding's transports over NIXL and others).
 // A transport moves bytes between processes and nothing else: it knows no models, layouts or
 // buckets. The engine above it uses three services:
 //   - memory: register a buffer so that peers can read it one-sided;

@@ -1,4 +1,5 @@
-// Moving the bytes of a box (layout.h) between a row-major tensor and the box's packed form (its
+// Extension tier (refit/ext/: for backends, benches and bindings built on refit, not for its
+// users' programs). Moving the bytes of a box (layout.h) between a row-major tensor and the box's packed form (its
 // elements in row-major order, one after another): as strided 2-D blocks, which a CopyStream or
 // plain memcpy carries out. A source packs a piece of its shard this way and a destination
 // places a received piece into its tensor; a byte range of the packed form can be moved on its

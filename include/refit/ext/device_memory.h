@@ -1,4 +1,5 @@
-// The memory layer's GPU plumbing, private to refit: one cudaMalloc allocation (DeviceBuffer),
+// Extension tier (refit/ext/: for backends, benches and bindings built on refit, not for its
+// users' programs). The memory layer's GPU plumbing: one cudaMalloc allocation (DeviceBuffer),
 // page-locking host memory someone else owns (HostPin), and copies in issue order with a bounded
 // synchronize (CopyStream). Every one works, as a no-op or memcpy, where CUDA is not usable.
 #pragma once

@@ -19,11 +19,6 @@ bool same_regions(const std::vector<protocol::SourceRegion>& a, const std::vecto
   });
 }
 
-bool same_entry(const protocol::ManifestEntry& a, const protocol::ManifestEntry& b) {
-  return a.tensor_offset == b.tensor_offset && a.size == b.size && a.bucket_offset == b.bucket_offset &&
-         a.region == b.region && a.source_offset == b.source_offset && a.box == b.box && a.tensor == b.tensor;
-}
-
 }  // namespace
 
 void LinkSender::begin(uint64_t refit, bool in_place) {
@@ -57,22 +52,24 @@ void LinkSender::begin(uint64_t refit, bool in_place) {
   pack_phase_ = fmt::format("pack bucket 0 for {}", context_.peer_label);
 }
 
-void LinkSender::record(const protocol::ManifestEntry& entry, const std::byte* data) {
+void LinkSender::record(const TensorInfo& tensor, const Box& piece, const Chunk& c, const std::byte* data) {
   ++bucket_entries_;
   if (context_.verify_checksums) entry_data_.push_back(data);
-  if (entry.size > 0)
-    last_entry_ = {entry.region, entry.region == 0 ? entry.bucket_offset : entry.source_offset, entry.bucket_offset,
-                   entry.size};
+  if (c.size > 0) last_entry_ = {c.region, c.region == 0 ? c.bucket_offset : c.source_offset, c.bucket_offset, c.size};
   if (replaying_) {
     const protocol::Manifest* counterpart =
         bucket_.seq < previous_.size() ? previous_[bucket_.seq].manifest.get() : nullptr;
-    if (counterpart && matched_ < counterpart->entries.size() && same_entry(counterpart->entries[matched_], entry)) {
-      ++matched_;
-      return;
+    if (counterpart && matched_ < counterpart->entries.size()) {
+      const protocol::ManifestEntry& e = counterpart->entries[matched_];
+      if (e.tensor_offset == c.tensor_offset && e.size == c.size && e.bucket_offset == c.bucket_offset &&
+          e.region == c.region && e.source_offset == c.source_offset && e.box == piece && e.tensor == tensor) {
+        ++matched_;
+        return;
+      }
     }
     stop_replaying();
   }
-  manifest_->entries.push_back(entry);
+  manifest_->entries.push_back({tensor, piece, c.tensor_offset, c.size, c.bucket_offset, c.region, c.source_offset});
 }
 
 void LinkSender::stop_replaying() {
@@ -119,7 +116,7 @@ bool LinkSender::add_in_place(const TensorView& view, const Box& box, const Tens
   if (packer_->place_in_place(tensor, size)) flush(false, phase);
   if (!pack_start_) pack_start_ = timeline_now();
   // Mapped: it takes no room in the bucket.
-  record({tensor, piece, 0, size, 0, bucket_region(*found), found->offset}, data);
+  record(tensor, piece, {0, size, 0, bucket_region(*found), found->offset}, data);
   in_place_bytes_ += size;
   payload_bytes_ += size;
   return true;
@@ -143,7 +140,7 @@ void LinkSender::add(const TensorView& view, const Box& box, const TensorInfo& t
     if (c.starts_bucket) flush(false, phase);
     if (!pack_start_) pack_start_ = timeline_now();
     phase = pack_phase_;
-    protocol::ManifestEntry entry{tensor, piece, c.tensor_offset, c.size, c.bucket_offset};
+    Chunk entry{c.tensor_offset, c.size, c.bucket_offset};
     const std::byte* data = nullptr;
     if (readable) {
       const uint64_t source_offset = readable->offset + c.tensor_offset;
@@ -166,7 +163,7 @@ void LinkSender::add(const TensorView& view, const Box& box, const TensorInfo& t
       data = out;
       buffer_bytes_ += c.size;
     }
-    record(entry, data);
+    record(tensor, piece, entry, data);
     bucket_.used_bytes = c.bucket_offset + c.size;
   }
   payload_bytes_ += packed.nbytes();

@@ -100,9 +100,16 @@ class LinkSender {
                                                     bool register_new = true) const;
   // The open bucket's index of our region (adding it to the bucket's regions).
   uint32_t bucket_region(const SourceRegions::Found& found);
+  // Where a chunk of a piece lies: a manifest entry but for its tensor and piece, which record()
+  // copies only when the entry is new (not while a refit replays the one before).
+  struct Chunk {
+    uint64_t tensor_offset = 0, size = 0, bucket_offset = 0;
+    uint32_t region = 0;
+    uint64_t source_offset = 0;
+  };
   // Adds an entry to the open bucket's manifest (its bytes lie at `data` here); while replaying,
   // checks it against the previous refit's instead.
-  void record(const protocol::ManifestEntry& entry, const std::byte* data);
+  void record(const TensorInfo& tensor, const Box& piece, const Chunk& chunk, const std::byte* data);
   // The open bucket differs from its counterpart of the previous refit: from here on this refit's
   // manifests are made, starting with the entries the open bucket had in common with it.
   void stop_replaying();

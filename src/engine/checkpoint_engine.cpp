@@ -196,9 +196,7 @@ class CheckpointEngine::Impl {
           fail(ErrorKind::kProtocol, "{} published no transfer buffers (it was created to receive only)", link.label);
         if (options_.config.map_source_buffers) map_source_buffers(link);
         all_mapped = all_mapped && link.mapped != nullptr;
-        protocol::EngineMetadata own;
-        own.takes = takes();
-        link.access = protocol::link_access(own, same_host(link.metadata.process), transport_->capabilities());
+        link.access = protocol::link_access(takes(), same_host(link.metadata.process), transport_->capabilities());
         const ReadRoute route{buffer_kind_, transport_->name(), same_host(link.metadata.process),
                               link.mapped != nullptr, options_.config.map_source_buffers};
         if (auto warning = slow_read_warning(route, self, link.label); !warning.empty()) spdlog::warn("{}", warning);
@@ -606,7 +604,8 @@ class CheckpointEngine::Impl {
       c.verify_checksums = options_.config.verify_checksums;
       // In place to a destination on this host that maps our memory, or read from our memory by one
       // that cannot map it (the choice it makes too).
-      link.access = protocol::link_access(link.metadata, same_host(link.metadata.process), transport_->capabilities());
+      link.access =
+          protocol::link_access(link.metadata.takes, same_host(link.metadata.process), transport_->capabilities());
       if (options_.config.direct_reads && link.access != SourceAccess::kNone) c.in_place = &source_regions();
       c.access = link.access;
       senders_.push_back(std::make_unique<LinkSender>(std::move(c)));

@@ -85,11 +85,12 @@ void LinkReader::start_reading(protocol::BucketReady bucket) {
   Reading& r = reading_.emplace();
   const bool mapped = context_.mapped != nullptr;
   r.data = mapped ? context_.mapped + bucket.offset : context_.buffers[seq % 2];
-  std::vector<protocol::BucketRead> reads = protocol::bucket_reads(*bucket.manifest, context_.access);
-  if (mapped) std::erase_if(reads, [](const protocol::BucketRead& read) { return read.region == 0; });
-  if (mapped && !reads.empty())
+  // Mapped buffers: nothing to read (and a link that maps the buffers maps the source's memory too).
+  if (mapped && context_.access == SourceAccess::kRead && !bucket.regions().empty())
     fail(ErrorKind::kProtocol, "{} sent bucket {} to be read from its memory, but this destination maps its buffers",
          context_.peer_label, seq);
+  const std::vector<protocol::BucketRead> reads =
+      mapped ? std::vector<protocol::BucketRead>{} : protocol::bucket_reads(*bucket.manifest, context_.access);
   if (!reads.empty()) {
     phase_ = bucket.regions().empty() ? fmt::format("read bucket {}", seq)
                                       : fmt::format("read bucket {} from the source's memory", seq);

@@ -281,9 +281,9 @@ uint64_t first_refit(uint64_t source_generation, uint64_t destination_generation
   return z ^ (z >> 31);
 }
 
-SourceAccess link_access(const EngineMetadata& destination, bool same_host, const TransportCapabilities& caps) {
-  if ((destination.takes & kTakesByMap) != 0 && same_host && caps.maps_peer_memory) return SourceAccess::kMap;
-  if ((destination.takes & kTakesByRead) != 0 && caps.reads_registered_memory) return SourceAccess::kRead;
+SourceAccess link_access(uint8_t takes, bool same_host, const TransportCapabilities& caps) {
+  if ((takes & kTakesByMap) != 0 && same_host && caps.maps_peer_memory) return SourceAccess::kMap;
+  if ((takes & kTakesByRead) != 0 && caps.reads_registered_memory) return SourceAccess::kRead;
   return SourceAccess::kNone;
 }
 

@@ -54,11 +54,11 @@ struct EngineMetadata {
 // failed refit) never match a refit of this one and are discarded.
 uint64_t first_refit(uint64_t source_generation, uint64_t destination_generation);
 
-// The way a destination takes source memory on the link between `source` and `destination`:
-// map where both are on one host and the transport maps, else read where it reads registered
-// memory. Both ends call it with the same arguments (same_host is symmetric, and both run the
-// same transport), so they agree without another message.
-SourceAccess link_access(const EngineMetadata& destination, bool same_host, const TransportCapabilities& caps);
+// The way a destination whose metadata says `takes` takes source memory on one link: map where
+// both are on one host and the transport maps, else read where it reads registered memory. Both
+// ends call it with the same arguments (same_host is symmetric, and both run the same transport),
+// so they agree without another message.
+SourceAccess link_access(uint8_t takes, bool same_host, const TransportCapabilities& caps);
 
 Bytes encode(const EngineMetadata& metadata);
 // `who` names the blob's owner in errors ("metadata of source rank 1").

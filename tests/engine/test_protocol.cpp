@@ -252,18 +252,18 @@ TEST(Protocol, BothEndsDeriveHowALinkTakesSourceMemory) {
   TransportCapabilities both;
   both.maps_peer_memory = both.reads_registered_memory = true;
   destination.takes = kTakesByMap | kTakesByRead;
-  EXPECT_EQ(link_access(destination, /*same_host=*/true, both), SourceAccess::kMap);
-  EXPECT_EQ(link_access(destination, /*same_host=*/false, both), SourceAccess::kRead);
+  EXPECT_EQ(link_access(destination.takes, /*same_host=*/true, both), SourceAccess::kMap);
+  EXPECT_EQ(link_access(destination.takes, /*same_host=*/false, both), SourceAccess::kRead);
   destination.takes = kTakesByMap;
-  EXPECT_EQ(link_access(destination, false, both), SourceAccess::kNone);
+  EXPECT_EQ(link_access(destination.takes, false, both), SourceAccess::kNone);
   destination.takes = kTakesByRead;
-  EXPECT_EQ(link_access(destination, true, both), SourceAccess::kRead);
+  EXPECT_EQ(link_access(destination.takes, true, both), SourceAccess::kRead);
   TransportCapabilities maps_only;
   maps_only.maps_peer_memory = true;
   destination.takes = kTakesByMap | kTakesByRead;
-  EXPECT_EQ(link_access(destination, false, maps_only), SourceAccess::kNone);
+  EXPECT_EQ(link_access(destination.takes, false, maps_only), SourceAccess::kNone);
   destination.takes = 0;
-  EXPECT_EQ(link_access(destination, true, both), SourceAccess::kNone);
+  EXPECT_EQ(link_access(destination.takes, true, both), SourceAccess::kNone);
 }
 
 TEST(Protocol, MetadataCarriesHowADestinationReachesSourceMemory) {

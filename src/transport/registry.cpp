@@ -30,7 +30,7 @@ std::unique_ptr<Transport> create_ucx_for_device(std::map<std::string, std::stri
          "transports); use backend_name CUDA_IPC (same host) or NCCL, or device=cpu with UCX",
          to_string(device));
   }
-  return with_device_buffers(create_ucx_transport(params), device);
+  return with_device_buffers(create_ucx_transport(params, true), device);
 }
 
 std::string join(const std::vector<std::string>& items) {

@@ -26,6 +26,7 @@
 #include "refit/ext/transport.h"
 #include "refit/memory.h"
 #include "transport/ucx/ucx_options.h"
+#include "transport/ucx/ucx_transport.h"
 
 namespace refit {
 namespace {
@@ -535,6 +536,24 @@ TEST(UcxTransport, AcceptsValidInitParams) {
   EXPECT_EQ(transport->name(), "UCX");
   auto shm = create_transport("UCX", {{"tls", "posix,sysv,self"}, {"engine_config", "POSIX_FIFO_SIZE=128"}});
   EXPECT_EQ(shm->name(), "UCX");
+}
+
+// GPU buffers: cuda_ipc's reads are turned on (UCX turns them off without NVLink, and reads then
+// crawl through host memory), unless the user decided; a UCX that lacks the setting goes without
+// it, so a transport with the default still comes up here.
+TEST(UcxTransport, GpuBuffersTurnOnCudaIpcReadsUnlessTheUserDecided) {
+  auto named = [](const UcxOptions& o) {
+    for (const UcxSetting& s : o.settings)
+      if (s.name == "CUDA_IPC_ENABLE_GET_ZCOPY") return s.value + (s.optional ? " (default)" : "");
+    return std::string("none");
+  };
+  EXPECT_EQ(named(parse_ucx_options({}, false)), "none");
+  EXPECT_EQ(named(parse_ucx_options({}, true)), "y (default)");
+  EXPECT_EQ(named(parse_ucx_options({{"engine_config", "CUDA_IPC_ENABLE_GET_ZCOPY=n"}}, true)), "n");
+  ::setenv("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "n", 1);
+  EXPECT_EQ(named(parse_ucx_options({}, true)), "none");
+  ::unsetenv("UCX_CUDA_IPC_ENABLE_GET_ZCOPY");
+  EXPECT_EQ(create_ucx_transport({}, true)->name(), "UCX");  // this UCX may have no CUDA at all
 }
 
 TEST(UcxTransport, NamesSettingsAsThisUcxMatchesThem) {

@@ -146,7 +146,7 @@ void UnusedUcxSettings::check() const {
 
 std::string ucx_param_name(const std::string& key) { return "refit_cfg.nixl.backend_init_params." + key; }
 
-UcxOptions parse_ucx_options(const std::map<std::string, std::string>& params) {
+UcxOptions parse_ucx_options(const std::map<std::string, std::string>& params, bool gpu_buffers) {
   UcxOptions options;
   std::vector<UcxSetting> user;
   for (const auto& [key, value] : params) {
@@ -180,6 +180,15 @@ UcxOptions parse_ucx_options(const std::map<std::string, std::string>& params) {
       options.settings.push_back({"MM_ERROR_HANDLING", "y", ""});
     }
   }
+  // UCX 1.19 and later serve reads of GPU memory with cuda_ipc (one copy on the GPU) only where
+  // NVLink joins the GPUs; otherwise, two processes on one GPU included, a read falls back to
+  // software emulation through host shared memory: 0.66-0.87 GB/s on one H200 (ucx_perftest
+  // ucp_get, UCX 1.22), against hundreds with cuda_ipc. Reads are how a destination takes a GPU
+  // source's buckets when it does not map them, so refit turns cuda_ipc's reads on unless the
+  // user decided (docs/GPU.md, "No cliff").
+  if (gpu_buffers && !user_sets(user, "CUDA_IPC_ENABLE_GET_ZCOPY") &&
+      std::getenv("UCX_CUDA_IPC_ENABLE_GET_ZCOPY") == nullptr)
+    options.settings.push_back({"CUDA_IPC_ENABLE_GET_ZCOPY", "y", "", {}, true});
   options.settings.insert(options.settings.end(), user.begin(), user.end());
   for (UcxSetting& setting : options.settings) setting.ucx_name = ucx_setting_name(setting.name);
   return options;
@@ -193,6 +202,7 @@ UcpConfig make_ucp_config(const UcxOptions& options) {
   UcpConfig config(raw);
   for (const UcxSetting& setting : options.settings) {
     status = ucp_config_modify(config.get(), setting.ucx_name.c_str(), setting.value.c_str());
+    if (status != UCS_OK && setting.optional) continue;
     if (status != UCS_OK) {
       // UCX 1.21 and later also reject a name that no component defines this way.
       fail(ErrorKind::kConfig, "{}: UCX rejects {}={}: {}{}",

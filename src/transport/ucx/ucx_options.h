@@ -20,6 +20,8 @@ struct UcxSetting {
   // The name this UCX library matches it by: `name`, but UCX < 1.17 matches a transport's settings
   // by their name inside the transport's table ("SNDBUF" for UCX_TCP_SNDBUF); see ucx_setting_name().
   std::string ucx_name = {};
+  // A default that a UCX without this setting simply goes without (it only makes a feature faster).
+  bool optional = false;
 };
 
 struct UcxOptions {
@@ -28,7 +30,8 @@ struct UcxOptions {
 };
 
 // Throws Error(kConfig) naming refit_cfg.nixl.backend_init_params.<key> and its value.
-UcxOptions parse_ucx_options(const std::map<std::string, std::string>& params);
+// `gpu_buffers`: the transport moves GPU memory (device cuda), which adds refit's defaults for it.
+UcxOptions parse_ucx_options(const std::map<std::string, std::string>& params, bool gpu_buffers = false);
 
 // The name under which this UCX library takes the setting that its environment calls
 // "UCX_<name>". UCX 1.17 and later match transport settings by that name (TCP_SNDBUF; 1.21 and

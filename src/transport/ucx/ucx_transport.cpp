@@ -778,8 +778,9 @@ void UcxTransport::complete_inbound(Inbound& message, ucs_status_t status) {
 
 }  // namespace
 
-std::unique_ptr<Transport> create_ucx_transport(const std::map<std::string, std::string>& init_params) {
-  return std::make_unique<UcxTransport>(parse_ucx_options(init_params));
+std::unique_ptr<Transport> create_ucx_transport(const std::map<std::string, std::string>& init_params,
+                                                bool gpu_buffers) {
+  return std::make_unique<UcxTransport>(parse_ucx_options(init_params, gpu_buffers));
 }
 
 UcxCapabilities ucx_capabilities(const std::map<std::string, std::string>& init_params) {

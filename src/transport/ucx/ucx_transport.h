@@ -19,7 +19,9 @@ namespace refit {
 //                  environment ("TCP_SNDBUF" or "UCX_TCP_SNDBUF") on every UCX version
 //                  (ucx_setting_name() translates it for UCX < 1.17)
 // Throws Error(kConfig) naming the key for anything else.
-std::unique_ptr<Transport> create_ucx_transport(const std::map<std::string, std::string>& init_params);
+// `gpu_buffers`: its buffers will be GPU memory (parse_ucx_options).
+std::unique_ptr<Transport> create_ucx_transport(const std::map<std::string, std::string>& init_params,
+                                                bool gpu_buffers = false);
 
 // What UCX, configured by these init params, offers here: its version, its transports
 // ("tcp/eth0", "posix/memory"), the memory types it moves, and whether CUDA memory is among them

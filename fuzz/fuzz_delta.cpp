@@ -3,7 +3,8 @@
 // tensor's element count comes from the record's own header when it is small, so that inputs
 // reach the position decoders. Oracles: only Error(kProtocol) may come out, and a refused record
 // writes nothing; an accepted one changes exactly `changed` elements at most, and encoding the
-// tensor before and after again gives a record that applies to the same result.
+// tensor before and after again gives a record that applies to the same result, both by the
+// host's scan and from the changes as a GPU kernel compacts them (encode_delta_changes).
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -47,6 +48,24 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     const DeltaHeader h2 = apply_delta(again, element_size, encoded, "re-encoded changes");
     FUZZ_CHECK(again == target);
     FUZZ_CHECK(h2.changed == differ);
+  }
+  std::vector<uint64_t> index, before, after;
+  for (uint64_t i = 0; i < elements; ++i) {
+    uint64_t a = 0, b = 0;
+    std::memcpy(&a, old.data() + i * element_size, element_size);  // little-endian hosts
+    std::memcpy(&b, target.data() + i * element_size, element_size);
+    if (a == b) continue;
+    index.push_back(i);
+    before.push_back(a);
+    after.push_back(b);
+  }
+  const uint64_t checksum = delta_checksum(target, DeltaChecksum::kWords);
+  std::vector<uint8_t> made;
+  if (encode_delta_changes(elements, element_size, index, before, after, DeltaChecksum::kWords, checksum, made)) {
+    std::vector<std::byte> patched = old;
+    const DeltaHeader h3 = apply_delta(patched, element_size, made, "changes from a kernel");
+    FUZZ_CHECK(patched == target);
+    FUZZ_CHECK(h3.checksum == delta_checksum(patched, h3.checksum_kind));
   }
   return 0;
 }

@@ -16,8 +16,9 @@
 #              "--src-tp 2 --src-dp 2 --tp 2 --shard-dense" with SOURCES=4), KEEP_JSON (copy the
 #              last bench's --json here; scripts/check_planner.py uses it), DELTA (a changed share,
 #              e.g. 0.017: each model and bucket runs twice on the same hosts, a full refit and a
-#              delta refit (refit_cfg.nixl.delta=true) of the workload `refit bench --changed DELTA`,
-#              timed over the refits after the first, which a delta refit sends whole).
+#              delta refit (refit_cfg.nixl.delta=true) and one with delta=auto of the workload
+#              `refit bench --changed DELTA`, timed over the refits after the first, which a delta
+#              refit sends whole).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RATE="${1:-2gbit}"
@@ -76,7 +77,7 @@ ceiling() {
 }
 
 MODES=plain
-[ -z "${DELTA:-}" ] || MODES="full delta"
+[ -z "${DELTA:-}" ] || MODES="full delta auto"
 printf '%-8s %-7s %-5s %12s %10s %10s %9s %12s %9s\n' model bucket mode "MiB/dest" "bound s" "refit s" "x bound" \
   "ucp_get MB/s" "x ucp_get"
 for model in $MODELS; do
@@ -87,6 +88,7 @@ for model in $MODELS; do
     MODE_ARGS=""
     [ "$mode" = plain ] || MODE_ARGS="--changed $DELTA"
     [ "$mode" != delta ] || MODE_ARGS="$MODE_ARGS refit_cfg.nixl.delta=true"
+    [ "$mode" != auto ] || MODE_ARGS="$MODE_ARGS refit_cfg.nixl.delta=auto"
     pids=()
     for ((r = 1; r < WORLD; r++)); do
       # shellcheck disable=SC2086  # BENCH_ARGS is a list of arguments
@@ -122,11 +124,11 @@ egress = max((s["bytes"] for r in refits for s in r.get("bytes_sent", []) if res
 routes = sorted({d["route"] for r in refits for d in r["bytes_received"]})
 seconds = statistics.median(r["seconds"] for r in refits)
 # A delta refit's bound is what it puts on the wire; a full one's, the model.
-bound = (wire if mode == "delta" else max(per_dest, egress)) / (bits / 8)
+bound = (wire if mode in ("delta", "auto") else max(per_dest, egress)) / (bits / 8)
 line = f"{model:<8} {bucket:<7} {mode:<5} {per_dest / 2**20:12.1f} {bound:10.3f} {seconds:10.3f} {seconds / bound:9.3f}"
 if get > 0:
     line += f" {get / 1e6:12.1f} {(per_dest / seconds) / get:9.3f}"
-if mode == "delta":
+if mode in ("delta", "auto"):
     line += f"   (wire {wire / 2**20:.2f} MiB)"
 print(line + f"   ({', '.join(routes)})")
 EOF
@@ -135,4 +137,4 @@ EOF
 done
 echo "rate $RATE per host link (tbf, both directions); refit s: median of $REFITS refits, every one verified bitwise;"
 echo "x bound = refit time / (most bytes on one host's link / rate); x ucp_get = refit throughput per destination / ucp_get"
-[ -z "${DELTA:-}" ] || echo "full / delta: the workload --changed $DELTA without and with refit_cfg.nixl.delta, timed over refits 2..$REFITS; a delta refit's bound is its wire bytes / rate"
+[ -z "${DELTA:-}" ] || echo "full / delta / auto: the workload --changed $DELTA with refit_cfg.nixl.delta false, true and auto, timed over refits 2..$REFITS; a delta refit's bound is its wire bytes / rate (auto: the wire of its refit that sent most)"

@@ -43,6 +43,19 @@ __global__ void fill_kernel(unsigned char* data, uint64_t bytes, uint64_t seed) 
   }
 }
 
+// Change k steps element mix64(seed * golden + k) % elements by +1, +2, -1 or -2 (two changes
+// drawn at one element race; the hash is taken afterwards, so either result is right).
+template <typename T>
+__global__ void change_kernel(T* data, uint64_t elements, uint64_t changes, uint64_t seed) {
+  for (uint64_t k = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; k < changes;
+       k += uint64_t(gridDim.x) * blockDim.x) {
+    const uint64_t r = mix64(seed * kGolden + k);
+    const uint64_t step = (r >> 62) & 1 ? 1 + ((r >> 61) & 1) : ~uint64_t{0} - ((r >> 61) & 1);
+    T& e = data[r % elements];
+    e = static_cast<T>(e + step);
+  }
+}
+
 // Sums mix64(word_i ^ mix64(i + golden)) over the little-endian 8-byte words (the last one
 // zero-padded) into *out; the sum does not depend on the order threads add in.
 __global__ void hash_kernel(const unsigned char* data, uint64_t bytes, unsigned long long* out) {
@@ -73,6 +86,27 @@ void fill_device_pattern(std::byte* data, uint64_t bytes, uint64_t seed, void* s
   fill_kernel<<<blocks_for(bytes / 8 + 1), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
       reinterpret_cast<unsigned char*>(data), bytes, seed);
   check(cudaGetLastError(), "launching the pattern fill kernel");
+}
+
+void change_device_elements(std::byte* data, uint64_t elements, uint32_t element_size, uint64_t changes, uint64_t seed,
+                            void* stream) {
+  if (elements == 0 || changes == 0) return;
+  const unsigned blocks = blocks_for(changes);
+  auto s = static_cast<cudaStream_t>(stream);
+  switch (element_size) {
+    case 1:
+      change_kernel<<<blocks, kThreads, 0, s>>>(reinterpret_cast<uint8_t*>(data), elements, changes, seed);
+      break;
+    case 2:
+      change_kernel<<<blocks, kThreads, 0, s>>>(reinterpret_cast<uint16_t*>(data), elements, changes, seed);
+      break;
+    case 4:
+      change_kernel<<<blocks, kThreads, 0, s>>>(reinterpret_cast<uint32_t*>(data), elements, changes, seed);
+      break;
+    default:
+      change_kernel<<<blocks, kThreads, 0, s>>>(reinterpret_cast<uint64_t*>(data), elements, changes, seed);
+  }
+  check(cudaGetLastError(), "launching the delta workload kernel");
 }
 
 std::vector<uint64_t> hash_device_ranges(const std::vector<DeviceRange>& ranges, void* stream_handle) {

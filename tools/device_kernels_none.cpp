@@ -14,6 +14,7 @@ namespace {
 }  // namespace
 
 void fill_device_pattern(std::byte*, uint64_t, uint64_t, void*) { no_cuda(); }
+void change_device_elements(std::byte*, uint64_t, uint32_t, uint64_t, uint64_t, void*) { no_cuda(); }
 std::vector<uint64_t> hash_device_ranges(const std::vector<DeviceRange>&, void*) { no_cuda(); }
 
 }  // namespace refit::tools

@@ -103,12 +103,10 @@ class SourceProgram final : public WorkerProgram {
     if (!model.versions.empty() && (holds_ || kind_ == MemoryKind::kCuda))
       throw Error(ErrorKind::kInvalidArgument,
                   fmt::format("--versions replays files in host memory on the paired topology"));
-    if (model.changed_share > 0 && (holds_ || !synthetic() || kind_ == MemoryKind::kCuda))
-      throw Error(
-          ErrorKind::kInvalidArgument,
-          fmt::format(
-              "--changed (a delta workload) changes synthetic content in host memory on the paired topology: leave out "
-              "--src-*, a safetensors --model and --tensors cuda"));
+    if (model.changed_share > 0 && (holds_ || !synthetic()))
+      throw Error(ErrorKind::kInvalidArgument,
+                  fmt::format("--changed (a delta workload) changes synthetic content on the paired topology: leave "
+                              "out --src-* and a safetensors --model"));
     if (!model.safetensors_path.empty()) load_files();
     if (synthetic() || kind_ == MemoryKind::kCuda || !model.versions.empty()) {
       // One allocation for the whole model (or this source's shards of it): synthetic content is
@@ -249,7 +247,12 @@ class SourceProgram final : public WorkerProgram {
     std::vector<std::pair<const TensorView*, Selection>> slices;
     for (size_t i = 0; i < views_.size(); ++i) {
       const auto& v = views_[i];
-      if (synthetic())
+      if (model_.changed_share > 0 && index > 0)
+        change_device_elements(const_cast<std::byte*>(v.data), v.info->numel(),
+                               static_cast<uint32_t>(dtype_size(v.info->dtype)),
+                               static_cast<uint64_t>(model_.changed_share * static_cast<double>(v.info->numel())),
+                               seed_of(index, i), nullptr);
+      else if (synthetic())
         fill_device_pattern(const_cast<std::byte*>(v.data), v.info->nbytes(), index * 1000003 + i, nullptr);
       const Selection s = expected(*v.info);
       if (s.take == Take::kWhole) {

@@ -47,6 +47,10 @@
 namespace refit {
 
 // Where transfer buffers live: "cpu", "cuda" (current device) or "cuda:N".
+// refit_cfg.nixl.delta: false, true or auto.
+enum class DeltaMode : uint8_t { kOff = 0, kOn = 1, kAuto = 2 };
+std::string_view to_string(DeltaMode mode);
+
 struct Device {
   enum class Kind { kCpu, kCuda };
   Kind kind = Kind::kCpu;
@@ -102,9 +106,11 @@ struct RefitConfig {
   // sends, per tensor, only the elements that changed (positions and values, bit-exact), or the
   // tensor whole where that is smaller; the destination keeps the same copy and patches it. A
   // destination that does not hold the source's base (new, restarted, failed refit) gets the whole
-  // model. Costs one host copy of the link's tensors on each side; pays on links slower than
-  // host memory (another host). Paired topology, whole tensors, host memory (device cpu) so far.
-  bool delta = false;
+  // model. Costs one copy of the link's tensors on each side, where they lie (host or GPU); pays
+  // on links slower than the comparison (another host). kAuto: off on a link whose destination
+  // maps the source's memory (a full refit there is one copy per byte), elsewhere each refit goes
+  // the way (changes or whole) that was faster when last measured. Paired topology, whole tensors.
+  DeltaMode delta = DeltaMode::kOff;
 
   bool operator==(const RefitConfig&) const = default;
 };

@@ -107,7 +107,13 @@ void register_config(nb::module_& m) {
       .def_ro("verify_checksums", &RefitConfig::verify_checksums)
       .def_ro("map_source_buffers", &RefitConfig::map_source_buffers)
       .def_ro("direct_reads", &RefitConfig::direct_reads)
-      .def_ro("delta", &RefitConfig::delta)
+      .def_prop_ro(
+          "delta",
+          [](const RefitConfig& c) -> nb::object {
+            if (c.delta == DeltaMode::kAuto) return nb::str("auto");
+            return nb::bool_(c.delta == DeltaMode::kOn);
+          },
+          "False, True or 'auto' (refit_cfg.nixl.delta)")
       .def(
           "to_yaml", [](const RefitConfig& c) { return to_yaml(c); }, "YAML that parse_config() reads back.")
       .def("__eq__", [](const RefitConfig& a, const RefitConfig& b) { return a == b; })

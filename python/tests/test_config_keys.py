@@ -54,3 +54,18 @@ def test_the_configuration_table_is_the_parsers():
     assert set(REFIT_PARAMS) == {"device", "backend", "read_source_memory"}
     assert {row["scope"] for row in rows} == {"nixl", "backend_init_params", "environment"}
     assert all(row["name"].startswith("REFIT_") for row in rows if row["scope"] == "environment")
+
+
+def test_delta_takes_auto_and_keeps_it():
+    config = refit.as_config({"delta": "auto"})
+    assert config.delta == "auto"
+    assert "delta: auto" in config.to_yaml()
+    worker_config, _ = split_engine_kwargs("nixl", engine_kwargs_from_config(config))
+    assert worker_config.delta == "auto"
+    assert refit.as_config({"delta": False}).delta is False
+    try:
+        refit.as_config({"delta": "sometimes"})
+    except refit.ConfigError as e:
+        assert "true, false or auto" in str(e)
+    else:
+        raise AssertionError("delta: sometimes was accepted")

@@ -20,6 +20,17 @@
 #include "core/fail.h"
 
 namespace refit {
+
+std::string_view to_string(DeltaMode mode) {
+  switch (mode) {
+    case DeltaMode::kOn:
+      return "true";
+    case DeltaMode::kAuto:
+      return "auto";
+    default:
+      return "false";
+  }
+}
 namespace {
 
 // The nixl scope's keys (kNixlFields, below the value readers they use).
@@ -258,6 +269,15 @@ bool boolean(const YAML::Node& node, const std::string& key) {
   return value;
 }
 
+DeltaMode delta_mode(const YAML::Node& node, const std::string& key) {
+  // Quoted or not ("auto" from JSON or Python is a string): it cannot be mistaken for a bool.
+  if (node.IsScalar() && node.Scalar() == "auto") return DeltaMode::kAuto;
+  bool value = false;
+  if (!is_plain(node) || !YAML::convert<bool>::decode(node, value))
+    fail(ErrorKind::kConfig, "{} must be true, false or auto, got {}", key, describe_typed(node));
+  return value ? DeltaMode::kOn : DeltaMode::kOff;
+}
+
 uint64_t byte_count(const YAML::Node& node, const std::string& key) {
   if (!node.IsScalar())
     fail(ErrorKind::kConfig,
@@ -370,9 +390,9 @@ const NixlField kNixlFields[] = {
     {"direct_reads", "bool", true, "load a same-host source's tensors in place, no bucket", false,
      [](RefitConfig& c, const YAML::Node& node, const std::string& key) { c.direct_reads = boolean(node, key); },
      [](YAML::Emitter& out, const RefitConfig& c) { out << c.direct_reads; }},
-    {"delta", "bool", true, "send only the elements whose bits changed since the last refit", false,
-     [](RefitConfig& c, const YAML::Node& node, const std::string& key) { c.delta = boolean(node, key); },
-     [](YAML::Emitter& out, const RefitConfig& c) { out << c.delta; }},
+    {"delta", "bool or auto", true, "send only the elements whose bits changed since the last refit", false,
+     [](RefitConfig& c, const YAML::Node& node, const std::string& key) { c.delta = delta_mode(node, key); },
+     [](YAML::Emitter& out, const RefitConfig& c) { out << std::string(to_string(c.delta)); }},
 };
 
 const NixlField* find_field(std::string_view name) {

@@ -6,6 +6,7 @@
 #include <bit>
 #include <cstring>
 
+#include "core/delta_bits.h"
 #include "core/fail.h"
 #include "core/wire.h"
 
@@ -60,23 +61,7 @@ void store_element(std::byte* p, size_t size, uint64_t v) {
   for (size_t k = 0; k < size; ++k) p[k] = static_cast<std::byte>(v >> (8 * k));
 }
 
-constexpr uint64_t mask_of(size_t size) { return size == 8 ? ~uint64_t{0} : (uint64_t{1} << (8 * size)) - 1; }
-
-// The new element as a difference of bit patterns (modulo 2^bits, so exact whatever the values),
-// zigzagged so that small steps either way are small numbers: an optimizer step moves most
-// elements by a few units in the last place, which then take one varint byte instead of two.
-uint64_t zigzag_step(uint64_t before, uint64_t after, size_t size) {
-  // The difference as a signed number of the element's bits (sign-extended from its top bit), then
-  // zigzagged: 0, -1, 1, -2 ... -> 0, 1, 2, 3 ... (no branch: steps go either way at random).
-  const unsigned unused = 64 - 8 * static_cast<unsigned>(size);
-  const auto d = static_cast<int64_t>((after - before) << unused) >> unused;
-  return (static_cast<uint64_t>(d) << 1) ^ static_cast<uint64_t>(d >> 63);
-}
-
-uint64_t unzigzag_step(uint64_t before, uint64_t z, size_t size) {
-  const uint64_t magnitude = (z >> 1) + (z & 1);
-  return ((z & 1) ? before - magnitude : before + magnitude) & mask_of(size);
-}
+using delta_steps::mask_of;
 
 // What a scan found: the changed elements and their values written both ways (in the scratch
 // buffers), so that the record is made without a second pass over the tensor.
@@ -90,6 +75,23 @@ struct Scan {
   std::vector<uint8_t>& steps;  // values as LEB128 zigzag steps
   std::vector<uint8_t>& raw;    // values as they are
   uint64_t gap_bytes = 0;       // positions as LEB128 gaps
+  uint64_t next_gap_from = 0;   // the index after the previous change
+
+  // Element i changed from `before` to `after` (bits of `Size` bytes); i after every earlier one.
+  template <size_t Size>
+  void add(uint64_t i, uint64_t before, uint64_t after) {
+    gap_bytes += varint_size(i - next_gap_from);
+    next_gap_from = i + 1;
+    uint64_t step = delta_steps::zigzag(before, after, Size);
+    for (; step >= 0x80; step >>= 7) steps.push_back(static_cast<uint8_t>(step | 0x80));
+    steps.push_back(static_cast<uint8_t>(step));
+    for (size_t k = 0; k < Size; ++k) raw.push_back(static_cast<uint8_t>(after >> (8 * k)));
+    changed.push_back(i);
+  }
+  // The smallest record of the changes so far, for `elements` elements.
+  uint64_t record_bytes(uint64_t elements) const {
+    return kDeltaHeaderBytes + std::min(gap_bytes, (elements + 7) / 8) + std::min(raw.size(), steps.size());
+  }
 };
 
 // Finds the elements that differ, writes their values both ways and copies them into `base`,
@@ -99,23 +101,14 @@ struct Scan {
 template <size_t Size>
 bool scan(std::span<std::byte> base, std::span<const std::byte> now, uint64_t budget, Scan& s, XXH3_state_t* hash) {
   const uint64_t elements = now.size() / Size;
-  const uint64_t bitmap_bytes = (elements + 7) / 8;
   std::byte* a = base.data();
   const std::byte* b = now.data();
-  uint64_t next_gap_from = 0;  // the index after the previous change
   auto note = [&](uint64_t i) {
-    s.gap_bytes += varint_size(i - next_gap_from);
-    next_gap_from = i + 1;
     std::byte* old = a + i * Size;
     const std::byte* fresh = b + i * Size;
-    uint64_t step = zigzag_step(element_bits<Size>(old), element_bits<Size>(fresh), Size);
-    for (; step >= 0x80; step >>= 7) s.steps.push_back(static_cast<uint8_t>(step | 0x80));
-    s.steps.push_back(static_cast<uint8_t>(step));
-    for (size_t k = 0; k < Size; ++k) s.raw.push_back(static_cast<uint8_t>(fresh[k]));
+    s.add<Size>(i, element_bits<Size>(old), element_bits<Size>(fresh));
     std::memcpy(old, fresh, Size);
-    s.changed.push_back(i);
-    const uint64_t values = std::min<uint64_t>(s.raw.size(), s.steps.size());
-    return kDeltaHeaderBytes + std::min(s.gap_bytes, bitmap_bytes) + values < budget;
+    return s.record_bytes(elements) < budget;
   };
   // Eight bytes at a time (element sizes divide 8): a word that differs names its elements by
   // which lanes of the XOR are non-zero; 64 bytes that all match cost one test.
@@ -178,29 +171,17 @@ struct ScanOf {
     return scan<Size>(base, now, budget, s, hash);
   }
 };
-}  // namespace
-
-uint64_t delta_checksum(std::span<const std::byte> bytes) { return XXH3_64bits(bytes.data(), bytes.size()); }
-
-DeltaResult encode_delta(std::span<std::byte> base, std::span<const std::byte> now, size_t element_size,
-                         std::vector<uint8_t>& out, DeltaScratch* scratch) {
-  if (element_size == 0 || element_size > 8 || 8 % element_size != 0 || base.size() != now.size() ||
-      now.size() % element_size != 0)
-    fail(ErrorKind::kInternal, "encode_delta: {} and {} bytes of {}-byte elements", base.size(), now.size(),
-         element_size);
-  const uint64_t elements = now.size() / element_size;
-  DeltaScratch local;
-  Scan s(scratch != nullptr ? *scratch : local);
-  XXH3_state_t* hash = XXH3_createState();
-  if (hash == nullptr) throw std::bad_alloc();
-  XXH3_64bits_reset(hash);
-  const bool fits = by_element_size<ScanOf>(element_size, base, now, uint64_t{now.size()}, s, hash);
-  const uint64_t checksum = fits ? XXH3_64bits_digest(hash) : 0;
-  XXH3_freeState(hash);
-  if (!fits) {
-    std::memcpy(base.data(), now.data(), now.size());  // the scan stopped part way
-    return {};
+template <size_t Size>
+struct AddChanges {
+  static void run(Scan& s, std::span<const uint64_t> index, std::span<const uint64_t> before,
+                  std::span<const uint64_t> after) {
+    for (size_t k = 0; k < index.size(); ++k) s.add<Size>(index[k], before[k], after[k]);
   }
+};
+
+// Writes the record of what `s` found.
+void write_record(const Scan& s, uint64_t elements, size_t element_size, DeltaChecksum kind, uint64_t checksum,
+                  std::vector<uint8_t>& out) {
   const uint64_t bitmap_bytes = (elements + 7) / 8;
   const DeltaEncoding encoding = s.changed.empty()             ? DeltaEncoding::kNone
                                  : s.gap_bytes <= bitmap_bytes ? DeltaEncoding::kGaps
@@ -216,7 +197,7 @@ DeltaResult encode_delta(std::span<std::byte> base, std::span<const std::byte> n
   p = put_le<uint8_t>(p, static_cast<uint8_t>(encoding));
   p = put_le<uint8_t>(p, static_cast<uint8_t>(element_size));
   p = put_le<uint8_t>(p, static_cast<uint8_t>(steps ? DeltaValues::kSteps : DeltaValues::kRaw));
-  p = put_le<uint8_t>(p, 0);
+  p = put_le<uint8_t>(p, static_cast<uint8_t>(kind));
   p = put_le<uint64_t>(p, elements);
   p = put_le<uint64_t>(p, s.changed.size());
   p = put_le<uint64_t>(p, checksum);
@@ -231,6 +212,59 @@ DeltaResult encode_delta(std::span<std::byte> base, std::span<const std::byte> n
     p += bitmap_bytes;
   }
   if (!values.empty()) std::memcpy(p, values.data(), values.size());
+}
+
+void check_element_size(size_t element_size, const char* where) {
+  if (element_size == 0 || element_size > 8 || 8 % element_size != 0)
+    fail(ErrorKind::kInternal, "{}: {}-byte elements", where, element_size);
+}
+
+}  // namespace
+
+uint64_t delta_checksum(std::span<const std::byte> bytes, DeltaChecksum kind) {
+  if (kind == DeltaChecksum::kXxh3) return XXH3_64bits(bytes.data(), bytes.size());
+  uint64_t sum = 0;
+  const size_t words = bytes.size() / 8;
+  for (size_t w = 0; w < words; ++w) sum += word_hash::term(element_bits<8>(bytes.data() + w * 8), w);
+  if (bytes.size() % 8 != 0) sum += word_hash::term(element_bits(bytes.data() + words * 8, bytes.size() % 8), words);
+  return word_hash::finish(sum, bytes.size());
+}
+
+bool encode_delta_changes(uint64_t elements, size_t element_size, std::span<const uint64_t> index,
+                          std::span<const uint64_t> before, std::span<const uint64_t> after, DeltaChecksum kind,
+                          uint64_t checksum, std::vector<uint8_t>& out) {
+  check_element_size(element_size, "encode_delta_changes");
+  if (before.size() != index.size() || after.size() != index.size())
+    fail(ErrorKind::kInternal, "encode_delta_changes: {} positions, {} and {} values", index.size(), before.size(),
+         after.size());
+  DeltaScratch buffers;
+  Scan s(buffers);
+  by_element_size<AddChanges>(element_size, s, index, before, after);
+  if (s.record_bytes(elements) >= elements * element_size) return false;
+  write_record(s, elements, element_size, kind, checksum, out);
+  return true;
+}
+
+DeltaResult encode_delta(std::span<std::byte> base, std::span<const std::byte> now, size_t element_size,
+                         std::vector<uint8_t>& out, DeltaScratch* scratch) {
+  check_element_size(element_size, "encode_delta");
+  if (base.size() != now.size() || now.size() % element_size != 0)
+    fail(ErrorKind::kInternal, "encode_delta: {} and {} bytes of {}-byte elements", base.size(), now.size(),
+         element_size);
+  const uint64_t elements = now.size() / element_size;
+  DeltaScratch local;
+  Scan s(scratch != nullptr ? *scratch : local);
+  XXH3_state_t* hash = XXH3_createState();
+  if (hash == nullptr) throw std::bad_alloc();
+  XXH3_64bits_reset(hash);
+  const bool fits = by_element_size<ScanOf>(element_size, base, now, uint64_t{now.size()}, s, hash);
+  const uint64_t checksum = fits ? XXH3_64bits_digest(hash) : 0;
+  XXH3_freeState(hash);
+  if (!fits) {
+    std::memcpy(base.data(), now.data(), now.size());  // the scan stopped part way
+    return {};
+  }
+  write_record(s, elements, element_size, DeltaChecksum::kXxh3, checksum, out);
   return {true, checksum};
 }
 
@@ -247,7 +281,10 @@ DeltaHeader read_delta_header(std::span<const uint8_t> record, const std::string
   if (values > static_cast<uint8_t>(DeltaValues::kSteps))
     fail(ErrorKind::kProtocol, "malformed {}: unknown value coding {}", what, values);
   h.values = static_cast<DeltaValues>(values);
-  if (in.get<uint8_t>("reserved") != 0) fail(ErrorKind::kProtocol, "malformed {}: reserved byte is set", what);
+  const uint8_t kind = in.get<uint8_t>("checksum kind");
+  if (kind > static_cast<uint8_t>(DeltaChecksum::kWords))
+    fail(ErrorKind::kProtocol, "malformed {}: unknown checksum kind {}", what, kind);
+  h.checksum_kind = static_cast<DeltaChecksum>(kind);
   h.elements = in.get<uint64_t>("elements");
   h.changed = in.get<uint64_t>("changed");
   h.checksum = in.get<uint64_t>("checksum");
@@ -258,13 +295,14 @@ DeltaHeader read_delta_header(std::span<const uint8_t> record, const std::string
   return h;
 }
 
-DeltaHeader apply_delta(std::span<std::byte> target, size_t element_size, std::span<const uint8_t> record,
-                        const std::string& what) {
+void decode_delta(std::span<const uint8_t> record, size_t element_size, uint64_t target_bytes, DeltaChanges& out,
+                  const std::string& what) {
   const DeltaHeader h = read_delta_header(record, what);
+  out.header = h;
   if (h.element_size != element_size || element_size == 0 || element_size > 8 ||
-      h.elements * element_size != target.size() || h.elements > target.size())
+      h.elements * element_size != target_bytes || h.elements > target_bytes)
     fail(ErrorKind::kProtocol, "{} is for {} elements of {} bytes, but the tensor has {} bytes of {}-byte elements",
-         what, h.elements, h.element_size, target.size(), element_size);
+         what, h.elements, h.element_size, target_bytes, element_size);
   const uint8_t* p = record.data() + kDeltaHeaderBytes;
   const uint8_t* const end = record.data() + record.size();
   auto varint = [&](const char* field, uint64_t k) {
@@ -279,7 +317,8 @@ DeltaHeader apply_delta(std::span<std::byte> target, size_t element_size, std::s
   // Positions first (checked whole before anything is written), then the values.
   if (h.changed > static_cast<uint64_t>(end - p))
     fail(ErrorKind::kProtocol, "malformed {}: {} bytes cannot hold {} changes", what, end - p, h.changed);
-  std::vector<uint64_t> index;
+  std::vector<uint64_t>& index = out.index;
+  index.clear();
   index.reserve(h.changed);
   if (h.encoding == DeltaEncoding::kGaps) {
     uint64_t previous = 0;
@@ -305,7 +344,8 @@ DeltaHeader apply_delta(std::span<std::byte> target, size_t element_size, std::s
            h.changed);
     p += bitmap_bytes;
   }
-  std::vector<uint64_t> fresh(index.size());
+  std::vector<uint64_t>& fresh = out.values;
+  fresh.resize(index.size());
   if (h.values == DeltaValues::kRaw) {
     if (static_cast<uint64_t>(end - p) != index.size() * element_size)
       fail(ErrorKind::kProtocol, "malformed {}: {} bytes of values for {} changes of {} bytes", what, end - p,
@@ -319,13 +359,24 @@ DeltaHeader apply_delta(std::span<std::byte> target, size_t element_size, std::s
       // A step larger than the element's range would be a second spelling of another step.
       if (element_size < 8 && (z >> (8 * element_size)) != 0)
         fail(ErrorKind::kProtocol, "malformed {}: value {} steps by {} in {}-byte elements", what, k, z, element_size);
-      fresh[k] = unzigzag_step(element_bits(target.data() + index[k] * element_size, element_size), z, element_size);
+      fresh[k] = z;
     }
   }
   if (p != end) fail(ErrorKind::kProtocol, "malformed {}: {} bytes after the values", what, end - p);
-  for (size_t k = 0; k < index.size(); ++k)
-    store_element(target.data() + index[k] * element_size, element_size, fresh[k]);
-  return h;
+}
+
+DeltaHeader apply_delta(std::span<std::byte> target, size_t element_size, std::span<const uint8_t> record,
+                        const std::string& what) {
+  DeltaChanges changes;
+  decode_delta(record, element_size, target.size(), changes, what);
+  const bool steps = changes.header.values == DeltaValues::kSteps;
+  for (size_t k = 0; k < changes.index.size(); ++k) {
+    std::byte* element = target.data() + changes.index[k] * element_size;
+    const uint64_t v = changes.values[k];
+    store_element(element, element_size,
+                  steps ? delta_steps::unzigzag(element_bits(element, element_size), v, element_size) : v);
+  }
+  return changes.header;
 }
 
 }  // namespace refit

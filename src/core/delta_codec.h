@@ -3,7 +3,9 @@
 // version gives the new one bit for bit; -0.0 vs 0.0 or two NaN payloads count as changes).
 //
 // A record is self-describing: a fixed header (magic "RFD1", position encoding, element size,
-// value coding, element count, changed count, xxh3-64 of the whole tensor after the change), then
+// value coding, checksum kind, element count, changed count, checksum of the whole tensor after
+// the change: xxh3-64 for a tensor in host memory, the word hash of core/delta_bits.h for one a
+// kernel hashed in GPU memory, whose blocks hash their words independently), then
 // the positions and the new values, each written whichever way is smaller:
 //   positions: gaps   each changed index as the LEB128 varint of its distance from the previous
 //                     one (about 1 byte per change when more than ~1% of the elements changed);
@@ -28,6 +30,7 @@ namespace refit {
 
 enum class DeltaEncoding : uint8_t { kNone = 0, kGaps = 1, kBitmap = 2 };
 enum class DeltaValues : uint8_t { kRaw = 0, kSteps = 1 };
+enum class DeltaChecksum : uint8_t { kXxh3 = 0, kWords = 1 };
 
 inline constexpr size_t kDeltaHeaderBytes = 32;
 
@@ -37,7 +40,8 @@ struct DeltaHeader {
   DeltaValues values = DeltaValues::kRaw;
   uint64_t elements = 0;
   uint64_t changed = 0;
-  uint64_t checksum = 0;  // xxh3-64 of the tensor's bytes after applying
+  DeltaChecksum checksum_kind = DeltaChecksum::kXxh3;
+  uint64_t checksum = 0;  // of the tensor's bytes after applying
 };
 
 // Buffers an encoder reuses from one tensor to the next: fresh ones for every large tensor cost
@@ -60,17 +64,39 @@ struct DeltaResult {
 DeltaResult encode_delta(std::span<std::byte> base, std::span<const std::byte> now, size_t element_size,
                          std::vector<uint8_t>& out, DeltaScratch* scratch = nullptr);
 
+// The same record made from changes found elsewhere (a GPU kernel's compaction): `index` (the
+// changed elements, increasing), `before` and `after` (their bits as little-endian integers),
+// `checksum` of the tensor after the change, of kind `kind`. Returns false, leaving `out` as it
+// was, when the record would not be smaller than the tensor.
+bool encode_delta_changes(uint64_t elements, size_t element_size, std::span<const uint64_t> index,
+                          std::span<const uint64_t> before, std::span<const uint64_t> after, DeltaChecksum kind,
+                          uint64_t checksum, std::vector<uint8_t>& out);
+
 // Reads and checks a record's header; `what` names the record in errors.
 DeltaHeader read_delta_header(std::span<const uint8_t> record, const std::string& what);
 
-// Applies the record to `target` (the old version, in place), after checking that it fits: the
-// element size and count must match `target`, positions must be in range and increasing, and the
-// record must end where its values end. Returns the header. Does not check the checksum (the
-// caller hashes what it holds afterwards).
+// A record's changes, decoded and checked: the elements (increasing, in range) and for each its
+// new bits (DeltaValues::kRaw) or its zigzagged step from the old bits (kSteps, within the
+// element's range; delta_steps::unzigzag makes the new bits).
+struct DeltaChanges {
+  DeltaHeader header;
+  std::vector<uint64_t> index;
+  std::vector<uint64_t> values;
+};
+
+// Decodes the record for a tensor of `target_bytes` bytes of `element_size`-byte elements,
+// checking that it fits: the element size and count must match, positions must be in range and
+// increasing, and the record must end where its values end. Error(kProtocol) naming `what`.
+void decode_delta(std::span<const uint8_t> record, size_t element_size, uint64_t target_bytes, DeltaChanges& out,
+                  const std::string& what);
+
+// Applies the record to `target` (the old version, in host memory, in place) once decode_delta
+// accepted all of it. Returns the header. Does not check the checksum (the caller hashes what it
+// holds afterwards).
 DeltaHeader apply_delta(std::span<std::byte> target, size_t element_size, std::span<const uint8_t> record,
                         const std::string& what);
 
-// xxh3-64 of the bytes.
-uint64_t delta_checksum(std::span<const std::byte> bytes);
+// The checksum of the bytes (host memory) of the given kind.
+uint64_t delta_checksum(std::span<const std::byte> bytes, DeltaChecksum kind = DeltaChecksum::kXxh3);
 
 }  // namespace refit

@@ -81,11 +81,6 @@ class CheckpointEngine::Impl {
            "refit_cfg.nixl.verify_checksums: checksums are computed on the CPU and need host transfer buffers "
            "(device: cpu); with device {} set verify_checksums=false",
            to_string(device));
-    if (options_.config.delta && device.kind == Device::Kind::kCuda)
-      fail(ErrorKind::kConfig,
-           "refit_cfg.nixl.delta: delta refit compares and patches host memory only so far; with device {} set "
-           "delta=false",
-           to_string(device));
     if (options_.holds && !options_.model)
       fail(ErrorKind::kConfig,
            "a source that declares what it holds (EngineOptions::holds) needs the model's inventory "
@@ -224,12 +219,13 @@ class CheckpointEngine::Impl {
     stats.destinations = static_cast<uint32_t>(senders_.size());
     std::string phase = "pack";
     try {
-      if (options_.config.delta) {
+      if (delta_) {
         // A failure past this point leaves the base half updated: the next refit goes whole.
         const uint64_t held = destination_version_;
         destination_version_ = 0;
-        run_send(source_delta_.begin(weights, held, links_[0].label), stats, phase);
-        destination_version_ = source_delta_.commit();
+        run_send(source_delta_.begin(weights, held, links_[0].label, options_.config.delta == DeltaMode::kAuto), stats,
+                 phase);
+        destination_version_ = source_delta_.commit(seconds_since(start));
         stats.tensors -= 2;  // the delta header and trailer
         stats.delta_tensors = source_delta_.counts().changed_tensors;
         stats.delta_bytes = source_delta_.counts().record_bytes;
@@ -282,7 +278,7 @@ class CheckpointEngine::Impl {
     run->start = Clock::now();
     run->phase = "wait for bucket 0";
     assembler_.reset();
-    if (options_.config.delta) destination_delta_.begin();
+    if (delta_) destination_delta_.begin();
     for (auto& link : links_) {
       LinkReadContext context{transport_.get(),
                               link.peer,
@@ -324,7 +320,7 @@ class CheckpointEngine::Impl {
         if (take_bucket(run)) {
           if (!run.views.empty()) {
             *out = ReceivedBatch{run.batches_out++, run.views,
-                                 options_.config.delta ? std::span(run.delta_owners) : std::span(assembler_.owners())};
+                                 delta_ ? std::span(run.delta_owners) : std::span(assembler_.owners())};
             run.held = true;
             run.handed_out = Clock::now();
             progress_->resume(run.readers);  // the links go on while the loader works
@@ -376,7 +372,7 @@ class CheckpointEngine::Impl {
       if (!expected_tensors_.empty() && assembler_.tensors_completed() != expected_tensors_.size())
         fail(ErrorKind::kProtocol, "the plan sends this destination {} tensors, but {} arrived",
              expected_tensors_.size(), assembler_.tensors_completed());
-      if (options_.config.delta) destination_delta_.finish(links_[0].label);
+      if (delta_) destination_delta_.finish(links_[0].label);
     });
     std::unique_ptr<ReceiveRun> done = std::move(receive_);
     ReceiveStats stats = std::move(done->stats);
@@ -386,7 +382,7 @@ class CheckpointEngine::Impl {
     for (const auto& r : routes) stats.route += (stats.route.empty() ? "" : "; ") + r;
     stats.total_seconds = seconds_since(done->start);
     stale_ = false;
-    if (options_.config.delta) {
+    if (delta_) {
       stats.delta_tensors = destination_delta_.counts().changed_tensors;
       stats.delta_bytes = destination_delta_.counts().record_bytes;
       spdlog::info("delta refit: {} of {} tensors came as changes ({:.2f} MiB of changes, {:.2f} MiB read in all)",
@@ -461,12 +457,27 @@ class CheckpointEngine::Impl {
   Deadline next_deadline() const { return deadline_after(Seconds(options_.config.timeout_s)); }
 
   // Delta refit needs it at both ends of every link, on the paired topology with whole tensors.
+  // Whether this init's links go by delta refit (delta_): the mode must be the same at both ends
+  // of every link, and `auto` leaves it off where a full refit is one copy per byte (a link on one
+  // host whose transport maps the peer's memory), a rule both ends apply alike.
   void check_delta(const std::string& self) {
+    const DeltaMode mode = options_.config.delta;
     for (const Link& link : links_)
-      if (link.metadata.delta != options_.config.delta)
+      if (link.metadata.delta != mode)
         fail(ErrorKind::kConfig, "refit_cfg.nixl.delta is {} on {} but {} on {}: set it the same on every worker",
-             options_.config.delta, self, link.metadata.delta, link.label);
-    if (!options_.config.delta) return;
+             to_string(mode), self, to_string(link.metadata.delta), link.label);
+    delta_ = mode == DeltaMode::kOn;
+    if (mode == DeltaMode::kAuto) {
+      const bool maps = transport_->capabilities().maps_peer_memory;
+      delta_ = std::any_of(links_.begin(), links_.end(),
+                           [&](const Link& link) { return !(maps && same_host(link.metadata.process)); });
+      if (!delta_ && !links_.empty())
+        spdlog::info(
+            "delta refit (auto): off for {}: its link maps memory on one host, where a full refit is one "
+            "copy per byte",
+            self);
+    }
+    if (!delta_) return;
     if (resharding_)
       fail(ErrorKind::kUnsupported,
            "refit_cfg.nixl.delta: delta refit runs on the paired topology so far, not when sources declare what "
@@ -740,7 +751,7 @@ class CheckpointEngine::Impl {
       }
       if (!target_layout_) {  // paired, whole tensors: nothing to select or to check afterwards
         senders_[0]->add(view, Box::whole(), info, Box::whole(), phase);
-        if (options_.config.delta) senders_[0]->send_early(kDeltaBucketBytes, phase);
+        if (delta_) senders_[0]->send_early(kDeltaBucketBytes, phase);
         ++stats.tensors;
         continue;
       }
@@ -880,7 +891,7 @@ class CheckpointEngine::Impl {
       const bool repeats_checked =
           bucket.replay_of && run.previous_went_through && *bucket.replay_of == links_[k].first_refit + refits_ - 1;
       run.views = assembler_.add_bucket(bucket, run.bucket->bytes, links_[k].label, next_deadline(), repeats_checked);
-      if (options_.config.delta) {
+      if (delta_) {
         destination_delta_.transform(run.views, assembler_.owners(), run.delta_views, run.delta_owners,
                                      links_[k].label);
         run.views = run.delta_views;
@@ -962,6 +973,7 @@ class CheckpointEngine::Impl {
   std::set<uint32_t> expected_tensors_;
   bool needs_nothing_ = false;  // a resharding destination whose layout holds no tensor
   bool resharding_ = false;     // the group reshards (the latest init's plan_if_resharding)
+  bool delta_ = false;          // this init's links go by delta refit (check_delta)
   std::unique_ptr<ReceiveRun> receive_;
   // Delta refit (engine/delta.h): a source's base and the version its destination holds (as far
   // as it knows); a destination's copy of what it holds.

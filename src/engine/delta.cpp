@@ -6,6 +6,7 @@
 #include "core/fail.h"
 #include "core/random_id.h"
 #include "core/wire.h"
+#include "memory/cuda/device_delta.h"
 
 namespace refit {
 namespace {
@@ -34,7 +35,27 @@ std::pair<uint64_t, uint64_t> decode_marker(const TensorView& view, const std::s
 
 std::span<const std::byte> bytes_of(const TensorView& view) { return {view.data, view.info->nbytes()}; }
 
+DeviceDelta& made(std::unique_ptr<DeviceDelta>& gpu) {
+  if (!gpu) gpu = std::make_unique<DeviceDelta>();
+  return *gpu;
+}
+
 }  // namespace
+
+void HeldTensor::assign(const TensorView& view, DeviceDelta& gpu) {
+  const uint64_t nbytes = view.info->nbytes();
+  if (view.memory == MemoryKind::kHost) {
+    device = DeviceBuffer();
+    bytes.assign(view.data, view.data + nbytes);
+  } else if (memory == MemoryKind::kCuda && info.nbytes() == nbytes && nbytes > 0) {
+    gpu.assign(device, view.data, nbytes);
+  } else {
+    bytes.clear();
+    device = gpu.copy_of(view.data, nbytes);
+  }
+  info = *view.info;
+  memory = view.memory;
+}
 
 // The weight stream a delta refit sends: header, each tensor as changes or whole, trailer. Every
 // record it makes lives until the next begin(), so the views outlive send() whenever the
@@ -66,19 +87,24 @@ class SourceDelta::Stream : public WeightSource {
     if (info.name.starts_with("refit:delta"))
       fail(ErrorKind::kInvalidArgument, "tensor '{}': names starting with 'refit:delta' are refit's own (delta refit)",
            info.name);
-    if (view.memory != MemoryKind::kHost)
-      fail(ErrorKind::kUnsupported,
-           "tensor '{}' is in GPU memory: delta refit (refit_cfg.nixl.delta) compares host memory only so far; "
-           "set delta=false for GPU weights",
-           info.name);
     ++sent_;
     const uint64_t nbytes = info.nbytes();
     if (nbytes > 0 && view.data == nullptr)
       fail(ErrorKind::kInvalidArgument, "tensor '{}' ({} bytes) has no data pointer", info.name, nbytes);
     auto it = owner_.base_.find(info.name);
-    if (changes_ && it != owner_.base_.end() && it->second.info == info && nbytes > 0) {
+    if (!changes_ || it == owner_.base_.end() || !(it->second.info == info) || it->second.memory != view.memory ||
+        nbytes == 0) {
+      // Whole: the destination takes it as it is, and so does our base.
+      owner_.base_[info.name].assign(view, owner_.gpu());
+    } else {
+      // The encoder makes the base equal to the tensor whether or not it sends changes.
       std::vector<uint8_t> record;
-      if (encode_delta(it->second.bytes, bytes_of(view), dtype_size(info.dtype), record, &owner_.scratch_).encoded) {
+      HeldTensor& base = it->second;
+      const size_t element_size = dtype_size(info.dtype);
+      const DeltaResult result = view.memory == MemoryKind::kHost
+                                     ? encode_delta(base.bytes, bytes_of(view), element_size, record, &owner_.scratch_)
+                                     : owner_.gpu().encode(base.device, view.data, nbytes, element_size, record);
+      if (result.encoded) {
         ++owner_.counts_.changed_tensors;
         owner_.counts_.record_bytes += record.size();
         records_.push_back(
@@ -89,10 +115,6 @@ class SourceDelta::Stream : public WeightSource {
         return true;
       }
     }
-    // Whole: the destination takes it as it is, and so does our base.
-    Base& base = it != owner_.base_.end() ? it->second : owner_.base_[info.name];
-    base.info = info;
-    base.bytes.assign(view.data, view.data + nbytes);
     *out = view;
     return true;
   }
@@ -125,13 +147,26 @@ class SourceDelta::Stream : public WeightSource {
 SourceDelta::SourceDelta() = default;
 SourceDelta::~SourceDelta() = default;
 
-WeightSource& SourceDelta::begin(WeightSource& weights, uint64_t destination_version, const std::string& destination) {
+WeightSource& SourceDelta::begin(WeightSource& weights, uint64_t destination_version, const std::string& destination,
+                                 bool measured) {
   counts_ = {};
-  const bool changes = base_version_ != 0 && destination_version == base_version_;
-  if (!changes)
+  const bool possible = base_version_ != 0 && destination_version == base_version_;
+  if (!possible)
     spdlog::info("delta refit: {} {}: sending every tensor whole", destination,
                  destination_version == 0 ? "holds no version of the weights (new, restarted, or its last refit failed)"
                                           : "holds another version of the weights than this source's base");
+  bool changes = possible;
+  if (possible && measured && seconds_[0] >= 0 && seconds_[1] >= 0) {
+    const bool faster = seconds_[1] < seconds_[0];
+    changes = ++since_measured_ >= kRemeasureEvery ? !faster : faster;
+    if (since_measured_ >= kRemeasureEvery) since_measured_ = 0;
+    if (changes != changes_now_)
+      spdlog::info(
+          "delta refit (auto): sending {} to {}: the last refit sent as changes took {:.3f} s, whole {:.3f} s{}",
+          changes ? "changes" : "every tensor whole", destination, seconds_[1], seconds_[0],
+          changes != faster ? " (measuring the slower way again)" : "");
+  }
+  changes_now_ = changes;
   do next_version_ = random_u64();
   while (next_version_ == 0);
   stream_.reset();
@@ -141,12 +176,20 @@ WeightSource& SourceDelta::begin(WeightSource& weights, uint64_t destination_ver
   return *stream_;
 }
 
-uint64_t SourceDelta::commit() {
+uint64_t SourceDelta::commit(double seconds) {
+  seconds_[changes_now_ ? 1 : 0] = seconds;
   base_version_ = next_version_;
   return base_version_;
 }
 
+DeviceDelta& SourceDelta::gpu() { return made(gpu_); }
+
 void SourceDelta::drop() { base_version_ = 0; }
+
+DestinationDelta::DestinationDelta() = default;
+DestinationDelta::~DestinationDelta() = default;
+
+DeviceDelta& DestinationDelta::gpu() { return made(gpu_); }
 
 void DestinationDelta::begin() {
   header_seen_ = ended_ = false;
@@ -162,9 +205,6 @@ void DestinationDelta::transform(std::span<const TensorView> in, std::span<const
   for (size_t k = 0; k < in.size(); ++k) {
     const TensorView& view = in[k];
     const std::string& name = view.info->name;
-    if (view.memory != MemoryKind::kHost)
-      fail(ErrorKind::kUnsupported, "tensor '{}' from {} arrived in GPU memory: delta refit needs device cpu", name,
-           who);
     if (name == kDeltaHeaderName) {
       if (header_seen_ || arrived_ > 0)
         fail(ErrorKind::kProtocol, "{} sent the delta header after {} tensors", who, arrived_);
@@ -193,24 +233,36 @@ void DestinationDelta::transform(std::span<const TensorView> in, std::span<const
       auto it = held_.find(target);
       if (it == held_.end())
         fail(ErrorKind::kProtocol, "{} sent changes to '{}', which this destination never received whole", who, target);
-      Held& held = it->second;
+      HeldTensor& held = it->second;
       const std::string what = fmt::format("changes to '{}' from {}", target, who);
-      const DeltaHeader h = apply_delta(held.bytes, dtype_size(held.info.dtype),
-                                        {reinterpret_cast<const uint8_t*>(view.data), view.info->nbytes()}, what);
-      if (delta_checksum(held.bytes) != h.checksum)
+      std::span<const uint8_t> record{reinterpret_cast<const uint8_t*>(view.data), view.info->nbytes()};
+      if (view.memory == MemoryKind::kCuda) {
+        gpu().read(view.data, view.info->nbytes(), record_);
+        record = record_;
+      }
+      const uint64_t nbytes = held.info.nbytes();
+      const size_t element_size = dtype_size(held.info.dtype);
+      DeltaHeader h;
+      uint64_t now = 0;
+      if (held.memory == MemoryKind::kHost) {
+        h = apply_delta(held.bytes, element_size, record, what);
+        now = delta_checksum(held.bytes, h.checksum_kind);
+      } else {
+        h = gpu().apply(held.device, nbytes, element_size, record, what);
+        now = gpu().checksum(held.device.data(), nbytes, h.checksum_kind);
+      }
+      if (now != h.checksum)
         fail(ErrorKind::kIntegrity,
              "'{}' after applying {} changed elements from {} does not match the source's checksum: the weights "
              "this destination held were not the source's base",
              target, h.changed, who);
       ++counts_.changed_tensors;
       counts_.record_bytes += view.info->nbytes();
-      out.push_back({&held.info, held.bytes.data(), MemoryKind::kHost});
+      out.push_back({&held.info, held.data(), held.memory});
       owners.push_back(nullptr);
       continue;
     }
-    Held& held = held_[name];
-    held.info = *view.info;
-    held.bytes.assign(view.data, view.data + view.info->nbytes());
+    held_[name].assign(view, gpu());
     out.push_back(view);
     owners.push_back(k < in_owners.size() ? in_owners[k] : nullptr);
   }

@@ -11,7 +11,9 @@
 // the changes apply to and which they make; a destination refuses changes to a version it does not
 // hold, so a delta never applies twice or to the wrong weights. Both sides adopt the new version
 // only when the whole refit went through; a failed one drops it (the next refit goes whole).
-// Memory: each side holds one copy of the tensors of the link in host memory.
+// Memory: each side holds one copy of the tensors of the link, where the tensor lies: tensors in
+// GPU memory are compared, compacted and patched there by kernels (memory/cuda/device_delta.h),
+// and only their changed elements cross to the host.
 #pragma once
 
 #include <cstdint>
@@ -23,6 +25,7 @@
 
 #include "core/delta_codec.h"
 #include "refit/checkpoint_engine.h"
+#include "refit/ext/device_memory.h"
 #include "refit/tensor.h"
 
 namespace refit {
@@ -39,6 +42,20 @@ struct DeltaCounts {
 
 // A source's side: the base (what its destination holds) and the stream that turns each tensor of
 // a refit into its changes or itself.
+class DeviceDelta;
+
+// One tensor's version as a side of the link holds it: in host memory, or a device copy.
+struct HeldTensor {
+  TensorInfo info;
+  MemoryKind memory = MemoryKind::kHost;
+  std::vector<std::byte> bytes;  // host
+  DeviceBuffer device;           // GPU: rounded up to whole words
+
+  std::byte* data() { return memory == MemoryKind::kHost ? bytes.data() : device.data(); }
+  // Holds a copy of `view`'s bytes (in its memory) from now on.
+  void assign(const TensorView& view, DeviceDelta& gpu);
+};
+
 class SourceDelta {
  public:
   SourceDelta();
@@ -46,10 +63,15 @@ class SourceDelta {
   // `destination_version`: what the destination holds (from its metadata, or the last refit that
   // went through on this connection). Starts a refit that makes a fresh version; the returned
   // stream yields the header, then every tensor of `weights` as changes against the base where
-  // the destination holds the base, else whole. Valid until the next begin().
-  WeightSource& begin(WeightSource& weights, uint64_t destination_version, const std::string& destination);
-  // The refit went through: the destination now holds this refit's version, which it returns.
-  uint64_t commit();
+  // the destination holds the base, else whole. `measured` (delta: auto): changes only when the
+  // last refit sent that way took less time than the last one sent whole (or has not been
+  // measured yet); the slower way is measured again every kRemeasureEvery refits. Valid until
+  // the next begin().
+  WeightSource& begin(WeightSource& weights, uint64_t destination_version, const std::string& destination,
+                      bool measured = false);
+  // The refit went through in `seconds`: the destination now holds this refit's version, which it
+  // returns.
+  uint64_t commit(double seconds);
   // The refit failed: the base may be half updated, so the next refit goes whole.
   void drop();
 
@@ -57,15 +79,18 @@ class SourceDelta {
 
  private:
   class Stream;
-  struct Base {
-    TensorInfo info;
-    std::vector<std::byte> bytes;
-  };
   friend class Stream;
+  DeviceDelta& gpu();
 
-  std::map<std::string, Base, std::less<>> base_;
-  DeltaScratch scratch_;       // the scans' buffers, kept from tensor to tensor
-  uint64_t base_version_ = 0;  // 0: none
+  static constexpr int kRemeasureEvery = 8;
+  double seconds_[2] = {-1, -1};  // the last refit sent whole [0] and as changes [1]; -1: none yet
+  bool changes_now_ = false;      // this refit sends changes
+  int since_measured_ = 0;        // refits since the slower way was last measured
+
+  std::map<std::string, HeldTensor, std::less<>> base_;
+  std::unique_ptr<DeviceDelta> gpu_;  // made at the first tensor in GPU memory
+  DeltaScratch scratch_;              // the scans' buffers, kept from tensor to tensor
+  uint64_t base_version_ = 0;         // 0: none
   uint64_t next_version_ = 0;
   DeltaCounts counts_;
   std::unique_ptr<Stream> stream_;
@@ -75,6 +100,8 @@ class SourceDelta {
 // patching of each batch before the loader sees it.
 class DestinationDelta {
  public:
+  DestinationDelta();
+  ~DestinationDelta();
   // What to declare in the metadata: 0 unless the last refit went through.
   uint64_t version() const { return version_; }
   // A refit starts; what we hold stays valid until its header arrives.
@@ -94,12 +121,12 @@ class DestinationDelta {
   const DeltaCounts& counts() const { return counts_; }
 
  private:
-  struct Held {
-    TensorInfo info;
-    std::vector<std::byte> bytes;
-  };
-  std::map<std::string, Held, std::less<>> held_;
-  uint64_t version_ = 0;  // of held_; 0 while a refit rewrites it
+  DeviceDelta& gpu();
+
+  std::map<std::string, HeldTensor, std::less<>> held_;
+  std::unique_ptr<DeviceDelta> gpu_;
+  std::vector<uint8_t> record_;  // a record that arrived in GPU memory, on the host
+  uint64_t version_ = 0;         // of held_; 0 while a refit rewrites it
   bool header_seen_ = false;
   bool ended_ = false;
   uint64_t new_version_ = 0;

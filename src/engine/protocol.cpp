@@ -77,7 +77,7 @@ Bytes encode(const EngineMetadata& m) {
   w.put<uint64_t>(m.process.start_time);
   w.put<uint64_t>(m.generation);
   w.put<uint8_t>(m.takes);
-  w.put<uint8_t>(m.delta ? 1 : 0);
+  w.put<uint8_t>(static_cast<uint8_t>(m.delta));
   w.put<uint64_t>(m.weights_version);
   return w.take();
 }
@@ -120,8 +120,9 @@ EngineMetadata decode_metadata(std::span<const uint8_t> blob, const std::string&
   if ((m.takes & ~(kTakesByMap | kTakesByRead)) != 0)
     fail(ErrorKind::kProtocol, "malformed {}: takes source memory in ways {:#x}", who, m.takes);
   const auto delta = r.get<uint8_t>("delta");
-  if (delta > 1) fail(ErrorKind::kProtocol, "malformed {}: delta = {}", who, delta);
-  m.delta = delta == 1;
+  if (delta > static_cast<uint8_t>(DeltaMode::kAuto))
+    fail(ErrorKind::kProtocol, "malformed {}: delta = {}", who, delta);
+  m.delta = static_cast<DeltaMode>(delta);
   m.weights_version = r.get<uint64_t>("weights version");
   r.expect_end();
   return m;

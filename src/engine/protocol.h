@@ -19,7 +19,7 @@
 
 namespace refit::protocol {
 
-inline constexpr uint32_t kVersion = 10;
+inline constexpr uint32_t kVersion = 11;
 
 // How a destination takes the tensors a source leaves in its own memory (SourceAccess, plan.h):
 // a destination says which ways it can (EngineMetadata::takes); link_access() picks one per link,
@@ -43,9 +43,9 @@ struct EngineMetadata {
   uint64_t generation = 0;  // random per prepare(): tells one connection from the next
   // A destination's ways of taking tensors from its sources' own memory (kTakesBy*; 0: none).
   uint8_t takes = 0;
-  // Delta refit (refit_cfg.nixl.delta, engine/delta.h): both ends must agree. A destination's
-  // weights_version is the version of the weights it holds (0: none).
-  bool delta = false;
+  // Delta refit (refit_cfg.nixl.delta, engine/delta.h): both ends must set the same mode. A
+  // destination's weights_version is the version of the weights it holds (0: none).
+  DeltaMode delta = DeltaMode::kOff;
   uint64_t weights_version = 0;
 };
 

@@ -70,6 +70,19 @@ TEST(Config, DefaultsFromEmptyText) {
   EXPECT_EQ(parse_config("refit_cfg:\n  nixl: null"), RefitConfig{});
 }
 
+TEST(Config, DeltaIsTrueFalseOrAuto) {
+  EXPECT_EQ(parse_config(nixl("delta: auto")).delta, DeltaMode::kAuto);
+  EXPECT_EQ(parse_config(nixl("delta: \"auto\"")).delta, DeltaMode::kAuto);  // from JSON
+  EXPECT_EQ(parse_config(nixl("delta: true")).delta, DeltaMode::kOn);
+  EXPECT_EQ(parse_config(nixl("delta: false")).delta, DeltaMode::kOff);
+  EXPECT_EQ(parse_config("").delta, DeltaMode::kOff);
+  RefitConfig c;
+  c.delta = DeltaMode::kAuto;
+  EXPECT_EQ(parse_config(to_yaml(c)).delta, DeltaMode::kAuto);
+  EXPECT_CONFIG_ERROR(config_error(nixl("delta: sometimes")), "refit_cfg.nixl.delta", "true, false or auto",
+                      "sometimes");
+}
+
 TEST(Config, FullRefitLayout) {
   RefitConfig c = parse_config(R"(
 refit_transport: nixl

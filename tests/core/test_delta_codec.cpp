@@ -237,11 +237,89 @@ TEST_F(DeltaCodecBadRecord, AStepLargerThanTheElement) {
   }
 }
 
+TEST_F(DeltaCodecBadRecord, UnknownChecksumKind) {
+  auto bad = record_;
+  bad[7] = 7;  // the checksum kind
+  expect_refused(bad, "unknown checksum kind 7");
+}
+
 TEST_F(DeltaCodecBadRecord, MoreChangesThanElements) {
   auto bad = record_;
   bad[16] = 0xff;  // changed count
   bad[17] = 0xff;
   expect_refused(bad, "changed of 5000 elements");
+}
+
+// The changes a GPU kernel compacts (indices, bits before and after) make the record the host's
+// scan makes of the same tensors, but for the checksum's kind and value.
+TEST(DeltaCodec, ChangesFoundElsewhereMakeTheHostsRecord) {
+  for (size_t element_size : {1, 2, 4, 8}) {
+    const size_t elements = 40001;  // not a whole number of words for elements under 8 bytes
+    const auto old = random_bytes(elements * element_size, 11);
+    for (size_t count : {size_t{0}, size_t{3}, size_t{400}, size_t{9000}}) {
+      const auto now = changed(old, element_size, count, 12);
+      std::vector<std::byte> base = old;
+      std::vector<uint8_t> host;
+      ASSERT_TRUE(encode_delta(base, now, element_size, host).encoded);
+      std::vector<uint64_t> index, before, after;
+      for (size_t i = 0; i < elements; ++i) {
+        uint64_t a = 0, b = 0;
+        for (size_t k = 0; k < element_size; ++k) {
+          a |= static_cast<uint64_t>(old[i * element_size + k]) << (8 * k);
+          b |= static_cast<uint64_t>(now[i * element_size + k]) << (8 * k);
+        }
+        if (a == b) continue;
+        index.push_back(i);
+        before.push_back(a);
+        after.push_back(b);
+      }
+      const uint64_t checksum = delta_checksum(now, DeltaChecksum::kWords);
+      std::vector<uint8_t> made;
+      ASSERT_TRUE(
+          encode_delta_changes(elements, element_size, index, before, after, DeltaChecksum::kWords, checksum, made));
+      ASSERT_EQ(made.size(), host.size()) << element_size << "-byte elements, " << count << " changes";
+      const DeltaHeader h = read_delta_header(made, "record");
+      EXPECT_EQ(h.checksum_kind, DeltaChecksum::kWords);
+      EXPECT_EQ(h.checksum, checksum);
+      EXPECT_EQ(read_delta_header(host, "record").checksum_kind, DeltaChecksum::kXxh3);
+      for (size_t b = 0; b < made.size(); ++b) {
+        if (b == 7 || (b >= 24 && b < 32)) continue;  // checksum kind and value
+        ASSERT_EQ(made[b], host[b]) << "byte " << b << ", " << element_size << "-byte elements";
+      }
+      std::vector<std::byte> target = old;
+      apply_delta(target, element_size, made, "record");
+      EXPECT_EQ(target, now);
+      EXPECT_EQ(delta_checksum(target, h.checksum_kind), h.checksum);
+    }
+  }
+}
+
+TEST(DeltaCodec, TooManyChangesFoundElsewhereAreNotARecord) {
+  std::vector<uint64_t> index(50), before(50, 1), after(50, 2);
+  for (size_t i = 0; i < index.size(); ++i) index[i] = i;
+  std::vector<uint8_t> out{42};
+  EXPECT_FALSE(encode_delta_changes(50, 1, index, before, after, DeltaChecksum::kWords, 0, out));
+  EXPECT_EQ(out, std::vector<uint8_t>{42});
+}
+
+// The word hash: every byte and its position count, the length too.
+TEST(DeltaCodec, TheWordHashSeesEveryByteAndPosition) {
+  const auto bytes = random_bytes(1003, 5);
+  const uint64_t h = delta_checksum(bytes, DeltaChecksum::kWords);
+  EXPECT_NE(h, delta_checksum(bytes, DeltaChecksum::kXxh3));
+  for (size_t at : {size_t{0}, size_t{7}, size_t{8}, size_t{1000}, size_t{1002}}) {
+    auto flipped = bytes;
+    flipped[at] ^= std::byte{0x10};
+    EXPECT_NE(delta_checksum(flipped, DeltaChecksum::kWords), h) << "byte " << at;
+  }
+  auto swapped = bytes;
+  std::swap_ranges(swapped.begin(), swapped.begin() + 8, swapped.begin() + 8);
+  EXPECT_NE(delta_checksum(swapped, DeltaChecksum::kWords), h);
+  auto longer = bytes;
+  longer.push_back(std::byte{0});
+  EXPECT_NE(delta_checksum(longer, DeltaChecksum::kWords), h);
+  EXPECT_NE(delta_checksum(std::span(bytes).first(1000), DeltaChecksum::kWords),
+            delta_checksum(std::span(bytes).first(1001), DeltaChecksum::kWords));
 }
 
 }  // namespace

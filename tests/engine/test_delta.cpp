@@ -55,11 +55,11 @@ struct DeltaPair {
   std::unique_ptr<CheckpointEngine> source, destination;
   SendStats sent;
 
-  explicit DeltaPair(bool source_delta = true, bool destination_delta = true) {
+  explicit DeltaPair(DeltaMode source_delta = DeltaMode::kOn, DeltaMode destination_delta = DeltaMode::kOn) {
     source = make(source_delta);
     destination = make(destination_delta);
   }
-  std::unique_ptr<CheckpointEngine> make(bool delta, bool release = false) {
+  std::unique_ptr<CheckpointEngine> make(DeltaMode delta, bool release = false) {
     auto o = inproc_options(fabric, 16 << 10, session);
     o.config.delta = delta;
     o.config.release_after_refit = release;
@@ -146,7 +146,7 @@ TEST(DeltaRefit, ARestartedDestinationGetsTheWholeModelThenChangesAgain) {
   p.refit_exact(weights);
   step(weights, 0.01, 50);
   // The destination restarts: a fresh engine holds nothing, and says so in its metadata.
-  p.destination = p.make(true);
+  p.destination = p.make(DeltaMode::kOn);
   p.connect();
   auto whole = p.refit_exact(weights);
   EXPECT_EQ(whole.delta_tensors, 0u);
@@ -176,7 +176,7 @@ TEST(DeltaRefit, ARestartedSourceSendsTheWholeModel) {
   p.connect();
   auto weights = model(6);
   p.refit_exact(weights);
-  p.source = p.make(true);  // no base
+  p.source = p.make(DeltaMode::kOn);  // no base
   p.connect();
   step(weights, 0.01, 60);
   auto stats = p.refit_exact(weights);
@@ -211,8 +211,8 @@ TEST(DeltaRefit, VersionsSurviveAReconnectWithReleasedBuffers) {
   // release_after_refit: buffers are freed and the engines prepare again before every refit; the
   // destination declares the version it holds, so changes keep flowing.
   DeltaPair p;
-  p.source = p.make(true, true);
-  p.destination = p.make(true, true);
+  p.source = p.make(DeltaMode::kOn, true);
+  p.destination = p.make(DeltaMode::kOn, true);
   auto weights = model(8);
   for (uint32_t r = 0; r < 4; ++r) {
     p.connect();
@@ -225,8 +225,10 @@ TEST(DeltaRefit, VersionsSurviveAReconnectWithReleasedBuffers) {
 }
 
 TEST(DeltaRefit, BothEndsMustAgree) {
-  for (bool source_delta : {true, false}) {
-    DeltaPair p(source_delta, !source_delta);
+  for (auto [source_delta, destination_delta] : {std::pair{DeltaMode::kOn, DeltaMode::kOff},
+                                                 {DeltaMode::kOff, DeltaMode::kOn},
+                                                 {DeltaMode::kAuto, DeltaMode::kOn}}) {
+    DeltaPair p(source_delta, destination_delta);
     std::vector<Metadata> md = {p.source->prepare(), p.destination->prepare()};
     auto kind = error_kind_of([&] { p.source->init_source(0, 1, 1, md); });
     EXPECT_EQ(kind, ErrorKind::kConfig);
@@ -240,10 +242,10 @@ TEST(DeltaRefit, BothEndsMustAgree) {
   }
 }
 
-TEST(DeltaRefit, ALayoutOrGpuDeviceIsRefusedWithTheKey) {
+TEST(DeltaRefit, ALayoutIsRefusedWithTheKey) {
   DeltaPair p;
   auto o = inproc_options(p.fabric, 16 << 10, p.session);
-  o.config.delta = true;
+  o.config.delta = DeltaMode::kOn;
   o.layout = Layout{};
   o.layout->tensors["lm_head.weight"] = Request::whole();
   p.destination = std::make_unique<CheckpointEngine>(o);
@@ -255,10 +257,6 @@ TEST(DeltaRefit, ALayoutOrGpuDeviceIsRefusedWithTheKey) {
     EXPECT_EQ(e.kind(), ErrorKind::kUnsupported);
     EXPECT_NE(std::string(e.what()).find("refit_cfg.nixl.delta"), std::string::npos) << e.what();
   }
-  auto gpu = inproc_options(p.fabric, 16 << 10, p.session);
-  gpu.config.delta = true;
-  gpu.config.device = Device{Device::Kind::kCuda, 0};
-  EXPECT_THROW(CheckpointEngine{gpu}, Error);
 }
 
 // The destination's side alone: changes to a version it does not hold are refused before
@@ -279,7 +277,7 @@ TEST(DeltaRefit, ChangesApplyOnlyToTheirBaseAndNeverTwice) {
     d.begin();
     d.transform(views, {}, out, owners, "source rank 0");
     d.finish("source rank 0");
-    source.commit();
+    source.commit(0);
   };
   run(destination, 0);
   const uint64_t base = destination.version();
@@ -311,6 +309,66 @@ TEST(DeltaRefit, ChangesApplyOnlyToTheirBaseAndNeverTwice) {
     EXPECT_EQ(e.kind(), ErrorKind::kProtocol);
     EXPECT_NE(std::string(e.what()).find("refusing"), std::string::npos) << e.what();
   }
+}
+
+// delta: auto on a link that maps memory on one host (the in-process transport's): a full refit
+// there is one copy per byte, so delta stays off, and both ends know it.
+TEST(DeltaRefit, AutoStaysOffWhereTheLinkMapsMemoryOnOneHost) {
+  DeltaPair p(DeltaMode::kAuto, DeltaMode::kAuto);
+  auto weights = model(3);
+  p.connect();
+  for (int refit = 0; refit < 3; ++refit) {
+    Received got;
+    const ReceiveStats stats = p.refit(weights, got);
+    expect_same(weights, got);
+    EXPECT_EQ(stats.delta_tensors, 0u);
+    EXPECT_EQ(stats.tensors, weights.size());  // no delta header or trailer
+    EXPECT_EQ(p.sent.delta_tensors, 0u);
+    step(weights, 0.01, 40 + refit);
+  }
+}
+
+// delta: auto elsewhere: the source sends each refit the way (changes or whole) whose last refit
+// took less time, measures changes as soon as it can, and the slower way again every 8 refits.
+TEST(DeltaRefit, AutoSendsEachRefitTheWayThatWasFasterAndMeasuresTheOtherAgain) {
+  auto weights = model(5);
+  SourceDelta source;
+  DestinationDelta destination;
+  std::vector<TensorView> out;
+  std::vector<std::shared_ptr<const void>> owners;
+  // One refit through both sides, committed as taking `whole_s` or `changes_s` by the way it
+  // went; true when it sent changes.
+  auto run = [&](double whole_s, double changes_s) {
+    step(weights, 0.01, 7);
+    VectorSource inner(weights);
+    WeightSource& stream = source.begin(inner, destination.version(), "destination rank 0", true);
+    std::vector<TensorView> views;
+    TensorView v;
+    bool changes = false;
+    while (stream.next(&v)) {
+      views.push_back(v);
+      changes = changes || v.info->name.starts_with("refit:delta:");
+    }
+    destination.begin();
+    destination.transform(views, {}, out, owners, "source rank 0");
+    destination.finish("source rank 0");
+    for (size_t k = 0; k < weights.size(); ++k)
+      EXPECT_TRUE(std::equal(weights[k].data.begin(), weights[k].data.end(), out[k].data)) << weights[k].info.name;
+    source.commit(changes ? changes_s : whole_s);
+    return changes;
+  };
+  EXPECT_FALSE(run(1.0, 0.2)) << "no base yet: whole";
+  EXPECT_TRUE(run(1.0, 0.2)) << "changes not measured yet: tried";
+  int whole = 0;
+  for (int refit = 0; refit < 16; ++refit) whole += run(1.0, 0.2) ? 0 : 1;
+  EXPECT_EQ(whole, 2) << "changes are faster: whole again only every 8th refit";
+  // Changes become the slower way (a fast link, dense changes): the next refits go whole, and
+  // changes are measured again every 8th.
+  EXPECT_TRUE(run(1.0, 3.0));
+  std::vector<bool> ways;
+  for (int refit = 0; refit < 16; ++refit) ways.push_back(run(1.0, 3.0));
+  EXPECT_EQ(std::count(ways.begin(), ways.end(), true), 2);
+  EXPECT_FALSE(ways.front());
 }
 
 }  // namespace

@@ -278,17 +278,19 @@ TEST(Protocol, MetadataCarriesHowADestinationReachesSourceMemory) {
 
 TEST(Protocol, MetadataCarriesTheDeltaSettingAndTheWeightsVersion) {
   auto md = sample_metadata();
-  md.delta = true;
   md.weights_version = 0x0123456789abcdefull;
-  auto back = decode_metadata(encode(md), "metadata of destination rank 0");
-  EXPECT_TRUE(back.delta);
-  EXPECT_EQ(back.weights_version, 0x0123456789abcdefull);
+  for (DeltaMode mode : {DeltaMode::kOff, DeltaMode::kOn, DeltaMode::kAuto}) {
+    md.delta = mode;
+    auto back = decode_metadata(encode(md), "metadata of destination rank 0");
+    EXPECT_EQ(back.delta, mode);
+    EXPECT_EQ(back.weights_version, 0x0123456789abcdefull);
+  }
   auto blob = encode(md);
-  blob[blob.size() - 1 - 8] = 2;  // the delta flag
+  blob[blob.size() - 1 - 8] = 3;  // the delta mode
   std::string message;
   EXPECT_EQ(testing::error_kind_of([&] { decode_metadata(blob, "metadata of destination rank 0"); }, &message),
             ErrorKind::kProtocol);
-  EXPECT_NE(message.find("delta = 2"), std::string::npos) << message;
+  EXPECT_NE(message.find("delta = 3"), std::string::npos) << message;
 }
 
 }  // namespace

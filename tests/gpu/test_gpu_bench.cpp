@@ -73,6 +73,17 @@ TEST(GpuBench, ShardedDestinationsGetTheirGpuSlices) {
                 "refit_cfg.nixl.shard_expert_weights=true refit_cfg.nixl.bucket_bytes=16MiB"));
 }
 
+TEST(GpuBench, DeltaRefitsOfGpuTensorsSendOnlyTheChanges) {
+  REFIT_REQUIRE_GPUS(1);
+  // The diff and compaction run on the GPU; each destination checks every tensor after patching.
+  for (const char* device : {"--device cuda", "--device cpu --tensors cuda"}) {
+    auto run = refit_cli(std::string("bench ") + device +
+                         " --refits 4 --changed 0.01 refit_cfg.nixl.delta=true refit_cfg.nixl.bucket_bytes=16MiB");
+    expect_verified(run);
+    EXPECT_NE(run.output.find("delta refits:"), std::string::npos) << run.output;
+  }
+}
+
 TEST(GpuBench, PinnedHostBuffersMoveGpuTensors) {
   REFIT_REQUIRE_GPUS(1);
   expect_verified(refit_cli("bench --device cpu --tensors cuda --refits 2 refit_cfg.nixl.bucket_bytes=16MiB"));

@@ -1,0 +1,229 @@
+#include "memory/cuda/device_delta.h"
+
+#include "core/delta_bits.h"
+#include "core/fail.h"
+
+#ifdef REFIT_HAVE_CUDA
+#include <numeric>
+
+#include "memory/cuda/cuda_util.h"
+#include "memory/cuda/delta_kernels.h"
+#endif
+
+namespace refit {
+
+#ifdef REFIT_HAVE_CUDA
+
+namespace {
+
+// Our own kernels on our own stream: seconds at most for the largest tensor; past this the GPU
+// is not answering.
+constexpr auto kKernelTimeout = std::chrono::seconds(120);
+
+int device_of(const void* pointer, const char* what) {
+  cudaPointerAttributes attributes{};
+  cuda::check(cudaPointerGetAttributes(&attributes, pointer), "cudaPointerGetAttributes", what);
+  if (attributes.type != cudaMemoryTypeDevice && attributes.type != cudaMemoryTypeManaged)
+    fail(ErrorKind::kInvalidArgument, "{}: {} is not GPU memory", what, pointer);
+  return attributes.device;
+}
+
+uint64_t rounded(size_t bytes) { return (bytes + 7) / 8 * 8; }
+
+// A device array that keeps its largest size.
+template <typename T>
+struct Scratch {
+  DeviceBuffer buffer;
+  T* at_least(int device, uint64_t count) {
+    if (buffer.size() < count * sizeof(T) || buffer.device_index() != device)
+      buffer = DeviceBuffer(Device{Device::Kind::kCuda, device}, std::max<uint64_t>(count, 1) * sizeof(T));
+    return reinterpret_cast<T*>(buffer.data());
+  }
+};
+
+}  // namespace
+
+struct DeviceDelta::State {
+  int device = -1;
+  cudaStream_t stream = nullptr;
+  Scratch<uint32_t> counts;
+  Scratch<uint64_t> sums, offsets, index, before, after;
+  std::vector<uint32_t> host_counts;
+  std::vector<uint64_t> host_sums, host_offsets, host_index, host_before, host_after;
+
+  // Binds to `device` (a stream there) and makes it current for the caller.
+  void use(int d) {
+    if (stream != nullptr && device != d) {
+      cudaStreamDestroy(stream);
+      stream = nullptr;
+    }
+    device = d;
+    cuda::check(cudaSetDevice(d), "cudaSetDevice", "delta refit");
+    if (stream == nullptr)
+      cuda::check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreateWithFlags",
+                  "delta refit");
+  }
+  void launched(int status, const char* kernel) {
+    cuda::check(static_cast<cudaError_t>(status), kernel, "delta refit");
+  }
+  void wait(const char* what) { cuda::wait_stream(stream, Clock::now() + kKernelTimeout, what); }
+  template <typename T>
+  void to_host(std::vector<T>& out, const T* from, uint64_t count) {
+    out.resize(count);
+    if (count > 0)
+      cuda::check(cudaMemcpyAsync(out.data(), from, count * sizeof(T), cudaMemcpyDeviceToHost, stream),
+                  "cudaMemcpyAsync", "delta refit: the changes to the host");
+  }
+  template <typename T>
+  void to_device(T* to, const std::vector<T>& from) {
+    if (!from.empty())
+      cuda::check(cudaMemcpyAsync(to, from.data(), from.size() * sizeof(T), cudaMemcpyHostToDevice, stream),
+                  "cudaMemcpyAsync", "delta refit: the changes to the GPU");
+  }
+
+  // Counts each block's changed elements (none without a base) and hashes `now`; returns the
+  // total and leaves the counts in host_counts.
+  uint64_t count(const void* base, const void* now, size_t bytes, size_t element_size, uint64_t& checksum) {
+    const uint64_t blocks = cuda::delta_blocks(bytes);
+    launched(cuda::launch_delta_count(base, now, bytes, static_cast<uint32_t>(element_size),
+                                      counts.at_least(device, blocks), sums.at_least(device, blocks), stream),
+             "the delta count kernel");
+    to_host(host_counts, counts.at_least(device, blocks), blocks);
+    to_host(host_sums, sums.at_least(device, blocks), blocks);
+    wait("waiting for the delta count kernel");
+    checksum = word_hash::finish(std::accumulate(host_sums.begin(), host_sums.end(), uint64_t{0}), bytes);
+    return std::accumulate(host_counts.begin(), host_counts.end(), uint64_t{0});
+  }
+
+  ~State() {
+    if (stream != nullptr) cudaStreamDestroy(stream);
+  }
+};
+
+DeviceDelta::DeviceDelta() : state_(std::make_unique<State>()) {}
+DeviceDelta::~DeviceDelta() = default;
+
+DeviceBuffer DeviceDelta::copy_of(const std::byte* data, size_t bytes) {
+  if (bytes == 0) return {};
+  const int device = device_of(data, "delta refit: keeping a copy of a tensor");
+  state_->use(device);
+  DeviceBuffer copy(Device{Device::Kind::kCuda, device}, rounded(bytes));  // zero-filled
+  assign(copy, data, bytes);
+  return copy;
+}
+
+void DeviceDelta::assign(DeviceBuffer& base, const std::byte* data, size_t bytes) {
+  if (base.size() != rounded(bytes))
+    fail(ErrorKind::kInternal, "delta refit: a copy of {} bytes cannot hold {}", base.size(), bytes);
+  if (bytes == 0) return;
+  state_->use(base.device_index());
+  cuda::check(cudaMemcpyAsync(base.data(), data, bytes, cudaMemcpyDefault, state_->stream), "cudaMemcpyAsync",
+              "delta refit: copying a tensor");
+  state_->wait("copying a tensor for delta refit");
+}
+
+DeltaResult DeviceDelta::encode(DeviceBuffer& base, const std::byte* now, size_t bytes, size_t element_size,
+                                std::vector<uint8_t>& out) {
+  if (base.size() != rounded(bytes) || element_size == 0 || element_size > 8 || 8 % element_size != 0 ||
+      bytes % element_size != 0)
+    fail(ErrorKind::kInternal, "DeviceDelta::encode: a base of {} bytes, {} bytes of {}-byte elements", base.size(),
+         bytes, element_size);
+  State& s = *state_;
+  s.use(base.device_index());
+  const uint64_t elements = bytes / element_size;
+  uint64_t checksum = 0;
+  const uint64_t changed = s.count(base.data(), now, bytes, element_size, checksum);
+  // The smallest a record of `changed` changes can be: a byte per position (or the bitmap) and
+  // per value. Past the tensor's size it goes whole, without collecting anything.
+  if (kDeltaHeaderBytes + std::min(changed, (elements + 7) / 8) + changed >= bytes) {
+    assign(base, now, bytes);
+    return {};
+  }
+  const uint64_t blocks = s.host_counts.size();
+  s.host_offsets.resize(blocks);
+  std::exclusive_scan(s.host_counts.begin(), s.host_counts.end(), s.host_offsets.begin(), uint64_t{0});
+  uint64_t* offsets = s.offsets.at_least(s.device, blocks);
+  s.to_device(offsets, s.host_offsets);
+  uint64_t* index = s.index.at_least(s.device, changed);
+  uint64_t* before = s.before.at_least(s.device, changed);
+  uint64_t* after = s.after.at_least(s.device, changed);
+  s.launched(cuda::launch_delta_collect(base.data(), now, bytes, static_cast<uint32_t>(element_size),
+                                        s.counts.at_least(s.device, blocks), offsets, index, before, after, s.stream),
+             "the delta collect kernel");
+  s.to_host(s.host_index, index, changed);
+  s.to_host(s.host_before, before, changed);
+  s.to_host(s.host_after, after, changed);
+  s.wait("waiting for the delta collect kernel");
+  if (!encode_delta_changes(elements, element_size, s.host_index, s.host_before, s.host_after, DeltaChecksum::kWords,
+                            checksum, out))
+    return {};
+  return {true, checksum};
+}
+
+DeltaHeader DeviceDelta::apply(DeviceBuffer& target, size_t bytes, size_t element_size,
+                               std::span<const uint8_t> record, const std::string& what) {
+  if (target.size() != rounded(bytes))
+    fail(ErrorKind::kInternal, "DeviceDelta::apply: a copy of {} bytes for {} bytes", target.size(), bytes);
+  DeltaChanges changes;
+  decode_delta(record, element_size, bytes, changes, what);  // all of it checked before any write
+  State& s = *state_;
+  s.use(target.device_index());
+  const uint64_t count = changes.index.size();
+  uint64_t* index = s.index.at_least(s.device, count);
+  uint64_t* values = s.after.at_least(s.device, count);
+  s.to_device(index, changes.index);
+  s.to_device(values, changes.values);
+  s.launched(cuda::launch_delta_patch(target.data(), static_cast<uint32_t>(element_size), index, values, count,
+                                      changes.header.values == DeltaValues::kSteps, s.stream),
+             "the delta patch kernel");
+  s.wait("waiting for the delta patch kernel");
+  return changes.header;
+}
+
+void DeviceDelta::read(const std::byte* data, size_t bytes, std::vector<uint8_t>& out) {
+  out.resize(bytes);
+  if (bytes > 0)
+    cuda::check(cudaMemcpy(out.data(), data, bytes, cudaMemcpyDefault), "cudaMemcpy",
+                "delta refit: a record in GPU memory to the host");
+}
+
+uint64_t DeviceDelta::checksum(const std::byte* data, size_t bytes, DeltaChecksum kind) {
+  if (kind == DeltaChecksum::kXxh3) {
+    std::vector<std::byte> host(bytes);
+    if (bytes > 0)
+      cuda::check(cudaMemcpy(host.data(), data, bytes, cudaMemcpyDefault), "cudaMemcpy",
+                  "delta refit: a GPU tensor to the host for its xxh3 checksum");
+    return delta_checksum(host, kind);
+  }
+  if (bytes == 0) return word_hash::finish(0, 0);
+  State& s = *state_;
+  s.use(device_of(data, "delta refit: hashing a tensor"));
+  uint64_t sum = 0;
+  s.count(nullptr, data, bytes, 1, sum);
+  return sum;
+}
+
+#else  // no CUDA in this build: no GPU tensors reach here
+
+struct DeviceDelta::State {};
+DeviceDelta::DeviceDelta() = default;
+DeviceDelta::~DeviceDelta() = default;
+
+namespace {
+[[noreturn]] void no_cuda() {
+  fail(ErrorKind::kUnsupported, "delta refit of GPU tensors: this build has no CUDA support (REFIT_WITH_CUDA)");
+}
+}  // namespace
+
+DeviceBuffer DeviceDelta::copy_of(const std::byte*, size_t) { no_cuda(); }
+void DeviceDelta::assign(DeviceBuffer&, const std::byte*, size_t) { no_cuda(); }
+DeltaResult DeviceDelta::encode(DeviceBuffer&, const std::byte*, size_t, size_t, std::vector<uint8_t>&) { no_cuda(); }
+DeltaHeader DeviceDelta::apply(DeviceBuffer&, size_t, size_t, std::span<const uint8_t>, const std::string&) {
+  no_cuda();
+}
+void DeviceDelta::read(const std::byte*, size_t, std::vector<uint8_t>&) { no_cuda(); }
+uint64_t DeviceDelta::checksum(const std::byte*, size_t, DeltaChecksum) { no_cuda(); }
+
+#endif  // REFIT_HAVE_CUDA
+
+}  // namespace refit

@@ -1,0 +1,57 @@
+// Delta refit on tensors in GPU memory (core/delta_codec.h): the diff against the base, its
+// compaction and the patch of a held tensor run as kernels (memory/cuda/delta_kernels.cu); only
+// the changed elements cross to the host, where the record is written as for host tensors (so a
+// record made from GPU memory applies anywhere). Its checksum is the word hash
+// (DeltaChecksum::kWords), which each kernel block computes over its own words.
+//
+// One DeviceDelta per thread that uses it: it owns a stream and scratch buffers that grow to the
+// largest tensor seen. Without CUDA in the build every call is Error(kUnsupported).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "core/delta_codec.h"
+#include "refit/ext/device_memory.h"
+
+namespace refit {
+
+class DeviceDelta {
+ public:
+  DeviceDelta();
+  ~DeviceDelta();
+  DeviceDelta(const DeviceDelta&) = delete;
+  DeviceDelta& operator=(const DeviceDelta&) = delete;
+
+  // A device copy of `bytes` bytes at `data` (GPU memory) to keep as a base or held version:
+  // rounded up to whole 8-byte words, the padding zero, on the device `data` lies on.
+  DeviceBuffer copy_of(const std::byte* data, size_t bytes);
+  // Makes `base` (from copy_of) equal to `data` again.
+  void assign(DeviceBuffer& base, const std::byte* data, size_t bytes);
+
+  // encode_delta for GPU memory: compares `now` with `base` (from copy_of, the same size), makes
+  // `base` equal to `now`, and writes the record into `out` when it is smaller than the tensor.
+  DeltaResult encode(DeviceBuffer& base, const std::byte* now, size_t bytes, size_t element_size,
+                     std::vector<uint8_t>& out);
+
+  // apply_delta for GPU memory: decodes and checks `record` (host bytes) on the host, patches
+  // `target` (GPU, from copy_of) with a kernel. Returns the header.
+  DeltaHeader apply(DeviceBuffer& target, size_t bytes, size_t element_size, std::span<const uint8_t> record,
+                    const std::string& what);
+
+  // Copies `bytes` bytes of GPU memory (a record that arrived there) into `out`.
+  void read(const std::byte* data, size_t bytes, std::vector<uint8_t>& out);
+
+  // The checksum of `bytes` bytes of GPU memory, of the given kind (xxh3 copies them to the host).
+  uint64_t checksum(const std::byte* data, size_t bytes, DeltaChecksum kind);
+
+ private:
+  struct State;
+  std::unique_ptr<State> state_;
+};
+
+}  // namespace refit

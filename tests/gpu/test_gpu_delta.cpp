@@ -1,0 +1,140 @@
+// Delta refit of tensors in GPU memory: the kernels' diff, compaction, hash and patch against the
+// host's encoder (the same record but for the checksum's kind), every byte checked.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <random>
+
+#include "core/delta_codec.h"
+#include "gpu_test_util.h"
+#include "memory/cuda/device_delta.h"
+#include "refit/ext/device_memory.h"
+
+namespace refit::gpu_test {
+namespace {
+
+const Device kGpu{Device::Kind::kCuda, 0};
+
+std::vector<std::byte> random_bytes(size_t n, uint32_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<std::byte> out(n);
+  for (auto& b : out) b = static_cast<std::byte>(rng() & 0xff);
+  return out;
+}
+
+// `count` changes of elements drawn at random: most step by a unit in the last place, some get
+// any other bits.
+std::vector<std::byte> changed(std::vector<std::byte> v, size_t element_size, size_t count, uint32_t seed) {
+  std::mt19937_64 rng(seed);
+  const size_t elements = v.size() / element_size;
+  for (size_t k = 0; k < count; ++k) {
+    std::byte* e = v.data() + (rng() % elements) * element_size;
+    if (k % 5 == 0)
+      e[rng() % element_size] ^= static_cast<std::byte>(1 + rng() % 255);
+    else
+      e[0] = static_cast<std::byte>(static_cast<uint8_t>(e[0]) + 1);
+  }
+  return v;
+}
+
+// `bytes` at `offset` bytes into a fresh GPU buffer (an offset makes the words unaligned).
+struct OnGpu {
+  DeviceBuffer buffer;
+  std::byte* data = nullptr;
+  OnGpu(const std::vector<std::byte>& bytes, size_t offset) : buffer(kGpu, bytes.size() + offset + 8) {
+    data = buffer.data() + offset;
+    cuda_ok(cudaMemcpy(data, bytes.data(), bytes.size(), cudaMemcpyHostToDevice), "cudaMemcpy");
+  }
+};
+
+std::vector<std::byte> download(const std::byte* data, size_t bytes) {
+  std::vector<std::byte> out(bytes);
+  cuda_ok(cudaMemcpy(out.data(), data, bytes, cudaMemcpyDeviceToHost), "cudaMemcpy");
+  return out;
+}
+
+TEST(DeviceDelta, RecordsAreTheHostsAndApplyBitwiseOnEitherSide) {
+  REFIT_REQUIRE_GPUS(1);
+  DeviceDelta gpu;
+  for (size_t element_size : {1, 2, 4, 8}) {
+    // Several kernel blocks (16 KiB each), a size that is not a whole number of words.
+    const size_t elements = 300007 / element_size;
+    const auto old = random_bytes(elements * element_size, 1);
+    const OnGpu old_gpu(old, 0);
+    for (size_t count : {size_t{0}, size_t{1}, size_t{2000}, elements / 20}) {
+      const auto now = changed(old, element_size, count, 2);
+      const OnGpu now_gpu(now, element_size);  // unaligned unless 8-byte elements
+      SCOPED_TRACE(::testing::Message() << element_size << "-byte elements, " << count << " changes");
+
+      DeviceBuffer base = gpu.copy_of(old_gpu.data, old.size());
+      std::vector<uint8_t> record;
+      const DeltaResult result = gpu.encode(base, now_gpu.data, now.size(), element_size, record);
+      ASSERT_TRUE(result.encoded);
+      EXPECT_EQ(download(base.data(), now.size()), now) << "the base follows the tensor";
+      EXPECT_EQ(result.checksum, delta_checksum(now, DeltaChecksum::kWords));
+
+      std::vector<std::byte> host_base = old;
+      std::vector<uint8_t> host;
+      ASSERT_TRUE(encode_delta(host_base, now, element_size, host).encoded);
+      ASSERT_EQ(record.size(), host.size());
+      for (size_t b = 0; b < record.size(); ++b) {
+        if (b == 7 || (b >= 24 && b < 32)) continue;  // checksum kind and value
+        ASSERT_EQ(record[b], host[b]) << "byte " << b;
+      }
+
+      DeviceBuffer target = gpu.copy_of(old_gpu.data, old.size());
+      const DeltaHeader h = gpu.apply(target, now.size(), element_size, record, "record");
+      EXPECT_EQ(download(target.data(), now.size()), now) << "patched on the GPU";
+      EXPECT_EQ(gpu.checksum(target.data(), now.size(), h.checksum_kind), h.checksum);
+      EXPECT_EQ(gpu.checksum(target.data(), now.size(), DeltaChecksum::kXxh3), delta_checksum(now));
+
+      std::vector<std::byte> on_host = old;
+      apply_delta(on_host, element_size, record, "record");
+      EXPECT_EQ(on_host, now) << "a GPU record patches host memory too";
+      // A host record patches GPU memory.
+      DeviceBuffer from_host = gpu.copy_of(old_gpu.data, old.size());
+      gpu.apply(from_host, now.size(), element_size, host, "host record");
+      EXPECT_EQ(download(from_host.data(), now.size()), now);
+    }
+  }
+}
+
+TEST(DeviceDelta, ATensorThatChangedEverywhereGoesWholeAndTheBaseFollows) {
+  REFIT_REQUIRE_GPUS(1);
+  DeviceDelta gpu;
+  const auto old = random_bytes(1 << 20, 3), now = random_bytes(1 << 20, 4);
+  const OnGpu old_gpu(old, 0), now_gpu(now, 0);
+  // 2-byte elements: collected, then the record is found larger than the tensor; 1-byte elements:
+  // refused before anything is collected. Either way the base follows.
+  for (size_t element_size : {2, 1}) {
+    DeviceBuffer base = gpu.copy_of(old_gpu.data, old.size());
+    std::vector<uint8_t> record{1, 2, 3};
+    EXPECT_FALSE(gpu.encode(base, now_gpu.data, now.size(), element_size, record).encoded);
+    EXPECT_EQ(record, (std::vector<uint8_t>{1, 2, 3}));
+    EXPECT_EQ(download(base.data(), now.size()), now);
+  }
+}
+
+TEST(DeviceDelta, AMalformedRecordWritesNothing) {
+  REFIT_REQUIRE_GPUS(1);
+  DeviceDelta gpu;
+  const auto old = random_bytes(4096, 6);
+  const auto now = changed(old, 2, 50, 7);
+  const OnGpu old_gpu(old, 0), now_gpu(now, 0);
+  DeviceBuffer base = gpu.copy_of(old_gpu.data, old.size());
+  std::vector<uint8_t> record;
+  ASSERT_TRUE(gpu.encode(base, now_gpu.data, now.size(), 2, record).encoded);
+  record.push_back(0);
+  DeviceBuffer target = gpu.copy_of(old_gpu.data, old.size());
+  try {
+    gpu.apply(target, old.size(), 2, record, "changes to 'w' from source rank 0");
+    FAIL() << "applied a record with a byte past its values";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kProtocol);
+    EXPECT_NE(std::string(e.what()).find("changes to 'w' from source rank 0"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(download(target.data(), old.size()), old);
+}
+
+}  // namespace
+}  // namespace refit::gpu_test

@@ -96,6 +96,9 @@ int main(int argc, char** argv) {
   plan_cmd->add_option(
       "--calibration", plan.calibrations,
       "Measured rates (refit bench --baseline --calibration-out) for what the cluster file leaves out");
+  plan_cmd->add_option("--changed", plan.changed,
+                       "With --cluster: also predict a delta refit (refit_cfg.nixl.delta) when this share of every "
+                       "tensor's elements changed since the last refit (paired topology), and whether it pays");
   plan_cmd->add_option("overrides", plan.overrides, "Config overrides, key=value");
 
   refit::tools::ElasticOptions elastic;

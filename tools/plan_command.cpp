@@ -86,6 +86,9 @@ void print_transfer_plan(const PlanOptions& options, const ModelInventory& inven
 }  // namespace
 
 int run_plan(const PlanOptions& options) {
+  if (options.changed >= 0 && options.cluster.empty())
+    throw Error(ErrorKind::kInvalidArgument,
+                fmt::format("--changed predicts a delta refit on a cluster: give --cluster too"));
   if (!options.cluster.empty()) return run_cluster_plan(options);
   const RefitConfig config = load_config(options.config_file, options.overrides);
   const std::string path = model_option(options.model);

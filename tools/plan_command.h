@@ -26,6 +26,9 @@ struct PlanOptions {
   // paired path; calibration files fill in the rates it leaves out.
   std::string cluster;
   std::vector<std::string> calibrations;
+  // With --cluster: also predict a delta refit (refit_cfg.nixl.delta) when this share of every
+  // tensor's elements changed since the last refit; < 0: none.
+  double changed = -1;
 };
 
 int run_plan(const PlanOptions& options);

@@ -618,6 +618,45 @@ transfer: {{bucket: {}, transport: ucx, buffers: host, latency: 0s, turnaround: 
   EXPECT_NEAR(overlapped, 2 * (bytes / 8) / 50e9 + 7 * (bytes / 8) / 25e9, 1e-6);
 }
 
+// The record the codec writes at a share: a byte of gap and a byte of step per change while gaps
+// stay under 128 elements, the bitmap once it is smaller than the gaps, the tensor whole once the
+// record would not be smaller.
+TEST(DeltaPrediction, RecordsShrinkWithTheShareAndGoWholeWhenNotSmaller) {
+  const TensorInfo bf16{"w", DType::kBFloat16, {1000, 1000}};
+  EXPECT_EQ(predicted_record_bytes(bf16, 0.01), 32u + 10000 + 10000);
+  EXPECT_EQ(predicted_record_bytes(bf16, 0.001), 32u + 1000 * 2 + 1000);  // gaps of 1000 take two bytes
+  EXPECT_EQ(predicted_record_bytes(bf16, 0.5), 32u + 1000000 / 8 + 500000);
+  EXPECT_EQ(predicted_record_bytes(bf16, 0.0), 32u);
+  const TensorInfo bytes{"b", DType::kUInt8, {1000}};
+  EXPECT_EQ(predicted_record_bytes(bytes, 0.95), 1000u);  // whole
+}
+
+// On a slow link a delta refit is bound by the sources' comparison and pays; where a full refit
+// runs at copy speed it does not. Destinations with layouts have no delta refit.
+TEST(DeltaPrediction, PaysOnASlowLinkNotWhereTheLinkRunsAtCopySpeed) {
+  const ModelInventory m = rows_model(8, 1024, 1024);  // 8 tensors of 4 MiB (float32)
+  const double bytes = static_cast<double>(m.total_bytes());
+  Cluster slow = two_sides(1, 1, "1Gbit", "10GB/s", "16MiB");
+  slow.groups[0].gpu = slow.groups[1].gpu = false;
+  const Prediction full = predict_refit(m, {}, std::vector<Layout>(1), slow);
+  const DeltaPrediction d = predict_delta(m, std::vector<Layout>(1), slow, 0.01, full);
+  EXPECT_TRUE(d.pays);
+  EXPECT_NEAR(d.scan_seconds, bytes * 6 / 10e9, 1e-9);  // a host scan: six copies' worth
+  EXPECT_NEAR(d.seconds, d.scan_seconds, 1e-9);
+  EXPECT_EQ(d.wire_bytes, 8 * predicted_record_bytes(m.tensors[0], 0.01));
+  EXPECT_LT(d.transfer.seconds, full.seconds / 50);
+  Cluster fast = two_sides(1, 1, "4000Gbit", "10GB/s", "16MiB");
+  fast.groups[0].gpu = fast.groups[1].gpu = false;
+  const Prediction fast_full = predict_refit(m, {}, std::vector<Layout>(1), fast);
+  EXPECT_FALSE(predict_delta(m, std::vector<Layout>(1), fast, 0.01, fast_full).pays);
+  std::vector<Layout> sliced(1);
+  sliced[0].tensors["t0"] = Request::narrow(0, 0, 512);
+  EXPECT_THAT(error_of(ErrorKind::kUnsupported, [&] { predict_delta(m, sliced, slow, 0.01, full); }),
+              HasSubstr("layout"));
+  EXPECT_THAT(error_of(ErrorKind::kConfig, [&] { predict_delta(m, std::vector<Layout>(1), slow, 1.5, full); }),
+              HasSubstr("[0, 1]"));
+}
+
 TEST(Prediction, LayoutsMustMatchTheClusterRanks) {
   const ModelInventory m = rows_model(2, 64, 64);
   const Cluster c = two_sides(2, 1, "8Gbit", "1GB/s", "1MiB");

@@ -1,6 +1,6 @@
+#include <cuda_runtime.h>
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
-#include <cuda_runtime.h>
 
 #include "core/delta_bits.h"
 #include "memory/cuda/delta_kernels.h"
@@ -27,7 +27,8 @@ __device__ unsigned changed_lanes(uint64_t x, uint32_t element_size) {
   const uint64_t mask = delta_steps::mask_of(element_size);
   const unsigned lanes = 8 / element_size;
   unsigned differ = 0;
-  for (unsigned j = 0; j < lanes; ++j) differ |= static_cast<unsigned>(((x >> (8 * element_size * j)) & mask) != 0) << j;
+  for (unsigned j = 0; j < lanes; ++j)
+    differ |= static_cast<unsigned>(((x >> (8 * element_size * j)) & mask) != 0) << j;
   return differ;
 }
 
@@ -64,8 +65,7 @@ __global__ void __launch_bounds__(kThreads)
 
 __global__ void __launch_bounds__(kThreads)
     delta_collect(unsigned char* base, const unsigned char* now, uint64_t bytes, uint32_t element_size,
-                  const uint32_t* counts, const uint64_t* offsets, uint64_t* index, uint64_t* before,
-                  uint64_t* after) {
+                  const uint32_t* counts, const uint64_t* offsets, uint64_t* index, uint64_t* before, uint64_t* after) {
   if (counts[blockIdx.x] == 0) return;  // the block's words match: nothing to write
   const uint64_t words = (bytes + 7) / 8;
   const uint64_t mask = delta_steps::mask_of(element_size);

@@ -160,8 +160,8 @@ DeltaResult DeviceDelta::encode(DeviceBuffer& base, const std::byte* now, size_t
   return {true, checksum};
 }
 
-DeltaHeader DeviceDelta::apply(DeviceBuffer& target, size_t bytes, size_t element_size,
-                               std::span<const uint8_t> record, const std::string& what) {
+DeltaHeader DeviceDelta::apply(DeviceBuffer& target, size_t bytes, size_t element_size, std::span<const uint8_t> record,
+                               const std::string& what) {
   if (target.size() != rounded(bytes))
     fail(ErrorKind::kInternal, "DeviceDelta::apply: a copy of {} bytes for {} bytes", target.size(), bytes);
   DeltaChanges changes;

@@ -24,9 +24,9 @@ std::vector<uint8_t> encode_marker(uint64_t a, uint64_t b) {
   return w.take();
 }
 
-std::pair<uint64_t, uint64_t> decode_marker(const TensorView& view, const std::string& who) {
-  ByteReader in({reinterpret_cast<const uint8_t*>(view.data), view.info->nbytes()},
-                fmt::format("'{}' from {}", view.info->name, who));
+std::pair<uint64_t, uint64_t> decode_marker(std::span<const uint8_t> bytes, const TensorView& view,
+                                            const std::string& who) {
+  ByteReader in(bytes, fmt::format("'{}' from {}", view.info->name, who));
   in.expect_magic(kMarkerMagic);
   const uint64_t a = in.get<uint64_t>("first"), b = in.get<uint64_t>("second");
   in.expect_end();
@@ -208,7 +208,7 @@ void DestinationDelta::transform(std::span<const TensorView> in, std::span<const
     if (name == kDeltaHeaderName) {
       if (header_seen_ || arrived_ > 0)
         fail(ErrorKind::kProtocol, "{} sent the delta header after {} tensors", who, arrived_);
-      auto [base, made] = decode_marker(view, who);
+      auto [base, made] = decode_marker(on_host(view), view, who);
       if (base != 0 && base != version_)
         fail(ErrorKind::kProtocol,
              "{} sent changes to weights version {:016x}, but this destination holds {}: refusing them", who, base,
@@ -223,7 +223,7 @@ void DestinationDelta::transform(std::span<const TensorView> in, std::span<const
       fail(ErrorKind::kProtocol, "{} sent '{}' before the delta header (is delta on at both ends?)", who, name);
     if (ended_) fail(ErrorKind::kProtocol, "{} sent '{}' after the end of its delta refit", who, name);
     if (name == kDeltaEndName) {
-      announced_ = decode_marker(view, who).first;
+      announced_ = decode_marker(on_host(view), view, who).first;
       ended_ = true;
       continue;
     }
@@ -235,11 +235,7 @@ void DestinationDelta::transform(std::span<const TensorView> in, std::span<const
         fail(ErrorKind::kProtocol, "{} sent changes to '{}', which this destination never received whole", who, target);
       HeldTensor& held = it->second;
       const std::string what = fmt::format("changes to '{}' from {}", target, who);
-      std::span<const uint8_t> record{reinterpret_cast<const uint8_t*>(view.data), view.info->nbytes()};
-      if (view.memory == MemoryKind::kCuda) {
-        gpu().read(view.data, view.info->nbytes(), record_);
-        record = record_;
-      }
+      const std::span<const uint8_t> record = on_host(view);
       const uint64_t nbytes = held.info.nbytes();
       const size_t element_size = dtype_size(held.info.dtype);
       DeltaHeader h;
@@ -266,6 +262,12 @@ void DestinationDelta::transform(std::span<const TensorView> in, std::span<const
     out.push_back(view);
     owners.push_back(k < in_owners.size() ? in_owners[k] : nullptr);
   }
+}
+
+std::span<const uint8_t> DestinationDelta::on_host(const TensorView& view) {
+  if (view.memory == MemoryKind::kHost) return {reinterpret_cast<const uint8_t*>(view.data), view.info->nbytes()};
+  gpu().read(view.data, view.info->nbytes(), record_);
+  return record_;
 }
 
 void DestinationDelta::finish(const std::string& who) {

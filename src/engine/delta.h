@@ -20,6 +20,7 @@
 #include <deque>
 #include <map>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -122,10 +123,12 @@ class DestinationDelta {
 
  private:
   DeviceDelta& gpu();
+  // A marker's or record's bytes, copied to the host when they arrived in GPU memory (record_).
+  std::span<const uint8_t> on_host(const TensorView& view);
 
   std::map<std::string, HeldTensor, std::less<>> held_;
   std::unique_ptr<DeviceDelta> gpu_;
-  std::vector<uint8_t> record_;  // a record that arrived in GPU memory, on the host
+  std::vector<uint8_t> record_;  // a marker or record that arrived in GPU memory, on the host
   uint64_t version_ = 0;         // of held_; 0 while a refit rewrites it
   bool header_seen_ = false;
   bool ended_ = false;

@@ -19,8 +19,10 @@ struct ReadRoute {
 
 // Empty when the route is not a known cliff; otherwise why it is slow, what was measured and what
 // to set instead. The cliff: GPU buffers of a source on this host read with UCX (or NIXL over UCX)
-// one-sided reads instead of mapped (0.68 GiB/s on one H200 with UCX 1.22, NIXL 1.5.1 0.56 GiB/s,
-// against 621 GiB/s mapped and 1,316 GiB/s in place over CUDA IPC).
+// one-sided reads instead of mapped, while UCX serves them through host memory because its
+// cuda_ipc reads are off (UCX_CUDA_IPC_ENABLE_GET_ZCOPY: refit's UCX transport turns them on
+// unless the environment says no; NIXL's UCX only when it says yes): 0.61-0.68 GiB/s on one GPU,
+// against 129-130 GiB/s with cuda_ipc's reads and 621 GiB/s mapped.
 std::string slow_read_warning(const ReadRoute& route, const std::string& destination, const std::string& source);
 
 }  // namespace refit

@@ -456,10 +456,9 @@ class CheckpointEngine::Impl {
 
   Deadline next_deadline() const { return deadline_after(Seconds(options_.config.timeout_s)); }
 
-  // Delta refit needs it at both ends of every link, on the paired topology with whole tensors.
-  // Whether this init's links go by delta refit (delta_): the mode must be the same at both ends
-  // of every link, and `auto` leaves it off where a full refit is one copy per byte (a link on one
-  // host whose transport maps the peer's memory), a rule both ends apply alike.
+  // Delta refit runs on the paired topology with whole tensors. Whether this init's links go by delta refit (delta_):
+  // the mode must be the same at both ends of every link, and `auto` leaves it off where a full refit is one copy per
+  // byte (a link on one host whose transport maps the peer's memory), a rule both ends apply alike.
   void check_delta(const std::string& self) {
     const DeltaMode mode = options_.config.delta;
     for (const Link& link : links_)

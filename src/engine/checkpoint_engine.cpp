@@ -223,8 +223,17 @@ class CheckpointEngine::Impl {
         // A failure past this point leaves the base half updated: the next refit goes whole.
         const uint64_t held = destination_version_;
         destination_version_ = 0;
-        run_send(source_delta_.begin(weights, held, links_[0].label, options_.config.delta == DeltaMode::kAuto), stats,
+        // A destination with a layout: compare what it holds (selected_ packs its slices first).
+        WeightSource* stream = &weights;
+        if (target_layout_) {
+          if (!selected_)
+            selected_ = std::make_unique<SelectedSource>(*target_layout_, links_[0].label, *pack_stream_,
+                                                         options_.config.timeout_s);
+          stream = &selected_->begin(weights);
+        }
+        run_send(source_delta_.begin(*stream, held, links_[0].label, options_.config.delta == DeltaMode::kAuto), stats,
                  phase);
+        if (selected_) stats.dropped += selected_->dropped();
         destination_version_ = source_delta_.commit(seconds_since(start));
         stats.tensors -= 2;  // the delta header and trailer
         stats.delta_tensors = source_delta_.counts().changed_tensors;
@@ -456,7 +465,8 @@ class CheckpointEngine::Impl {
 
   Deadline next_deadline() const { return deadline_after(Seconds(options_.config.timeout_s)); }
 
-  // Delta refit runs on the paired topology with whole tensors. Whether this init's links go by delta refit (delta_):
+  // Delta refit runs on the paired topology (to a destination with a layout, on what it holds).
+  // Whether this init's links go by delta refit (delta_):
   // the mode must be the same at both ends of every link, and `auto` leaves it off where a full refit is one copy per
   // byte (a link on one host whose transport maps the peer's memory), a rule both ends apply alike.
   void check_delta(const std::string& self) {
@@ -466,6 +476,7 @@ class CheckpointEngine::Impl {
         fail(ErrorKind::kConfig, "refit_cfg.nixl.delta is {} on {} but {} on {}: set it the same on every worker",
              to_string(mode), self, to_string(link.metadata.delta), link.label);
     delta_ = mode == DeltaMode::kOn;
+    selected_.reset();  // made for this init's layout at the first send
     if (mode == DeltaMode::kAuto) {
       const bool maps = transport_->capabilities().maps_peer_memory;
       delta_ = std::any_of(links_.begin(), links_.end(),
@@ -481,11 +492,6 @@ class CheckpointEngine::Impl {
       fail(ErrorKind::kUnsupported,
            "refit_cfg.nixl.delta: delta refit runs on the paired topology so far, not when sources declare what "
            "they hold (resharding); set delta=false");
-    const bool sliced = target_layout_ || options_.layout || (!links_.empty() && !links_[0].metadata.layout.empty());
-    if (sliced)
-      fail(ErrorKind::kUnsupported,
-           "refit_cfg.nixl.delta: delta refit sends whole tensors so far, but {} declared a layout; set delta=false",
-           is_destination_ || options_.layout ? self : links_[0].label);
   }
 
   void check_group(int train, int rollout, std::span<const Metadata> metadata) {
@@ -748,7 +754,7 @@ class CheckpointEngine::Impl {
         ++stats.tensors;
         continue;
       }
-      if (!target_layout_) {  // paired, whole tensors: nothing to select or to check afterwards
+      if (!target_layout_ || delta_) {  // paired, whole tensors (or selected already): nothing to select
         senders_[0]->add(view, Box::whole(), info, Box::whole(), phase);
         if (delta_) senders_[0]->send_early(kDeltaBucketBytes, phase);
         ++stats.tensors;
@@ -767,7 +773,7 @@ class CheckpointEngine::Impl {
       sent.add(info.name);
       ++stats.tensors;
     }
-    if (target_layout_) {
+    if (target_layout_ && !delta_) {
       // A destination that declared a tensor must get it: a request the stream never met would
       // otherwise leave that parameter stale with no word said.
       for (const auto& [name, request] : target_layout_->tensors)
@@ -970,9 +976,10 @@ class CheckpointEngine::Impl {
   std::map<std::string, SendTensor, std::less<>> send_tensors_;
   NameIndex sent_;  // on a source: the tensors the stream yielded this refit (run_send)
   std::set<uint32_t> expected_tensors_;
-  bool needs_nothing_ = false;  // a resharding destination whose layout holds no tensor
-  bool resharding_ = false;     // the group reshards (the latest init's plan_if_resharding)
-  bool delta_ = false;          // this init's links go by delta refit (check_delta)
+  bool needs_nothing_ = false;                // a resharding destination whose layout holds no tensor
+  bool resharding_ = false;                   // the group reshards (the latest init's plan_if_resharding)
+  bool delta_ = false;                        // this init's links go by delta refit (check_delta)
+  std::unique_ptr<SelectedSource> selected_;  // delta refit to a destination with a layout
   std::unique_ptr<ReceiveRun> receive_;
   // Delta refit (engine/delta.h): a source's base and the version its destination holds (as far
   // as it knows); a destination's copy of what it holds.

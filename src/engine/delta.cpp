@@ -7,6 +7,7 @@
 #include "core/random_id.h"
 #include "core/wire.h"
 #include "memory/cuda/device_delta.h"
+#include "refit/ext/box_copy.h"
 
 namespace refit {
 namespace {
@@ -143,6 +144,65 @@ class SourceDelta::Stream : public WeightSource {
   bool ended_ = false;
   uint64_t sent_ = 0;
 };
+
+SelectedSource::SelectedSource(const Layout& layout, std::string destination, CopyStream& copies, double timeout_s)
+    : layout_(layout), destination_(std::move(destination)), copies_(copies), timeout_s_(timeout_s) {}
+SelectedSource::~SelectedSource() = default;
+
+WeightSource& SelectedSource::begin(WeightSource& inner) {
+  inner_ = &inner;
+  dropped_ = 0;
+  yielded_.clear();
+  return *this;
+}
+
+bool SelectedSource::next(TensorView* out) {
+  TensorView view;
+  while (inner_->next(&view)) {
+    if (view.info == nullptr) fail(ErrorKind::kInvalidArgument, "the weight stream yielded a tensor without metadata");
+    const Selection selection = select(layout_, *view.info);
+    if (selection.take == Take::kDrop) {
+      ++dropped_;
+      continue;
+    }
+    yielded_.insert(view.info->name);
+    if (selection.take == Take::kWhole) {
+      *out = view;
+      return true;
+    }
+    Slice& slice = slices_[view.info->name];
+    slice.info = selection.info;
+    const uint64_t bytes = slice.info.nbytes();
+    std::byte* data = nullptr;
+    if (view.memory == MemoryKind::kHost) {
+      slice.device = DeviceBuffer();
+      slice.host.resize(bytes);
+      data = slice.host.data();
+    } else {
+      slice.host.clear();
+      if (slice.device.size() != bytes) slice.device = DeviceBuffer(Device{Device::Kind::kCuda, -1}, bytes);
+      data = slice.device.data();
+    }
+    const Box box = Box::of(Request::narrow(selection.slice.dim, selection.slice.start, selection.slice.length));
+    if (view.info->nbytes() > 0 && view.data == nullptr)
+      fail(ErrorKind::kInvalidArgument, "tensor '{}' ({} bytes) has no data pointer", view.info->name,
+           view.info->nbytes());
+    for_each_box_block(view.info->shape, dtype_size(view.info->dtype), box, 0, bytes, [&](const BoxBlock& b) {
+      copies_.copy_2d(data + b.packed_offset, b.row_bytes, view.data + b.tensor_offset, b.pitch, b.row_bytes, b.rows,
+                      view.memory, view.memory);
+    });
+    copies_.synchronize(
+        deadline_after(std::chrono::duration<double>(timeout_s_)));  // compared as soon as it is yielded
+    *out = {&slice.info, data, view.memory};
+    return true;
+  }
+  // A destination that declared a tensor must get it: a request the stream never met would
+  // otherwise leave that parameter stale with no word said.
+  for (const auto& [name, request] : layout_.tensors)
+    if (request.take != Take::kDrop && !yielded_.contains(name))
+      fail(ErrorKind::kLayout, "{} holds '{}' but the weight stream never yielded it", destination_, name);
+  return false;
+}
 
 SourceDelta::SourceDelta() = default;
 SourceDelta::~SourceDelta() = default;

@@ -20,6 +20,7 @@
 #include <deque>
 #include <map>
 #include <memory>
+#include <set>
 #include <span>
 #include <string>
 #include <vector>
@@ -27,6 +28,7 @@
 #include "core/delta_codec.h"
 #include "refit/checkpoint_engine.h"
 #include "refit/ext/device_memory.h"
+#include "refit/layout.h"
 #include "refit/tensor.h"
 
 namespace refit {
@@ -55,6 +57,39 @@ struct HeldTensor {
   std::byte* data() { return memory == MemoryKind::kHost ? bytes.data() : device.data(); }
   // Holds a copy of `view`'s bytes (in its memory) from now on.
   void assign(const TensorView& view, DeviceDelta& gpu);
+};
+
+// What a paired destination with a layout holds of each tensor of a weight stream, as a stream:
+// whole tensors as they are, slices packed (on `copies`, in the tensor's memory) into buffers kept
+// until the same tensor's slice next refit, tensors it does not hold left out. A delta refit
+// compares what its destination holds, so a source selects before it compares. At the end of the
+// stream, a tensor the layout holds that never came is Error(kLayout), as without delta.
+class SelectedSource : public WeightSource {
+ public:
+  SelectedSource(const Layout& layout, std::string destination, CopyStream& copies, double timeout_s);
+  ~SelectedSource() override;
+  // Starts a refit over `inner`, valid until the next begin().
+  WeightSource& begin(WeightSource& inner);
+  // Tensors of this refit the destination does not hold.
+  uint64_t dropped() const { return dropped_; }
+
+  bool next(TensorView* out) override;
+  bool views_outlive_send() const override { return inner_ != nullptr && inner_->views_outlive_send(); }
+
+ private:
+  struct Slice {
+    TensorInfo info;
+    std::vector<std::byte> host;
+    DeviceBuffer device;  // on the calling thread's current GPU
+  };
+  const Layout& layout_;
+  const std::string destination_;
+  CopyStream& copies_;
+  const double timeout_s_;
+  WeightSource* inner_ = nullptr;
+  uint64_t dropped_ = 0;
+  std::set<std::string, std::less<>> yielded_;
+  std::map<std::string, Slice, std::less<>> slices_;
 };
 
 class SourceDelta {

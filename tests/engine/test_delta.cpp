@@ -8,6 +8,7 @@
 #include "core/error_of.h"
 #include "engine/delta.h"
 #include "engine_harness.h"
+#include "refit/ext/box_copy.h"
 
 namespace refit {
 namespace {
@@ -242,20 +243,38 @@ TEST(DeltaRefit, BothEndsMustAgree) {
   }
 }
 
-TEST(DeltaRefit, ALayoutIsRefusedWithTheKey) {
+// A destination with a layout (a TP rank's slices, a tensor it does not hold): the source selects
+// what it holds first, row and column slices packed, and compares that; every refit delivers
+// exactly the slices, and after the first they come as changes.
+TEST(DeltaRefit, ADestinationWithALayoutGetsItsSlicesAsChanges) {
   DeltaPair p;
   auto o = inproc_options(p.fabric, 16 << 10, p.session);
   o.config.delta = DeltaMode::kOn;
   o.layout = Layout{};
-  o.layout->tensors["lm_head.weight"] = Request::whole();
+  o.layout->tensors["model.embed_tokens.weight"] = Request::narrow(0, 128, 256);  // rows
+  o.layout->tensors["model.layers.0.mlp.weight"] = Request::narrow(1, 16, 32);    // columns: strided
+  o.layout->tensors["lm_head.weight"] = Request::drop();
   p.destination = std::make_unique<CheckpointEngine>(o);
-  std::vector<Metadata> md = {p.source->prepare(), p.destination->prepare()};
-  try {
-    p.destination->init_destination(0, 1, 1, md);
-    FAIL() << "delta with a layout connected";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.kind(), ErrorKind::kUnsupported);
-    EXPECT_NE(std::string(e.what()).find("refit_cfg.nixl.delta"), std::string::npos) << e.what();
+  p.connect();
+  auto weights = model(7);
+  for (uint32_t r = 0; r < 4; ++r) {
+    if (r > 0) step(weights, 0.01, 70 + r);
+    Received got;
+    const ReceiveStats stats = p.refit(weights, got);
+    ASSERT_EQ(got.tensors.size(), weights.size() - 1) << "lm_head.weight is not held";
+    for (const auto& t : weights) {
+      const Selection s = select(*o.layout, t.info);
+      if (s.take == Take::kDrop) continue;
+      std::vector<std::byte> expected(s.info.nbytes());
+      const Box box =
+          s.take == Take::kSlice ? Box::of(Request::narrow(s.slice.dim, s.slice.start, s.slice.length)) : Box::whole();
+      pack_box(t.data.data(), t.info.shape, dtype_size(t.info.dtype), box, 0, expected.size(), expected.data());
+      ASSERT_TRUE(got.tensors.contains(t.info.name)) << t.info.name;
+      EXPECT_EQ(got.tensors[t.info.name].info, s.info) << t.info.name;
+      EXPECT_EQ(got.tensors[t.info.name].data, expected) << t.info.name << ", refit " << r;
+    }
+    EXPECT_EQ(p.sent.dropped, 1u);
+    if (r > 0) EXPECT_EQ(stats.delta_tensors, weights.size() - 2) << "all it holds but the empty tensor";
   }
 }
 

@@ -227,9 +227,8 @@ class CheckpointEngine::Impl {
         WeightSource* stream = &weights;
         if (target_layout_) {
           if (!selected_)
-            selected_ = std::make_unique<SelectedSource>(*target_layout_, links_[0].label, *pack_stream_,
-                                                         options_.config.timeout_s);
-          stream = &selected_->begin(weights);
+            selected_ = std::make_unique<SelectedSource>(*target_layout_, links_[0].label, options_.config.timeout_s);
+          stream = &selected_->begin(weights, *pack_stream_);
         }
         run_send(source_delta_.begin(*stream, held, links_[0].label, options_.config.delta == DeltaMode::kAuto), stats,
                  phase);

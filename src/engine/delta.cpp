@@ -145,12 +145,13 @@ class SourceDelta::Stream : public WeightSource {
   uint64_t sent_ = 0;
 };
 
-SelectedSource::SelectedSource(const Layout& layout, std::string destination, CopyStream& copies, double timeout_s)
-    : layout_(layout), destination_(std::move(destination)), copies_(copies), timeout_s_(timeout_s) {}
+SelectedSource::SelectedSource(const Layout& layout, std::string destination, double timeout_s)
+    : layout_(layout), destination_(std::move(destination)), timeout_s_(timeout_s) {}
 SelectedSource::~SelectedSource() = default;
 
-WeightSource& SelectedSource::begin(WeightSource& inner) {
+WeightSource& SelectedSource::begin(WeightSource& inner, CopyStream& copies) {
   inner_ = &inner;
+  copies_ = &copies;
   dropped_ = 0;
   yielded_.clear();
   return *this;
@@ -188,10 +189,10 @@ bool SelectedSource::next(TensorView* out) {
       fail(ErrorKind::kInvalidArgument, "tensor '{}' ({} bytes) has no data pointer", view.info->name,
            view.info->nbytes());
     for_each_box_block(view.info->shape, dtype_size(view.info->dtype), box, 0, bytes, [&](const BoxBlock& b) {
-      copies_.copy_2d(data + b.packed_offset, b.row_bytes, view.data + b.tensor_offset, b.pitch, b.row_bytes, b.rows,
-                      view.memory, view.memory);
+      copies_->copy_2d(data + b.packed_offset, b.row_bytes, view.data + b.tensor_offset, b.pitch, b.row_bytes, b.rows,
+                       view.memory, view.memory);
     });
-    copies_.synchronize(
+    copies_->synchronize(
         deadline_after(std::chrono::duration<double>(timeout_s_)));  // compared as soon as it is yielded
     *out = {&slice.info, data, view.memory};
     return true;

@@ -60,16 +60,17 @@ struct HeldTensor {
 };
 
 // What a paired destination with a layout holds of each tensor of a weight stream, as a stream:
-// whole tensors as they are, slices packed (on `copies`, in the tensor's memory) into buffers kept
+// whole tensors as they are, slices packed (in the tensor's memory) into buffers kept
 // until the same tensor's slice next refit, tensors it does not hold left out. A delta refit
 // compares what its destination holds, so a source selects before it compares. At the end of the
 // stream, a tensor the layout holds that never came is Error(kLayout), as without delta.
 class SelectedSource : public WeightSource {
  public:
-  SelectedSource(const Layout& layout, std::string destination, CopyStream& copies, double timeout_s);
+  SelectedSource(const Layout& layout, std::string destination, double timeout_s);
   ~SelectedSource() override;
-  // Starts a refit over `inner`, valid until the next begin().
-  WeightSource& begin(WeightSource& inner);
+  // Starts a refit over `inner` that packs slices on `copies` (the engine's, which may be made anew
+  // between refits), valid until the next begin().
+  WeightSource& begin(WeightSource& inner, CopyStream& copies);
   // Tensors of this refit the destination does not hold.
   uint64_t dropped() const { return dropped_; }
 
@@ -84,8 +85,8 @@ class SelectedSource : public WeightSource {
   };
   const Layout& layout_;
   const std::string destination_;
-  CopyStream& copies_;
   const double timeout_s_;
+  CopyStream* copies_ = nullptr;
   WeightSource* inner_ = nullptr;
   uint64_t dropped_ = 0;
   std::set<std::string, std::less<>> yielded_;

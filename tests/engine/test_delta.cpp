@@ -247,34 +247,44 @@ TEST(DeltaRefit, BothEndsMustAgree) {
 // what it holds first, row and column slices packed, and compares that; every refit delivers
 // exactly the slices, and after the first they come as changes.
 TEST(DeltaRefit, ADestinationWithALayoutGetsItsSlicesAsChanges) {
-  DeltaPair p;
-  auto o = inproc_options(p.fabric, 16 << 10, p.session);
-  o.config.delta = DeltaMode::kOn;
-  o.layout = Layout{};
-  o.layout->tensors["model.embed_tokens.weight"] = Request::narrow(0, 128, 256);  // rows
-  o.layout->tensors["model.layers.0.mlp.weight"] = Request::narrow(1, 16, 32);    // columns: strided
-  o.layout->tensors["lm_head.weight"] = Request::drop();
-  p.destination = std::make_unique<CheckpointEngine>(o);
-  p.connect();
-  auto weights = model(7);
-  for (uint32_t r = 0; r < 4; ++r) {
-    if (r > 0) step(weights, 0.01, 70 + r);
-    Received got;
-    const ReceiveStats stats = p.refit(weights, got);
-    ASSERT_EQ(got.tensors.size(), weights.size() - 1) << "lm_head.weight is not held";
-    for (const auto& t : weights) {
-      const Selection s = select(*o.layout, t.info);
-      if (s.take == Take::kDrop) continue;
-      std::vector<std::byte> expected(s.info.nbytes());
-      const Box box =
-          s.take == Take::kSlice ? Box::of(Request::narrow(s.slice.dim, s.slice.start, s.slice.length)) : Box::whole();
-      pack_box(t.data.data(), t.info.shape, dtype_size(t.info.dtype), box, 0, expected.size(), expected.data());
-      ASSERT_TRUE(got.tensors.contains(t.info.name)) << t.info.name;
-      EXPECT_EQ(got.tensors[t.info.name].info, s.info) << t.info.name;
-      EXPECT_EQ(got.tensors[t.info.name].data, expected) << t.info.name << ", refit " << r;
+  // Also with release_after_refit: the engines prepare again before every refit (a new pack stream).
+  for (bool release : {false, true}) {
+    SCOPED_TRACE(release ? "release_after_refit" : "buffers kept");
+    DeltaPair p;
+    auto o = inproc_options(p.fabric, 16 << 10, p.session);
+    o.config.delta = DeltaMode::kOn;
+    o.config.release_after_refit = release;
+    o.layout = Layout{};
+    o.layout->tensors["model.embed_tokens.weight"] = Request::narrow(0, 128, 256);  // rows
+    o.layout->tensors["model.layers.0.mlp.weight"] = Request::narrow(1, 16, 32);    // columns: strided
+    o.layout->tensors["lm_head.weight"] = Request::drop();
+    p.source = p.make(DeltaMode::kOn, release);
+    p.destination = std::make_unique<CheckpointEngine>(o);
+    auto weights = model(7);
+    for (uint32_t r = 0; r < 4; ++r) {
+      if (r == 0 || release) p.connect();
+      if (r > 0) step(weights, 0.01, 70 + r);
+      Received got;
+      const ReceiveStats stats = p.refit(weights, got);
+      ASSERT_EQ(got.tensors.size(), weights.size() - 1) << "lm_head.weight is not held";
+      for (const auto& t : weights) {
+        const Selection s = select(*o.layout, t.info);
+        if (s.take == Take::kDrop) continue;
+        std::vector<std::byte> expected(s.info.nbytes());
+        const Box box = s.take == Take::kSlice ? Box::of(Request::narrow(s.slice.dim, s.slice.start, s.slice.length))
+                                               : Box::whole();
+        pack_box(t.data.data(), t.info.shape, dtype_size(t.info.dtype), box, 0, expected.size(), expected.data());
+        ASSERT_TRUE(got.tensors.contains(t.info.name)) << t.info.name;
+        EXPECT_EQ(got.tensors[t.info.name].info, s.info) << t.info.name;
+        EXPECT_EQ(got.tensors[t.info.name].data, expected) << t.info.name << ", refit " << r;
+      }
+      EXPECT_EQ(p.sent.dropped, 1u);
+      if (r > 0) EXPECT_EQ(stats.delta_tensors, weights.size() - 2) << "all it holds but the empty tensor";
+      if (release) {
+        p.source->finalize();
+        p.destination->finalize();
+      }
     }
-    EXPECT_EQ(p.sent.dropped, 1u);
-    if (r > 0) EXPECT_EQ(stats.delta_tensors, weights.size() - 2) << "all it holds but the empty tensor";
   }
 }
 

@@ -51,14 +51,14 @@ struct DeviceDelta::State {
   std::vector<uint32_t> host_counts;
   std::vector<uint64_t> host_sums, host_offsets, host_index, host_before, host_after;
 
-  // Binds to `device` (a stream there) and makes it current for the caller.
+  // Binds to `device` (a stream there). The caller holds a DeviceGuard for it: the calling
+  // thread's current GPU is the caller's own business again afterwards.
   void use(int d) {
     if (stream != nullptr && device != d) {
       cudaStreamDestroy(stream);
       stream = nullptr;
     }
     device = d;
-    cuda::check(cudaSetDevice(d), "cudaSetDevice", "delta refit");
     if (stream == nullptr)
       cuda::check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreateWithFlags",
                   "delta refit");
@@ -106,6 +106,7 @@ DeviceDelta::~DeviceDelta() = default;
 DeviceBuffer DeviceDelta::copy_of(const std::byte* data, size_t bytes) {
   if (bytes == 0) return {};
   const int device = device_of(data, "delta refit: keeping a copy of a tensor");
+  const cuda::DeviceGuard guard(device);
   state_->use(device);
   DeviceBuffer copy(Device{Device::Kind::kCuda, device}, rounded(bytes));  // zero-filled
   assign(copy, data, bytes);
@@ -116,6 +117,7 @@ void DeviceDelta::assign(DeviceBuffer& base, const std::byte* data, size_t bytes
   if (base.size() != rounded(bytes))
     fail(ErrorKind::kInternal, "delta refit: a copy of {} bytes cannot hold {}", base.size(), bytes);
   if (bytes == 0) return;
+  const cuda::DeviceGuard guard(base.device_index());
   state_->use(base.device_index());
   cuda::check(cudaMemcpyAsync(base.data(), data, bytes, cudaMemcpyDefault, state_->stream), "cudaMemcpyAsync",
               "delta refit: copying a tensor");
@@ -129,6 +131,7 @@ DeltaResult DeviceDelta::encode(DeviceBuffer& base, const std::byte* now, size_t
     fail(ErrorKind::kInternal, "DeviceDelta::encode: a base of {} bytes, {} bytes of {}-byte elements", base.size(),
          bytes, element_size);
   State& s = *state_;
+  const cuda::DeviceGuard guard(base.device_index());
   s.use(base.device_index());
   const uint64_t elements = bytes / element_size;
   uint64_t checksum = 0;
@@ -167,6 +170,7 @@ DeltaHeader DeviceDelta::apply(DeviceBuffer& target, size_t bytes, size_t elemen
   DeltaChanges changes;
   decode_delta(record, element_size, bytes, changes, what);  // all of it checked before any write
   State& s = *state_;
+  const cuda::DeviceGuard guard(target.device_index());
   s.use(target.device_index());
   const uint64_t count = changes.index.size();
   uint64_t* index = s.index.at_least(s.device, count);
@@ -197,7 +201,9 @@ uint64_t DeviceDelta::checksum(const std::byte* data, size_t bytes, DeltaChecksu
   }
   if (bytes == 0) return word_hash::finish(0, 0);
   State& s = *state_;
-  s.use(device_of(data, "delta refit: hashing a tensor"));
+  const int device = device_of(data, "delta refit: hashing a tensor");
+  const cuda::DeviceGuard guard(device);
+  s.use(device);
   uint64_t sum = 0;
   s.count(nullptr, data, bytes, 1, sum);
   return sum;

@@ -172,19 +172,18 @@ TEST_F(Hosts, FourSourcesToTwoDestinationsOnSixHosts) {
   for (int r = 0; r < 6; ++r) EXPECT_EQ(job.rank_status[r], 0) << job.rank_outputs[r];
 }
 
-// delta: auto across hosts (nothing maps there): the first refit goes whole, the second tries
-// changes, and on links this slow the changes stay the faster way; every refit bitwise.
-TEST_F(Hosts, DeltaAutoSendsChangesAcrossHosts) {
-  SimHosts hosts(2, "1gbit");  // a link well below the source's comparison, whatever else runs here
+// delta: auto across hosts (nothing maps there, so it is on): the first refit goes whole, the
+// second tries changes; later ones go whichever way was faster, which depends on this machine's
+// load (the policy itself is DeltaRefit.AutoSendsEachRefitTheWayThatWasFaster...). Every refit bitwise.
+TEST_F(Hosts, DeltaAutoTriesChangesAcrossHosts) {
+  SimHosts hosts(2, "1gbit");
   auto job = run(hosts, {1, 2}, 1, 1, 4, {"--changed", "0.01", "refit_cfg.nixl.delta=auto"});
   expect_verified(job, 1, 4);
   const auto& refits = job.result.at("refits");
   EXPECT_EQ(refits[0].at("bytes_received")[0].at("delta_tensors").get<uint64_t>(), 0u);
-  EXPECT_GT(refits[1].at("bytes_received")[0].at("delta_tensors").get<uint64_t>(), 0u) << job.output;
-  for (size_t r = 1; r < refits.size(); ++r) {
-    const auto& d = refits[r].at("bytes_received")[0];
-    EXPECT_LT(d.at("wire_bytes").get<uint64_t>(), d.at("bytes").get<uint64_t>() / 10) << "refit " << r;
-  }
+  const auto& second = refits[1].at("bytes_received")[0];
+  EXPECT_GT(second.at("delta_tensors").get<uint64_t>(), 0u) << job.output;
+  EXPECT_LT(second.at("wire_bytes").get<uint64_t>(), second.at("bytes").get<uint64_t>() / 10) << job.output;
 }
 
 TEST_F(Hosts, ARankWithAnotherModelIsRefusedNamingItsHost) {

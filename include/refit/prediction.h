@@ -76,7 +76,8 @@ Prediction predict_paired(const ModelInventory& model, std::span<const Layout> h
 // through refit's pipeline as modelled above, while each source compares its weights with its
 // base and each destination patches and hashes its copy, at multiples of their node group's copy
 // rate (three stages of one pipeline: the slowest sets the time). Throws Error(kUnsupported) for destinations with
-// layouts (delta refit sends whole tensors) and Error(kConfig) for a share outside [0, 1].
+// layouts (the engine sends them their slices as changes; this model does not size those records
+// yet) and Error(kConfig) for a share outside [0, 1].
 struct DeltaPrediction {
   double seconds = 0;        // one delta refit
   double full_seconds = 0;   // the full refit it replaces

@@ -46,8 +46,8 @@ DeltaPrediction predict_delta(const ModelInventory& model, std::span<const Layou
   for (const Layout& need : needs)
     if (!need.tensors.empty() || !need.drop_prefixes.empty())
       fail(ErrorKind::kUnsupported,
-           "delta refit (refit_cfg.nixl.delta) sends whole tensors on the paired topology: a destination with a "
-           "layout has no delta prediction");
+           "the planner models delta refit (refit_cfg.nixl.delta) to destinations that hold whole tensors only: a "
+           "destination with a layout has no delta prediction yet");
   DeltaPrediction p;
   ModelInventory records = model;
   for (TensorInfo& t : records.tensors) {

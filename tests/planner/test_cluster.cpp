@@ -632,7 +632,7 @@ TEST(DeltaPrediction, RecordsShrinkWithTheShareAndGoWholeWhenNotSmaller) {
 }
 
 // On a slow link a delta refit is bound by the sources' comparison and pays; where a full refit
-// runs at copy speed it does not. Destinations with layouts have no delta refit.
+// runs at copy speed it does not. Destinations with layouts have no delta model yet.
 TEST(DeltaPrediction, PaysOnASlowLinkNotWhereTheLinkRunsAtCopySpeed) {
   const ModelInventory m = rows_model(8, 1024, 1024);  // 8 tensors of 4 MiB (float32)
   const double bytes = static_cast<double>(m.total_bytes());

@@ -226,9 +226,8 @@ class CheckpointEngine::Impl {
         // A destination with a layout: compare what it holds (selected_ packs its slices first).
         WeightSource* stream = &weights;
         if (target_layout_) {
-          if (!selected_)
-            selected_ = std::make_unique<SelectedSource>(*target_layout_, links_[0].label, options_.config.timeout_s);
-          stream = &selected_->begin(weights, *pack_stream_);
+          if (!selected_) selected_ = std::make_unique<SelectedSource>(*target_layout_, options_.config.timeout_s);
+          stream = &selected_->begin(weights, *pack_stream_, sent_);
         }
         run_send(source_delta_.begin(*stream, held, links_[0].label, options_.config.delta == DeltaMode::kAuto), stats,
                  phase);
@@ -765,16 +764,14 @@ class CheckpointEngine::Impl {
         ++stats.dropped;
         continue;
       }
-      const Box box = selection.take == Take::kSlice
-                          ? Box::of(Request::narrow(selection.slice.dim, selection.slice.start, selection.slice.length))
-                          : Box::whole();
+      const Box box = Box::of(Request{selection.take, selection.slice});
       senders_[0]->add(view, box, selection.info, Box::whole(), phase);
       sent.add(info.name);
       ++stats.tensors;
     }
-    if (target_layout_ && !delta_) {
-      // A destination that declared a tensor must get it: a request the stream never met would
-      // otherwise leave that parameter stale with no word said.
+    if (target_layout_) {
+      // A destination that declared a tensor must get it (with delta, SelectedSource records the
+      // names): a request the stream never met would otherwise leave that parameter stale.
       for (const auto& [name, request] : target_layout_->tensors)
         if (request.take != Take::kDrop && !sent.contains(name))
           fail(ErrorKind::kLayout, "{} holds '{}' but the weight stream never yielded it", links_[0].label, name);

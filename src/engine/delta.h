@@ -20,12 +20,12 @@
 #include <deque>
 #include <map>
 #include <memory>
-#include <set>
 #include <span>
 #include <string>
 #include <vector>
 
 #include "core/delta_codec.h"
+#include "core/name_index.h"
 #include "refit/checkpoint_engine.h"
 #include "refit/ext/device_memory.h"
 #include "refit/layout.h"
@@ -62,15 +62,16 @@ struct HeldTensor {
 // What a paired destination with a layout holds of each tensor of a weight stream, as a stream:
 // whole tensors as they are, slices packed (in the tensor's memory) into buffers kept
 // until the same tensor's slice next refit, tensors it does not hold left out. A delta refit
-// compares what its destination holds, so a source selects before it compares. At the end of the
-// stream, a tensor the layout holds that never came is Error(kLayout), as without delta.
+// compares what its destination holds, so a source selects before it compares. The names it
+// yields go into the engine's record of the refit, which checks them against the layout as
+// without delta.
 class SelectedSource : public WeightSource {
  public:
-  SelectedSource(const Layout& layout, std::string destination, double timeout_s);
+  SelectedSource(const Layout& layout, double timeout_s);
   ~SelectedSource() override;
   // Starts a refit over `inner` that packs slices on `copies` (the engine's, which may be made anew
-  // between refits), valid until the next begin().
-  WeightSource& begin(WeightSource& inner, CopyStream& copies);
+  // between refits) and adds each name it yields to `yielded`; valid until the next begin().
+  WeightSource& begin(WeightSource& inner, CopyStream& copies, NameIndex& yielded);
   // Tensors of this refit the destination does not hold.
   uint64_t dropped() const { return dropped_; }
 
@@ -84,12 +85,11 @@ class SelectedSource : public WeightSource {
     DeviceBuffer device;  // on the calling thread's current GPU
   };
   const Layout& layout_;
-  const std::string destination_;
   const double timeout_s_;
   CopyStream* copies_ = nullptr;
+  NameIndex* yielded_ = nullptr;
   WeightSource* inner_ = nullptr;
   uint64_t dropped_ = 0;
-  std::set<std::string, std::less<>> yielded_;
   std::map<std::string, Slice, std::less<>> slices_;
 };
 

@@ -271,8 +271,7 @@ TEST(DeltaRefit, ADestinationWithALayoutGetsItsSlicesAsChanges) {
         const Selection s = select(*o.layout, t.info);
         if (s.take == Take::kDrop) continue;
         std::vector<std::byte> expected(s.info.nbytes());
-        const Box box = s.take == Take::kSlice ? Box::of(Request::narrow(s.slice.dim, s.slice.start, s.slice.length))
-                                               : Box::whole();
+        const Box box = Box::of(Request{s.take, s.slice});
         pack_box(t.data.data(), t.info.shape, dtype_size(t.info.dtype), box, 0, expected.size(), expected.data());
         ASSERT_TRUE(got.tensors.contains(t.info.name)) << t.info.name;
         EXPECT_EQ(got.tensors[t.info.name].info, s.info) << t.info.name;
@@ -286,6 +285,23 @@ TEST(DeltaRefit, ADestinationWithALayoutGetsItsSlicesAsChanges) {
       }
     }
   }
+}
+
+// A tensor the destination's layout holds that the stream never yields fails the refit, as
+// without delta (SelectedSource records the names the engine checks).
+TEST(DeltaRefit, ALayoutTensorTheStreamNeverYieldsFailsTheRefit) {
+  DeltaPair p;
+  auto o = inproc_options(p.fabric, 16 << 10, p.session);
+  o.config.delta = DeltaMode::kOn;
+  o.layout = Layout{};
+  o.layout->tensors["model.layers.9.missing"] = Request::whole();
+  p.destination = std::make_unique<CheckpointEngine>(o);
+  p.connect();
+  Received got;
+  std::string message;
+  error_kind_of([&] { p.refit(model(3), got); }, &message);  // throws if the refit went through
+  EXPECT_NE(message.find("never yielded"), std::string::npos) << message;
+  EXPECT_NE(message.find("model.layers.9.missing"), std::string::npos) << message;
 }
 
 // The destination's side alone: changes to a version it does not hold are refused before

@@ -72,18 +72,17 @@ Prediction predict_paired(const ModelInventory& model, std::span<const Layout> h
 
 // Delta refit (refit_cfg.nixl.delta) of the paired refit `full` predicts, when `changed_share` of
 // every tensor's elements changed since the last refit by steps of a few units in the last place
-// (an optimizer's): each tensor crosses as the record the codec would write (predicted_record_bytes)
-// through refit's pipeline as modelled above, while each source compares its weights with its
-// base and each destination patches and hashes its copy, at multiples of their node group's copy
-// rate (three stages of one pipeline: the slowest sets the time). Throws Error(kUnsupported) for destinations with
-// layouts (the engine sends them their slices as changes; this model does not size those records
-// yet) and Error(kConfig) for a share outside [0, 1].
+// (an optimizer's): each tensor, or each slice a destination's layout keeps, crosses as the record
+// the codec would write (predicted_record_bytes) through refit's pipeline as modelled above, while
+// each source compares what its destination keeps with its base and each destination patches and
+// hashes its copy, at multiples of their node group's copy rate (three stages of one pipeline: the
+// slowest sets the time). Throws Error(kConfig) for a share outside [0, 1].
 struct DeltaPrediction {
   double seconds = 0;        // one delta refit
   double full_seconds = 0;   // the full refit it replaces
   double scan_seconds = 0;   // each source's comparison
   double patch_seconds = 0;  // each destination's patch and hash
-  uint64_t wire_bytes = 0;   // every record (or whole tensor) a destination receives
+  uint64_t wire_bytes = 0;   // every record (or whole tensor) the busiest destination receives
   bool pays = false;         // faster than the full refit
   Prediction transfer;       // the records through the pipeline
 };

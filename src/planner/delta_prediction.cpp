@@ -3,6 +3,7 @@
 #include <bit>
 
 #include "core/fail.h"
+#include "planner/paired_model.h"
 #include "refit/prediction.h"
 
 namespace refit {
@@ -43,21 +44,18 @@ DeltaPrediction predict_delta(const ModelInventory& model, std::span<const Layou
                               double changed_share, const Prediction& full) {
   if (!(changed_share >= 0 && changed_share <= 1))
     fail(ErrorKind::kConfig, "the changed share of a delta refit must lie in [0, 1], got {}", changed_share);
-  for (const Layout& need : needs)
-    if (!need.tensors.empty() || !need.drop_prefixes.empty())
-      fail(ErrorKind::kUnsupported,
-           "the planner models delta refit (refit_cfg.nixl.delta) to destinations that hold whole tensors only: a "
-           "destination with a layout has no delta prediction yet");
+  // Each source compares, and sends as records, what its destination keeps: whole tensors, or the
+  // slices of a layout (the engine's SelectedSource).
+  std::vector<uint64_t> kept(needs.size(), 0), records(needs.size(), 0);
   DeltaPrediction p;
-  ModelInventory records = model;
-  for (TensorInfo& t : records.tensors) {
-    const uint64_t bytes = predicted_record_bytes(t, changed_share);
-    t.dtype = DType::kUInt8;
-    t.shape = {static_cast<int64_t>(bytes)};
-    p.wire_bytes += bytes;
-  }
-  p.transfer = predict_refit(records, {}, needs, cluster);
-  const uint64_t bytes = model.total_bytes();
+  p.transfer = predict_paired_stream(model, needs, cluster, [&](uint32_t destination, const TensorInfo& piece) {
+    const uint64_t bytes = predicted_record_bytes(piece, changed_share);
+    kept[destination] += piece.nbytes();
+    records[destination] += bytes;
+    return TensorInfo{piece.name, DType::kUInt8, {static_cast<int64_t>(bytes)}};
+  });
+  p.wire_bytes = records.empty() ? 0 : *std::max_element(records.begin(), records.end());
+  const uint64_t bytes = kept.empty() ? 0 : *std::max_element(kept.begin(), kept.end());
   auto seconds = [&](const std::string& nodes, double gpu_copies, double host_copies) {
     const NodeGroup& g = cluster.group(nodes);
     if (g.copy_rate <= 0)
@@ -65,6 +63,7 @@ DeltaPrediction predict_delta(const ModelInventory& model, std::span<const Layou
            g.name);
     return static_cast<double>(bytes) * (g.gpu ? gpu_copies : host_copies) / g.copy_rate;
   };
+  // The pairs work side by side: the one that keeps the most sets each stage's time.
   p.scan_seconds = seconds(cluster.sources.nodes, kGpuScanCopies, kHostScanCopies);
   p.patch_seconds = seconds(cluster.destinations.nodes, kGpuPatchCopies, kHostPatchCopies);
   // A pipeline: the source sends a bucket of changes as soon as it holds 1 MiB, and the

@@ -10,6 +10,7 @@
 #include <set>
 
 #include "core/fail.h"
+#include "planner/paired_model.h"
 #include "refit/ext/box_copy.h"
 #include "refit/plan.h"
 #include "refit/transfer_plan.h"
@@ -785,9 +786,10 @@ void check_ranks(const Cluster& c, size_t holds, size_t needs, bool paired) {
   if (c.transfer.bucket_bytes == 0) fail(ErrorKind::kConfig, "cluster '{}': the bucket size is not set", c.name);
 }
 
-// The paired path: source i streams what destination i keeps, in one link with the whole bucket.
+// The paired path: source i streams what destination i keeps (or, given `crossing`, what it makes
+// of each piece), in one link with the whole bucket.
 Prediction simulate_paired(const ModelInventory& model, std::span<const Layout> needs, const Cluster& cluster,
-                           double start) {
+                           double start, const PairedCrossing& crossing = {}) {
   const uint32_t pairs = static_cast<uint32_t>(needs.size());
   if (cluster.sources.ranks < static_cast<int>(pairs))
     fail(ErrorKind::kConfig,
@@ -800,6 +802,10 @@ Prediction simulate_paired(const ModelInventory& model, std::span<const Layout> 
     for (const auto& t : model.tensors) {
       Selection s = select(needs[i], t);
       if (s.take == Take::kDrop) continue;
+      if (crossing) {  // made by the source in its own memory, contiguous
+        by_tensor.push_back({{k, crossing(i, s.info), nullptr, Box::whole(), false, true, 0}});
+        continue;
+      }
       const Box box =
           s.take == Take::kSlice ? Box::of(Request::narrow(s.slice.dim, s.slice.start, s.slice.length)) : Box::whole();
       const bool contiguous = contiguous_box(t.shape, t.dtype, box, s.info.nbytes());
@@ -812,6 +818,12 @@ Prediction simulate_paired(const ModelInventory& model, std::span<const Layout> 
 }
 
 }  // namespace
+
+Prediction predict_paired_stream(const ModelInventory& model, std::span<const Layout> needs, const Cluster& cluster,
+                                 const PairedCrossing& crossing) {
+  check_ranks(cluster, 0, needs.size(), true);
+  return simulate_paired(model, needs, cluster, 0, crossing);
+}
 
 Prediction predict_refit(const ModelInventory& model, std::span<const Layout> holds, std::span<const Layout> needs,
                          const Cluster& cluster) {

@@ -632,7 +632,7 @@ TEST(DeltaPrediction, RecordsShrinkWithTheShareAndGoWholeWhenNotSmaller) {
 }
 
 // On a slow link a delta refit is bound by the sources' comparison and pays; where a full refit
-// runs at copy speed it does not. Destinations with layouts have no delta model yet.
+// runs at copy speed it does not.
 TEST(DeltaPrediction, PaysOnASlowLinkNotWhereTheLinkRunsAtCopySpeed) {
   const ModelInventory m = rows_model(8, 1024, 1024);  // 8 tensors of 4 MiB (float32)
   const double bytes = static_cast<double>(m.total_bytes());
@@ -649,12 +649,32 @@ TEST(DeltaPrediction, PaysOnASlowLinkNotWhereTheLinkRunsAtCopySpeed) {
   fast.groups[0].gpu = fast.groups[1].gpu = false;
   const Prediction fast_full = predict_refit(m, {}, std::vector<Layout>(1), fast);
   EXPECT_FALSE(predict_delta(m, std::vector<Layout>(1), fast, 0.01, fast_full).pays);
-  std::vector<Layout> sliced(1);
-  sliced[0].tensors["t0"] = Request::narrow(0, 0, 512);
-  EXPECT_THAT(error_of(ErrorKind::kUnsupported, [&] { predict_delta(m, sliced, slow, 0.01, full); }),
-              HasSubstr("layout"));
   EXPECT_THAT(error_of(ErrorKind::kConfig, [&] { predict_delta(m, std::vector<Layout>(1), slow, 1.5, full); }),
               HasSubstr("[0, 1]"));
+}
+
+// A destination with a layout gets the records of what it keeps: its source compares and sends
+// those slices, and the pair that keeps the most sets the time.
+TEST(DeltaPrediction, DestinationsWithLayoutsGetTheRecordsOfTheirSlices) {
+  const ModelInventory m = rows_model(8, 1024, 1024);  // 8 tensors of 4 MiB (float32)
+  Cluster slow = two_sides(2, 2, "1Gbit", "10GB/s", "16MiB");
+  slow.groups[0].gpu = slow.groups[1].gpu = false;
+  std::vector<Layout> halves(2);  // TP 2 by rows; destination 1 keeps no layers.7
+  for (int d = 0; d < 2; ++d)
+    for (const TensorInfo& t : m.tensors) halves[d].tensors[t.name] = Request::narrow(0, 512 * d, 512);
+  halves[1].drop_prefixes.push_back("layers.7.");
+  const Prediction full = predict_refit(m, {}, halves, slow);
+  const DeltaPrediction d = predict_delta(m, halves, slow, 0.01, full);
+  const TensorInfo half{"t0", DType::kFloat32, {512, 1024}};
+  EXPECT_EQ(d.wire_bytes, 8 * predicted_record_bytes(half, 0.01));  // destination 0's
+  EXPECT_NEAR(d.scan_seconds, 8 * half.nbytes() * 6 / 10e9, 1e-9);  // half the model, six copies' worth
+  EXPECT_TRUE(d.pays);
+  // Whole tensors to the same two destinations: twice the records and twice the scan.
+  const std::vector<Layout> whole(2);
+  const DeltaPrediction w = predict_delta(m, whole, slow, 0.01, predict_refit(m, {}, whole, slow));
+  EXPECT_EQ(w.wire_bytes, 8 * predicted_record_bytes(m.tensors[0], 0.01));
+  EXPECT_NEAR(w.scan_seconds, 2 * d.scan_seconds, 1e-9);
+  EXPECT_GT(w.transfer.seconds, d.transfer.seconds);
 }
 
 TEST(Prediction, LayoutsMustMatchTheClusterRanks) {

@@ -9,12 +9,23 @@ Megatron's layout, not a guess. Forward passes cannot tell which TP rank holds w
 columns (any consistent permutation computes the same), so what each rank holds is read from
 Megatron's own sharded_state_dict() (each tensor's global offset, as its distributed checkpoints
 store it) and must be, tensor by tensor and byte for byte, what refit's layout of that rank says.
+
+Then the ranks of REFIT_CASES refit destinations through refit's engines (UCX over shared memory):
+each rank is a source declaring its layout and sending what it holds, read from its parameters at
+each send, and every destination (the whole model; a vLLM TP2 pair) must get its slice of the
+checkpoint byte for byte, twice (the parameters change in place between refits). Planted bugs (a
+rank sends its TP partner's tensors, declares its partner's layout, or sends stale tensors) must
+fail the refit or the comparison, as expected: the check can fail.
 """
 
+import datetime
 import importlib.util
 import json
 import os
+import re
 import socket
+import threading
+import time
 import zlib
 
 import pytest
@@ -198,7 +209,10 @@ def _held(model, family, c):
                 if mine.any():
                     hf_rows = fused_row[rows][mine]
                     assert torch.equal(hf_rows, torch.arange(hf_rows[0], hf_rows[0] + len(hf_rows))), (key, proj)
-                    put(p + f"self_attn.{proj}.{rest.rsplit('.', 1)[1]}", 0, int(hf_rows[0]), data[mine])
+                    rows_held = mine.nonzero().flatten()  # one block of the rank's rows: a view of them
+                    block = rows_held[-1] + 1 - rows_held[0] == len(rows_held)
+                    put(p + f"self_attn.{proj}.{rest.rsplit('.', 1)[1]}", 0, int(hf_rows[0]),
+                        data[rows_held[0]:rows_held[-1] + 1] if block else data[mine])
         elif rest in ("mlp.linear_fc1.weight", "mlp.experts.experts.linear_fc1.weight"):
             part = "gate" if offset[0] < ffn else "up"
             name = n["dense"](part) if rest.startswith("mlp.linear") else n["expert"](sh.global_offset[1], part)
@@ -237,6 +251,187 @@ def _compare(held, full, inventory, layout):
     return problems
 
 
+# ---- refit from the ranks: Megatron's shards as sources -------------------------------------------
+
+# dense TP x PP; tied embeddings (both stages hold embed_tokens); MoE with EP and replicas (dp 2);
+# MoE with EP, PP and whole experts (expert TP 1).
+REFIT_CASES = [("qwen3", 2, 2, 1, None), ("llama", 2, 2, 1, None), ("qwen3_moe", 2, 1, 2, None),
+               ("mixtral", 2, 2, 2, 1)]
+# Destination d runs in rank d's process: 0 takes the whole model, 1 and 2 are a vLLM TP2 pair.
+DESTINATIONS = 3
+REFIT_CONFIG = {"timeout_s": 30, "backend_init_params": {"tls": "posix,sysv,cma,self"}}
+BUCKET = 1 << 16  # below a rank's holdings: several buckets per refit, tensors split over them
+# Planted bugs, each in a group of its own on BUG_CASE, one refit; what every failure must match.
+BUG_CASE = REFIT_CASES[0]
+BUGS = {
+    # Rank 0 sends rank 1's decoder-layer tensors (same shapes) as its own: nothing in the transfer
+    # can see it, the comparisons of the destinations that read rank 0's slices must.
+    "sends_partner_tensors":
+        r"destination [01], refit 0: model\.layers\.[01]\.\S+: received .*, not the checkpoint's bytes",
+    # Rank 0 declares layouts[1]: rank 0's slices have no holder, and every engine computes the plan.
+    "declares_partner_layout":
+        r"rank \d: init_\w+: LayoutError: .* but no source holds .*|destination \d: 0 of 1 refits",
+    # Rank 2 (stage 1) sends at the second refit what it held before the parameters changed.
+    "sends_stale_tensors":
+        r"destination \d, refit 1: (model\.layers\.[23]\.\S+|model\.norm\.weight|lm_head\.weight): received .*",
+}
+
+
+def _destination_layouts(config_path, c):
+    moe = "num_experts" in c or "num_local_experts" in c  # vLLM's EP: experts whole, by EP rank
+    return [None] + [refit.destination_layout(config_path, tp_size=2, tp_rank=r, ep_size=2 if moe else 1,
+                                              ep_rank=r if moe else 0, shard_experts=moe, shard_dense=True,
+                                              destination_rank=1 + r) for r in range(2)]
+
+
+def _sends(model, family, c):
+    """(name, tensor) of what the rank holds, read now: views of its parameters, except q/k/v of
+    a rank with several query groups, whose rows in the fused linear_qkv are not one block (the
+    rows are gathered); and which tensors are such copies."""
+    held = _held(model, family, c)
+    storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    copies = sorted(n for n, (_, _, t) in held.items() if t.untyped_storage().data_ptr() not in storages)
+    return [(name, t) for name, (_, _, t) in held.items()], copies
+
+
+def _refit_group(rank, config_path, holds, destination_layouts, rounds):
+    """One group (sources: the WORLD ranks; destination d in rank d's process); rounds is a list
+    of (sends, expected(name, layout) -> tensor or None), one per refit. Returns this process's
+    errors and its destination's problems per refit; every rank stops at the first failed refit."""
+    import torch.distributed as dist
+
+    session = [refit.new_session_id() if rank == 0 else None]
+    dist.broadcast_object_list(session, src=0)
+    layout = destination_layouts[rank] if rank < DESTINATIONS else None
+    out = {"errors": [], "refits": []}
+    engines = []
+    try:
+        source = refit.CheckpointEngine(BUCKET, REFIT_CONFIG, session=session[0], holds=holds, model=config_path)
+        engines.append(source)
+        destination = None
+        if rank < DESTINATIONS:
+            destination = refit.CheckpointEngine(BUCKET, REFIT_CONFIG, session=session[0], model=config_path,
+                                                 layout=layout, framework="torch")
+            engines.append(destination)
+        mine = [source.prepare(), destination.prepare() if destination else None]
+        everyone = [None] * WORLD
+        dist.all_gather_object(everyone, mine)
+        metadata = [m[0] for m in everyone] + [everyone[d][1] for d in range(DESTINATIONS)]
+        for engine, init in ((source, "init_policy_process_group"), (destination, "init_rollout_process_group")):
+            try:
+                if engine:
+                    getattr(engine, init)(rank, WORLD, DESTINATIONS, metadata)
+            except refit.RefitError as e:
+                out["errors"].append(f"{init}: {type(e).__name__}: {e}")
+        for sends, expected in rounds:
+            if not _all_ok(out):
+                break
+            sends = sends()  # after the previous refit everywhere: the parameters of this one
+            errors = []
+            sender = threading.Thread(target=lambda: _send(source, sends, errors), daemon=True)
+            sender.start()
+            if destination:
+                try:
+                    out["refits"].append(_receive(destination, layout, expected))
+                except refit.RefitError as e:
+                    errors.append(f"receive: {type(e).__name__}: {e}")
+            sender.join(2 * REFIT_CONFIG["timeout_s"])
+            if sender.is_alive():
+                errors.append("send_weights did not return")
+            out["errors"] += errors
+    finally:
+        for e in engines:
+            e.finalize()
+            e.close()
+    return out
+
+
+def _all_ok(out):
+    """Whether no rank has an error yet (a collective: every rank calls it at the same points)."""
+    import torch.distributed as dist
+
+    everyone = [None] * WORLD
+    dist.all_gather_object(everyone, not out["errors"])
+    return all(everyone)
+
+
+def _send(source, sends, errors):
+    try:
+        source.send_weights(sends)
+    except Exception as e:  # noqa: BLE001 (reported with the destinations' side)
+        errors.append(f"send: {type(e).__name__}: {e}")
+
+
+def _receive(destination, layout, expected):
+    """One refit at a destination, each tensor compared as it arrives (views live for one batch)."""
+    got, problems = set(), []
+    for batch in destination.receive_weight_batches():
+        for name, tensor in batch:
+            want = expected(name, layout)
+            if name in got or want is None:
+                problems.append(f"{name}: received twice or not asked for")
+            elif tensor.dtype != want.dtype or tensor.shape != want.shape or not torch.equal(tensor, want):
+                problems.append(f"{name}: received {tensor.dtype} {tuple(tensor.shape)}, not the checkpoint's bytes")
+            got.add(name)
+    return {"received": sorted(got), "problems": problems}
+
+
+def _expected(full, bumps):
+    """What a destination must get of each tensor: its slice of the checkpoint, plus 1 `bumps`
+    times (as the parameters were: x + 2 is not always (x + 1) + 1)."""
+    def expected(name, layout):
+        request = ("whole",) if layout is None else layout.request_for(name)
+        if request == ("drop",):
+            return None
+        t = full[name]
+        for _ in range(bumps):
+            t = t + 1
+        return t if request == ("whole",) else t.narrow(*request[1:])
+    return expected
+
+
+def _refit_case(model, case, c, config_path, layouts, rank, full):
+    """Refits from this rank (a collective of the WORLD ranks): the case's group, and on BUG_CASE
+    one group per planted bug. Every parameter is 1 more at each refit but the first."""
+    import torch.distributed as dist
+
+    family = case[0]
+    destinations = _destination_layouts(config_path, c)
+    sends = lambda: _sends(model, family, c)[0]  # noqa: E731
+
+    def bumped(what=sends):  # every parameter of every rank changes in place, then `what` is sent
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1)
+        return what()
+
+    inventory = refit.load_model_inventory(config_path)
+    result = {"copies": _sends(model, family, c)[1],
+              "wanted": sorted(t.name for t in inventory.tensors if rank < DESTINATIONS and
+                               _expected(full, 0)(t.name, destinations[rank]) is not None),
+              "refit": _refit_group(rank, config_path, layouts[rank], destinations,
+                                    [(sends, _expected(full, 0)), (bumped, _expected(full, 1))])}
+    if case != BUG_CASE:
+        return result
+    partner = [None] * WORLD
+    dist.all_gather_object(partner, [(n, t.detach()) for n, t in sends()] if rank == 1 else None)
+    partner = dict(partner[1])
+    stale = [(n, t.detach().clone()) for n, t in sends()]
+    result["bugs"] = {
+        "sends_partner_tensors": _refit_group(
+            rank, config_path, layouts[rank], destinations,
+            [(lambda: [(n, partner[n] if rank == 0 and n.startswith("model.layers.") else t) for n, t in sends()],
+              _expected(full, 1))]),
+        "declares_partner_layout": _refit_group(rank, config_path, layouts[1 if rank == 0 else rank], destinations,
+                                                [(sends, _expected(full, 1))]),
+        "sends_stale_tensors": _refit_group(
+            rank, config_path, layouts[rank], destinations,
+            [(sends, _expected(full, 1)),
+             (lambda: bumped(lambda: stale if rank == 2 else sends()), _expected(full, 2))]),
+    }
+    return result
+
+
 # ---- the ranks ----------------------------------------------------------------------------------
 
 def _run_case(root, case, rank):
@@ -253,7 +448,8 @@ def _run_case(root, case, rank):
     c = _hf_config(family)
     experts = c.get("num_experts", c.get("num_local_experts"))
     ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+    ps.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
+                                 distributed_timeout_minutes=5)
     model_parallel_cuda_manual_seed(0, inference_rng_tracker=True)  # no CUDA RNG: a no-op tracker
     moe = dict(num_moe_experts=experts, moe_ffn_hidden_size=c["intermediate_size"] if family == "mixtral"
                else c["moe_intermediate_size"], moe_router_topk=c["num_experts_per_tok"],
@@ -299,7 +495,10 @@ def _run_case(root, case, rank):
     except refit.LayoutError as e:  # what refit cannot describe it must refuse (REFUSED)
         return {"logits": logits, "problems": [], "refused": str(e)}
     problems = _compare(_held(model, family, c), full, refit.load_model_inventory(config_path), layouts[rank])
-    return {"logits": logits, "problems": problems, "refused": None}
+    result = {"logits": logits, "problems": problems, "refused": None}
+    if case in REFIT_CASES:  # last: it changes the parameters
+        result.update(_refit_case(model, case, c, config_path, layouts, rank, full))
+    return result
 
 
 def _rank(rank, port, root):
@@ -315,7 +514,7 @@ def _rank(rank, port, root):
 
     moe_utils.te_general_gemm = None  # megatron-core 0.16.1 reads it unset without TransformerEngine
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(minutes=5))
     try:
         results = {case: _run_case(root, case, rank) for case in CASES}
         torch.save(results, os.path.join(root, f"rank{rank}.pt"))
@@ -345,8 +544,12 @@ def megatron_runs(tmp_path_factory):
         context = mp.start_processes(_rank, args=(_free_port(), root), nprocs=WORLD, join=False,
                                      start_method="spawn")
     reference = {family: _hf_logits(os.path.join(root, family)) for family in FAMILIES}  # while the ranks start
-    while not context.join():
-        pass
+    deadline = time.monotonic() + 600
+    while not context.join(timeout=5):
+        if time.monotonic() > deadline:
+            for p in context.processes:
+                p.kill()
+            pytest.fail("the Megatron ranks did not finish in 600 s")
     ranks = [torch.load(os.path.join(root, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
     return reference, ranks
 
@@ -388,3 +591,46 @@ def test_megatron_ranks_hold_what_refit_says(megatron_runs, case):
             continue
         assert ranks[r][case]["refused"] is None, ranks[r][case]["refused"]
         assert not ranks[r][case]["problems"], f"rank {r}:\n" + "\n".join(ranks[r][case]["problems"])
+
+
+def _failures(groups, wanted, refits):
+    """Everything wrong with one group's refits, from every rank's report: errors, and at each
+    destination a refit missing, or a tensor that differs or did not arrive."""
+    out = [f"rank {r}: {e}" for r, g in enumerate(groups) for e in g["errors"]]
+    for d in range(DESTINATIONS):
+        got = groups[d]["refits"]
+        if len(got) != refits:
+            out.append(f"destination {d}: {len(got)} of {refits} refits")
+        for i, x in enumerate(got):
+            out += [f"destination {d}, refit {i}: {p}" for p in x["problems"]]
+            missing = sorted(set(wanted[d]) - set(x["received"]))
+            out += [f"destination {d}, refit {i}: {n} did not arrive" for n in missing]
+    return out
+
+
+@pytest.mark.parametrize("case", REFIT_CASES, ids=_ids)
+def test_megatron_ranks_refit_destinations_bitwise(megatron_runs, case):
+    """Real shards through refit's engines: each destination gets, tensor by tensor, its slice of
+    the checkpoint, and at the second refit the parameters' new values."""
+    _, ranks = megatron_runs
+    family, tp = case[:2]
+    several_groups = _hf_config(family)["num_key_value_heads"] > tp
+    for r in range(WORLD):  # what the ranks send is their parameters' memory, but gathered q/k/v rows
+        copies = ranks[r][case]["copies"]
+        assert all(n.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight")) for n in copies), copies
+        assert bool(copies) == several_groups, copies
+    wanted = [ranks[d][case]["wanted"] for d in range(DESTINATIONS)]
+    failures = _failures([ranks[r][case]["refit"] for r in range(WORLD)], wanted, 2)
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("bug", BUGS)
+def test_planted_bugs_fail_the_refit_or_the_comparison(megatron_runs, bug):
+    """The check above can fail: each bug fails it, and only as expected."""
+    _, ranks = megatron_runs
+    wanted = [ranks[d][BUG_CASE]["wanted"] for d in range(DESTINATIONS)]
+    failures = _failures([ranks[r][BUG_CASE]["bugs"][bug] for r in range(WORLD)], wanted,
+                         2 if bug == "sends_stale_tensors" else 1)
+    assert failures, f"{bug}: the refit succeeded and every destination got the checkpoint"
+    unexpected = [f for f in failures if not re.fullmatch(BUGS[bug], f)]
+    assert not unexpected, "\n".join(unexpected)

@@ -20,6 +20,13 @@ views). After every refit, successful or not, the prefix cache is reset (cached 
 old weights' keys and values) and vLLM's own derived caches (LoRA, encoder, multimodal) are
 dropped.
 
+Tensor parallelism: each worker's layout is read from the running engine (``engine_layout``: its
+TP rank's slices as vLLM cuts them), so its source sends only those bytes. vLLM's loaders cut a
+rank's part from the whole checkpoint tensor with ``narrow``; the worker hands them a stand-in of
+the whole tensor that answers exactly that narrow with the slice it received, refuses any other
+(refit's layout and vLLM's partition disagree: an error naming both), and holds no bytes to read
+any other way.
+
 What is checked, so that nothing wrong loads silently: every vLLM worker builds the table of the
 tensors its engine expects (checkpoint names and shapes, from the model's safetensors files or
 its config.json, and the engine's dtype). Before a refit moves anything, the policy's tensor list
@@ -28,8 +35,9 @@ shape, or a tensor of the table that no source sends (unless the refit is partia
 naming the tensor, and vLLM keeps serving its old weights. During the refit, every received tensor is
 checked against the table again before vLLM sees it, and a partial refit must bring every tensor
 of each vLLM layer it touches (a fused layer half loaded would hold garbage). After it, what
-arrived must cover the table (or, partial, be something): a refit that left weights unchanged is
-an error, never a success.
+arrived must cover the table (or, partial, be something), and every vLLM layer with weights must
+have loaded some (vLLM's own count): a refit that left weights unchanged is an error, never a
+success.
 
 Errors keep their class: a worker's exception comes back as the same refit error class (or
 RuntimeError naming the original class) with its message, and when the vLLM side fails, the
@@ -40,6 +48,8 @@ is rollout rank ``d * world_size + r``; the group checks at init that the ranks 
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import threading
 import traceback
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
@@ -69,6 +79,7 @@ class ExpectedWeights:
         self.dtype = dtype
         self.optional = set(optional)  # may be sent, need not be (a tied lm_head.weight)
         self.source = source
+        self.layout: Optional[refit.Layout] = None  # this worker's share (engine_layout), None: all of it
         self._packed = {part: fused for fused, parts in (packed or {}).items() for part in parts}
 
     def group_of(self, name: str) -> str:
@@ -93,10 +104,36 @@ class ExpectedWeights:
             raise refit.LayoutError(f"{where}: tensor '{name}' has shape {list(shape)} but the vLLM model's "
                                     f"is {list(expected)} (from {self.source})")
 
+    def kept(self, name: str) -> tuple:
+        """What this worker's layout keeps of tensor ``name``: ('whole',), ('drop',) or
+        ('narrow', dim, start, length)."""
+        return ("whole",) if self.layout is None else tuple(self.layout.request_for(name))
+
     def not_sent(self, names: Iterable[str]) -> List[str]:
-        """The weights of the table (but optional ones) that ``names`` leave out."""
+        """The weights of the table this worker keeps (but optional ones) that ``names`` leave out."""
         sent = set(names)
-        return sorted(n for n in self.shapes if n not in sent and n not in self.optional)
+        return sorted(n for n in self.shapes
+                      if n not in sent and n not in self.optional and self.kept(n)[0] != "drop")
+
+    def receive(self, name: str, tensor: Any, where: str) -> Any:
+        """A received tensor as vLLM's loaders take it, checked against the table: itself, or for
+        a slice of this worker's layout, a stand-in of the whole tensor whose only readable part
+        is that slice (``_slice_of_whole``)."""
+        kept = self.kept(name)
+        if kept[0] != "narrow":
+            self.check(name, _dtype_name(tensor.dtype), tuple(tensor.shape), where)
+            return tensor
+        _, dim, start, length = kept
+        whole = self.shapes.get(name)
+        if whole is None or len(whole) <= dim:
+            self.check(name, _dtype_name(tensor.dtype), tuple(tensor.shape), where)  # names what is wrong
+            raise refit.LayoutError(f"{where}: tensor '{name}' has no dim {dim} to keep a slice of")
+        expected = tuple(whole[:dim]) + (length,) + tuple(whole[dim + 1:])
+        if tuple(tensor.shape) != expected:
+            raise refit.LayoutError(f"{where}: tensor '{name}' arrived with shape {list(tensor.shape)}, but this "
+                                    f"worker keeps {list(expected)} of it (dim {dim}, [{start}, {start + length}))")
+        self.check(name, _dtype_name(tensor.dtype), tuple(whole), where)
+        return _slice_of_whole(name, tensor, tuple(whole), dim, start, length, where)
 
     def check_coverage(self, names: Sequence[str], partial: bool, where: str) -> List[str]:
         """A refit's tensor names against the table: all of it, or (partial) some tensors and
@@ -160,6 +197,91 @@ def expected_weights(vllm_config: Any, model: Any) -> ExpectedWeights:
     return ExpectedWeights(shapes, dtype, optional, packed, source)
 
 
+def engine_layout(vllm_config: Any, destination_rank: int) -> Optional[refit.Layout]:
+    """What this vLLM worker keeps, read from the running engine (None: the whole model): its
+    tensor-parallel rank's slices of every tensor, as vLLM's loaders cut them (experts too; with
+    expert parallelism the experts go whole and vLLM keeps its own). Its source then sends only
+    those bytes. A pipeline stage gets every layer's slices and vLLM skips the layers it lacks."""
+    import os
+    import tempfile
+
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    parallel = vllm_config.parallel_config
+    tp = int(parallel.tensor_parallel_size)
+    if tp == 1:
+        return None
+    experts = not bool(getattr(parallel, "enable_expert_parallel", False))
+    config = os.path.join(vllm_config.model_config.model, "config.json")
+    with tempfile.TemporaryDirectory() as tmp:
+        if not os.path.isfile(config):  # a hub name: the engine's own config
+            config = os.path.join(tmp, "config.json")
+            vllm_config.model_config.hf_config.to_json_file(config)
+        return refit.destination_layout(config, tp_size=tp, tp_rank=get_tensor_model_parallel_rank(),
+                                        shard_dense=True, shard_experts=experts, destination_rank=destination_rank)
+
+
+def _slice_of_whole(name: str, piece: Any, shape: Tuple[int, ...], dim: int, start: int, length: int,
+                    where: str) -> Any:
+    """A stand-in for tensor ``name`` of ``shape`` of which this worker received only ``piece``,
+    its slice [start, start + length) of ``dim``. vLLM's loaders take a tensor parallel rank's part
+    of a checkpoint tensor with ``narrow``: this one answers that narrow with ``piece`` and refuses
+    any other (a layout that disagrees with vLLM's partition is an error, not wrong weights). It is
+    a meta tensor otherwise: anything that reads it another way fails instead of reading bytes that
+    never came. The views vLLM's expert loader takes on the way (a leading dim added, then
+    unbound) stay stand-ins."""
+    return _slice_of_whole_class().make(piece, tuple(shape), dim, (name, start, length, where))
+
+
+@functools.lru_cache(maxsize=None)
+def _slice_of_whole_class() -> type:
+    import torch
+
+    class SliceOfWhole(torch.Tensor):
+        _refit_piece: Any
+        _refit_shape: Tuple[int, ...]
+        _refit_dim: int
+        _refit_kept: Tuple[str, int, int, str]  # name, start, length, where
+
+        @classmethod
+        def make(cls, piece: Any, shape: Tuple[int, ...], dim: int, kept: Tuple[str, int, int, str]) -> Any:
+            stand_in = torch.Tensor._make_subclass(cls, torch.empty(shape, dtype=piece.dtype, device="meta"))
+            stand_in._refit_piece, stand_in._refit_shape, stand_in._refit_dim = piece, shape, dim
+            stand_in._refit_kept = kept
+            return stand_in
+
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            self = args[0] if args else None
+            if isinstance(self, cls):
+                if func in (torch.Tensor.narrow, torch.narrow):
+                    return self._narrow(*args[1:], **kwargs)
+                dim = int(args[1]) if len(args) > 1 else kwargs.get("dim", 0)
+                if func in (torch.Tensor.unsqueeze, torch.unsqueeze) and dim == 0:
+                    return cls.make(self._refit_piece.unsqueeze(0), (1,) + self._refit_shape, self._refit_dim + 1,
+                                    self._refit_kept)
+                if func in (torch.Tensor.unbind, torch.unbind) and dim == 0 and self._refit_shape[0] == 1 \
+                        and self._refit_dim > 0:
+                    return (cls.make(self._refit_piece[0], self._refit_shape[1:], self._refit_dim - 1,
+                                     self._refit_kept),)
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)  # metadata, or a plain meta tensor: reading it fails
+
+        def _narrow(self, *args: Any, **kwargs: Any) -> Any:
+            name, start, length, where = self._refit_kept
+            asked = dict(zip(("dim", "start", "length"), args), **kwargs)
+            d, s, n = int(asked["dim"]) % len(self._refit_shape), int(asked["start"]), int(asked["length"])
+            if (d, s, n) != (self._refit_dim, start, length):
+                raise refit.LayoutError(
+                    f"{where}: vLLM's loader takes dim {d} [{s}, {s + n}) of '{name}' but this worker's layout "
+                    f"keeps dim {self._refit_dim} [{start}, {start + length}): refit's layout of this engine "
+                    f"disagrees with vLLM's partition")
+            return self._refit_piece
+
+    return SliceOfWhole
+
+
 # ---- errors that keep their class across collective_rpc -----------------------------------------
 
 
@@ -220,11 +342,17 @@ class RefitWorkerExtension:
         return refit.total_device_memory_bytes(device)
 
     @_returns_errors
-    def refit_init_engine(self, backend: str, bucket_size_bytes: int, engine_kwargs: Mapping[str, Any]) -> None:
-        """Creates this worker's engine once (later calls keep it, as in the reference)."""
+    def refit_init_engine(self, backend: str, bucket_size_bytes: int, engine_kwargs: Mapping[str, Any],
+                          replica: int = 0) -> None:
+        """Creates this worker's engine once (later calls keep it, as in the reference), with the
+        layout of what this worker keeps (engine_layout): its source sends only that."""
         if self._refit_engine is None:
             kwargs = dict(engine_kwargs)
             kwargs["framework"] = "torch"
+            expected = self._expected()
+            expected.layout = engine_layout(self.vllm_config, _rollout_rank(self, replica))
+            if expected.layout is not None:
+                kwargs["layout"] = expected.layout
             self._refit_engine = refit.create_checkpoint_engine(backend, bucket_size_bytes, kwargs)
 
     @_returns_errors
@@ -254,56 +382,16 @@ class RefitWorkerExtension:
         """One refit into the live model (see the module's docstring). Returns the receive stats,
         the names loaded and the weights of the table not sent; raises the refit's error, also
         when what arrived does not cover the model (or, ``partial``, whole layers of it)."""
-        import torch
-        from vllm.config import set_current_vllm_config
-        from vllm.model_executor.model_loader.reload import (finalize_layerwise_reload,
-                                                             initialize_layerwise_reload)
-        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
-
-        model = self._refit_model()
-        expected = self._expected()
-        where = self._label()
-        loaded: List[str] = []
-
-        def checked(batch):
-            for name, tensor in batch:
-                expected.check(name, _dtype_name(tensor.dtype), tuple(tensor.shape), where)
-                loaded.append(name)
-                yield name, tensor
-
-        def load(batch):
-            model.load_weights(checked(batch))
-            _own_buffered_tensors()  # refit's views end with this batch
-
-        runner = self.model_runner
-        with set_current_vllm_config(self.vllm_config), torch.inference_mode():
-            initialize_layerwise_reload(model)
-            try:
-                stats = self._engine().receive_weights(load)
-                progress = [(n, m, get_layerwise_info(m)) for n, m in model.named_modules()]
-                half = [f"{type(m).__name__} '{n}'" for n, m, info in progress
-                        if 0 < (info.load_numel or 0) < (info.load_numel_total or 0) and not _is_deferred_attention(m)]
-            finally:
-                finalize_layerwise_reload(model, self.vllm_config.model_config)
-                for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
-                    getattr(runner, reset, lambda: None)()
-                # vLLM 0.32's reload copies new expert weights into a MoE layer but does not redo
-                # its CPU kernel's prepacked copy of them, so the kernel goes on computing with the
-                # old experts (vLLM's own reload_weights does too; measured on the CPU backend, the
-                # only one where this runs). Prepacking from the layer's weights is what its first
-                # load did.
-                if _on_cpu():
-                    for m in model.modules():
-                        if _moe_kernel(m) is not None:
-                            _moe_kernel(m).fused_experts.process_weights_after_loading(m)
-        if half:
-            raise refit.LayoutError(f"{where}: the refit loaded only part of {len(half)} vLLM layer(s), "
-                                    f"e.g. {half[0]}: its other weights are now undefined; refit the whole model")
-        # Also where nothing was checked before (a source whose weights are a generator).
-        not_sent = expected.check_coverage(loaded, partial, where)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        return {"stats": stats, "loaded": loaded, "not_sent": not_sent}
+        reload = LiveReload(self._refit_model(), self.vllm_config, self.model_runner, self._expected(),
+                            self._label(), partial)
+        reload.begin()
+        ok = False
+        try:
+            stats = self._engine().receive_weights(reload.load)
+            ok = True
+        finally:
+            not_sent = reload.end(ok)
+        return {"stats": stats, "loaded": reload.loaded, "not_sent": not_sent}
 
     @_returns_errors
     def refit_finalize(self) -> None:
@@ -331,6 +419,93 @@ class RefitWorkerExtension:
         return f"vLLM destination rank {rank}"
 
 
+class LiveReload:
+    """One refit into a live vLLM model through vLLM's layerwise reload (see the module's
+    docstring): ``begin()``, ``load(batch)`` for every batch refit receives, ``end(ok)``, which
+    always gives the layers back (those that got nothing keep their old weights) and, when the
+    receive went through, checks what arrived."""
+
+    def __init__(self, model: Any, vllm_config: Any, runner: Any, expected: ExpectedWeights, where: str,
+                 partial: bool = False):
+        self.model, self.vllm_config, self.runner = model, vllm_config, runner
+        self.expected, self.where, self.partial = expected, where, partial
+        self.loaded: List[str] = []
+
+    @contextlib.contextmanager
+    def _in_vllm(self):
+        import torch
+        from vllm.config import set_current_vllm_config
+
+        with set_current_vllm_config(self.vllm_config), torch.inference_mode():
+            yield
+
+    def begin(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        with self._in_vllm():
+            initialize_layerwise_reload(self.model)
+
+    def load(self, batch: Iterable[Tuple[str, Any]]) -> None:
+        def checked():
+            for name, tensor in batch:
+                tensor = self.expected.receive(name, tensor, self.where)
+                self.loaded.append(name)
+                yield name, tensor
+
+        with self._in_vllm():
+            self.model.load_weights(checked())
+            _own_buffered_tensors()  # refit's views end with this batch
+
+    def end(self, ok: bool) -> List[str]:
+        """Finishes the reload; with ``ok`` (everything was received) checks it and returns the
+        weights of the table not sent."""
+        import torch
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+        half: List[str] = []
+        untouched: List[str] = []
+        with self._in_vllm():
+            try:
+                if ok:
+                    progress = [(n, m, get_layerwise_info(m)) for n, m in self.model.named_modules()
+                                if not _is_deferred_attention(m)]
+                    half = [f"{type(m).__name__} '{n}'" for n, m, info in progress
+                            if 0 < (info.load_numel or 0) < (info.load_numel_total or 0)]
+                    # Layers with weights of their own (not a rotary embedding's cache) that got none.
+                    untouched = [f"{type(m).__name__} '{n}'" for n, m, info in progress
+                                 if (info.load_numel_total or 0) > 0 and not info.load_numel
+                                 and next(m.parameters(recurse=False), None) is not None]
+            finally:
+                finalize_layerwise_reload(self.model, self.vllm_config.model_config)
+                for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
+                    getattr(self.runner, reset, lambda: None)()
+                # vLLM 0.32's reload copies new expert weights into a MoE layer but does not redo
+                # its CPU kernel's prepacked copy of them, so the kernel goes on computing with the
+                # old experts (vLLM's own reload_weights does too; measured on the CPU backend, the
+                # only one where this runs). Prepacking from the layer's weights is what its first
+                # load did.
+                if _on_cpu():
+                    for m in self.model.modules():
+                        if _moe_kernel(m) is not None:
+                            _moe_kernel(m).fused_experts.process_weights_after_loading(m)
+        if not ok:
+            return []
+        # The table names the tensors; vLLM's own count of each layer is the net beneath it (a
+        # layout that dropped a tensor the engine needs, a stream that left one out).
+        not_sent = self.expected.check_coverage(self.loaded, self.partial, self.where)
+        if half:
+            raise refit.LayoutError(f"{self.where}: the refit loaded only part of {len(half)} vLLM layer(s), "
+                                    f"e.g. {half[0]}: its other weights are now undefined; refit the whole model")
+        if untouched and not self.partial:
+            raise refit.LayoutError(f"{self.where}: the refit brought nothing for {len(untouched)} vLLM layer(s), "
+                                    f"e.g. {untouched[0]}, which keep their old weights: a refit must bring every "
+                                    f"layer (partial=True allows fewer)")
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return not_sent
+
+
 def _rollout_rank(worker: Any, replica: int) -> int:
     return int(replica) * int(worker.vllm_config.parallel_config.world_size) + int(worker.rank)
 
@@ -347,8 +522,12 @@ def _own_buffered_tensors() -> None:
     for info in list(LAYERWISE_INFO.values()):
         for _, bound in info.loaded_weights:
             for key, value in bound.arguments.items():
-                if isinstance(value, torch.Tensor) and value.device.type != "meta" and \
-                        not getattr(value, "_refit_owned", False):
+                if not isinstance(value, torch.Tensor) or getattr(value, "_refit_owned", False):
+                    continue
+                if hasattr(value, "_refit_piece"):  # a slice's stand-in (_slice_of_whole): its piece
+                    value._refit_piece = value._refit_piece.clone()
+                    value._refit_owned = True
+                elif value.device.type != "meta":
                     owned = value.clone()
                     owned._refit_owned = True
                     bound.arguments[key] = owned
@@ -368,6 +547,19 @@ def _is_deferred_attention(module: Any) -> bool:
     from vllm.model_executor.layers.attention import is_deferred_attention_layer
 
     return bool(is_deferred_attention_layer(module))
+
+
+def register_weight_transfer() -> None:
+    """vLLM's plugin hook (the ``vllm.general_plugins`` entry point, run in each vLLM process):
+    refit as the weight-transfer backend ``"refit"`` (refit.vllm_transfer) where the installed
+    vLLM has that interface (0.32 has it); nothing where it has not."""
+    try:
+        import vllm.distributed.weight_transfer  # noqa: F401
+    except ImportError:
+        return
+    from refit.vllm_transfer import register
+
+    register()
 
 
 # ---- the driver side ------------------------------------------------------------------------------
@@ -432,7 +624,8 @@ class VllmRolloutGroup:
 
     def create_engines(self, backend: str, bucket_size_bytes: int, engine_kwargs: Mapping[str, Any]) -> None:
         self.policy.call_all("create_engine", backend, bucket_size_bytes, dict(engine_kwargs))
-        self._rpc("refit_init_engine", backend, bucket_size_bytes, dict(engine_kwargs))
+        self._rpc("refit_init_engine", per_rank=[(backend, bucket_size_bytes, dict(engine_kwargs), replica)
+                                                 for replica in range(len(self.llms))])
 
     def prepare(self) -> List[bytes]:
         # Replica by replica, each in local-rank order: rollout rank order (checked at init).

@@ -28,8 +28,8 @@ driver's calls to it; refit.multiprocessing_group and python/examples/ray_refit.
 from __future__ import annotations
 
 import contextlib
-
 import time
+from collections.abc import ItemsView
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Protocol, Sequence, Tuple, Union
 
 from . import _refit
@@ -46,6 +46,26 @@ class WorkerProgram(Protocol):
     def load(self, index: int, batch: List[Tuple[str, Any]]) -> None: ...
 
     def report(self, index: int) -> Any: ...
+
+
+def weight_specs_of(weights: Any, label: str) -> Optional[List[Tuple[str, str, Tuple[int, ...]]]]:
+    """(name, dtype, shape) of every tensor of a state dict, its items or a list of (name, tensor),
+    without touching the data; None for a generator (its tensors are known only as they come).
+    A meta tensor raises InvalidArgumentError naming it (``label``: the sender)."""
+    if isinstance(weights, Mapping):
+        items = weights.items()
+    elif isinstance(weights, (list, tuple, ItemsView)):
+        items = weights
+    else:
+        return None
+    specs = []
+    for name, t in items:
+        if getattr(getattr(t, "device", None), "type", None) == "meta":
+            raise _refit.InvalidArgumentError(
+                f"{label}: tensor '{name}' is a meta tensor (it has a shape but no data): materialize "
+                f"the model's weights before sending them")
+        specs.append((name, _refit.canonical_dtype(str(t.dtype)), tuple(int(d) for d in t.shape)))
+    return specs
 
 
 class TensorProgram:
@@ -201,21 +221,7 @@ class EngineWorker:
             return None
         if hasattr(self.program, "weight_specs"):
             return self.program.weight_specs(index)
-        weights = self.program.weights(index)
-        if isinstance(weights, Mapping):
-            items = weights.items()
-        elif isinstance(weights, (list, tuple)):
-            items = weights
-        else:
-            return None
-        specs = []
-        for name, t in items:
-            if getattr(getattr(t, "device", None), "type", None) == "meta":
-                raise _refit.InvalidArgumentError(
-                    f"{self.label}: tensor '{name}' is a meta tensor (it has a shape but no data): materialize "
-                    f"the model's weights before sending them")
-            specs.append((name, _refit.canonical_dtype(str(t.dtype)), tuple(int(d) for d in t.shape)))
-        return specs
+        return weight_specs_of(self.program.weights(index), self.label)
 
     def refit(self, index: int) -> dict:
         """One refit; returns {"role", "rank", "stats", "report"}; raises the refit's error."""

@@ -50,8 +50,8 @@ def outputs(llm) -> list:
                                              for step in r.outputs[0].logprobs]) for r in result]
 
 
-def fresh_outputs(path: str, dtype: str) -> list:
-    llm = start(path, dtype)
+def fresh_outputs(path: str, dtype: str, **kwargs) -> list:
+    llm = start(path, dtype, **kwargs)
     try:
         return outputs(llm)
     finally:
@@ -197,6 +197,21 @@ def test_a_stream_that_leaves_weights_out_fails_after_loading(llama):
     assert outputs(llm) == llama["expected_a"]
 
 
+def test_a_layer_no_tensor_reaches_fails_the_refit(llama, monkeypatch):
+    """No refit may leave a vLLM layer on its old weights and report success: here the worker's
+    layout (as if read wrongly from the engine) drops model.norm, which the table then no longer
+    counts as missing; vLLM's own account of what each layer loaded does."""
+    import refit.vllm_adapter as adapter
+
+    llm = llama["llm"]
+    with monkeypatch.context() as patch:
+        patch.setattr(adapter, "engine_layout", lambda *args: refit.Layout(drop_prefixes=["model.norm."]))
+        with pytest.raises(refit.LayoutError, match=r"brought nothing for 1 vLLM layer\(s\), e\.g\. \w+ 'model\.norm'"):
+            refit_once(llm, {"path": llama["b"], "dtype": "float32"})
+    refit_once(llm, {"path": llama["a"], "dtype": "float32"})
+    assert outputs(llm) == llama["expected_a"]
+
+
 # Last in this file: its engines start beside the fixture's, and stopping them ends the fixture's
 # (see stop()).
 def test_two_data_parallel_replicas_take_their_own_ranks(llama):
@@ -214,15 +229,17 @@ def test_two_data_parallel_replicas_take_their_own_ranks(llama):
         stop(*llms)
 
 
-def test_tensor_parallel_workers_each_take_their_own_source(tmp_path, monkeypatch):
-    """TP 2: two vLLM worker processes, rollout ranks 0 and 1, each fed the whole checkpoint by its
-    own source (vLLM slices it); the result equals a fresh TP-2 vLLM (TP 2 adds in another order
+@pytest.mark.parametrize("family", ["qwen2", "qwen3-moe"])
+def test_tensor_parallel_workers_each_take_their_own_slices(family, tmp_path, monkeypatch):
+    """TP 2: two vLLM worker processes, rollout ranks 0 and 1, each fed by its own source with only
+    the slices its layout, read from the running engine, keeps (vLLM's loaders take them as their
+    narrow of the whole tensor); the result equals a fresh TP-2 vLLM (TP 2 adds in another order
     than TP 1, so that is the engine to compare with)."""
     if (os.cpu_count() or 1) < 2:
         pytest.skip("vLLM's CPU backend binds each TP worker to a core of its own")
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
-    a = make_checkpoint("qwen2", "bfloat16", 1, str(tmp_path / "a"))
-    b = make_checkpoint("qwen2", "bfloat16", 2, str(tmp_path / "b"))
+    a = make_checkpoint(family, "bfloat16", 1, str(tmp_path / "a"))
+    b = make_checkpoint(family, "bfloat16", 2, str(tmp_path / "b"))
     tp2 = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
     fresh = start(b, "bfloat16", **tp2)
     try:
@@ -234,9 +251,41 @@ def test_tensor_parallel_workers_each_take_their_own_source(tmp_path, monkeypatc
     try:
         group = VllmRolloutGroup([llm], policy)
         assert group.rollout_world_size == 2
-        refit.WeightSynchronizer(CONFIG, group).sync_weights()
+        report = refit.WeightSynchronizer(CONFIG, group).sync_weights()
         assert outputs(llm) == expected
+        # Each worker got its half of every sliced tensor and the norms and biases it replicates.
+        model_bytes = refit.load_model_inventory(os.path.join(b, "model.safetensors")).total_bytes
+        received = [r["stats"]["payload_bytes"] for r in report.destination_results]
+        assert all(0.5 * model_bytes <= n < 0.52 * model_bytes for n in received), (received, model_bytes)
         group.close()
     finally:
         policy.close()
         stop(llm)
+
+
+def test_a_slice_stands_in_for_its_whole_tensor_only_through_its_narrow():
+    """What a TP worker hands vLLM's loaders for a slice it received: the whole tensor's shape, its
+    slice for the one narrow vLLM's partition asks (also through the expert loader's unsqueeze and
+    unbind), a LayoutError naming both for another narrow, and no bytes for anything else."""
+    import torch
+
+    from refit.vllm_adapter import ExpectedWeights
+
+    piece = torch.arange(8, dtype=torch.float32).reshape(2, 4)
+    expected = ExpectedWeights({"w": (6, 4)}, "float32")
+    expected.layout = refit.Layout({"w": ("narrow", 0, 2, 2)})
+    whole = expected.receive("w", piece, "rank 1")
+    assert isinstance(whole, torch.Tensor) and tuple(whole.shape) == (6, 4) and whole.dtype == torch.float32
+    assert whole.narrow(0, 2, 2) is piece
+    (expert,) = whole.unsqueeze(0).unbind()
+    assert tuple(expert.shape) == (6, 4) and torch.equal(expert.narrow(0, 2, 2), piece)
+    with pytest.raises(refit.LayoutError, match=r"takes dim 0 \[0, 2\) of 'w' but this worker's layout keeps dim 0 "
+                                                r"\[2, 4\)"):
+        whole.narrow(0, 0, 2)
+    with pytest.raises(NotImplementedError, match="meta"):
+        torch.zeros(6, 4).copy_(whole)
+    with pytest.raises(refit.LayoutError, match=r"arrived with shape \[3, 4\], but this worker keeps \[2, 4\]"):
+        expected.receive("w", torch.zeros(3, 4), "rank 1")
+    assert expected.not_sent([]) == ["w"]
+    expected.layout = refit.Layout({"w": "drop"})
+    assert expected.not_sent([]) == []  # another rank's

@@ -257,12 +257,12 @@ def _slice_of_whole_class() -> type:
             if isinstance(self, cls):
                 if func in (torch.Tensor.narrow, torch.narrow):
                     return self._narrow(*args[1:], **kwargs)
-                dim = int(args[1]) if len(args) > 1 else kwargs.get("dim", 0)
-                if func in (torch.Tensor.unsqueeze, torch.unsqueeze) and dim == 0:
+                views = (torch.Tensor.unsqueeze, torch.unsqueeze, torch.Tensor.unbind, torch.unbind)
+                dim = (args[1] if len(args) > 1 else kwargs.get("dim", 0)) if func in views else None
+                if func in views[:2] and dim == 0:
                     return cls.make(self._refit_piece.unsqueeze(0), (1,) + self._refit_shape, self._refit_dim + 1,
                                     self._refit_kept)
-                if func in (torch.Tensor.unbind, torch.unbind) and dim == 0 and self._refit_shape[0] == 1 \
-                        and self._refit_dim > 0:
+                if func in views[2:] and dim == 0 and self._refit_shape[0] == 1 and self._refit_dim > 0:
                     return (cls.make(self._refit_piece[0], self._refit_shape[1:], self._refit_dim - 1,
                                      self._refit_kept),)
             with torch._C.DisableTorchFunctionSubclass():

@@ -74,17 +74,21 @@ Prediction predict_paired(const ModelInventory& model, std::span<const Layout> h
 // every tensor's elements changed since the last refit by steps of a few units in the last place
 // (an optimizer's): each tensor, or each slice a destination's layout keeps, crosses as the record
 // the codec would write (predicted_record_bytes) through refit's pipeline as modelled above, while
-// each source compares what its destination keeps with its base and each destination patches and
-// hashes its copy, at multiples of their node group's copy rate (three stages of one pipeline: the
-// slowest sets the time). Throws Error(kConfig) for a share outside [0, 1].
+// each source copies out the slices and compares what its destination keeps with its base, and
+// each destination patches and hashes its copy, at multiples of their node group's copy rate
+// (stages of one pipeline: the slowest sets the time; on one machine's cores, all of that work
+// together is one more). Throws Error(kConfig) for a share outside [0, 1].
 struct DeltaPrediction {
   double seconds = 0;        // one delta refit
   double full_seconds = 0;   // the full refit it replaces
   double scan_seconds = 0;   // each source's comparison
   double patch_seconds = 0;  // each destination's patch and hash
-  uint64_t wire_bytes = 0;   // every record (or whole tensor) the busiest destination receives
-  bool pays = false;         // faster than the full refit
-  Prediction transfer;       // the records through the pipeline
+  // CPU sources and destinations of one machine (NodeGroup::machine): all the comparisons and
+  // patches on its cores together (0: not one machine).
+  double shared_cores_seconds = 0;
+  uint64_t wire_bytes = 0;  // every record (or whole tensor) the busiest destination receives
+  bool pays = false;        // faster than the full refit
+  Prediction transfer;      // the records through the pipeline
 };
 DeltaPrediction predict_delta(const ModelInventory& model, std::span<const Layout> needs, const Cluster& cluster,
                               double changed_share, const Prediction& full);

@@ -46,29 +46,48 @@ DeltaPrediction predict_delta(const ModelInventory& model, std::span<const Layou
     fail(ErrorKind::kConfig, "the changed share of a delta refit must lie in [0, 1], got {}", changed_share);
   // Each source compares, and sends as records, what its destination keeps: whole tensors, or the
   // slices of a layout (the engine's SelectedSource).
-  std::vector<uint64_t> kept(needs.size(), 0), records(needs.size(), 0);
+  // A slice is copied out of its tensor first (packed where the source keeps its base).
+  std::vector<uint64_t> kept(needs.size(), 0), sliced(needs.size(), 0), records(needs.size(), 0);
   DeltaPrediction p;
-  p.transfer = predict_paired_stream(model, needs, cluster, [&](uint32_t destination, const TensorInfo& piece) {
-    const uint64_t bytes = predicted_record_bytes(piece, changed_share);
-    kept[destination] += piece.nbytes();
-    records[destination] += bytes;
-    return TensorInfo{piece.name, DType::kUInt8, {static_cast<int64_t>(bytes)}};
-  });
+  p.transfer = predict_paired_stream(model, needs, cluster,
+                                     [&](uint32_t destination, const TensorInfo& piece, const TensorInfo& whole) {
+                                       const uint64_t bytes = predicted_record_bytes(piece, changed_share);
+                                       kept[destination] += piece.nbytes();
+                                       if (piece.nbytes() != whole.nbytes()) sliced[destination] += piece.nbytes();
+                                       records[destination] += bytes;
+                                       return TensorInfo{piece.name, DType::kUInt8, {static_cast<int64_t>(bytes)}};
+                                     });
   p.wire_bytes = records.empty() ? 0 : *std::max_element(records.begin(), records.end());
-  const uint64_t bytes = kept.empty() ? 0 : *std::max_element(kept.begin(), kept.end());
-  auto seconds = [&](const std::string& nodes, double gpu_copies, double host_copies) {
-    const NodeGroup& g = cluster.group(nodes);
-    if (g.copy_rate <= 0)
+  const NodeGroup& sources = cluster.group(cluster.sources.nodes);
+  const NodeGroup& destinations = cluster.group(cluster.destinations.nodes);
+  for (const NodeGroup* g : {&sources, &destinations})
+    if (g->copy_rate <= 0)
       fail(ErrorKind::kConfig, "node group '{}' has no copy rate: calibrate the cluster (refit plan --calibration)",
-           g.name);
-    return static_cast<double>(bytes) * (g.gpu ? gpu_copies : host_copies) / g.copy_rate;
+           g->name);
+  // Pair i's stages, each on a worker of its own.
+  auto scan = [&](size_t i) {
+    return (static_cast<double>(kept[i]) * (sources.gpu ? kGpuScanCopies : kHostScanCopies) +
+            static_cast<double>(sliced[i])) /
+           sources.copy_rate;
   };
-  // The pairs work side by side: the one that keeps the most sets each stage's time.
-  p.scan_seconds = seconds(cluster.sources.nodes, kGpuScanCopies, kHostScanCopies);
-  p.patch_seconds = seconds(cluster.destinations.nodes, kGpuPatchCopies, kHostPatchCopies);
+  auto patch = [&](size_t i) {
+    return static_cast<double>(kept[i]) * (destinations.gpu ? kGpuPatchCopies : kHostPatchCopies) /
+           destinations.copy_rate;
+  };
+  double cpu_work = 0;  // seconds of one core
+  for (size_t i = 0; i < needs.size(); ++i) {
+    p.scan_seconds = std::max(p.scan_seconds, scan(i));
+    p.patch_seconds = std::max(p.patch_seconds, patch(i));
+    cpu_work += scan(i) + patch(i);
+  }
+  // Sources and destinations that are processes of one machine (simulated hosts) compare and patch
+  // on its cores all at once.
+  if (!sources.gpu && !destinations.gpu && !sources.machine.empty() && sources.machine == destinations.machine &&
+      sources.cores > 0)
+    p.shared_cores_seconds = cpu_work / sources.cores;
   // A pipeline: the source sends a bucket of changes as soon as it holds 1 MiB, and the
-  // destination patches each bucket as it arrives, so the slowest of the three stages sets the time.
-  p.seconds = std::max({p.scan_seconds, p.transfer.seconds, p.patch_seconds});
+  // destination patches each bucket as it arrives, so the slowest stage sets the time.
+  p.seconds = std::max({p.scan_seconds, p.transfer.seconds, p.patch_seconds, p.shared_cores_seconds});
   p.full_seconds = full.seconds;
   p.pays = p.seconds < full.seconds;
   return p;

@@ -803,7 +803,7 @@ Prediction simulate_paired(const ModelInventory& model, std::span<const Layout> 
       Selection s = select(needs[i], t);
       if (s.take == Take::kDrop) continue;
       if (crossing) {  // made by the source in its own memory, contiguous
-        by_tensor.push_back({{k, crossing(i, s.info), nullptr, Box::whole(), false, true, 0}});
+        by_tensor.push_back({{k, crossing(i, s.info, t), nullptr, Box::whole(), false, true, 0}});
         continue;
       }
       const Box box =

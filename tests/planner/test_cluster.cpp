@@ -662,19 +662,33 @@ TEST(DeltaPrediction, DestinationsWithLayoutsGetTheRecordsOfTheirSlices) {
   std::vector<Layout> halves(2);  // TP 2 by rows; destination 1 keeps no layers.7
   for (int d = 0; d < 2; ++d)
     for (const TensorInfo& t : m.tensors) halves[d].tensors[t.name] = Request::narrow(0, 512 * d, 512);
+  halves[1].tensors.erase("layers.7.weight");
   halves[1].drop_prefixes.push_back("layers.7.");
   const Prediction full = predict_refit(m, {}, halves, slow);
   const DeltaPrediction d = predict_delta(m, halves, slow, 0.01, full);
   const TensorInfo half{"t0", DType::kFloat32, {512, 1024}};
   EXPECT_EQ(d.wire_bytes, 8 * predicted_record_bytes(half, 0.01));  // destination 0's
-  EXPECT_NEAR(d.scan_seconds, 8 * half.nbytes() * 6 / 10e9, 1e-9);  // half the model, six copies' worth
+  // Half the model: its slices copied out, then compared (six copies' worth).
+  EXPECT_NEAR(d.scan_seconds, 8 * half.nbytes() * 7 / 10e9, 1e-9);
+  EXPECT_EQ(d.shared_cores_seconds, 0.0);  // each process a host of its own
   EXPECT_TRUE(d.pays);
-  // Whole tensors to the same two destinations: twice the records and twice the scan.
+  // Whole tensors to the same two destinations: twice the records, nothing to copy out.
   const std::vector<Layout> whole(2);
   const DeltaPrediction w = predict_delta(m, whole, slow, 0.01, predict_refit(m, {}, whole, slow));
   EXPECT_EQ(w.wire_bytes, 8 * predicted_record_bytes(m.tensors[0], 0.01));
-  EXPECT_NEAR(w.scan_seconds, 2 * d.scan_seconds, 1e-9);
+  EXPECT_NEAR(w.scan_seconds, 8 * m.tensors[0].nbytes() * 6 / 10e9, 1e-9);
   EXPECT_GT(w.transfer.seconds, d.transfer.seconds);
+  // Both pairs as processes of one machine with one core: its core does all four stages' work.
+  Cluster one = slow;
+  for (NodeGroup& g : one.groups) {
+    g.machine = "one";
+    g.cores = 1;
+  }
+  const DeltaPrediction s = predict_delta(m, halves, one, 0.01, full);
+  const double pair0 = s.scan_seconds + s.patch_seconds;  // destination 0 keeps the most
+  EXPECT_GT(s.shared_cores_seconds, 1.5 * pair0);         // destination 1 keeps 7 of 8 tensors
+  EXPECT_LT(s.shared_cores_seconds, 2 * pair0);
+  EXPECT_EQ(s.seconds, s.shared_cores_seconds);
 }
 
 TEST(Prediction, LayoutsMustMatchTheClusterRanks) {

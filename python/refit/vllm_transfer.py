@@ -132,6 +132,8 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
     def start_weight_update(self) -> None:
         if self._engine is None:
             raise refit.InvalidArgumentError(f"{self._where()}: init_weight_transfer_engine has not run")
+        # No model runner reaches a weight-transfer engine: vLLM's LoRA, encoder and multimodal
+        # caches are left as they are (VllmRolloutGroup drops them).
         self._reload = LiveReload(self.model, self.vllm_config, None, self._expected, self._where())
         self._reload.begin()
 

@@ -73,7 +73,7 @@ from .base import CheckpointEngineBase
 from .checkpoint_format import checkpoint_weights
 from .chunks import TensorMeta, merge_weight_chunk_batches, split_weight_chunks
 from .engine import CheckpointEngine, as_config, create_checkpoint_engine
-from .reshard import holdings_of, local_tensors
+from .reshard import holdings_of, local_tensors, megatron_weights
 from .synchronizer import RefitReport, WeightSynchronizer, WorkerGroup
 from .worker import BroadcastWorkerGroup, EngineWorker, TensorProgram
 
@@ -118,7 +118,8 @@ __all__ = [
     # plugins and chunks
     "TensorMeta", "split_weight_chunks", "merge_weight_chunk_batches",
     # resharding
-    "holdings_of", "local_tensors", "megatron_source_layouts", "fsdp_source_layout", "plan_transfers",
+    "holdings_of", "local_tensors", "megatron_source_layouts", "megatron_weights", "fsdp_source_layout",
+    "plan_transfers",
     # the driver
     "WeightSynchronizer", "RefitReport", "WorkerGroup", "EngineWorker", "BroadcastWorkerGroup", "TensorProgram",
 ]

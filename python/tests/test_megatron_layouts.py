@@ -1,4 +1,4 @@
-"""refit.megatron_source_layouts against real Megatron-Core models (megatron-core on the CPU, 4 gloo
+"""refit.megatron_source_layouts and refit.megatron_weights against real Megatron-Core models (megatron-core on the CPU, 4 gloo
 ranks, the local layer spec; no Apex or TransformerEngine).
 
 The full HF checkpoint (seeded, one generator per tensor) is split per rank as Megatron's checkpoint
@@ -8,7 +8,8 @@ multiple of 128 x TP, experts in contiguous blocks per EP rank) and loaded with 
 Megatron's layout, not a guess. Forward passes cannot tell which TP rank holds which heads or MLP
 columns (any consistent permutation computes the same), so what each rank holds is read from
 Megatron's own sharded_state_dict() (each tensor's global offset, as its distributed checkpoints
-store it) and must be, tensor by tensor and byte for byte, what refit's layout of that rank says.
+store it) by refit.megatron_weights, and must be, tensor by tensor and byte for byte, what refit's
+layout of that rank says.
 
 Then the ranks of REFIT_CASES refit destinations through refit's engines (UCX over shared memory):
 each rank is a source declaring its layout and sending what it holds, read from its parameters at
@@ -161,78 +162,10 @@ def _local_state(model, full, family, c, ps):
     return out
 
 
-# ---- Megatron's sharded_state_dict -> the HF slices a rank holds ---------------------------------
-
-def _held(model, family, c):
-    """{HF name: (dim, start, tensor)}: every tensor the rank holds, where Megatron's distributed
-    checkpoint metadata says it sits in the global tensor, translated to HF names and slices."""
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
-
-    sharded = model.sharded_state_dict()
-    apply_factories(sharded)  # fc1 -> its gate and up halves, each at its own global offset
-    h, d = c["hidden_size"], c["head_dim"]
-    q_per_group = c["num_attention_heads"] // c["num_key_value_heads"]
-    ffn = c.get("moe_intermediate_size", c["intermediate_size"])
-    # Each row of the fused linear_qkv (as _qkv builds it): which of q, k, v and which row of it.
-    groups = c["num_key_value_heads"]
-    fused_part = torch.cat([torch.full((groups, q_per_group * d), 0), torch.full((groups, d), 1),
-                            torch.full((groups, d), 2)], dim=1).flatten()
-    fused_row = torch.cat([torch.arange(groups * q_per_group * d).view(groups, -1),
-                           torch.arange(groups * d).view(groups, -1), torch.arange(groups * d).view(groups, -1)],
-                          dim=1).flatten()
-    held = {}
-
-    def put(name, dim, start, tensor):
-        assert name not in held, f"{name} held twice"
-        held[name] = (dim, start, tensor)
-
-    for sh in nested_values(sharded):
-        if not isinstance(sh, ShardedTensor):
-            continue  # _extra_state objects
-        pre, key, data = sh.prepend_axis_num, sh.key, sh.data
-        offset = sh.global_offset[pre:]
-        if key in ("embedding.word_embeddings.weight", "output_layer.weight"):
-            name = "lm_head.weight" if key == "output_layer.weight" else "model.embed_tokens.weight"
-            start = min(offset[0], c["vocab_size"])  # rows past the vocabulary are padding
-            put(name, 0, start, data[:c["vocab_size"] - start])
-            continue
-        if key == "decoder.final_layernorm.weight":
-            put("model.norm.weight", 0, 0, data)
-            continue
-        layer = sh.global_offset[0]
-        p, n, rest = f"model.layers.{layer}.", _names(family, layer), key.removeprefix("decoder.layers.")
-        if rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):  # q, k and v rows
-            rows = slice(offset[0], offset[0] + data.shape[0])
-            for i, proj in enumerate(("q_proj", "k_proj", "v_proj")):
-                mine = fused_part[rows] == i
-                if mine.any():
-                    hf_rows = fused_row[rows][mine]
-                    assert torch.equal(hf_rows, torch.arange(hf_rows[0], hf_rows[0] + len(hf_rows))), (key, proj)
-                    rows_held = mine.nonzero().flatten()  # one block of the rank's rows: a view of them
-                    block = rows_held[-1] + 1 - rows_held[0] == len(rows_held)
-                    put(p + f"self_attn.{proj}.{rest.rsplit('.', 1)[1]}", 0, int(hf_rows[0]),
-                        data[rows_held[0]:rows_held[-1] + 1] if block else data[mine])
-        elif rest in ("mlp.linear_fc1.weight", "mlp.experts.experts.linear_fc1.weight"):
-            part = "gate" if offset[0] < ffn else "up"
-            name = n["dense"](part) if rest.startswith("mlp.linear") else n["expert"](sh.global_offset[1], part)
-            put(name, 0, offset[0] % ffn, data)
-        elif rest in ("mlp.linear_fc2.weight", "mlp.experts.experts.linear_fc2.weight"):
-            name = n["dense"]("down") if rest.startswith("mlp.linear") else n["expert"](sh.global_offset[1], "down")
-            put(name, 1, offset[1], data)
-        elif rest == "self_attention.linear_proj.weight":
-            put(p + "self_attn.o_proj.weight", 1, offset[1], data)
-        else:
-            put({"self_attention.linear_qkv.layer_norm_weight": p + "input_layernorm.weight",
-                 "mlp.linear_fc1.layer_norm_weight": p + "post_attention_layernorm.weight",
-                 "self_attention.q_layernorm.weight": p + "self_attn.q_norm.weight",
-                 "self_attention.k_layernorm.weight": p + "self_attn.k_norm.weight",
-                 "mlp.router.weight": n["router"]}[rest], 0, 0, data)
-    return held
-
-
 def _compare(held, full, inventory, layout):
-    """Where the rank's holdings and refit's layout of it differ, one line each."""
+    """Where the rank's holdings (refit.megatron_weights: names from Megatron's own global offsets)
+    and refit's layout of it differ, one line each. The checkpoint is random, so equal bytes also
+    mean the same place in the tensor."""
     problems = []
     for t in inventory.tensors:
         want = layout.request_for(t.name)
@@ -240,13 +173,13 @@ def _compare(held, full, inventory, layout):
             if want != ("drop",):
                 problems.append(f"{t.name}: Megatron holds nothing, refit says {want}")
             continue
-        dim, start, tensor = held.pop(t.name)
-        length = tensor.shape[dim]
-        have = ("whole",) if start == 0 and length == t.shape[dim] else ("narrow", dim, start, length)
-        if have != want:
-            problems.append(f"{t.name}: Megatron holds {have}, refit says {want}")
-        elif not torch.equal(tensor, full[t.name] if want == ("whole",) else full[t.name].narrow(*want[1:])):
-            problems.append(f"{t.name}: the bytes held are not refit's slice {want} of the checkpoint")
+        tensor = held.pop(t.name)
+        if want == ("drop",):
+            problems.append(f"{t.name}: Megatron holds {list(tensor.shape)}, refit says drop")
+            continue
+        expected = full[t.name] if want == ("whole",) else full[t.name].narrow(*want[1:])
+        if tensor.shape != expected.shape or not torch.equal(tensor, expected):
+            problems.append(f"{t.name}: Megatron holds {list(tensor.shape)} that is not refit's {want} of the checkpoint")
     problems += [f"{name}: held by Megatron, not in refit's inventory" for name in held]
     return problems
 
@@ -284,14 +217,14 @@ def _destination_layouts(config_path, c):
                                               destination_rank=1 + r) for r in range(2)]
 
 
-def _sends(model, family, c):
-    """(name, tensor) of what the rank holds, read now: views of its parameters, except q/k/v of
-    a rank with several query groups, whose rows in the fused linear_qkv are not one block (the
-    rows are gathered); and which tensors are such copies."""
-    held = _held(model, family, c)
+def _sends(model, config_path):
+    """(name, tensor) of what the rank holds, read now (refit.megatron_weights): views of its
+    parameters, except q/k/v of a rank with several query groups, whose rows in the fused
+    linear_qkv are not one block (the rows are gathered); and which tensors are such copies."""
+    held = refit.megatron_weights(model, config_path)
     storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    copies = sorted(n for n, (_, _, t) in held.items() if t.untyped_storage().data_ptr() not in storages)
-    return [(name, t) for name, (_, _, t) in held.items()], copies
+    copies = sorted(n for n, t in held.items() if t.untyped_storage().data_ptr() not in storages)
+    return list(held.items()), copies
 
 
 def _refit_group(rank, config_path, holds, destination_layouts, rounds):
@@ -395,9 +328,8 @@ def _refit_case(model, case, c, config_path, layouts, rank, full):
     one group per planted bug. Every parameter is 1 more at each refit but the first."""
     import torch.distributed as dist
 
-    family = case[0]
     destinations = _destination_layouts(config_path, c)
-    sends = lambda: _sends(model, family, c)[0]  # noqa: E731
+    sends = lambda: _sends(model, config_path)[0]  # noqa: E731
 
     def bumped(what=sends):  # every parameter of every rank changes in place, then `what` is sent
         with torch.no_grad():
@@ -406,7 +338,7 @@ def _refit_case(model, case, c, config_path, layouts, rank, full):
         return what()
 
     inventory = refit.load_model_inventory(config_path)
-    result = {"copies": _sends(model, family, c)[1],
+    result = {"copies": _sends(model, config_path)[1],
               "wanted": sorted(t.name for t in inventory.tensors if rank < DESTINATIONS and
                                _expected(full, 0)(t.name, destinations[rank]) is not None),
               "refit": _refit_group(rank, config_path, layouts[rank], destinations,
@@ -494,7 +426,8 @@ def _run_case(root, case, rank):
                                                 expert_tp=etp)
     except refit.LayoutError as e:  # what refit cannot describe it must refuse (REFUSED)
         return {"logits": logits, "problems": [], "refused": str(e)}
-    problems = _compare(_held(model, family, c), full, refit.load_model_inventory(config_path), layouts[rank])
+    problems = _compare(refit.megatron_weights(model, config_path), full, refit.load_model_inventory(config_path),
+                        layouts[rank])
     result = {"logits": logits, "problems": problems, "refused": None}
     if case in REFIT_CASES:  # last: it changes the parameters
         result.update(_refit_case(model, case, c, config_path, layouts, rank, full))

@@ -9,7 +9,10 @@
 # map it (direct_reads with CUDA IPC: one copy per byte). A device named with "+buckets" sets
 # direct_reads=false: every tensor is packed into a bucket that the destination loads from the
 # source's mapped buffer (two copies). "+staged" sets map_source_buffers=false as well: the
-# destination reads every bucket into its own buffer before loading it (three copies).
+# destination reads every bucket into its own buffer before loading it (three copies). "+changed"
+# runs the delta workload (`--changed 0.01`: 1% of every tensor's elements move by a unit in the
+# last place after each refit) sent whole, "+delta" the same as delta refits (only the changes
+# travel; the first refit goes whole): e.g. DEVICES "cpu+changed cpu+delta cuda+changed cuda+delta".
 # Build first (scripts/gpu_test.sh builds $BUILD_DIR).
 #
 # Usage: scripts/gpu_bench.sh [MODEL] [RUNS] [REFITS] [BUCKET] [DEVICES]
@@ -41,14 +44,16 @@ echo "== ceilings (copies of $ceiling_bytes bytes)"
 for device in $devices; do
   for run in $(seq 1 "$runs"); do
     echo "== device $device, run $run"
-    map=true direct=true
+    map=true direct=true workload=()
     case "$device" in
       *+staged*) map=false direct=false ;;
       *+buckets*) direct=false ;;
+      *+changed*) workload=(--changed 0.01) ;;
+      *+delta*) workload=(--changed 0.01 refit_cfg.nixl.delta=true) ;;
     esac
     "$build/refit" bench --model "$model" --device "${device%%+*}" --tensors cuda --refits "$refits" \
-      --json "$out/$device-$run.json" "${bucket_override[@]}" "refit_cfg.nixl.map_source_buffers=$map" \
-      "refit_cfg.nixl.direct_reads=$direct" 2>&1 | grep -v "vLLM refit"
+      --json "$out/$device-$run.json" "${bucket_override[@]}" "${workload[@]}" \
+      "refit_cfg.nixl.map_source_buffers=$map" "refit_cfg.nixl.direct_reads=$direct" 2>&1 | grep -v "vLLM refit"
   done
 done
 

@@ -16,8 +16,10 @@ engines and the workers' meet through a ``torch.distributed.TCPStore`` that trai
 layerwise reload, loaded and checked exactly as ``refit.vllm_adapter`` does (``LiveReload``): the
 tensors against the engine's table, a TP worker's slices through stand-ins that answer only vLLM's
 own narrow, every layer with weights loaded, the reload finalized whatever happens. vLLM keeps the
-prefix cache in its scheduler, out of a worker's reach: ``update`` resets it after each refit
-(callers of the HTTP routes call ``/reset_prefix_cache``).
+prefix cache in its scheduler, out of a worker's reach: ``update`` resets it after each refit.
+``connect`` and ``update`` drive an offline ``LLM`` or any of vLLM's weight-sync clients, e.g.
+``HTTPVLLMWeightSyncClient`` for ``vllm serve`` (its RL routes need ``VLLM_SERVER_DEV_MODE=1``;
+pause the server around each refit: ``POST /pause``, ``/resume``).
 
 vLLM loads the backend by name in every worker process through the ``vllm.general_plugins`` entry
 point of this package (``register``); importing this module registers it too.
@@ -258,27 +260,72 @@ def _ranks(trainers: Union[TrainerEngine, Sequence[TrainerEngine]]) -> List[Trai
     return [trainers] if isinstance(trainers, TrainerEngine) else list(trainers)
 
 
-def connect(llm: Any, trainers: Union[TrainerEngine, Sequence[TrainerEngine]], rollout_rank_offset: int = 0) -> None:
-    """Joins one LLM's workers and the trainer ranks of this process (``init_weight_transfer_engine``)."""
-    ranks = _ranks(trainers)
-    _together([lambda: llm.init_weight_transfer_engine({"init_info": ranks[0].init_info(rollout_rank_offset)})] +
+class _OfflineClient:
+    """An offline ``vllm.LLM`` as vLLM's weight-sync client protocol (the LLM takes request dicts)."""
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self.llm.start_weight_update()
+
+    def update_weights(self, update_info: dict) -> None:
+        self.llm.update_weights({"update_info": update_info})
+
+    def finish_weight_update(self) -> None:
+        self.llm.finish_weight_update()
+
+    def reset_prefix_cache(self) -> None:
+        self.llm.reset_prefix_cache()
+
+
+def _client(vllm: Any) -> Any:
+    """vLLM's weight-sync client for ``vllm``: an offline LLM, or a client as is (vLLM's
+    ``HTTPVLLMWeightSyncClient`` for ``vllm serve``, ``RayVLLMWeightSyncClient``, or any object with
+    init_weight_transfer_engine, start_weight_update, update_weights, finish_weight_update)."""
+    return _OfflineClient(vllm) if hasattr(vllm, "llm_engine") else vllm
+
+
+def _reset_prefix_cache(client: Any) -> None:
+    """The prefix cache lives in vLLM's scheduler: an offline LLM resets it, a server at its
+    /reset_prefix_cache route (there with the RL routes: VLLM_SERVER_DEV_MODE=1)."""
+    if hasattr(client, "reset_prefix_cache"):
+        client.reset_prefix_cache()
+    elif hasattr(client, "base_url"):
+        import requests
+
+        requests.post(f"{client.base_url}/reset_prefix_cache", timeout=getattr(client, "timeout", 300)).raise_for_status()
+    else:
+        raise refit.InvalidArgumentError(f"{type(client).__name__} has no reset_prefix_cache() and no base_url: its "
+                                         f"prefix cache would hold the old weights' keys and values after the refit")
+
+
+def connect(vllm: Any, trainers: Union[TrainerEngine, Sequence[TrainerEngine]], rollout_rank_offset: int = 0) -> None:
+    """Joins one vLLM's workers (an offline LLM or a weight-sync client, see ``_client``) and the
+    trainer ranks of this process (``init_weight_transfer_engine``)."""
+    ranks, client = _ranks(trainers), _client(vllm)
+    _together([lambda: client.init_weight_transfer_engine(ranks[0].init_info(rollout_rank_offset))] +
               [t.connect for t in ranks])
 
 
-def update(llm: Any, trainers: Union[TrainerEngine, Sequence[TrainerEngine]], weights: Iterable[Tuple[str, Any]], *,
+def update(vllm: Any, trainers: Union[TrainerEngine, Sequence[TrainerEngine]], weights: Iterable[Tuple[str, Any]], *,
            partial: bool = False, **send_kwargs: Any) -> List[Any]:
-    """One refit of ``llm`` from the trainer ranks of this process, each sending ``weights`` (a
-    state dict's items; each engine sends what its destination keeps): start, update and finish
-    the weight update through vLLM's interface while they send, then reset the prefix cache (its
-    blocks hold the old weights' keys and values). Returns each rank's send stats."""
-    ranks = _ranks(trainers)
+    """One refit of ``vllm`` (an offline LLM or a weight-sync client) from the trainer ranks of this
+    process, each sending ``weights`` (a state dict's items; each engine sends what its destination
+    keeps): start, update and finish the weight update through vLLM's interface while they send,
+    then reset the prefix cache (its blocks hold the old weights' keys and values). Returns each
+    rank's send stats. A server should be paused around it (POST /pause, /resume)."""
+    ranks, client = _ranks(trainers), _client(vllm)
     specs = weight_specs_of(weights, f"trainer rank {ranks[0].rank}")
     info = {"partial": partial, "specs": None if specs is None else [[n, d, list(s)] for n, d, s in specs]}
-    llm.start_weight_update()
+    client.start_weight_update()
     try:
-        stats = _together([lambda: llm.update_weights({"update_info": info})] +
+        stats = _together([lambda: client.update_weights(info)] +
                           [functools.partial(t.send, weights, **send_kwargs) for t in ranks])[1:]
-        llm.finish_weight_update()
+        client.finish_weight_update()
     finally:
-        llm.reset_prefix_cache()
+        _reset_prefix_cache(client)
     return stats

@@ -15,9 +15,13 @@ import refit  # noqa: E402
 from refit import vllm_transfer  # noqa: E402
 
 import os  # noqa: E402
+import socket  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
 
 from hf_models import make_checkpoint  # noqa: E402
-from test_vllm_refit import fresh_outputs, outputs, start, stop  # noqa: E402
+from test_vllm_refit import PROMPTS, fresh_outputs, outputs, start, stop  # noqa: E402
 
 CONFIG = {"timeout_s": 60}
 BUCKET = 128 << 10  # smaller than the largest tensor
@@ -106,3 +110,61 @@ def test_bad_input_fails_both_sides_before_vllms_weights_change(engine, change, 
     assert outputs(llm) == engine["expected"][engine["a"]]  # still serving A
     vllm_transfer.update(llm, trainer, state_dict(engine["b"], "bfloat16").items())  # and refits again
     assert outputs(llm) == engine["expected"][engine["b"]]
+
+
+def test_a_vllm_server_refits_through_its_http_routes(engine, tmp_path):
+    """`vllm serve` (its RL routes: VLLM_SERVER_DEV_MODE=1) with the "refit" backend, which its
+    worker process gets through the entry point, driven over HTTP by vLLM's own
+    HTTPVLLMWeightSyncClient, paused around each refit: its greedy tokens equal a fresh vLLM's of
+    each checkpoint (the server has no tokenizer, so no logprobs to compare)."""
+    import requests
+    from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_ENABLE_V1_MULTIPROCESSING="1")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", engine["a"], "--dtype", "bfloat16",
+         "--load-format", "dummy", "--port", str(port), "--max-model-len", "128", "--max-num-seqs", "4",
+         "--block-size", "32", "--enforce-eager", "--skip-tokenizer-init", "--seed", "0",
+         "--weight-transfer-config", '{"backend": "refit"}'],
+        env=env, stdout=open(tmp_path / "server.log", "w"), stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    trainer = vllm_transfer.TrainerEngine(0, 1, 1, bucket_bytes=BUCKET, config=CONFIG)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert server.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
+            try:
+                if requests.get(f"{base}/health", timeout=5).status_code == 200:
+                    break
+            except requests.ConnectionError:
+                pass
+            assert time.monotonic() < deadline, "the vLLM server did not start in 300 s"
+            time.sleep(2)
+
+        def tokens():
+            out = []
+            for prompt in PROMPTS:
+                r = requests.post(f"{base}/v1/completions", timeout=60, json={
+                    "model": engine["a"], "prompt": prompt, "max_tokens": 6, "temperature": 0,
+                    "return_token_ids": True, "detokenize": False})
+                r.raise_for_status()
+                out.append(tuple(r.json()["choices"][0]["token_ids"]))
+            return out
+
+        client = HTTPVLLMWeightSyncClient(base)
+        vllm_transfer.connect(client, trainer)
+        for path in (engine["b"], engine["a"]):
+            requests.post(f"{base}/pause", timeout=60).raise_for_status()
+            vllm_transfer.update(client, trainer, state_dict(path, "bfloat16").items())
+            requests.post(f"{base}/resume", timeout=60).raise_for_status()
+            assert tokens() == [o[0] for o in engine["expected"][path]]
+    finally:
+        trainer.close()
+        server.terminate()
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            server.kill()

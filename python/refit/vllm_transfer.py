@@ -227,7 +227,9 @@ class TrainerEngine:
         return self.engine.send_weights(weights, **kwargs)
 
     def close(self) -> None:
+        """Frees the engine, and on rank 0 the rendezvous store (its port)."""
         self.engine.close()
+        self._store = None
 
 
 def _together(calls: Sequence[Callable[[], Any]]) -> List[Any]:

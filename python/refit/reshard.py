@@ -94,11 +94,16 @@ def megatron_weights(model: Any, config_path: str) -> Dict[str, Any]:
 
     with open(config_path) as f:
         c = json.load(f)
-    names = {t.name for t in _refit.load_model_inventory(config_path).tensors}
-    vocab, ffn = c["vocab_size"], c.get("moe_intermediate_size", c["intermediate_size"])
-    groups = c.get("num_key_value_heads", c["num_attention_heads"])
-    head = c.get("head_dim", c["hidden_size"] // c["num_attention_heads"])
+    # Sizes from the checkpoint's own tensors (refit's inventory), not from the config's
+    # conventions: a model's dense and expert MLPs may differ in size.
+    shapes = {t.name: tuple(t.shape) for t in _refit.load_model_inventory(config_path).tensors}
+    vocab = shapes["model.embed_tokens.weight"][0]
+    groups = c.get("num_key_value_heads") or c["num_attention_heads"]
     per_group = c["num_attention_heads"] // groups
+    if "model.layers.0.self_attn.k_proj.weight" not in shapes:
+        raise _refit.LayoutError(f"{config_path}: no model.layers.0.self_attn.k_proj.weight (multi-latent attention?): "
+                                 f"refit names GPT layers of Llama, Qwen2/3, Qwen3-MoE and Mixtral")
+    head = shapes["model.layers.0.self_attn.k_proj.weight"][0] // groups
     # Each row of Megatron's fused linear_qkv, [q heads of group 0; k 0; v 0; q heads of group 1; ...]:
     # which of q, k, v it belongs to and its row there.
     fused_part = torch.cat([torch.full((groups, per_group * head), 0), torch.full((groups, head), 1),
@@ -110,7 +115,7 @@ def megatron_weights(model: Any, config_path: str) -> Dict[str, Any]:
     out: Dict[str, Any] = {}
 
     def put(key: str, name: str, tensor: Any) -> None:
-        if name not in names:
+        if name not in shapes:
             raise _refit.LayoutError(f"Megatron parameter '{key}' maps to '{name}', which {config_path} has no tensor "
                                      f"of (model_type '{c.get('model_type')}')")
         if name in out:
@@ -134,6 +139,7 @@ def megatron_weights(model: Any, config_path: str) -> Dict[str, Any]:
             continue
         layer = sh.global_offset[0]
         p, rest = f"model.layers.{layer}.", key.removeprefix("decoder.layers.")
+        expert = sh.global_offset[1] if rest.startswith("mlp.experts.") else None
         if rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
             rows = slice(offset[0], offset[0] + data.shape[0])
             for i, proj in enumerate(("q_proj", "k_proj", "v_proj")):
@@ -146,16 +152,15 @@ def megatron_weights(model: Any, config_path: str) -> Dict[str, Any]:
                     one_block = int(mine[-1]) + 1 - int(mine[0]) == len(mine)
                     put(key, p + f"self_attn.{proj}.{rest.rsplit('.', 1)[1]}",
                         data[int(mine[0]):int(mine[-1]) + 1] if one_block else data[mine])
-        elif rest in ("mlp.linear_fc1.weight", "mlp.experts.experts.linear_fc1.weight"):
-            part = "gate" if offset[0] < ffn else "up"
-            expert = None if rest.startswith("mlp.linear") else sh.global_offset[1]
-            put(key, p + mlp(expert, part), data)
+        elif rest in ("mlp.linear_fc1.weight", "mlp.experts.experts.linear_fc1.weight"):  # [gate; up]
+            gate = p + mlp(expert, "gate")
+            put(key, gate if gate not in shapes or offset[0] < shapes[gate][0] else p + mlp(expert, "up"), data)
         elif rest in ("mlp.linear_fc2.weight", "mlp.experts.experts.linear_fc2.weight"):
-            put(key, p + mlp(None if rest.startswith("mlp.linear") else sh.global_offset[1], "down"), data)
-        elif rest == "self_attention.linear_proj.weight":
-            put(key, p + "self_attn.o_proj.weight", data)
+            put(key, p + mlp(expert, "down"), data)
+        elif rest == "mlp.router.weight":
+            put(key, p + mlp(None, "router"), data)
         elif rest in _MEGATRON_LAYER_NAMES:
-            put(key, p + _MEGATRON_LAYER_NAMES[rest](mlp), data)
+            put(key, p + _MEGATRON_LAYER_NAMES[rest], data)
         else:
             raise _refit.LayoutError(f"Megatron parameter '{key}': no checkpoint name for it (refit names GPT "
                                      f"layers of Llama, Qwen2/3, Qwen3-MoE and Mixtral)")
@@ -172,10 +177,10 @@ def _megatron_mlp_names(model_type: str) -> Callable[[Any, str], str]:
                             else f"mlp.experts.{e}.{part}_proj.weight")
 
 
-_MEGATRON_LAYER_NAMES: Dict[str, Callable[[Callable[[Any, str], str]], str]] = {
-    "self_attention.linear_qkv.layer_norm_weight": lambda mlp: "input_layernorm.weight",
-    "mlp.linear_fc1.layer_norm_weight": lambda mlp: "post_attention_layernorm.weight",
-    "self_attention.q_layernorm.weight": lambda mlp: "self_attn.q_norm.weight",
-    "self_attention.k_layernorm.weight": lambda mlp: "self_attn.k_norm.weight",
-    "mlp.router.weight": lambda mlp: mlp(None, "router"),
+_MEGATRON_LAYER_NAMES = {  # a decoder layer's tensors Megatron keeps as they are, after "model.layers.N."
+    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "post_attention_layernorm.weight",
+    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
 }

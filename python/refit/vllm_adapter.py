@@ -125,9 +125,11 @@ class ExpectedWeights:
             return tensor
         _, dim, start, length = kept
         whole = self.shapes.get(name)
-        if whole is None or len(whole) <= dim:
-            self.check(name, _dtype_name(tensor.dtype), tuple(tensor.shape), where)  # names what is wrong
-            raise refit.LayoutError(f"{where}: tensor '{name}' has no dim {dim} to keep a slice of")
+        if whole is None:
+            self.check(name, _dtype_name(tensor.dtype), tuple(tensor.shape), where)  # raises: not a weight here
+        if dim >= len(whole):
+            raise refit.LayoutError(f"{where}: this worker's layout keeps dim {dim} of '{name}', which has "
+                                    f"{len(whole)} dims in the vLLM model ({self.source})")
         expected = tuple(whole[:dim]) + (length,) + tuple(whole[dim + 1:])
         if tuple(tensor.shape) != expected:
             raise refit.LayoutError(f"{where}: tensor '{name}' arrived with shape {list(tensor.shape)}, but this "

@@ -30,6 +30,7 @@ from __future__ import annotations
 import datetime
 import functools
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -232,10 +233,11 @@ class TrainerEngine:
         self._store = None
 
 
-def _together(calls: Sequence[Callable[[], Any]]) -> List[Any]:
+def _together(calls: Sequence[Callable[[], Any]], timeout_s: float) -> List[Any]:
     """Runs each call on a thread of its own (vLLM's returns when its workers are done, each
     trainer rank's when it has sent) and returns their results; the first call's error first (vLLM's),
-    the others' attached. Every call ends by the engines' own deadlines."""
+    the others' attached. The engines' own deadlines end every call; ``timeout_s`` is the net
+    beneath them (RefitTimeoutError naming the calls still running)."""
     results: List[Any] = [None] * len(calls)
     errors: List[Optional[BaseException]] = [None] * len(calls)
 
@@ -245,11 +247,17 @@ def _together(calls: Sequence[Callable[[], Any]]) -> List[Any]:
         except BaseException as e:  # noqa: BLE001 - raised on the caller's thread below
             errors[i] = e
 
-    threads = [threading.Thread(target=run, args=(i,), name=f"refit-vllm-transfer-{i}") for i in range(len(calls))]
+    threads = [threading.Thread(target=run, args=(i,), name=f"refit-vllm-transfer-{i}", daemon=True)
+               for i in range(len(calls))]
     for t in threads:
         t.start()
+    deadline = time.monotonic() + timeout_s
     for t in threads:
-        t.join()
+        t.join(max(0.0, deadline - time.monotonic()))
+    running = [i for i, t in enumerate(threads) if t.is_alive()]
+    if running:
+        raise refit.RefitTimeoutError(f"{'vLLM' if 0 in running else 'a trainer rank'} had not returned "
+                                      f"{timeout_s:.0f} s later (calls {running} of {len(calls)})")
     failed = [e for e in errors if e is not None]
     if failed:
         for other in failed[1:]:
@@ -260,6 +268,13 @@ def _together(calls: Sequence[Callable[[], Any]]) -> List[Any]:
 
 def _ranks(trainers: Union[TrainerEngine, Sequence[TrainerEngine]]) -> List[TrainerEngine]:
     return [trainers] if isinstance(trainers, TrainerEngine) else list(trainers)
+
+
+def _net(ranks: Sequence[TrainerEngine]) -> float:
+    """The deadline beneath a connect or an update: the rendezvous's and the engines' timeouts
+    (refit_cfg.nixl.timeout_s, 300 s by default) one after the other, and a minute for vLLM's calls
+    around them."""
+    return max(t.timeout_s + float(t.config.get("timeout_s", 300)) for t in ranks) + 60
 
 
 class _OfflineClient:
@@ -310,7 +325,7 @@ def connect(vllm: Any, trainers: Union[TrainerEngine, Sequence[TrainerEngine]], 
     trainer ranks of this process (``init_weight_transfer_engine``)."""
     ranks, client = _ranks(trainers), _client(vllm)
     _together([lambda: client.init_weight_transfer_engine(ranks[0].init_info(rollout_rank_offset))] +
-              [t.connect for t in ranks])
+              [t.connect for t in ranks], _net(ranks))
 
 
 def update(vllm: Any, trainers: Union[TrainerEngine, Sequence[TrainerEngine]], weights: Iterable[Tuple[str, Any]], *,
@@ -326,7 +341,7 @@ def update(vllm: Any, trainers: Union[TrainerEngine, Sequence[TrainerEngine]], w
     client.start_weight_update()
     try:
         stats = _together([lambda: client.update_weights(info)] +
-                          [functools.partial(t.send, weights, **send_kwargs) for t in ranks])[1:]
+                          [functools.partial(t.send, weights, **send_kwargs) for t in ranks], _net(ranks))[1:]
         client.finish_weight_update()
     finally:
         _reset_prefix_cache(client)

@@ -45,8 +45,7 @@ DeltaPrediction predict_delta(const ModelInventory& model, std::span<const Layou
   if (!(changed_share >= 0 && changed_share <= 1))
     fail(ErrorKind::kConfig, "the changed share of a delta refit must lie in [0, 1], got {}", changed_share);
   // Each source compares, and sends as records, what its destination keeps: whole tensors, or the
-  // slices of a layout (the engine's SelectedSource).
-  // A slice is copied out of its tensor first (packed where the source keeps its base).
+  // slices of a layout, each copied out of its tensor first (the engine's SelectedSource).
   std::vector<uint64_t> kept(needs.size(), 0), sliced(needs.size(), 0), records(needs.size(), 0);
   DeltaPrediction p;
   p.transfer = predict_paired_stream(model, needs, cluster,

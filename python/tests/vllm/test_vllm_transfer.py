@@ -168,3 +168,11 @@ def test_a_vllm_server_refits_through_its_http_routes(engine, tmp_path):
             server.wait(30)
         except subprocess.TimeoutExpired:
             server.kill()
+
+
+def test_a_call_that_never_returns_is_a_timeout_naming_it():
+    """The net beneath the engines' own deadlines in connect and update."""
+    with pytest.raises(refit.RefitTimeoutError, match=r"vLLM had not returned 0 s later \(calls \[0\] of 2\)"):
+        vllm_transfer._together([lambda: time.sleep(5), lambda: None], 0.2)
+    with pytest.raises(ValueError, match="trainer"):
+        vllm_transfer._together([lambda: None, lambda: (_ for _ in ()).throw(ValueError("trainer"))], 5)

@@ -6,13 +6,20 @@
 #   device cuda (CUDA IPC)              against the device-to-device copy;
 #   device cpu  (UCX, pinned host buffers) against the slower pinned copy direction.
 # By default a destination loads tensors straight from the source's own GPU memory where it can
-# map it (direct_reads with CUDA IPC: one copy per byte). A device named with "+buckets" sets
-# direct_reads=false: every tensor is packed into a bucket that the destination loads from the
-# source's mapped buffer (two copies). "+staged" sets map_source_buffers=false as well: the
-# destination reads every bucket into its own buffer before loading it (three copies). "+changed"
-# runs the delta workload (`--changed 0.01`: 1% of every tensor's elements move by a unit in the
-# last place after each refit) sent whole, "+delta" the same as delta refits (only the changes
-# travel; the first refit goes whole): e.g. DEVICES "cpu+changed cpu+delta cuda+changed cuda+delta".
+# map it (direct_reads with CUDA IPC: one copy per byte). A device's modifiers, joined by "+":
+#   buckets  direct_reads=false: every tensor is packed into a bucket that the destination loads
+#            from the source's mapped buffer (two copies);
+#   staged   map_source_buffers=false as well: the destination reads every bucket into its own
+#            buffer before loading it (three copies);
+#   ucx      backend_name=UCX with GPU buffers (CUDA-aware UCX; the default for device cuda is
+#            CUDA_IPC);
+#   changed  the delta workload (`--changed 0.01`: 1% of every tensor's elements move by a unit in
+#            the last place after each refit) sent whole;
+#   delta    the same as delta refits (only the changes travel; the first refit goes whole).
+# e.g. DEVICES "cuda cuda+ucx cuda+ucx+staged cpu+changed cpu+delta cuda+changed cuda+delta".
+# The summary gives each device's median against its ceiling and against the best device of its
+# memory kind in the run (GPU buffers, pinned host buffers; the delta workload apart), marking a
+# device under half of that best.
 # Build first (scripts/gpu_test.sh builds $BUILD_DIR).
 #
 # Usage: scripts/gpu_bench.sh [MODEL] [RUNS] [REFITS] [BUCKET] [DEVICES]
@@ -44,35 +51,44 @@ echo "== ceilings (copies of $ceiling_bytes bytes)"
 for device in $devices; do
   for run in $(seq 1 "$runs"); do
     echo "== device $device, run $run"
-    map=true direct=true workload=()
-    case "$device" in
-      *+staged*) map=false direct=false ;;
-      *+buckets*) direct=false ;;
-      *+changed*) workload=(--changed 0.01) ;;
-      *+delta*) workload=(--changed 0.01 refit_cfg.nixl.delta=true) ;;
-    esac
+    map=true direct=true extra=()
+    for modifier in $(tr '+' ' ' <<<"${device#"${device%%+*}"}"); do
+      case "$modifier" in
+        staged) map=false direct=false ;;
+        buckets) direct=false ;;
+        ucx) extra+=(refit_cfg.nixl.backend_name=UCX) ;;
+        changed) extra+=(--changed 0.01) ;;
+        delta) extra+=(--changed 0.01 refit_cfg.nixl.delta=true) ;;
+        *) echo "gpu_bench: unknown modifier $modifier in $device" >&2; exit 2 ;;
+      esac
+    done
     "$build/refit" bench --model "$model" --device "${device%%+*}" --tensors cuda --refits "$refits" \
-      --json "$out/$device-$run.json" "${bucket_override[@]}" "${workload[@]}" \
+      --json "$out/$device-$run.json" "${bucket_override[@]}" "${extra[@]}" \
       "refit_cfg.nixl.map_source_buffers=$map" "refit_cfg.nixl.direct_reads=$direct" 2>&1 | grep -v "vLLM refit"
   done
 done
 
-python3 - "$out" "$runs" "$devices" <<'PY'
+python3 - "$out" "$runs" "$devices" "$refits" <<'PY'
 import json, statistics, sys
-out, runs, devices = sys.argv[1], int(sys.argv[2]), sys.argv[3].split()
+out, runs, devices, refits = sys.argv[1], int(sys.argv[2]), sys.argv[3].split(), int(sys.argv[4])
 ceiling = json.load(open(f"{out}/ceiling.json"))
 ceilings = {"cuda": ("device-to-device copy", ceiling["d2d_GBps"]),
             "cpu": ("pinned host copy (slower direction)", min(ceiling["h2d_pinned_GBps"], ceiling["d2h_pinned_GBps"]))}
 print(f"ceilings on {ceiling['device']}: d2d {ceiling['d2d_GBps']:.1f} GB/s, pinned h2d {ceiling['h2d_pinned_GBps']:.1f}"
       f" / d2h {ceiling['d2h_pinned_GBps']:.1f} GB/s")
+summary = {}
 for device in devices:
-    medians = []
+    medians, seconds, wire = [], [], []
     for run in range(1, runs + 1):
         r = json.load(open(f"{out}/{device}-{run}.json"))
         if not r["verified"]:
             print(f"device {device} run {run}: NOT verified"); continue
         rates = [x["throughput_bytes_per_s"] / 1e9 for x in r["refits"]]
         medians.append(statistics.median(rates))
+        # Refits after the first (the first sends every byte, also with delta).
+        later = r["refits"][1:] or r["refits"]
+        seconds.append(statistics.median(x["seconds"] for x in later))
+        wire.append(statistics.median(x["bytes_received"][0].get("wire_bytes", x["bytes_received"][0]["bytes"]) for x in later))
         last = r["refits"][-1]["bytes_received"][0]
         print(f"device {device} run {run}: {r['model_bytes']/2**30:.2f} GiB, {r['bucket_bytes']/2**20:.0f} MiB buckets, "
               f"refits GB/s " + " ".join(f"{x:.1f}" for x in rates) + f", median {medians[-1]:.1f} "
@@ -81,9 +97,20 @@ for device in devices:
     if medians:
         name, c = ceilings[device.split("+")[0]]
         m = statistics.median(medians)
-        print(f"device {device}: median {m:.1f} GB/s = {m / c:.3f} of the {name} ({c:.1f} GB/s), {len(medians)} runs")
+        summary[device] = m
+        print(f"device {device}: median {m:.1f} GB/s = {m / c:.3f} of the {name} ({c:.1f} GB/s), {len(medians)} runs; "
+              f"refits 2-{refits}: {statistics.median(seconds) * 1e3:.1f} ms, {statistics.median(wire) / 2**20:.2f} MiB on the wire")
         if device.startswith("cpu") and "duplex_pinned_GBps" in ceiling:
             # Pinned host buffers move every byte over PCIe twice, one way each, at the same time.
             d = ceiling["duplex_pinned_GBps"]
             print(f"device {device}: = {m / d:.3f} of the pinned copy both ways at once ({d:.1f} GB/s each way)")
+# Each full-refit device against the best of its memory kind (the transfer buffers' memory).
+for kind, label in (("cuda", "GPU buffers"), ("cpu", "pinned host buffers")):
+    rows = {d: m for d, m in summary.items() if d.split("+")[0] == kind and not {"changed", "delta"} & set(d.split("+"))}
+    if len(rows) < 2:
+        continue
+    best = max(rows, key=rows.get)
+    for d, m in rows.items():
+        mark = "" if m >= 0.5 * rows[best] else "  UNDER HALF"
+        print(f"{label}: {d} {m:.1f} GB/s = {m / rows[best]:.3f} of the best ({best}){mark}")
 PY

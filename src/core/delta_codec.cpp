@@ -63,70 +63,65 @@ void store_element(std::byte* p, size_t size, uint64_t v) {
 
 using delta_steps::mask_of;
 
-// What a scan found: the changed elements and their values written both ways (in the scratch
-// buffers), so that the record is made without a second pass over the tensor.
+// What a scan found, in index order: the changed elements and their bits before and after, as a
+// GPU kernel's compaction finds them too; one writer (write_record) makes the record of either.
 struct Scan {
-  explicit Scan(DeltaScratch& buffers) : changed(buffers.changed), steps(buffers.steps), raw(buffers.raw) {
-    changed.clear();
-    steps.clear();
-    raw.clear();
+  explicit Scan(DeltaScratch& buffers) : index(buffers.changed), before(buffers.before), after(buffers.after) {
+    index.clear();
+    before.clear();
+    after.clear();
   }
-  std::vector<uint64_t>& changed;
-  std::vector<uint8_t>& steps;  // values as LEB128 zigzag steps
-  std::vector<uint8_t>& raw;    // values as they are
-  uint64_t gap_bytes = 0;       // positions as LEB128 gaps
-  uint64_t next_gap_from = 0;   // the index after the previous change
+  std::vector<uint64_t>& index;
+  std::vector<uint64_t>& before;
+  std::vector<uint64_t>& after;
 
-  // Element i changed from `before` to `after` (bits of `Size` bytes); i after every earlier one.
-  template <size_t Size>
-  void add(uint64_t i, uint64_t before, uint64_t after) {
-    gap_bytes += varint_size(i - next_gap_from);
-    next_gap_from = i + 1;
-    uint64_t step = delta_steps::zigzag(before, after, Size);
-    for (; step >= 0x80; step >>= 7) steps.push_back(static_cast<uint8_t>(step | 0x80));
-    steps.push_back(static_cast<uint8_t>(step));
-    for (size_t k = 0; k < Size; ++k) raw.push_back(static_cast<uint8_t>(after >> (8 * k)));
-    changed.push_back(i);
-  }
-  // The smallest record of the changes so far, for `elements` elements.
-  uint64_t record_bytes(uint64_t elements) const {
-    return kDeltaHeaderBytes + std::min(gap_bytes, (elements + 7) / 8) + std::min(raw.size(), steps.size());
+  void add(uint64_t i, uint64_t old_bits, uint64_t new_bits) {
+    index.push_back(i);
+    before.push_back(old_bits);
+    after.push_back(new_bits);
   }
 };
 
-// Finds the elements that differ, writes their values both ways and copies them into `base`,
-// and hashes `now` on the way: one pass over the tensor's memory. Stops, returning false, once
-// writing the changes would cost `budget` bytes or more (`base` is then partly updated). One
-// instance per element size, so that the per-change work has no loops over bytes.
+// The smallest a record of `changes` changes of `elements` elements can be (at least one byte per
+// position unless the bitmap is smaller, at least one byte per value): a scan stops once this
+// reaches its budget.
+uint64_t record_bytes_at_least(uint64_t changes, uint64_t elements) {
+  return kDeltaHeaderBytes + std::min(changes, (elements + 7) / 8) + changes;
+}
+
+// Finds the elements that differ, collects them (index, old and new bits), copies the new bytes
+// into `base`, and hashes `now` on the way: one pass over the tensor's memory. Stops, returning
+// false, once a record of the changes found would cost `budget` bytes or more (`base` is then
+// partly updated). One instance per element size.
 template <size_t Size>
 bool scan(std::span<std::byte> base, std::span<const std::byte> now, uint64_t budget, Scan& s, XXH3_state_t* hash) {
   const uint64_t elements = now.size() / Size;
   std::byte* a = base.data();
   const std::byte* b = now.data();
-  auto note = [&](uint64_t i) {
-    std::byte* old = a + i * Size;
-    const std::byte* fresh = b + i * Size;
-    s.add<Size>(i, element_bits<Size>(old), element_bits<Size>(fresh));
-    std::memcpy(old, fresh, Size);
-    return s.record_bytes(elements) < budget;
-  };
   // Eight bytes at a time (element sizes divide 8): a word that differs names its elements by
   // which lanes of the XOR are non-zero; 64 bytes that all match cost one test.
   constexpr size_t kLanes = 8 / Size;
   const size_t words = now.size() / 8;
+  // Bit 8 * Size - 1 of every lane: the SWAR test below sets it where the lane is non-zero.
+  constexpr uint64_t kHigh = [] {
+    uint64_t h = 0;
+    for (size_t lane = 0; lane < kLanes; ++lane) h |= uint64_t{1} << (8 * Size * lane + 8 * Size - 1);
+    return h;
+  }();
+  // A lane's low bits carry into its top bit when any is set: the lanes that differ, without a
+  // branch per lane (changes fall at random); then one turn per change. Lane j holds bytes
+  // [j * Size, +Size) in memory order.
   auto word_changes = [&](size_t w) {
     const uint64_t x = load_word(a + w * 8) ^ load_word(b + w * 8);
-    if (x == 0) return true;
-    // The lanes that differ as bits, without a branch per lane (changes fall at random), then
-    // one turn per change. Lane j holds bytes [j * Size, +Size) in memory order.
-    unsigned differ = 0;
-    for (size_t lane = 0; lane < kLanes; ++lane) {
-      const unsigned shift = 8 * Size * (std::endian::native == std::endian::little ? lane : kLanes - 1 - lane);
-      differ |= static_cast<unsigned>(((x >> shift) & mask_of(Size)) != 0) << lane;
+    uint64_t differ = (((x & ~kHigh) + ~kHigh) | x) & kHigh;
+    if (differ == 0) return;
+    for (; differ != 0; differ &= differ - 1) {
+      const size_t bit_lane = std::countr_zero(differ) / (8 * Size);
+      const size_t lane = std::endian::native == std::endian::little ? bit_lane : kLanes - 1 - bit_lane;
+      s.add(w * kLanes + lane, element_bits<Size>(a + w * 8 + lane * Size),
+            element_bits<Size>(b + w * 8 + lane * Size));
     }
-    for (; differ != 0; differ &= differ - 1)
-      if (!note(w * kLanes + std::countr_zero(differ))) return false;
-    return true;
+    std::memcpy(a + w * 8, b + w * 8, 8);
   };
   // Hashed in blocks that stay in cache between the hash and the compare.
   constexpr size_t kBlockWords = 4096;
@@ -138,17 +133,19 @@ bool scan(std::span<std::byte> base, std::span<const std::byte> now, uint64_t bu
       uint64_t any = 0;
       for (size_t k = 0; k < 8; ++k) any |= load_word(a + (w + k) * 8) ^ load_word(b + (w + k) * 8);
       if (any == 0) continue;
-      for (size_t k = 0; k < 8; ++k)
-        if (!word_changes(w + k)) return false;
+      for (size_t k = 0; k < 8; ++k) word_changes(w + k);
     }
+    if (record_bytes_at_least(s.index.size(), elements) >= budget) return false;
   }
   XXH3_64bits_update(hash, b + w * 8, now.size() - w * 8);
-  for (; w < words; ++w)
-    if (!word_changes(w)) return false;
+  for (; w < words; ++w) word_changes(w);
   // The tail shorter than a word.
   for (uint64_t i = w * kLanes; i < elements; ++i)
-    if (std::memcmp(a + i * Size, b + i * Size, Size) != 0 && !note(i)) return false;
-  return true;
+    if (std::memcmp(a + i * Size, b + i * Size, Size) != 0) {
+      s.add(i, element_bits<Size>(a + i * Size), element_bits<Size>(b + i * Size));
+      std::memcpy(a + i * Size, b + i * Size, Size);
+    }
+  return record_bytes_at_least(s.index.size(), elements) < budget;
 }
 
 template <template <size_t> typename F, typename... Args>
@@ -171,26 +168,30 @@ struct ScanOf {
     return scan<Size>(base, now, budget, s, hash);
   }
 };
-template <size_t Size>
-struct AddChanges {
-  static void run(Scan& s, std::span<const uint64_t> index, std::span<const uint64_t> before,
-                  std::span<const uint64_t> after) {
-    for (size_t k = 0; k < index.size(); ++k) s.add<Size>(index[k], before[k], after[k]);
-  }
-};
 
-// Writes the record of what `s` found.
-void write_record(const Scan& s, uint64_t elements, size_t element_size, DeltaChecksum kind, uint64_t checksum,
-                  std::vector<uint8_t>& out) {
+// Writes the record of the changes (`index` increasing, `before`/`after` their bits) into `out`,
+// each part whichever way is smaller, unless the record would not be smaller than the tensor
+// (`elements * element_size` bytes): then returns false and leaves `out` as it was.
+bool write_record(uint64_t elements, size_t element_size, std::span<const uint64_t> index,
+                  std::span<const uint64_t> before, std::span<const uint64_t> after, DeltaChecksum kind,
+                  uint64_t checksum, std::vector<uint8_t>& out) {
+  uint64_t gap_bytes = 0, step_bytes = 0, next_gap_from = 0;
+  for (size_t k = 0; k < index.size(); ++k) {
+    gap_bytes += varint_size(index[k] - next_gap_from);
+    next_gap_from = index[k] + 1;
+    step_bytes += varint_size(delta_steps::zigzag(before[k], after[k], element_size));
+  }
   const uint64_t bitmap_bytes = (elements + 7) / 8;
-  const DeltaEncoding encoding = s.changed.empty()             ? DeltaEncoding::kNone
-                                 : s.gap_bytes <= bitmap_bytes ? DeltaEncoding::kGaps
-                                                               : DeltaEncoding::kBitmap;
-  const bool steps = s.steps.size() < s.raw.size();
+  const uint64_t raw_bytes = index.size() * element_size;
+  const DeltaEncoding encoding = index.empty()               ? DeltaEncoding::kNone
+                                 : gap_bytes <= bitmap_bytes ? DeltaEncoding::kGaps
+                                                             : DeltaEncoding::kBitmap;
+  const bool steps = step_bytes < raw_bytes;
   const uint64_t positions =
-      encoding == DeltaEncoding::kNone ? 0 : (encoding == DeltaEncoding::kGaps ? s.gap_bytes : bitmap_bytes);
-  const std::vector<uint8_t>& values = steps ? s.steps : s.raw;
-  out.assign(kDeltaHeaderBytes + positions + values.size(), 0);
+      encoding == DeltaEncoding::kNone ? 0 : (encoding == DeltaEncoding::kGaps ? gap_bytes : bitmap_bytes);
+  const uint64_t total = kDeltaHeaderBytes + positions + (steps ? step_bytes : raw_bytes);
+  if (total >= elements * element_size) return false;
+  out.assign(total, 0);
   uint8_t* p = out.data();
   std::memcpy(p, kMagic.data(), kMagic.size());
   p += kMagic.size();
@@ -199,19 +200,26 @@ void write_record(const Scan& s, uint64_t elements, size_t element_size, DeltaCh
   p = put_le<uint8_t>(p, static_cast<uint8_t>(steps ? DeltaValues::kSteps : DeltaValues::kRaw));
   p = put_le<uint8_t>(p, static_cast<uint8_t>(kind));
   p = put_le<uint64_t>(p, elements);
-  p = put_le<uint64_t>(p, s.changed.size());
+  p = put_le<uint64_t>(p, index.size());
   p = put_le<uint64_t>(p, checksum);
   if (encoding == DeltaEncoding::kGaps) {
-    uint64_t next_gap_from = 0;
-    for (uint64_t i : s.changed) {
+    next_gap_from = 0;
+    for (uint64_t i : index) {
       p = put_varint(p, i - next_gap_from);
       next_gap_from = i + 1;
     }
   } else if (encoding == DeltaEncoding::kBitmap) {
-    for (uint64_t i : s.changed) p[i / 8] |= static_cast<uint8_t>(1u << (i % 8));
+    for (uint64_t i : index) p[i / 8] |= static_cast<uint8_t>(1u << (i % 8));
     p += bitmap_bytes;
   }
-  if (!values.empty()) std::memcpy(p, values.data(), values.size());
+  if (steps) {
+    for (size_t k = 0; k < index.size(); ++k) p = put_varint(p, delta_steps::zigzag(before[k], after[k], element_size));
+  } else {
+    for (uint64_t v : after) {
+      for (size_t byte = 0; byte < element_size; ++byte) *p++ = static_cast<uint8_t>(v >> (8 * byte));
+    }
+  }
+  return true;
 }
 
 void check_element_size(size_t element_size, const char* where) {
@@ -237,12 +245,7 @@ bool encode_delta_changes(uint64_t elements, size_t element_size, std::span<cons
   if (before.size() != index.size() || after.size() != index.size())
     fail(ErrorKind::kInternal, "encode_delta_changes: {} positions, {} and {} values", index.size(), before.size(),
          after.size());
-  DeltaScratch buffers;
-  Scan s(buffers);
-  by_element_size<AddChanges>(element_size, s, index, before, after);
-  if (s.record_bytes(elements) >= elements * element_size) return false;
-  write_record(s, elements, element_size, kind, checksum, out);
-  return true;
+  return write_record(elements, element_size, index, before, after, kind, checksum, out);
 }
 
 DeltaResult encode_delta(std::span<std::byte> base, std::span<const std::byte> now, size_t element_size,
@@ -260,11 +263,10 @@ DeltaResult encode_delta(std::span<std::byte> base, std::span<const std::byte> n
   const bool fits = by_element_size<ScanOf>(element_size, base, now, uint64_t{now.size()}, s, hash);
   const uint64_t checksum = fits ? XXH3_64bits_digest(hash) : 0;
   XXH3_freeState(hash);
-  if (!fits) {
-    std::memcpy(base.data(), now.data(), now.size());  // the scan stopped part way
+  if (!fits || !write_record(elements, element_size, s.index, s.before, s.after, DeltaChecksum::kXxh3, checksum, out)) {
+    std::memcpy(base.data(), now.data(), now.size());  // the scan may have stopped part way
     return {};
   }
-  write_record(s, elements, element_size, DeltaChecksum::kXxh3, checksum, out);
   return {true, checksum};
 }
 

@@ -1,0 +1,69 @@
+// Micro-benchmarks of delta refit's CPU work per tensor: the source's scan and record
+// (encode_delta) and the destination's patch (apply_delta), on a 64 MiB bf16 tensor where a
+// share of the elements (the argument, in 1/1000) moved by one unit in the last place, as an
+// optimizer step moves them (docs/DELTA.md: 1.7% on the realistic workload).
+#include <benchmark/benchmark.h>
+
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "core/delta_codec.h"
+
+namespace {
+
+constexpr size_t kBytes = size_t{64} << 20;
+
+struct Versions {
+  std::vector<std::byte> base, now;
+  explicit Versions(int64_t per_mille) : base(kBytes), now(kBytes) {
+    std::mt19937_64 rng(7);
+    for (size_t i = 0; i < kBytes; i += 8) {
+      const uint64_t w = rng();
+      std::memcpy(base.data() + i, &w, 8);
+    }
+    now = base;
+    std::bernoulli_distribution changed(static_cast<double>(per_mille) / 1000.0);
+    for (size_t i = 0; i < kBytes; i += 2)
+      if (changed(rng)) {
+        uint16_t v;
+        std::memcpy(&v, now.data() + i, 2);
+        v = static_cast<uint16_t>(v + ((rng() & 1) ? 1 : -1));
+        std::memcpy(now.data() + i, &v, 2);
+      }
+  }
+};
+
+void BM_DeltaEncode(benchmark::State& state) {
+  Versions v(state.range(0));
+  std::vector<std::byte> base(kBytes);
+  std::vector<uint8_t> record;
+  refit::DeltaScratch scratch;
+  for (auto _ : state) {
+    state.PauseTiming();
+    std::memcpy(base.data(), v.base.data(), kBytes);
+    state.ResumeTiming();
+    benchmark::DoNotOptimize(refit::encode_delta(base, v.now, 2, record, &scratch));
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * kBytes));
+  state.counters["record_bytes"] = static_cast<double>(record.size());
+}
+BENCHMARK(BM_DeltaEncode)->Arg(17)->Arg(2)->UseRealTime()->Unit(benchmark::kMillisecond);
+
+void BM_DeltaApply(benchmark::State& state) {
+  Versions v(state.range(0));
+  std::vector<std::byte> base = v.base;
+  std::vector<uint8_t> record;
+  refit::encode_delta(base, v.now, 2, record);
+  std::vector<std::byte> target(kBytes);
+  for (auto _ : state) {
+    state.PauseTiming();
+    std::memcpy(target.data(), v.base.data(), kBytes);
+    state.ResumeTiming();
+    benchmark::DoNotOptimize(refit::apply_delta(target, 2, record, "bench"));
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * kBytes));
+}
+BENCHMARK(BM_DeltaApply)->Arg(17)->Arg(2)->UseRealTime()->Unit(benchmark::kMillisecond);
+
+}  // namespace

@@ -66,4 +66,27 @@ void BM_DeltaApply(benchmark::State& state) {
 }
 BENCHMARK(BM_DeltaApply)->Arg(17)->Arg(2)->UseRealTime()->Unit(benchmark::kMillisecond);
 
+// The record of changes a GPU kernel compacted (index, old and new bits): the host's share of a
+// delta refit of GPU tensors.
+void BM_DeltaRecordOfChanges(benchmark::State& state) {
+  Versions v(state.range(0));
+  std::vector<uint64_t> index, before, after;
+  for (size_t i = 0; i < kBytes / 2; ++i) {
+    uint16_t a, b;
+    std::memcpy(&a, v.base.data() + 2 * i, 2);
+    std::memcpy(&b, v.now.data() + 2 * i, 2);
+    if (a == b) continue;
+    index.push_back(i);
+    before.push_back(a);
+    after.push_back(b);
+  }
+  std::vector<uint8_t> record;
+  for (auto _ : state)
+    benchmark::DoNotOptimize(
+        refit::encode_delta_changes(kBytes / 2, 2, index, before, after, refit::DeltaChecksum::kWords, 0, record));
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * kBytes));
+  state.counters["changes"] = static_cast<double>(index.size());
+}
+BENCHMARK(BM_DeltaRecordOfChanges)->Arg(17)->UseRealTime()->Unit(benchmark::kMillisecond);
+
 }  // namespace

@@ -19,6 +19,7 @@ anything moves.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Callable, Dict, Iterable, Iterator, Mapping, Tuple
 
 from . import _refit
@@ -86,8 +87,9 @@ def megatron_weights(model: Any, config_path: str) -> Dict[str, Any]:
         engine.send_weights(refit.megatron_weights(model, config).items())
 
     Checked against real megatron-core 0.16.1 ranks (GPT models of the local layer spec: Llama,
-    Qwen2, Qwen3, Qwen3-MoE, Mixtral at TP, PP, EP and expert TP). A parameter it cannot name
-    raises LayoutError naming it; call it again after the parameters are replaced (it holds views)."""
+    Qwen2, Qwen3, Qwen3-MoE, also with dense layers, Mixtral at TP, PP, EP and expert TP). A
+    parameter it cannot name raises LayoutError naming it; call it again after the parameters are
+    replaced (it holds views)."""
     import torch
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
@@ -137,9 +139,16 @@ def megatron_weights(model: Any, config_path: str) -> Dict[str, Any]:
         if key == "decoder.final_layernorm.weight":
             put(key, "model.norm.weight", data)
             continue
-        layer = sh.global_offset[0]
-        p, rest = f"model.layers.{layer}.", key.removeprefix("decoder.layers.")
-        expert = sh.global_offset[1] if rest.startswith("mlp.experts.") else None
+        # Layers of one kind are stacked ("decoder.layers.X", the layer the first prepended axis);
+        # where they differ (dense and MoE layers: moe_layer_freq a list or above 1) each is keyed
+        # by its global number ("decoder.layers.N.X") and only the expert axis is prepended.
+        numbered = re.fullmatch(r"decoder\.layers\.(\d+)\.(.+)", key)
+        if numbered:
+            layer, rest, prepended = int(numbered[1]), numbered[2], sh.global_offset[:pre]
+        else:
+            layer, rest, prepended = sh.global_offset[0], key.removeprefix("decoder.layers."), sh.global_offset[1:pre]
+        p = f"model.layers.{layer}."
+        expert = prepended[0] if rest.startswith("mlp.experts.") else None
         if rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
             rows = slice(offset[0], offset[0] + data.shape[0])
             for i, proj in enumerate(("q_proj", "k_proj", "v_proj")):

@@ -53,6 +53,13 @@ FAMILIES = {
                   "mlp_only_layers": [], "tie_word_embeddings": False},
     "mixtral": {"architectures": ["MixtralForCausalLM"], "intermediate_size": 32, "num_local_experts": 4,
                 "num_experts_per_tok": 2, "tie_word_embeddings": False},
+    # Qwen3-MoE with dense MLP layers (0 and 3: one per PP 2 stage, beside a MoE layer) 4x the
+    # experts' size: fc1's gate/up boundary differs per layer (a split at one size for every layer
+    # names a dense layer's gate rows as up).
+    "qwen3_moe_dense": {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "intermediate_size": 128,
+                        "moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2,
+                        "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [0, 3],
+                        "tie_word_embeddings": False},
 }
 # (family, tp, pp, ep, expert_tp); dp = WORLD / (tp * pp); expert_tp None: both sides' default (tp).
 CASES = [
@@ -62,6 +69,7 @@ CASES = [
     ("llama", 4, 1, 1, None),  # TP 4 over 2 KV heads: see REFUSED
     ("qwen3_moe", 2, 1, 2, None), ("qwen3_moe", 2, 1, 4, 1), ("qwen3_moe", 2, 2, 2, 1), ("qwen3_moe", 1, 1, 2, 1),
     ("mixtral", 2, 2, 2, 1),
+    ("qwen3_moe_dense", 2, 1, 2, None), ("qwen3_moe_dense", 2, 2, 2, 1),  # dense and MoE layers, fc1 per TP rank
 ]
 # What the Megatron ranks hold but no layout can name, which refit must refuse (found by this test).
 REFUSED = {
@@ -75,6 +83,14 @@ TOKENS = torch.randint(0, _COMMON["vocab_size"], (2, 12), generator=torch.Genera
 
 def _hf_config(family):
     return {"model_type": family, **_COMMON, **FAMILIES[family]}
+
+
+def _moe_layers(c):
+    """Megatron's moe_layer_freq as a list (1: MoE, 0: dense) by transformers' rule for Qwen-MoE
+    (Megatron's integer moe_layer_freq N would put the MoE layers at i % N == 0, HF's
+    decoder_sparse_step at (i + 1) % N == 0)."""
+    step, dense = c.get("decoder_sparse_step", 1), set(c.get("mlp_only_layers", []))
+    return [int(i not in dense and (i + 1) % step == 0) for i in range(c["num_hidden_layers"])]
 
 
 def _full_weights(config_path):
@@ -187,9 +203,9 @@ def _compare(held, full, inventory, layout):
 # ---- refit from the ranks: Megatron's shards as sources -------------------------------------------
 
 # dense TP x PP; tied embeddings (both stages hold embed_tokens); MoE with EP and replicas (dp 2);
-# MoE with EP, PP and whole experts (expert TP 1).
+# MoE with EP, PP and whole experts (expert TP 1); dense and MoE layers of different MLP sizes.
 REFIT_CASES = [("qwen3", 2, 2, 1, None), ("llama", 2, 2, 1, None), ("qwen3_moe", 2, 1, 2, None),
-               ("mixtral", 2, 2, 2, 1)]
+               ("mixtral", 2, 2, 2, 1), ("qwen3_moe_dense", 2, 1, 2, None), ("qwen3_moe_dense", 2, 2, 2, 1)]
 # Destination d runs in rank d's process: 0 takes the whole model, 1 and 2 are a vLLM TP2 pair.
 DESTINATIONS = 3
 REFIT_CONFIG = {"timeout_s": 30, "backend_init_params": {"tls": "posix,sysv,cma,self"}}
@@ -371,7 +387,7 @@ def _run_case(root, case, rank):
     import torch.nn.functional as F
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from megatron.core.transformer import TransformerConfig
 
@@ -379,13 +395,17 @@ def _run_case(root, case, rank):
     config_path = os.path.join(root, family, "config.json")
     c = _hf_config(family)
     experts = c.get("num_experts", c.get("num_local_experts"))
+    # Dense layers among the MoE ones: a list (Megatron then keys each layer's tensors by its
+    # global number instead of stacking the layers); all MoE: Megatron's default 1.
+    pattern = _moe_layers(c) if experts and c["model_type"] == "qwen3_moe" else []
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
                                  distributed_timeout_minutes=5)
     model_parallel_cuda_manual_seed(0, inference_rng_tracker=True)  # no CUDA RNG: a no-op tracker
     moe = dict(num_moe_experts=experts, moe_ffn_hidden_size=c["intermediate_size"] if family == "mixtral"
                else c["moe_intermediate_size"], moe_router_topk=c["num_experts_per_tok"],
-               moe_router_load_balancing_type="none", moe_token_dispatcher_type="allgather") if experts else {}
+               moe_router_load_balancing_type="none", moe_token_dispatcher_type="allgather",
+               moe_layer_freq=pattern if 0 in pattern else 1) if experts else {}
     config = TransformerConfig(
         num_layers=c["num_hidden_layers"], hidden_size=c["hidden_size"], num_attention_heads=c["num_attention_heads"],
         num_query_groups=c["num_key_value_heads"], kv_channels=c["head_dim"], ffn_hidden_size=c["intermediate_size"],
@@ -396,7 +416,10 @@ def _run_case(root, case, rank):
         expert_model_parallel_size=ep, expert_tensor_parallel_size=etp, bias_dropout_fusion=False,
         apply_rope_fusion=False, masked_softmax_fusion=False, bias_activation_fusion=False,
         gradient_accumulation_fusion=False, **moe)  # the unfused paths: plain PyTorch on the CPU
-    spec = get_gpt_layer_local_spec(num_experts=experts, qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
+    if 0 in pattern:  # a layer spec per layer, dense or MoE
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+    else:
+        spec = get_gpt_layer_local_spec(num_experts=experts, qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
     padded = -(-c["vocab_size"] // (128 * tp)) * 128 * tp
     model = GPTModel(config, spec, vocab_size=padded, max_sequence_length=c["max_position_embeddings"],
                      pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),

@@ -15,7 +15,8 @@
 #            CUDA_IPC);
 #   changed  the delta workload (`--changed 0.01`: 1% of every tensor's elements move by a unit in
 #            the last place after each refit) sent whole;
-#   delta    the same as delta refits (only the changes travel; the first refit goes whole).
+#   delta    the same as delta refits (only the changes travel; the first refit goes whole);
+#   auto     the same with delta: auto (refit's choice: off where the link maps memory on one host).
 # e.g. DEVICES "cuda cuda+ucx cuda+ucx+staged cpu+changed cpu+delta cuda+changed cuda+delta".
 # The summary gives each device's median against its ceiling and against the best device of its
 # memory kind in the run (GPU buffers, pinned host buffers; the delta workload apart), marking a
@@ -59,6 +60,7 @@ for device in $devices; do
         ucx) extra+=(refit_cfg.nixl.backend_name=UCX) ;;
         changed) extra+=(--changed 0.01) ;;
         delta) extra+=(--changed 0.01 refit_cfg.nixl.delta=true) ;;
+        auto) extra+=(--changed 0.01 refit_cfg.nixl.delta=auto) ;;
         *) echo "gpu_bench: unknown modifier $modifier in $device" >&2; exit 2 ;;
       esac
     done
@@ -106,7 +108,7 @@ for device in devices:
             print(f"device {device}: = {m / d:.3f} of the pinned copy both ways at once ({d:.1f} GB/s each way)")
 # Each full-refit device against the best of its memory kind (the transfer buffers' memory).
 for kind, label in (("cuda", "GPU buffers"), ("cpu", "pinned host buffers")):
-    rows = {d: m for d, m in summary.items() if d.split("+")[0] == kind and not {"changed", "delta"} & set(d.split("+"))}
+    rows = {d: m for d, m in summary.items() if d.split("+")[0] == kind and not {"changed", "delta", "auto"} & set(d.split("+"))}
     if len(rows) < 2:
         continue
     best = max(rows, key=rows.get)

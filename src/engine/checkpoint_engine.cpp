@@ -184,7 +184,7 @@ class CheckpointEngine::Impl {
       for (uint32_t s = 0; s < plan.source_count(); ++s)
         for (const auto& piece : plan.link(s, rollout_rank)) expected_tensors_.insert(piece.tensor);
       needs_nothing_ = links_.empty();  // resharding, and this destination holds nothing
-      bool all_mapped = true;
+      bool all_mapped = true, all_here = !links_.empty();
       for (auto& link : links_) {
         link.first_refit = protocol::first_refit(link.metadata.generation, generation_);
         if (link.metadata.buffers.length == 0)
@@ -192,10 +192,18 @@ class CheckpointEngine::Impl {
         if (options_.config.map_source_buffers) map_source_buffers(link);
         all_mapped = all_mapped && link.mapped != nullptr;
         link.access = protocol::link_access(takes(), same_host(link.metadata.process), transport_->capabilities());
-        const ReadRoute route{buffer_kind_, transport_->name(), same_host(link.metadata.process),
-                              link.mapped != nullptr, options_.config.map_source_buffers};
+        const bool here = same_host(link.metadata.process);
+        all_here = all_here && here;
+        const ReadRoute route{buffer_kind_,
+                              transport_->name(),
+                              here,
+                              link.mapped != nullptr,
+                              options_.config.map_source_buffers,
+                              transport_->capabilities().maps_peer_memory};
         if (auto warning = slow_read_warning(route, self, link.label); !warning.empty()) spdlog::warn("{}", warning);
       }
+      if (auto warning = same_host_gpu_warning(buffer_kind_, transport_->name(), all_here, self); !warning.empty())
+        spdlog::warn("{}", warning);
       if (!all_mapped && !has_buffers_) allocate_buffers();
       assign_buffer_offsets();
       check_delta(self);

@@ -24,8 +24,16 @@ std::optional<bool> cuda_ipc_reads_setting() {
 }  // namespace
 
 std::string slow_read_warning(const ReadRoute& route, const std::string& destination, const std::string& source) {
+  if (route.same_host && !route.mapped && !route.map_source_buffers && route.could_map &&
+      !(route.buffers == MemoryKind::kCuda && (route.transport == "UCX" || route.transport == "NIXL")))
+    return fmt::format(
+        "{} copies every bucket of {} on this host into its own buffer before loading it, because "
+        "refit_cfg.nixl.map_source_buffers is false, though {} could map them: a copy per byte more, measured at 0.36 "
+        "of the fastest route with GPU buffers (625 against 1,725 GB/s on one H200) and 0.23 with pinned host buffers "
+        "(9.7 against 42 GB/s; docs/GPU.md): set refit_cfg.nixl.map_source_buffers=true",
+        destination, source, route.transport);
   // CUDA IPC maps or fails loudly, NCCL moves GPU memory with its own kernels, and host memory or
-  // another host's GPU memory (GPUDirect RDMA) reads at link speed: only one path falls off.
+  // another host's GPU memory (GPUDirect RDMA) reads at link speed: only one path falls off a cliff.
   const bool reads_gpu_here = route.buffers == MemoryKind::kCuda && route.same_host && !route.mapped;
   if (!reads_gpu_here || (route.transport != "UCX" && route.transport != "NIXL")) return {};
   // UCX serves such reads with cuda_ipc only when told to (without NVLink): refit's UCX transport
@@ -45,6 +53,17 @@ std::string slow_read_warning(const ReadRoute& route, const std::string& destina
       route.map_source_buffers ? fmt::format("{} could not map them", route.transport)
                                : std::string("refit_cfg.nixl.map_source_buffers is false"),
       fix);
+}
+
+std::string same_host_gpu_warning(MemoryKind buffers, const std::string& transport, bool every_link_on_this_host,
+                                  const std::string& destination) {
+  if (buffers != MemoryKind::kCuda || !every_link_on_this_host || (transport != "UCX" && transport != "NIXL"))
+    return {};
+  return fmt::format(
+      "{} takes GPU weights from sources on this host only, through {}, which maps their buckets or reads them but "
+      "never loads their tensors in place: measured mapped at 621 GB/s and read at 130 GB/s against 1,725 GB/s for "
+      "CUDA_IPC in place on one GPU (0.36 and 0.08; docs/GPU.md): set backend_name=CUDA_IPC",
+      destination, transport);
 }
 
 }  // namespace refit

@@ -15,6 +15,7 @@ struct ReadRoute {
   bool same_host = false;
   bool mapped = false;             // the destination maps the source's buffers (loads from them)
   bool map_source_buffers = true;  // refit_cfg.nixl.map_source_buffers
+  bool could_map = false;          // the transport maps a peer's buffers on this host
 };
 
 // Empty when the route is not a known cliff; otherwise why it is slow, what was measured and what
@@ -23,6 +24,18 @@ struct ReadRoute {
 // cuda_ipc reads are off (UCX_CUDA_IPC_ENABLE_GET_ZCOPY: refit's UCX transport turns them on
 // unless the environment says no; NIXL's UCX only when it says yes): 0.61-0.68 GiB/s on one GPU,
 // against 129-130 GiB/s with cuda_ipc's reads and 621 GiB/s mapped.
+//
+// The other routes measured under half of the best of their memory kind on one GPU
+// (docs/GPU.md, "Every route on one GPU"), named with the measurement and what to set:
+// - staged by choice: map_source_buffers=false on this host, where the transport could map the
+//   buckets: every byte is copied once more (into the destination's own buffer);
+// - GPU buffers through UCX or NIXL on one host (same_host_gpu_warning, once per destination):
+//   they map a source's buckets or read them, never its tensors in place as CUDA_IPC does.
 std::string slow_read_warning(const ReadRoute& route, const std::string& destination, const std::string& source);
+
+// Empty unless GPU buffers go through UCX or NIXL and every link of `destination` is on this
+// host (where CUDA_IPC would serve them all).
+std::string same_host_gpu_warning(MemoryKind buffers, const std::string& transport, bool every_link_on_this_host,
+                                  const std::string& destination);
 
 }  // namespace refit

@@ -1,6 +1,7 @@
-// The one read route measured to be ~200-1,000x slower than the alternatives (UCX reading GPU
-// memory on one host without cuda_ipc's reads) is named at init with what to set instead; every
-// other route stays quiet.
+// The read route measured to be ~200-1,000x slower than the alternatives (UCX reading GPU memory on
+// one host without cuda_ipc's reads), and the routes measured under half of the best of their
+// memory kind (staged by choice on one host; GPU buffers through UCX or NIXL on one host), are
+// named at init with the measurement and what to set instead; every other route stays quiet.
 #include "engine/read_route.h"
 
 #include <gmock/gmock.h>
@@ -12,8 +13,10 @@ namespace {
 using ::testing::AllOf;
 using ::testing::HasSubstr;
 
-std::string warning(MemoryKind buffers, const char* transport, bool same_host, bool mapped, bool map_option) {
-  return slow_read_warning({buffers, transport, same_host, mapped, map_option}, "destination rank 1", "source rank 0");
+std::string warning(MemoryKind buffers, const char* transport, bool same_host, bool mapped, bool map_option,
+                    bool could_map = false) {
+  return slow_read_warning({buffers, transport, same_host, mapped, map_option, could_map}, "destination rank 1",
+                           "source rank 0");
 }
 
 // Sets UCX_CUDA_IPC_ENABLE_GET_ZCOPY for the scope (unset with nullptr), as a worker's environment.
@@ -53,6 +56,32 @@ TEST(ReadRoute, FastRoutesAreQuiet) {
   EXPECT_EQ(warning(MemoryKind::kHost, "UCX", true, false, false), "");       // host buffers
   EXPECT_EQ(warning(MemoryKind::kCuda, "CUDA_IPC", true, false, false), "");  // maps or fails loudly
   EXPECT_EQ(warning(MemoryKind::kCuda, "NCCL", true, false, false), "");
+}
+
+TEST(ReadRoute, StagingWhereTheTransportCouldMapIsNamedWithTheMeasurement) {
+  for (const auto* transport : {"CUDA_IPC", "INPROC"})
+    EXPECT_THAT(warning(MemoryKind::kCuda, transport, true, false, false, true),
+                AllOf(HasSubstr("destination rank 1 copies every bucket of source rank 0 on this host into its own "
+                                "buffer"),
+                      HasSubstr("map_source_buffers is false"), HasSubstr("625 against 1,725 GB/s"),
+                      HasSubstr("set refit_cfg.nixl.map_source_buffers=true")));
+  EXPECT_THAT(warning(MemoryKind::kHost, "UCX", true, false, false, true), HasSubstr("9.7 against 42 GB/s"));
+  // Nothing to say where it cannot map, or on another host, or when it maps.
+  EXPECT_EQ(warning(MemoryKind::kHost, "UCX", true, false, false, false), "");
+  EXPECT_EQ(warning(MemoryKind::kHost, "UCX", false, false, false, true), "");
+  EXPECT_EQ(warning(MemoryKind::kHost, "UCX", true, true, true, true), "");
+}
+
+TEST(ReadRoute, GpuBuffersThroughUcxWithEverySourceOnThisHostNameCudaIpc) {
+  for (const auto* transport : {"UCX", "NIXL"})
+    EXPECT_THAT(
+        same_host_gpu_warning(MemoryKind::kCuda, transport, true, "destination rank 1"),
+        AllOf(HasSubstr("destination rank 1 takes GPU weights from sources on this host only"), HasSubstr(transport),
+              HasSubstr("1,725 GB/s for CUDA_IPC in place"), HasSubstr("set backend_name=CUDA_IPC")));
+  // A source on another host needs UCX; host buffers and CUDA_IPC are what it would suggest.
+  EXPECT_EQ(same_host_gpu_warning(MemoryKind::kCuda, "UCX", false, "destination rank 1"), "");
+  EXPECT_EQ(same_host_gpu_warning(MemoryKind::kHost, "UCX", true, "destination rank 1"), "");
+  EXPECT_EQ(same_host_gpu_warning(MemoryKind::kCuda, "CUDA_IPC", true, "destination rank 1"), "");
 }
 
 }  // namespace

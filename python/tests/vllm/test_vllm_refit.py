@@ -6,7 +6,6 @@ weights."""
 from __future__ import annotations
 
 import functools
-import gc
 import os
 
 import pytest
@@ -19,43 +18,9 @@ from refit.multiprocessing_group import ProcessWorkerGroup  # noqa: E402
 from refit.vllm_adapter import VllmRolloutGroup  # noqa: E402
 
 from hf_models import checkpoint_policy, make_checkpoint, mix_checkpoint, nudge_checkpoint  # noqa: E402
+from vllm_engines import PROMPTS, fresh_outputs, outputs, start, stop  # noqa: E402
 
-EXTENSION = "refit.vllm_adapter.RefitWorkerExtension"
-# A long prompt (2 blocks of 32 tokens) is cached before each refit: after it, only a reset prefix
-# cache gives the new weights' answer.
-PROMPTS = [[1, 2, 3, 4, 5], [7, 300, 12], [(i * 37) % 500 + 1 for i in range(70)]]
 CONFIG = {"bucket_bytes": "128KiB", "timeout_s": 60}  # buckets smaller than the largest tensor
-
-
-def start(path: str, dtype: str, **kwargs) -> "vllm.LLM":
-    kwargs.setdefault("distributed_executor_backend", "uni")  # the worker in this process
-    return vllm.LLM(model=path, dtype=dtype, skip_tokenizer_init=True, enforce_eager=True, max_model_len=128,
-                    max_num_seqs=4, block_size=32, enable_prefix_caching=True, seed=0,
-                    worker_extension_cls=EXTENSION, **kwargs)
-
-
-def stop(*llms) -> None:
-    """Stops engines now. vLLM tears its process-wide parallel state down when an engine of this
-    process stops, under any other engine still running: engines here live one after another
-    (the data-parallel test's two stop together), and never wait for the garbage collector."""
-    for llm in llms:
-        llm.llm_engine.engine_core.shutdown()
-    gc.collect()
-
-
-def outputs(llm) -> list:
-    params = vllm.SamplingParams(max_tokens=6, temperature=0, logprobs=5, detokenize=False)
-    result = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    return [(tuple(r.outputs[0].token_ids), [sorted((t, lp.logprob) for t, lp in step.items())
-                                             for step in r.outputs[0].logprobs]) for r in result]
-
-
-def fresh_outputs(path: str, dtype: str, **kwargs) -> list:
-    llm = start(path, dtype, **kwargs)
-    try:
-        return outputs(llm)
-    finally:
-        stop(llm)
 
 
 def policy_of(plan, sources: int = 1) -> ProcessWorkerGroup:

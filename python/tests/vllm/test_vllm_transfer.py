@@ -21,7 +21,7 @@ import sys  # noqa: E402
 import time  # noqa: E402
 
 from hf_models import make_checkpoint  # noqa: E402
-from test_vllm_refit import PROMPTS, fresh_outputs, outputs, start, stop  # noqa: E402
+from vllm_engines import PROMPTS, fresh_outputs, outputs, start, stop  # noqa: E402
 
 CONFIG = {"timeout_s": 60}
 BUCKET = 128 << 10  # smaller than the largest tensor
@@ -35,7 +35,7 @@ def state_dict(path: str, dtype: str) -> dict:
 
 
 # First in this file: its engine processes start and stop before the module's engine starts (see
-# test_vllm_refit.stop).
+# vllm_engines.stop).
 def test_tensor_parallel_workers_load_the_backend_as_a_plugin_and_take_their_slices(tmp_path, monkeypatch):
     """TP 2 with vLLM's multiprocess executor: each worker process gets the backend from this
     package's vllm.general_plugins entry point, its layout from its engine, and only its slices

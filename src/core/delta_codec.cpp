@@ -170,8 +170,8 @@ struct ScanOf {
 };
 
 // Writes the record of the changes (`index` increasing, `before`/`after` their bits) into `out`,
-// each part whichever way is smaller, unless the record would not be smaller than the tensor
-// (`elements * element_size` bytes): then returns false and leaves `out` as it was.
+// unless the record would not be smaller than the tensor (`elements * element_size` bytes): then
+// returns false and leaves `out` as it was.
 bool write_record(uint64_t elements, size_t element_size, std::span<const uint64_t> index,
                   std::span<const uint64_t> before, std::span<const uint64_t> after, DeltaChecksum kind,
                   uint64_t checksum, std::vector<uint8_t>& out) {
@@ -181,38 +181,22 @@ bool write_record(uint64_t elements, size_t element_size, std::span<const uint64
     next_gap_from = index[k] + 1;
     step_bytes += varint_size(delta_steps::zigzag(before[k], after[k], element_size));
   }
-  const uint64_t bitmap_bytes = (elements + 7) / 8;
-  const uint64_t raw_bytes = index.size() * element_size;
-  const DeltaEncoding encoding = index.empty()               ? DeltaEncoding::kNone
-                                 : gap_bytes <= bitmap_bytes ? DeltaEncoding::kGaps
-                                                             : DeltaEncoding::kBitmap;
-  const bool steps = step_bytes < raw_bytes;
-  const uint64_t positions =
-      encoding == DeltaEncoding::kNone ? 0 : (encoding == DeltaEncoding::kGaps ? gap_bytes : bitmap_bytes);
-  const uint64_t total = kDeltaHeaderBytes + positions + (steps ? step_bytes : raw_bytes);
-  if (total >= elements * element_size) return false;
-  out.assign(total, 0);
-  uint8_t* p = out.data();
-  std::memcpy(p, kMagic.data(), kMagic.size());
-  p += kMagic.size();
-  p = put_le<uint8_t>(p, static_cast<uint8_t>(encoding));
-  p = put_le<uint8_t>(p, static_cast<uint8_t>(element_size));
-  p = put_le<uint8_t>(p, static_cast<uint8_t>(steps ? DeltaValues::kSteps : DeltaValues::kRaw));
-  p = put_le<uint8_t>(p, static_cast<uint8_t>(kind));
-  p = put_le<uint64_t>(p, elements);
-  p = put_le<uint64_t>(p, index.size());
-  p = put_le<uint64_t>(p, checksum);
-  if (encoding == DeltaEncoding::kGaps) {
+  const DeltaRecordShape shape = delta_record_shape(elements, element_size, index.size(), gap_bytes, step_bytes);
+  if (shape.bytes() >= elements * element_size) return false;
+  out.assign(shape.bytes(), 0);
+  write_delta_header(out.data(), shape, elements, element_size, index.size(), kind, checksum);
+  uint8_t* p = out.data() + kDeltaHeaderBytes;
+  if (shape.encoding == DeltaEncoding::kGaps) {
     next_gap_from = 0;
     for (uint64_t i : index) {
       p = put_varint(p, i - next_gap_from);
       next_gap_from = i + 1;
     }
-  } else if (encoding == DeltaEncoding::kBitmap) {
+  } else if (shape.encoding == DeltaEncoding::kBitmap) {
     for (uint64_t i : index) p[i / 8] |= static_cast<uint8_t>(1u << (i % 8));
-    p += bitmap_bytes;
+    p += shape.position_bytes;
   }
-  if (steps) {
+  if (shape.steps) {
     for (size_t k = 0; k < index.size(); ++k) p = put_varint(p, delta_steps::zigzag(before[k], after[k], element_size));
   } else {
     for (uint64_t v : after) {
@@ -228,6 +212,35 @@ void check_element_size(size_t element_size, const char* where) {
 }
 
 }  // namespace
+
+DeltaRecordShape delta_record_shape(uint64_t elements, size_t element_size, uint64_t changes, uint64_t gap_bytes,
+                                    uint64_t step_bytes) {
+  DeltaRecordShape shape;
+  const uint64_t bitmap_bytes = (elements + 7) / 8;
+  const uint64_t raw_bytes = changes * element_size;
+  shape.encoding = changes == 0                ? DeltaEncoding::kNone
+                   : gap_bytes <= bitmap_bytes ? DeltaEncoding::kGaps
+                                               : DeltaEncoding::kBitmap;
+  shape.position_bytes =
+      shape.encoding == DeltaEncoding::kNone ? 0 : (shape.encoding == DeltaEncoding::kGaps ? gap_bytes : bitmap_bytes);
+  shape.steps = step_bytes < raw_bytes;
+  shape.value_bytes = shape.steps ? step_bytes : raw_bytes;
+  return shape;
+}
+
+void write_delta_header(uint8_t* out, const DeltaRecordShape& shape, uint64_t elements, size_t element_size,
+                        uint64_t changes, DeltaChecksum kind, uint64_t checksum) {
+  uint8_t* p = out;
+  std::memcpy(p, kMagic.data(), kMagic.size());
+  p += kMagic.size();
+  p = put_le<uint8_t>(p, static_cast<uint8_t>(shape.encoding));
+  p = put_le<uint8_t>(p, static_cast<uint8_t>(element_size));
+  p = put_le<uint8_t>(p, static_cast<uint8_t>(shape.steps ? DeltaValues::kSteps : DeltaValues::kRaw));
+  p = put_le<uint8_t>(p, static_cast<uint8_t>(kind));
+  p = put_le<uint64_t>(p, elements);
+  p = put_le<uint64_t>(p, changes);
+  put_le<uint64_t>(p, checksum);
+}
 
 uint64_t delta_checksum(std::span<const std::byte> bytes, DeltaChecksum kind) {
   if (kind == DeltaChecksum::kXxh3) return XXH3_64bits(bytes.data(), bytes.size());
@@ -264,7 +277,7 @@ DeltaResult encode_delta(std::span<std::byte> base, std::span<const std::byte> n
   const uint64_t checksum = fits ? XXH3_64bits_digest(hash) : 0;
   XXH3_freeState(hash);
   if (!fits || !write_record(elements, element_size, s.index, s.before, s.after, DeltaChecksum::kXxh3, checksum, out)) {
-    std::memcpy(base.data(), now.data(), now.size());  // the scan may have stopped part way
+    if (!now.empty()) std::memcpy(base.data(), now.data(), now.size());  // the scan may have stopped part way
     return {};
   }
   return {true, checksum};

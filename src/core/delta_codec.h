@@ -71,6 +71,23 @@ bool encode_delta_changes(uint64_t elements, size_t element_size, std::span<cons
                           std::span<const uint64_t> before, std::span<const uint64_t> after, DeltaChecksum kind,
                           uint64_t checksum, std::vector<uint8_t>& out);
 
+// What a record of `changes` changes of `elements` elements is made of: its positions as gaps
+// (`gap_bytes` of varints) or as a bitmap, its values as steps (`step_bytes`) or raw, each
+// whichever is smaller. One rule for every writer (the host's, the GPU kernels').
+struct DeltaRecordShape {
+  DeltaEncoding encoding = DeltaEncoding::kNone;
+  bool steps = false;
+  uint64_t position_bytes = 0;
+  uint64_t value_bytes = 0;
+  uint64_t bytes() const { return kDeltaHeaderBytes + position_bytes + value_bytes; }
+};
+DeltaRecordShape delta_record_shape(uint64_t elements, size_t element_size, uint64_t changes, uint64_t gap_bytes,
+                                    uint64_t step_bytes);
+
+// Writes the kDeltaHeaderBytes of a record's header at `out`.
+void write_delta_header(uint8_t* out, const DeltaRecordShape& shape, uint64_t elements, size_t element_size,
+                        uint64_t changes, DeltaChecksum kind, uint64_t checksum);
+
 // Reads and checks a record's header; `what` names the record in errors.
 DeltaHeader read_delta_header(std::span<const uint8_t> record, const std::string& what);
 

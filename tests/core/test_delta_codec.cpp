@@ -116,6 +116,15 @@ TEST(DeltaCodec, AlmostEverythingChangedGoesWhole) {
   EXPECT_FALSE(round_trip(old, now, 2).encoded);
 }
 
+// A record is never smaller than an empty tensor (found by fuzz_delta: the base's copy of nothing
+// must not touch memory).
+TEST(DeltaCodec, AnEmptyTensorGoesWhole) {
+  std::vector<std::byte> base, now;
+  std::vector<uint8_t> out{42};
+  EXPECT_FALSE(encode_delta(base, now, 2, out).encoded);
+  EXPECT_EQ(out, std::vector<uint8_t>{42});
+}
+
 TEST(DeltaCodec, NothingChangedIsTheHeaderAlone) {
   const auto old = random_bytes(8 * 1000, 7);
   const RoundTrip r = round_trip(old, old, 8);

@@ -10,16 +10,19 @@ namespace refit {
 namespace {
 
 // A source's comparison of its weights with its base, against one copy of them (copy_rate). On a
-// GPU the two kernels read the weights and the base twice each: two copies' worth of traffic. On
-// the host one core compares, hashes (xxh3) and records in one pass: 2.7 GB/s for 0.5% of bf16
-// elements changed on the 2-core host where memcpy on one core runs at 16 GB/s (docs/DELTA.md),
-// six copies' worth.
+// GPU the kernels read the weights and the base twice each: two copies' worth of traffic. On the
+// host one core compares, hashes (xxh3) and collects in one pass, two copies' worth, plus about
+// 320 bytes' worth of copying per changed element (bench/micro_delta.cpp, 2026-12-06, 64 MiB of
+// bf16: 16.7 ms at 0.2% changed, 34.9 ms at 1.7%, against 7.0 ms for its memcpy).
 constexpr double kGpuScanCopies = 2.0;
-constexpr double kHostScanCopies = 6.0;
+constexpr double kHostScanCopies = 2.0;
+constexpr double kHostScanBytesPerChange = 320;
 // A destination's patch and hash of its copy: the hash reads it once (half a copy's traffic on a
-// GPU); on the host xxh3 and the patch cost about two copies.
+// GPU); on the host xxh3 costs about a copy and the patch about 170 bytes' worth per change (the
+// same bench: 3.4 ms at 0.2%, 12.8 ms at 1.7%, plus 5.6 ms of xxh3).
 constexpr double kGpuPatchCopies = 0.5;
-constexpr double kHostPatchCopies = 2.0;
+constexpr double kHostPatchCopies = 1.0;
+constexpr double kHostPatchBytesPerChange = 170;
 // The codec's header.
 constexpr uint64_t kRecordHeaderBytes = 32;
 
@@ -47,6 +50,7 @@ DeltaPrediction predict_delta(const ModelInventory& model, std::span<const Layou
   // Each source compares, and sends as records, what its destination keeps: whole tensors, or the
   // slices of a layout, each copied out of its tensor first (the engine's SelectedSource).
   std::vector<uint64_t> kept(needs.size(), 0), sliced(needs.size(), 0), records(needs.size(), 0);
+  std::vector<double> changes(needs.size(), 0);
   DeltaPrediction p;
   p.transfer = predict_paired_stream(model, needs, cluster,
                                      [&](uint32_t destination, const TensorInfo& piece, const TensorInfo& whole) {
@@ -54,6 +58,7 @@ DeltaPrediction predict_delta(const ModelInventory& model, std::span<const Layou
                                        kept[destination] += piece.nbytes();
                                        if (piece.nbytes() != whole.nbytes()) sliced[destination] += piece.nbytes();
                                        records[destination] += bytes;
+                                       changes[destination] += changed_share * static_cast<double>(piece.numel());
                                        return TensorInfo{piece.name, DType::kUInt8, {static_cast<int64_t>(bytes)}};
                                      });
   p.wire_bytes = records.empty() ? 0 : *std::max_element(records.begin(), records.end());
@@ -65,13 +70,16 @@ DeltaPrediction predict_delta(const ModelInventory& model, std::span<const Layou
            g->name);
   // Pair i's stages, each on a worker of its own.
   auto scan = [&](size_t i) {
-    return (static_cast<double>(kept[i]) * (sources.gpu ? kGpuScanCopies : kHostScanCopies) +
-            static_cast<double>(sliced[i])) /
-           sources.copy_rate;
+    const double work = sources.gpu
+                            ? static_cast<double>(kept[i]) * kGpuScanCopies
+                            : static_cast<double>(kept[i]) * kHostScanCopies + changes[i] * kHostScanBytesPerChange;
+    return (work + static_cast<double>(sliced[i])) / sources.copy_rate;
   };
   auto patch = [&](size_t i) {
-    return static_cast<double>(kept[i]) * (destinations.gpu ? kGpuPatchCopies : kHostPatchCopies) /
-           destinations.copy_rate;
+    const double work = destinations.gpu
+                            ? static_cast<double>(kept[i]) * kGpuPatchCopies
+                            : static_cast<double>(kept[i]) * kHostPatchCopies + changes[i] * kHostPatchBytesPerChange;
+    return work / destinations.copy_rate;
   };
   double cpu_work = 0;  // seconds of one core
   for (size_t i = 0; i < needs.size(); ++i) {

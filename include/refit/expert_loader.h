@@ -12,8 +12,12 @@
 // loader, which ends in the same bytes).
 //
 // Storage problems are reported as the reference's V31-V38 (kUnsupported for what refit cannot
-// do: transposed, quantized or non-Triton storage, EPLB, redundant experts, FP8; kLayout for a
-// description that does not add up). An ExpertLoader is used by one thread at a time.
+// do: transposed, quantized other than block-scaled FP8, or non-Triton storage, EPLB, redundant experts;
+// kLayout for a description that does not add up). Unlike the reference (V40), FP8 experts load:
+// a received "<expert weight>_scale_inv" goes where its weight goes, in scale blocks (gate's, then
+// up's, in w13_weight_scale_inv; down's in w2_weight_scale_inv), sliced with it by the layout
+// (layout_from_compact), which refuses a TP slice that cuts a 128 x 128 block. An ExpertLoader is
+// used by one thread at a time.
 #pragma once
 
 #include <cstddef>
@@ -63,7 +67,10 @@ struct ExpertLoadResult {
 class ExpertLoader {
  public:
   // `inventory` gives the full (unsharded) HF shapes; `storage` is validated as by
-  // expert_layout_from_storage, and FP8 storage is rejected (V40).
+  // expert_layout_from_storage. FP8 weight storage (float8_e4m3fn, quant_method "fp8") needs its
+  // block-scale storage "<name>_scale_inv" beside it (float32, [E_local, 2 * row blocks, column
+  // blocks] for w13, [E_local, H blocks, I/tp blocks] for w2), which takes the weight's TP and EP;
+  // other FP8 scalings are kUnsupported.
   ExpertLoader(const ModelInventory& inventory, std::vector<ExpertStorage> storage, int destination_rank);
 
   // Writes the batch's expert tensors into storage. Host views only (kUnsupported otherwise).

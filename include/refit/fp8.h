@@ -97,8 +97,4 @@ struct KvScales {
 // `given` that are not scale names of these layers are ignored (as the reference does).
 KvScales kv_scale_tensors(int64_t num_layers, const std::map<std::string, float>& given);
 
-// The reference rejects the sharded-expert path for FP8 models (V40): Error(kUnsupported)
-// naming the destination rank when both are set.
-void check_sharded_experts_not_fp8(bool shard_expert_weights, bool fp8_model, int destination_rank);
-
 }  // namespace refit

@@ -3,8 +3,8 @@
 //  - a destination quantizes the bf16/fp32 weights it receives to float8_e4m3fn as they arrive
 //    (Fp8QuantizingLoader), hands everything else through, collects the KV scales, and calls a
 //    post-load hook once per refit, after the last batch.
-// Sharded expert refit into vLLM's FP8 storage is not supported (check_sharded_experts_not_fp8);
-// FP8 weights that the sources already hold reshard with their scales (fp8.h).
+// FP8 weights that the sources already hold reshard with their scales (fp8.h), and load into vLLM's
+// fused FP8 expert storage with them (expert_loader.h).
 #pragma once
 
 #include <functional>

@@ -11,8 +11,16 @@
 namespace refit {
 namespace {
 
-bool is_w13(std::string_view name) { return name.ends_with(".w13_weight"); }
-bool is_w2(std::string_view name) { return name.ends_with(".w2_weight"); }
+constexpr std::string_view kScaleSuffix = "_scale_inv";
+
+// A fused parameter's name without the "_scale_inv" of its block scales.
+std::string_view weight_of(std::string_view name) {
+  return name.ends_with(kScaleSuffix) ? name.substr(0, name.size() - kScaleSuffix.size()) : name;
+}
+bool is_w13(std::string_view name) { return weight_of(name).ends_with(".w13_weight"); }
+bool is_w2(std::string_view name) { return weight_of(name).ends_with(".w2_weight"); }
+bool is_scale(std::string_view name) { return name.ends_with(kScaleSuffix); }
+bool is_fp8(DType dtype) { return dtype == DType::kFloat8E4M3FN || dtype == DType::kFloat8E5M2; }
 
 // Rows of `width` bytes from src (pitch spitch) to dst (pitch dpitch); one memcpy when both
 // sides are dense.
@@ -32,6 +40,7 @@ CompactLayout expert_layout_from_storage(std::span<const ExpertStorage> storage,
   CompactLayout out;
   for (const auto& p : storage) {
     const std::string& name = p.name;
+    if (is_scale(name)) continue;  // block scales follow their weights (layout_from_compact)
     if (!is_w13(name) && !is_w2(name))
       fail(ErrorKind::kLayout,
            "destination rank {}: expert storage '{}' is not a fused expert parameter (.w13_weight or .w2_weight)", dest,
@@ -48,7 +57,10 @@ CompactLayout expert_layout_from_storage(std::span<const ExpertStorage> storage,
         std::any_of(p.shape.begin(), p.shape.end(), [](int64_t d) { return d < 0; }))  // V33
       fail(ErrorKind::kLayout, "Unsupported vLLM expert storage for {}: shape={} (destination rank {}); expected {}.",
            name, shape_string(p.shape), dest, is_w13(name) ? "[E_local, 2*I/tp, H]" : "[E_local, H, I/tp]");
-    if (!p.quant_method.empty() || (p.moe_backend != "TRITON" && p.moe_backend != "BATCHED_TRITON"))  // V34
+    // V34, but for block-scaled FP8 experts (float8_e4m3fn with their "_scale_inv" storage, checked
+    // by the loader): their bytes and scales are copied like unquantized ones.
+    const bool fp8 = p.quant_method == "fp8" && p.dtype == DType::kFloat8E4M3FN;
+    if ((!p.quant_method.empty() && !fp8) || (p.moe_backend != "TRITON" && p.moe_backend != "BATCHED_TRITON"))
       fail(ErrorKind::kUnsupported,
            "Sharded expert refit requires canonical unquantized Triton expert weights, but {} uses {}/{} "
            "(destination rank {}). Set policy.generation.vllm_kwargs.moe_backend=triton.",
@@ -107,9 +119,40 @@ CompactLayout expert_layout_from_storage(std::span<const ExpertStorage> storage,
 ExpertLoader::ExpertLoader(const ModelInventory& inventory, std::vector<ExpertStorage> storage, int destination_rank)
     : destination_rank_(destination_rank) {
   expert_layout_from_storage(storage, destination_rank);
+  // FP8 experts come with their block scales: a weight without its scale storage would load with
+  // stale scales, and a scale storage needs its FP8 weight (the loader places both alike).
+  auto find = [&](std::string_view name) {
+    return std::find_if(storage.begin(), storage.end(), [&](const ExpertStorage& x) { return x.name == name; });
+  };
+  for (const auto& s : storage) {
+    if (is_scale(s.name)) {
+      auto w = find(weight_of(s.name));
+      if (w == storage.end() || !is_fp8(w->dtype) || !(is_w13(s.name) || is_w2(s.name)))
+        fail(ErrorKind::kLayout, "destination rank {}: expert scale storage {} has no FP8 expert weight {}",
+             destination_rank, s.name, weight_of(s.name));
+      if (s.dtype != DType::kFloat32 || s.shape.size() != 3 || s.shape[0] != w->shape[0] ||
+          (is_w13(s.name) && s.shape[1] % 2 != 0))
+        fail(ErrorKind::kLayout,
+             "destination rank {}: expert scale storage {} is {} {}; expected float32 of 3 dims, {} experts first "
+             "(as {}), and for w13 an even dim 1 (gate's blocks, then up's)",
+             destination_rank, s.name, dtype_name(s.dtype), shape_string(s.shape), w->shape[0], w->name);
+      continue;
+    }
+    if (is_fp8(s.dtype) && find(s.name + std::string(kScaleSuffix)) == storage.end())
+      fail(ErrorKind::kUnsupported,
+           "destination rank {}: FP8 expert storage {} needs its block-scale storage {}{} (per-tensor or other "
+           "scales are not supported on the sharded expert path)",
+           destination_rank, s.name, s.name, kScaleSuffix);
+  }
+  for (auto& s : storage)
+    if (is_scale(s.name)) {  // the weight's TP and EP, whatever the scale's entry says
+      const ExpertStorage& w = *find(weight_of(s.name));
+      s.tp_rank = w.tp_rank;
+      s.tp_size = w.tp_size;
+      s.use_ep = w.use_ep;
+      s.expert_map = w.expert_map;
+    }
   for (auto& s : storage) {
-    check_sharded_experts_not_fp8(true, s.dtype == DType::kFloat8E4M3FN || s.dtype == DType::kFloat8E5M2,
-                                  destination_rank);
     if (s.data == nullptr && TensorInfo{s.name, s.dtype, s.shape}.numel() > 0)
       fail(ErrorKind::kInvalidArgument, "destination rank {}: expert storage {} has no data pointer", destination_rank,
            s.name);
@@ -120,7 +163,7 @@ ExpertLoader::ExpertLoader(const ModelInventory& inventory, std::vector<ExpertSt
     params_.emplace(std::move(name), std::move(p));
   }
   for (const auto& t : inventory.tensors)
-    if (parse_hf_expert_name(t.name)) full_shapes_.emplace(t.name, t.shape);
+    if (parse_hf_expert_name(weight_of(t.name))) full_shapes_.emplace(t.name, t.shape);
 }
 
 ExpertLoadResult ExpertLoader::load(std::span<const TensorView> batch) {
@@ -142,12 +185,13 @@ ExpertLoadResult ExpertLoader::load(std::span<const TensorView> batch) {
   for (const TensorView& v : batch) {
     if (!v.info) fail(ErrorKind::kInvalidArgument, "destination rank {}: a tensor view of the batch has no info", dest);
     const TensorInfo& t = *v.info;
-    auto expert = parse_hf_expert_name(t.name);
+    // An expert weight's block scales ("<weight>_scale_inv") go where the weight goes, in scale blocks.
+    auto expert = parse_hf_expert_name(weight_of(t.name));
     if (!expert) {
       result.remaining.push_back(v);
       continue;
     }
-    const std::string param_name = expert->param_name();
+    const std::string param_name = expert->param_name() + (is_scale(t.name) ? std::string(kScaleSuffix) : "");
     auto pit = params_.find(param_name);
     if (pit == params_.end())
       fail(ErrorKind::kLayout,

@@ -248,12 +248,4 @@ Request fp8_scale_request(const ModelInventory& model, const Fp8ScaleOf& link, c
   return Request::narrow(cut.dim, first, last - first);
 }
 
-void check_sharded_experts_not_fp8(bool shard_expert_weights, bool fp8_model, int destination_rank) {
-  if (shard_expert_weights && fp8_model)
-    fail(ErrorKind::kUnsupported,
-         "Sharded NIXL expert refit is not supported for FP8 vLLM models (destination rank {}); set "
-         "shard_expert_weights=false to refit FP8 models through the full-weight path.",
-         destination_rank);
-}
-
 }  // namespace refit

@@ -12,6 +12,7 @@
 
 #include "core/error_of.h"
 #include "refit/error.h"
+#include "refit/fp8.h"
 #include "refit/layout.h"
 
 namespace refit {
@@ -348,7 +349,7 @@ TEST(ExpertLoaderRejects, NothingIsWrittenWhenABatchFails) {
     for (float x : v) ASSERT_EQ(x, kUntouched);
 }
 
-// ---- storage validation (V31-V38, V40) ------------------------------------------------------
+// ---- storage validation (V31-V38; FP8, which the reference refuses as V40) --------------------
 
 ExpertStorage good_storage() {
   ExpertStorage s;
@@ -458,15 +459,157 @@ TEST(ExpertStorageValidation, RejectsWhatTheReferenceRejects) {
               HasSubstr("tp_rank 2"));
 }
 
-TEST(ExpertStorageValidation, Fp8StorageIsRejectedByTheLoader) {  // V40
-  Model m;
-  ExpertStorage s = good_storage();
-  s.dtype = DType::kFloat8E4M3FN;
-  std::vector<uint8_t> buf(4 * 8 * 6);
-  s.data = reinterpret_cast<std::byte*>(buf.data());
-  auto msg = error_of(ErrorKind::kUnsupported, [&] { ExpertLoader(m.inv, {s}, 2); });
-  EXPECT_THAT(msg, AllOf(HasSubstr("Sharded NIXL expert refit is not supported for FP8 vLLM models"),
-                         HasSubstr("destination rank 2")));
+// FP8 experts (the reference refuses them, V40): block-scaled float8_e4m3fn weights go into vLLM's
+// fused FP8 storage with their "_scale_inv" scales beside, each scale block where its 128 x 128
+// weights went: gate's blocks, then up's, in w13_weight_scale_inv; down's columns of blocks in
+// w2_weight_scale_inv.
+struct Fp8Model {
+  static constexpr int64_t kExperts = 2, kHidden = 128, kInter = 256;  // two blocks of rows per gate/up
+  ModelInventory inv;
+  std::map<std::string, std::vector<std::byte>> data;  // every byte distinct enough to show a misplacement
+
+  Fp8Model() {
+    ModelInventory bf16;
+    bf16.name = "tiny-fp8";
+    bf16.tensors.push_back({"model.layers.0.input_layernorm.weight", DType::kBFloat16, {kHidden}});
+    for (int e = 0; e < kExperts; ++e)
+      for (int p = 0; p < 3; ++p)
+        bf16.tensors.push_back(
+            {expert_name(0, e, p), DType::kBFloat16,
+             p == 2 ? std::vector<int64_t>{kHidden, kInter} : std::vector<int64_t>{kInter, kHidden}});
+    inv = fp8_block_inventory(bf16);
+    for (size_t k = 0; k < inv.tensors.size(); ++k) {
+      const TensorInfo& t = inv.tensors[k];
+      std::vector<std::byte> bytes(t.nbytes());
+      if (t.dtype == DType::kFloat32) {
+        for (int64_t i = 0; i < t.numel(); ++i) {
+          const float v = static_cast<float>(k * 100 + i);
+          std::memcpy(bytes.data() + i * 4, &v, 4);
+        }
+      } else {
+        for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = static_cast<std::byte>((i * 31 + k * 7) % 251);
+      }
+      data[t.name] = std::move(bytes);
+    }
+  }
+  const TensorInfo& info(const std::string& name) const {
+    return *std::find_if(inv.tensors.begin(), inv.tensors.end(), [&](const TensorInfo& t) { return t.name == name; });
+  }
+};
+
+// Rank `tp_rank` of TP `tp`: FP8 weight storage and its scale storage for layer 0.
+struct Fp8Destination {
+  std::vector<std::byte> w13_bytes, w2_bytes, w13_scale, w2_scale;
+  std::vector<ExpertStorage> storage;
+  Fp8Destination(int tp, int tp_rank, bool with_scales = true) {
+    const int64_t e = Fp8Model::kExperts, h = Fp8Model::kHidden, s = Fp8Model::kInter / tp;
+    const int64_t hb = (h + 127) / 128, sb = (s + 127) / 128;
+    auto add = [&](std::string name, DType dtype, std::vector<int64_t> shape, std::vector<std::byte>& bytes) {
+      ExpertStorage st;
+      st.name = std::move(name);
+      st.dtype = dtype;
+      st.shape = std::move(shape);
+      bytes.assign(TensorInfo{st.name, dtype, st.shape}.nbytes(), std::byte{0xEE});
+      st.data = bytes.data();
+      st.quant_method = "fp8";
+      st.tp_rank = tp_rank;
+      st.tp_size = tp;
+      storage.push_back(std::move(st));
+    };
+    add(w13(0), DType::kFloat8E4M3FN, {e, 2 * s, h}, w13_bytes);
+    add(w2(0), DType::kFloat8E4M3FN, {e, h, s}, w2_bytes);
+    if (with_scales) {
+      add(w13(0) + "_scale_inv", DType::kFloat32, {e, 2 * sb, hb}, w13_scale);
+      add(w2(0) + "_scale_inv", DType::kFloat32, {e, hb, sb}, w2_scale);
+    }
+  }
+};
+
+// One element of a row-major tensor's bytes.
+template <typename T>
+T element(const std::vector<std::byte>& bytes, const std::vector<int64_t>& shape, std::vector<int64_t> at) {
+  int64_t i = 0;
+  for (size_t d = 0; d < shape.size(); ++d) i = i * shape[d] + at[d];
+  T v;
+  std::memcpy(&v, bytes.data() + i * sizeof(T), sizeof(T));
+  return v;
+}
+
+TEST(ExpertLoader, Fp8ExpertsAndTheirBlockScalesLandWhereVllmLoadsThem) {
+  const Fp8Model m;
+  for (int rank = 0; rank < 2; ++rank) {
+    SCOPED_TRACE(fmt::format("tp 2 rank {}", rank));
+    Fp8Destination d(2, rank);
+    const Layout layout = layout_from_compact(expert_layout_from_storage(d.storage, 0), m.inv, 0);
+    // What a source sends for this layout: every tensor's selection, scales sliced with their weights.
+    std::deque<TensorInfo> infos;
+    std::vector<std::vector<std::byte>> buffers;
+    std::vector<TensorView> batch;
+    for (const TensorInfo& t : m.inv.tensors) {
+      const Selection sel = select(layout, t);
+      ASSERT_NE(sel.take, Take::kDrop) << t.name;
+      buffers.emplace_back(sel.info.nbytes());
+      if (sel.take == Take::kSlice)
+        copy_slice(m.data.at(t.name).data(), t, sel.slice, buffers.back().data());
+      else
+        buffers.back() = m.data.at(t.name);
+      infos.push_back(sel.info);
+      batch.push_back({&infos.back(), buffers.back().data()});
+    }
+    ExpertLoader loader(m.inv, d.storage, 0);
+    const ExpertLoadResult result = loader.load(batch);
+    ASSERT_EQ(result.remaining.size(), 1u);  // the layernorm
+    EXPECT_EQ(result.experts, 2u * 6);       // 2 experts x (3 weights + 3 scales)
+    const int64_t s = Fp8Model::kInter / 2, h = Fp8Model::kHidden;
+    for (int64_t e = 0; e < Fp8Model::kExperts; ++e) {
+      const std::string gate = expert_name(0, e, 0), up = expert_name(0, e, 1), down = expert_name(0, e, 2);
+      const auto& sh13 = d.storage[0].shape;
+      for (int64_t r = 0; r < 2 * s; ++r)
+        for (int64_t c = 0; c < h; ++c) {
+          const auto got = element<uint8_t>(d.w13_bytes, sh13, {e, r, c});
+          const auto want = r < s ? element<uint8_t>(m.data.at(gate), m.info(gate).shape, {rank * s + r, c})
+                                  : element<uint8_t>(m.data.at(up), m.info(up).shape, {rank * s + r - s, c});
+          ASSERT_EQ(got, want) << "expert " << e << " w13[" << r << "," << c << "]";
+        }
+      for (int64_t r = 0; r < h; ++r)
+        for (int64_t c = 0; c < s; ++c)
+          ASSERT_EQ(element<uint8_t>(d.w2_bytes, d.storage[1].shape, {e, r, c}),
+                    element<uint8_t>(m.data.at(down), m.info(down).shape, {r, rank * s + c}))
+              << "expert " << e << " w2[" << r << "," << c << "]";
+      // One block of 128 rows per rank: gate's scale row `rank`, then up's; down's scale column.
+      const std::string gs = gate + "_scale_inv", us = up + "_scale_inv", ds = down + "_scale_inv";
+      EXPECT_EQ(element<float>(d.w13_scale, d.storage[2].shape, {e, 0, 0}),
+                element<float>(m.data.at(gs), m.info(gs).shape, {rank, 0}));
+      EXPECT_EQ(element<float>(d.w13_scale, d.storage[2].shape, {e, 1, 0}),
+                element<float>(m.data.at(us), m.info(us).shape, {rank, 0}));
+      EXPECT_EQ(element<float>(d.w2_scale, d.storage[3].shape, {e, 0, 0}),
+                element<float>(m.data.at(ds), m.info(ds).shape, {0, rank}));
+    }
+  }
+}
+
+TEST(ExpertStorageValidation, Fp8StorageNeedsItsBlockScalesAndWholeBlocks) {
+  const Fp8Model m;
+  // Without its scale storage an FP8 weight would serve stale scales.
+  EXPECT_THAT(error_of(ErrorKind::kUnsupported, [&] { ExpertLoader(m.inv, Fp8Destination(2, 0, false).storage, 3); }),
+              AllOf(HasSubstr("destination rank 3"), HasSubstr("needs its block-scale storage"),
+                    HasSubstr("w13_weight_scale_inv")));
+  // A scale storage whose weight is not FP8.
+  Fp8Destination bf16(2, 0);
+  bf16.storage[0].dtype = DType::kBFloat16;
+  bf16.storage[0].quant_method.clear();
+  EXPECT_THAT(error_of(ErrorKind::kLayout, [&] { ExpertLoader(m.inv, bf16.storage, 3); }),
+              HasSubstr("has no FP8 expert weight"));
+  // TP 4 cuts each 128-row block of gate and up in half: refused before anything moves, naming the block.
+  Fp8Destination tp4(4, 1);
+  EXPECT_THAT(
+      error_of(ErrorKind::kLayout, [&] { layout_from_compact(expert_layout_from_storage(tp4.storage, 1), m.inv, 1); }),
+      HasSubstr("_scale_inv"));
+  // Other quantizations stay refused (V34).
+  Fp8Destination other(2, 0);
+  other.storage[0].quant_method = "awq";
+  EXPECT_THAT(error_of(ErrorKind::kUnsupported, [&] { expert_layout_from_storage(other.storage, 0); }),
+              HasSubstr("unquantized"));
 }
 
 }  // namespace

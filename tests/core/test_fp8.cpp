@@ -348,13 +348,5 @@ TEST(Fp8Checkpoint, ASliceThroughAScaleBlockIsRefusedNamingTheBlock) {
               AllOf(HasSubstr("'odd.weight_scale_inv' of shape [5, 2]"), HasSubstr("is unknown")));
 }
 
-TEST(Fp8, ShardedExpertsAreRejectedForFp8Models) {
-  EXPECT_THAT(error_of(ErrorKind::kUnsupported, [] { check_sharded_experts_not_fp8(true, true, 4); }),
-              AllOf(HasSubstr("Sharded NIXL expert refit is not supported for FP8 vLLM models"),
-                    HasSubstr("destination rank 4"), HasSubstr("shard_expert_weights=false")));
-  EXPECT_NO_THROW(check_sharded_experts_not_fp8(false, true, 4));
-  EXPECT_NO_THROW(check_sharded_experts_not_fp8(true, false, 4));
-}
-
 }  // namespace
 }  // namespace refit

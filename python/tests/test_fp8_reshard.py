@@ -77,14 +77,10 @@ def same_bytes(a, b):
     return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
-def test_fp8_shards_reach_tensor_parallel_destinations_with_their_scale_blocks(model_path):
+def refit_tp2(model_path, full, holds, needs, on_batch):
+    """Two Megatron TP ranks (holds) send their shards of `full` to two vLLM TP destinations (needs)
+    over UCX; on_batch(rank, batch) gets each destination's received batches."""
     inventory = refit.fp8_block_inventory(refit.load_model_inventory(model_path))
-    full = fp8_checkpoint(inventory)
-    assert set(full) == {t.name for t in inventory.tensors}
-    holds = refit.megatron_source_layouts(model_path, tp=2, fp8=True)
-    needs = [refit.destination_layout(model_path, tp_size=2, tp_rank=r, shard_dense=True, shard_experts=True,
-                                      fp8=True) for r in range(2)]
-
     session = refit.new_session_id()
     config = {"timeout_s": 30, "backend_init_params": {"tls": "posix,sysv,cma,self"}}
     sources = [refit.CheckpointEngine(1 << 16, config, session=session, holds=h, model=inventory) for h in holds]
@@ -96,7 +92,7 @@ def test_fp8_shards_reach_tensor_parallel_destinations_with_their_scale_blocks(m
     for rank, e in enumerate(destinations):
         e.init_rollout_process_group(rank, 2, 2, metadata)
 
-    errors, got = [], [{}, {}]
+    errors = []
 
     def send(rank):
         try:
@@ -109,8 +105,7 @@ def test_fp8_shards_reach_tensor_parallel_destinations_with_their_scale_blocks(m
     def receive(rank):
         try:
             for batch in destinations[rank].receive_weight_batches(framework="torch"):
-                for name, tensor in batch:
-                    got[rank][name] = tensor.clone()
+                on_batch(rank, batch)
         except Exception as e:  # noqa: BLE001 (asserted below)
             errors.append(e)
 
@@ -121,7 +116,24 @@ def test_fp8_shards_reach_tensor_parallel_destinations_with_their_scale_blocks(m
     for t in threads:
         t.join(60)
     assert not errors, errors
+    for e in sources + destinations:
+        e.finalize()
 
+
+def test_fp8_shards_reach_tensor_parallel_destinations_with_their_scale_blocks(model_path):
+    inventory = refit.fp8_block_inventory(refit.load_model_inventory(model_path))
+    full = fp8_checkpoint(inventory)
+    assert set(full) == {t.name for t in inventory.tensors}
+    holds = refit.megatron_source_layouts(model_path, tp=2, fp8=True)
+    needs = [refit.destination_layout(model_path, tp_size=2, tp_rank=r, shard_dense=True, shard_experts=True,
+                                      fp8=True) for r in range(2)]
+    got = [{}, {}]
+
+    def keep(rank, batch):
+        for name, tensor in batch:
+            got[rank][name] = tensor.clone()
+
+    refit_tp2(model_path, full, holds, needs, keep)
     sliced_scales = 0
     for rank, need in enumerate(needs):
         kept = {name for name in full if need.request_for(name)[0] != "drop"}
@@ -136,8 +148,56 @@ def test_fp8_shards_reach_tensor_parallel_destinations_with_their_scale_blocks(m
                 assert torch.equal(dequantize(got[rank][weight], got[rank][name]),
                                    part(dequantize(full[weight], full[name]), need.request_for(weight)))
     assert sliced_scales > 20
-    for e in sources + destinations:
-        e.finalize()
+
+
+def test_fp8_experts_land_in_vllms_fused_fp8_storage_with_their_scales(model_path):
+    """The sharded-expert path the reference refuses for FP8 models (V40): each TP destination's
+    refit.ExpertLoader writes the received FP8 expert slices into vLLM's fused w13/w2 storage and
+    their block scales into w13_weight_scale_inv / w2_weight_scale_inv, bitwise the checkpoint's."""
+    inventory = refit.fp8_block_inventory(refit.load_model_inventory(model_path))
+    full = fp8_checkpoint(inventory)
+    holds = refit.megatron_source_layouts(model_path, tp=2, fp8=True)
+    needs = [refit.destination_layout(model_path, tp_size=2, tp_rank=r, shard_dense=True, shard_experts=True,
+                                      fp8=True) for r in range(2)]
+    experts, hidden, inter = CONFIG["num_experts"], CONFIG["hidden_size"], CONFIG["moe_intermediate_size"]
+    s = inter // 2  # one TP rank's rows: one 128-row block
+    stores, loaders, handed_back = [], [], [[], []]
+    for rank in range(2):
+        store = {}
+        for layer in range(CONFIG["num_hidden_layers"]):
+            prefix = f"model.layers.{layer}.mlp.experts.routed_experts."
+            store[prefix + "w13_weight"] = torch.zeros(experts, 2 * s, hidden, dtype=torch.float8_e4m3fn)
+            store[prefix + "w2_weight"] = torch.zeros(experts, hidden, s, dtype=torch.float8_e4m3fn)
+            store[prefix + "w13_weight_scale_inv"] = torch.full((experts, 2 * s // BLOCK, hidden // BLOCK), -1.0)
+            store[prefix + "w2_weight_scale_inv"] = torch.full((experts, hidden // BLOCK, s // BLOCK), -1.0)
+        stores.append(store)
+        loaders.append(refit.ExpertLoader(inventory, [
+            {"name": name, "tensor": tensor, "tp_rank": rank, "tp_size": 2,
+             **({"quant_method": "fp8"} if tensor.dtype == torch.float8_e4m3fn else {})}
+            for name, tensor in store.items()], destination_rank=rank))
+
+    def load(rank, batch):
+        handed_back[rank] += [name for name, _ in loaders[rank].load(batch)["remaining"]]
+
+    refit_tp2(model_path, full, holds, needs, load)
+    for rank in range(2):
+        assert not any(".mlp.experts." in name for name in handed_back[rank])
+        rows = slice(rank * s, (rank + 1) * s)
+        block = slice(rank, rank + 1)  # its one block of the experts' I dimension
+        for layer in range(CONFIG["num_hidden_layers"]):
+            prefix = f"model.layers.{layer}.mlp.experts."
+            store = {k.removeprefix(prefix + "routed_experts."): v for k, v in stores[rank].items()
+                     if k.startswith(prefix)}
+            for e in range(experts):
+                w = {p: full[f"{prefix}{e}.{p}.weight"] for p in ("gate_proj", "up_proj", "down_proj")}
+                sc = {p: full[f"{prefix}{e}.{p}.weight_scale_inv"] for p in w}
+                where = f"destination {rank}, layer {layer}, expert {e}"
+                assert same_bytes(store["w13_weight"][e, :s], w["gate_proj"][rows]), where
+                assert same_bytes(store["w13_weight"][e, s:], w["up_proj"][rows]), where
+                assert same_bytes(store["w2_weight"][e], w["down_proj"][:, rows].contiguous()), where
+                assert torch.equal(store["w13_weight_scale_inv"][e, :1], sc["gate_proj"][block]), where
+                assert torch.equal(store["w13_weight_scale_inv"][e, 1:], sc["up_proj"][block]), where
+                assert torch.equal(store["w2_weight_scale_inv"][e], sc["down_proj"][:, block]), where
 
 
 def test_a_tensor_parallel_size_that_cuts_scale_blocks_is_refused(model_path):

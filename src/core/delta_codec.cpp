@@ -57,8 +57,13 @@ uint64_t element_bits(const std::byte* p, size_t size) {
   return v;
 }
 
-void store_element(std::byte* p, size_t size, uint64_t v) {
-  for (size_t k = 0; k < size; ++k) p[k] = static_cast<std::byte>(v >> (8 * k));
+// Writes `v` as the element's little-endian bytes, whatever the host.
+template <size_t Size>
+void store_element(std::byte* p, uint64_t v) {
+  using U = typename wire::UnsignedOfSize<Size>::type;
+  auto bits = static_cast<U>(v);
+  if constexpr (std::endian::native == std::endian::big) bits = wire::byteswap(bits);
+  std::memcpy(p, &bits, Size);
 }
 
 using delta_steps::mask_of;
@@ -166,6 +171,19 @@ struct ScanOf {
   static bool run(std::span<std::byte> base, std::span<const std::byte> now, uint64_t budget, Scan& s,
                   XXH3_state_t* hash) {
     return scan<Size>(base, now, budget, s, hash);
+  }
+};
+
+// Writes decoded changes into `target` (one instance per element size: no loop over bytes per change).
+template <size_t Size>
+struct PatchOf {
+  static void run(std::span<std::byte> target, const DeltaChanges& changes) {
+    const bool steps = changes.header.values == DeltaValues::kSteps;
+    for (size_t k = 0; k < changes.index.size(); ++k) {
+      std::byte* element = target.data() + changes.index[k] * Size;
+      const uint64_t v = changes.values[k];
+      store_element<Size>(element, steps ? delta_steps::unzigzag(element_bits<Size>(element), v, Size) : v);
+    }
   }
 };
 
@@ -384,13 +402,7 @@ DeltaHeader apply_delta(std::span<std::byte> target, size_t element_size, std::s
                         const std::string& what) {
   DeltaChanges changes;
   decode_delta(record, element_size, target.size(), changes, what);
-  const bool steps = changes.header.values == DeltaValues::kSteps;
-  for (size_t k = 0; k < changes.index.size(); ++k) {
-    std::byte* element = target.data() + changes.index[k] * element_size;
-    const uint64_t v = changes.values[k];
-    store_element(element, element_size,
-                  steps ? delta_steps::unzigzag(element_bits(element, element_size), v, element_size) : v);
-  }
+  by_element_size<PatchOf>(element_size, target, changes);
   return changes.header;
 }
 

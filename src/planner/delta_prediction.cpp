@@ -18,11 +18,11 @@ constexpr double kGpuScanCopies = 2.0;
 constexpr double kHostScanCopies = 2.0;
 constexpr double kHostScanBytesPerChange = 320;
 // A destination's patch and hash of its copy: the hash reads it once (half a copy's traffic on a
-// GPU); on the host xxh3 costs about a copy and the patch about 170 bytes' worth per change (the
-// same bench: 3.4 ms at 0.2%, 12.8 ms at 1.7%, plus 5.6 ms of xxh3).
+// GPU); on the host xxh3 costs about a copy and the patch about 150 bytes' worth per change (the
+// same bench: 2.2 ms at 0.2%, 10.8 ms at 1.7%, plus 5.6 ms of xxh3).
 constexpr double kGpuPatchCopies = 0.5;
 constexpr double kHostPatchCopies = 1.0;
-constexpr double kHostPatchBytesPerChange = 170;
+constexpr double kHostPatchBytesPerChange = 150;
 // The codec's header.
 constexpr uint64_t kRecordHeaderBytes = 32;
 

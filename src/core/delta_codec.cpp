@@ -66,8 +66,6 @@ void store_element(std::byte* p, uint64_t v) {
   std::memcpy(p, &bits, Size);
 }
 
-using delta_steps::mask_of;
-
 // What a scan found, in index order: the changed elements and their bits before and after, as a
 // GPU kernel's compaction finds them too; one writer (write_record) makes the record of either.
 struct Scan {

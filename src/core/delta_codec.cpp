@@ -69,7 +69,7 @@ void store_element(std::byte* p, uint64_t v) {
 // What a scan found, in index order: the changed elements and their bits before and after, as a
 // GPU kernel's compaction finds them too; one writer (write_record) makes the record of either.
 struct Scan {
-  explicit Scan(DeltaScratch& buffers) : index(buffers.changed), before(buffers.before), after(buffers.after) {
+  explicit Scan(DeltaScratch& buffers) : index(buffers.index), before(buffers.before), after(buffers.after) {
     index.clear();
     before.clear();
     after.clear();

@@ -47,7 +47,7 @@ struct DeltaHeader {
 // Buffers an encoder reuses from one tensor to the next: fresh ones for every large tensor cost
 // page faults and copies as they grow.
 struct DeltaScratch {
-  std::vector<uint64_t> changed, before, after;  // the changed elements, their old and new bits
+  std::vector<uint64_t> index, before, after;  // the changed elements, their old and new bits
 };
 
 struct DeltaResult {

@@ -130,12 +130,21 @@ ExpertLoader::ExpertLoader(const ModelInventory& inventory, std::vector<ExpertSt
       if (w == storage.end() || !is_fp8(w->dtype) || !(is_w13(s.name) || is_w2(s.name)))
         fail(ErrorKind::kLayout, "destination rank {}: expert scale storage {} has no FP8 expert weight {}",
              destination_rank, s.name, weight_of(s.name));
-      if (s.dtype != DType::kFloat32 || s.shape.size() != 3 || s.shape[0] != w->shape[0] ||
-          (is_w13(s.name) && s.shape[1] % 2 != 0))
+      // The block scales of each slot's weights: for w13 of its gate half, then of its up half.
+      const bool w13 = is_w13(s.name);
+      std::vector<int64_t> expected;
+      if (w->shape.size() == 3) {
+        const int64_t rows = w13 ? w->shape[1] / 2 : w->shape[1];
+        expected = fp8_scale_shape(TensorInfo{w->name, w->dtype, {rows, w->shape[2]}}, Fp8Scaling::kBlock128);
+        expected.insert(expected.begin(), w->shape[0]);
+        if (w13) expected[1] *= 2;
+      }
+      if (s.dtype != DType::kFloat32 || s.shape != expected)
         fail(ErrorKind::kLayout,
-             "destination rank {}: expert scale storage {} is {} {}; expected float32 of 3 dims, {} experts first "
-             "(as {}), and for w13 an even dim 1 (gate's blocks, then up's)",
-             destination_rank, s.name, dtype_name(s.dtype), shape_string(s.shape), w->shape[0], w->name);
+             "destination rank {}: expert scale storage {} is {} {}; the 128 x 128 block scales of {} {} are float32 "
+             "{}",
+             destination_rank, s.name, dtype_name(s.dtype), shape_string(s.shape), w->name, shape_string(w->shape),
+             shape_string(expected));
       continue;
     }
     if (is_fp8(s.dtype) && find(s.name + std::string(kScaleSuffix)) == storage.end())
@@ -163,7 +172,7 @@ ExpertLoader::ExpertLoader(const ModelInventory& inventory, std::vector<ExpertSt
     params_.emplace(std::move(name), std::move(p));
   }
   for (const auto& t : inventory.tensors)
-    if (parse_hf_expert_name(weight_of(t.name))) full_shapes_.emplace(t.name, t.shape);
+    if (parse_hf_expert_name(t.name)) full_shapes_.emplace(t.name, t.shape);
 }
 
 ExpertLoadResult ExpertLoader::load(std::span<const TensorView> batch) {
@@ -210,15 +219,20 @@ ExpertLoadResult ExpertLoader::load(std::span<const TensorView> batch) {
            "Sharded expert {} requires a 3-D vLLM parameter and 2-D source tensor, got {}-D and {}-D (destination rank "
            "{}).",
            t.name, s.shape.size(), t.shape.size(), dest);
-    auto fit = full_shapes_.find(t.name);
+    // The weight's TP slice; its block scales: the scales of that slice (fp8_scale_shape, the
+    // layout's own rule).
+    const std::string_view weight = weight_of(t.name);
+    auto fit = full_shapes_.find(weight);
     if (fit == full_shapes_.end())
-      fail(ErrorKind::kLayout, "destination rank {}: expert tensor '{}' is not in the model", dest, t.name);
+      fail(ErrorKind::kLayout, "destination rank {}: expert tensor '{}' is not in the model", dest, weight);
     std::vector<int64_t> expected = fit->second;
     const int32_t dim = expert->shard_dim();
     if (expected.size() != 2 || expected[dim] % s.tp_size != 0)
       fail(ErrorKind::kLayout, "Cannot shard {} dimension {} of full shape {} across TP size {} (destination rank {}).",
-           t.name, dim, shape_string(expected), s.tp_size, dest);
+           weight, dim, shape_string(expected), s.tp_size, dest);
     expected[dim] /= s.tp_size;
+    if (is_scale(t.name))
+      expected = fp8_scale_shape(TensorInfo{std::string(weight), t.dtype, expected}, Fp8Scaling::kBlock128);
     if (t.shape != expected)  // V43
       fail(ErrorKind::kLayout,
            "Received sharded expert {} with shape {}, expected {} from full shape {} and TP size {} (destination rank "

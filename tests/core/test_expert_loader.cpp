@@ -600,6 +600,11 @@ TEST(ExpertStorageValidation, Fp8StorageNeedsItsBlockScalesAndWholeBlocks) {
   bf16.storage[0].quant_method.clear();
   EXPECT_THAT(error_of(ErrorKind::kLayout, [&] { ExpertLoader(m.inv, bf16.storage, 3); }),
               HasSubstr("has no FP8 expert weight"));
+  // A scale storage that is not the block scales of its weights' slots (up's blocks missing).
+  Fp8Destination short_scales(2, 0);
+  short_scales.storage[2].shape[1] = 1;
+  EXPECT_THAT(error_of(ErrorKind::kLayout, [&] { ExpertLoader(m.inv, short_scales.storage, 3); }),
+              AllOf(HasSubstr("w13_weight_scale_inv is float32 [2, 1, 1]"), HasSubstr("are float32 [2, 2, 1]")));
   // TP 4 cuts each 128-row block of gate and up in half: refused before anything moves, naming the block.
   Fp8Destination tp4(4, 1);
   EXPECT_THAT(

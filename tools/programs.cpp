@@ -63,6 +63,52 @@ void fill_box(std::byte* out, const TensorInfo& full, const Box& box, uint64_t s
   });
 }
 
+// The delta workload's step: `share` of a tensor's elements, at positions drawn from the refit's
+// seed, move by one or two units in the last place, up or down (their bytes as a little-endian
+// integer, modulo 2^bits), as an optimizer step moves a bf16 weight. `at(element)` gives where
+// element `element` of the whole tensor lies, or null where it is not ours.
+template <typename At>
+void step_elements(const TensorInfo& info, double share, uint64_t seed, At&& at) {
+  const uint64_t element = dtype_size(info.dtype), elements = info.numel();
+  const auto n = static_cast<uint64_t>(share * static_cast<double>(elements));
+  for (uint64_t k = 0; k < n; ++k) {
+    const uint64_t r = content_word(seed, k);
+    std::byte* e = at(r % elements);
+    if (e == nullptr) continue;
+    uint64_t v = 0;
+    for (uint64_t b = 0; b < element; ++b) v |= static_cast<uint64_t>(e[b]) << (8 * b);
+    v += (r >> 62) & 1 ? 1 + ((r >> 61) & 1) : ~uint64_t{0} - ((r >> 61) & 1);  // +1, +2, -1 or -2
+    for (uint64_t b = 0; b < element; ++b) e[b] = static_cast<std::byte>(v >> (8 * b));
+  }
+}
+
+// Writes `box` of tensor `tensor` of the model as refit `refit` holds it: its own content, or,
+// with the delta workload (`share` > 0), refit 0's content stepped by every refit since (any
+// process computes any box of it, as the source that steps its whole tensors in place holds it).
+void fill_box_of_refit(std::byte* out, const TensorInfo& full, const Box& box, uint64_t refit, uint64_t tensor,
+                       double share) {
+  if (share <= 0 || refit == 0) return fill_box(out, full, box, seed_of(refit, tensor));
+  fill_box(out, full, box, seed_of(0, tensor));
+  const size_t rank = full.shape.size(), element = dtype_size(full.dtype);
+  std::vector<Slice> along(rank);
+  for (size_t d = 0; d < rank; ++d) along[d] = box.along(static_cast<int32_t>(d), full.shape);
+  std::vector<int64_t> coordinate(rank);
+  for (uint64_t r = 1; r <= refit; ++r)
+    step_elements(full, share, seed_of(r, tensor), [&](uint64_t flat) -> std::byte* {
+      for (size_t d = rank; d-- > 0;) {
+        coordinate[d] = static_cast<int64_t>(flat % static_cast<uint64_t>(full.shape[d]));
+        flat /= static_cast<uint64_t>(full.shape[d]);
+      }
+      uint64_t packed = 0;
+      for (size_t d = 0; d < rank; ++d) {
+        if (coordinate[d] < along[d].start || coordinate[d] >= along[d].start + along[d].length) return nullptr;
+        packed =
+            packed * static_cast<uint64_t>(along[d].length) + static_cast<uint64_t>(coordinate[d] - along[d].start);
+      }
+      return out + packed * element;
+    });
+}
+
 // GPU copies and hashes of one refit finish well within this.
 constexpr auto kGpuWait = std::chrono::seconds(300);
 constexpr uint64_t kTensorAlignment = 256;
@@ -103,10 +149,10 @@ class SourceProgram final : public WorkerProgram {
     if (!model.versions.empty() && (holds_ || kind_ == MemoryKind::kCuda))
       throw Error(ErrorKind::kInvalidArgument,
                   fmt::format("--versions replays files in host memory on the paired topology"));
-    if (model.changed_share > 0 && (holds_ || !synthetic()))
-      throw Error(ErrorKind::kInvalidArgument,
-                  fmt::format("--changed (a delta workload) changes synthetic content on the paired topology: leave "
-                              "out --src-* and a safetensors --model"));
+    if (model.changed_share > 0 && !synthetic())
+      throw Error(
+          ErrorKind::kInvalidArgument,
+          fmt::format("--changed (a delta workload) changes synthetic content: leave out a safetensors --model"));
     if (!model.safetensors_path.empty()) load_files();
     if (synthetic() || kind_ == MemoryKind::kCuda || !model.versions.empty()) {
       // One allocation for the whole model (or this source's shards of it): synthetic content is
@@ -165,15 +211,16 @@ class SourceProgram final : public WorkerProgram {
     if (!synthetic() && !hashes_.empty()) return;  // file content does not change
     hashes_.clear();
     if (kind_ == MemoryKind::kCuda) return holds_ ? stage_shards_on_gpu(index) : stage_on_gpu(index);
-    const bool change_in_place = model_.changed_share > 0 && index > 0;
+    const bool change_in_place = model_.changed_share > 0 && index > 0 && !holds_;
     for (size_t i = 0; i < views_.size(); ++i) {
       const auto& v = views_[i];
       const uint64_t n = v.info->nbytes();
       if (change_in_place)
         change_elements(const_cast<std::byte*>(v.data), *v.info, seed_of(index, i));
       else if (synthetic())
-        fill_box(const_cast<std::byte*>(v.data), holds_ ? model_.inventory.tensors[full_index_[i]] : *v.info,
-                 holds_ ? boxes_[i] : Box::whole(), seed_of(index, holds_ ? full_index_[i] : i));
+        fill_box_of_refit(const_cast<std::byte*>(v.data), holds_ ? model_.inventory.tensors[full_index_[i]] : *v.info,
+                          holds_ ? boxes_[i] : Box::whole(), index, holds_ ? full_index_[i] : i,
+                          holds_ ? model_.changed_share : 0);
       if (!holds_) hash_expected(v);
       (void)n;
     }
@@ -193,21 +240,10 @@ class SourceProgram final : public WorkerProgram {
  private:
   bool synthetic() const { return model_.safetensors_path.empty(); }
 
-  // The delta workload: changed_share of the tensor's elements take a step of one or two units in
-  // the last place, up or down (their bytes as a little-endian integer, modulo 2^bits), as an
-  // optimizer step moves a bf16 weight; positions are drawn from `seed` (one drawn twice may step
-  // back, as a weight may).
+  // The delta workload on whole tensors, in place: refit `seed`'s step (step_elements).
   void change_elements(std::byte* data, const TensorInfo& info, uint64_t seed) const {
-    const uint64_t element = dtype_size(info.dtype), elements = info.numel();
-    const auto n = static_cast<uint64_t>(model_.changed_share * static_cast<double>(elements));
-    for (uint64_t k = 0; k < n; ++k) {
-      const uint64_t r = content_word(seed, k);
-      std::byte* e = data + (r % elements) * element;
-      uint64_t v = 0;
-      for (uint64_t b = 0; b < element; ++b) v |= static_cast<uint64_t>(e[b]) << (8 * b);
-      v += (r >> 62) & 1 ? 1 + ((r >> 61) & 1) : ~uint64_t{0} - ((r >> 61) & 1);  // +1, +2, -1 or -2
-      for (uint64_t b = 0; b < element; ++b) e[b] = static_cast<std::byte>(v >> (8 * b));
-    }
+    const uint64_t element = dtype_size(info.dtype);
+    step_elements(info, model_.changed_share, seed, [&](uint64_t e) { return data + e * element; });
   }
 
   // Version `index` of the weights, copied over the previous one tensor by tensor.
@@ -284,7 +320,8 @@ class SourceProgram final : public WorkerProgram {
     for (size_t i = 0; i < views_.size(); ++i) {
       const auto& v = views_[i];
       scratch_.resize(v.info->nbytes());
-      fill_box(scratch_.data(), model_.inventory.tensors[full_index_[i]], boxes_[i], seed_of(index, full_index_[i]));
+      fill_box_of_refit(scratch_.data(), model_.inventory.tensors[full_index_[i]], boxes_[i], index, full_index_[i],
+                        model_.changed_share);
       copies_.copy(const_cast<std::byte*>(v.data), scratch_.data(), scratch_.size(), MemoryKind::kCuda,
                    MemoryKind::kHost);
       copies_.synchronize(deadline_after(kGpuWait));  // scratch_ is refilled next
@@ -345,9 +382,15 @@ class DestinationProgram final : public WorkerProgram {
   // `tensors`: what this destination holds (its layout's selection of the model), allocated here
   // once as an inference engine's parameters are. `checks` (resharding): the model and this
   // destination's layout, against which it checks itself.
+  // `changed_share`: the delta workload's (--changed).
   DestinationProgram(std::optional<KillPoint> kill, MemoryKind kind, std::vector<TensorInfo> tensors,
-                     const ModelInventory* checks_model, const std::optional<Layout>* checks)
-      : kill_(kill), kind_(kind), tensors_(std::move(tensors)), model_(checks_model), checks_(checks) {
+                     const ModelInventory* checks_model, const std::optional<Layout>* checks, double changed_share)
+      : kill_(kill),
+        kind_(kind),
+        tensors_(std::move(tensors)),
+        model_(checks_model),
+        checks_(checks),
+        changed_share_(changed_share) {
     uint64_t total = 0;
     for (const auto& t : tensors_) total += aligned(t.nbytes());
     storage_ = TensorMemory(kind_, Device{Device::Kind::kCuda, -1}, std::max<uint64_t>(total, 1));
@@ -422,7 +465,7 @@ class DestinationProgram final : public WorkerProgram {
       const Box box = Box::of(r);
       const uint64_t n = box.nbytes_in(t);
       want.resize(n);
-      fill_box(want.data(), t, box, seed_of(index, i));
+      fill_box_of_refit(want.data(), t, box, index, i, changed_share_);
       if (kind_ == MemoryKind::kHost) {
         expected[t.name] = hex(XXH3_64bits(want.data(), n));
         continue;
@@ -445,6 +488,7 @@ class DestinationProgram final : public WorkerProgram {
   std::vector<TensorInfo> tensors_;  // the parameters, in storage_ (GPU, or host memory in huge pages)
   const ModelInventory* model_;      // resharding: the model, to check against
   const std::optional<Layout>* checks_;
+  const double changed_share_;
   TensorMemory storage_;
   std::vector<std::byte*> parameters_;  // parallel to tensors_
   ParameterLoader loads_;
@@ -499,7 +543,7 @@ WorkerProgramFactory bench_programs(const BenchModel& model, const std::vector<s
     static const std::optional<Layout> whole;
     const std::optional<Layout>& held = layout ? *layout : whole;
     return std::make_unique<DestinationProgram>(mine, model.tensors, selected_tensors(model.inventory, held),
-                                                resharding ? &model.inventory : nullptr, &held);
+                                                resharding ? &model.inventory : nullptr, &held, model.changed_share);
   };
 }
 

@@ -142,8 +142,8 @@ struct SendStats {
   double seconds = 0;
   bool had_peer = false;
   uint32_t destinations = 0;  // destinations served
-  // Delta refit (config.delta): of tensors, those sent as their changed elements, and the bytes of
-  // those changes; the rest went whole.
+  // Delta refit (config.delta): of tensors (resharding: of the pieces sent on every link), those
+  // sent as their changed elements, and the bytes of those changes; the rest went whole.
   uint64_t delta_tensors = 0;
   uint64_t delta_bytes = 0;
   std::vector<TimelineEvent> events;  // pack, announce and release of every bucket on every link
@@ -161,8 +161,9 @@ struct ReceiveStats {
   uint64_t buffer_bytes = 0;      // transfer-buffer memory this engine holds (0: receives_only and mapped)
   std::string route;              // what carried the bytes: "UCX mapped", "UCX tcp/eth0" (Transport::route)
   uint32_t sources = 0;           // sources read from
-  // Delta refit (config.delta): of tensors, those that came as their changed elements and were
-  // patched into this destination's copy, and the bytes of those changes.
+  // Delta refit (config.delta): of tensors (resharding: of the pieces from every source), those
+  // that came as their changed elements and were patched into this destination's copy, and the
+  // bytes of those changes.
   uint64_t delta_tensors = 0;
   uint64_t delta_bytes = 0;
   double total_seconds = 0;

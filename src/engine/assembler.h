@@ -46,7 +46,16 @@ class TensorAssembler {
   std::span<const TensorView> add_bucket(const protocol::BucketReady& bucket, const protocol::BucketBytes& bytes,
                                          const std::string& who, Deadline deadline, bool repeats_checked = false);
 
-  // Parallel to the views the latest add_bucket() returned: the buffer of a merged tensor (holding
+  // Delta refit, resharding: merges pieces as their link's delta handed them out (whole, each a
+  // view of its own under the name `pieces` knows it by: the tensor and box it is) into tensors,
+  // as add_bucket() merges chunks. `owners` is parallel to `views`; `seq` and `who` name the
+  // bucket they came in.
+  std::span<const TensorView> add_pieces(std::span<const TensorView> views,
+                                         std::span<const std::shared_ptr<const void>> owners,
+                                         const std::map<std::string, protocol::ManifestEntry, std::less<>>& pieces,
+                                         uint64_t seq, const std::string& who, Deadline deadline);
+
+  // Parallel to the views the latest add_bucket() or add_pieces() returned: the buffer of a merged tensor (holding
   // it keeps the tensor's bytes valid after the next add_bucket(), reset() or release()), null
   // for a view into the bucket.
   const std::vector<std::shared_ptr<const void>>& owners() const { return owners_; }
@@ -75,6 +84,13 @@ class TensorAssembler {
     // means every byte is here, once (a peer that sent a byte twice and another never is refused).
     std::vector<PieceRanges> pieces;
   };
+  void begin_batch();
+  // Checks names from here on (replayed buckets' included).
+  void stop_deferring();
+  // Chunk `e`, whose bytes lie at `chunk`: a whole tensor is handed out as it lies (held by
+  // `owner`), another merged.
+  void add_chunk(const protocol::ManifestEntry& e, const std::byte* chunk, MemoryKind chunk_kind,
+                 std::shared_ptr<const void> owner, uint64_t seq, const std::string& who);
   // Throws Error(kProtocol) unless chunk `e` lies apart from everything `m` has received.
   static void claim(Merge& m, const protocol::ManifestEntry& e, uint64_t seq, const std::string& who);
   MemoryKind kind_ = MemoryKind::kHost;

@@ -63,6 +63,24 @@ int source_rank_for_destination(int rollout_rank, int train_world_size, int roll
 }
 
 class CheckpointEngine::Impl {
+  // Resharding: where a piece of the plan lies at either end.
+  struct PlacedPiece {
+    TensorInfo tensor;  // as the destination holds it
+    Box in_view;        // the piece in the coordinates of the source's shard
+    Box in_tensor;      // the piece in the coordinates of the destination's tensor
+    TensorInfo packed;  // delta refit: the piece packed, under its own name (delta_piece_name)
+  };
+  // On a resharding source: where one tensor's pieces go.
+  struct SendPiece {
+    size_t link = 0;
+    PlacedPiece at;
+  };
+  struct SendTensor {
+    std::vector<int64_t> held_shape;  // what the weight stream must yield for it
+    DType dtype = DType::kBFloat16;
+    std::vector<SendPiece> pieces;
+  };
+
  public:
   explicit Impl(EngineOptions options) : options_(std::move(options)) {
     // spdlog makes its registry on first use, behind a guard ThreadSanitizer cannot see (the
@@ -129,7 +147,8 @@ class CheckpointEngine::Impl {
     md.generation = generation_;
     md.takes = takes();
     md.delta = options_.config.delta;
-    md.weights_version = destination_delta_.version();
+    for (const auto& [rank, delta] : destination_deltas_)
+      if (delta.version() != 0) md.weights_versions.emplace_back(rank, delta.version());
     return protocol::encode(md);
   }
 
@@ -154,7 +173,9 @@ class CheckpointEngine::Impl {
         target_layout_ = decode_layout(links_[0].metadata.layout, "layout of " + links_[0].label);
       for (auto& link : links_) link.first_refit = protocol::first_refit(generation_, link.metadata.generation);
       check_delta(self);
-      destination_version_ = links_.size() == 1 ? links_[0].metadata.weights_version : 0;
+      for (auto& link : links_)
+        for (const auto& [rank, version] : link.metadata.weights_versions)
+          if (rank == static_cast<uint32_t>(worker_rank)) link.weights_version = version;
       make_senders();
     });
     self_ = self;
@@ -181,8 +202,17 @@ class CheckpointEngine::Impl {
         add_link(metadata, s, s, fmt::format("source rank {}", s),
                  plan.link_bucket_bytes(s, rollout_rank, options_.bucket_bytes));
       expected_tensors_.clear();
+      delta_pieces_.clear();
       for (uint32_t s = 0; s < plan.source_count(); ++s)
-        for (const auto& piece : plan.link(s, rollout_rank)) expected_tensors_.insert(piece.tensor);
+        for (const auto& piece : plan.link(s, rollout_rank)) {
+          expected_tensors_.insert(piece.tensor);
+          if (!resharding_) continue;
+          PlacedPiece placed = place(piece, s, rollout_rank);
+          protocol::ManifestEntry& e = delta_pieces_[placed.packed.name];
+          e.tensor = std::move(placed.tensor);
+          e.box = placed.in_tensor;
+          e.size = placed.packed.nbytes();
+        }
       needs_nothing_ = links_.empty();  // resharding, and this destination holds nothing
       bool all_mapped = true, all_here = !links_.empty();
       for (auto& link : links_) {
@@ -227,33 +257,22 @@ class CheckpointEngine::Impl {
     stats.destinations = static_cast<uint32_t>(senders_.size());
     std::string phase = "pack";
     try {
-      if (delta_) {
-        // A failure past this point leaves the base half updated: the next refit goes whole.
-        const uint64_t held = destination_version_;
-        destination_version_ = 0;
-        // A destination with a layout: compare what it holds (selected_ packs its slices first).
-        WeightSource* stream = &weights;
-        if (target_layout_) {
-          if (!selected_) selected_ = std::make_unique<SelectedSource>(*target_layout_, options_.config.timeout_s);
-          stream = &selected_->begin(weights, *pack_stream_, sent_);
+      run_send(weights, stats, phase);
+      if (delta_)
+        for (auto& link : links_) {
+          SourceDelta& delta = source_deltas_[link.peer_rank];
+          link.weights_version = delta.commit(seconds_since(start));
+          stats.delta_tensors += delta.counts().changed_tensors;
+          stats.delta_bytes += delta.counts().record_bytes;
         }
-        run_send(source_delta_.begin(*stream, held, links_[0].label, options_.config.delta == DeltaMode::kAuto), stats,
-                 phase);
-        if (selected_) stats.dropped += selected_->dropped();
-        destination_version_ = source_delta_.commit(seconds_since(start));
-        stats.tensors -= 2;  // the delta header and trailer
-        stats.delta_tensors = source_delta_.counts().changed_tensors;
-        stats.delta_bytes = source_delta_.counts().record_bytes;
-      } else {
-        run_send(weights, stats, phase);
-      }
       source_regions().end_refit();
     } catch (...) {
       // A plain std::exception comes from the weight stream (caller code); whatever it was, every
       // destination is told at once.
       const Caught c = describe_caught(std::current_exception(), ErrorKind::kInvalidArgument,
                                        "weight stream failed: ", "the weight stream");
-      source_delta_.drop();
+      if (delta_)
+        for (auto& link : links_) source_deltas_[link.peer_rank].drop();
       abort_links(c.kind, c.what);
       throw Error(c.kind, fmt::format("{}, refit {} of this connection, phase {}: {}", self_, refits_, phase, c.what));
     }
@@ -293,7 +312,15 @@ class CheckpointEngine::Impl {
     run->start = Clock::now();
     run->phase = "wait for bucket 0";
     assembler_.reset();
-    if (delta_) destination_delta_.begin();
+    if (delta_)
+      for (auto& link : links_) {
+        destination_deltas_[link.peer_rank].begin();
+        if (!link.wire) {
+          link.wire = std::make_unique<TensorAssembler>();
+          link.wire->set_memory(buffer_kind_, options_.config.device);
+        }
+        link.wire->reset();
+      }
     for (auto& link : links_) {
       LinkReadContext context{transport_.get(),
                               link.peer,
@@ -334,8 +361,7 @@ class CheckpointEngine::Impl {
         advance_links(run);
         if (take_bucket(run)) {
           if (!run.views.empty()) {
-            *out = ReceivedBatch{run.batches_out++, run.views,
-                                 delta_ ? std::span(run.delta_owners) : std::span(assembler_.owners())};
+            *out = ReceivedBatch{run.batches_out++, run.views, run.owners};
             run.held = true;
             run.handed_out = Clock::now();
             progress_->resume(run.readers);  // the links go on while the loader works
@@ -387,7 +413,11 @@ class CheckpointEngine::Impl {
       if (!expected_tensors_.empty() && assembler_.tensors_completed() != expected_tensors_.size())
         fail(ErrorKind::kProtocol, "the plan sends this destination {} tensors, but {} arrived",
              expected_tensors_.size(), assembler_.tensors_completed());
-      if (delta_) destination_delta_.finish(links_[0].label);
+      if (delta_)
+        for (auto& link : links_) {
+          link.wire->finish(link.label);
+          destination_deltas_[link.peer_rank].finish(link.label);
+        }
     });
     std::unique_ptr<ReceiveRun> done = std::move(receive_);
     ReceiveStats stats = std::move(done->stats);
@@ -398,11 +428,16 @@ class CheckpointEngine::Impl {
     stats.total_seconds = seconds_since(done->start);
     stale_ = false;
     if (delta_) {
-      stats.delta_tensors = destination_delta_.counts().changed_tensors;
-      stats.delta_bytes = destination_delta_.counts().record_bytes;
-      spdlog::info("delta refit: {} of {} tensors came as changes ({:.2f} MiB of changes, {:.2f} MiB read in all)",
-                   stats.delta_tensors, stats.tensors, stats.delta_bytes / double(1 << 20),
-                   stats.wire_bytes / double(1 << 20));
+      uint64_t arrived = 0;
+      for (auto& link : links_) {
+        const DeltaCounts& counts = destination_deltas_[link.peer_rank].counts();
+        arrived += counts.tensors;
+        stats.delta_tensors += counts.changed_tensors;
+        stats.delta_bytes += counts.record_bytes;
+      }
+      spdlog::info("delta refit: {} of {} {} came as changes ({:.2f} MiB of changes, {:.2f} MiB read in all)",
+                   stats.delta_tensors, arrived, resharding_ ? "pieces" : "tensors",
+                   stats.delta_bytes / double(1 << 20), stats.wire_bytes / double(1 << 20));
     }
     if (!needs_nothing_)
       spdlog::info(
@@ -430,7 +465,12 @@ class CheckpointEngine::Impl {
     }
   }
 
-  void request_full_refit() { destination_delta_.drop(); }
+  void request_full_refit() { drop_held_versions(); }
+
+  // A destination's weights are no version any source knows: the next refit goes whole.
+  void drop_held_versions() {
+    for (auto& [rank, delta] : destination_deltas_) delta.drop();
+  }
 
   bool stale() const { return is_destination_ && stale_; }
   const Layout* target_layout() const { return target_layout_ ? &*target_layout_ : nullptr; }
@@ -455,23 +495,14 @@ class CheckpointEngine::Impl {
     // On a destination: the source memory its in-place entries lie in, mapped (LinkReader).
     std::map<std::pair<uint64_t, Bytes>, const std::byte*> in_place_maps;
     ManifestCache manifests;  // on a destination: what its source may replay (LinkReader)
-  };
-  // On a resharding source: where one tensor's pieces go.
-  struct SendPiece {
-    size_t link = 0;
-    TensorInfo tensor;  // as the destination holds it
-    Box in_view;        // the piece in the coordinates of our shard
-    Box in_tensor;      // the piece in the coordinates of the destination's tensor
-  };
-  struct SendTensor {
-    std::vector<int64_t> held_shape;  // what the weight stream must yield for it
-    DType dtype = DType::kBFloat16;
-    std::vector<SendPiece> pieces;
+    // Delta refit: on a source, the version its destination holds from us (as far as we know); on
+    // a destination, what the link carries reassembled (chunks of changes, pieces) before patching.
+    uint64_t weights_version = 0;
+    std::unique_ptr<TensorAssembler> wire;
   };
 
   Deadline next_deadline() const { return deadline_after(Seconds(options_.config.timeout_s)); }
 
-  // Delta refit runs on the paired topology (to a destination with a layout, on what it holds).
   // Whether this init's links go by delta refit (delta_):
   // the mode must be the same at both ends of every link, and `auto` leaves it off where a full refit is one copy per
   // byte (a link on one host whose transport maps the peer's memory), a rule both ends apply alike.
@@ -482,7 +513,6 @@ class CheckpointEngine::Impl {
         fail(ErrorKind::kConfig, "refit_cfg.nixl.delta is {} on {} but {} on {}: set it the same on every worker",
              to_string(mode), self, to_string(link.metadata.delta), link.label);
     delta_ = mode == DeltaMode::kOn;
-    selected_.reset();  // made for this init's layout at the first send
     if (mode == DeltaMode::kAuto) {
       const bool maps = transport_->capabilities().maps_peer_memory;
       delta_ = std::any_of(links_.begin(), links_.end(),
@@ -493,11 +523,6 @@ class CheckpointEngine::Impl {
             "copy per byte",
             self);
     }
-    if (!delta_) return;
-    if (resharding_)
-      fail(ErrorKind::kUnsupported,
-           "refit_cfg.nixl.delta: delta refit runs on the paired topology so far, not when sources declare what "
-           "they hold (resharding); set delta=false");
   }
 
   void check_group(int train, int rollout, std::span<const Metadata> metadata) {
@@ -589,20 +614,28 @@ class CheckpointEngine::Impl {
       const uint32_t d = destinations[k];
       for (const TransferPiece& piece : plan.link(self, d)) {
         const TensorInfo& full = tensors[piece.tensor];
-        const Request held = holds_[self].request_for(full.name);
-        const Request need = needs_[d].request_for(full.name);
         auto [it, fresh] = send_tensors_.try_emplace(full.name);
         if (fresh) {
-          it->second.held_shape = Box::of(held).shape_in(full.shape);
+          it->second.held_shape = Box::of(holds_[self].request_for(full.name)).shape_in(full.shape);
           it->second.dtype = full.dtype;
         }
-        TensorInfo at_destination{full.name, full.dtype, Box::of(need).shape_in(full.shape)};
-        const Slice none{-1, 0, 0};
-        it->second.pieces.push_back({k, std::move(at_destination),
-                                     piece.box.relative_to(held.take == Take::kSlice ? held.slice : none),
-                                     piece.box.relative_to(need.take == Take::kSlice ? need.slice : none)});
+        it->second.pieces.push_back({k, place(piece, self, d)});
       }
     }
+  }
+
+  // Where piece `piece` of the plan, from source `s` to destination `d`, lies at either end.
+  PlacedPiece place(const TransferPiece& piece, uint32_t s, uint32_t d) const {
+    const TensorInfo& full = options_.model->tensors[piece.tensor];
+    const Request held = holds_[s].request_for(full.name);
+    const Request need = needs_[d].request_for(full.name);
+    const Slice none{-1, 0, 0};
+    PlacedPiece p;
+    p.tensor = {full.name, full.dtype, Box::of(need).shape_in(full.shape)};
+    p.in_view = piece.box.relative_to(held.take == Take::kSlice ? held.slice : none);
+    p.in_tensor = piece.box.relative_to(need.take == Take::kSlice ? need.slice : none);
+    p.packed = {delta_piece_name(full.name, p.in_tensor), full.dtype, piece.box.shape_in(full.shape)};
+    return p;
   }
 
   void make_senders() {
@@ -725,6 +758,24 @@ class CheckpointEngine::Impl {
     for (size_t k = 0; k < senders_.size(); ++k) senders_[k]->begin(links_[k].first_refit + refits_, in_place);
     sent_.clear();  // names, to check every request was met
     NameIndex& sent = sent_;
+    // Delta refit: each link's delta, whose header goes first. Until the refit is committed the
+    // destination holds no version we know of.
+    std::vector<SourceDelta*> deltas;
+    if (delta_)
+      for (size_t k = 0; k < links_.size(); ++k) {
+        SourceDelta& delta = source_deltas_[links_[k].peer_rank];
+        const TensorView header =
+            delta.begin(links_[k].weights_version, links_[k].label, options_.config.delta == DeltaMode::kAuto);
+        links_[k].weights_version = 0;
+        senders_[k]->add(header, Box::whole(), *header.info, Box::whole(), phase);
+        deltas.push_back(&delta);
+      }
+    // Sends what link k's destination holds of a tensor, packed, as changes or whole (delta).
+    auto send_delta = [&](size_t k, const TensorView& packed) {
+      const TensorView out = deltas[k]->next(packed);
+      senders_[k]->add(out, Box::whole(), *out.info, Box::whole(), phase);
+      senders_[k]->send_early(kDeltaBucketBytes, phase);
+    };
     TensorView view;
     std::string pack_phase = "pack";
     uint64_t phase_bucket = UINT64_MAX;
@@ -756,13 +807,19 @@ class CheckpointEngine::Impl {
                shape_string(t.held_shape));
         if (!sent.add(info.name).added)
           fail(ErrorKind::kInvalidArgument, "tensor '{}' appears twice in one refit", info.name);
-        for (const SendPiece& p : t.pieces) senders_[p.link]->add(view, p.in_view, p.tensor, p.in_tensor, phase);
+        for (const SendPiece& p : t.pieces)
+          if (delta_)
+            send_delta(p.link, packed_.pack(view, p.at.in_view, p.at.packed, *pack_stream_));
+          else
+            senders_[p.link]->add(view, p.at.in_view, p.at.tensor, p.at.in_tensor, phase);
         ++stats.tensors;
         continue;
       }
-      if (!target_layout_ || delta_) {  // paired, whole tensors (or selected already): nothing to select
-        senders_[0]->add(view, Box::whole(), info, Box::whole(), phase);
-        if (delta_) senders_[0]->send_early(kDeltaBucketBytes, phase);
+      if (!target_layout_) {  // paired, whole tensors
+        if (delta_)
+          send_delta(0, view);
+        else
+          senders_[0]->add(view, Box::whole(), info, Box::whole(), phase);
         ++stats.tensors;
         continue;
       }
@@ -772,14 +829,17 @@ class CheckpointEngine::Impl {
         ++stats.dropped;
         continue;
       }
-      const Box box = Box::of(Request{selection.take, selection.slice});
-      senders_[0]->add(view, box, selection.info, Box::whole(), phase);
       sent.add(info.name);
       ++stats.tensors;
+      const Box box = Box::of(Request{selection.take, selection.slice});
+      if (delta_)
+        send_delta(0, packed_.pack(view, box, selection.info, *pack_stream_));
+      else
+        senders_[0]->add(view, box, selection.info, Box::whole(), phase);
     }
     if (target_layout_) {
-      // A destination that declared a tensor must get it (with delta, SelectedSource records the
-      // names): a request the stream never met would otherwise leave that parameter stale.
+      // A destination that declared a tensor must get it: a request the stream never met would
+      // otherwise leave that parameter stale.
       for (const auto& [name, request] : target_layout_->tensors)
         if (request.take != Take::kDrop && !sent.contains(name))
           fail(ErrorKind::kLayout, "{} holds '{}' but the weight stream never yielded it", links_[0].label, name);
@@ -788,6 +848,10 @@ class CheckpointEngine::Impl {
       if (!sent.contains(name))
         fail(ErrorKind::kLayout, "{} needs a piece of '{}' from this source, but the weight stream never yielded it",
              senders_[t.pieces.front().link]->peer_label(), name);
+    for (size_t k = 0; k < deltas.size(); ++k) {
+      const TensorView trailer = deltas[k]->end();
+      senders_[k]->add(trailer, Box::whole(), *trailer.info, Box::whole(), phase);
+    }
     // Every link's last bucket goes out before we wait on any of them.
     for (auto& sender : senders_) sender->flush_last(phase);
     for (auto& sender : senders_) {
@@ -816,6 +880,7 @@ class CheckpointEngine::Impl {
     double assembling = 0;              // on the timeline
     uint64_t mapped_in_place = 0;       // of the bucket: bytes its entries load from the source's tensors
     std::span<const TensorView> views;  // the assembler's, of `bucket` (or delta_views)
+    std::span<const std::shared_ptr<const void>> owners;  // parallel to views
     // Delta refit: the bucket's views as the loader gets them (DestinationDelta::transform).
     std::vector<TensorView> delta_views;
     std::vector<std::shared_ptr<const void>> delta_owners;
@@ -868,7 +933,7 @@ class CheckpointEngine::Impl {
     }
     receive_.reset();  // cancels the reads in flight
     stale_ = true;
-    destination_delta_.drop();
+    drop_held_versions();
   }
 
   // Takes the next bucket any source has ready and assembles it into run.views; false when none is.
@@ -899,11 +964,24 @@ class CheckpointEngine::Impl {
       // A replay of a bucket of the previous refit, which this destination checked whole.
       const bool repeats_checked =
           bucket.replay_of && run.previous_went_through && *bucket.replay_of == links_[k].first_refit + refits_ - 1;
-      run.views = assembler_.add_bucket(bucket, run.bucket->bytes, links_[k].label, next_deadline(), repeats_checked);
-      if (delta_) {
-        destination_delta_.transform(run.views, assembler_.owners(), run.delta_views, run.delta_owners,
-                                     links_[k].label);
+      if (!delta_) {
+        run.views = assembler_.add_bucket(bucket, run.bucket->bytes, links_[k].label, next_deadline(), repeats_checked);
+        run.owners = assembler_.owners();
+      } else {
+        // Delta refit: what the link carried, patched where it came as changes; resharding, the
+        // link's pieces then merge into this destination's tensors.
+        TensorAssembler& wire = *links_[k].wire;
+        const auto carried =
+            wire.add_bucket(bucket, run.bucket->bytes, links_[k].label, next_deadline(), repeats_checked);
+        destination_deltas_[links_[k].peer_rank].transform(carried, wire.owners(), run.delta_views, run.delta_owners,
+                                                           links_[k].label);
         run.views = run.delta_views;
+        run.owners = run.delta_owners;
+        if (resharding_) {
+          run.views = assembler_.add_pieces(run.delta_views, run.delta_owners, delta_pieces_, bucket.seq,
+                                            links_[k].label, next_deadline());
+          run.owners = assembler_.owners();
+        }
       }
       if (!run.views.empty()) run.phase = fmt::format("load bucket {} from {}", bucket.seq, links_[k].label);
       return true;
@@ -980,16 +1058,18 @@ class CheckpointEngine::Impl {
   std::map<std::string, SendTensor, std::less<>> send_tensors_;
   NameIndex sent_;  // on a source: the tensors the stream yielded this refit (run_send)
   std::set<uint32_t> expected_tensors_;
-  bool needs_nothing_ = false;                // a resharding destination whose layout holds no tensor
-  bool resharding_ = false;                   // the group reshards (the latest init's plan_if_resharding)
-  bool delta_ = false;                        // this init's links go by delta refit (check_delta)
-  std::unique_ptr<SelectedSource> selected_;  // delta refit to a destination with a layout
+  bool needs_nothing_ = false;  // a resharding destination whose layout holds no tensor
+  bool resharding_ = false;     // the group reshards (the latest init's plan_if_resharding)
+  bool delta_ = false;          // this init's links go by delta refit (check_delta)
   std::unique_ptr<ReceiveRun> receive_;
-  // Delta refit (engine/delta.h): a source's base and the version its destination holds (as far
-  // as it knows); a destination's copy of what it holds.
-  SourceDelta source_delta_;
-  uint64_t destination_version_ = 0;
-  DestinationDelta destination_delta_;
+  // Delta refit (engine/delta.h), by link: a source's by destination rank, a destination's by source rank, kept across
+  // connections (the versions in the metadata say what still holds).
+  std::map<uint32_t, SourceDelta> source_deltas_;
+  std::map<uint32_t, DestinationDelta> destination_deltas_;
+  PackedBoxes packed_{options_.config.timeout_s};  // on a source: slices and pieces packed to compare
+  // On a resharding destination: the pieces the plan sends it, by the name they go by on a delta
+  // link, and where each lies in its tensor.
+  std::map<std::string, protocol::ManifestEntry, std::less<>> delta_pieces_;
 };
 
 CheckpointEngine::CheckpointEngine(EngineOptions options) : impl_(std::make_unique<Impl>(std::move(options))) {}

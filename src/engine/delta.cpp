@@ -14,6 +14,7 @@ namespace {
 
 constexpr std::string_view kMarkerMagic = "RFDV";
 constexpr std::string_view kDeltaEndName = "refit:delta-end";
+constexpr int64_t kMarkerBytes = 4 + 2 * 8;
 
 // The header ("refit:delta": the version the changes apply to, 0 for none, and the one they make)
 // and the trailer ("refit:delta-end": how many tensors came between them).
@@ -58,153 +59,52 @@ void HeldTensor::assign(const TensorView& view, DeviceDelta& gpu) {
   memory = view.memory;
 }
 
-// The weight stream a delta refit sends: header, each tensor as changes or whole, trailer. Every
-// record it makes lives until the next begin(), so the views outlive send() whenever the
-// caller's do.
-class SourceDelta::Stream : public WeightSource {
- public:
-  Stream(SourceDelta& owner, WeightSource& inner, bool changes, uint64_t base, uint64_t made)
-      : owner_(owner), inner_(inner), changes_(changes) {
-    add_marker(kDeltaHeaderName, encode_marker(base, made));
-  }
-
-  bool next(TensorView* out) override {
-    if (pending_) {
-      *out = view_of(records_.back());
-      pending_ = false;
-      return true;
-    }
-    if (ended_) return false;
-    TensorView view;
-    if (!inner_.next(&view)) {
-      ended_ = true;
-      add_marker(kDeltaEndName, encode_marker(sent_, 0));
-      pending_ = false;
-      *out = view_of(records_.back());
-      return true;
-    }
-    if (view.info == nullptr) fail(ErrorKind::kInvalidArgument, "the weight stream yielded a tensor without metadata");
-    const TensorInfo& info = *view.info;
-    if (info.name.starts_with("refit:delta"))
-      fail(ErrorKind::kInvalidArgument, "tensor '{}': names starting with 'refit:delta' are refit's own (delta refit)",
-           info.name);
-    ++sent_;
-    const uint64_t nbytes = info.nbytes();
-    if (nbytes > 0 && view.data == nullptr)
-      fail(ErrorKind::kInvalidArgument, "tensor '{}' ({} bytes) has no data pointer", info.name, nbytes);
-    auto it = owner_.base_.find(info.name);
-    if (!changes_ || it == owner_.base_.end() || !(it->second.info == info) || it->second.memory != view.memory ||
-        nbytes == 0) {
-      // Whole: the destination takes it as it is, and so does our base.
-      owner_.base_[info.name].assign(view, owner_.gpu());
-    } else {
-      // The encoder makes the base equal to the tensor whether or not it sends changes.
-      std::vector<uint8_t> record;
-      HeldTensor& base = it->second;
-      const size_t element_size = dtype_size(info.dtype);
-      const DeltaResult result = view.memory == MemoryKind::kHost
-                                     ? encode_delta(base.bytes, bytes_of(view), element_size, record, &owner_.scratch_)
-                                     : owner_.gpu().encode(base.device, view.data, nbytes, element_size, record);
-      if (result.encoded) {
-        ++owner_.counts_.changed_tensors;
-        owner_.counts_.record_bytes += record.size();
-        records_.push_back(
-            {TensorInfo{
-                 std::string(kDeltaTensorPrefix) + info.name, DType::kUInt8, {static_cast<int64_t>(record.size())}},
-             std::move(record)});
-        *out = view_of(records_.back());
-        return true;
-      }
-    }
-    *out = view;
-    return true;
-  }
-
-  bool views_outlive_send() const override { return inner_.views_outlive_send(); }
-
- private:
-  struct Record {
-    TensorInfo info;
-    std::vector<uint8_t> bytes;
-  };
-  static TensorView view_of(const Record& r) {
-    return {&r.info, reinterpret_cast<const std::byte*>(r.bytes.data()), MemoryKind::kHost};
-  }
-  void add_marker(std::string_view name, std::vector<uint8_t> bytes) {
-    const auto size = static_cast<int64_t>(bytes.size());
-    records_.push_back({TensorInfo{std::string(name), DType::kUInt8, {size}}, std::move(bytes)});
-    pending_ = true;
-  }
-
-  SourceDelta& owner_;
-  WeightSource& inner_;
-  const bool changes_;
-  std::deque<Record> records_;  // a deque: views of earlier records stay valid
-  bool pending_ = false;        // records_.back() is a marker not yet yielded
-  bool ended_ = false;
-  uint64_t sent_ = 0;
-};
-
-SelectedSource::SelectedSource(const Layout& layout, double timeout_s) : layout_(layout), timeout_s_(timeout_s) {}
-SelectedSource::~SelectedSource() = default;
-
-WeightSource& SelectedSource::begin(WeightSource& inner, CopyStream& copies, NameIndex& yielded) {
-  inner_ = &inner;
-  copies_ = &copies;
-  yielded_ = &yielded;
-  dropped_ = 0;
-  return *this;
+std::string delta_piece_name(const std::string& tensor, const Box& box) {
+  return fmt::format("refit:piece:{}{}", tensor, to_string(box));
 }
 
-bool SelectedSource::next(TensorView* out) {
-  TensorView view;
-  while (inner_->next(&view)) {
-    if (view.info == nullptr) fail(ErrorKind::kInvalidArgument, "the weight stream yielded a tensor without metadata");
-    const Selection selection = select(layout_, *view.info);
-    if (selection.take == Take::kDrop) {
-      ++dropped_;
-      continue;
-    }
-    yielded_->add(view.info->name);
-    if (selection.take == Take::kWhole) {
-      *out = view;
-      return true;
-    }
-    Slice& slice = slices_[view.info->name];
-    slice.info = selection.info;
-    const uint64_t bytes = slice.info.nbytes();
-    std::byte* data = nullptr;
-    if (view.memory == MemoryKind::kHost) {
-      slice.device = DeviceBuffer();
-      slice.host.resize(bytes);
-      data = slice.host.data();
-    } else {
-      slice.host.clear();
-      if (slice.device.size() != bytes) slice.device = DeviceBuffer(Device{Device::Kind::kCuda, -1}, bytes);
-      data = slice.device.data();
-    }
-    const Box box = Box::of(Request{selection.take, selection.slice});
-    if (view.info->nbytes() > 0 && view.data == nullptr)
-      fail(ErrorKind::kInvalidArgument, "tensor '{}' ({} bytes) has no data pointer", view.info->name,
-           view.info->nbytes());
-    for_each_box_block(view.info->shape, dtype_size(view.info->dtype), box, 0, bytes, [&](const BoxBlock& b) {
-      copies_->copy_2d(data + b.packed_offset, b.row_bytes, view.data + b.tensor_offset, b.pitch, b.row_bytes, b.rows,
-                       view.memory, view.memory);
-    });
-    copies_->synchronize(
-        deadline_after(std::chrono::duration<double>(timeout_s_)));  // compared as soon as it is yielded
-    *out = {&slice.info, data, view.memory};
-    return true;
+TensorView PackedBoxes::pack(const TensorView& view, const Box& box, const TensorInfo& info, CopyStream& copies) {
+  Packed& packed = packed_[info.name];
+  packed.info = info;
+  if (view.info->nbytes() > 0 && view.data == nullptr)
+    fail(ErrorKind::kInvalidArgument, "tensor '{}' ({} bytes) has no data pointer", view.info->name,
+         view.info->nbytes());
+  if (box.is_whole()) {
+    packed.host.clear();
+    packed.device = DeviceBuffer();
+    return {&packed.info, view.data, view.memory};
   }
-  return false;
+  const uint64_t bytes = info.nbytes();
+  std::byte* data = nullptr;
+  if (view.memory == MemoryKind::kHost) {
+    packed.device = DeviceBuffer();
+    packed.host.resize(bytes);
+    data = packed.host.data();
+  } else {
+    packed.host.clear();
+    if (packed.device.size() != bytes) packed.device = DeviceBuffer(Device{Device::Kind::kCuda, -1}, bytes);
+    data = packed.device.data();
+  }
+  for_each_box_block(view.info->shape, dtype_size(view.info->dtype), box, 0, bytes, [&](const BoxBlock& b) {
+    copies.copy_2d(data + b.packed_offset, b.row_bytes, view.data + b.tensor_offset, b.pitch, b.row_bytes, b.rows,
+                   view.memory, view.memory);
+  });
+  copies.synchronize(deadline_after(std::chrono::duration<double>(timeout_s_)));  // compared as soon as it is packed
+  return {&packed.info, data, view.memory};
 }
 
 SourceDelta::SourceDelta() = default;
 SourceDelta::~SourceDelta() = default;
 
-WeightSource& SourceDelta::begin(WeightSource& weights, uint64_t destination_version, const std::string& destination,
-                                 bool measured) {
+TensorView SourceDelta::add_record(TensorInfo info, std::vector<uint8_t> bytes) {
+  records_.push_back({std::move(info), std::move(bytes)});
+  const Record& r = records_.back();
+  return {&r.info, reinterpret_cast<const std::byte*>(r.bytes.data()), MemoryKind::kHost};
+}
+
+TensorView SourceDelta::begin(uint64_t destination_version, const std::string& destination, bool measured) {
   counts_ = {};
+  records_.clear();
   const bool possible = base_version_ != 0 && destination_version == base_version_;
   if (!possible)
     spdlog::info("delta refit: {} {}: sending every tensor whole", destination,
@@ -224,11 +124,47 @@ WeightSource& SourceDelta::begin(WeightSource& weights, uint64_t destination_ver
   changes_now_ = changes;
   do next_version_ = random_u64();
   while (next_version_ == 0);
-  stream_.reset();
-  stream_ = std::make_unique<Stream>(*this, weights, changes, changes ? base_version_ : 0, next_version_);
+  const uint64_t base = changes ? base_version_ : 0;
   // Until commit(), the base is being rewritten: a failure in between must not leave it usable.
   base_version_ = 0;
-  return *stream_;
+  return add_record(TensorInfo{std::string(kDeltaHeaderName), DType::kUInt8, {kMarkerBytes}},
+                    encode_marker(base, next_version_));
+}
+
+TensorView SourceDelta::next(const TensorView& view) {
+  if (view.info == nullptr) fail(ErrorKind::kInvalidArgument, "the weight stream yielded a tensor without metadata");
+  const TensorInfo& info = *view.info;
+  if (info.name.starts_with("refit:delta"))
+    fail(ErrorKind::kInvalidArgument, "tensor '{}': names starting with 'refit:delta' are refit's own (delta refit)",
+         info.name);
+  ++counts_.tensors;
+  const uint64_t nbytes = info.nbytes();
+  if (nbytes > 0 && view.data == nullptr)
+    fail(ErrorKind::kInvalidArgument, "tensor '{}' ({} bytes) has no data pointer", info.name, nbytes);
+  auto it = base_.find(info.name);
+  if (!changes_now_ || it == base_.end() || !(it->second.info == info) || it->second.memory != view.memory ||
+      nbytes == 0) {
+    // Whole: the destination takes it as it is, and so does our base.
+    base_[info.name].assign(view, gpu());
+    return view;
+  }
+  // The encoder makes the base equal to the tensor whether or not it sends changes.
+  std::vector<uint8_t> record;
+  HeldTensor& base = it->second;
+  const size_t element_size = dtype_size(info.dtype);
+  const DeltaResult result = view.memory == MemoryKind::kHost
+                                 ? encode_delta(base.bytes, bytes_of(view), element_size, record, &scratch_)
+                                 : gpu().encode(base.device, view.data, nbytes, element_size, record);
+  if (!result.encoded) return view;
+  ++counts_.changed_tensors;
+  counts_.record_bytes += record.size();
+  const auto size = static_cast<int64_t>(record.size());
+  return add_record(TensorInfo{std::string(kDeltaTensorPrefix) + info.name, DType::kUInt8, {size}}, std::move(record));
+}
+
+TensorView SourceDelta::end() {
+  return add_record(TensorInfo{std::string(kDeltaEndName), DType::kUInt8, {kMarkerBytes}},
+                    encode_marker(counts_.tensors, 0));
 }
 
 uint64_t SourceDelta::commit(double seconds) {
@@ -283,6 +219,7 @@ void DestinationDelta::transform(std::span<const TensorView> in, std::span<const
       continue;
     }
     ++arrived_;
+    ++counts_.tensors;
     if (name.starts_with(kDeltaTensorPrefix)) {
       const std::string_view target = std::string_view(name).substr(kDeltaTensorPrefix.size());
       auto it = held_.find(target);

@@ -1,19 +1,23 @@
-// Delta refit (refit_cfg.nixl.delta): a source remembers the bytes its destination last received
-// and, per tensor, sends only the elements that changed since (core/delta_codec.h); the
-// destination keeps the same version and patches it, then hands its loader whole tensors as in
-// any refit. Bit-exact: nothing is computed in floating point, and every patched tensor is
-// checked against the checksum of the source's tensor.
+// Delta refit (refit_cfg.nixl.delta): a source remembers the bytes a destination last received
+// on their link and, per tensor, sends only the elements that changed since
+// (core/delta_codec.h); the destination keeps the same version and patches it, then hands its
+// loader whole tensors as in any refit. Bit-exact: nothing is computed in floating point, and
+// every patched tensor is checked against the checksum of the source's tensor. A link's tensors
+// are what its destination holds of them: whole tensors, a layout's slices (packed first), or,
+// resharding, the pieces the plan sends on the link, each under a name of its own
+// (delta_piece_name), which the destination merges into its tensors once patched.
 //
-// Versions: each refit's weights get a random 64-bit version. A destination declares the version
-// it holds in its metadata (0: none: new, restarted, or its last refit failed); a source sends
-// changes only when that is the version it last sent on the link and holds as its base, and the
-// whole model otherwise (saying so). The refit's first tensor, "refit:delta", says which version
-// the changes apply to and which they make; a destination refuses changes to a version it does not
-// hold, so a delta never applies twice or to the wrong weights. Both sides adopt the new version
-// only when the whole refit went through; a failed one drops it (the next refit goes whole).
-// Memory: each side holds one copy of the tensors of the link, where the tensor lies: tensors in
-// GPU memory are compared, compacted and patched there by kernels (memory/cuda/device_delta.h),
-// and only their changed elements cross to the host.
+// Versions, per link: each refit's weights get a random 64-bit version. A destination declares,
+// per source, the version it holds from it in its metadata (none: new, restarted, or its last
+// refit failed); a source sends changes only when that is the version it last sent on the link
+// and holds as its base, and everything whole otherwise (saying so). A link's first tensor,
+// "refit:delta", says which version the changes apply to and which they make; a destination
+// refuses changes to a version it does not hold, so a delta never applies twice or to the wrong
+// weights. Both sides adopt the new version only when the whole refit went through; a failed one
+// drops it (the next refit goes whole).
+// Memory: each side holds one copy of what crosses the link, where the tensor lies (a source also
+// keeps the slices or pieces it packs): tensors in GPU memory are compared, compacted and patched
+// there by kernels (memory/cuda/device_delta.h), and only their changed elements cross to the host.
 #pragma once
 
 #include <cstdint>
@@ -25,7 +29,6 @@
 #include <vector>
 
 #include "core/delta_codec.h"
-#include "core/name_index.h"
 #include "refit/checkpoint_engine.h"
 #include "refit/ext/device_memory.h"
 #include "refit/layout.h"
@@ -37,9 +40,14 @@ namespace refit {
 inline constexpr std::string_view kDeltaHeaderName = "refit:delta";
 inline constexpr std::string_view kDeltaTensorPrefix = "refit:delta:";
 
+// The name a resharding piece goes by on a delta link: the destination's tensor and where the
+// piece lies in it, so that both ends name it alike from the plan.
+std::string delta_piece_name(const std::string& tensor, const Box& box);
+
 // What one delta refit sent or applied.
 struct DeltaCounts {
-  uint64_t changed_tensors = 0;  // sent as changes (unchanged ones included)
+  uint64_t tensors = 0;          // sent or arrived, as changes or whole (resharding: pieces)
+  uint64_t changed_tensors = 0;  // of those, as changes (unchanged ones included)
   uint64_t record_bytes = 0;     // bytes of the change records
 };
 
@@ -59,53 +67,45 @@ struct HeldTensor {
   void assign(const TensorView& view, DeviceDelta& gpu);
 };
 
-// What a paired destination with a layout holds of each tensor of a weight stream, as a stream:
-// whole tensors as they are, slices packed (in the tensor's memory) into buffers kept
-// until the same tensor's slice next refit, tensors it does not hold left out. A delta refit
-// compares what its destination holds, so a source selects before it compares. The names it
-// yields go into the engine's record of the refit, which checks them against the layout as
-// without delta.
-class SelectedSource : public WeightSource {
+// Boxes of tensors packed into buffers of their own (in the tensor's memory), kept from one
+// refit to the next by name: a delta refit compares what a destination holds, so a source packs
+// a slice or a resharding piece before it compares. A whole box is not copied: its view is
+// yielded under the name asked for.
+class PackedBoxes {
  public:
-  SelectedSource(const Layout& layout, double timeout_s);
-  ~SelectedSource() override;
-  // Starts a refit over `inner` that packs slices on `copies` (the engine's, which may be made anew
-  // between refits) and adds each name it yields to `yielded`; valid until the next begin().
-  WeightSource& begin(WeightSource& inner, CopyStream& copies, NameIndex& yielded);
-  // Tensors of this refit the destination does not hold.
-  uint64_t dropped() const { return dropped_; }
-
-  bool next(TensorView* out) override;
-  bool views_outlive_send() const override { return inner_ != nullptr && inner_->views_outlive_send(); }
+  explicit PackedBoxes(double timeout_s) : timeout_s_(timeout_s) {}
+  // `info`: the name and shape the packed box goes by. Valid until the same name is packed again.
+  TensorView pack(const TensorView& view, const Box& box, const TensorInfo& info, CopyStream& copies);
 
  private:
-  struct Slice {
+  struct Packed {
     TensorInfo info;
     std::vector<std::byte> host;
     DeviceBuffer device;  // on the calling thread's current GPU
   };
-  const Layout& layout_;
   const double timeout_s_;
-  CopyStream* copies_ = nullptr;
-  NameIndex* yielded_ = nullptr;
-  WeightSource* inner_ = nullptr;
-  uint64_t dropped_ = 0;
-  std::map<std::string, Slice, std::less<>> slices_;
+  std::map<std::string, Packed, std::less<>> packed_;
 };
 
+// A source's side of one link: the base (what its destination holds) and, per refit, each
+// tensor turned into its changes or left whole. A refit sends begin()'s header, what next()
+// makes of each tensor, then end()'s trailer; every view they return lives until the next
+// begin(), so the views outlive send() whenever the caller's do.
 class SourceDelta {
  public:
   SourceDelta();
   ~SourceDelta();
   // `destination_version`: what the destination holds (from its metadata, or the last refit that
-  // went through on this connection). Starts a refit that makes a fresh version; the returned
-  // stream yields the header, then every tensor of `weights` as changes against the base where
-  // the destination holds the base, else whole. `measured` (delta: auto): changes only when the
-  // last refit sent that way took less time than the last one sent whole (or has not been
-  // measured yet); the slower way is measured again every kRemeasureEvery refits. Valid until
-  // the next begin().
-  WeightSource& begin(WeightSource& weights, uint64_t destination_version, const std::string& destination,
-                      bool measured = false);
+  // went through on this connection). Starts a refit that makes a fresh version, and returns its
+  // header: changes go where the destination holds the base, else every tensor goes whole.
+  // `measured` (delta: auto): changes only when the last refit sent that way took less time than
+  // the last one sent whole (or has not been measured yet); the slower way is measured again
+  // every kRemeasureEvery refits.
+  TensorView begin(uint64_t destination_version, const std::string& destination, bool measured = false);
+  // What to send of `view`: its changes against the base, or itself (the base becomes it either way).
+  TensorView next(const TensorView& view);
+  // The trailer: how many tensors the refit sent.
+  TensorView end();
   // The refit went through in `seconds`: the destination now holds this refit's version, which it
   // returns.
   uint64_t commit(double seconds);
@@ -115,8 +115,11 @@ class SourceDelta {
   const DeltaCounts& counts() const { return counts_; }
 
  private:
-  class Stream;
-  friend class Stream;
+  struct Record {
+    TensorInfo info;
+    std::vector<uint8_t> bytes;
+  };
+  TensorView add_record(TensorInfo info, std::vector<uint8_t> bytes);
   DeviceDelta& gpu();
 
   static constexpr int kRemeasureEvery = 8;
@@ -130,7 +133,7 @@ class SourceDelta {
   uint64_t base_version_ = 0;         // 0: none
   uint64_t next_version_ = 0;
   DeltaCounts counts_;
-  std::unique_ptr<Stream> stream_;
+  std::deque<Record> records_;  // of this refit; a deque: views of earlier records stay valid
 };
 
 // A destination's side: the version it holds (a copy of every tensor it received) and the

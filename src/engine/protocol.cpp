@@ -78,7 +78,11 @@ Bytes encode(const EngineMetadata& m) {
   w.put<uint64_t>(m.generation);
   w.put<uint8_t>(m.takes);
   w.put<uint8_t>(static_cast<uint8_t>(m.delta));
-  w.put<uint64_t>(m.weights_version);
+  w.put<uint32_t>(static_cast<uint32_t>(m.weights_versions.size()));
+  for (const auto& [rank, version] : m.weights_versions) {
+    w.put<uint32_t>(rank);
+    w.put<uint64_t>(version);
+  }
   return w.take();
 }
 
@@ -123,7 +127,11 @@ EngineMetadata decode_metadata(std::span<const uint8_t> blob, const std::string&
   if (delta > static_cast<uint8_t>(DeltaMode::kAuto))
     fail(ErrorKind::kProtocol, "malformed {}: delta = {}", who, delta);
   m.delta = static_cast<DeltaMode>(delta);
-  m.weights_version = r.get<uint64_t>("weights version");
+  const auto versions = r.get<uint32_t>("weights versions");
+  for (uint32_t k = 0; k < versions; ++k) {
+    const auto rank = r.get<uint32_t>("weights version's source rank");
+    m.weights_versions.emplace_back(rank, r.get<uint64_t>("weights version"));
+  }
   r.expect_end();
   return m;
 }

@@ -19,7 +19,7 @@
 
 namespace refit::protocol {
 
-inline constexpr uint32_t kVersion = 11;
+inline constexpr uint32_t kVersion = 12;
 
 // How a destination takes the tensors a source leaves in its own memory (SourceAccess, plan.h):
 // a destination says which ways it can (EngineMetadata::takes); link_access() picks one per link,
@@ -44,9 +44,10 @@ struct EngineMetadata {
   // A destination's ways of taking tensors from its sources' own memory (kTakesBy*; 0: none).
   uint8_t takes = 0;
   // Delta refit (refit_cfg.nixl.delta, engine/delta.h): both ends must set the same mode. A
-  // destination's weights_version is the version of the weights it holds (0: none).
+  // destination's weights_versions: per source rank, the version of what it holds from that source
+  // (sources it holds nothing from are left out).
   DeltaMode delta = DeltaMode::kOff;
-  uint64_t weights_version = 0;
+  std::vector<std::pair<uint32_t, uint64_t>> weights_versions;
 };
 
 // The refit number before the first refit of a connection, the same on both sides: derived from

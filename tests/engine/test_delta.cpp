@@ -42,6 +42,18 @@ void step(std::vector<OwnedTensor>& weights, double share, uint32_t seed) {
   }
 }
 
+// One refit of `weights` through a source's side alone: the header, what goes of each tensor,
+// the trailer (their memory lives until the source's next begin()).
+std::vector<TensorView> encoded(SourceDelta& source, const std::vector<OwnedTensor>& weights, uint64_t version,
+                                bool measured = false) {
+  std::vector<TensorView> views{source.begin(version, "destination rank 0", measured)};
+  VectorSource inner(weights);
+  TensorView v;
+  while (inner.next(&v)) views.push_back(source.next(v));
+  views.push_back(source.end());
+  return views;
+}
+
 uint64_t bytes_of(const std::vector<OwnedTensor>& weights) {
   uint64_t n = 0;
   for (const auto& t : weights) n += t.info.nbytes();
@@ -313,11 +325,7 @@ TEST(DeltaRefit, ChangesApplyOnlyToTheirBaseAndNeverTwice) {
   std::vector<TensorView> out;
   std::vector<std::shared_ptr<const void>> owners;
   auto run = [&](DestinationDelta& d, uint64_t version, std::vector<TensorView>* records = nullptr) {
-    VectorSource inner(weights);
-    WeightSource& stream = source.begin(inner, version, "destination rank 0");
-    std::vector<TensorView> views;
-    TensorView v;
-    while (stream.next(&v)) views.push_back(v);
+    const std::vector<TensorView> views = encoded(source, weights, version);
     if (records) *records = views;
     d.begin();
     d.transform(views, {}, out, owners, "source rank 0");
@@ -329,11 +337,7 @@ TEST(DeltaRefit, ChangesApplyOnlyToTheirBaseAndNeverTwice) {
   ASSERT_NE(base, 0u);
   step(weights, 0.01, 90);
   // Keep the records of this delta refit (their memory lives until the source's next begin()).
-  VectorSource inner(weights);
-  WeightSource& stream = source.begin(inner, base, "destination rank 0");
-  std::vector<TensorView> records;
-  TensorView v;
-  while (stream.next(&v)) records.push_back(v);
+  const std::vector<TensorView> records = encoded(source, weights, base);
   EXPECT_TRUE(records[1].info->name.starts_with("refit:delta:"));
   // A destination that holds nothing refuses them.
   fresh.begin();
@@ -385,15 +389,9 @@ TEST(DeltaRefit, AutoSendsEachRefitTheWayThatWasFasterAndMeasuresTheOtherAgain) 
   // went; true when it sent changes.
   auto run = [&](double whole_s, double changes_s) {
     step(weights, 0.01, 7);
-    VectorSource inner(weights);
-    WeightSource& stream = source.begin(inner, destination.version(), "destination rank 0", true);
-    std::vector<TensorView> views;
-    TensorView v;
-    bool changes = false;
-    while (stream.next(&v)) {
-      views.push_back(v);
-      changes = changes || v.info->name.starts_with("refit:delta:");
-    }
+    const std::vector<TensorView> views = encoded(source, weights, destination.version(), true);
+    const bool changes = std::any_of(views.begin(), views.end(),
+                                     [](const TensorView& v) { return v.info->name.starts_with("refit:delta:"); });
     destination.begin();
     destination.transform(views, {}, out, owners, "source rank 0");
     destination.finish("source rank 0");

@@ -272,21 +272,21 @@ TEST(Protocol, MetadataCarriesHowADestinationReachesSourceMemory) {
   auto back = decode_metadata(encode(md), "metadata of destination rank 0");
   EXPECT_EQ(back.takes, kTakesByRead);
   auto blob = encode(md);
-  blob[blob.size() - 1 - 8 - 1] = 4;  // an unknown way; the delta flag and weights version follow
+  blob[blob.size() - 1 - 4 - 1] = 4;  // an unknown way; the delta flag and no weights versions follow
   EXPECT_THROW(decode_metadata(blob, "metadata of destination rank 0"), Error);
 }
 
-TEST(Protocol, MetadataCarriesTheDeltaSettingAndTheWeightsVersion) {
+TEST(Protocol, MetadataCarriesTheDeltaSettingAndTheWeightsVersionOfEachSource) {
   auto md = sample_metadata();
-  md.weights_version = 0x0123456789abcdefull;
+  md.weights_versions = {{0, 0x0123456789abcdefull}, {3, 0xfedcba9876543210ull}};
   for (DeltaMode mode : {DeltaMode::kOff, DeltaMode::kOn, DeltaMode::kAuto}) {
     md.delta = mode;
     auto back = decode_metadata(encode(md), "metadata of destination rank 0");
     EXPECT_EQ(back.delta, mode);
-    EXPECT_EQ(back.weights_version, 0x0123456789abcdefull);
+    EXPECT_EQ(back.weights_versions, md.weights_versions);
   }
   auto blob = encode(md);
-  blob[blob.size() - 1 - 8] = 3;  // the delta mode
+  blob[blob.size() - 1 - 4 - 2 * 12] = 3;  // the delta mode
   std::string message;
   EXPECT_EQ(testing::error_kind_of([&] { decode_metadata(blob, "metadata of destination rank 0"); }, &message),
             ErrorKind::kProtocol);

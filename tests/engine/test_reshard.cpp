@@ -6,7 +6,9 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <functional>
 #include <future>
+#include <random>
 #include <thread>
 
 #include "core/error_of.h"
@@ -28,41 +30,53 @@ using testing::VectorSource;
 
 struct Group {
   std::vector<std::unique_ptr<CheckpointEngine>> sources, destinations;
+  std::function<std::unique_ptr<CheckpointEngine>(const Layout& needs)> make_destination;
+
+  // Prepares every engine again and initializes the group (after one was replaced).
+  void connect() {
+    std::vector<Metadata> metadata;
+    for (auto& e : sources) metadata.push_back(e->prepare());
+    for (auto& e : destinations) metadata.push_back(e->prepare());
+    const int T = static_cast<int>(sources.size()), R = static_cast<int>(destinations.size());
+    for (int s = 0; s < T; ++s) sources[s]->init_source(s, T, R, metadata);
+    for (int d = 0; d < R; ++d) destinations[d]->init_destination(d, T, R, metadata);
+  }
 };
 
 // One engine per layout over one in-process fabric; prepared and initialized.
 Group make_group(const testing::Model& m, const std::vector<Layout>& holds, const std::vector<Layout>& needs,
-                 uint64_t bucket_bytes, double timeout_s = 10.0, bool direct_reads = false) {
+                 uint64_t bucket_bytes, double timeout_s = 10.0, bool direct_reads = false,
+                 DeltaMode delta = DeltaMode::kOff) {
   auto fabric = make_inproc_fabric();
   const SessionId session = new_session_id();
   auto model = std::make_shared<const ModelInventory>(m.inventory);
+  auto options = [=] {
+    auto o = testing::inproc_options(fabric, bucket_bytes, session, timeout_s);
+    o.config.direct_reads = direct_reads;
+    o.config.delta = delta;
+    o.model = model;
+    return o;
+  };
   Group g;
-  std::vector<Metadata> metadata;
   for (const auto& h : holds) {
-    auto o = testing::inproc_options(fabric, bucket_bytes, session, timeout_s);
-    o.config.direct_reads = direct_reads;
+    auto o = options();
     o.holds = h;
-    o.model = model;
     g.sources.push_back(std::make_unique<CheckpointEngine>(std::move(o)));
-    metadata.push_back(g.sources.back()->prepare());
   }
-  for (const auto& n : needs) {
-    auto o = testing::inproc_options(fabric, bucket_bytes, session, timeout_s);
-    o.config.direct_reads = direct_reads;
+  g.make_destination = [options](const Layout& n) {
+    auto o = options();
     o.layout = n;
-    o.model = model;
-    g.destinations.push_back(std::make_unique<CheckpointEngine>(std::move(o)));
-    metadata.push_back(g.destinations.back()->prepare());
-  }
-  const int T = static_cast<int>(holds.size()), R = static_cast<int>(needs.size());
-  for (int s = 0; s < T; ++s) g.sources[s]->init_source(s, T, R, metadata);
-  for (int d = 0; d < R; ++d) g.destinations[d]->init_destination(d, T, R, metadata);
+    return std::make_unique<CheckpointEngine>(std::move(o));
+  };
+  for (const auto& n : needs) g.destinations.push_back(g.make_destination(n));
+  g.connect();
   return g;
 }
 
-// Each source's shards of the patterned model, as its weight stream yields them.
-std::vector<std::vector<OwnedTensor>> shards_of(const ModelInventory& inv, const std::vector<Layout>& holds) {
-  const auto full = testing::patterned(inv);
+// Each source's shards of the model `full` (by default the patterned one), as its weight stream
+// yields them.
+std::vector<std::vector<OwnedTensor>> shards_of(const ModelInventory& inv, const std::vector<Layout>& holds,
+                                                const std::vector<std::vector<std::byte>>& full) {
   std::vector<std::vector<OwnedTensor>> out(holds.size());
   for (size_t s = 0; s < holds.size(); ++s)
     for (size_t i = 0; i < inv.tensors.size(); ++i) {
@@ -75,6 +89,10 @@ std::vector<std::vector<OwnedTensor>> shards_of(const ModelInventory& inv, const
       out[s].push_back(std::move(shard));
     }
   return out;
+}
+
+std::vector<std::vector<OwnedTensor>> shards_of(const ModelInventory& inv, const std::vector<Layout>& holds) {
+  return shards_of(inv, holds, testing::patterned(inv));
 }
 
 struct Outcome {
@@ -102,8 +120,9 @@ Outcome refit_once(Group& g, const std::vector<std::vector<OwnedTensor>>& shards
   return out;
 }
 
-void expect_exact(const ModelInventory& inv, const std::vector<Layout>& needs, const Outcome& outcome) {
-  const auto full = testing::patterned(inv);
+// Every destination holds exactly its slices of the model `full` (by default the patterned one).
+void expect_exact(const ModelInventory& inv, const std::vector<Layout>& needs, const Outcome& outcome,
+                  const std::vector<std::vector<std::byte>>& full) {
   for (size_t d = 0; d < needs.size(); ++d) {
     size_t expected_count = 0;
     uint64_t expected_bytes = 0;
@@ -127,6 +146,10 @@ void expect_exact(const ModelInventory& inv, const std::vector<Layout>& needs, c
     // Each destination reads exactly what it keeps.
     EXPECT_EQ(outcome.received_stats[d].payload_bytes, expected_bytes) << "destination " << d;
   }
+}
+
+void expect_exact(const ModelInventory& inv, const std::vector<Layout>& needs, const Outcome& outcome) {
+  expect_exact(inv, needs, outcome, testing::patterned(inv));
 }
 
 std::vector<Layout> megatron(const testing::Model& m, TrainingParallel t) {
@@ -359,6 +382,109 @@ TEST(Reshard, TheAssemblerRefusesBytesSentTwice) {
     ASSERT_EQ(views.size(), 1u);
     EXPECT_EQ(views[0].info->name, "w");
   }
+}
+
+// An optimizer step as bits see it: `share` of each tensor's elements get new bits.
+void step(const ModelInventory& inv, std::vector<std::vector<std::byte>>& full, double share, uint32_t seed) {
+  std::mt19937 rng(seed);
+  for (size_t i = 0; i < full.size(); ++i) {
+    const size_t element = dtype_size(inv.tensors[i].dtype), elements = full[i].size() / element;
+    for (size_t k = 0; k < static_cast<size_t>(share * elements); ++k)
+      full[i][(rng() % elements) * element] ^= std::byte{0x01};
+  }
+}
+
+// Delta refit on the resharding topology: each link's pieces go as their changed elements once
+// the destination holds the link's base, and every destination ends with exactly its slices,
+// through refits of changes, a destination that restarted, and one that asked for everything.
+TEST(Reshard, DeltaRefitsSendEachPiecesChangedElementsAndEveryDestinationEndsExact) {
+  const auto& m = testing::qwen_moe();
+  const auto holds = megatron(m, {2, 1, 4, 4, 1});  // TP2 x EP4 over 8 ranks (DP 4)
+  const auto needs = testing::vllm_side(m, 4, 1, false, true).layouts;
+  auto g = make_group(m, holds, needs, 16 << 10, 10.0, false, DeltaMode::kOn);
+  auto full = testing::patterned(m.inventory);
+  // One refit of the current weights, checked bitwise; per destination, whether it came as changes.
+  auto refit = [&](uint32_t seed) {
+    if (seed != 0) step(m.inventory, full, 0.01, seed);
+    const Outcome outcome = refit_once(g, shards_of(m.inventory, holds, full));
+    expect_exact(m.inventory, needs, outcome, full);
+    std::vector<bool> changes;
+    for (size_t d = 0; d < needs.size(); ++d) {
+      const ReceiveStats& r = outcome.received_stats[d];
+      changes.push_back(r.delta_tensors > 0);
+      if (r.delta_tensors > 0)
+        EXPECT_LT(r.wire_bytes, r.payload_bytes / 10) << "destination " << d << ": only the changes travel";
+      else
+        EXPECT_GE(r.wire_bytes, r.payload_bytes) << "destination " << d << ": everything whole";
+    }
+    uint64_t sent_changes = 0;
+    for (const auto& s : outcome.sent) sent_changes += s.delta_tensors;
+    uint64_t received_changes = 0;
+    for (const auto& r : outcome.received_stats) received_changes += r.delta_tensors;
+    EXPECT_EQ(sent_changes, received_changes);
+    return changes;
+  };
+  const std::vector<bool> none(needs.size(), false), all(needs.size(), true);
+  EXPECT_EQ(refit(0), none) << "no base yet";
+  for (uint32_t seed = 1; seed <= 3; ++seed) EXPECT_EQ(refit(seed), all) << "refit " << seed;
+  // Destination 2 restarts: it holds nothing, so every source sends it everything, the others
+  // their changes; afterwards it gets changes too.
+  g.destinations[2] = g.make_destination(needs[2]);
+  g.connect();
+  std::vector<bool> restarted = all;
+  restarted[2] = false;
+  EXPECT_EQ(refit(4), restarted);
+  EXPECT_EQ(refit(5), all);
+  // Destination 1 asks for the whole model.
+  g.destinations[1]->request_full_refit();
+  g.connect();
+  std::vector<bool> asked = all;
+  asked[1] = false;
+  EXPECT_EQ(refit(6), asked);
+  // Unchanged weights: every piece comes as (empty) changes, still exact.
+  EXPECT_EQ(refit(0), all);
+}
+
+// A destination that missed a refit (its last one failed half-way) gets every piece whole from
+// every source, and the delta of the failed refit never applies.
+TEST(Reshard, AfterAFailedDeltaRefitEveryPieceGoesWhole) {
+  const auto& m = testing::deepseek();
+  const auto holds = megatron(m, {2, 1, 1, 1, std::nullopt});          // TP2
+  const auto needs = testing::vllm_side(m, 2, 3, true, true).layouts;  // TP2 x PP3, EP
+  auto g = make_group(m, holds, needs, 8 << 10, 10.0, false, DeltaMode::kOn);
+  auto full = testing::patterned(m.inventory);
+  expect_exact(m.inventory, needs, refit_once(g, shards_of(m.inventory, holds, full)), full);
+  step(m.inventory, full, 0.01, 1);
+  // Destination 0's loader fails: its refit fails, and so do its sources'.
+  Outcome failed;
+  failed.sent.resize(holds.size());
+  failed.received_stats.resize(needs.size());
+  failed.received.resize(needs.size());
+  const auto shards = shards_of(m.inventory, holds, full);
+  std::vector<std::future<void>> running;
+  for (size_t s = 0; s < holds.size(); ++s)
+    running.push_back(std::async(std::launch::async, [&, s] {
+      VectorSource source(shards[s]);
+      g.sources[s]->send(source);
+    }));
+  for (size_t d = 0; d < needs.size(); ++d)
+    running.push_back(std::async(std::launch::async, [&, d] {
+      if (d != 0) return (void)g.destinations[d]->receive(failed.received[d].loader());
+      g.destinations[d]->receive([](LoadBatch) { throw std::runtime_error("the loader gave up"); });
+    }));
+  size_t failures = 0;
+  for (auto& r : running) try {
+      r.get();
+    } catch (const std::exception&) {
+      ++failures;
+    }
+  EXPECT_GE(failures, 1u + holds.size()) << "destination 0 and the sources it reads from";
+  EXPECT_TRUE(g.destinations[0]->stale());
+  g.connect();
+  step(m.inventory, full, 0.01, 2);
+  const Outcome after = refit_once(g, shards_of(m.inventory, holds, full));
+  expect_exact(m.inventory, needs, after, full);
+  EXPECT_EQ(after.received_stats[0].delta_tensors, 0u) << "every piece whole to the destination that failed";
 }
 
 }  // namespace

@@ -69,5 +69,34 @@ TEST(DeltaProcesses, WithoutDeltaTheSameWorkloadSendsEverything) {
   }
 }
 
+// Resharding: two TP sources, each holding half of every dense tensor, feed two TP destinations;
+// after the first refit each link carries only the changed elements of its pieces, and every
+// destination checks every byte it keeps against the model's content of that refit.
+TEST(DeltaProcesses, ReshardingSendsEachPiecesChangesOverTcp) {
+  testing::SmallBench b;
+  auto r = b.run(
+      2, 2, 3, {"--src-tp", "2", "--tp", "2", "--shard-dense", "--changed", "0.01", "refit_cfg.nixl.delta=true", kTcp},
+      180);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto j = read_json(b.json);
+  EXPECT_TRUE(j.at("resharding").get<bool>());
+  ASSERT_EQ(j.at("refits").size(), 3u);
+  for (size_t k = 0; k < 3; ++k) {
+    const auto& refit = j.at("refits")[k];
+    EXPECT_TRUE(refit.at("verified").get<bool>()) << k;
+    for (const auto& d : refit.at("bytes_received")) {
+      EXPECT_EQ(d.at("bytes"), j.at("expected_bytes").at(d.at("rank").get<size_t>())) << d.dump();
+      EXPECT_EQ(d.at("sources").get<size_t>(), 2u) << d.dump();
+      if (k == 0) {
+        EXPECT_EQ(d.at("delta_tensors").get<uint64_t>(), 0u) << "the first refit has no base";
+      } else {
+        EXPECT_GT(d.at("delta_tensors").get<uint64_t>(), 0u) << k;
+        EXPECT_LT(d.at("wire_bytes").get<uint64_t>(), d.at("bytes").get<uint64_t>() / 10) << d.dump();
+      }
+    }
+  }
+  EXPECT_NE(r.output.find("pieces came as changes"), std::string::npos) << r.output;
+}
+
 }  // namespace
 }  // namespace refit

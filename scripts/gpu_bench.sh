@@ -80,7 +80,7 @@ print(f"ceilings on {ceiling['device']}: d2d {ceiling['d2d_GBps']:.1f} GB/s, pin
       f" / d2h {ceiling['d2h_pinned_GBps']:.1f} GB/s")
 summary = {}
 for device in devices:
-    medians, seconds, wire = [], [], []
+    medians, seconds, wire, scans, patches = [], [], [], [], []
     for run in range(1, runs + 1):
         r = json.load(open(f"{out}/{device}-{run}.json"))
         if not r["verified"]:
@@ -91,6 +91,9 @@ for device in devices:
         later = r["refits"][1:] or r["refits"]
         seconds.append(statistics.median(x["seconds"] for x in later))
         wire.append(statistics.median(x["bytes_received"][0].get("wire_bytes", x["bytes_received"][0]["bytes"]) for x in later))
+        # Delta: the source's comparing and the destination's patching, within each refit.
+        scans.append(statistics.median(max(s.get("delta_seconds", 0) for s in x["bytes_sent"]) for x in later))
+        patches.append(statistics.median(max(d.get("delta_seconds", 0) for d in x["bytes_received"]) for x in later))
         last = r["refits"][-1]["bytes_received"][0]
         print(f"device {device} run {run}: {r['model_bytes']/2**30:.2f} GiB, {r['bucket_bytes']/2**20:.0f} MiB buckets, "
               f"refits GB/s " + " ".join(f"{x:.1f}" for x in rates) + f", median {medians[-1]:.1f} "
@@ -101,7 +104,9 @@ for device in devices:
         m = statistics.median(medians)
         summary[device] = m
         print(f"device {device}: median {m:.1f} GB/s = {m / c:.3f} of the {name} ({c:.1f} GB/s), {len(medians)} runs; "
-              f"refits 2-{refits}: {statistics.median(seconds) * 1e3:.1f} ms, {statistics.median(wire) / 2**20:.2f} MiB on the wire")
+              f"refits 2-{refits}: {statistics.median(seconds) * 1e3:.1f} ms, {statistics.median(wire) / 2**20:.2f} MiB on the wire"
+              + (f" (comparing {statistics.median(scans) * 1e3:.1f} ms at the source, patching "
+                 f"{statistics.median(patches) * 1e3:.1f} ms at the destination)" if statistics.median(scans) > 0 else ""))
         if device.startswith("cpu") and "duplex_pinned_GBps" in ceiling:
             # Pinned host buffers move every byte over PCIe twice, one way each, at the same time.
             d = ceiling["duplex_pinned_GBps"]

@@ -335,6 +335,8 @@ int run_bench(const BenchOptions& options) {
                                   {"destinations", w.send.destinations},
                                   {"buckets", w.send.buckets},
                                   {"replayed_buckets", w.send.replayed_buckets},
+                                  {"delta_tensors", w.send.delta_tensors},
+                                  {"delta_seconds", w.send.delta_seconds},
                                   {"seconds", w.send.seconds}});
             continue;
           }
@@ -356,6 +358,7 @@ int run_bench(const BenchOptions& options) {
                                      {"in_place_bytes", w.receive.in_place_bytes},
                                      {"delta_tensors", w.receive.delta_tensors},
                                      {"delta_bytes", w.receive.delta_bytes},
+                                     {"delta_seconds", w.receive.delta_seconds},
                                      {"tensors", w.receive.tensors},
                                      {"batches", w.receive.batches},
                                      {"receive_seconds", w.receive.receive_seconds()},

@@ -143,9 +143,11 @@ struct SendStats {
   bool had_peer = false;
   uint32_t destinations = 0;  // destinations served
   // Delta refit (config.delta): of tensors (resharding: of the pieces sent on every link), those
-  // sent as their changed elements, and the bytes of those changes; the rest went whole.
+  // sent as their changed elements, and the bytes of those changes; the rest went whole. Seconds
+  // spent comparing them with the bases (and packing slices and pieces).
   uint64_t delta_tensors = 0;
   uint64_t delta_bytes = 0;
+  double delta_seconds = 0;
   std::vector<TimelineEvent> events;  // pack, announce and release of every bucket on every link
 };
 
@@ -163,9 +165,10 @@ struct ReceiveStats {
   uint32_t sources = 0;           // sources read from
   // Delta refit (config.delta): of tensors (resharding: of the pieces from every source), those
   // that came as their changed elements and were patched into this destination's copy, and the
-  // bytes of those changes.
+  // bytes of those changes. Seconds spent patching and checking them (and keeping the copies).
   uint64_t delta_tensors = 0;
   uint64_t delta_bytes = 0;
+  double delta_seconds = 0;
   double total_seconds = 0;
   double load_seconds = 0;
   std::vector<TimelineEvent> events;  // read, load and release of every bucket from every source

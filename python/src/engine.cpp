@@ -54,6 +54,7 @@ nb::dict send_stats(const SendStats& s) {
   d["had_peer"] = s.had_peer;
   d["delta_tensors"] = s.delta_tensors;
   d["delta_bytes"] = s.delta_bytes;
+  d["delta_seconds"] = s.delta_seconds;
   return d;
 }
 
@@ -71,6 +72,7 @@ nb::dict receive_stats(const ReceiveStats& s) {
   d["route"] = s.route;
   d["delta_tensors"] = s.delta_tensors;
   d["delta_bytes"] = s.delta_bytes;
+  d["delta_seconds"] = s.delta_seconds;
   d["total_seconds"] = s.total_seconds;
   d["load_seconds"] = s.load_seconds;
   d["receive_seconds"] = s.receive_seconds();

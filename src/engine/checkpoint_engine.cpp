@@ -770,9 +770,13 @@ class CheckpointEngine::Impl {
         senders_[k]->add(header, Box::whole(), *header.info, Box::whole(), phase);
         deltas.push_back(&delta);
       }
-    // Sends what link k's destination holds of a tensor, packed, as changes or whole (delta).
-    auto send_delta = [&](size_t k, const TensorView& packed) {
-      const TensorView out = deltas[k]->next(packed);
+    // Delta: sends what link k's destination holds of `view` (`box` of it, going by `info`),
+    // packed where it is not the tensor as it is, as changes or whole.
+    auto send_delta = [&](size_t k, const TensorView& view, const Box& box, const TensorInfo& info) {
+      const auto start = Clock::now();
+      const bool as_is = box.is_whole() && info.name == view.info->name;
+      const TensorView out = deltas[k]->next(as_is ? view : packed_.pack(view, box, info, *pack_stream_));
+      stats.delta_seconds += seconds_since(start);
       senders_[k]->add(out, Box::whole(), *out.info, Box::whole(), phase);
       senders_[k]->send_early(kDeltaBucketBytes, phase);
     };
@@ -809,7 +813,7 @@ class CheckpointEngine::Impl {
           fail(ErrorKind::kInvalidArgument, "tensor '{}' appears twice in one refit", info.name);
         for (const SendPiece& p : t.pieces)
           if (delta_)
-            send_delta(p.link, packed_.pack(view, p.at.in_view, p.at.packed, *pack_stream_));
+            send_delta(p.link, view, p.at.in_view, p.at.packed);
           else
             senders_[p.link]->add(view, p.at.in_view, p.at.tensor, p.at.in_tensor, phase);
         ++stats.tensors;
@@ -817,7 +821,7 @@ class CheckpointEngine::Impl {
       }
       if (!target_layout_) {  // paired, whole tensors
         if (delta_)
-          send_delta(0, view);
+          send_delta(0, view, Box::whole(), info);
         else
           senders_[0]->add(view, Box::whole(), info, Box::whole(), phase);
         ++stats.tensors;
@@ -833,7 +837,7 @@ class CheckpointEngine::Impl {
       ++stats.tensors;
       const Box box = Box::of(Request{selection.take, selection.slice});
       if (delta_)
-        send_delta(0, packed_.pack(view, box, selection.info, *pack_stream_));
+        send_delta(0, view, box, selection.info);
       else
         senders_[0]->add(view, box, selection.info, Box::whole(), phase);
     }
@@ -973,8 +977,10 @@ class CheckpointEngine::Impl {
         TensorAssembler& wire = *links_[k].wire;
         const auto carried =
             wire.add_bucket(bucket, run.bucket->bytes, links_[k].label, next_deadline(), repeats_checked);
+        const auto patching = Clock::now();
         destination_deltas_[links_[k].peer_rank].transform(carried, wire.owners(), run.delta_views, run.delta_owners,
                                                            links_[k].label);
+        run.stats.delta_seconds += seconds_since(patching);
         run.views = run.delta_views;
         run.owners = run.delta_owners;
         if (resharding_) {

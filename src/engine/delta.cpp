@@ -236,8 +236,7 @@ void DestinationDelta::transform(std::span<const TensorView> in, std::span<const
         h = apply_delta(held.bytes, element_size, record, what);
         now = delta_checksum(held.bytes, h.checksum_kind);
       } else {
-        h = gpu().apply(held.device, nbytes, element_size, record, what);
-        now = gpu().checksum(held.device.data(), nbytes, h.checksum_kind);
+        h = gpu().apply(held.device, nbytes, element_size, record, what, &now);
       }
       if (now != h.checksum)
         fail(ErrorKind::kIntegrity,

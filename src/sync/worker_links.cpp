@@ -38,10 +38,11 @@ void from_json(const json& j, TimelineEvent& e) {
 
 // Engine statistics cross the worker channel as JSON objects keyed by field name.
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(SendStats, tensors, dropped, buckets, replayed_buckets, payload_bytes,
-                                   in_place_bytes, seconds, had_peer, destinations, delta_tensors, delta_bytes, events)
+                                   in_place_bytes, seconds, had_peer, destinations, delta_tensors, delta_bytes,
+                                   delta_seconds, events)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(ReceiveStats, tensors, batches, buckets, replayed_buckets, payload_bytes, wire_bytes,
                                    in_place_bytes, total_seconds, load_seconds, mapped, buffer_bytes, route, sources,
-                                   delta_tensors, delta_bytes, events)
+                                   delta_tensors, delta_bytes, delta_seconds, events)
 
 namespace {
 

@@ -129,6 +129,11 @@ TEST(DeltaRefit, OnlyChangedElementsCrossAndEveryRefitIsBitExact) {
     EXPECT_EQ(p.sent.tensors, weights.size());
     EXPECT_LT(stats.wire_bytes, full / 10) << "1% of the elements changed, refit " << r;
     EXPECT_FALSE(p.destination->stale());
+    // Where the time went: comparing at the source, patching at the destination, each within the refit.
+    EXPECT_GT(p.sent.delta_seconds, 0);
+    EXPECT_LE(p.sent.delta_seconds, p.sent.seconds);
+    EXPECT_GT(stats.delta_seconds, 0);
+    EXPECT_LE(stats.delta_seconds, stats.total_seconds);
   }
 }
 

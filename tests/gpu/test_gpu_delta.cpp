@@ -83,8 +83,10 @@ TEST(DeviceDelta, RecordsAreTheHostsAndApplyBitwiseOnEitherSide) {
       }
 
       DeviceBuffer target = gpu.copy_of(old_gpu.data, old.size());
-      const DeltaHeader h = gpu.apply(target, now.size(), element_size, record, "record");
+      uint64_t patched = 0;
+      const DeltaHeader h = gpu.apply(target, now.size(), element_size, record, "record", &patched);
       EXPECT_EQ(download(target.data(), now.size()), now) << "patched on the GPU";
+      EXPECT_EQ(patched, h.checksum) << "the checksum of the patched tensor, with the patch";
       EXPECT_EQ(gpu.checksum(target.data(), now.size(), h.checksum_kind), h.checksum);
       EXPECT_EQ(gpu.checksum(target.data(), now.size(), DeltaChecksum::kXxh3), delta_checksum(now));
 
@@ -93,8 +95,9 @@ TEST(DeviceDelta, RecordsAreTheHostsAndApplyBitwiseOnEitherSide) {
       EXPECT_EQ(on_host, now) << "a GPU record patches host memory too";
       // A host record patches GPU memory.
       DeviceBuffer from_host = gpu.copy_of(old_gpu.data, old.size());
-      gpu.apply(from_host, now.size(), element_size, host, "host record");
+      const DeltaHeader xxh3 = gpu.apply(from_host, now.size(), element_size, host, "host record", &patched);
       EXPECT_EQ(download(from_host.data(), now.size()), now);
+      EXPECT_EQ(patched, xxh3.checksum) << "a host record's checksum (xxh3) of the patched tensor";
     }
   }
 }
@@ -127,7 +130,8 @@ TEST(DeviceDelta, AMalformedRecordWritesNothing) {
   record.push_back(0);
   DeviceBuffer target = gpu.copy_of(old_gpu.data, old.size());
   try {
-    gpu.apply(target, old.size(), 2, record, "changes to 'w' from source rank 0");
+    uint64_t patched = 0;
+    gpu.apply(target, old.size(), 2, record, "changes to 'w' from source rank 0", &patched);
     FAIL() << "applied a record with a byte past its values";
   } catch (const Error& e) {
     EXPECT_EQ(e.kind(), ErrorKind::kProtocol);

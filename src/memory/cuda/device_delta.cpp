@@ -41,6 +41,35 @@ struct Scratch {
   }
 };
 
+// A page-locked host array that keeps its largest size: copies to and from it are asynchronous
+// (a pageable one makes each copy wait for the stream and go through a staging buffer).
+template <typename T>
+struct Pinned {
+  T* data = nullptr;
+  uint64_t capacity = 0;
+  uint64_t size = 0;
+  Pinned() = default;
+  Pinned(const Pinned&) = delete;
+  Pinned& operator=(const Pinned&) = delete;
+  ~Pinned() {
+    if (data != nullptr) cudaFreeHost(data);
+  }
+  T* resize(uint64_t count) {
+    if (count > capacity) {
+      if (data != nullptr) cudaFreeHost(data);
+      data = nullptr;
+      capacity = 0;
+      const uint64_t want = std::max<uint64_t>(count, 2 * size);
+      cuda::check(cudaMallocHost(reinterpret_cast<void**>(&data), want * sizeof(T)), "cudaMallocHost",
+                  "delta refit: page-locked scratch");
+      capacity = want;
+    }
+    size = count;
+    return data;
+  }
+  std::span<const T> view() const { return {data, size}; }
+};
+
 }  // namespace
 
 struct DeviceDelta::State {
@@ -48,8 +77,8 @@ struct DeviceDelta::State {
   cudaStream_t stream = nullptr;
   Scratch<uint32_t> counts;
   Scratch<uint64_t> sums, offsets, index, before, after;
-  std::vector<uint32_t> host_counts;
-  std::vector<uint64_t> host_sums, host_offsets, host_index, host_before, host_after;
+  Pinned<uint32_t> host_counts;
+  Pinned<uint64_t> host_sums, host_offsets, host_index, host_before, host_after;
 
   // Binds to `device` (a stream there). The caller holds a DeviceGuard for it: the calling
   // thread's current GPU is the caller's own business again afterwards.
@@ -68,31 +97,37 @@ struct DeviceDelta::State {
   }
   void wait(const char* what) { cuda::wait_stream(stream, Clock::now() + kKernelTimeout, what); }
   template <typename T>
-  void to_host(std::vector<T>& out, const T* from, uint64_t count) {
+  void to_host(Pinned<T>& out, const T* from, uint64_t count) {
     out.resize(count);
     if (count > 0)
-      cuda::check(cudaMemcpyAsync(out.data(), from, count * sizeof(T), cudaMemcpyDeviceToHost, stream),
-                  "cudaMemcpyAsync", "delta refit: the changes to the host");
+      cuda::check(cudaMemcpyAsync(out.data, from, count * sizeof(T), cudaMemcpyDeviceToHost, stream), "cudaMemcpyAsync",
+                  "delta refit: the changes to the host");
   }
   template <typename T>
-  void to_device(T* to, const std::vector<T>& from) {
+  void to_device(T* to, std::span<const T> from) {
     if (!from.empty())
       cuda::check(cudaMemcpyAsync(to, from.data(), from.size() * sizeof(T), cudaMemcpyHostToDevice, stream),
                   "cudaMemcpyAsync", "delta refit: the changes to the GPU");
   }
 
-  // Counts each block's changed elements (none without a base) and hashes `now`; returns the
-  // total and leaves the counts in host_counts.
-  uint64_t count(const void* base, const void* now, size_t bytes, size_t element_size, uint64_t& checksum) {
+  // Launches the count of each block's changed elements (none without a base) and the hash of
+  // `now`, and their copy to host_counts and host_sums; wait() before reading them.
+  void count(const void* base, const void* now, size_t bytes, size_t element_size) {
     const uint64_t blocks = cuda::delta_blocks(bytes);
     launched(cuda::launch_delta_count(base, now, bytes, static_cast<uint32_t>(element_size),
                                       counts.at_least(device, blocks), sums.at_least(device, blocks), stream),
              "the delta count kernel");
     to_host(host_counts, counts.at_least(device, blocks), blocks);
     to_host(host_sums, sums.at_least(device, blocks), blocks);
-    wait("waiting for the delta count kernel");
-    checksum = word_hash::finish(std::accumulate(host_sums.begin(), host_sums.end(), uint64_t{0}), bytes);
-    return std::accumulate(host_counts.begin(), host_counts.end(), uint64_t{0});
+  }
+  // After count() and wait(): the changed elements, and the checksum of `bytes` bytes.
+  uint64_t changed() const {
+    const auto c = host_counts.view();
+    return std::accumulate(c.begin(), c.end(), uint64_t{0});
+  }
+  uint64_t checksum(size_t bytes) const {
+    const auto sums = host_sums.view();
+    return word_hash::finish(std::accumulate(sums.begin(), sums.end(), uint64_t{0}), bytes);
   }
 
   ~State() {
@@ -134,19 +169,22 @@ DeltaResult DeviceDelta::encode(DeviceBuffer& base, const std::byte* now, size_t
   const cuda::DeviceGuard guard(base.device_index());
   s.use(base.device_index());
   const uint64_t elements = bytes / element_size;
-  uint64_t checksum = 0;
-  const uint64_t changed = s.count(base.data(), now, bytes, element_size, checksum);
+  s.count(base.data(), now, bytes, element_size);
+  s.wait("waiting for the delta count kernel");
+  const uint64_t changed = s.changed(), checksum = s.checksum(bytes);
   // The smallest a record of `changed` changes can be: a byte per position (or the bitmap) and
   // per value. Past the tensor's size it goes whole, without collecting anything.
   if (kDeltaHeaderBytes + std::min(changed, (elements + 7) / 8) + changed >= bytes) {
     assign(base, now, bytes);
     return {};
   }
-  const uint64_t blocks = s.host_counts.size();
-  s.host_offsets.resize(blocks);
-  std::exclusive_scan(s.host_counts.begin(), s.host_counts.end(), s.host_offsets.begin(), uint64_t{0});
+  if (changed == 0)  // the base is the tensor already
+    return {encode_delta_changes(elements, element_size, {}, {}, {}, DeltaChecksum::kWords, checksum, out), checksum};
+  const uint64_t blocks = s.host_counts.size;
+  const auto counted = s.host_counts.view();
+  std::exclusive_scan(counted.begin(), counted.end(), s.host_offsets.resize(blocks), uint64_t{0});
   uint64_t* offsets = s.offsets.at_least(s.device, blocks);
-  s.to_device(offsets, s.host_offsets);
+  s.to_device(offsets, s.host_offsets.view());
   uint64_t* index = s.index.at_least(s.device, changed);
   uint64_t* before = s.before.at_least(s.device, changed);
   uint64_t* after = s.after.at_least(s.device, changed);
@@ -157,14 +195,14 @@ DeltaResult DeviceDelta::encode(DeviceBuffer& base, const std::byte* now, size_t
   s.to_host(s.host_before, before, changed);
   s.to_host(s.host_after, after, changed);
   s.wait("waiting for the delta collect kernel");
-  if (!encode_delta_changes(elements, element_size, s.host_index, s.host_before, s.host_after, DeltaChecksum::kWords,
-                            checksum, out))
+  if (!encode_delta_changes(elements, element_size, s.host_index.view(), s.host_before.view(), s.host_after.view(),
+                            DeltaChecksum::kWords, checksum, out))
     return {};
   return {true, checksum};
 }
 
 DeltaHeader DeviceDelta::apply(DeviceBuffer& target, size_t bytes, size_t element_size, std::span<const uint8_t> record,
-                               const std::string& what) {
+                               const std::string& what, uint64_t* checksum) {
   if (target.size() != rounded(bytes))
     fail(ErrorKind::kInternal, "DeviceDelta::apply: a copy of {} bytes for {} bytes", target.size(), bytes);
   DeltaChanges changes;
@@ -175,12 +213,16 @@ DeltaHeader DeviceDelta::apply(DeviceBuffer& target, size_t bytes, size_t elemen
   const uint64_t count = changes.index.size();
   uint64_t* index = s.index.at_least(s.device, count);
   uint64_t* values = s.after.at_least(s.device, count);
-  s.to_device(index, changes.index);
-  s.to_device(values, changes.values);
+  s.to_device(index, std::span<const uint64_t>(changes.index));
+  s.to_device(values, std::span<const uint64_t>(changes.values));
   s.launched(cuda::launch_delta_patch(target.data(), static_cast<uint32_t>(element_size), index, values, count,
                                       changes.header.values == DeltaValues::kSteps, s.stream),
              "the delta patch kernel");
+  // The word hash of the patched tensor comes with the same wait.
+  const bool words = changes.header.checksum_kind == DeltaChecksum::kWords && bytes > 0;
+  if (words) s.count(nullptr, target.data(), bytes, 1);
   s.wait("waiting for the delta patch kernel");
+  *checksum = words ? s.checksum(bytes) : this->checksum(target.data(), bytes, changes.header.checksum_kind);
   return changes.header;
 }
 
@@ -204,9 +246,9 @@ uint64_t DeviceDelta::checksum(const std::byte* data, size_t bytes, DeltaChecksu
   const int device = device_of(data, "delta refit: hashing a tensor");
   const cuda::DeviceGuard guard(device);
   s.use(device);
-  uint64_t sum = 0;
-  s.count(nullptr, data, bytes, 1, sum);
-  return sum;
+  s.count(nullptr, data, bytes, 1);
+  s.wait("waiting for the hash kernel");
+  return s.checksum(bytes);
 }
 
 #else  // no CUDA in this build: no GPU tensors reach here
@@ -224,7 +266,7 @@ namespace {
 DeviceBuffer DeviceDelta::copy_of(const std::byte*, size_t) { no_cuda(); }
 void DeviceDelta::assign(DeviceBuffer&, const std::byte*, size_t) { no_cuda(); }
 DeltaResult DeviceDelta::encode(DeviceBuffer&, const std::byte*, size_t, size_t, std::vector<uint8_t>&) { no_cuda(); }
-DeltaHeader DeviceDelta::apply(DeviceBuffer&, size_t, size_t, std::span<const uint8_t>, const std::string&) {
+DeltaHeader DeviceDelta::apply(DeviceBuffer&, size_t, size_t, std::span<const uint8_t>, const std::string&, uint64_t*) {
   no_cuda();
 }
 void DeviceDelta::read(const std::byte*, size_t, std::vector<uint8_t>&) { no_cuda(); }

@@ -39,9 +39,10 @@ class DeviceDelta {
                      std::vector<uint8_t>& out);
 
   // apply_delta for GPU memory: decodes and checks `record` (host bytes) on the host, patches
-  // `target` (GPU, from copy_of) with a kernel. Returns the header.
+  // `target` (GPU, from copy_of) with a kernel. Returns the header, and in `checksum` the patched
+  // tensor's checksum of the header's kind (the word hash within the patch's own wait).
   DeltaHeader apply(DeviceBuffer& target, size_t bytes, size_t element_size, std::span<const uint8_t> record,
-                    const std::string& what);
+                    const std::string& what, uint64_t* checksum);
 
   // Copies `bytes` bytes of GPU memory (a record that arrived there) into `out`.
   void read(const std::byte* data, size_t bytes, std::vector<uint8_t>& out);

@@ -167,11 +167,7 @@ int run_cluster_plan(const PlanOptions& options) {
     fmt::print("refit's path is {:.2f}x faster than the paired path here\n", paired.seconds / refit.seconds);
   }
   if (options.changed >= 0) {
-    if (!holds.empty())
-      throw Error(ErrorKind::kUnsupported,
-                  fmt::format("--changed: delta refit runs on the paired topology; leave out the sources' parallel "
-                              "layout"));
-    const DeltaPrediction delta = predict_delta(inventory, needs, cluster, options.changed, refit);
+    const DeltaPrediction delta = predict_delta(inventory, holds, needs, cluster, options.changed, refit);
     fmt::print(
         "delta refit, {:.2f}% of the elements changed: {:.3f} s ({:.3f} s comparing at the sources, {:.3f} s "
         "through the links with {:.2f} MiB per destination, {:.3f} s patching at the destinations{}) against {:.3f} s "

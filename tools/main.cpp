@@ -98,7 +98,7 @@ int main(int argc, char** argv) {
       "Measured rates (refit bench --baseline --calibration-out) for what the cluster file leaves out");
   plan_cmd->add_option("--changed", plan.changed,
                        "With --cluster: also predict a delta refit (refit_cfg.nixl.delta) when this share of every "
-                       "tensor's elements changed since the last refit (paired topology), and whether it pays");
+                       "tensor's elements changed since the last refit (paired or resharding), and whether it pays");
   plan_cmd->add_option("overrides", plan.overrides, "Config overrides, key=value");
 
   refit::tools::ElasticOptions elastic;

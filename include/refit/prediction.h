@@ -70,11 +70,12 @@ Prediction predict_refit(const ModelInventory& model, std::span<const Layout> ho
 Prediction predict_paired(const ModelInventory& model, std::span<const Layout> holds, std::span<const Layout> needs,
                           const Cluster& cluster);
 
-// Delta refit (refit_cfg.nixl.delta) of the paired refit `full` predicts, when `changed_share` of
-// every tensor's elements changed since the last refit by steps of a few units in the last place
-// (an optimizer's): each tensor, or each slice a destination's layout keeps, crosses as the record
-// the codec would write (predicted_record_bytes) through refit's pipeline as modelled above, while
-// each source copies out the slices and compares what its destination keeps with its base, and
+// Delta refit (refit_cfg.nixl.delta) of the refit `full` (paired without `holds`, resharding with
+// them) predicts, when `changed_share` of every tensor's elements changed since the last refit by
+// steps of a few units in the last place (an optimizer's): each tensor, each slice a destination's
+// layout keeps, or each piece of the transfer plan crosses as the record the codec would write
+// (predicted_record_bytes) through refit's pipeline as modelled above, while each source copies
+// out the slices or pieces and compares what its destinations keep with its bases, and
 // each destination patches and hashes its copy, at multiples of their node group's copy rate
 // (stages of one pipeline: the slowest sets the time; on one machine's cores, all of that work
 // together is one more). Throws Error(kConfig) for a share outside [0, 1].
@@ -90,8 +91,8 @@ struct DeltaPrediction {
   bool pays = false;        // faster than the full refit
   Prediction transfer;      // the records through the pipeline
 };
-DeltaPrediction predict_delta(const ModelInventory& model, std::span<const Layout> needs, const Cluster& cluster,
-                              double changed_share, const Prediction& full);
+DeltaPrediction predict_delta(const ModelInventory& model, std::span<const Layout> holds, std::span<const Layout> needs,
+                              const Cluster& cluster, double changed_share, const Prediction& full);
 
 // The bytes a tensor's delta record takes at `changed_share`, or the tensor's own bytes where the
 // record would not be smaller (it then goes whole).

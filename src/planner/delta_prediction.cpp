@@ -43,56 +43,69 @@ uint64_t predicted_record_bytes(const TensorInfo& tensor, double changed_share) 
   return record < bytes ? record : bytes;
 }
 
-DeltaPrediction predict_delta(const ModelInventory& model, std::span<const Layout> needs, const Cluster& cluster,
-                              double changed_share, const Prediction& full) {
+DeltaPrediction predict_delta(const ModelInventory& model, std::span<const Layout> holds, std::span<const Layout> needs,
+                              const Cluster& cluster, double changed_share, const Prediction& full) {
   if (!(changed_share >= 0 && changed_share <= 1))
     fail(ErrorKind::kConfig, "the changed share of a delta refit must lie in [0, 1], got {}", changed_share);
-  // Each source compares, and sends as records, what its destination keeps: whole tensors, or the
-  // slices of a layout, each copied out of its tensor first (the engine's SelectedSource).
-  std::vector<uint64_t> kept(needs.size(), 0), sliced(needs.size(), 0), records(needs.size(), 0);
-  std::vector<double> changes(needs.size(), 0);
+  // Each source compares, and sends as records, what each of its destinations keeps of its
+  // tensors: whole tensors, a layout's slices or the plan's pieces, each packed out of its tensor
+  // first (PackedBoxes). Per source: bytes compared, bytes packed, changed elements; per
+  // destination: bytes patched, changed elements, bytes of records received.
+  struct Work {
+    uint64_t compared = 0, packed = 0, records = 0;
+    double changes = 0;
+  };
+  std::vector<Work> at_source(holds.empty() ? needs.size() : holds.size()), at_destination(needs.size());
   DeltaPrediction p;
-  p.transfer = predict_paired_stream(model, needs, cluster,
-                                     [&](uint32_t destination, const TensorInfo& piece, const TensorInfo& whole) {
-                                       const uint64_t bytes = predicted_record_bytes(piece, changed_share);
-                                       kept[destination] += piece.nbytes();
-                                       if (piece.nbytes() != whole.nbytes()) sliced[destination] += piece.nbytes();
-                                       records[destination] += bytes;
-                                       changes[destination] += changed_share * static_cast<double>(piece.numel());
-                                       return TensorInfo{piece.name, DType::kUInt8, {static_cast<int64_t>(bytes)}};
-                                     });
-  p.wire_bytes = records.empty() ? 0 : *std::max_element(records.begin(), records.end());
+  p.transfer = predict_stream(model, holds, needs, cluster,
+                              [&](uint32_t s, uint32_t d, const TensorInfo& piece, const TensorInfo& yielded) {
+                                const uint64_t bytes = predicted_record_bytes(piece, changed_share);
+                                const double changes = changed_share * static_cast<double>(piece.numel());
+                                Work& source = at_source[s];
+                                Work& destination = at_destination[d];
+                                source.compared += piece.nbytes();
+                                if (piece.nbytes() != yielded.nbytes()) source.packed += piece.nbytes();
+                                source.changes += changes;
+                                destination.compared += piece.nbytes();
+                                destination.changes += changes;
+                                destination.records += bytes;
+                                return TensorInfo{piece.name, DType::kUInt8, {static_cast<int64_t>(bytes)}};
+                              });
+  for (const Work& d : at_destination) p.wire_bytes = std::max(p.wire_bytes, d.records);
   const NodeGroup& sources = cluster.group(cluster.sources.nodes);
   const NodeGroup& destinations = cluster.group(cluster.destinations.nodes);
   for (const NodeGroup* g : {&sources, &destinations})
     if (g->copy_rate <= 0)
       fail(ErrorKind::kConfig, "node group '{}' has no copy rate: calibrate the cluster (refit plan --calibration)",
            g->name);
-  // Pair i's stages, each on a worker of its own.
-  auto scan = [&](size_t i) {
-    const double work = sources.gpu
-                            ? static_cast<double>(kept[i]) * kGpuScanCopies
-                            : static_cast<double>(kept[i]) * kHostScanCopies + changes[i] * kHostScanBytesPerChange;
-    return (work + static_cast<double>(sliced[i])) / sources.copy_rate;
+  // Each worker's stage, on a worker of its own.
+  auto scan = [&](const Work& w) {
+    const double compared = static_cast<double>(w.compared);
+    const double work =
+        sources.gpu ? compared * kGpuScanCopies : compared * kHostScanCopies + w.changes * kHostScanBytesPerChange;
+    return (work + static_cast<double>(w.packed)) / sources.copy_rate;
   };
-  auto patch = [&](size_t i) {
-    const double work = destinations.gpu
-                            ? static_cast<double>(kept[i]) * kGpuPatchCopies
-                            : static_cast<double>(kept[i]) * kHostPatchCopies + changes[i] * kHostPatchBytesPerChange;
+  auto patch = [&](const Work& w) {
+    const double patched = static_cast<double>(w.compared);
+    const double work = destinations.gpu ? patched * kGpuPatchCopies
+                                         : patched * kHostPatchCopies + w.changes * kHostPatchBytesPerChange;
     return work / destinations.copy_rate;
   };
   double cpu_work = 0;  // seconds of one core
-  for (size_t i = 0; i < needs.size(); ++i) {
-    p.scan_seconds = std::max(p.scan_seconds, scan(i));
-    p.patch_seconds = std::max(p.patch_seconds, patch(i));
-    cpu_work += scan(i) + patch(i);
+  for (const Work& w : at_source) {
+    p.scan_seconds = std::max(p.scan_seconds, scan(w));
+    cpu_work += scan(w);
+  }
+  for (const Work& w : at_destination) {
+    p.patch_seconds = std::max(p.patch_seconds, patch(w));
+    cpu_work += patch(w);
   }
   // Sources and destinations that are processes of one machine (simulated hosts) compare and patch
   // on its cores all at once.
   if (!sources.gpu && !destinations.gpu && !sources.machine.empty() && sources.machine == destinations.machine &&
       sources.cores > 0)
     p.shared_cores_seconds = cpu_work / sources.cores;
-  // A pipeline: the source sends a bucket of changes as soon as it holds 1 MiB, and the
+  // A pipeline: a source sends a bucket of changes as soon as it holds 1 MiB, and the
   // destination patches each bucket as it arrives, so the slowest stage sets the time.
   p.seconds = std::max({p.scan_seconds, p.transfer.seconds, p.patch_seconds, p.shared_cores_seconds});
   p.full_seconds = full.seconds;

@@ -789,7 +789,7 @@ void check_ranks(const Cluster& c, size_t holds, size_t needs, bool paired) {
 // The paired path: source i streams what destination i keeps (or, given `crossing`, what it makes
 // of each piece), in one link with the whole bucket.
 Prediction simulate_paired(const ModelInventory& model, std::span<const Layout> needs, const Cluster& cluster,
-                           double start, const PairedCrossing& crossing = {}) {
+                           double start, const Crossing& crossing = {}) {
   const uint32_t pairs = static_cast<uint32_t>(needs.size());
   if (cluster.sources.ranks < static_cast<int>(pairs))
     fail(ErrorKind::kConfig,
@@ -803,7 +803,7 @@ Prediction simulate_paired(const ModelInventory& model, std::span<const Layout> 
       Selection s = select(needs[i], t);
       if (s.take == Take::kDrop) continue;
       if (crossing) {  // made by the source in its own memory, contiguous
-        by_tensor.push_back({{k, crossing(i, s.info, t), nullptr, Box::whole(), false, true, 0}});
+        by_tensor.push_back({{k, crossing(i, i, s.info, t), nullptr, Box::whole(), false, true, 0}});
         continue;
       }
       const Box box =
@@ -819,16 +819,15 @@ Prediction simulate_paired(const ModelInventory& model, std::span<const Layout> 
 
 }  // namespace
 
-Prediction predict_paired_stream(const ModelInventory& model, std::span<const Layout> needs, const Cluster& cluster,
-                                 const PairedCrossing& crossing) {
-  check_ranks(cluster, 0, needs.size(), true);
-  return simulate_paired(model, needs, cluster, 0, crossing);
-}
-
 Prediction predict_refit(const ModelInventory& model, std::span<const Layout> holds, std::span<const Layout> needs,
                          const Cluster& cluster) {
+  return predict_stream(model, holds, needs, cluster, {});
+}
+
+Prediction predict_stream(const ModelInventory& model, std::span<const Layout> holds, std::span<const Layout> needs,
+                          const Cluster& cluster, const Crossing& crossing) {
   check_ranks(cluster, holds.size(), needs.size(), holds.empty());
-  if (holds.empty()) return simulate_paired(model, needs, cluster, 0);
+  if (holds.empty()) return simulate_paired(model, needs, cluster, 0, crossing);
   const TransferPlan plan = plan_transfers(model, holds, needs);
   PipelineModel pipeline(cluster, plan.source_count(), plan.destination_count(), 0);
   uint64_t largest = 0;
@@ -849,13 +848,19 @@ Prediction predict_refit(const ModelInventory& model, std::span<const Layout> ho
         // the destination's tensor (what it keeps).
         const Slice none{-1, 0, 0};
         const Request held = holds[s].request_for(t.name), need = needs[d].request_for(t.name);
+        TensorInfo piece{t.name, t.dtype, p.box.shape_in(t.shape)};
+        if (crossing) {  // made by the source in its own memory, contiguous, a whole of its own
+          const TensorInfo shard{t.name, t.dtype, Box::of(held).shape_in(t.shape)};
+          by_tensor[p.tensor].push_back({k, crossing(s, d, piece, shard), nullptr, Box::whole(), false, true, 0});
+          continue;
+        }
         const uint64_t size = p.box.nbytes_in(t);
         const bool contiguous = contiguous_box(Box::of(held).shape_in(t.shape), t.dtype,
                                                p.box.relative_to(held.take == Take::kSlice ? held.slice : none), size);
         const uint64_t rows = box_rows(Box::of(need).shape_in(t.shape), t.dtype,
                                        p.box.relative_to(need.take == Take::kSlice ? need.slice : none), size);
-        by_tensor[p.tensor].push_back({k, TensorInfo{t.name, t.dtype, p.box.shape_in(t.shape)}, &t, p.box,
-                                       pieces_of.at({d, p.tensor}) > 1, contiguous, rows});
+        by_tensor[p.tensor].push_back(
+            {k, std::move(piece), &t, p.box, pieces_of.at({d, p.tensor}) > 1, contiguous, rows});
       }
     }
     std::vector<std::vector<PieceRef>> ordered;

@@ -639,7 +639,7 @@ TEST(DeltaPrediction, PaysOnASlowLinkNotWhereTheLinkRunsAtCopySpeed) {
   Cluster slow = two_sides(1, 1, "1Gbit", "10GB/s", "16MiB");
   slow.groups[0].gpu = slow.groups[1].gpu = false;
   const Prediction full = predict_refit(m, {}, std::vector<Layout>(1), slow);
-  const DeltaPrediction d = predict_delta(m, std::vector<Layout>(1), slow, 0.01, full);
+  const DeltaPrediction d = predict_delta(m, {}, std::vector<Layout>(1), slow, 0.01, full);
   EXPECT_TRUE(d.pays);
   // A host scan: two copies' worth, and 320 bytes' worth per changed element (1% of 4-byte ones).
   EXPECT_NEAR(d.scan_seconds, (bytes * 2 + 0.01 * bytes / 4 * 320) / 10e9, 1e-9);
@@ -649,8 +649,8 @@ TEST(DeltaPrediction, PaysOnASlowLinkNotWhereTheLinkRunsAtCopySpeed) {
   Cluster fast = two_sides(1, 1, "4000Gbit", "10GB/s", "16MiB");
   fast.groups[0].gpu = fast.groups[1].gpu = false;
   const Prediction fast_full = predict_refit(m, {}, std::vector<Layout>(1), fast);
-  EXPECT_FALSE(predict_delta(m, std::vector<Layout>(1), fast, 0.01, fast_full).pays);
-  EXPECT_THAT(error_of(ErrorKind::kConfig, [&] { predict_delta(m, std::vector<Layout>(1), slow, 1.5, full); }),
+  EXPECT_FALSE(predict_delta(m, {}, std::vector<Layout>(1), fast, 0.01, fast_full).pays);
+  EXPECT_THAT(error_of(ErrorKind::kConfig, [&] { predict_delta(m, {}, std::vector<Layout>(1), slow, 1.5, full); }),
               HasSubstr("[0, 1]"));
 }
 
@@ -666,7 +666,7 @@ TEST(DeltaPrediction, DestinationsWithLayoutsGetTheRecordsOfTheirSlices) {
   halves[1].tensors.erase("layers.7.weight");
   halves[1].drop_prefixes.push_back("layers.7.");
   const Prediction full = predict_refit(m, {}, halves, slow);
-  const DeltaPrediction d = predict_delta(m, halves, slow, 0.01, full);
+  const DeltaPrediction d = predict_delta(m, {}, halves, slow, 0.01, full);
   const TensorInfo half{"t0", DType::kFloat32, {512, 1024}};
   EXPECT_EQ(d.wire_bytes, 8 * predicted_record_bytes(half, 0.01));  // destination 0's
   // Half the model: its slices copied out (a copy), then compared.
@@ -676,7 +676,7 @@ TEST(DeltaPrediction, DestinationsWithLayoutsGetTheRecordsOfTheirSlices) {
   EXPECT_TRUE(d.pays);
   // Whole tensors to the same two destinations: twice the records, nothing to copy out.
   const std::vector<Layout> whole(2);
-  const DeltaPrediction w = predict_delta(m, whole, slow, 0.01, predict_refit(m, {}, whole, slow));
+  const DeltaPrediction w = predict_delta(m, {}, whole, slow, 0.01, predict_refit(m, {}, whole, slow));
   EXPECT_EQ(w.wire_bytes, 8 * predicted_record_bytes(m.tensors[0], 0.01));
   const double whole_bytes = 8.0 * static_cast<double>(m.tensors[0].nbytes());
   EXPECT_NEAR(w.scan_seconds, (whole_bytes * 2 + 0.01 * whole_bytes / 4 * 320) / 10e9, 1e-9);
@@ -687,11 +687,30 @@ TEST(DeltaPrediction, DestinationsWithLayoutsGetTheRecordsOfTheirSlices) {
     g.machine = "one";
     g.cores = 1;
   }
-  const DeltaPrediction s = predict_delta(m, halves, one, 0.01, full);
+  const DeltaPrediction s = predict_delta(m, {}, halves, one, 0.01, full);
   const double pair0 = s.scan_seconds + s.patch_seconds;  // destination 0 keeps the most
   EXPECT_GT(s.shared_cores_seconds, 1.5 * pair0);         // destination 1 keeps 7 of 8 tensors
   EXPECT_LT(s.shared_cores_seconds, 2 * pair0);
   EXPECT_EQ(s.seconds, s.shared_cores_seconds);
+}
+
+// Resharding: each source compares its shard with its base and sends the records of the plan's
+// pieces; a piece that is the source's whole shard is not copied out first.
+TEST(DeltaPrediction, ReshardingSourcesCompareTheirShardsAndSendTheRecordsOfTheirPieces) {
+  const ModelInventory m = rows_model(8, 1024, 1024);  // 8 tensors of 4 MiB (float32)
+  Cluster slow = two_sides(2, 1, "1Gbit", "10GB/s", "16MiB");
+  slow.groups[0].gpu = slow.groups[1].gpu = false;
+  const std::vector<Layout> holds = row_shards(m, 2), needs(1);
+  const Prediction full = predict_refit(m, holds, needs, slow);
+  const DeltaPrediction d = predict_delta(m, holds, needs, slow, 0.01, full);
+  const TensorInfo half{"t0", DType::kFloat32, {512, 1024}};
+  EXPECT_EQ(d.wire_bytes, 16 * predicted_record_bytes(half, 0.01)) << "every half, from both sources";
+  const double shard = 8.0 * static_cast<double>(half.nbytes());
+  EXPECT_NEAR(d.scan_seconds, (shard * 2 + 0.01 * shard / 4 * 320) / 10e9, 1e-9) << "nothing copied out";
+  const double model = 2 * shard;
+  EXPECT_NEAR(d.patch_seconds, (model + 0.01 * model / 4 * 150) / 10e9, 1e-9);
+  EXPECT_TRUE(d.pays);
+  EXPECT_LT(d.transfer.seconds, full.seconds / 50);
 }
 
 TEST(Prediction, LayoutsMustMatchTheClusterRanks) {

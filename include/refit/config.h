@@ -109,8 +109,8 @@ struct RefitConfig {
   // model. Costs one copy of the link's tensors on each side, where they lie (host or GPU); pays
   // on links slower than the comparison (another host). kAuto: off on a link whose destination
   // maps the source's memory (a full refit there is one copy per byte), elsewhere each refit goes
-  // the way (changes or whole) that was faster when last measured. Paired topology (a destination
-  // with a layout gets its slices as changes).
+  // the way (changes or whole) that was faster when last measured. Every topology: a destination
+  // with a layout gets its slices as changes, a resharding one the plan's pieces (per link).
   DeltaMode delta = DeltaMode::kOff;
 
   bool operator==(const RefitConfig&) const = default;

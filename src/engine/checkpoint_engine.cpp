@@ -173,6 +173,7 @@ class CheckpointEngine::Impl {
         target_layout_ = decode_layout(links_[0].metadata.layout, "layout of " + links_[0].label);
       for (auto& link : links_) link.first_refit = protocol::first_refit(generation_, link.metadata.generation);
       check_delta(self);
+      keep_linked(source_deltas_);
       for (auto& link : links_)
         for (const auto& [rank, version] : link.metadata.weights_versions)
           if (rank == static_cast<uint32_t>(worker_rank)) link.weights_version = version;
@@ -237,6 +238,7 @@ class CheckpointEngine::Impl {
       if (!all_mapped && !has_buffers_) allocate_buffers();
       assign_buffer_offsets();
       check_delta(self);
+      keep_linked(destination_deltas_);
     });
     is_destination_ = true;
   }
@@ -523,6 +525,14 @@ class CheckpointEngine::Impl {
             "copy per byte",
             self);
     }
+  }
+
+  // Delta refit: the bases or versions of peers this init does not link to are of no use any more.
+  template <typename Delta>
+  void keep_linked(std::map<uint32_t, Delta>& deltas) {
+    std::erase_if(deltas, [&](const auto& entry) {
+      return std::none_of(links_.begin(), links_.end(), [&](const Link& l) { return l.peer_rank == entry.first; });
+    });
   }
 
   void check_group(int train, int rollout, std::span<const Metadata> metadata) {

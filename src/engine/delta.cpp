@@ -193,66 +193,88 @@ void DestinationDelta::transform(std::span<const TensorView> in, std::span<const
                                  const std::string& who) {
   out.clear();
   owners.clear();
-  for (size_t k = 0; k < in.size(); ++k) {
-    const TensorView& view = in[k];
-    const std::string& name = view.info->name;
-    if (name == kDeltaHeaderName) {
-      if (header_seen_ || arrived_ > 0)
-        fail(ErrorKind::kProtocol, "{} sent the delta header after {} tensors", who, arrived_);
-      auto [base, made] = decode_marker(on_host(view), view, who);
-      if (base != 0 && base != version_)
-        fail(ErrorKind::kProtocol,
-             "{} sent changes to weights version {:016x}, but this destination holds {}: refusing them", who, base,
-             version_ == 0 ? std::string("none") : fmt::format("{:016x}", version_));
-      if (made == 0) fail(ErrorKind::kProtocol, "{} sent a delta header without a version", who);
-      header_seen_ = true;
-      new_version_ = made;
-      version_ = 0;  // what we hold changes from here on, until finish()
-      continue;
-    }
-    if (!header_seen_)
-      fail(ErrorKind::kProtocol, "{} sent '{}' before the delta header (is delta on at both ends?)", who, name);
-    if (ended_) fail(ErrorKind::kProtocol, "{} sent '{}' after the end of its delta refit", who, name);
-    if (name == kDeltaEndName) {
-      announced_ = decode_marker(on_host(view), view, who).first;
-      ended_ = true;
-      continue;
-    }
-    ++arrived_;
-    ++counts_.tensors;
-    if (name.starts_with(kDeltaTensorPrefix)) {
-      const std::string_view target = std::string_view(name).substr(kDeltaTensorPrefix.size());
-      auto it = held_.find(target);
-      if (it == held_.end())
-        fail(ErrorKind::kProtocol, "{} sent changes to '{}', which this destination never received whole", who, target);
-      HeldTensor& held = it->second;
-      const std::string what = fmt::format("changes to '{}' from {}", target, who);
-      const std::span<const uint8_t> record = on_host(view);
-      const uint64_t nbytes = held.info.nbytes();
-      const size_t element_size = dtype_size(held.info.dtype);
-      DeltaHeader h;
-      uint64_t now = 0;
-      if (held.memory == MemoryKind::kHost) {
-        h = apply_delta(held.bytes, element_size, record, what);
-        now = delta_checksum(held.bytes, h.checksum_kind);
-      } else {
-        h = gpu().apply(held.device, nbytes, element_size, record, what, &now);
+  // Changes to GPU tensors are patched together, one wait per batch (and per GPU); each result is
+  // checked before the batch goes to the loader.
+  std::vector<std::string_view> queued;  // names of the tensors patched in the batch
+  int queued_device = -1;
+  auto patch_queued = [&] {
+    if (queued.empty()) return;
+    const auto patched = gpu().patch_queued();
+    for (size_t k = 0; k < queued.size(); ++k) check_patched(queued[k], patched[k].header, patched[k].checksum, who);
+    queued.clear();
+  };
+  try {
+    for (size_t k = 0; k < in.size(); ++k) {
+      const TensorView& view = in[k];
+      const std::string& name = view.info->name;
+      if (name == kDeltaHeaderName) {
+        if (header_seen_ || arrived_ > 0)
+          fail(ErrorKind::kProtocol, "{} sent the delta header after {} tensors", who, arrived_);
+        auto [base, made] = decode_marker(on_host(view), view, who);
+        if (base != 0 && base != version_)
+          fail(ErrorKind::kProtocol,
+               "{} sent changes to weights version {:016x}, but this destination holds {}: refusing them", who, base,
+               version_ == 0 ? std::string("none") : fmt::format("{:016x}", version_));
+        if (made == 0) fail(ErrorKind::kProtocol, "{} sent a delta header without a version", who);
+        header_seen_ = true;
+        new_version_ = made;
+        version_ = 0;  // what we hold changes from here on, until finish()
+        continue;
       }
-      if (now != h.checksum)
-        fail(ErrorKind::kIntegrity,
-             "'{}' after applying {} changed elements from {} does not match the source's checksum: the weights "
-             "this destination held were not the source's base",
-             target, h.changed, who);
-      ++counts_.changed_tensors;
-      counts_.record_bytes += view.info->nbytes();
-      out.push_back({&held.info, held.data(), held.memory});
-      owners.push_back(nullptr);
-      continue;
+      if (!header_seen_)
+        fail(ErrorKind::kProtocol, "{} sent '{}' before the delta header (is delta on at both ends?)", who, name);
+      if (ended_) fail(ErrorKind::kProtocol, "{} sent '{}' after the end of its delta refit", who, name);
+      if (name == kDeltaEndName) {
+        announced_ = decode_marker(on_host(view), view, who).first;
+        ended_ = true;
+        continue;
+      }
+      ++arrived_;
+      ++counts_.tensors;
+      if (name.starts_with(kDeltaTensorPrefix)) {
+        const std::string_view target = std::string_view(name).substr(kDeltaTensorPrefix.size());
+        auto it = held_.find(target);
+        if (it == held_.end())
+          fail(ErrorKind::kProtocol, "{} sent changes to '{}', which this destination never received whole", who,
+               target);
+        HeldTensor& held = it->second;
+        const std::string what = fmt::format("changes to '{}' from {}", target, who);
+        const std::span<const uint8_t> record = on_host(view);
+        const uint64_t nbytes = held.info.nbytes();
+        const size_t element_size = dtype_size(held.info.dtype);
+        if (held.memory == MemoryKind::kHost) {
+          const DeltaHeader h = apply_delta(held.bytes, element_size, record, what);
+          check_patched(it->first, h, delta_checksum(held.bytes, h.checksum_kind), who);
+        } else {
+          if (queued_device != held.device.device_index()) patch_queued();
+          queued_device = held.device.device_index();
+          gpu().queue_patch(held.device, nbytes, element_size, record, what);
+          queued.push_back(it->first);
+        }
+        ++counts_.changed_tensors;
+        counts_.record_bytes += view.info->nbytes();
+        out.push_back({&held.info, held.data(), held.memory});
+        owners.push_back(nullptr);
+        continue;
+      }
+      held_[name].assign(view, gpu());
+      out.push_back(view);
+      owners.push_back(k < in_owners.size() ? in_owners[k] : nullptr);
     }
-    held_[name].assign(view, gpu());
-    out.push_back(view);
-    owners.push_back(k < in_owners.size() ? in_owners[k] : nullptr);
+    patch_queued();
+  } catch (...) {
+    if (gpu_) gpu_->drop_queued();
+    throw;
   }
+}
+
+void DestinationDelta::check_patched(std::string_view name, const DeltaHeader& h, uint64_t now,
+                                     const std::string& who) {
+  if (now != h.checksum)
+    fail(ErrorKind::kIntegrity,
+         "'{}' after applying {} changed elements from {} does not match the source's checksum: the weights "
+         "this destination held were not the source's base",
+         name, h.changed, who);
 }
 
 std::span<const uint8_t> DestinationDelta::on_host(const TensorView& view) {

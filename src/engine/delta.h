@@ -162,6 +162,8 @@ class DestinationDelta {
 
  private:
   DeviceDelta& gpu();
+  // Throws Error(kIntegrity) unless `now`, the checksum of the patched tensor `name`, is the source's.
+  static void check_patched(std::string_view name, const DeltaHeader& h, uint64_t now, const std::string& who);
   // A marker's or record's bytes, copied to the host when they arrived in GPU memory (record_).
   std::span<const uint8_t> on_host(const TensorView& view);
 

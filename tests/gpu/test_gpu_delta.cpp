@@ -140,5 +140,58 @@ TEST(DeviceDelta, AMalformedRecordWritesNothing) {
   EXPECT_EQ(download(target.data(), old.size()), old);
 }
 
+// A destination's batch: patches queued for several tensors cross to the GPU and are checked in
+// one go, each with its own record's checksum; a malformed record in a batch leaves nothing
+// queued once the batch is dropped, and writes nothing.
+TEST(DeviceDelta, QueuedPatchesApplyTogetherEachWithItsChecksum) {
+  REFIT_REQUIRE_GPUS(1);
+  DeviceDelta gpu;
+  struct Case {
+    size_t element_size, bytes, changes;
+  };
+  const std::vector<Case> cases = {{2, 1 << 20, 3000}, {4, 300004, 0}, {1, 70001, 500}, {8, 1 << 16, 40}};
+  std::vector<std::vector<std::byte>> olds, nows;
+  std::vector<DeviceBuffer> targets;
+  std::vector<std::vector<uint8_t>> records;
+  for (size_t k = 0; k < cases.size(); ++k) {
+    const Case& c = cases[k];
+    olds.push_back(random_bytes(c.bytes, 10 + k));
+    nows.push_back(changed(olds.back(), c.element_size, c.changes, 20 + k));
+    const OnGpu old_gpu(olds.back(), 0), now_gpu(nows.back(), 0);
+    DeviceBuffer base = gpu.copy_of(old_gpu.data, c.bytes);
+    records.emplace_back();
+    ASSERT_TRUE(gpu.encode(base, now_gpu.data, c.bytes, c.element_size, records.back()).encoded) << k;
+    targets.push_back(gpu.copy_of(old_gpu.data, c.bytes));
+  }
+  // Record 2 as the host writes it (xxh3): a batch may mix checksum kinds.
+  std::vector<std::byte> host_base = olds[2];
+  records[2].clear();
+  ASSERT_TRUE(encode_delta(host_base, nows[2], cases[2].element_size, records[2]).encoded);
+  for (size_t k = 0; k < cases.size(); ++k)
+    gpu.queue_patch(targets[k], cases[k].bytes, cases[k].element_size, records[k], "record");
+  const auto patched = gpu.patch_queued();
+  ASSERT_EQ(patched.size(), cases.size());
+  for (size_t k = 0; k < cases.size(); ++k) {
+    EXPECT_EQ(download(targets[k].data(), cases[k].bytes), nows[k]) << k;
+    EXPECT_EQ(patched[k].checksum, patched[k].header.checksum) << k;
+    DeltaChanges decoded;
+    decode_delta(records[k], cases[k].element_size, cases[k].bytes, decoded, "record");
+    EXPECT_EQ(patched[k].header.changed, decoded.header.changed) << k;
+    EXPECT_EQ(patched[k].header.checksum_kind, k == 2 ? DeltaChecksum::kXxh3 : DeltaChecksum::kWords) << k;
+  }
+  EXPECT_TRUE(gpu.patch_queued().empty()) << "the queue is empty after a batch";
+  // A batch with a malformed record: queueing it throws; dropped, nothing was written.
+  DeviceBuffer untouched = gpu.copy_of(OnGpu(olds[0], 0).data, cases[0].bytes);
+  gpu.queue_patch(untouched, cases[0].bytes, 2, records[0], "record 0");
+  std::vector<uint8_t> bad = records[0];
+  bad.push_back(0);
+  DeviceBuffer other = gpu.copy_of(OnGpu(olds[0], 0).data, cases[0].bytes);
+  EXPECT_THROW(gpu.queue_patch(other, cases[0].bytes, 2, bad, "bad record"), Error);
+  gpu.drop_queued();
+  EXPECT_TRUE(gpu.patch_queued().empty());
+  EXPECT_EQ(download(untouched.data(), cases[0].bytes), olds[0]);
+  EXPECT_EQ(download(other.data(), cases[0].bytes), olds[0]);
+}
+
 }  // namespace
 }  // namespace refit::gpu_test

@@ -79,6 +79,18 @@ struct DeviceDelta::State {
   Scratch<uint64_t> sums, offsets, index, before, after;
   Pinned<uint32_t> host_counts;
   Pinned<uint64_t> host_sums, host_offsets, host_index, host_before, host_after;
+  // Patches queued (queue_patch): their changes one after another in queued_index/values.
+  struct Queued {
+    DeviceBuffer* target;
+    size_t bytes;
+    size_t element_size;
+    DeltaHeader header;
+    uint64_t first;  // of its changes in queued_index
+    uint64_t count;
+  };
+  std::vector<Queued> queued;
+  std::vector<uint64_t> queued_index, queued_values;
+  DeltaChanges changes;  // the record being decoded
 
   // Binds to `device` (a stream there). The caller holds a DeviceGuard for it: the calling
   // thread's current GPU is the caller's own business again afterwards.
@@ -203,27 +215,87 @@ DeltaResult DeviceDelta::encode(DeviceBuffer& base, const std::byte* now, size_t
 
 DeltaHeader DeviceDelta::apply(DeviceBuffer& target, size_t bytes, size_t element_size, std::span<const uint8_t> record,
                                const std::string& what, uint64_t* checksum) {
+  try {
+    queue_patch(target, bytes, element_size, record, what);
+    const Patched patched = patch_queued().front();
+    *checksum = patched.checksum;
+    return patched.header;
+  } catch (...) {
+    drop_queued();
+    throw;
+  }
+}
+
+void DeviceDelta::queue_patch(DeviceBuffer& target, size_t bytes, size_t element_size, std::span<const uint8_t> record,
+                              const std::string& what) {
   if (target.size() != rounded(bytes))
-    fail(ErrorKind::kInternal, "DeviceDelta::apply: a copy of {} bytes for {} bytes", target.size(), bytes);
-  DeltaChanges changes;
-  decode_delta(record, element_size, bytes, changes, what);  // all of it checked before any write
+    fail(ErrorKind::kInternal, "DeviceDelta::queue_patch: a copy of {} bytes for {} bytes", target.size(), bytes);
   State& s = *state_;
-  const cuda::DeviceGuard guard(target.device_index());
-  s.use(target.device_index());
-  const uint64_t count = changes.index.size();
+  if (!s.queued.empty() && s.queued.front().target->device_index() != target.device_index())
+    fail(ErrorKind::kInternal, "DeviceDelta::queue_patch: patches on GPUs {} and {} in one queue",
+         s.queued.front().target->device_index(), target.device_index());
+  decode_delta(record, element_size, bytes, s.changes, what);  // all of it checked before any write
+  s.queued.push_back({&target, bytes, element_size, s.changes.header, s.queued_index.size(), s.changes.index.size()});
+  s.queued_index.insert(s.queued_index.end(), s.changes.index.begin(), s.changes.index.end());
+  s.queued_values.insert(s.queued_values.end(), s.changes.values.begin(), s.changes.values.end());
+}
+
+void DeviceDelta::drop_queued() {
+  State& s = *state_;
+  s.queued.clear();
+  s.queued_index.clear();
+  s.queued_values.clear();
+}
+
+std::vector<DeviceDelta::Patched> DeviceDelta::patch_queued() {
+  State& s = *state_;
+  std::vector<Patched> out;
+  if (s.queued.empty()) return out;
+  const cuda::DeviceGuard guard(s.queued.front().target->device_index());
+  s.use(s.queued.front().target->device_index());
+  // Every patch's changes cross in one copy each of positions and values.
+  const uint64_t count = s.queued_index.size();
+  std::copy(s.queued_index.begin(), s.queued_index.end(), s.host_index.resize(count));
+  std::copy(s.queued_values.begin(), s.queued_values.end(), s.host_after.resize(count));
   uint64_t* index = s.index.at_least(s.device, count);
   uint64_t* values = s.after.at_least(s.device, count);
-  s.to_device(index, std::span<const uint64_t>(changes.index));
-  s.to_device(values, std::span<const uint64_t>(changes.values));
-  s.launched(cuda::launch_delta_patch(target.data(), static_cast<uint32_t>(element_size), index, values, count,
-                                      changes.header.values == DeltaValues::kSteps, s.stream),
-             "the delta patch kernel");
-  // The word hash of the patched tensor comes with the same wait.
-  const bool words = changes.header.checksum_kind == DeltaChecksum::kWords && bytes > 0;
-  if (words) s.count(nullptr, target.data(), bytes, 1);
-  s.wait("waiting for the delta patch kernel");
-  *checksum = words ? s.checksum(bytes) : this->checksum(target.data(), bytes, changes.header.checksum_kind);
-  return changes.header;
+  s.to_device(index, s.host_index.view());
+  s.to_device(values, s.host_after.view());
+  // Then each patch, and the word hash of each patched tensor whose record carries one (its blocks
+  // at their own place in the counts and sums), all before one wait.
+  uint64_t blocks = 0;
+  std::vector<uint64_t> first_block;
+  for (const auto& q : s.queued) {
+    first_block.push_back(blocks);
+    if (q.header.checksum_kind == DeltaChecksum::kWords) blocks += cuda::delta_blocks(q.bytes);
+  }
+  uint32_t* counts = s.counts.at_least(s.device, blocks);
+  uint64_t* sums = s.sums.at_least(s.device, blocks);
+  for (size_t k = 0; k < s.queued.size(); ++k) {
+    const auto& q = s.queued[k];
+    s.launched(cuda::launch_delta_patch(q.target->data(), static_cast<uint32_t>(q.element_size), index + q.first,
+                                        values + q.first, q.count, q.header.values == DeltaValues::kSteps, s.stream),
+               "the delta patch kernel");
+    if (q.header.checksum_kind == DeltaChecksum::kWords)
+      s.launched(cuda::launch_delta_count(nullptr, q.target->data(), q.bytes, 1, counts + first_block[k],
+                                          sums + first_block[k], s.stream),
+                 "the hash kernel");
+  }
+  s.to_host(s.host_sums, sums, blocks);
+  s.wait("waiting for the delta patch kernels");
+  for (size_t k = 0; k < s.queued.size(); ++k) {
+    const auto& q = s.queued[k];
+    uint64_t checksum = 0;
+    if (q.header.checksum_kind == DeltaChecksum::kWords) {
+      const uint64_t* at = s.host_sums.data + first_block[k];
+      checksum = word_hash::finish(std::accumulate(at, at + cuda::delta_blocks(q.bytes), uint64_t{0}), q.bytes);
+    } else {
+      checksum = this->checksum(q.target->data(), q.bytes, q.header.checksum_kind);
+    }
+    out.push_back({q.header, checksum});
+  }
+  drop_queued();
+  return out;
 }
 
 void DeviceDelta::read(const std::byte* data, size_t bytes, std::vector<uint8_t>& out) {
@@ -271,6 +343,11 @@ DeltaHeader DeviceDelta::apply(DeviceBuffer&, size_t, size_t, std::span<const ui
 }
 void DeviceDelta::read(const std::byte*, size_t, std::vector<uint8_t>&) { no_cuda(); }
 uint64_t DeviceDelta::checksum(const std::byte*, size_t, DeltaChecksum) { no_cuda(); }
+void DeviceDelta::queue_patch(DeviceBuffer&, size_t, size_t, std::span<const uint8_t>, const std::string&) {
+  no_cuda();
+}
+std::vector<DeviceDelta::Patched> DeviceDelta::patch_queued() { no_cuda(); }
+void DeviceDelta::drop_queued() {}
 
 #endif  // REFIT_HAVE_CUDA
 

@@ -44,6 +44,19 @@ class DeviceDelta {
   DeltaHeader apply(DeviceBuffer& target, size_t bytes, size_t element_size, std::span<const uint8_t> record,
                     const std::string& what, uint64_t* checksum);
 
+  // apply() for many tensors (of one GPU) at once: queue_patch() decodes and checks a record and
+  // queues its patch; patch_queued() copies every queued change to the GPU in one go, patches and
+  // hashes each tensor, waits once, and returns each one's header and checksum in queue order.
+  struct Patched {
+    DeltaHeader header;
+    uint64_t checksum = 0;
+  };
+  void queue_patch(DeviceBuffer& target, size_t bytes, size_t element_size, std::span<const uint8_t> record,
+                   const std::string& what);
+  std::vector<Patched> patch_queued();
+  // Forgets the queued patches (their batch failed).
+  void drop_queued();
+
   // Copies `bytes` bytes of GPU memory (a record that arrived there) into `out`.
   void read(const std::byte* data, size_t bytes, std::vector<uint8_t>& out);
 

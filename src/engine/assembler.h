@@ -55,9 +55,9 @@ class TensorAssembler {
                                          const std::map<std::string, protocol::ManifestEntry, std::less<>>& pieces,
                                          uint64_t seq, const std::string& who, Deadline deadline);
 
-  // Parallel to the views the latest add_bucket() or add_pieces() returned: the buffer of a merged tensor (holding
-  // it keeps the tensor's bytes valid after the next add_bucket(), reset() or release()), null
-  // for a view into the bucket.
+  // Parallel to the views the latest add_bucket() or add_pieces() returned: the buffer of a merged
+  // tensor (holding it keeps the tensor's bytes valid after the next add_bucket(), reset() or
+  // release()), null for a view into the bucket, or the owner add_pieces() was given.
   const std::vector<std::shared_ptr<const void>>& owners() const { return owners_; }
 
   // At the end of a refit: throws Error(kProtocol) naming the first incomplete tensor.

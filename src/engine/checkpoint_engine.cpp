@@ -230,7 +230,8 @@ class CheckpointEngine::Impl {
                               here,
                               link.mapped != nullptr,
                               options_.config.map_source_buffers,
-                              transport_->capabilities().maps_peer_memory};
+                              transport_->capabilities().maps_peer_memory,
+                              options_.config.direct_reads};
         if (auto warning = slow_read_warning(route, self, link.label); !warning.empty()) spdlog::warn("{}", warning);
       }
       if (auto warning = same_host_gpu_warning(buffer_kind_, transport_->name(), all_here, self); !warning.empty())

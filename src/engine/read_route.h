@@ -16,6 +16,7 @@ struct ReadRoute {
   bool mapped = false;             // the destination maps the source's buffers (loads from them)
   bool map_source_buffers = true;  // refit_cfg.nixl.map_source_buffers
   bool could_map = false;          // the transport maps a peer's buffers on this host
+  bool direct_reads = true;        // refit_cfg.nixl.direct_reads
 };
 
 // Empty when the route is not a known cliff; otherwise why it is slow, what was measured and what
@@ -29,6 +30,8 @@ struct ReadRoute {
 // (docs/GPU.md, "Every route on one GPU"), named with the measurement and what to set:
 // - staged by choice: map_source_buffers=false on this host, where the transport could map the
 //   buckets: every byte is copied once more (into the destination's own buffer);
+// - buckets by choice: direct_reads=false with GPU buffers mapped through CUDA_IPC, which would
+//   load the source's tensors in place: every byte is packed into a bucket first;
 // - GPU buffers through UCX or NIXL on one host (same_host_gpu_warning, once per destination):
 //   they map a source's buckets or read them, never its tensors in place as CUDA_IPC does.
 std::string slow_read_warning(const ReadRoute& route, const std::string& destination, const std::string& source);

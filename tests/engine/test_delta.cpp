@@ -305,7 +305,7 @@ TEST(DeltaRefit, ADestinationWithALayoutGetsItsSlicesAsChanges) {
 }
 
 // A tensor the destination's layout holds that the stream never yields fails the refit, as
-// without delta (SelectedSource records the names the engine checks).
+// without delta.
 TEST(DeltaRefit, ALayoutTensorTheStreamNeverYieldsFailsTheRefit) {
   DeltaPair p;
   auto o = inproc_options(p.fabric, 16 << 10, p.session);

@@ -1,6 +1,7 @@
 // The read route measured to be ~200-1,000x slower than the alternatives (UCX reading GPU memory on
 // one host without cuda_ipc's reads), and the routes measured under half of the best of their
-// memory kind (staged by choice on one host; GPU buffers through UCX or NIXL on one host), are
+// memory kind (staged by choice on one host; buckets by choice where CUDA IPC could load tensors in
+// place; GPU buffers through UCX or NIXL on one host), are
 // named at init with the measurement and what to set instead; every other route stays quiet.
 #include "engine/read_route.h"
 
@@ -14,9 +15,9 @@ using ::testing::AllOf;
 using ::testing::HasSubstr;
 
 std::string warning(MemoryKind buffers, const char* transport, bool same_host, bool mapped, bool map_option,
-                    bool could_map = false) {
-  return slow_read_warning({buffers, transport, same_host, mapped, map_option, could_map}, "destination rank 1",
-                           "source rank 0");
+                    bool could_map = false, bool direct_reads = true) {
+  return slow_read_warning({buffers, transport, same_host, mapped, map_option, could_map, direct_reads},
+                           "destination rank 1", "source rank 0");
 }
 
 // Sets UCX_CUDA_IPC_ENABLE_GET_ZCOPY for the scope (unset with nullptr), as a worker's environment.
@@ -70,6 +71,18 @@ TEST(ReadRoute, StagingWhereTheTransportCouldMapIsNamedWithTheMeasurement) {
   EXPECT_EQ(warning(MemoryKind::kHost, "UCX", true, false, false, false), "");
   EXPECT_EQ(warning(MemoryKind::kHost, "UCX", false, false, false, true), "");
   EXPECT_EQ(warning(MemoryKind::kHost, "UCX", true, true, true, true), "");
+}
+
+TEST(ReadRoute, BucketsWhereCudaIpcCouldLoadTheSourcesTensorsInPlaceAreNamedWithTheMeasurement) {
+  EXPECT_THAT(warning(MemoryKind::kCuda, "CUDA_IPC", true, true, true, true, false),
+              AllOf(HasSubstr("destination rank 1 loads every tensor of source rank 0 on this host from its mapped "
+                              "buckets"),
+                    HasSubstr("direct_reads is false"), HasSubstr("874 against 1,725 GB/s"),
+                    HasSubstr("174 against 750 GB/s"), HasSubstr("set refit_cfg.nixl.direct_reads=true")));
+  // In place (the default), another host, host buffers: nothing to say.
+  EXPECT_EQ(warning(MemoryKind::kCuda, "CUDA_IPC", true, true, true, true, true), "");
+  EXPECT_EQ(warning(MemoryKind::kCuda, "CUDA_IPC", false, false, true, true, false), "");
+  EXPECT_EQ(warning(MemoryKind::kHost, "UCX", true, true, true, true, false), "");
 }
 
 TEST(ReadRoute, GpuBuffersThroughUcxWithEverySourceOnThisHostNameCudaIpc) {

@@ -102,7 +102,9 @@ class HostsRayWorkerGroup(RayWorkerGroup):
     """refit.ray's group with the test's own call: where each actor runs."""
 
     def where(self) -> List[Dict[str, Any]]:
-        return self.call_all("where", timeout_s=15)
+        # The first call on each actor waits for its process to start: seconds on a loaded 2-core
+        # host (15 s was seen to run out while a build shared the cores).
+        return self.call_all("where", timeout_s=60)
 
 
 def _options(host: int) -> Dict[str, Any]:

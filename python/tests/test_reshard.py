@@ -96,40 +96,43 @@ def test_plan_names_a_slice_nobody_holds(model_path):
         refit.plan_transfers(inventory, holds[:1], [refit.Layout()])
 
 
-def test_fsdp_sources_refit_a_whole_destination_bitwise(model_path):
-    inventory = refit.load_model_inventory(model_path)
-    rng = np.random.default_rng(3)
-    full = {t.name: rng.standard_normal(t.shape).astype(np.float32) for t in inventory.tensors}
-    world = 3
+def _fsdp_group(model_path, inventory, world, config):
+    """`world` FSDP sources (each holding Shard(0) of every tensor, as DTensors would give it) and one
+    whole destination, connected over UCX."""
     session = refit.new_session_id()
-    config = {"timeout_s": 20, "backend_init_params": {"tls": "posix,sysv,cma,self"}}
-    sources = []
-    shards = []
-    for rank in range(world):
-        # Each rank holds FSDP2's Shard(0) of every tensor, as DTensors would give it.
-        tensors = {name: FakeDTensor(value, [_Shard(0)], (world,), (rank,)) for name, value in full.items()}
-        shards.append(tensors)
-        sources.append(refit.CheckpointEngine(1 << 16, config, session=session, holds=refit.holdings_of(tensors),
-                                              model=model_path))
+    sources = [refit.CheckpointEngine(1 << 16, config, session=session, model=model_path,
+                                      holds=refit.holdings_of(_fsdp_shards({t.name: np.zeros(t.shape, np.float32)
+                                                                            for t in inventory.tensors}, world, r)))
+               for r in range(world)]
     destination = refit.CheckpointEngine(1 << 16, config, session=session, model=inventory)
     metadata = [e.prepare() for e in sources] + [destination.prepare()]
     for rank, e in enumerate(sources):
         e.init_policy_process_group(rank, world, 1, metadata)
     destination.init_rollout_process_group(0, world, 1, metadata)
+    return sources, destination
 
-    errors = []
+
+def _fsdp_shards(full, world, rank):
+    return {name: FakeDTensor(value, [_Shard(0)], (world,), (rank,)) for name, value in full.items()}
+
+
+def _refit_bitwise(sources, destination, full):
+    """One refit of `full`, each source sending its shards from a thread of its own; the destination
+    must end with every tensor bitwise. Returns each source's send stats and the receive stats."""
+    errors, sent = [], [None] * len(sources)
 
     def send(rank):
         try:
-            sources[rank].send_weights(shards[rank].items())
+            sent[rank] = sources[rank].send_weights(_fsdp_shards(full, len(sources), rank).items())
         except Exception as e:  # noqa: BLE001 (reported below)
             errors.append(e)
 
-    threads = [threading.Thread(target=send, args=(r,)) for r in range(world)]
+    threads = [threading.Thread(target=send, args=(r,)) for r in range(len(sources))]
     for t in threads:
         t.start()
     got = {}
-    for batch in destination.receive_weight_batches(framework="numpy"):
+    batches = destination.receive_weight_batches(framework="numpy")
+    for batch in batches:
         for name, tensor in batch:
             got[name] = np.array(tensor, copy=True)
     for t in threads:
@@ -138,6 +141,16 @@ def test_fsdp_sources_refit_a_whole_destination_bitwise(model_path):
     assert set(got) == set(full)
     for name, value in full.items():
         np.testing.assert_array_equal(got[name], value, err_msg=name)
+    return sent, batches.stats
+
+
+def test_fsdp_sources_refit_a_whole_destination_bitwise(model_path):
+    inventory = refit.load_model_inventory(model_path)
+    rng = np.random.default_rng(3)
+    full = {t.name: rng.standard_normal(t.shape).astype(np.float32) for t in inventory.tensors}
+    config = {"timeout_s": 20, "backend_init_params": {"tls": "posix,sysv,cma,self"}}
+    sources, destination = _fsdp_group(model_path, inventory, 3, config)
+    _refit_bitwise(sources, destination, full)
     for e in sources + [destination]:
         e.finalize()
 
@@ -148,55 +161,16 @@ def test_fsdp_sources_send_only_the_changes_of_their_shards_with_delta(model_pat
     inventory = refit.load_model_inventory(model_path)
     rng = np.random.default_rng(5)
     full = {t.name: rng.standard_normal(t.shape).astype(np.float32) for t in inventory.tensors}
-    world = 2
-    session = refit.new_session_id()
     config = {"timeout_s": 20, "delta": True, "backend_init_params": {"tls": "tcp,self"}}
-
-    def shards_of(rank):
-        return {name: FakeDTensor(value, [_Shard(0)], (world,), (rank,)) for name, value in full.items()}
-
-    sources = [refit.CheckpointEngine(1 << 16, config, session=session, holds=refit.holdings_of(shards_of(rank)),
-                                      model=model_path) for rank in range(world)]
-    destination = refit.CheckpointEngine(1 << 16, config, session=session, model=inventory)
-    metadata = [e.prepare() for e in sources] + [destination.prepare()]
-    for rank, e in enumerate(sources):
-        e.init_policy_process_group(rank, world, 1, metadata)
-    destination.init_rollout_process_group(0, world, 1, metadata)
-
-    def refit_once():
-        errors, sent = [], [None] * world
-        shards = [shards_of(rank) for rank in range(world)]
-
-        def send(rank):
-            try:
-                sent[rank] = sources[rank].send_weights(shards[rank].items())
-            except Exception as e:  # noqa: BLE001 (reported below)
-                errors.append(e)
-
-        threads = [threading.Thread(target=send, args=(r,)) for r in range(world)]
-        for t in threads:
-            t.start()
-        got = {}
-        batches = destination.receive_weight_batches(framework="numpy")
-        for batch in batches:
-            for name, tensor in batch:
-                got[name] = np.array(tensor, copy=True)
-        for t in threads:
-            t.join()
-        assert not errors
-        assert set(got) == set(full)
-        for name, value in full.items():
-            np.testing.assert_array_equal(got[name], value, err_msg=name)
-        return sent, batches.stats
-
-    sent, received = refit_once()
+    sources, destination = _fsdp_group(model_path, inventory, 2, config)
+    sent, received = _refit_bitwise(sources, destination, full)
     assert received["delta_tensors"] == 0  # no base yet: every piece whole
     full_wire = received["wire_bytes"]
     for step in range(3):
         for value in full.values():  # an optimizer step as bits see it: 1% of the elements move
             bits = value.reshape(-1).view(np.uint32)
             bits[rng.choice(bits.size, max(1, bits.size // 100), replace=False)] += 1
-        sent, received = refit_once()
+        sent, received = _refit_bitwise(sources, destination, full)
         assert received["delta_tensors"] > 0, step
         assert sum(s["delta_tensors"] for s in sent) == received["delta_tensors"]
         assert received["wire_bytes"] < full_wire / 5, (step, received["wire_bytes"], full_wire)

@@ -174,6 +174,7 @@ class CheckpointEngine::Impl {
       for (auto& link : links_) link.first_refit = protocol::first_refit(generation_, link.metadata.generation);
       check_delta(self);
       keep_linked(source_deltas_);
+      keep_linked(packed_);
       for (auto& link : links_)
         for (const auto& [rank, version] : link.metadata.weights_versions)
           if (rank == static_cast<uint32_t>(worker_rank)) link.weights_version = version;
@@ -528,6 +529,10 @@ class CheckpointEngine::Impl {
     }
   }
 
+  PackedBoxes& packed_of(size_t link) {
+    return packed_.try_emplace(links_[link].peer_rank, options_.config.timeout_s).first->second;
+  }
+
   // Delta refit: the bases or versions of peers this init does not link to are of no use any more.
   template <typename Delta>
   void keep_linked(std::map<uint32_t, Delta>& deltas) {
@@ -786,7 +791,7 @@ class CheckpointEngine::Impl {
     auto send_delta = [&](size_t k, const TensorView& view, const Box& box, const TensorInfo& info) {
       const auto start = Clock::now();
       const bool as_is = box.is_whole() && info.name == view.info->name;
-      const TensorView out = deltas[k]->next(as_is ? view : packed_.pack(view, box, info, *pack_stream_));
+      const TensorView out = deltas[k]->next(as_is ? view : packed_of(k).pack(view, box, info, *pack_stream_));
       stats.delta_seconds += seconds_since(start);
       senders_[k]->add(out, Box::whole(), *out.info, Box::whole(), phase);
       senders_[k]->send_early(kDeltaBucketBytes, phase);
@@ -1083,7 +1088,10 @@ class CheckpointEngine::Impl {
   // connections (the versions in the metadata say what still holds).
   std::map<uint32_t, SourceDelta> source_deltas_;
   std::map<uint32_t, DestinationDelta> destination_deltas_;
-  PackedBoxes packed_{options_.config.timeout_s};  // on a source: slices and pieces packed to compare
+  // On a source, by destination rank: the slices or pieces packed to compare. Per link, since two
+  // links' pieces may go by one name (each destination's whole tensor) and a link may read its
+  // bytes from where they were packed until the refit ends.
+  std::map<uint32_t, PackedBoxes> packed_;
   // On a resharding destination: the pieces the plan sends it, by the name they go by on a delta
   // link, and where each lies in its tensor.
   std::map<std::string, protocol::ManifestEntry, std::less<>> delta_pieces_;

@@ -186,6 +186,23 @@ TEST_F(Hosts, DeltaAutoTriesChangesAcrossHosts) {
   EXPECT_LT(second.at("wire_bytes").get<uint64_t>(), second.at("bytes").get<uint64_t>() / 10) << job.output;
 }
 
+// Delta refit when resharding across hosts: two TP-2 sources into four TP-4 destinations, so each
+// source sends two destinations pieces that go by one name (each their whole slice) but come from
+// different rows of its shard; the destinations read them from where the source packed them
+// (direct reads across hosts). Every refit bitwise, changes only after the first.
+TEST_F(Hosts, ReshardingDeltaAcrossHostsKeepsEachLinksPiecesApart) {
+  SimHosts hosts(2, "1gbit");
+  auto job = run(hosts, {1, 1, 2, 2, 2, 2}, 2, 4, 3,
+                 {"--src-tp", "2", "--tp", "4", "--shard-dense", "--changed", "0.01", "refit_cfg.nixl.delta=true"});
+  expect_verified(job, 4, 3);
+  const auto& refits = job.result.at("refits");
+  for (size_t k = 1; k < refits.size(); ++k)
+    for (const auto& d : refits[k].at("bytes_received")) {
+      EXPECT_GT(d.at("delta_tensors").get<uint64_t>(), 0u) << d.dump();
+      EXPECT_LT(d.at("wire_bytes").get<uint64_t>(), d.at("bytes").get<uint64_t>() / 10) << d.dump();
+    }
+}
+
 TEST_F(Hosts, ARankWithAnotherModelIsRefusedNamingItsHost) {
   SimHosts hosts(2);
   const std::string other = dir_ + "/other.json";

@@ -1,6 +1,7 @@
 #include "engine/delta.h"
 
 #include <spdlog/spdlog.h>
+#include <xxhash.h>
 
 #include "core/delta_codec.h"
 #include "core/fail.h"
@@ -16,8 +17,7 @@ constexpr std::string_view kMarkerMagic = "RFDV";
 constexpr std::string_view kDeltaEndName = "refit:delta-end";
 constexpr int64_t kMarkerBytes = 4 + 2 * 8;
 
-// The header ("refit:delta": the version the changes apply to, 0 for none, and the one they make)
-// and the trailer ("refit:delta-end": how many tensors came between them).
+// The header ("refit:delta": the version the changes apply to, 0 for none, and the one they make).
 std::vector<uint8_t> encode_marker(uint64_t a, uint64_t b) {
   ByteWriter w;
   w.put_raw(kMarkerMagic);
@@ -36,6 +36,31 @@ std::pair<uint64_t, uint64_t> decode_marker(std::span<const uint8_t> bytes, cons
 }
 
 std::span<const std::byte> bytes_of(const TensorView& view) { return {view.data, view.info->nbytes()}; }
+
+// The trailer ("refit:delta-end"): how many tensors came after the header, and the checksum of
+// each that came whole, by the hash of its name (a whole tensor is checked where it landed too).
+std::vector<uint8_t> encode_trailer(uint64_t tensors, const std::vector<WholeSum>& whole) {
+  ByteWriter w;
+  w.put_raw(kMarkerMagic);
+  w.put<uint64_t>(tensors);
+  w.put<uint64_t>(whole.size());
+  for (const WholeSum& s : whole) {
+    w.put<uint64_t>(s.name_hash);
+    w.put<uint8_t>(static_cast<uint8_t>(s.kind));
+    w.put<uint64_t>(s.checksum);
+  }
+  return w.take();
+}
+
+uint64_t name_hash(std::string_view name) { return XXH3_64bits(name.data(), name.size()); }
+
+// The checksum of a held copy, of the kind its side computes: xxh3 on the host, the word hash on a GPU.
+WholeSum sum_of(std::string_view name, HeldTensor& held, DeviceDelta& gpu) {
+  const uint64_t nbytes = held.info.nbytes();
+  if (held.memory == MemoryKind::kHost)
+    return {name_hash(name), DeltaChecksum::kXxh3, delta_checksum(held.bytes, DeltaChecksum::kXxh3)};
+  return {name_hash(name), DeltaChecksum::kWords, gpu.checksum(held.device.data(), nbytes, DeltaChecksum::kWords)};
+}
 
 DeviceDelta& made(std::unique_ptr<DeviceDelta>& gpu) {
   if (!gpu) gpu = std::make_unique<DeviceDelta>();
@@ -105,6 +130,7 @@ TensorView SourceDelta::add_record(TensorInfo info, std::vector<uint8_t> bytes) 
 TensorView SourceDelta::begin(uint64_t destination_version, const std::string& destination, bool measured) {
   counts_ = {};
   records_.clear();
+  whole_.clear();
   const bool possible = base_version_ != 0 && destination_version == base_version_;
   if (!possible)
     spdlog::info("delta refit: {} {}: sending every tensor whole", destination,
@@ -144,8 +170,10 @@ TensorView SourceDelta::next(const TensorView& view) {
   auto it = base_.find(info.name);
   if (!changes_now_ || it == base_.end() || !(it->second.info == info) || it->second.memory != view.memory ||
       nbytes == 0) {
-    // Whole: the destination takes it as it is, and so does our base.
-    base_[info.name].assign(view, gpu());
+    // Whole: the destination takes it as it is, and so does our base, whose checksum the trailer carries.
+    HeldTensor& base = base_[info.name];
+    base.assign(view, gpu());
+    whole_.push_back(sum_of(info.name, base, gpu()));
     return view;
   }
   // The encoder makes the base equal to the tensor whether or not it sends changes.
@@ -155,7 +183,10 @@ TensorView SourceDelta::next(const TensorView& view) {
   const DeltaResult result = view.memory == MemoryKind::kHost
                                  ? encode_delta(base.bytes, bytes_of(view), element_size, record, &scratch_)
                                  : gpu().encode(base.device, view.data, nbytes, element_size, record);
-  if (!result.encoded) return view;
+  if (!result.encoded) {  // dense changes: whole after all (the base is the tensor now)
+    whole_.push_back(sum_of(info.name, base, gpu()));
+    return view;
+  }
   ++counts_.changed_tensors;
   counts_.record_bytes += record.size();
   const auto size = static_cast<int64_t>(record.size());
@@ -163,8 +194,9 @@ TensorView SourceDelta::next(const TensorView& view) {
 }
 
 TensorView SourceDelta::end() {
-  return add_record(TensorInfo{std::string(kDeltaEndName), DType::kUInt8, {kMarkerBytes}},
-                    encode_marker(counts_.tensors, 0));
+  std::vector<uint8_t> trailer = encode_trailer(counts_.tensors, whole_);
+  const auto size = static_cast<int64_t>(trailer.size());
+  return add_record(TensorInfo{std::string(kDeltaEndName), DType::kUInt8, {size}}, std::move(trailer));
 }
 
 uint64_t SourceDelta::commit(double seconds) {
@@ -186,6 +218,8 @@ void DestinationDelta::begin() {
   header_seen_ = ended_ = false;
   announced_ = arrived_ = 0;
   counts_ = {};
+  whole_.clear();
+  announced_whole_.clear();
 }
 
 void DestinationDelta::transform(std::span<const TensorView> in, std::span<const std::shared_ptr<const void>> in_owners,
@@ -225,7 +259,23 @@ void DestinationDelta::transform(std::span<const TensorView> in, std::span<const
         fail(ErrorKind::kProtocol, "{} sent '{}' before the delta header (is delta on at both ends?)", who, name);
       if (ended_) fail(ErrorKind::kProtocol, "{} sent '{}' after the end of its delta refit", who, name);
       if (name == kDeltaEndName) {
-        announced_ = decode_marker(on_host(view), view, who).first;
+        ByteReader trailer(on_host(view), fmt::format("'{}' from {}", name, who));
+        trailer.expect_magic(kMarkerMagic);
+        announced_ = trailer.get<uint64_t>("tensors");
+        const uint64_t whole = trailer.get<uint64_t>("whole tensors");
+        if (whole > announced_)
+          fail(ErrorKind::kProtocol, "{} announced {} whole tensors of {}", who, whole, announced_);
+        for (uint64_t w = 0; w < whole; ++w) {
+          WholeSum s;
+          s.name_hash = trailer.get<uint64_t>("name hash");
+          const uint8_t kind = trailer.get<uint8_t>("checksum kind");
+          if (kind > static_cast<uint8_t>(DeltaChecksum::kWords))
+            fail(ErrorKind::kProtocol, "{} sent a whole tensor's checksum of unknown kind {}", who, kind);
+          s.kind = static_cast<DeltaChecksum>(kind);
+          s.checksum = trailer.get<uint64_t>("checksum");
+          announced_whole_.push_back(s);
+        }
+        trailer.expect_end();
         ended_ = true;
         continue;
       }
@@ -257,7 +307,9 @@ void DestinationDelta::transform(std::span<const TensorView> in, std::span<const
         owners.push_back(nullptr);
         continue;
       }
-      held_[name].assign(view, gpu());
+      HeldTensor& held = held_[name];
+      held.assign(view, gpu());
+      whole_.push_back(&*held_.find(name));
       out.push_back(view);
       owners.push_back(k < in_owners.size() ? in_owners[k] : nullptr);
     }
@@ -288,6 +340,28 @@ void DestinationDelta::finish(const std::string& who) {
   if (!ended_) fail(ErrorKind::kProtocol, "{} did not end its delta refit", who);
   if (announced_ != arrived_)
     fail(ErrorKind::kProtocol, "{} announced {} tensors in its delta refit, {} arrived", who, announced_, arrived_);
+  // Each tensor that came whole, as it landed here, against the source's checksum of what it sent.
+  if (announced_whole_.size() != whole_.size())
+    fail(ErrorKind::kProtocol, "{} announced {} whole tensors in its delta refit, {} arrived", who,
+         announced_whole_.size(), whole_.size());
+  std::map<uint64_t, const WholeSum*> announced;
+  for (const WholeSum& s : announced_whole_) announced[s.name_hash] = &s;
+  for (auto* entry : whole_) {
+    const std::string& name = entry->first;
+    HeldTensor& held = entry->second;
+    auto it = announced.find(name_hash(name));
+    if (it == announced.end())
+      fail(ErrorKind::kProtocol, "{} sent '{}' whole but announced no checksum for it", who, name);
+    const WholeSum& want = *it->second;
+    const uint64_t nbytes = held.info.nbytes();
+    const uint64_t got = held.memory == MemoryKind::kHost ? delta_checksum(held.bytes, want.kind)
+                                                          : gpu().checksum(held.device.data(), nbytes, want.kind);
+    if (got != want.checksum)
+      fail(ErrorKind::kIntegrity,
+           "'{}' as it arrived whole from {} does not match the source's checksum of what it sent: the refit "
+           "delivered other bytes",
+           name, who);
+  }
   version_ = new_version_;
 }
 

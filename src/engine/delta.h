@@ -44,6 +44,13 @@ inline constexpr std::string_view kDeltaTensorPrefix = "refit:delta:";
 // piece lies in it, so that both ends name it alike from the plan.
 std::string delta_piece_name(const std::string& tensor, const Box& box);
 
+// The checksum of a tensor sent whole, by the hash of its name (the trailer's).
+struct WholeSum {
+  uint64_t name_hash = 0;
+  DeltaChecksum kind = DeltaChecksum::kXxh3;
+  uint64_t checksum = 0;
+};
+
 // What one delta refit sent or applied.
 struct DeltaCounts {
   uint64_t tensors = 0;          // sent or arrived, as changes or whole (resharding: pieces)
@@ -133,7 +140,8 @@ class SourceDelta {
   uint64_t base_version_ = 0;         // 0: none
   uint64_t next_version_ = 0;
   DeltaCounts counts_;
-  std::deque<Record> records_;  // of this refit; a deque: views of earlier records stay valid
+  std::vector<WholeSum> whole_;  // of this refit's tensors sent whole
+  std::deque<Record> records_;   // of this refit; a deque: views of earlier records stay valid
 };
 
 // A destination's side: the version it holds (a copy of every tensor it received) and the
@@ -174,7 +182,9 @@ class DestinationDelta {
   bool header_seen_ = false;
   bool ended_ = false;
   uint64_t new_version_ = 0;
-  uint64_t announced_ = 0;  // tensors the header says follow
+  uint64_t announced_ = 0;                                        // tensors the trailer says came
+  std::vector<std::pair<const std::string, HeldTensor>*> whole_;  // this refit's, as they landed in held_
+  std::vector<WholeSum> announced_whole_;                         // the trailer's checksums of them
   uint64_t arrived_ = 0;
   DeltaCounts counts_;
 };

@@ -98,5 +98,19 @@ TEST(DeltaProcesses, ReshardingSendsEachPiecesChangesOverTcp) {
   EXPECT_NE(r.output.find("pieces came as changes"), std::string::npos) << r.output;
 }
 
+// Bytes flipped in flight (test fault injection in the UCX reads) in a delta refit's first, whole
+// refit: the destination's engine itself fails the refit, naming the tensor, because every tensor
+// that goes whole carries the source's checksum in the trailer (no verify_checksums needed).
+TEST(DeltaProcesses, AWholeTensorCorruptedInFlightFailsTheRefitAtTheDestination) {
+  setenv("REFIT_TEST_FLIP_READ_BYTES", "3", 1);
+  testing::SmallBench b;
+  auto r = b.run(1, 1, 1, {"refit_cfg.nixl.delta=true", "refit_cfg.nixl.map_source_buffers=false", kTcp});
+  unsetenv("REFIT_TEST_FLIP_READ_BYTES");
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("as it arrived whole from source rank 0 does not match the source's checksum"),
+            std::string::npos)
+      << r.output;
+}
+
 }  // namespace
 }  // namespace refit

@@ -68,7 +68,7 @@ class CheckpointEngine::Impl {
     TensorInfo tensor;  // as the destination holds it
     Box in_view;        // the piece in the coordinates of the source's shard
     Box in_tensor;      // the piece in the coordinates of the destination's tensor
-    TensorInfo packed;  // delta refit: the piece packed, under its own name (delta_piece_name)
+    TensorInfo packed;  // delta refit only: the piece packed, under its own name (delta_piece_name)
   };
   // On a resharding source: where one tensor's pieces go.
   struct SendPiece {
@@ -167,12 +167,12 @@ class CheckpointEngine::Impl {
       for (uint32_t d : plan.destinations_of(worker_rank))
         add_link(metadata, train + d, d, fmt::format("destination rank {}", d),
                  plan.link_bucket_bytes(worker_rank, d, options_.bucket_bytes));
+      check_delta(self);  // before the pieces are placed: delta names them
       if (!plan.paired())
         plan_sends(plan, worker_rank);
       else if (!links_.empty() && !links_[0].metadata.layout.empty())  // what its destination holds
         target_layout_ = decode_layout(links_[0].metadata.layout, "layout of " + links_[0].label);
       for (auto& link : links_) link.first_refit = protocol::first_refit(generation_, link.metadata.generation);
-      check_delta(self);
       keep_linked(source_deltas_);
       keep_linked(packed_);
       for (auto& link : links_)
@@ -204,17 +204,8 @@ class CheckpointEngine::Impl {
         add_link(metadata, s, s, fmt::format("source rank {}", s),
                  plan.link_bucket_bytes(s, rollout_rank, options_.bucket_bytes));
       expected_tensors_.clear();
-      delta_pieces_.clear();
       for (uint32_t s = 0; s < plan.source_count(); ++s)
-        for (const auto& piece : plan.link(s, rollout_rank)) {
-          expected_tensors_.insert(piece.tensor);
-          if (!resharding_) continue;
-          PlacedPiece placed = place(piece, s, rollout_rank);
-          protocol::ManifestEntry& e = delta_pieces_[placed.packed.name];
-          e.tensor = std::move(placed.tensor);
-          e.box = placed.in_tensor;
-          e.size = placed.packed.nbytes();
-        }
+        for (const auto& piece : plan.link(s, rollout_rank)) expected_tensors_.insert(piece.tensor);
       needs_nothing_ = links_.empty();  // resharding, and this destination holds nothing
       bool all_mapped = true, all_here = !links_.empty();
       for (auto& link : links_) {
@@ -241,6 +232,17 @@ class CheckpointEngine::Impl {
       assign_buffer_offsets();
       check_delta(self);
       keep_linked(destination_deltas_);
+      // Delta refit when resharding: where each piece, by the name it goes by on its link, lies.
+      delta_pieces_.clear();
+      if (delta_ && resharding_)
+        for (uint32_t s : plan.sources_of(rollout_rank))
+          for (const auto& piece : plan.link(s, rollout_rank)) {
+            PlacedPiece placed = place(piece, s, rollout_rank);
+            protocol::ManifestEntry& e = delta_pieces_[placed.packed.name];
+            e.tensor = std::move(placed.tensor);
+            e.box = placed.in_tensor;
+            e.size = placed.packed.nbytes();
+          }
     });
     is_destination_ = true;
   }
@@ -650,7 +652,7 @@ class CheckpointEngine::Impl {
     p.tensor = {full.name, full.dtype, Box::of(need).shape_in(full.shape)};
     p.in_view = piece.box.relative_to(held.take == Take::kSlice ? held.slice : none);
     p.in_tensor = piece.box.relative_to(need.take == Take::kSlice ? need.slice : none);
-    p.packed = {delta_piece_name(full.name, p.in_tensor), full.dtype, piece.box.shape_in(full.shape)};
+    if (delta_) p.packed = {delta_piece_name(full.name, p.in_tensor), full.dtype, piece.box.shape_in(full.shape)};
     return p;
   }
 

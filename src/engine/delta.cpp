@@ -56,10 +56,8 @@ uint64_t name_hash(std::string_view name) { return XXH3_64bits(name.data(), name
 
 // The checksum of a held copy, of the kind its side computes: xxh3 on the host, the word hash on a GPU.
 WholeSum sum_of(std::string_view name, HeldTensor& held, DeviceDelta& gpu) {
-  const uint64_t nbytes = held.info.nbytes();
-  if (held.memory == MemoryKind::kHost)
-    return {name_hash(name), DeltaChecksum::kXxh3, delta_checksum(held.bytes, DeltaChecksum::kXxh3)};
-  return {name_hash(name), DeltaChecksum::kWords, gpu.checksum(held.device.data(), nbytes, DeltaChecksum::kWords)};
+  const DeltaChecksum kind = held.memory == MemoryKind::kHost ? DeltaChecksum::kXxh3 : DeltaChecksum::kWords;
+  return {name_hash(name), kind, held.checksum(kind, gpu)};
 }
 
 DeviceDelta& made(std::unique_ptr<DeviceDelta>& gpu) {
@@ -82,6 +80,10 @@ void HeldTensor::assign(const TensorView& view, DeviceDelta& gpu) {
   }
   info = *view.info;
   memory = view.memory;
+}
+
+uint64_t HeldTensor::checksum(DeltaChecksum kind, DeviceDelta& gpu) {
+  return memory == MemoryKind::kHost ? delta_checksum(bytes, kind) : gpu.checksum(device.data(), info.nbytes(), kind);
 }
 
 std::string delta_piece_name(const std::string& tensor, const Box& box) {
@@ -353,10 +355,7 @@ void DestinationDelta::finish(const std::string& who) {
     if (it == announced.end())
       fail(ErrorKind::kProtocol, "{} sent '{}' whole but announced no checksum for it", who, name);
     const WholeSum& want = *it->second;
-    const uint64_t nbytes = held.info.nbytes();
-    const uint64_t got = held.memory == MemoryKind::kHost ? delta_checksum(held.bytes, want.kind)
-                                                          : gpu().checksum(held.device.data(), nbytes, want.kind);
-    if (got != want.checksum)
+    if (held.checksum(want.kind, gpu()) != want.checksum)
       fail(ErrorKind::kIntegrity,
            "'{}' as it arrived whole from {} does not match the source's checksum of what it sent: the refit "
            "delivered other bytes",

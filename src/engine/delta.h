@@ -72,6 +72,8 @@ struct HeldTensor {
   std::byte* data() { return memory == MemoryKind::kHost ? bytes.data() : device.data(); }
   // Holds a copy of `view`'s bytes (in its memory) from now on.
   void assign(const TensorView& view, DeviceDelta& gpu);
+  // The checksum of what it holds, of `kind`.
+  uint64_t checksum(DeltaChecksum kind, DeviceDelta& gpu);
 };
 
 // Boxes of tensors packed into buffers of their own (in the tensor's memory), kept from one

@@ -8,6 +8,7 @@
 
 #include "memory/cuda/cuda_util.h"
 #include "memory/cuda/delta_kernels.h"
+#include "refit/ext/tensor_memory.h"
 #endif
 
 namespace refit {
@@ -45,29 +46,16 @@ struct Scratch {
 // (a pageable one makes each copy wait for the stream and go through a staging buffer).
 template <typename T>
 struct Pinned {
-  T* data = nullptr;
-  uint64_t capacity = 0;
+  TensorMemory memory;
   uint64_t size = 0;
-  Pinned() = default;
-  Pinned(const Pinned&) = delete;
-  Pinned& operator=(const Pinned&) = delete;
-  ~Pinned() {
-    if (data != nullptr) cudaFreeHost(data);
-  }
+  T* data() const { return reinterpret_cast<T*>(memory.data()); }
   T* resize(uint64_t count) {
-    if (count > capacity) {
-      if (data != nullptr) cudaFreeHost(data);
-      data = nullptr;
-      capacity = 0;
-      const uint64_t want = std::max<uint64_t>(count, 2 * size);
-      cuda::check(cudaMallocHost(reinterpret_cast<void**>(&data), want * sizeof(T)), "cudaMallocHost",
-                  "delta refit: page-locked scratch");
-      capacity = want;
-    }
+    if (count * sizeof(T) > memory.size())
+      memory = TensorMemory(MemoryKind::kHost, Device{}, std::max<uint64_t>(count, 2 * size) * sizeof(T), /*pin=*/true);
     size = count;
-    return data;
+    return data();
   }
-  std::span<const T> view() const { return {data, size}; }
+  std::span<const T> view() const { return {data(), size}; }
 };
 
 }  // namespace
@@ -112,8 +100,8 @@ struct DeviceDelta::State {
   void to_host(Pinned<T>& out, const T* from, uint64_t count) {
     out.resize(count);
     if (count > 0)
-      cuda::check(cudaMemcpyAsync(out.data, from, count * sizeof(T), cudaMemcpyDeviceToHost, stream), "cudaMemcpyAsync",
-                  "delta refit: the changes to the host");
+      cuda::check(cudaMemcpyAsync(out.data(), from, count * sizeof(T), cudaMemcpyDeviceToHost, stream),
+                  "cudaMemcpyAsync", "delta refit: the changes to the host");
   }
   template <typename T>
   void to_device(T* to, std::span<const T> from) {
@@ -287,7 +275,7 @@ std::vector<DeviceDelta::Patched> DeviceDelta::patch_queued() {
     const auto& q = s.queued[k];
     uint64_t checksum = 0;
     if (q.header.checksum_kind == DeltaChecksum::kWords) {
-      const uint64_t* at = s.host_sums.data + first_block[k];
+      const uint64_t* at = s.host_sums.data() + first_block[k];
       checksum = word_hash::finish(std::accumulate(at, at + cuda::delta_blocks(q.bytes), uint64_t{0}), q.bytes);
     } else {
       checksum = this->checksum(q.target->data(), q.bytes, q.header.checksum_kind);

@@ -82,31 +82,36 @@ void step_elements(const TensorInfo& info, double share, uint64_t seed, At&& at)
   }
 }
 
-// Writes `box` of tensor `tensor` of the model as refit `refit` holds it: its own content, or,
-// with the delta workload (`share` > 0), refit 0's content stepped by every refit since (any
-// process computes any box of it, as the source that steps its whole tensors in place holds it).
-void fill_box_of_refit(std::byte* out, const TensorInfo& full, const Box& box, uint64_t refit, uint64_t tensor,
-                       double share) {
-  if (share <= 0 || refit == 0) return fill_box(out, full, box, seed_of(refit, tensor));
-  fill_box(out, full, box, seed_of(0, tensor));
+// Steps the elements of `box` of tensor `tensor` of the model (packed at `out`) that refit `refit`
+// of the delta workload moves (step_elements); the others are not ours.
+void step_box(std::byte* out, const TensorInfo& full, const Box& box, uint64_t refit, uint64_t tensor, double share) {
   const size_t rank = full.shape.size(), element = dtype_size(full.dtype);
   std::vector<Slice> along(rank);
   for (size_t d = 0; d < rank; ++d) along[d] = box.along(static_cast<int32_t>(d), full.shape);
   std::vector<int64_t> coordinate(rank);
-  for (uint64_t r = 1; r <= refit; ++r)
-    step_elements(full, share, seed_of(r, tensor), [&](uint64_t flat) -> std::byte* {
-      for (size_t d = rank; d-- > 0;) {
-        coordinate[d] = static_cast<int64_t>(flat % static_cast<uint64_t>(full.shape[d]));
-        flat /= static_cast<uint64_t>(full.shape[d]);
-      }
-      uint64_t packed = 0;
-      for (size_t d = 0; d < rank; ++d) {
-        if (coordinate[d] < along[d].start || coordinate[d] >= along[d].start + along[d].length) return nullptr;
-        packed =
-            packed * static_cast<uint64_t>(along[d].length) + static_cast<uint64_t>(coordinate[d] - along[d].start);
-      }
-      return out + packed * element;
-    });
+  step_elements(full, share, seed_of(refit, tensor), [&](uint64_t flat) -> std::byte* {
+    if (box.is_whole()) return out + flat * element;
+    for (size_t d = rank; d-- > 0;) {
+      coordinate[d] = static_cast<int64_t>(flat % static_cast<uint64_t>(full.shape[d]));
+      flat /= static_cast<uint64_t>(full.shape[d]);
+    }
+    uint64_t packed = 0;
+    for (size_t d = 0; d < rank; ++d) {
+      if (coordinate[d] < along[d].start || coordinate[d] >= along[d].start + along[d].length) return nullptr;
+      packed = packed * static_cast<uint64_t>(along[d].length) + static_cast<uint64_t>(coordinate[d] - along[d].start);
+    }
+    return out + packed * element;
+  });
+}
+
+// Writes `box` of tensor `tensor` of the model as refit `refit` holds it: its own content, or,
+// with the delta workload (`share` > 0), refit 0's content stepped by every refit since (any
+// process computes any box of it; a source steps what it holds in place, one refit at a time).
+void fill_box_of_refit(std::byte* out, const TensorInfo& full, const Box& box, uint64_t refit, uint64_t tensor,
+                       double share) {
+  if (share <= 0 || refit == 0) return fill_box(out, full, box, seed_of(refit, tensor));
+  fill_box(out, full, box, seed_of(0, tensor));
+  for (uint64_t r = 1; r <= refit; ++r) step_box(out, full, box, r, tensor, share);
 }
 
 // GPU copies and hashes of one refit finish well within this.
@@ -211,12 +216,13 @@ class SourceProgram final : public WorkerProgram {
     if (!synthetic() && !hashes_.empty()) return;  // file content does not change
     hashes_.clear();
     if (kind_ == MemoryKind::kCuda) return holds_ ? stage_shards_on_gpu(index) : stage_on_gpu(index);
-    const bool change_in_place = model_.changed_share > 0 && index > 0 && !holds_;
+    const bool change_in_place = model_.changed_share > 0 && index > 0;
     for (size_t i = 0; i < views_.size(); ++i) {
       const auto& v = views_[i];
       const uint64_t n = v.info->nbytes();
-      if (change_in_place)
-        change_elements(const_cast<std::byte*>(v.data), *v.info, seed_of(index, i));
+      if (change_in_place)  // the previous refit's content, stepped by this refit's draws
+        step_box(const_cast<std::byte*>(v.data), holds_ ? model_.inventory.tensors[full_index_[i]] : *v.info,
+                 holds_ ? boxes_[i] : Box::whole(), index, holds_ ? full_index_[i] : i, model_.changed_share);
       else if (synthetic())
         fill_box_of_refit(const_cast<std::byte*>(v.data), holds_ ? model_.inventory.tensors[full_index_[i]] : *v.info,
                           holds_ ? boxes_[i] : Box::whole(), index, holds_ ? full_index_[i] : i,
@@ -239,12 +245,6 @@ class SourceProgram final : public WorkerProgram {
 
  private:
   bool synthetic() const { return model_.safetensors_path.empty(); }
-
-  // The delta workload on whole tensors, in place: refit `seed`'s step (step_elements).
-  void change_elements(std::byte* data, const TensorInfo& info, uint64_t seed) const {
-    const uint64_t element = dtype_size(info.dtype);
-    step_elements(info, model_.changed_share, seed, [&](uint64_t e) { return data + e * element; });
-  }
 
   // Version `index` of the weights, copied over the previous one tensor by tensor.
   void stage_version(uint64_t index) {

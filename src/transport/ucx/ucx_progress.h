@@ -1,8 +1,8 @@
 // Drives one UCP worker from a dedicated thread. UCX 1.13 emulates RMA over active messages on
 // memory it did not allocate, so a read's TARGET must progress even while its engine thread is
 // blocked elsewhere; keepalive and peer-failure detection need progress too. The thread spins
-// while operations are outstanding or traffic was seen moments ago, and otherwise sleeps on the
-// worker's event fd, so that an idle transport does not take one of the host's few cores.
+// while operations of ours are outstanding and otherwise sleeps on the worker's event fd, so that
+// a transport waiting for its peer does not take one of the host's few cores.
 #pragma once
 
 #include <ucp/api/ucp.h>

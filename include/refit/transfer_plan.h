@@ -26,6 +26,23 @@
 
 namespace refit {
 
+// Which links' pieces a plan keeps. Every engine of a group computes the plan, but an engine
+// needs only its own links: a source what it sends, a destination what it gets (with hundreds of
+// sources, the whole plan is most of a small engine's memory). Everything else (which links
+// exist, their bucket shares, every source's and destination's bytes) is the whole group's
+// whatever the scope, so each engine agrees with the others on them.
+struct PlanScope {
+  enum class Kind : uint8_t { kAll, kSource, kDestination };
+  Kind kind = Kind::kAll;
+  uint32_t rank = 0;
+  static PlanScope all() { return {}; }
+  static PlanScope source(uint32_t s) { return {Kind::kSource, s}; }
+  static PlanScope destination(uint32_t d) { return {Kind::kDestination, d}; }
+  bool keeps(uint32_t source, uint32_t destination) const {
+    return kind == Kind::kAll || (kind == Kind::kSource ? source == rank : destination == rank);
+  }
+};
+
 struct TransferPiece {
   uint32_t tensor = 0;       // index into the model inventory
   uint32_t source = 0;       // source index
@@ -36,9 +53,10 @@ struct TransferPiece {
 
 class TransferPlan {
  public:
-  // Pieces ordered by destination, then source, then tensor.
+  // The pieces the plan's scope keeps, ordered by destination, then source, then tensor.
   const std::vector<TransferPiece>& pieces() const { return pieces_; }
-  // What `source` sends `destination`, in tensor order (empty when nothing).
+  // What `source` sends `destination`, in tensor order (empty when nothing). Throws
+  // Error(kInternal) for a link outside the plan's scope: its pieces were not kept.
   std::span<const TransferPiece> link(uint32_t source, uint32_t destination) const;
   // The sources a destination reads from, and the destinations a source serves, ascending.
   std::vector<uint32_t> sources_of(uint32_t destination) const;
@@ -57,20 +75,26 @@ class TransferPlan {
   const std::vector<uint64_t>& ingress() const { return ingress_; }  // bytes each destination receives
 
  private:
-  friend TransferPlan plan_transfers(const ModelInventory&, std::span<const Layout>, std::span<const Layout>);
+  friend TransferPlan plan_transfers(const ModelInventory&, std::span<const Layout>, std::span<const Layout>,
+                                     PlanScope);
   friend TransferPlan paired_plan(int, int);
+  bool has_link(uint32_t source, uint32_t destination) const;
   uint32_t sources_ = 0, destinations_ = 0;
   bool paired_ = false;
-  std::vector<TransferPiece> pieces_;
-  std::vector<uint64_t> link_begin_;  // [destination * sources + source] -> first piece; one past the end last
+  PlanScope scope_;
+  std::vector<TransferPiece> pieces_;  // of the links in scope
+  // [destination * sources + source]: the link's pieces in the whole plan, and its first in pieces_
+  // (links in scope; one past the end last).
+  std::vector<uint32_t> link_pieces_;
+  std::vector<uint64_t> link_begin_;
   std::vector<uint64_t> egress_, ingress_;
 };
 
 // Throws Error(kLayout) for an invalid layout (validate_layout, naming "source rank s" or
 // "destination rank d"), partially overlapping source slices, and needed bytes no source holds;
-// Error(kInvalidArgument) for no sources or no destinations.
+// Error(kInvalidArgument) for no sources or no destinations, or a scope's rank out of range.
 TransferPlan plan_transfers(const ModelInventory& model, std::span<const Layout> sources,
-                            std::span<const Layout> destinations);
+                            std::span<const Layout> destinations, PlanScope scope = PlanScope::all());
 
 // The plan of the paired topology: `sources` >= `destinations`, source i -> destination i, the
 // sources past the destinations idle. Throws Error(kTopology) otherwise, naming both counts.

@@ -117,23 +117,30 @@ size_t batch_size() { return 4 * std::max(1u, std::thread::hardware_concurrency(
 
 std::span<const TransferPiece> TransferPlan::link(uint32_t source, uint32_t destination) const {
   if (paired_ || source >= sources_ || destination >= destinations_) return {};
+  if (!scope_.keeps(source, destination))
+    fail(ErrorKind::kInternal, "the pieces of link source rank {} -> destination rank {} are outside this plan's scope",
+         source, destination);
   const size_t k = static_cast<size_t>(destination) * sources_ + source;
   return {pieces_.data() + link_begin_[k], pieces_.data() + link_begin_[k + 1]};
+}
+
+bool TransferPlan::has_link(uint32_t source, uint32_t destination) const {
+  return link_pieces_[static_cast<size_t>(destination) * sources_ + source] > 0;
 }
 
 std::vector<uint32_t> TransferPlan::sources_of(uint32_t destination) const {
   if (paired_) return destination < destinations_ ? std::vector<uint32_t>{destination} : std::vector<uint32_t>{};
   std::vector<uint32_t> out;
-  for (uint32_t s = 0; s < sources_; ++s)
-    if (!link(s, destination).empty()) out.push_back(s);
+  for (uint32_t s = 0; s < sources_ && destination < destinations_; ++s)
+    if (has_link(s, destination)) out.push_back(s);
   return out;
 }
 
 std::vector<uint32_t> TransferPlan::destinations_of(uint32_t source) const {
   if (paired_) return source < destinations_ ? std::vector<uint32_t>{source} : std::vector<uint32_t>{};
   std::vector<uint32_t> out;
-  for (uint32_t d = 0; d < destinations_; ++d)
-    if (!link(source, d).empty()) out.push_back(d);
+  for (uint32_t d = 0; d < destinations_ && source < sources_; ++d)
+    if (has_link(source, d)) out.push_back(d);
   return out;
 }
 
@@ -146,10 +153,15 @@ uint64_t TransferPlan::link_bucket_bytes(uint32_t source, uint32_t destination, 
 }
 
 TransferPlan plan_transfers(const ModelInventory& model, std::span<const Layout> sources,
-                            std::span<const Layout> destinations) {
+                            std::span<const Layout> destinations, PlanScope scope) {
   if (sources.empty() || destinations.empty())
     fail(ErrorKind::kInvalidArgument, "a transfer plan needs at least one source and one destination (got {} and {})",
          sources.size(), destinations.size());
+  if (scope.kind != PlanScope::Kind::kAll &&
+      scope.rank >= (scope.kind == PlanScope::Kind::kSource ? sources.size() : destinations.size()))
+    fail(ErrorKind::kInvalidArgument, "a plan scoped to {} rank {} of a group of {} sources and {} destinations",
+         scope.kind == PlanScope::Kind::kSource ? "source" : "destination", scope.rank, sources.size(),
+         destinations.size());
   const auto& tensors = model.tensors;
   const uint32_t S = static_cast<uint32_t>(sources.size()), D = static_cast<uint32_t>(destinations.size());
   const LayoutResolver resolver(model);
@@ -169,6 +181,8 @@ TransferPlan plan_transfers(const ModelInventory& model, std::span<const Layout>
   TransferPlan plan;
   plan.sources_ = S;
   plan.destinations_ = D;
+  plan.scope_ = scope;
+  plan.link_pieces_.assign(static_cast<size_t>(D) * S, 0);
   plan.egress_.assign(S, 0);
   plan.ingress_.assign(D, 0);
   std::vector<TransferPiece> pieces;  // of one destination, in tensor order
@@ -235,16 +249,21 @@ TransferPlan plan_transfers(const ModelInventory& model, std::span<const Layout>
       }
       if (cursor < end) missing(cursor, end);
     }
-    // Appended by source (a stable counting sort), tensor order within each link.
+    // The links in scope keep their pieces, appended by source (a stable counting sort), tensor
+    // order within each link.
     const size_t base = static_cast<size_t>(d) * S, offset = plan.pieces_.size();
     std::vector<uint64_t> count(S + 1, 0);
-    for (const auto& p : pieces) ++count[p.source + 1];
+    for (const auto& p : pieces) {
+      ++plan.link_pieces_[base + p.source];
+      if (scope.keeps(p.source, d)) ++count[p.source + 1];
+    }
     for (uint32_t s = 0; s < S; ++s) {
       count[s + 1] += count[s];
       plan.link_begin_[base + s] = offset + count[s];
     }
-    plan.pieces_.resize(offset + pieces.size());
-    for (const auto& p : pieces) plan.pieces_[offset + count[p.source]++] = p;
+    plan.pieces_.resize(offset + count[S]);
+    for (const auto& p : pieces)
+      if (scope.keeps(p.source, d)) plan.pieces_[offset + count[p.source]++] = p;
   }
   plan.link_begin_.back() = plan.pieces_.size();
   return plan;

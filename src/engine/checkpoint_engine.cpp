@@ -3,6 +3,8 @@
 #include <spdlog/spdlog.h>
 #include <xxhash.h>
 
+#include <malloc.h>
+
 #include <algorithm>
 #include <cstring>
 #include <deque>
@@ -163,7 +165,7 @@ class CheckpointEngine::Impl {
         fail(ErrorKind::kInvalidArgument,
              "this engine was created to receive only (receives_only): it cannot be a "
              "source");
-      const TransferPlan plan = plan_of_group(train, rollout, metadata);
+      const TransferPlan plan = plan_of_group(train, rollout, metadata, PlanScope::source(worker_rank));
       for (uint32_t d : plan.destinations_of(worker_rank))
         add_link(metadata, train + d, d, fmt::format("destination rank {}", d),
                  plan.link_bucket_bytes(worker_rank, d, options_.bucket_bytes));
@@ -180,6 +182,9 @@ class CheckpointEngine::Impl {
           if (rank == static_cast<uint32_t>(worker_rank)) link.weights_version = version;
       make_senders();
     });
+    // Planning read every peer's layout; with hundreds of small sources on one host, what it freed
+    // is most of each one's memory unless handed back.
+    malloc_trim(0);
     self_ = self;
   }
 
@@ -199,7 +204,7 @@ class CheckpointEngine::Impl {
              "(EngineOptions::layout; in Python layout=refit.destination_layout(..., shard_experts=True) or "
              "refit.layout_from_compact(...))",
              self);
-      const TransferPlan plan = plan_of_group(train, rollout, metadata);
+      const TransferPlan plan = plan_of_group(train, rollout, metadata, PlanScope::destination(rollout_rank));
       for (uint32_t s : plan.sources_of(rollout_rank))
         add_link(metadata, s, s, fmt::format("source rank {}", s),
                  plan.link_bucket_bytes(s, rollout_rank, options_.bucket_bytes));
@@ -557,31 +562,39 @@ class CheckpointEngine::Impl {
     return index < train ? fmt::format("source rank {}", index) : fmt::format("destination rank {}", index - train);
   }
 
-  // The group's transfer plan: planned from the layouts when any source declares what it holds
-  // (resharding), else the paired plan. Every engine of the group computes the same plan from
-  // the same metadata.
-  TransferPlan plan_of_group(int train, int rollout, std::span<const Metadata> metadata) {
-    std::vector<protocol::EngineMetadata> all;
-    bool resharding = false;
+  // The group's transfer plan, with the pieces of this engine's links (`scope`): planned from the
+  // layouts when any source declares what it holds (resharding), else the paired plan. Every
+  // engine of the group computes the same plan from the same metadata. Of the layouts, only those
+  // this engine's links place pieces by are kept (holds_, needs_).
+  TransferPlan plan_of_group(int train, int rollout, std::span<const Metadata> metadata, PlanScope scope) {
+    std::vector<Layout> holds(train), needs(rollout);
+    resharding_ = false;
     for (int i = 0; i < train + rollout; ++i) {
-      all.push_back(protocol::decode_metadata(metadata[i], "metadata of " + label_of(i, train)));
-      resharding = resharding || (i < train && !all.back().holds.empty());
+      const auto md = protocol::decode_metadata(metadata[i], "metadata of " + label_of(i, train));
+      if (i < train && !md.holds.empty()) {
+        resharding_ = true;
+        holds[i] = decode_layout(md.holds, "holdings of " + label_of(i, train));
+      } else if (i >= train && !md.layout.empty()) {
+        needs[i - train] = decode_layout(md.layout, "layout of " + label_of(i, train));
+      }
     }
-    resharding_ = resharding;
-    if (!resharding) return paired_plan(train, rollout);
+    if (!resharding_) return paired_plan(train, rollout);
     if (!options_.model)
       fail(ErrorKind::kConfig,
            "the sources declare what they hold (resharding), so this engine needs the model's "
            "inventory (EngineOptions::model) to plan the transfers");
-    std::vector<Layout> holds(train), needs(rollout);
-    for (int i = 0; i < train; ++i)
-      if (!all[i].holds.empty()) holds[i] = decode_layout(all[i].holds, "holdings of " + label_of(i, train));
-    for (int d = 0; d < rollout; ++d)
-      if (!all[train + d].layout.empty())
-        needs[d] = decode_layout(all[train + d].layout, "layout of " + label_of(train + d, train));
-    holds_ = holds;
-    needs_ = needs;
-    return plan_transfers(*options_.model, holds, needs);
+    TransferPlan plan = plan_transfers(*options_.model, holds, needs, scope);
+    const bool source = scope.kind == PlanScope::Kind::kSource;
+    const std::vector<uint32_t> peers = source ? plan.destinations_of(scope.rank) : plan.sources_of(scope.rank);
+    auto keep_only = [](std::vector<Layout>& layouts, std::span<const uint32_t> ranks) {
+      for (uint32_t k = 0; k < layouts.size(); ++k)
+        if (!std::binary_search(ranks.begin(), ranks.end(), k)) layouts[k] = Layout();
+    };
+    keep_only(source ? holds : needs, std::vector<uint32_t>{scope.rank});
+    keep_only(source ? needs : holds, peers);
+    holds_ = std::move(holds);
+    needs_ = std::move(needs);
+    return plan;
   }
 
   // Decodes a peer's metadata, refuses it unless it belongs to the same group, model and bucket
@@ -799,6 +812,7 @@ class CheckpointEngine::Impl {
       senders_[k]->send_early(kDeltaBucketBytes, phase);
     };
     TensorView view;
+    SendPiece paired_piece;  // paired: the one piece of the tensor in hand
     std::string pack_phase = "pack";
     uint64_t phase_bucket = UINT64_MAX;
     while (true) {
@@ -815,8 +829,10 @@ class CheckpointEngine::Impl {
       const uint64_t nbytes = info.nbytes();
       if (nbytes > 0 && view.data == nullptr)
         fail(ErrorKind::kInvalidArgument, "tensor '{}' ({} bytes) has no data pointer", info.name, nbytes);
+      // Where the tensor goes: the plan's pieces of this shard (resharding), or what the paired
+      // destination holds of it (all of it, a slice or nothing) as one piece.
+      std::span<const SendPiece> pieces(&paired_piece, 1);
       if (resharding_) {
-        // Resharding: the pieces the plan asks of this shard.
         auto it = send_tensors_.find(info.name);
         if (it == send_tensors_.end()) {
           ++stats.dropped;
@@ -829,35 +845,25 @@ class CheckpointEngine::Impl {
                shape_string(t.held_shape));
         if (!sent.add(info.name).added)
           fail(ErrorKind::kInvalidArgument, "tensor '{}' appears twice in one refit", info.name);
-        for (const SendPiece& p : t.pieces)
-          if (delta_)
-            send_delta(p.link, view, p.at.in_view, p.at.packed);
-          else
-            senders_[p.link]->add(view, p.at.in_view, p.at.tensor, p.at.in_tensor, phase);
-        ++stats.tensors;
-        continue;
+        pieces = t.pieces;
+      } else if (target_layout_) {
+        Selection selection = select(*target_layout_, info);
+        if (selection.take == Take::kDrop) {
+          ++stats.dropped;
+          continue;
+        }
+        sent.add(info.name);
+        paired_piece.at.in_view = Box::of(Request{selection.take, selection.slice});
+        paired_piece.at.tensor = std::move(selection.info);
+      } else {
+        paired_piece.at.tensor = info;  // reuses the previous tensor's allocations
       }
-      if (!target_layout_) {  // paired, whole tensors
-        if (delta_)
-          send_delta(0, view, Box::whole(), info);
+      for (const SendPiece& p : pieces)
+        if (delta_)  // a resharding piece goes by its own name
+          send_delta(p.link, view, p.at.in_view, resharding_ ? p.at.packed : p.at.tensor);
         else
-          senders_[0]->add(view, Box::whole(), info, Box::whole(), phase);
-        ++stats.tensors;
-        continue;
-      }
-      // Paired: what the destination holds of this tensor: all of it, a slice, or nothing.
-      const Selection selection = select(*target_layout_, info);
-      if (selection.take == Take::kDrop) {
-        ++stats.dropped;
-        continue;
-      }
-      sent.add(info.name);
+          senders_[p.link]->add(view, p.at.in_view, p.at.tensor, p.at.in_tensor, phase);
       ++stats.tensors;
-      const Box box = Box::of(Request{selection.take, selection.slice});
-      if (delta_)
-        send_delta(0, view, box, selection.info);
-      else
-        senders_[0]->add(view, box, selection.info, Box::whole(), phase);
     }
     if (target_layout_) {
       // A destination that declared a tensor must get it: a request the stream never met would

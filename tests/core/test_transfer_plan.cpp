@@ -272,6 +272,52 @@ TEST(TransferPlan, TheSamePlanEveryTime) {
   }
 }
 
+// An engine keeps only its own links' pieces; with replicas sharing the egress (where a piece goes
+// depends on every destination before it), its links and their buckets must still be the whole
+// plan's.
+TEST(TransferPlan, AnEnginesScopedPlanHasItsLinksOfTheWholePlan) {
+  const Model& m = qwen_moe();
+  TrainingParallel t;
+  t.tp_size = 2;
+  t.dp_size = 2;
+  const auto sources = megatron_source_layouts(m.inventory, m.dims, t);
+  const auto dest = vllm_side(m, 4, 1, false, true).layouts;
+  const TransferPlan all = plan_transfers(m.inventory, sources, dest);
+  const uint32_t S = all.source_count(), D = all.destination_count();
+  auto same_pieces = [](std::span<const TransferPiece> a, std::span<const TransferPiece> b) {
+    if (a.size() != b.size()) return false;
+    for (size_t k = 0; k < a.size(); ++k)
+      if (a[k].tensor != b[k].tensor || a[k].source != b[k].source || !(a[k].box == b[k].box)) return false;
+    return true;
+  };
+  size_t kept = 0;
+  for (uint32_t r = 0; r < S + D; ++r) {
+    const bool source = r < S;
+    const uint32_t rank = source ? r : r - S;
+    const TransferPlan mine =
+        plan_transfers(m.inventory, sources, dest, source ? PlanScope::source(rank) : PlanScope::destination(rank));
+    EXPECT_EQ(mine.egress(), all.egress());
+    for (uint32_t s = 0; s < S; ++s) EXPECT_EQ(mine.destinations_of(s), all.destinations_of(s)) << "source " << s;
+    for (uint32_t d = 0; d < D; ++d) {
+      EXPECT_EQ(mine.sources_of(d), all.sources_of(d)) << "destination " << d;
+      for (uint32_t s = 0; s < S; ++s) {
+        EXPECT_EQ(mine.link_bucket_bytes(s, d, 1 << 20), all.link_bucket_bytes(s, d, 1 << 20));
+        if ((source ? s : d) == rank) {
+          EXPECT_TRUE(same_pieces(mine.link(s, d), all.link(s, d))) << "link " << s << " -> " << d;
+        } else if (!all.link(s, d).empty()) {
+          error_of(ErrorKind::kInternal, [&] { mine.link(s, d); });
+        }
+      }
+    }
+    kept += mine.pieces().size();
+  }
+  // Each piece is kept by its source and by its destination, by no one else.
+  EXPECT_EQ(kept, 2 * all.pieces().size());
+  EXPECT_THAT(error_of(ErrorKind::kInvalidArgument,
+                       [&] { plan_transfers(m.inventory, sources, dest, PlanScope::destination(4)); }),
+              HasSubstr("scoped to destination rank 4 of a group of 4 sources and 4 destinations"));
+}
+
 TEST(TransferPlan, OverlappingSourceSlicesAreRefusedNamingBothSources) {
   const Model& m = qwen_moe();
   const std::string name = "model.layers.0.mlp.experts.0.gate_proj.weight";  // [32, 64]

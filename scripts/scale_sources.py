@@ -7,6 +7,7 @@ figure.
 
 Usage: scripts/scale_sources.py [--sources 1 8 64 256] [--model M] [--refits K] [--runs R]
                                 [--json OUT.json] [--plot OUT.png] [overrides...]
+       scripts/scale_sources.py --replot OUT.json --plot OUT.png
 Environment: BUILD_DIR (default build/release).
 """
 import argparse
@@ -43,6 +44,36 @@ def run(n, args):
     return report
 
 
+def plot(rows, model, path):
+    """Seconds per refit against sources (linear: a flat cost per source is a straight line), and
+    that cost beyond one source's refit."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, per) = plt.subplots(1, 2, figsize=(9, 3.6))
+    xs = [r["sources"] for r in rows]
+    ax.plot(xs, [r["median_s"] for r in rows], "o-", label="refit (median)")
+    for r in rows:
+        ax.plot([r["sources"]] * len(r["run_medians_s"]), r["run_medians_s"], ".", color="grey")
+    ax.set_xlabel("sources one destination reads from")
+    ax.set_ylabel("seconds per refit (grey: each run)")
+    ax.set_ylim(bottom=0)
+    base = rows[0]["median_s"] if rows[0]["sources"] == 1 else None
+    if base is not None:
+        more = [r for r in rows if r["sources"] > 1]
+        per.plot([r["sources"] for r in more], [1e3 * (r["median_s"] - base) / (r["sources"] - 1) for r in more], "o-")
+    per.set_xlabel("sources")
+    per.set_ylabel("ms per source beyond the first")
+    per.set_ylim(bottom=0)
+    for a in (ax, per):
+        a.grid(True, alpha=0.3)
+    fig.suptitle(f"{model}: FSDP shards, one destination, same bytes at every N")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sources", type=int, nargs="+", default=[1, 8, 64, 256])
@@ -51,8 +82,13 @@ def main():
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--json")
     p.add_argument("--plot")
+    p.add_argument("--replot", metavar="JSON", help="only plot the rows of an earlier --json")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args()
+    if args.replot:
+        saved = json.load(open(args.replot))
+        plot(saved["rows"], saved["model"], args.plot)
+        return
 
     rows = []
     print(f"{'sources':>8} {'median s':>9} {'runs (median s)':>26} {'MiB':>8} {'ms per source':>14}")
@@ -70,23 +106,7 @@ def main():
         json.dump({"model": args.model, "refits": args.refits, "overrides": args.overrides, "rows": rows},
                   open(args.json, "w"), indent=1)
     if args.plot:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(6, 3.6))
-        xs = [r["sources"] for r in rows]
-        ax.plot(xs, [r["median_s"] for r in rows], "o-", label="refit (median)")
-        for r in rows:
-            ax.plot([r["sources"]] * len(r["run_medians_s"]), r["run_medians_s"], ".", color="grey")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("sources one destination reads from")
-        ax.set_ylabel("seconds per refit")
-        ax.set_title(f"{args.model}: FSDP shards, one destination")
-        ax.grid(True, alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(args.plot, dpi=110)
+        plot(rows, args.model, args.plot)
 
 
 if __name__ == "__main__":

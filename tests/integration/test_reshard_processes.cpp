@@ -63,6 +63,14 @@ TEST(ReshardProcesses, TwoSourcesFeedSixDestinations) {
   expect_resharded(r, read_json(b.json), 2, 3);
 }
 
+// Fan-in at scale with real processes: 64 FSDP sources, each holding its row block of every
+// tensor, into one destination that reads from all of them (one receive loop, per-engine plans).
+TEST(ReshardProcesses, SixtyFourSourceProcessesFeedOneDestination) {
+  Bench b;
+  auto r = b.run(64, 1, {"--src-fsdp", "64"});
+  expect_resharded(r, read_json(b.json), 64, 1);
+}
+
 // FP8 weights with their 128 x 128 block scales: Megatron TP2 x EP2 shards to TP2 destinations;
 // every destination's FP8 weights and scales are checked against the full checkpoint's slices.
 TEST(ReshardProcesses, Fp8WeightsMoveWithTheirScaleBlocks) {

@@ -91,7 +91,8 @@ class CopyStream {
   CopyStream& operator=(const CopyStream&) = delete;
 
   // Enqueues a copy of `bytes` bytes. `dst_kind`/`src_kind` say where each side lives (a
-  // TensorView's `memory`, or kCuda for a device transfer buffer). A GPU side throws
+  // TensorView's `memory`, or kCuda for a device transfer buffer). Between GPU memory, copies wait
+  // and go out together, as copy_2d's do (no launch per small tensor). A GPU side throws
   // Error(kUnsupported) when CUDA is not usable here, naming why; a failed cudaMemcpyAsync
   // throws Error(kTransport) naming the call.
   void copy(void* dst, const void* src, size_t bytes, MemoryKind dst_kind, MemoryKind src_kind);
@@ -115,11 +116,10 @@ class CopyStream {
     MemoryKind dst_kind = MemoryKind::kHost;
     MemoryKind src_kind = MemoryKind::kHost;
   };
-  // Copies that copy() would do one by one, whose destinations do not overlap each other: a
-  // loader's batch of tensors. Copies between GPU memory go out together, as copy_2d's do,
+  // copy() of each: a loader's batch of tensors. Copies between GPU memory go out together
   // instead of one cudaMemcpyAsync each: no launch per small tensor, and from memory another
   // process exported (CUDA IPC) the kernel reads at 0.84 of the device copy where
-  // cudaMemcpyAsync reached 0.76 (H200, docs/GPU.md). Copies with a host side go as copy().
+  // cudaMemcpyAsync reached 0.76 (H200, docs/GPU.md).
   void copy_batch(std::span<const Copy> copies);
 
   // Returns once every copy issued so far is complete. Error(kTimeout) past the deadline (the

@@ -214,6 +214,10 @@ void CopyStream::copy(void* dst, const void* src, size_t bytes, MemoryKind dst_k
     return;
   }
 #ifdef REFIT_HAVE_CUDA
+  // Between GPU memory, the copy joins the group (one kernel per ~100 copies, as copy_2d's): a
+  // destination merging 1,683 FSDP pieces of a bucket spent 12 ms in a launch per piece.
+  if (dst_kind == MemoryKind::kCuda && src_kind == MemoryKind::kCuda)
+    return impl_->add_to_group({dst, src, bytes, 1, bytes, bytes});
   impl_->enqueue(
       d, s, "cudaMemcpyAsync", [&] { return fmt::format("copying {} bytes from {} to {}", bytes, src, dst); },
       [&](cudaStream_t stream) { return cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream); });
@@ -258,16 +262,7 @@ void CopyStream::copy_2d(void* dst, size_t dst_pitch, const void* src, size_t sr
 }
 
 void CopyStream::copy_batch(std::span<const Copy> copies) {
-  for (const Copy& c : copies) {
-#ifdef REFIT_HAVE_CUDA
-    if (c.dst_kind == MemoryKind::kCuda && c.src_kind == MemoryKind::kCuda && c.bytes > 0 && c.dst != nullptr &&
-        c.src != nullptr) {
-      impl_->add_to_group({c.dst, c.src, c.bytes, 1, c.bytes, c.bytes});
-      continue;
-    }
-#endif
-    copy(c.dst, c.src, c.bytes, c.dst_kind, c.src_kind);
-  }
+  for (const Copy& c : copies) copy(c.dst, c.src, c.bytes, c.dst_kind, c.src_kind);
 }
 
 void CopyStream::synchronize(Deadline deadline) { impl_->synchronize(deadline); }

@@ -29,15 +29,16 @@ std::string slow_read_warning(const ReadRoute& route, const std::string& destina
     return fmt::format(
         "{} loads every tensor of {} on this host from its mapped buckets, because refit_cfg.nixl.direct_reads is "
         "false, though CUDA_IPC could load them from the source's own GPU memory: a copy per byte more (the source's "
-        "pack), measured at 0.51 of loading in place on one H200 (874 against 1,725 GB/s, qwen3-8b) and 0.23 on one "
-        "H100 (174 against 750 GB/s, a 2.2 GiB model; docs/GPU.md): set refit_cfg.nixl.direct_reads=true",
+        "pack), measured at 0.51 of loading in place on one H200 (874 against 1,725 GB/s, qwen3-8b) and 0.74 on one "
+        "H100 (520 against 706 GB/s, a 2.2 GiB model; docs/GPU.md): set refit_cfg.nixl.direct_reads=true",
         destination, source);
   if (route.same_host && !route.mapped && !route.map_source_buffers && route.could_map &&
       !(route.buffers == MemoryKind::kCuda && (route.transport == "UCX" || route.transport == "NIXL")))
     return fmt::format(
         "{} copies every bucket of {} on this host into its own buffer before loading it, because "
         "refit_cfg.nixl.map_source_buffers is false, though {} could map them: a copy per byte more, measured at 0.36 "
-        "of the fastest route with GPU buffers (625 against 1,725 GB/s on one H200) and 0.23 with pinned host buffers "
+        "of the fastest route with GPU buffers (625 against 1,725 GB/s on one H200, 382 against 706 on one H100) and "
+        "0.23 with pinned host buffers "
         "(9.7 against 42 GB/s; docs/GPU.md): set refit_cfg.nixl.map_source_buffers=true",
         destination, source, route.transport);
   // CUDA IPC maps or fails loudly, NCCL moves GPU memory with its own kernels, and host memory or
@@ -69,8 +70,8 @@ std::string same_host_gpu_warning(MemoryKind buffers, const std::string& transpo
     return {};
   return fmt::format(
       "{} takes GPU weights from sources on this host only, through {}, which maps their buckets or reads them but "
-      "never loads their tensors in place: measured mapped at 621 GB/s and read at 130 GB/s against 1,725 GB/s for "
-      "CUDA_IPC in place on one GPU (0.36 and 0.08; docs/GPU.md): set backend_name=CUDA_IPC",
+      "never loads their tensors in place: measured mapped at 512 GB/s and read at 506 GB/s against 706 GB/s for "
+      "CUDA_IPC in place on one H100 (0.72; mapped at 0.36 on one H200, docs/GPU.md): set backend_name=CUDA_IPC",
       destination, transport);
 }
 

@@ -258,13 +258,18 @@ void write_delta_header(uint8_t* out, const DeltaRecordShape& shape, uint64_t el
   put_le<uint64_t>(p, checksum);
 }
 
-uint64_t delta_checksum(std::span<const std::byte> bytes, DeltaChecksum kind) {
-  if (kind == DeltaChecksum::kXxh3) return XXH3_64bits(bytes.data(), bytes.size());
+uint64_t word_hash_terms(std::span<const std::byte> bytes, uint64_t first_word) {
   uint64_t sum = 0;
   const size_t words = bytes.size() / 8;
-  for (size_t w = 0; w < words; ++w) sum += word_hash::term(element_bits<8>(bytes.data() + w * 8), w);
-  if (bytes.size() % 8 != 0) sum += word_hash::term(element_bits(bytes.data() + words * 8, bytes.size() % 8), words);
-  return word_hash::finish(sum, bytes.size());
+  for (size_t w = 0; w < words; ++w) sum += word_hash::term(element_bits<8>(bytes.data() + w * 8), first_word + w);
+  if (bytes.size() % 8 != 0)
+    sum += word_hash::term(element_bits(bytes.data() + words * 8, bytes.size() % 8), first_word + words);
+  return sum;
+}
+
+uint64_t delta_checksum(std::span<const std::byte> bytes, DeltaChecksum kind) {
+  if (kind == DeltaChecksum::kXxh3) return XXH3_64bits(bytes.data(), bytes.size());
+  return word_hash::finish(word_hash_terms(bytes, 0), bytes.size());
 }
 
 bool encode_delta_changes(uint64_t elements, size_t element_size, std::span<const uint64_t> index,

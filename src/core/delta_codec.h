@@ -114,5 +114,9 @@ DeltaHeader apply_delta(std::span<std::byte> target, size_t element_size, std::s
 
 // The checksum of the bytes (host memory) of the given kind.
 uint64_t delta_checksum(std::span<const std::byte> bytes, DeltaChecksum kind = DeltaChecksum::kXxh3);
+// The word hash in parts (it is a sum): the terms of `bytes`, whose first word is word
+// `first_word` of the tensor (only the tensor's last part may end inside a word). The checksum is
+// word_hash::finish(the sum over all parts, the tensor's bytes).
+uint64_t word_hash_terms(std::span<const std::byte> bytes, uint64_t first_word);
 
 }  // namespace refit

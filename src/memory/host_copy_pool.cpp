@@ -1,9 +1,11 @@
 #include "memory/host_copy_pool.h"
 
 #include <algorithm>
+#include <atomic>
 #include <charconv>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 
 #include "core/fail.h"
 
@@ -60,25 +62,54 @@ void HostCopyPool::copy(void* dst, const void* src, size_t bytes) {
     std::memcpy(dst, src, bytes);
     return;
   }
-  if (workers_.empty())
-    for (int i = 0; i < threads_; ++i) workers_.emplace_back([this] { run(); });
   const size_t ways = static_cast<size_t>(threads_) + 1;
   const size_t part = (bytes / ways + kPartAlignment - 1) / kPartAlignment * kPartAlignment;
   auto* out = static_cast<std::byte*>(dst);
   const auto* in = static_cast<const std::byte*>(src);
+  for_each((bytes + part - 1) / part, [&](size_t k) {
+    const size_t begin = k * part;
+    std::memcpy(out + begin, in + begin, std::min(part, bytes - begin));
+  });
+}
+
+void HostCopyPool::for_each(size_t count, const std::function<void(size_t)>& body) {
+  if (threads_ == 0 || count <= 1) {
+    for (size_t k = 0; k < count; ++k) body(k);
+    return;
+  }
+  if (workers_.empty())
+    for (int i = 0; i < threads_; ++i) workers_.emplace_back([this] { run(); });
+  std::atomic<size_t> next{0};
+  std::mutex failed_mutex;
+  size_t failed_at = count;
+  std::exception_ptr failure;
+  auto work = [&] {
+    for (size_t k; (k = next++) < count;) {
+      try {
+        body(k);
+      } catch (...) {
+        std::lock_guard lock(failed_mutex);
+        if (k < failed_at) {
+          failed_at = k;
+          failure = std::current_exception();
+        }
+      }
+    }
+  };
+  const size_t helpers = std::min<size_t>(static_cast<size_t>(threads_), count - 1);
   {
     std::lock_guard lock(mutex_);
-    for (size_t begin = part; begin < bytes; begin += part) {
-      const size_t size = std::min(part, bytes - begin);
-      parts_.push_back([out, in, begin, size] { std::memcpy(out + begin, in + begin, size); });
-      ++unfinished_;
-    }
+    for (size_t t = 0; t < helpers; ++t) parts_.push_back(work);
+    unfinished_ += helpers;
   }
   work_.notify_all();
-  std::memcpy(out, in, std::min(part, bytes));  // the first part on this thread
-  // Memory copies end on their own: no deadline is needed here.
-  std::unique_lock lock(mutex_);
-  done_.wait(lock, [&] { return unfinished_ == 0; });
+  work();
+  // The parts end on their own (copies, hashes): no deadline is needed here.
+  {
+    std::unique_lock lock(mutex_);
+    done_.wait(lock, [&] { return unfinished_ == 0; });
+  }
+  if (failure) std::rethrow_exception(failure);
 }
 
 }  // namespace refit

@@ -5,6 +5,7 @@
 #include <cstring>
 #include <random>
 
+#include "core/delta_bits.h"
 #include "refit/error.h"
 
 namespace refit {
@@ -329,6 +330,24 @@ TEST(DeltaCodec, TheWordHashSeesEveryByteAndPosition) {
   EXPECT_NE(delta_checksum(longer, DeltaChecksum::kWords), h);
   EXPECT_NE(delta_checksum(std::span(bytes).first(1000), DeltaChecksum::kWords),
             delta_checksum(std::span(bytes).first(1001), DeltaChecksum::kWords));
+}
+
+// The word hash is a sum over words: hashed in parts (as a destination does on several cores) it is
+// the same checksum, whatever the parts and a tail shorter than a word.
+TEST(DeltaChecksum, TheWordHashInPartsIsTheWholeOnes) {
+  std::vector<std::byte> bytes(8 * 1000 + 5);
+  for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = static_cast<std::byte>((i * 2654435761u) >> 13);
+  const std::span<const std::byte> all(bytes);
+  const uint64_t whole = delta_checksum(all, DeltaChecksum::kWords);
+  for (size_t part_words : {1, 7, 64, 1000}) {
+    uint64_t sum = 0;
+    for (size_t w = 0; w * 8 < bytes.size(); w += part_words)
+      sum += word_hash_terms(all.subspan(w * 8, std::min(part_words * 8, bytes.size() - w * 8)), w);
+    EXPECT_EQ(word_hash::finish(sum, bytes.size()), whole) << part_words << " words a part";
+  }
+  // A moved part changes it.
+  EXPECT_NE(word_hash::finish(word_hash_terms(all.subspan(8), 0) + word_hash_terms(all.first(8), 1000), bytes.size()),
+            whole);
 }
 
 }  // namespace

@@ -4,6 +4,8 @@
 // "no GPU here" skip on a machine that has one; tests/gpu covers that machine.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -164,6 +166,23 @@ TEST(HostCopyPool, SplitsLargeCopiesOverItsThreadsAndCopiesEveryByte) {
   std::vector<std::byte> a(large + 5, std::byte{1}), b(large + 5);
   none.copy(b.data(), a.data(), a.size());
   EXPECT_EQ(a, b);
+}
+
+// Work in parts runs every part once, on the threads and the caller's, and reports the failure of
+// the lowest part that failed (so the error does not depend on timing).
+TEST(HostCopyPool, RunsEveryPartOnceAndReportsTheLowestFailure) {
+  for (int threads : {0, 3}) {
+    HostCopyPool pool(threads);
+    std::vector<std::atomic<int>> runs(1000);
+    pool.for_each(runs.size(), [&](size_t k) { ++runs[k]; });
+    EXPECT_TRUE(std::all_of(runs.begin(), runs.end(), [](const auto& n) { return n == 1; })) << threads;
+    const std::string what = testing::error_of(ErrorKind::kInternal, [&] {
+      pool.for_each(100, [&](size_t k) {
+        if (k % 10 == 7) throw Error(ErrorKind::kInternal, "part " + std::to_string(k) + " failed");
+      });
+    });
+    EXPECT_EQ(what, "part 7 failed") << threads;
+  }
 }
 
 // The thread count can be set, and a bad setting is refused naming the variable.

@@ -569,16 +569,17 @@ class CheckpointEngine::Impl {
   TransferPlan plan_of_group(int train, int rollout, std::span<const Metadata> metadata, PlanScope scope) {
     std::vector<Layout> holds(train), needs(rollout);
     resharding_ = false;
-    for (int i = 0; i < train + rollout; ++i) {
+    for (int i = 0; i < train; ++i) {
       const auto md = protocol::decode_metadata(metadata[i], "metadata of " + label_of(i, train));
-      if (i < train && !md.holds.empty()) {
-        resharding_ = true;
-        holds[i] = decode_layout(md.holds, "holdings of " + label_of(i, train));
-      } else if (i >= train && !md.layout.empty()) {
-        needs[i - train] = decode_layout(md.layout, "layout of " + label_of(i, train));
-      }
+      if (md.holds.empty()) continue;
+      resharding_ = true;
+      holds[i] = decode_layout(md.holds, "holdings of " + label_of(i, train));
     }
-    if (!resharding_) return paired_plan(train, rollout);
+    if (!resharding_) return paired_plan(train, rollout);  // a paired source reads its destination's layout alone
+    for (int d = 0; d < rollout; ++d) {
+      const auto md = protocol::decode_metadata(metadata[train + d], "metadata of " + label_of(train + d, train));
+      if (!md.layout.empty()) needs[d] = decode_layout(md.layout, "layout of " + label_of(train + d, train));
+    }
     if (!options_.model)
       fail(ErrorKind::kConfig,
            "the sources declare what they hold (resharding), so this engine needs the model's "

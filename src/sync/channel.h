@@ -1,5 +1,5 @@
 // A framed message channel over a stream socket (a socket pair, or TCP across hosts) between the
-// driver and one worker process: 8-byte length, then a CBOR-encoded JSON value. Every receive has a deadline; a
+// driver and one worker process: 8-byte length, then a JSON value (channel_frame.h). Every receive has a deadline; a
 // closed peer is reported as such, so a dead worker is noticed at once.
 #pragma once
 

@@ -32,15 +32,59 @@ void write_all(int fd, const std::vector<uint8_t>& bytes) {
   ASSERT_EQ(::send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL), static_cast<ssize_t>(bytes.size()));
 }
 
-TEST(ChannelFrame, IsALittleEndianLengthThenCbor) {
+// A body of the CBOR with its length, then the raw values (none here).
+std::vector<uint8_t> body_of(const std::vector<uint8_t>& cbor, std::initializer_list<std::vector<uint8_t>> raw = {}) {
+  std::vector<uint8_t> body;
+  auto put = [&](uint64_t v) {
+    for (int i = 0; i < 8; ++i) body.push_back(static_cast<uint8_t>(v >> (8 * i)));
+  };
+  put(cbor.size());
+  body.insert(body.end(), cbor.begin(), cbor.end());
+  put(raw.size());
+  for (const auto& r : raw) {
+    put(r.size());
+    body.insert(body.end(), r.begin(), r.end());
+  }
+  return body;
+}
+
+TEST(ChannelFrame, IsALittleEndianLengthThenCborThenRawValues) {
   const json message = {{"cmd", "exit"}};
-  const std::vector<uint8_t> body = json::to_cbor(message);
+  const std::vector<uint8_t> body = body_of(json::to_cbor(message));
   ASSERT_LT(body.size(), 256u);
   const std::vector<uint8_t> frame = channel_frame::encode(message);
-  ASSERT_EQ(frame.size(), 8 + body.size());
-  EXPECT_THAT(std::vector<uint8_t>(frame.begin(), frame.begin() + 8), ElementsAre(body.size(), 0, 0, 0, 0, 0, 0, 0));
+  std::vector<uint8_t> expected = {static_cast<uint8_t>(body.size()), 0, 0, 0, 0, 0, 0, 0};
+  expected.insert(expected.end(), body.begin(), body.end());
+  ASSERT_EQ(frame, expected);
   EXPECT_EQ(channel_frame::decode_length(std::span<const uint8_t, 8>(frame.data(), 8), "worker 1"), body.size());
   EXPECT_EQ(channel_frame::decode_body(std::span<const uint8_t>(frame).subspan(8), "worker 1"), message);
+}
+
+// Binary values of 1 KiB or more travel after the CBOR as they are (nlohmann's reader copies a
+// binary a byte at a time), wherever they are nested, and come back in place; smaller ones stay in
+// the CBOR.
+TEST(ChannelFrame, LargeBinaryValuesTravelAfterTheCborAndComeBackInPlace) {
+  std::vector<uint8_t> big(5000), other(1024);
+  for (size_t i = 0; i < big.size(); ++i) big[i] = static_cast<uint8_t>(i * 7);
+  for (size_t i = 0; i < other.size(); ++i) other[i] = static_cast<uint8_t>(i * 13 + 1);
+  const json message = {{"cmd", "init"},
+                        {"session", json::binary({1, 2, 3})},
+                        {"metadata", {json::binary(big), json::binary(other), json::binary({9})}},
+                        {"nested", {{"deeper", json::binary(big)}}}};
+  const std::vector<uint8_t> frame = channel_frame::encode(message);
+  EXPECT_LT(frame.size(), 2 * big.size() + other.size() + 300) << "each large value once, raw";
+  const std::span<const uint8_t> body = std::span<const uint8_t>(frame).subspan(8);
+  // The CBOR at the front names them by index; the last raw value is `big` as it is.
+  const uint64_t cbor_size = body[0] | (uint64_t{body[1]} << 8);
+  const json cbor = json::from_cbor(body.subspan(8, cbor_size));
+  EXPECT_EQ(cbor.at("metadata").at(0), (json{{"refit:raw", 0}}));
+  EXPECT_EQ(cbor.at("metadata").at(2), json::binary({9}));
+  EXPECT_TRUE(std::equal(big.begin(), big.end(), body.end() - static_cast<ptrdiff_t>(big.size())));
+  EXPECT_EQ(channel_frame::decode_body(body, "worker 1"), message);
+  // An index past the raw values is refused, naming the sender.
+  const std::vector<uint8_t> bad = body_of(json::to_cbor(json{{"m", {{"refit:raw", 1}}}}), {{1, 2}});
+  EXPECT_THAT(error_of(ErrorKind::kProtocol, [&] { channel_frame::decode_body(bad, "worker 3"); }),
+              AllOf(HasSubstr("malformed channel message from worker 3"), HasSubstr("raw value 1 of 1")));
 }
 
 TEST(ChannelFrame, MalformedFramesAreProtocolErrorsNamingThePeer) {
@@ -51,12 +95,12 @@ TEST(ChannelFrame, MalformedFramesAreProtocolErrorsNamingThePeer) {
       error_of(ErrorKind::kProtocol,
                [&] { channel_frame::decode_length(std::span<const uint8_t, 8>(too_big.data(), 8), "worker 1"); }),
       AllOf(HasSubstr("malformed channel frame from worker 1"), HasSubstr("1073741825")));
-  const std::vector<uint8_t> garbage = {0xff, 0x00, 0x13};
-  EXPECT_THAT(error_of(ErrorKind::kProtocol, [&] { channel_frame::decode_body(garbage, "worker 2"); }),
-              HasSubstr("malformed channel message from worker 2"));
+  for (const auto& garbage : {std::vector<uint8_t>{0xff, 0x00, 0x13}, body_of({0xff, 0x00, 0x13})})
+    EXPECT_THAT(error_of(ErrorKind::kProtocol, [&] { channel_frame::decode_body(garbage, "worker 2"); }),
+                HasSubstr("malformed channel message from worker 2"));
   std::vector<uint8_t> deep(200, 0x81);  // arrays of one element, nested 200 deep
   deep.push_back(0x00);
-  EXPECT_THAT(error_of(ErrorKind::kProtocol, [&] { channel_frame::decode_body(deep, "worker 2"); }),
+  EXPECT_THAT(error_of(ErrorKind::kProtocol, [&] { channel_frame::decode_body(body_of(deep), "worker 2"); }),
               AllOf(HasSubstr("malformed channel message from worker 2"), HasSubstr("nested deeper than 64")));
 }
 

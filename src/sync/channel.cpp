@@ -48,11 +48,12 @@ struct DepthCheck : nlohmann::json_sax<nlohmann::json> {
 }  // namespace
 
 namespace channel_frame {
+namespace {
 
 // Large binary values travel after the CBOR, as they are: nlohmann's reader copies a binary value
-// byte by byte, and a worker's init message carries every worker's metadata (257 blobs of ~30 KB
-// at 256 sources: a fifth of all CPU during set-up went there). In the CBOR such a value is an
-// object whose one key is kRawKey and whose value is its index among the raw blobs.
+// byte by byte, and a worker's init message carries every worker's metadata (~30 KB each for the
+// default model's FSDP shards: with 128 sources, a fifth of all CPU during set-up went there). In the CBOR such a value
+// is an object whose one key is kRawKey and whose value is its index among the raw blobs.
 constexpr std::string_view kRawKey = "refit:raw";
 constexpr size_t kMinRawBytes = 1024;
 
@@ -87,6 +88,8 @@ void with_raw(nlohmann::json& j, std::span<const std::span<const uint8_t>> raw, 
   if (j.is_structured())
     for (auto& value : j) with_raw(value, raw, peer);
 }
+
+}  // namespace
 
 std::vector<uint8_t> encode(const nlohmann::json& message) {
   std::vector<const std::vector<uint8_t>*> raw;

@@ -23,6 +23,7 @@
 #include "engine/protocol.h"
 #include "engine/read_route.h"
 #include "engine/source_regions.h"
+#include "memory/host_copy_pool.h"
 #include "refit/device.h"
 #include "refit/ext/device_memory.h"
 #include "refit/plan.h"
@@ -427,7 +428,7 @@ class CheckpointEngine::Impl {
       if (delta_)
         for (auto& link : links_) {
           link.wire->finish(link.label);
-          destination_deltas_[link.peer_rank].finish(link.label);
+          destination_deltas_[link.peer_rank].finish(link.label, host_pool());
         }
     });
     std::unique_ptr<ReceiveRun> done = std::move(receive_);
@@ -724,6 +725,12 @@ class CheckpointEngine::Impl {
            (caps.reads_registered_memory ? protocol::kTakesByRead : 0);
   }
 
+  // Delta refit on a destination: the host copies' checksums, for every link (delta.h).
+  HostCopyPool& host_pool() {
+    if (!host_pool_) host_pool_ = std::make_unique<HostCopyPool>();
+    return *host_pool_;
+  }
+
   SourceRegions& source_regions() {
     if (!source_regions_) source_regions_ = std::make_unique<SourceRegions>(transport_.get());
     return *source_regions_;
@@ -1004,7 +1011,7 @@ class CheckpointEngine::Impl {
             wire.add_bucket(bucket, run.bucket->bytes, links_[k].label, next_deadline(), repeats_checked);
         const auto patching = Clock::now();
         destination_deltas_[links_[k].peer_rank].transform(carried, wire.owners(), run.delta_views, run.delta_owners,
-                                                           links_[k].label);
+                                                           links_[k].label, host_pool());
         run.stats.delta_seconds += seconds_since(patching);
         run.views = run.delta_views;
         run.owners = run.delta_owners;
@@ -1097,6 +1104,7 @@ class CheckpointEngine::Impl {
   // connections (the versions in the metadata say what still holds).
   std::map<uint32_t, SourceDelta> source_deltas_;
   std::map<uint32_t, DestinationDelta> destination_deltas_;
+  std::unique_ptr<HostCopyPool> host_pool_;  // their checksums' threads: one pool whatever the links
   // On a source, by destination rank: the slices or pieces packed to compare. Per link, since two
   // links' pieces may go by one name (each destination's whole tensor) and a link may read its
   // bytes from where they were packed until the refit ends.

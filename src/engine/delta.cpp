@@ -269,11 +269,6 @@ void SourceDelta::drop() { base_version_ = 0; }
 DestinationDelta::DestinationDelta() = default;
 DestinationDelta::~DestinationDelta() = default;
 
-HostCopyPool& DestinationDelta::pool() {
-  if (!pool_) pool_ = std::make_unique<HostCopyPool>();
-  return *pool_;
-}
-
 DeviceDelta& DestinationDelta::gpu() { return made(gpu_); }
 
 void DestinationDelta::begin() {
@@ -286,7 +281,7 @@ void DestinationDelta::begin() {
 
 void DestinationDelta::transform(std::span<const TensorView> in, std::span<const std::shared_ptr<const void>> in_owners,
                                  std::vector<TensorView>& out, std::vector<std::shared_ptr<const void>>& owners,
-                                 const std::string& who) {
+                                 const std::string& who, HostCopyPool& pool) {
   out.clear();
   owners.clear();
   // Changes to GPU tensors are patched together, one wait per batch (and per GPU); each result is
@@ -311,7 +306,7 @@ void DestinationDelta::transform(std::span<const TensorView> in, std::span<const
     patched_here.clear();
     std::vector<HostSum> sums;
     for (const HostPatched& p : host_patched) sums.push_back({p.bytes, p.header.checksum_kind});
-    const std::vector<uint64_t> now = host_checksums(sums, pool());
+    const std::vector<uint64_t> now = host_checksums(sums, pool);
     for (size_t k = 0; k < host_patched.size(); ++k)
       check_patched(host_patched[k].name, host_patched[k].header, now[k], who);
     host_patched.clear();
@@ -416,7 +411,7 @@ std::span<const uint8_t> DestinationDelta::on_host(const TensorView& view) {
   return record_;
 }
 
-void DestinationDelta::finish(const std::string& who) {
+void DestinationDelta::finish(const std::string& who, HostCopyPool& pool) {
   if (!header_seen_) fail(ErrorKind::kProtocol, "{} sent no delta header (is delta on at both ends?)", who);
   if (!ended_) fail(ErrorKind::kProtocol, "{} did not end its delta refit", who);
   if (announced_ != arrived_)
@@ -436,7 +431,7 @@ void DestinationDelta::finish(const std::string& who) {
     wanted.push_back(it->second);
     if (entry->second.memory == MemoryKind::kHost) on_host.push_back({entry->second.bytes, it->second->kind});
   }
-  const std::vector<uint64_t> host_sums = host_checksums(on_host, pool());
+  const std::vector<uint64_t> host_sums = host_checksums(on_host, pool);
   size_t next_host = 0;
   for (size_t k = 0; k < whole_.size(); ++k) {
     const std::string& name = whole_[k]->first;

@@ -167,19 +167,19 @@ class DestinationDelta {
   // changes are applied to the held copy and handed out as the whole tensor, whole tensors are
   // copied into it and handed out as they came. `owners` is parallel to `views` (null for a view
   // into our copy). `who` names the source in errors.
+  // Host copies are checked on `pool` (the engine's: one for all its links).
   void transform(std::span<const TensorView> in, std::span<const std::shared_ptr<const void>> in_owners,
-                 std::vector<TensorView>& out, std::vector<std::shared_ptr<const void>>& owners,
-                 const std::string& who);
+                 std::vector<TensorView>& out, std::vector<std::shared_ptr<const void>>& owners, const std::string& who,
+                 HostCopyPool& pool);
   // The refit went through: checks that the header came and that as many tensors as it announced
   // arrived, then holds the new version.
-  void finish(const std::string& who);
+  void finish(const std::string& who, HostCopyPool& pool);
   void drop() { version_ = 0; }
 
   const DeltaCounts& counts() const { return counts_; }
 
  private:
   DeviceDelta& gpu();
-  HostCopyPool& pool();
   // Throws Error(kIntegrity) unless `now`, the checksum of the patched tensor `name`, is the source's.
   static void check_patched(std::string_view name, const DeltaHeader& h, uint64_t now, const std::string& who);
   // A marker's or record's bytes, copied to the host when they arrived in GPU memory (record_).
@@ -187,9 +187,8 @@ class DestinationDelta {
 
   std::map<std::string, HeldTensor, std::less<>> held_;
   std::unique_ptr<DeviceDelta> gpu_;
-  std::unique_ptr<HostCopyPool> pool_;  // checksums of host copies, on several cores (host_checksums)
-  std::vector<uint8_t> record_;         // a marker or record that arrived in GPU memory, on the host
-  uint64_t version_ = 0;                // of held_; 0 while a refit rewrites it
+  std::vector<uint8_t> record_;  // a marker or record that arrived in GPU memory, on the host
+  uint64_t version_ = 0;         // of held_; 0 while a refit rewrites it
   bool header_seen_ = false;
   bool ended_ = false;
   uint64_t new_version_ = 0;

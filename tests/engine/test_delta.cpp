@@ -8,6 +8,7 @@
 #include "core/error_of.h"
 #include "engine/delta.h"
 #include "engine_harness.h"
+#include "memory/host_copy_pool.h"
 #include "refit/ext/box_copy.h"
 
 namespace refit {
@@ -327,14 +328,15 @@ TEST(DeltaRefit, ChangesApplyOnlyToTheirBaseAndNeverTwice) {
   auto weights = model(9);
   SourceDelta source;
   DestinationDelta destination, fresh;
+  HostCopyPool pool(2);  // the checksums on threads too
   std::vector<TensorView> out;
   std::vector<std::shared_ptr<const void>> owners;
   auto run = [&](DestinationDelta& d, uint64_t version, std::vector<TensorView>* records = nullptr) {
     const std::vector<TensorView> views = encoded(source, weights, version);
     if (records) *records = views;
     d.begin();
-    d.transform(views, {}, out, owners, "source rank 0");
-    d.finish("source rank 0");
+    d.transform(views, {}, out, owners, "source rank 0", pool);
+    d.finish("source rank 0", pool);
     source.commit(0);
   };
   run(destination, 0);
@@ -346,18 +348,19 @@ TEST(DeltaRefit, ChangesApplyOnlyToTheirBaseAndNeverTwice) {
   EXPECT_TRUE(records[1].info->name.starts_with("refit:delta:"));
   // A destination that holds nothing refuses them.
   fresh.begin();
-  EXPECT_EQ(error_kind_of([&] { fresh.transform(records, {}, out, owners, "source rank 0"); }), ErrorKind::kProtocol);
+  EXPECT_EQ(error_kind_of([&] { fresh.transform(records, {}, out, owners, "source rank 0", pool); }),
+            ErrorKind::kProtocol);
   // The one that holds the base applies them, and gets the new bits.
   destination.begin();
-  destination.transform(records, {}, out, owners, "source rank 0");
-  destination.finish("source rank 0");
+  destination.transform(records, {}, out, owners, "source rank 0", pool);
+  destination.finish("source rank 0", pool);
   ASSERT_EQ(out.size(), weights.size());  // every tensor, the markers left out
   for (size_t k = 0; k < weights.size(); ++k)
     EXPECT_TRUE(std::equal(weights[k].data.begin(), weights[k].data.end(), out[k].data)) << weights[k].info.name;
   // Applying them again is refused: the destination now holds the version they made.
   destination.begin();
   try {
-    destination.transform(records, {}, out, owners, "source rank 0");
+    destination.transform(records, {}, out, owners, "source rank 0", pool);
     FAIL() << "a delta applied twice";
   } catch (const Error& e) {
     EXPECT_EQ(e.kind(), ErrorKind::kProtocol);
@@ -388,6 +391,7 @@ TEST(DeltaRefit, AutoSendsEachRefitTheWayThatWasFasterAndMeasuresTheOtherAgain) 
   auto weights = model(5);
   SourceDelta source;
   DestinationDelta destination;
+  HostCopyPool pool;
   std::vector<TensorView> out;
   std::vector<std::shared_ptr<const void>> owners;
   // One refit through both sides, committed as taking `whole_s` or `changes_s` by the way it
@@ -398,8 +402,8 @@ TEST(DeltaRefit, AutoSendsEachRefitTheWayThatWasFasterAndMeasuresTheOtherAgain) 
     const bool changes = std::any_of(views.begin(), views.end(),
                                      [](const TensorView& v) { return v.info->name.starts_with("refit:delta:"); });
     destination.begin();
-    destination.transform(views, {}, out, owners, "source rank 0");
-    destination.finish("source rank 0");
+    destination.transform(views, {}, out, owners, "source rank 0", pool);
+    destination.finish("source rank 0", pool);
     for (size_t k = 0; k < weights.size(); ++k)
       EXPECT_TRUE(std::equal(weights[k].data.begin(), weights[k].data.end(), out[k].data)) << weights[k].info.name;
     source.commit(changes ? changes_s : whole_s);

@@ -8,7 +8,7 @@
 #include <random>
 #include <vector>
 
-#include "core/delta_codec.h"
+#include "delta/codec.h"
 
 namespace {
 

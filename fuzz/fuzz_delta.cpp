@@ -1,5 +1,5 @@
 // apply_delta on arbitrary records, as a destination applies the changes a source sent
-// (core/delta_codec.h). The first input byte picks the element size (1, 2, 4 or 8) and the
+// (delta/codec.h). The first input byte picks the element size (1, 2, 4 or 8) and the
 // tensor's element count comes from the record's own header when it is small, so that inputs
 // reach the position decoders. Oracles: only Error(kProtocol) may come out, and a refused record
 // writes nothing; an accepted one changes exactly `changed` elements at most, and encoding the
@@ -11,7 +11,7 @@
 #include <span>
 #include <vector>
 
-#include "core/delta_codec.h"
+#include "delta/codec.h"
 #include "fuzz_common.h"
 
 using namespace refit;

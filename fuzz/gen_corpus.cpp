@@ -11,8 +11,8 @@
 
 #include <nlohmann/json.hpp>
 
-#include "core/delta_codec.h"
 #include "core/wire.h"
+#include "delta/codec.h"
 #include "engine/protocol.h"
 #include "refit/layout.h"
 #include "refit/plan.h"

@@ -15,8 +15,8 @@
 #include "core/fail.h"
 #include "core/name_index.h"
 #include "core/random_id.h"
+#include "delta/link_delta.h"
 #include "engine/assembler.h"
-#include "engine/delta.h"
 #include "engine/link_reader.h"
 #include "engine/link_sender.h"
 #include "engine/peer_wait.h"
@@ -38,7 +38,7 @@ constexpr int kBufferCount = 2;
 // An abort is a courtesy to the peer; it must never hold up reporting our own error.
 constexpr Seconds kAbortTimeout{2.0};
 
-// Delta refit: a bucket goes once it holds this much (engine/delta.h), so that the destination
+// Delta refit: a bucket goes once it holds this much (delta/link_delta.h), so that the destination
 // patches while the source scans on; a few round trips per refit at most.
 constexpr uint64_t kDeltaBucketBytes = 1 << 20;
 
@@ -1100,8 +1100,8 @@ class CheckpointEngine::Impl {
   bool resharding_ = false;     // the group reshards (the latest init's plan_if_resharding)
   bool delta_ = false;          // this init's links go by delta refit (check_delta)
   std::unique_ptr<ReceiveRun> receive_;
-  // Delta refit (engine/delta.h), by link: a source's by destination rank, a destination's by source rank, kept across
-  // connections (the versions in the metadata say what still holds).
+  // Delta refit (delta/link_delta.h), by link: a source's by destination rank, a destination's by source rank, kept
+  // across connections (the versions in the metadata say what still holds).
   std::map<uint32_t, SourceDelta> source_deltas_;
   std::map<uint32_t, DestinationDelta> destination_deltas_;
   std::unique_ptr<HostCopyPool> host_pool_;  // their checksums' threads: one pool whatever the links

@@ -43,7 +43,7 @@ struct EngineMetadata {
   uint64_t generation = 0;  // random per prepare(): tells one connection from the next
   // A destination's ways of taking tensors from its sources' own memory (kTakesBy*; 0: none).
   uint8_t takes = 0;
-  // Delta refit (refit_cfg.nixl.delta, engine/delta.h): both ends must set the same mode. A
+  // Delta refit (refit_cfg.nixl.delta, delta/link_delta.h): both ends must set the same mode. A
   // destination's weights_versions: per source rank, the version of what it holds from that source
   // (sources it holds nothing from are left out).
   DeltaMode delta = DeltaMode::kOff;

@@ -6,7 +6,7 @@
 #include <random>
 
 #include "core/error_of.h"
-#include "engine/delta.h"
+#include "delta/link_delta.h"
 #include "engine_harness.h"
 #include "memory/host_copy_pool.h"
 #include "refit/ext/box_copy.h"

@@ -5,9 +5,9 @@
 #include <cstring>
 #include <random>
 
-#include "core/delta_codec.h"
+#include "delta/codec.h"
+#include "delta/device_delta.h"
 #include "gpu_test_util.h"
-#include "memory/cuda/device_delta.h"
 #include "refit/ext/device_memory.h"
 
 namespace refit::gpu_test {

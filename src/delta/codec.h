@@ -4,7 +4,7 @@
 //
 // A record is self-describing: a fixed header (magic "RFD1", position encoding, element size,
 // value coding, checksum kind, element count, changed count, checksum of the whole tensor after
-// the change: xxh3-64 for a tensor in host memory, the word hash of core/delta_bits.h for one a
+// the change: xxh3-64 for a tensor in host memory, the word hash of delta/bits.h for one a
 // kernel hashed in GPU memory, whose blocks hash their words independently), then
 // the positions and the new values, each written whichever way is smaller:
 //   positions: gaps   each changed index as the LEB128 varint of its distance from the previous

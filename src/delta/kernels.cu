@@ -2,8 +2,8 @@
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 
-#include "core/delta_bits.h"
-#include "memory/cuda/delta_kernels.h"
+#include "delta/bits.h"
+#include "delta/kernels.h"
 
 namespace refit::cuda {
 namespace {

@@ -1,6 +1,6 @@
 // Delta refit (refit_cfg.nixl.delta): a source remembers the bytes a destination last received
 // on their link and, per tensor, sends only the elements that changed since
-// (core/delta_codec.h); the destination keeps the same version and patches it, then hands its
+// (delta/codec.h); the destination keeps the same version and patches it, then hands its
 // loader whole tensors as in any refit. Bit-exact: nothing is computed in floating point, and
 // every patched tensor is checked against the checksum of the source's tensor. A link's tensors
 // are what its destination holds of them: whole tensors, a layout's slices (packed first), or,
@@ -17,7 +17,7 @@
 // drops it (the next refit goes whole).
 // Memory: each side holds one copy of what crosses the link, where the tensor lies (a source also
 // keeps the slices or pieces it packs): tensors in GPU memory are compared, compacted and patched
-// there by kernels (memory/cuda/device_delta.h), and only their changed elements cross to the host.
+// there by kernels (delta/device_delta.h), and only their changed elements cross to the host.
 #pragma once
 
 #include <cstdint>
@@ -28,7 +28,7 @@
 #include <string>
 #include <vector>
 
-#include "core/delta_codec.h"
+#include "delta/codec.h"
 #include "refit/checkpoint_engine.h"
 #include "refit/ext/device_memory.h"
 #include "refit/layout.h"

@@ -1,4 +1,4 @@
-#include "core/delta_codec.h"
+#include "delta/codec.h"
 
 #include <xxhash.h>
 
@@ -6,9 +6,9 @@
 #include <bit>
 #include <cstring>
 
-#include "core/delta_bits.h"
 #include "core/fail.h"
 #include "core/wire.h"
+#include "delta/bits.h"
 
 namespace refit {
 namespace {

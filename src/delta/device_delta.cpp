@@ -1,13 +1,13 @@
-#include "memory/cuda/device_delta.h"
+#include "delta/device_delta.h"
 
-#include "core/delta_bits.h"
 #include "core/fail.h"
+#include "delta/bits.h"
 
 #ifdef REFIT_HAVE_CUDA
 #include <numeric>
 
+#include "delta/kernels.h"
 #include "memory/cuda/cuda_util.h"
-#include "memory/cuda/delta_kernels.h"
 #include "refit/ext/tensor_memory.h"
 #endif
 

@@ -1,11 +1,11 @@
-#include "core/delta_codec.h"
+#include "delta/codec.h"
 
 #include <gtest/gtest.h>
 
 #include <cstring>
 #include <random>
 
-#include "core/delta_bits.h"
+#include "delta/bits.h"
 #include "refit/error.h"
 
 namespace refit {

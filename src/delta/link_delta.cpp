@@ -1,16 +1,16 @@
-#include "engine/delta.h"
+#include "delta/link_delta.h"
 
 #include <spdlog/spdlog.h>
 #include <xxhash.h>
 
 #include <unordered_set>
 
-#include "core/delta_bits.h"
-#include "core/delta_codec.h"
 #include "core/fail.h"
 #include "core/random_id.h"
 #include "core/wire.h"
-#include "memory/cuda/device_delta.h"
+#include "delta/bits.h"
+#include "delta/codec.h"
+#include "delta/device_delta.h"
 #include "memory/host_copy_pool.h"
 #include "refit/ext/box_copy.h"
 

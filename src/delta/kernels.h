@@ -1,4 +1,4 @@
-// The GPU kernels of delta refit (core/delta_codec.h; memory/cuda/device_delta.h drives them):
+// The GPU kernels of delta refit (delta/codec.h; delta/device_delta.h drives them):
 // the diff of a tensor against its base with the word hash of the new bytes, the compaction of
 // the changed elements in index order, and the patch of a held tensor. Plain C++17 on both sides,
 // so that the .cu file builds with nvcc's C++17 and the rest with C++20. Each returns the launch's
@@ -18,7 +18,7 @@ inline uint64_t delta_blocks(uint64_t bytes) { return ((bytes + 7) / 8 + kDeltaB
 
 // Per block b: counts[b] = elements of `element_size` bytes that differ between `base` and `now`
 // (none when base is null: the kernel then only hashes), sums[b] = the word-hash terms of `now`'s
-// words in the block (core/delta_bits.h). `base` is 8-byte aligned; `now` may be anywhere.
+// words in the block (delta/bits.h). `base` is 8-byte aligned; `now` may be anywhere.
 int launch_delta_count(const void* base, const void* now, uint64_t bytes, uint32_t element_size, uint32_t* counts,
                        uint64_t* sums, void* stream);
 

@@ -1,5 +1,5 @@
-// The arithmetic of delta records (core/delta_codec.h) that the host and the GPU kernels
-// (memory/cuda/delta_kernels.cu) share. Plain C++17, also compiled by nvcc.
+// The arithmetic of delta records (delta/codec.h) that the host and the GPU kernels
+// (delta/kernels.cu) share. Plain C++17, also compiled by nvcc.
 //
 // word_hash: the checksum of a record made from GPU memory (DeltaChecksum::kWords), a sum of one
 // mixed term per 8-byte word, so that every block of a kernel hashes its own words and the partial

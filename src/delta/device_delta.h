@@ -1,5 +1,5 @@
-// Delta refit on tensors in GPU memory (core/delta_codec.h): the diff against the base, its
-// compaction and the patch of a held tensor run as kernels (memory/cuda/delta_kernels.cu); only
+// Delta refit on tensors in GPU memory (delta/codec.h): the diff against the base, its
+// compaction and the patch of a held tensor run as kernels (delta/kernels.cu); only
 // the changed elements cross to the host, where the record is written as for host tensors (so a
 // record made from GPU memory applies anywhere). Its checksum is the word hash
 // (DeltaChecksum::kWords), which each kernel block computes over its own words.
@@ -15,7 +15,7 @@
 #include <string>
 #include <vector>
 
-#include "core/delta_codec.h"
+#include "delta/codec.h"
 #include "refit/ext/device_memory.h"
 
 namespace refit {

@@ -17,6 +17,7 @@
 #include "core/random_id.h"
 #include "delta/link_delta.h"
 #include "engine/assembler.h"
+#include "engine/link.h"
 #include "engine/link_reader.h"
 #include "engine/link_sender.h"
 #include "engine/peer_wait.h"
@@ -161,14 +162,14 @@ class CheckpointEngine::Impl {
       disconnect();
       if (worker_rank < 0 || worker_rank >= train)
         fail(ErrorKind::kTopology, "worker_rank must be in [0, {}), got {}", train, worker_rank);
-      check_group(train, rollout, metadata);
+      auto group = decode_group(train, rollout, metadata);
       if (options_.receives_only)
         fail(ErrorKind::kInvalidArgument,
              "this engine was created to receive only (receives_only): it cannot be a "
              "source");
-      const TransferPlan plan = plan_of_group(train, rollout, metadata, PlanScope::source(worker_rank));
+      const TransferPlan plan = plan_of_group(train, rollout, group, PlanScope::source(worker_rank));
       for (uint32_t d : plan.destinations_of(worker_rank))
-        add_link(metadata, train + d, d, fmt::format("destination rank {}", d),
+        add_link(std::move(group[train + d]), d, fmt::format("destination rank {}", d),
                  plan.link_bucket_bytes(worker_rank, d, options_.bucket_bytes));
       check_delta(self);  // before the pieces are placed: delta names them
       if (!plan.paired())
@@ -194,7 +195,7 @@ class CheckpointEngine::Impl {
     self_ = self;
     in_phase(self + ", init", [&] {
       disconnect();
-      check_group(train, rollout, metadata);
+      auto group = decode_group(train, rollout, metadata);
       if (rollout_rank < 0 || rollout_rank >= rollout)
         fail(ErrorKind::kTopology, "rollout_rank must be in [0, {}), got {}", rollout, rollout_rank);
       // The reference's destinations report their layout whenever experts are sharded; without one
@@ -205,9 +206,9 @@ class CheckpointEngine::Impl {
              "(EngineOptions::layout; in Python layout=refit.destination_layout(..., shard_experts=True) or "
              "refit.layout_from_compact(...))",
              self);
-      const TransferPlan plan = plan_of_group(train, rollout, metadata, PlanScope::destination(rollout_rank));
+      const TransferPlan plan = plan_of_group(train, rollout, group, PlanScope::destination(rollout_rank));
       for (uint32_t s : plan.sources_of(rollout_rank))
-        add_link(metadata, s, s, fmt::format("source rank {}", s),
+        add_link(std::move(group[s]), s, fmt::format("source rank {}", s),
                  plan.link_bucket_bytes(s, rollout_rank, options_.bucket_bytes));
       expected_tensors_.clear();
       for (uint32_t s = 0; s < plan.source_count(); ++s)
@@ -333,24 +334,7 @@ class CheckpointEngine::Impl {
         }
         link.wire->reset();
       }
-    for (auto& link : links_) {
-      LinkReadContext context{transport_.get(),
-                              link.peer,
-                              link.label,
-                              link.peer_rank,
-                              &link.metadata,
-                              {region_base_ + link.offset, region_base_ + link.offset + link.bucket_bytes},
-                              region_,
-                              link.mapped,
-                              link.access,
-                              link.bucket_bytes,
-                              link.first_refit + refits_,
-                              options_.config.timeout_s,
-                              options_.config.verify_checksums,
-                              &link.in_place_maps,
-                              &link.manifests};
-      run->readers.push_back(std::make_unique<LinkReader>(std::move(context)));
-    }
+    for (auto& link : links_) run->readers.push_back(std::make_unique<LinkReader>(link, link.first_refit + refits_));
     run->remaining = needs_nothing_ ? 0 : links_.size();  // resharding, and this destination holds nothing
     run->stats.mapped = std::all_of(links_.begin(), links_.end(), [](const Link& l) { return l.mapped != nullptr; });
     run->stats.buffer_bytes = has_buffers_ ? kBufferCount * options_.bucket_bytes : 0;
@@ -490,29 +474,6 @@ class CheckpointEngine::Impl {
   const Transport& transport() const { return *transport_; }
 
  private:
-  // One peer this engine exchanges bytes with: its destination(s) on a source, its source(s) on
-  // a destination.
-  struct Link {
-    PeerId peer = 0;
-    std::string label;       // "source rank 3 on host h2"
-    uint32_t peer_rank = 0;  // its rank among the sources (or destinations)
-    protocol::EngineMetadata metadata;
-    uint64_t first_refit = 0;   // protocol::first_refit() of the connection; refit k is first_refit + k on the wire
-    uint64_t bucket_bytes = 0;  // of this link: both ends derive the same
-    uint64_t offset = 0;        // of this link's two buffers in our transfer region
-    const std::byte* mapped = nullptr;  // on a destination: the source's transfer region, mapped (or null)
-    HostPin mapped_pin;
-    // How the link's destination takes tensors left in the source's memory (both ends agree).
-    SourceAccess access = SourceAccess::kNone;
-    // On a destination: the source memory its in-place entries lie in, mapped (LinkReader).
-    std::map<std::pair<uint64_t, Bytes>, const std::byte*> in_place_maps;
-    ManifestCache manifests;  // on a destination: what its source may replay (LinkReader)
-    // Delta refit: on a source, the version its destination holds from us (as far as we know); on
-    // a destination, what the link carries reassembled (chunks of changes, pieces) before patching.
-    uint64_t weights_version = 0;
-    std::unique_ptr<TensorAssembler> wire;
-  };
-
   Deadline next_deadline() const { return deadline_after(Seconds(options_.config.timeout_s)); }
 
   // Whether this init's links go by delta refit (delta_):
@@ -549,7 +510,8 @@ class CheckpointEngine::Impl {
     });
   }
 
-  void check_group(int train, int rollout, std::span<const Metadata> metadata) {
+  // Checks the group's sizes and decodes every member's metadata (sources first).
+  std::vector<protocol::EngineMetadata> decode_group(int train, int rollout, std::span<const Metadata> metadata) {
     if (!prepared_) fail(ErrorKind::kInvalidArgument, "prepare() must run before init (buffers are not registered)");
     if (train < 1 || rollout < 1)
       fail(ErrorKind::kTopology, "world sizes must be >= 1, got train_world_size={} rollout_world_size={}", train,
@@ -557,6 +519,11 @@ class CheckpointEngine::Impl {
     if (metadata.size() != static_cast<size_t>(train + rollout))
       fail(ErrorKind::kTopology, "got {} metadata entries for train_world_size={} + rollout_world_size={}",
            metadata.size(), train, rollout);
+    std::vector<protocol::EngineMetadata> group;
+    group.reserve(metadata.size());
+    for (int i = 0; i < train + rollout; ++i)
+      group.push_back(protocol::decode_metadata(metadata[i], "metadata of " + label_of(i, train)));
+    return group;
   }
 
   std::string label_of(int index, int train) const {
@@ -567,20 +534,18 @@ class CheckpointEngine::Impl {
   // layouts when any source declares what it holds (resharding), else the paired plan. Every
   // engine of the group computes the same plan from the same metadata. Of the layouts, only those
   // this engine's links place pieces by are kept (holds_, needs_).
-  TransferPlan plan_of_group(int train, int rollout, std::span<const Metadata> metadata, PlanScope scope) {
+  TransferPlan plan_of_group(int train, int rollout, std::span<const protocol::EngineMetadata> group, PlanScope scope) {
     std::vector<Layout> holds(train), needs(rollout);
     resharding_ = false;
     for (int i = 0; i < train; ++i) {
-      const auto md = protocol::decode_metadata(metadata[i], "metadata of " + label_of(i, train));
-      if (md.holds.empty()) continue;
+      if (group[i].holds.empty()) continue;
       resharding_ = true;
-      holds[i] = decode_layout(md.holds, "holdings of " + label_of(i, train));
+      holds[i] = decode_layout(group[i].holds, "holdings of " + label_of(i, train));
     }
     if (!resharding_) return paired_plan(train, rollout);  // a paired source reads its destination's layout alone
-    for (int d = 0; d < rollout; ++d) {
-      const auto md = protocol::decode_metadata(metadata[train + d], "metadata of " + label_of(train + d, train));
-      if (!md.layout.empty()) needs[d] = decode_layout(md.layout, "layout of " + label_of(train + d, train));
-    }
+    for (int d = 0; d < rollout; ++d)
+      if (!group[train + d].layout.empty())
+        needs[d] = decode_layout(group[train + d].layout, "layout of " + label_of(train + d, train));
     if (!options_.model)
       fail(ErrorKind::kConfig,
            "the sources declare what they hold (resharding), so this engine needs the model's "
@@ -599,11 +564,9 @@ class CheckpointEngine::Impl {
     return plan;
   }
 
-  // Decodes a peer's metadata, refuses it unless it belongs to the same group, model and bucket
-  // size, and connects.
-  void add_link(std::span<const Metadata> metadata, int index, uint32_t peer_rank, const std::string& label,
-                uint64_t link_bucket) {
-    auto md = protocol::decode_metadata(metadata[index], "metadata of " + label);
+  // Refuses a peer's metadata unless it belongs to the same group, model and bucket size, and
+  // connects.
+  void add_link(protocol::EngineMetadata md, uint32_t peer_rank, const std::string& label, uint64_t link_bucket) {
     if (md.session != options_.session)
       fail(ErrorKind::kProtocol, "metadata of {} comes from another refit session (stale or foreign metadata)", label);
     if (options_.model_fingerprint != 0 && md.model_fingerprint != 0 &&
@@ -619,6 +582,9 @@ class CheckpointEngine::Impl {
     // Errors name the peer's host too: across hosts that is what an operator looks for first.
     const std::string where = same_host(md.process) ? label : fmt::format("{} on host {}", label, md.process.hostname);
     Link link;
+    link.transport = transport_.get();
+    link.timeout_s = options_.config.timeout_s;
+    link.verify_checksums = options_.config.verify_checksums;
     link.peer = transport_->connect(md.transport_address, where);
     link.metadata = std::move(md);
     link.label = where;
@@ -633,6 +599,8 @@ class CheckpointEngine::Impl {
     uint64_t offset = 0;
     for (auto& link : links_) {
       link.offset = offset;
+      link.region = region_;
+      for (int b = 0; b < 2; ++b) link.buffers[b] = region_base_ + link.buffer_offset(b);
       offset += 2 * link.bucket_bytes;
     }
   }
@@ -675,28 +643,13 @@ class CheckpointEngine::Impl {
     senders_.clear();
     assign_buffer_offsets();
     for (auto& link : links_) {
-      LinkContext c;
-      c.transport = transport_.get();
-      c.peer = link.peer;
-      c.peer_label = link.label;
-      c.peer_rank = link.peer_rank;
-      c.peer_process = link.metadata.process;
-      c.buffers[0] = region_base_ + link.offset;
-      c.buffers[1] = region_base_ + link.offset + link.bucket_bytes;
-      c.offsets[0] = link.offset;
-      c.offsets[1] = link.offset + link.bucket_bytes;
-      c.bucket_bytes = link.bucket_bytes;
-      c.buffer_kind = buffer_kind_;
-      c.stream = pack_stream_.get();
-      c.timeout_s = options_.config.timeout_s;
-      c.verify_checksums = options_.config.verify_checksums;
       // In place to a destination on this host that maps our memory, or read from our memory by one
       // that cannot map it (the choice it makes too).
       link.access =
           protocol::link_access(link.metadata.takes, same_host(link.metadata.process), transport_->capabilities());
-      if (options_.config.direct_reads && link.access != SourceAccess::kNone) c.in_place = &source_regions();
-      c.access = link.access;
-      senders_.push_back(std::make_unique<LinkSender>(std::move(c)));
+      SourceRegions* in_place =
+          options_.config.direct_reads && link.access != SourceAccess::kNone ? &source_regions() : nullptr;
+      senders_.push_back(std::make_unique<LinkSender>(link, *pack_stream_, buffer_kind_, in_place));
     }
   }
 

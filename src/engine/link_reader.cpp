@@ -15,22 +15,22 @@ constexpr size_t kReadAhead = 2;
 
 }  // namespace
 
-LinkReader::LinkReader(LinkReadContext context) : context_(std::move(context)) { phase_ = "wait for bucket 0"; }
+LinkReader::LinkReader(Link& link, uint64_t refit) : link_(link), refit_(refit) { phase_ = "wait for bucket 0"; }
 
 LinkReader::~LinkReader() {
   if (!reading_) return;
   for (ReadId read : reading_->posted) {
     try {
-      context_.transport->cancel_read(read);
+      link_.transport->cancel_read(read);
     } catch (const std::exception& e) {
-      spdlog::debug("cancelling a read from {}: {}", context_.peer_label, e.what());
+      spdlog::debug("cancelling a read from {}: {}", link_.label, e.what());
     }
   }
 }
 
 bool LinkReader::buffer_free(uint64_t seq) const {
   // Staged: bucket seq goes into the local buffer of bucket seq - 2, which the engine must have loaded.
-  return context_.mapped != nullptr || seq < 2 || (released_ && *released_ >= seq - 2);
+  return link_.mapped != nullptr || seq < 2 || (released_ && *released_ >= seq - 2);
 }
 
 bool LinkReader::advance() {
@@ -55,27 +55,26 @@ bool LinkReader::advance() {
 
 bool LinkReader::take_announcement() {
   phase_ = fmt::format("wait for bucket {}", next_);
-  if (!wait_deadline_) wait_deadline_ = deadline_after(Seconds(context_.timeout_s));
+  if (!wait_deadline_) wait_deadline_ = deadline_after(Seconds(link_.timeout_s));
   protocol::Message msg;
   while (true) {
-    std::optional<Bytes> bytes = context_.transport->try_receive(context_.peer);
+    std::optional<Bytes> bytes = link_.transport->try_receive(link_.peer);
     if (!bytes) return false;
-    msg = protocol::decode_message(*bytes, context_.peer_label);
-    if (msg.refit() == context_.refit) break;
-    spdlog::debug("discarding a message of an earlier refit from {}", context_.peer_label);  // left by a failure
+    msg = protocol::decode_message(*bytes, link_.label);
+    if (msg.refit() == refit_) break;
+    spdlog::debug("discarding a message of an earlier refit from {}", link_.label);  // left by a failure
   }
   if (msg.type == protocol::MessageType::kAbort)
-    protocol::raise_abort(msg.abort, context_.peer_label, fmt::format("bucket {}", next_));
+    protocol::raise_abort(msg.abort, link_.label, fmt::format("bucket {}", next_));
   if (msg.type != protocol::MessageType::kBucketReady || msg.ready.seq != next_)
-    fail(ErrorKind::kProtocol, "{} sent an unexpected message (type {}, bucket {}) instead of bucket {}",
-         context_.peer_label, static_cast<int>(msg.type), msg.ready.seq, next_);
-  protocol::validate(msg.ready, context_.bucket_bytes, context_.peer_metadata->buffers.length, context_.access,
-                     context_.peer_label);
-  context_.manifests->fill(msg.ready, context_.peer_label);
-  context_.manifests->arrived(context_.refit, msg.ready);
-  if (context_.verify_checksums != msg.ready.checksum.has_value())
-    fail(ErrorKind::kConfig, "verify_checksums differs between {} ({}) and this destination ({})", context_.peer_label,
-         msg.ready.checksum.has_value(), context_.verify_checksums);
+    fail(ErrorKind::kProtocol, "{} sent an unexpected message (type {}, bucket {}) instead of bucket {}", link_.label,
+         static_cast<int>(msg.type), msg.ready.seq, next_);
+  protocol::validate(msg.ready, link_.bucket_bytes, link_.metadata.buffers.length, link_.access, link_.label);
+  link_.manifests.fill(msg.ready, link_.label);
+  link_.manifests.arrived(refit_, msg.ready);
+  if (link_.verify_checksums != msg.ready.checksum.has_value())
+    fail(ErrorKind::kConfig, "verify_checksums differs between {} ({}) and this destination ({})", link_.label,
+         msg.ready.checksum.has_value(), link_.verify_checksums);
   start_reading(std::move(msg.ready));
   return true;
 }
@@ -83,23 +82,23 @@ bool LinkReader::take_announcement() {
 void LinkReader::start_reading(protocol::BucketReady bucket) {
   const uint64_t seq = bucket.seq;
   Reading& r = reading_.emplace();
-  const bool mapped = context_.mapped != nullptr;
-  r.data = mapped ? context_.mapped + bucket.offset : context_.buffers[seq % 2];
+  const bool mapped = link_.mapped != nullptr;
+  r.data = mapped ? link_.mapped + bucket.offset : link_.buffers[seq % 2];
   // Mapped buffers: nothing to read (and a link that maps the buffers maps the source's memory too).
-  if (mapped && context_.access == SourceAccess::kRead && !bucket.regions().empty())
+  if (mapped && link_.access == SourceAccess::kRead && !bucket.regions().empty())
     fail(ErrorKind::kProtocol, "{} sent bucket {} to be read from its memory, but this destination maps its buffers",
-         context_.peer_label, seq);
+         link_.label, seq);
   const std::vector<protocol::BucketRead> reads =
-      mapped ? std::vector<protocol::BucketRead>{} : protocol::bucket_reads(*bucket.manifest, context_.access);
+      mapped ? std::vector<protocol::BucketRead>{} : protocol::bucket_reads(*bucket.manifest, link_.access);
   if (!reads.empty()) {
     phase_ = bucket.regions().empty() ? fmt::format("read bucket {}", seq)
                                       : fmt::format("read bucket {} from the source's memory", seq);
     r.started = timeline_now();
-    std::byte* local = context_.buffers[seq % 2];
-    Transport& transport = *context_.transport;
+    std::byte* local = link_.buffers[seq % 2];
+    Transport& transport = *link_.transport;
     auto range_of = [&](const protocol::BucketRead& read) {
       const bool buffer = read.region == 0;
-      return Transport::ReadRange{buffer ? &context_.peer_metadata->buffers : &bucket.regions()[read.region - 1].remote,
+      return Transport::ReadRange{buffer ? &link_.metadata.buffers : &bucket.regions()[read.region - 1].remote,
                                   buffer ? bucket.offset + read.source_offset : read.source_offset,
                                   local + read.bucket_offset, read.size};
     };
@@ -108,13 +107,13 @@ void LinkReader::start_reading(protocol::BucketReady bucket) {
       std::vector<Transport::ReadRange> ranges;
       ranges.reserve(reads.size());
       for (const protocol::BucketRead& read : reads) ranges.push_back(range_of(read));
-      r.posted.push_back(transport.post_reads(context_.peer, ranges, context_.region, *wait_deadline_));
+      r.posted.push_back(transport.post_reads(link_.peer, ranges, link_.region, *wait_deadline_));
     } else {
       r.posted.reserve(reads.size());
       for (const protocol::BucketRead& read : reads) {
         const Transport::ReadRange range = range_of(read);
-        r.posted.push_back(transport.post_read(context_.peer, *range.remote, range.remote_offset, range.local,
-                                               context_.region, range.length, *wait_deadline_));
+        r.posted.push_back(transport.post_read(link_.peer, *range.remote, range.remote_offset, range.local,
+                                               link_.region, range.length, *wait_deadline_));
       }
     }
     for (const protocol::BucketRead& read : reads) r.bytes += read.size;
@@ -127,7 +126,7 @@ bool LinkReader::reads_complete() {
   // Reads complete in any order; the ones complete leave the list (a read ends once tested true).
   size_t kept = 0;
   for (size_t k = 0; k < posted.size(); ++k) {
-    if (context_.transport->test_read(posted[k])) continue;
+    if (link_.transport->test_read(posted[k])) continue;
     posted[kept++] = posted[k];
   }
   posted.resize(kept);
@@ -140,10 +139,10 @@ void LinkReader::complete() {
   const protocol::BucketReady& bucket = r.bucket;
   const uint64_t seq = bucket.seq;
   if (r.bytes > 0)
-    events_.push_back({TimelinePhase::kRead, context_.peer_rank, seq, r.started, timeline_now(), r.bytes,
+    events_.push_back({TimelinePhase::kRead, link_.peer_rank, seq, r.started, timeline_now(), r.bytes,
                        static_cast<uint32_t>(bucket.entries().size())});
   protocol::BucketBytes bytes{r.data, {}};
-  if (context_.access == SourceAccess::kMap && !bucket.regions().empty()) {
+  if (link_.access == SourceAccess::kMap && !bucket.regions().empty()) {
     phase_ = fmt::format("map the source memory of bucket {}", seq);
     bytes.mapped_regions = map_regions(bucket);
   }
@@ -152,7 +151,7 @@ void LinkReader::complete() {
     const uint64_t actual = bucket_checksum(*bucket.manifest, [&](size_t k) { return bytes.at(bucket.entries()[k]); });
     if (actual != *bucket.checksum)
       fail(ErrorKind::kIntegrity, "bucket {} from {} arrived corrupted: checksum {:016x}, sent {:016x} ({} bytes)", seq,
-           context_.peer_label, actual, *bucket.checksum, bucket.used_bytes);
+           link_.label, actual, *bucket.checksum, bucket.used_bytes);
   }
   // The source may refill its buffer as soon as the bytes are here, unless the engine loads from it.
   if (!loads_from_source(bytes)) acknowledge(seq);
@@ -168,20 +167,20 @@ std::vector<const std::byte*> LinkReader::map_regions(const protocol::BucketRead
   const auto& regions = bucket.regions();
   for (size_t k = 0; k < regions.size(); ++k) {
     const RemoteRegion& remote = regions[k].remote;
-    auto [it, fresh] = context_.in_place_maps->try_emplace({remote.address, remote.key}, nullptr);
+    auto [it, fresh] = link_.in_place_maps.try_emplace({remote.address, remote.key}, nullptr);
     if (fresh) {
       try {
-        it->second = context_.transport->map(context_.peer, remote);
+        it->second = link_.transport->map(link_.peer, remote);
       } catch (...) {
-        context_.in_place_maps->erase(it);
+        link_.in_place_maps.erase(it);
         throw;
       }
       if (it->second == nullptr) {
-        context_.in_place_maps->erase(it);
+        link_.in_place_maps.erase(it);
         fail(ErrorKind::kTransport,
              "{} sent tensors in place (its own memory, {} bytes at 0x{:x}), but {} cannot map that memory here; set "
              "refit_cfg.nixl.direct_reads=false on the source",
-             context_.peer_label, remote.length, remote.address, context_.transport->name());
+             link_.label, remote.length, remote.address, link_.transport->name());
       }
     }
     bases.push_back(it->second);
@@ -199,7 +198,7 @@ std::optional<LinkReader::Fetched> LinkReader::take() {
 
 void LinkReader::release(uint64_t seq) {
   if (!held_ || held_->seq != seq)
-    fail(ErrorKind::kInternal, "released bucket {} from {}, which the engine did not hold", seq, context_.peer_label);
+    fail(ErrorKind::kInternal, "released bucket {} from {}, which the engine did not hold", seq, link_.label);
   released_ = seq;
   // The source refills its buffer (or changes its tensors) only once the engine is done with them.
   if (held_->acknowledge) acknowledge(seq);
@@ -209,25 +208,25 @@ void LinkReader::release(uint64_t seq) {
 
 void LinkReader::acknowledge(uint64_t seq) {
   phase_ = fmt::format("acknowledge bucket {}", seq);
-  context_.transport->send(context_.peer, protocol::encode(protocol::BucketDone{context_.refit, seq}),
-                           deadline_after(Seconds(context_.timeout_s)));
+  link_.transport->send(link_.peer, protocol::encode(protocol::BucketDone{refit_, seq}),
+                        deadline_after(Seconds(link_.timeout_s)));
 }
 
 void LinkReader::check() {
   if (!wait_deadline_) return;
   if (expired(*wait_deadline_)) {
     if (reading_)
-      fail(ErrorKind::kTimeout, "reading bucket {} from {} took more than timeout_s={} s", next_, context_.peer_label,
-           context_.timeout_s);
-    fail(ErrorKind::kTimeout, "timed out waiting for bucket {} from {} (timeout_s={} s)", next_, context_.peer_label,
-         context_.timeout_s);
+      fail(ErrorKind::kTimeout, "reading bucket {} from {} took more than timeout_s={} s", next_, link_.label,
+           link_.timeout_s);
+    fail(ErrorKind::kTimeout, "timed out waiting for bucket {} from {} (timeout_s={} s)", next_, link_.label,
+         link_.timeout_s);
   }
   const auto now = Clock::now();
   if (now - last_liveness_check_ < kLivenessSlice) return;
   last_liveness_check_ = now;
-  const ProcessIdentity& process = context_.peer_metadata->process;
+  const ProcessIdentity& process = link_.metadata.process;
   if (process_is_gone(process))
-    fail(ErrorKind::kPeerLost, "lost {}: its process (pid {}) is gone", context_.peer_label, process.pid);
+    fail(ErrorKind::kPeerLost, "lost {}: its process (pid {}) is gone", link_.label, process.pid);
 }
 
 }  // namespace refit

@@ -31,8 +31,7 @@
 #include <thread>
 #include <vector>
 
-#include "core/process_identity.h"
-#include "engine/manifest_cache.h"
+#include "engine/link.h"
 #include "engine/protocol.h"
 #include "refit/ext/transport.h"
 #include "refit/timeline.h"
@@ -43,26 +42,6 @@ namespace refit {
 // when no news woke it first: readers' deadlines and liveness, and stopping LinkProgress.
 inline constexpr auto kReceiveSlice = std::chrono::milliseconds(20);
 
-struct LinkReadContext {
-  Transport* transport = nullptr;
-  PeerId peer = 0;
-  std::string peer_label;
-  uint32_t peer_rank = 0;  // the source's rank, for timeline events
-  const protocol::EngineMetadata* peer_metadata = nullptr;
-  std::byte* buffers[2] = {};  // both inside `region`
-  RegionId region = 0;
-  const std::byte* mapped = nullptr;          // the source's transfer region, mapped; null: staged reads
-  SourceAccess access = SourceAccess::kNone;  // how entries in place are taken
-  uint64_t bucket_bytes = 0;                  // of this link (both sides derive it)
-  uint64_t refit = 0;
-  double timeout_s = 0;
-  bool verify_checksums = false;
-  // The link's mappings of its source's memory for in-place entries, by (address, key), kept
-  // across refits; and the manifests its source may replay.
-  std::map<std::pair<uint64_t, Bytes>, const std::byte*>* in_place_maps = nullptr;
-  ManifestCache* manifests = nullptr;
-};
-
 class LinkReader {
  public:
   struct Fetched {
@@ -70,7 +49,8 @@ class LinkReader {
     protocol::BucketBytes bytes;   // where its entries lie (a local buffer: until release())
   };
 
-  explicit LinkReader(LinkReadContext context);
+  // Reads refit `refit` (its wire number) of `link`, which outlives the reader.
+  LinkReader(Link& link, uint64_t refit);
   ~LinkReader();  // cancels reads still in flight: nothing lands in the buffers afterwards
   LinkReader(const LinkReader&) = delete;
   LinkReader& operator=(const LinkReader&) = delete;
@@ -90,7 +70,7 @@ class LinkReader {
   // The last bucket was released and acknowledged.
   bool done() const { return done_; }
   const std::string& phase() const { return phase_; }
-  const std::string& peer_label() const { return context_.peer_label; }
+  const std::string& peer_label() const { return link_.label; }
   // The reads of this refit.
   const std::vector<TimelineEvent>& events() const { return events_; }
 
@@ -116,12 +96,13 @@ class LinkReader {
   std::vector<const std::byte*> map_regions(const protocol::BucketReady& bucket);
   // Whether the engine loads the bucket from the source's memory (so it is acknowledged once released).
   bool loads_from_source(const protocol::BucketBytes& bytes) const {
-    return context_.mapped != nullptr || !bytes.mapped_regions.empty();
+    return link_.mapped != nullptr || !bytes.mapped_regions.empty();
   }
   void acknowledge(uint64_t seq);
   bool buffer_free(uint64_t seq) const;
 
-  LinkReadContext context_;
+  Link& link_;
+  const uint64_t refit_;
   std::string phase_;
   uint64_t next_ = 0;               // the bucket to fetch next
   bool last_fetched_ = false;       // the last bucket was announced

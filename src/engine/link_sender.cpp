@@ -23,15 +23,15 @@ bool same_regions(const std::vector<protocol::SourceRegion>& a, const std::vecto
 
 void LinkSender::begin(uint64_t refit, bool in_place) {
   refit_ = refit;
-  in_place_ = in_place && context_.in_place != nullptr ? context_.access : SourceAccess::kNone;
+  in_place_ = in_place && in_place_regions_ != nullptr ? link_.access : SourceAccess::kNone;
   if (packer_)
     packer_->restart();
   else
-    packer_.emplace(context_.bucket_bytes);
+    packer_.emplace(link_.bucket_bytes);
   bucket_ = protocol::BucketReady{};
   bucket_.refit = refit;
   buffer_ = 0;
-  bucket_.offset = context_.offsets[0];
+  bucket_.offset = link_.buffer_offset(0);
   unacknowledged_.clear();
   buffers_held_ = 0;
   buckets_ = payload_bytes_ = in_place_bytes_ = replayed_ = 0;
@@ -49,12 +49,12 @@ void LinkSender::begin(uint64_t refit, bool in_place) {
   replaying_ = !previous_.empty();
   matched_ = 0;
   manifest_ = replaying_ ? nullptr : std::make_shared<protocol::Manifest>();
-  pack_phase_ = fmt::format("pack bucket 0 for {}", context_.peer_label);
+  pack_phase_ = fmt::format("pack bucket 0 for {}", link_.label);
 }
 
 void LinkSender::record(const TensorInfo& tensor, const Box& piece, const Chunk& c, const std::byte* data) {
   ++bucket_entries_;
-  if (context_.verify_checksums) entry_data_.push_back(data);
+  if (link_.verify_checksums) entry_data_.push_back(data);
   if (c.size > 0) last_entry_ = {c.region, c.region == 0 ? c.bucket_offset : c.source_offset, c.bucket_offset, c.size};
   if (replaying_) {
     const protocol::Manifest* counterpart =
@@ -85,7 +85,7 @@ std::optional<SourceRegions::Found> LinkSender::find_in_place(const TensorView& 
                                                               SourceRegions::Access access, const std::byte** data,
                                                               bool register_new) const {
   // Checksums are computed on the CPU: only host memory goes in place with them.
-  if (size == 0 || (context_.verify_checksums && view.memory != MemoryKind::kHost)) return std::nullopt;
+  if (size == 0 || (link_.verify_checksums && view.memory != MemoryKind::kHost)) return std::nullopt;
   // Only a piece that is one contiguous range of the view.
   uint64_t first = 0, blocks = 0;
   bool contiguous = true;
@@ -98,7 +98,7 @@ std::optional<SourceRegions::Found> LinkSender::find_in_place(const TensorView& 
   }
   if (!contiguous) return std::nullopt;
   *data = view.data + first;
-  return context_.in_place->find(*data, size, view.memory, access, register_new);
+  return in_place_regions_->find(*data, size, view.memory, access, register_new);
 }
 
 uint32_t LinkSender::bucket_region(const SourceRegions::Found& found) {
@@ -155,10 +155,10 @@ void LinkSender::add(const TensorView& view, const Box& box, const TensorInfo& t
       }
     }
     if (entry.region == 0) {
-      std::byte* out = context_.buffers[buffer_] + c.bucket_offset;
+      std::byte* out = link_.buffers[buffer_] + c.bucket_offset;
       for_each_box_block(source.shape, element, box, c.tensor_offset, c.size, [&](const BoxBlock& b) {
-        context_.stream->copy_2d(out + (b.packed_offset - c.tensor_offset), b.row_bytes, view.data + b.tensor_offset,
-                                 b.pitch, b.row_bytes, b.rows, context_.buffer_kind, view.memory);
+        stream_.copy_2d(out + (b.packed_offset - c.tensor_offset), b.row_bytes, view.data + b.tensor_offset, b.pitch,
+                        b.row_bytes, b.rows, buffer_kind_, view.memory);
       });
       data = out;
       buffer_bytes_ += c.size;
@@ -172,9 +172,9 @@ void LinkSender::add(const TensorView& view, const Box& box, const TensorInfo& t
 void LinkSender::flush(bool is_last, std::string& phase) {
   const auto start = Clock::now();
   // Every copy into this buffer must be complete before the destination may read it.
-  if (context_.stream->pending()) {
-    phase = fmt::format("copy into bucket {} for {}", bucket_.seq, context_.peer_label);
-    context_.stream->synchronize(deadline_after(std::chrono::duration<double>(context_.timeout_s)));
+  if (stream_.pending()) {
+    phase = fmt::format("copy into bucket {} for {}", bucket_.seq, link_.label);
+    stream_.synchronize(deadline_after(std::chrono::duration<double>(link_.timeout_s)));
   }
   // Whether the destination takes any of the bucket from the buffer (else all of it lies in our
   // tensors, and the buffer is free for the next bucket at once).
@@ -195,18 +195,18 @@ void LinkSender::flush(bool is_last, std::string& phase) {
     bucket_.manifest = std::move(manifest_);
   }
   sent_.push_back({bucket_.manifest, bucket_.used_bytes});
-  if (context_.verify_checksums)
+  if (link_.verify_checksums)
     bucket_.checksum = bucket_checksum(*bucket_.manifest, [&](size_t k) { return entry_data_[k]; });
   bucket_.is_last = is_last;
-  phase = fmt::format("announce bucket {} to {}", bucket_.seq, context_.peer_label);
+  phase = fmt::format("announce bucket {} to {}", bucket_.seq, link_.label);
   const double packed = timeline_now();
-  events_.push_back({TimelinePhase::kPack, context_.peer_rank, bucket_.seq, pack_start_.value_or(packed), packed,
+  events_.push_back({TimelinePhase::kPack, link_.peer_rank, bucket_.seq, pack_start_.value_or(packed), packed,
                      bucket_.used_bytes, static_cast<uint32_t>(bucket_entries_)});
   // Stamped before it goes: the destination may act on it before send() returns here.
-  events_.push_back({TimelinePhase::kAnnounce, context_.peer_rank, bucket_.seq, packed, packed, bucket_.used_bytes});
+  events_.push_back({TimelinePhase::kAnnounce, link_.peer_rank, bucket_.seq, packed, packed, bucket_.used_bytes});
   pack_start_.reset();
-  context_.transport->send(context_.peer, protocol::encode(bucket_),
-                           deadline_after(std::chrono::duration<double>(context_.timeout_s)));
+  link_.transport->send(link_.peer, protocol::encode(bucket_),
+                        deadline_after(std::chrono::duration<double>(link_.timeout_s)));
   unacknowledged_.push_back({bucket_.seq, uses_buffer});
   buffers_held_ += uses_buffer ? 1 : 0;
   ++buckets_;
@@ -214,7 +214,7 @@ void LinkSender::flush(bool is_last, std::string& phase) {
   bucket_.seq++;
   if (uses_buffer) {
     buffer_ ^= 1;
-    bucket_.offset = context_.offsets[buffer_];
+    bucket_.offset = link_.buffer_offset(buffer_);
   }
   bucket_.manifest.reset();
   if (!replaying_) manifest_ = std::make_shared<protocol::Manifest>();
@@ -225,13 +225,13 @@ void LinkSender::flush(bool is_last, std::string& phase) {
   entry_data_.clear();
   bucket_.used_bytes = 0;
   regions_.clear();
-  pack_phase_ = fmt::format("pack bucket {} for {}", bucket_.seq, context_.peer_label);
+  pack_phase_ = fmt::format("pack bucket {} for {}", bucket_.seq, link_.label);
   // The next bucket goes into the other buffer: the destination must be done with the bucket that
   // buffer holds (acknowledgements come in order). Buckets that hold nothing in a buffer do not
   // wait: a destination reading in place goes from one to the next with no round trip between.
   while (!is_last && buffers_held_ == 2) acknowledged_oldest(phase);
   spdlog::debug("bucket {} for {}: announced after {:.2f} ms, then {:.2f} ms waiting for a free buffer",
-                bucket_.seq - 1, context_.peer_label, std::chrono::duration<double>(announced - start).count() * 1e3,
+                bucket_.seq - 1, link_.label, std::chrono::duration<double>(announced - start).count() * 1e3,
                 std::chrono::duration<double>(Clock::now() - announced).count() * 1e3);
 }
 
@@ -258,23 +258,22 @@ void LinkSender::acknowledged_oldest(std::string& phase) {
 }
 
 void LinkSender::wait_acknowledged(uint64_t seq, std::string& phase) {
-  phase = fmt::format("wait for {} to read bucket {}", context_.peer_label, seq);
-  const Deadline deadline = deadline_after(std::chrono::duration<double>(context_.timeout_s));
+  phase = fmt::format("wait for {} to read bucket {}", link_.label, seq);
+  const Deadline deadline = deadline_after(std::chrono::duration<double>(link_.timeout_s));
   const std::string expecting = fmt::format("bucket {} done", seq);
   while (true) {
-    const Bytes bytes =
-        receive_watching(*context_.transport, context_.peer, context_.peer_label, context_.peer_process, deadline);
-    auto msg = protocol::decode_message(bytes, context_.peer_label);
+    const Bytes bytes = receive_watching(*link_.transport, link_.peer, link_.label, link_.metadata.process, deadline);
+    auto msg = protocol::decode_message(bytes, link_.label);
     if (msg.refit() != refit_) {
-      spdlog::debug("discarding a message of an earlier refit from {}", context_.peer_label);
+      spdlog::debug("discarding a message of an earlier refit from {}", link_.label);
       continue;
     }
-    if (msg.type == protocol::MessageType::kAbort) protocol::raise_abort(msg.abort, context_.peer_label, expecting);
+    if (msg.type == protocol::MessageType::kAbort) protocol::raise_abort(msg.abort, link_.label, expecting);
     if (msg.type != protocol::MessageType::kBucketDone || msg.done.seq != seq)
       fail(ErrorKind::kProtocol, "{} sent an unexpected message (type {}, refit {}, bucket {}) instead of '{}'",
-           context_.peer_label, static_cast<int>(msg.type), msg.done.refit, msg.done.seq, expecting);
+           link_.label, static_cast<int>(msg.type), msg.done.refit, msg.done.seq, expecting);
     const double seen = timeline_now();
-    events_.push_back({TimelinePhase::kRelease, context_.peer_rank, seq, seen, seen, 0});
+    events_.push_back({TimelinePhase::kRelease, link_.peer_rank, seq, seen, seen, 0});
     return;
   }
 }

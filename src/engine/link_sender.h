@@ -27,7 +27,7 @@
 #include <string>
 #include <vector>
 
-#include "core/process_identity.h"
+#include "engine/link.h"
 #include "engine/protocol.h"
 #include "engine/source_regions.h"
 #include "refit/device.h"
@@ -39,28 +39,13 @@
 
 namespace refit {
 
-struct LinkContext {
-  Transport* transport = nullptr;
-  PeerId peer = 0;
-  std::string peer_label;        // "destination rank 2 on host h3"
-  uint32_t peer_rank = 0;        // the destination's rank, for timeline events
-  ProcessIdentity peer_process;  // to notice a dead peer on this host at once
-  std::byte* buffers[2] = {};    // this link's two buffers
-  uint64_t offsets[2] = {};      // ... at these offsets of the source's transfer region
-  uint64_t bucket_bytes = 0;     // of this link
-  MemoryKind buffer_kind = MemoryKind::kHost;
-  CopyStream* stream = nullptr;  // the engine's packing stream, shared by its links
-  double timeout_s = 0;
-  bool verify_checksums = false;
-  // The engine's registrations of its own memory; null: nothing is sent in place on this link.
-  SourceRegions* in_place = nullptr;
-  // How the destination takes what goes in place (protocol::link_access): maps or reads it.
-  SourceAccess access = SourceAccess::kNone;
-};
-
 class LinkSender {
  public:
-  explicit LinkSender(LinkContext context) : context_(std::move(context)) {}
+  // `link` outlives the sender. `stream` (the engine's, shared by its links) copies into the
+  // buffers, of kind `buffers`. `in_place`: the engine's registrations of its own memory; null:
+  // nothing is sent in place on this link.
+  LinkSender(const Link& link, CopyStream& stream, MemoryKind buffers, SourceRegions* in_place)
+      : link_(link), stream_(stream), buffer_kind_(buffers), in_place_regions_(in_place) {}
 
   // Starts refit `refit` (the wire number of this link); `in_place`: the weight stream's views
   // outlive the refit, so they may be sent in place where the link allows.
@@ -77,7 +62,7 @@ class LinkSender {
   void flush_last(std::string& phase);
   void wait_done(std::string& phase);
 
-  const std::string& peer_label() const { return context_.peer_label; }
+  const std::string& peer_label() const { return link_.label; }
   uint64_t bucket() const { return bucket_.seq; }  // the one being packed
   uint64_t buckets() const { return buckets_; }
   uint64_t replayed_buckets() const { return replayed_; }  // of buckets(), sent as a replay
@@ -114,7 +99,10 @@ class LinkSender {
   // manifests are made, starting with the entries the open bucket had in common with it.
   void stop_replaying();
 
-  LinkContext context_;
+  const Link& link_;
+  CopyStream& stream_;
+  const MemoryKind buffer_kind_;
+  SourceRegions* const in_place_regions_;
   uint64_t refit_ = 0;
   // How this refit sends in place: kNone, or the link's way (when the weight stream allows).
   SourceAccess in_place_ = SourceAccess::kNone;

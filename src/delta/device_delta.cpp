@@ -161,44 +161,97 @@ void DeviceDelta::assign(DeviceBuffer& base, const std::byte* data, size_t bytes
 
 DeltaResult DeviceDelta::encode(DeviceBuffer& base, const std::byte* now, size_t bytes, size_t element_size,
                                 std::vector<uint8_t>& out) {
-  if (base.size() != rounded(bytes) || element_size == 0 || element_size > 8 || 8 % element_size != 0 ||
-      bytes % element_size != 0)
-    fail(ErrorKind::kInternal, "DeviceDelta::encode: a base of {} bytes, {} bytes of {}-byte elements", base.size(),
-         bytes, element_size);
-  State& s = *state_;
-  const cuda::DeviceGuard guard(base.device_index());
-  s.use(base.device_index());
-  const uint64_t elements = bytes / element_size;
-  s.count(base.data(), now, bytes, element_size);
-  s.wait("waiting for the delta count kernel");
-  const uint64_t changed = s.changed(), checksum = s.checksum(bytes);
-  // The smallest a record of `changed` changes can be: a byte per position (or the bitmap) and
-  // per value. Past the tensor's size it goes whole, without collecting anything.
-  if (kDeltaHeaderBytes + std::min(changed, (elements + 7) / 8) + changed >= bytes) {
-    assign(base, now, bytes);
-    return {};
+  EncodeJob job{&base, now, bytes, element_size, &out, {}};
+  encode_batch({&job, 1});
+  return job.result;
+}
+
+void DeviceDelta::encode_batch(std::span<EncodeJob> jobs) {
+  if (jobs.empty()) return;
+  const int device = jobs.front().base->device_index();
+  for (const EncodeJob& j : jobs) {
+    if (j.base->size() != rounded(j.bytes) || j.element_size == 0 || j.element_size > 8 || 8 % j.element_size != 0 ||
+        j.bytes % j.element_size != 0)
+      fail(ErrorKind::kInternal, "DeviceDelta::encode: a base of {} bytes, {} bytes of {}-byte elements",
+           j.base->size(), j.bytes, j.element_size);
+    if (j.base->device_index() != device)
+      fail(ErrorKind::kInternal, "DeviceDelta::encode_batch: tensors on GPUs {} and {} in one batch", device,
+           j.base->device_index());
   }
-  if (changed == 0)  // the base is the tensor already
-    return {encode_delta_changes(elements, element_size, {}, {}, {}, DeltaChecksum::kWords, checksum, out), checksum};
-  const uint64_t blocks = s.host_counts.size;
-  const auto counted = s.host_counts.view();
-  std::exclusive_scan(counted.begin(), counted.end(), s.host_offsets.resize(blocks), uint64_t{0});
-  uint64_t* offsets = s.offsets.at_least(s.device, blocks);
-  s.to_device(offsets, s.host_offsets.view());
-  uint64_t* index = s.index.at_least(s.device, changed);
-  uint64_t* before = s.before.at_least(s.device, changed);
-  uint64_t* after = s.after.at_least(s.device, changed);
-  s.launched(cuda::launch_delta_collect(base.data(), now, bytes, static_cast<uint32_t>(element_size),
-                                        s.counts.at_least(s.device, blocks), offsets, index, before, after, s.stream),
-             "the delta collect kernel");
-  s.to_host(s.host_index, index, changed);
-  s.to_host(s.host_before, before, changed);
-  s.to_host(s.host_after, after, changed);
-  s.wait("waiting for the delta collect kernel");
-  if (!encode_delta_changes(elements, element_size, s.host_index.view(), s.host_before.view(), s.host_after.view(),
-                            DeltaChecksum::kWords, checksum, out))
-    return {};
-  return {true, checksum};
+  State& s = *state_;
+  const cuda::DeviceGuard guard(device);
+  s.use(device);
+  // Every tensor's count and hash, their blocks one tensor after another; one wait.
+  std::vector<uint64_t> first_block(jobs.size() + 1, 0);
+  for (size_t k = 0; k < jobs.size(); ++k) first_block[k + 1] = first_block[k] + cuda::delta_blocks(jobs[k].bytes);
+  const uint64_t blocks = first_block.back();
+  uint32_t* counts = s.counts.at_least(device, blocks);
+  uint64_t* sums = s.sums.at_least(device, blocks);
+  for (size_t k = 0; k < jobs.size(); ++k)
+    s.launched(cuda::launch_delta_count(jobs[k].base->data(), jobs[k].now, jobs[k].bytes,
+                                        static_cast<uint32_t>(jobs[k].element_size), counts + first_block[k],
+                                        sums + first_block[k], s.stream),
+               "the delta count kernel");
+  s.to_host(s.host_counts, counts, blocks);
+  s.to_host(s.host_sums, sums, blocks);
+  s.wait("waiting for the delta count kernels");
+  // Per tensor: whole (dense changes), no change, or its changes collected after the others'.
+  std::vector<uint64_t> first_change(jobs.size() + 1, 0);
+  std::vector<size_t> collected;
+  uint64_t* host_offsets = s.host_offsets.resize(blocks);
+  for (size_t k = 0; k < jobs.size(); ++k) {
+    EncodeJob& j = jobs[k];
+    const auto block_counts = s.host_counts.view().subspan(first_block[k], first_block[k + 1] - first_block[k]);
+    const auto block_sums = s.host_sums.view().subspan(first_block[k], block_counts.size());
+    const uint64_t changed = std::accumulate(block_counts.begin(), block_counts.end(), uint64_t{0});
+    const uint64_t checksum =
+        word_hash::finish(std::accumulate(block_sums.begin(), block_sums.end(), uint64_t{0}), j.bytes);
+    const uint64_t elements = j.bytes / j.element_size;
+    first_change[k + 1] = first_change[k];
+    j.result = {};
+    // The smallest a record of `changed` changes can be: a byte per position (or the bitmap) and
+    // per value. Past the tensor's size it goes whole, without collecting anything.
+    if (kDeltaHeaderBytes + std::min(changed, (elements + 7) / 8) + changed >= j.bytes) {
+      if (j.bytes > 0)
+        cuda::check(cudaMemcpyAsync(j.base->data(), j.now, j.bytes, cudaMemcpyDefault, s.stream), "cudaMemcpyAsync",
+                    "delta refit: copying a tensor");
+    } else if (changed == 0) {  // the base is the tensor already
+      j.result = {encode_delta_changes(elements, j.element_size, {}, {}, {}, DeltaChecksum::kWords, checksum, *j.out),
+                  checksum};
+    } else {
+      std::exclusive_scan(block_counts.begin(), block_counts.end(), host_offsets + first_block[k], uint64_t{0});
+      first_change[k + 1] += changed;
+      j.result.checksum = checksum;
+      collected.push_back(k);
+    }
+  }
+  const uint64_t changes = first_change.back();
+  if (changes > 0) {
+    uint64_t* offsets = s.offsets.at_least(s.device, blocks);
+    s.to_device(offsets, s.host_offsets.view());
+    uint64_t* index = s.index.at_least(s.device, changes);
+    uint64_t* before = s.before.at_least(s.device, changes);
+    uint64_t* after = s.after.at_least(s.device, changes);
+    for (size_t k : collected)
+      s.launched(cuda::launch_delta_collect(jobs[k].base->data(), jobs[k].now, jobs[k].bytes,
+                                            static_cast<uint32_t>(jobs[k].element_size), counts + first_block[k],
+                                            offsets + first_block[k], index + first_change[k], before + first_change[k],
+                                            after + first_change[k], s.stream),
+                 "the delta collect kernel");
+    s.to_host(s.host_index, index, changes);
+    s.to_host(s.host_before, before, changes);
+    s.to_host(s.host_after, after, changes);
+  }
+  s.wait("waiting for the delta collect kernels");  // and the copies of tensors that go whole
+  for (size_t k : collected) {
+    EncodeJob& j = jobs[k];
+    const uint64_t first = first_change[k], n = first_change[k + 1] - first;
+    j.result.encoded =
+        encode_delta_changes(j.bytes / j.element_size, j.element_size, s.host_index.view().subspan(first, n),
+                             s.host_before.view().subspan(first, n), s.host_after.view().subspan(first, n),
+                             DeltaChecksum::kWords, j.result.checksum, *j.out);
+    if (!j.result.encoded) j.result = {};  // whole after all (the base is the tensor now)
+  }
 }
 
 DeltaHeader DeviceDelta::apply(DeviceBuffer& target, size_t bytes, size_t element_size, std::span<const uint8_t> record,
@@ -326,6 +379,7 @@ namespace {
 DeviceBuffer DeviceDelta::copy_of(const std::byte*, size_t) { no_cuda(); }
 void DeviceDelta::assign(DeviceBuffer&, const std::byte*, size_t) { no_cuda(); }
 DeltaResult DeviceDelta::encode(DeviceBuffer&, const std::byte*, size_t, size_t, std::vector<uint8_t>&) { no_cuda(); }
+void DeviceDelta::encode_batch(std::span<EncodeJob>) { no_cuda(); }
 DeltaHeader DeviceDelta::apply(DeviceBuffer&, size_t, size_t, std::span<const uint8_t>, const std::string&, uint64_t*) {
   no_cuda();
 }

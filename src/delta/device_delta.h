@@ -37,6 +37,18 @@ class DeviceDelta {
   // `base` equal to `now`, and writes the record into `out` when it is smaller than the tensor.
   DeltaResult encode(DeviceBuffer& base, const std::byte* now, size_t bytes, size_t element_size,
                      std::vector<uint8_t>& out);
+  // encode() for many tensors (of one GPU) at once, two waits in all instead of two per tensor:
+  // every count kernel, then every collect kernel. Each job's `result` and `*out` are encode()'s.
+  // Its scratch memory grows with the batch: up to 24 bytes per changed element.
+  struct EncodeJob {
+    DeviceBuffer* base = nullptr;
+    const std::byte* now = nullptr;
+    size_t bytes = 0;
+    size_t element_size = 0;
+    std::vector<uint8_t>* out = nullptr;
+    DeltaResult result;
+  };
+  void encode_batch(std::span<EncodeJob> jobs);
 
   // apply_delta for GPU memory: decodes and checks `record` (host bytes) on the host, patches
   // `target` (GPU, from copy_of) with a kernel. Returns the header, and in `checksum` the patched

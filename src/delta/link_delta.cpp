@@ -214,40 +214,62 @@ TensorView SourceDelta::begin(uint64_t destination_version, const std::string& d
                     encode_marker(base, next_version_));
 }
 
-TensorView SourceDelta::next(const TensorView& view) {
-  if (view.info == nullptr) fail(ErrorKind::kInvalidArgument, "the weight stream yielded a tensor without metadata");
-  const TensorInfo& info = *view.info;
-  if (info.name.starts_with("refit:delta"))
-    fail(ErrorKind::kInvalidArgument, "tensor '{}': names starting with 'refit:delta' are refit's own (delta refit)",
-         info.name);
-  ++counts_.tensors;
-  const uint64_t nbytes = info.nbytes();
-  if (nbytes > 0 && view.data == nullptr)
-    fail(ErrorKind::kInvalidArgument, "tensor '{}' ({} bytes) has no data pointer", info.name, nbytes);
-  auto it = base_.find(info.name);
-  if (!changes_now_ || it == base_.end() || !(it->second.info == info) || it->second.memory != view.memory ||
-      nbytes == 0) {
-    // Whole: the destination takes it as it is, and so does our base, whose checksum the trailer carries.
-    HeldTensor& base = base_[info.name];
-    base.assign(view, gpu());
-    whole_.push_back(sum_of(info.name, base, gpu()));
-    return view;
+void SourceDelta::next(std::span<const TensorView> views, std::vector<TensorView>& out) {
+  out.assign(views.begin(), views.end());    // whole, unless changes go instead
+  std::vector<DeviceDelta::EncodeJob> jobs;  // the GPU tensors, compared together
+  std::vector<size_t> job_view;
+  std::deque<std::vector<uint8_t>> records;  // the jobs' records (a deque: their addresses stay)
+  auto sent_as_record = [&](size_t k, const std::string& name, std::vector<uint8_t> record) {
+    ++counts_.changed_tensors;
+    counts_.record_bytes += record.size();
+    const auto size = static_cast<int64_t>(record.size());
+    out[k] = add_record(TensorInfo{std::string(kDeltaTensorPrefix) + name, DType::kUInt8, {size}}, std::move(record));
+  };
+  for (size_t k = 0; k < views.size(); ++k) {
+    const TensorView& view = views[k];
+    if (view.info == nullptr) fail(ErrorKind::kInvalidArgument, "the weight stream yielded a tensor without metadata");
+    const TensorInfo& info = *view.info;
+    if (info.name.starts_with("refit:delta"))
+      fail(ErrorKind::kInvalidArgument, "tensor '{}': names starting with 'refit:delta' are refit's own (delta refit)",
+           info.name);
+    ++counts_.tensors;
+    const uint64_t nbytes = info.nbytes();
+    if (nbytes > 0 && view.data == nullptr)
+      fail(ErrorKind::kInvalidArgument, "tensor '{}' ({} bytes) has no data pointer", info.name, nbytes);
+    auto it = base_.find(info.name);
+    if (!changes_now_ || it == base_.end() || !(it->second.info == info) || it->second.memory != view.memory ||
+        nbytes == 0) {
+      // Whole: the destination takes it as it is, and so does our base, whose checksum the trailer carries.
+      HeldTensor& base = base_[info.name];
+      base.assign(view, gpu());
+      whole_.push_back(sum_of(info.name, base, gpu()));
+      continue;
+    }
+    // The encoder makes the base equal to the tensor whether or not it sends changes.
+    HeldTensor& base = it->second;
+    const size_t element_size = dtype_size(info.dtype);
+    if (view.memory != MemoryKind::kHost) {
+      if (std::any_of(job_view.begin(), job_view.end(), [&](size_t j) { return views[j].info->name == info.name; }))
+        fail(ErrorKind::kInvalidArgument, "tensor '{}' appears twice in one refit", info.name);
+      jobs.push_back({&base.device, view.data, nbytes, element_size, &records.emplace_back(), {}});
+      job_view.push_back(k);
+      continue;
+    }
+    std::vector<uint8_t> record;
+    if (encode_delta(base.bytes, bytes_of(view), element_size, record, &scratch_).encoded)
+      sent_as_record(k, info.name, std::move(record));
+    else  // dense changes: whole after all (the base is the tensor now)
+      whole_.push_back(sum_of(info.name, base, gpu()));
   }
-  // The encoder makes the base equal to the tensor whether or not it sends changes.
-  std::vector<uint8_t> record;
-  HeldTensor& base = it->second;
-  const size_t element_size = dtype_size(info.dtype);
-  const DeltaResult result = view.memory == MemoryKind::kHost
-                                 ? encode_delta(base.bytes, bytes_of(view), element_size, record, &scratch_)
-                                 : gpu().encode(base.device, view.data, nbytes, element_size, record);
-  if (!result.encoded) {  // dense changes: whole after all (the base is the tensor now)
-    whole_.push_back(sum_of(info.name, base, gpu()));
-    return view;
+  if (jobs.empty()) return;
+  gpu().encode_batch(jobs);
+  for (size_t j = 0; j < jobs.size(); ++j) {
+    const std::string& name = views[job_view[j]].info->name;
+    if (jobs[j].result.encoded)
+      sent_as_record(job_view[j], name, std::move(*jobs[j].out));
+    else
+      whole_.push_back(sum_of(name, base_.find(name)->second, gpu()));
   }
-  ++counts_.changed_tensors;
-  counts_.record_bytes += record.size();
-  const auto size = static_cast<int64_t>(record.size());
-  return add_record(TensorInfo{std::string(kDeltaTensorPrefix) + info.name, DType::kUInt8, {size}}, std::move(record));
 }
 
 TensorView SourceDelta::end() {

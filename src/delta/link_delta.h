@@ -118,8 +118,10 @@ class SourceDelta {
   // the last one sent whole (or has not been measured yet); the slower way is measured again
   // every kRemeasureEvery refits.
   TensorView begin(uint64_t destination_version, const std::string& destination, bool measured = false);
-  // What to send of `view`: its changes against the base, or itself (the base becomes it either way).
-  TensorView next(const TensorView& view);
+  // What to send of each of `views`, in `out` in the same order: its changes against the base, or
+  // itself (the base becomes it either way). Tensors in GPU memory are compared together (a wait
+  // or two per call, not per tensor).
+  void next(std::span<const TensorView> views, std::vector<TensorView>& out);
   // The trailer: how many tensors the refit sent.
   TensorView end();
   // The refit went through in `seconds`: the destination now holds this refit's version, which it

@@ -42,6 +42,10 @@ constexpr Seconds kAbortTimeout{2.0};
 // Delta refit: a bucket goes once it holds this much (delta/link_delta.h), so that the destination
 // patches while the source scans on; a few round trips per refit at most.
 constexpr uint64_t kDeltaBucketBytes = 1 << 20;
+// ... and GPU tensors are compared in batches of up to this many (or bytes): two waits a batch,
+// not two a tensor (~50 us each on one H100), with the scratch for their changes bounded.
+constexpr size_t kDeltaBatchTensors = 64;
+constexpr uint64_t kDeltaBatchBytes = 64 << 20;
 
 double seconds_since(Clock::time_point start) { return Seconds(Clock::now() - start).count(); }
 
@@ -762,15 +766,41 @@ class CheckpointEngine::Impl {
         senders_[k]->add(header, Box::whole(), *header.info, Box::whole(), phase);
         deltas.push_back(&delta);
       }
-    // Delta: sends what link k's destination holds of `view` (`box` of it, going by `info`),
-    // packed where it is not the tensor as it is, as changes or whole.
+    // Delta: what link k's destination holds of `view` (`box` of it, going by `info`), packed where
+    // it is not the tensor as it is, goes as changes or whole. GPU tensors that stay valid (packed
+    // ones are ours) wait to be compared together; the others go at once, so that the destination
+    // patches while this source scans on.
+    struct Pending {
+      std::vector<TensorView> views;
+      std::deque<TensorInfo> infos;  // theirs: the stream's may not outlive its next tensor
+      uint64_t bytes = 0;
+    };
+    std::vector<Pending> pending(deltas.size());
+    std::vector<TensorView> delta_out;
+    auto flush_delta = [&](size_t k) {
+      Pending& p = pending[k];
+      const auto start = Clock::now();
+      deltas[k]->next(p.views, delta_out);
+      stats.delta_seconds += seconds_since(start);
+      for (const TensorView& out : delta_out) {
+        senders_[k]->add(out, Box::whole(), *out.info, Box::whole(), phase);
+        senders_[k]->send_early(kDeltaBucketBytes, phase);
+      }
+      p.views.clear();
+      p.infos.clear();
+      p.bytes = 0;
+    };
     auto send_delta = [&](size_t k, const TensorView& view, const Box& box, const TensorInfo& info) {
       const auto start = Clock::now();
       const bool as_is = box.is_whole() && info.name == view.info->name;
-      const TensorView out = deltas[k]->next(as_is ? view : packed_of(k).pack(view, box, info, *pack_stream_));
+      TensorView in = as_is ? view : packed_of(k).pack(view, box, info, *pack_stream_);
       stats.delta_seconds += seconds_since(start);
-      senders_[k]->add(out, Box::whole(), *out.info, Box::whole(), phase);
-      senders_[k]->send_early(kDeltaBucketBytes, phase);
+      Pending& p = pending[k];
+      const bool waits = in.memory == MemoryKind::kCuda && (in_place || !as_is);
+      if (waits) in.info = &p.infos.emplace_back(*in.info);
+      p.views.push_back(in);
+      p.bytes += in.info->nbytes();
+      if (!waits || p.views.size() >= kDeltaBatchTensors || p.bytes >= kDeltaBatchBytes) flush_delta(k);
     };
     TensorView view;
     SendPiece paired_piece;  // paired: the one piece of the tensor in hand
@@ -838,6 +868,7 @@ class CheckpointEngine::Impl {
         fail(ErrorKind::kLayout, "{} needs a piece of '{}' from this source, but the weight stream never yielded it",
              senders_[t.pieces.front().link]->peer_label(), name);
     for (size_t k = 0; k < deltas.size(); ++k) {
+      if (!pending[k].views.empty()) flush_delta(k);
       const TensorView trailer = deltas[k]->end();
       senders_[k]->add(trailer, Box::whole(), *trailer.info, Box::whole(), phase);
     }

@@ -49,8 +49,11 @@ std::vector<TensorView> encoded(SourceDelta& source, const std::vector<OwnedTens
                                 bool measured = false) {
   std::vector<TensorView> views{source.begin(version, "destination rank 0", measured)};
   VectorSource inner(weights);
+  std::vector<TensorView> in, out;
   TensorView v;
-  while (inner.next(&v)) views.push_back(source.next(v));
+  while (inner.next(&v)) in.push_back(v);
+  source.next(in, out);  // all in one call
+  views.insert(views.end(), out.begin(), out.end());
   views.push_back(source.end());
   return views;
 }

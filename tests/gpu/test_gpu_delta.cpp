@@ -193,5 +193,46 @@ TEST(DeviceDelta, QueuedPatchesApplyTogetherEachWithItsChecksum) {
   EXPECT_EQ(download(other.data(), cases[0].bytes), olds[0]);
 }
 
+// A source's batch: tensors of every element size, sparse, unchanged, dense (whole) and empty of
+// change, compared in one encode_batch, give each the record and base that encode() gives alone.
+TEST(DeviceDelta, ABatchEncodesEachTensorAsAloneAndLeavesEveryBaseTheTensor) {
+  REFIT_REQUIRE_GPUS(1);
+  DeviceDelta gpu;
+  struct Case {
+    size_t element_size, bytes, changes;
+  };
+  const std::vector<Case> cases = {{2, 1 << 20, 3000}, {4, 300004, 0},    {1, 70001, 500},
+                                   {8, 1 << 16, 40},   {2, 40002, 40000}, {2, 6, 1}};
+  std::vector<std::vector<std::byte>> nows;
+  std::vector<OnGpu> now_gpu;
+  std::vector<DeviceBuffer> batch_bases, alone_bases;
+  for (size_t k = 0; k < cases.size(); ++k) {
+    const auto old = random_bytes(cases[k].bytes, 30 + k);
+    nows.push_back(changed(old, cases[k].element_size, cases[k].changes, 40 + k));
+    const OnGpu old_gpu(old, 0);
+    now_gpu.emplace_back(nows.back(), k % 3);  // some unaligned
+    batch_bases.push_back(gpu.copy_of(old_gpu.data, cases[k].bytes));
+    alone_bases.push_back(gpu.copy_of(old_gpu.data, cases[k].bytes));
+  }
+  std::vector<std::vector<uint8_t>> batch_records(cases.size()), alone_records(cases.size());
+  std::vector<DeviceDelta::EncodeJob> jobs;
+  for (size_t k = 0; k < cases.size(); ++k)
+    jobs.push_back({&batch_bases[k], now_gpu[k].data, cases[k].bytes, cases[k].element_size, &batch_records[k], {}});
+  gpu.encode_batch(jobs);
+  size_t encoded = 0, whole = 0;
+  for (size_t k = 0; k < cases.size(); ++k) {
+    const DeltaResult alone =
+        gpu.encode(alone_bases[k], now_gpu[k].data, cases[k].bytes, cases[k].element_size, alone_records[k]);
+    EXPECT_EQ(jobs[k].result.encoded, alone.encoded) << k;
+    EXPECT_EQ(jobs[k].result.checksum, alone.checksum) << k;
+    if (alone.encoded) EXPECT_EQ(batch_records[k], alone_records[k]) << k;
+    EXPECT_EQ(download(batch_bases[k].data(), cases[k].bytes), nows[k]) << k;
+    encoded += alone.encoded ? 1 : 0;
+    whole += alone.encoded ? 0 : 1;
+  }
+  EXPECT_GE(encoded, 4u) << "sparse and unchanged tensors go as records";
+  EXPECT_GE(whole, 1u) << "a tensor changed everywhere goes whole";
+}
+
 }  // namespace
 }  // namespace refit::gpu_test

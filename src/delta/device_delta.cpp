@@ -2,6 +2,7 @@
 
 #include "core/fail.h"
 #include "delta/bits.h"
+#include "memory/host_copy_pool.h"
 
 #ifdef REFIT_HAVE_CUDA
 #include <numeric>
@@ -67,17 +68,15 @@ struct DeviceDelta::State {
   Scratch<uint64_t> sums, offsets, index, before, after;
   Pinned<uint32_t> host_counts;
   Pinned<uint64_t> host_sums, host_offsets, host_index, host_before, host_after;
-  // Patches queued (queue_patch): their changes one after another in queued_index/values.
+  // Patches queued (queue_decoded), each with its decoded changes.
   struct Queued {
     DeviceBuffer* target;
     size_t bytes;
     size_t element_size;
-    DeltaHeader header;
-    uint64_t first;  // of its changes in queued_index
-    uint64_t count;
+    DeltaChanges changes;
+    uint64_t first = 0;  // of its changes in the batch's copy to the GPU
   };
   std::vector<Queued> queued;
-  std::vector<uint64_t> queued_index, queued_values;
   DeltaChanges changes;  // the record being decoded
 
   // Binds to `device` (a stream there). The caller holds a DeviceGuard for it: the calling
@@ -166,7 +165,7 @@ DeltaResult DeviceDelta::encode(DeviceBuffer& base, const std::byte* now, size_t
   return job.result;
 }
 
-void DeviceDelta::encode_batch(std::span<EncodeJob> jobs) {
+void DeviceDelta::encode_batch(std::span<EncodeJob> jobs, HostCopyPool* pool) {
   if (jobs.empty()) return;
   const int device = jobs.front().base->device_index();
   for (const EncodeJob& j : jobs) {
@@ -243,7 +242,9 @@ void DeviceDelta::encode_batch(std::span<EncodeJob> jobs) {
     s.to_host(s.host_after, after, changes);
   }
   s.wait("waiting for the delta collect kernels");  // and the copies of tensors that go whole
-  for (size_t k : collected) {
+  // The records, on the pool's threads (each a pass over its changes on the host).
+  auto write = [&](size_t c) {
+    const size_t k = collected[c];
     EncodeJob& j = jobs[k];
     const uint64_t first = first_change[k], n = first_change[k + 1] - first;
     j.result.encoded =
@@ -251,7 +252,11 @@ void DeviceDelta::encode_batch(std::span<EncodeJob> jobs) {
                              s.host_before.view().subspan(first, n), s.host_after.view().subspan(first, n),
                              DeltaChecksum::kWords, j.result.checksum, *j.out);
     if (!j.result.encoded) j.result = {};  // whole after all (the base is the tensor now)
-  }
+  };
+  if (pool != nullptr)
+    pool->for_each(collected.size(), write);
+  else
+    for (size_t c = 0; c < collected.size(); ++c) write(c);
 }
 
 DeltaHeader DeviceDelta::apply(DeviceBuffer& target, size_t bytes, size_t element_size, std::span<const uint8_t> record,
@@ -269,35 +274,46 @@ DeltaHeader DeviceDelta::apply(DeviceBuffer& target, size_t bytes, size_t elemen
 
 void DeviceDelta::queue_patch(DeviceBuffer& target, size_t bytes, size_t element_size, std::span<const uint8_t> record,
                               const std::string& what) {
+  DeltaChanges changes;
+  decode_delta(record, element_size, bytes, changes, what);  // all of it checked before any write
+  queue_decoded(target, bytes, element_size, std::move(changes));
+}
+
+void DeviceDelta::queue_decoded(DeviceBuffer& target, size_t bytes, size_t element_size, DeltaChanges changes) {
   if (target.size() != rounded(bytes))
     fail(ErrorKind::kInternal, "DeviceDelta::queue_patch: a copy of {} bytes for {} bytes", target.size(), bytes);
   State& s = *state_;
   if (!s.queued.empty() && s.queued.front().target->device_index() != target.device_index())
     fail(ErrorKind::kInternal, "DeviceDelta::queue_patch: patches on GPUs {} and {} in one queue",
          s.queued.front().target->device_index(), target.device_index());
-  decode_delta(record, element_size, bytes, s.changes, what);  // all of it checked before any write
-  s.queued.push_back({&target, bytes, element_size, s.changes.header, s.queued_index.size(), s.changes.index.size()});
-  s.queued_index.insert(s.queued_index.end(), s.changes.index.begin(), s.changes.index.end());
-  s.queued_values.insert(s.queued_values.end(), s.changes.values.begin(), s.changes.values.end());
+  s.queued.push_back({&target, bytes, element_size, std::move(changes)});
 }
 
-void DeviceDelta::drop_queued() {
-  State& s = *state_;
-  s.queued.clear();
-  s.queued_index.clear();
-  s.queued_values.clear();
-}
+void DeviceDelta::drop_queued() { state_->queued.clear(); }
 
-std::vector<DeviceDelta::Patched> DeviceDelta::patch_queued() {
+std::vector<DeviceDelta::Patched> DeviceDelta::patch_queued(HostCopyPool* pool) {
   State& s = *state_;
   std::vector<Patched> out;
   if (s.queued.empty()) return out;
   const cuda::DeviceGuard guard(s.queued.front().target->device_index());
   s.use(s.queued.front().target->device_index());
-  // Every patch's changes cross in one copy each of positions and values.
-  const uint64_t count = s.queued_index.size();
-  std::copy(s.queued_index.begin(), s.queued_index.end(), s.host_index.resize(count));
-  std::copy(s.queued_values.begin(), s.queued_values.end(), s.host_after.resize(count));
+  // Every patch's changes cross in one copy each of positions and values (gathered on the pool).
+  uint64_t count = 0;
+  for (auto& q : s.queued) {
+    q.first = count;
+    count += q.changes.index.size();
+  }
+  uint64_t* host_index = s.host_index.resize(count);
+  uint64_t* host_values = s.host_after.resize(count);
+  auto gather = [&](size_t k) {
+    const DeltaChanges& c = s.queued[k].changes;
+    std::copy(c.index.begin(), c.index.end(), host_index + s.queued[k].first);
+    std::copy(c.values.begin(), c.values.end(), host_values + s.queued[k].first);
+  };
+  if (pool != nullptr)
+    pool->for_each(s.queued.size(), gather);
+  else
+    for (size_t k = 0; k < s.queued.size(); ++k) gather(k);
   uint64_t* index = s.index.at_least(s.device, count);
   uint64_t* values = s.after.at_least(s.device, count);
   s.to_device(index, s.host_index.view());
@@ -308,16 +324,17 @@ std::vector<DeviceDelta::Patched> DeviceDelta::patch_queued() {
   std::vector<uint64_t> first_block;
   for (const auto& q : s.queued) {
     first_block.push_back(blocks);
-    if (q.header.checksum_kind == DeltaChecksum::kWords) blocks += cuda::delta_blocks(q.bytes);
+    if (q.changes.header.checksum_kind == DeltaChecksum::kWords) blocks += cuda::delta_blocks(q.bytes);
   }
   uint32_t* counts = s.counts.at_least(s.device, blocks);
   uint64_t* sums = s.sums.at_least(s.device, blocks);
   for (size_t k = 0; k < s.queued.size(); ++k) {
     const auto& q = s.queued[k];
     s.launched(cuda::launch_delta_patch(q.target->data(), static_cast<uint32_t>(q.element_size), index + q.first,
-                                        values + q.first, q.count, q.header.values == DeltaValues::kSteps, s.stream),
+                                        values + q.first, q.changes.index.size(),
+                                        q.changes.header.values == DeltaValues::kSteps, s.stream),
                "the delta patch kernel");
-    if (q.header.checksum_kind == DeltaChecksum::kWords)
+    if (q.changes.header.checksum_kind == DeltaChecksum::kWords)
       s.launched(cuda::launch_delta_count(nullptr, q.target->data(), q.bytes, 1, counts + first_block[k],
                                           sums + first_block[k], s.stream),
                  "the hash kernel");
@@ -327,13 +344,13 @@ std::vector<DeviceDelta::Patched> DeviceDelta::patch_queued() {
   for (size_t k = 0; k < s.queued.size(); ++k) {
     const auto& q = s.queued[k];
     uint64_t checksum = 0;
-    if (q.header.checksum_kind == DeltaChecksum::kWords) {
+    if (q.changes.header.checksum_kind == DeltaChecksum::kWords) {
       const uint64_t* at = s.host_sums.data() + first_block[k];
       checksum = word_hash::finish(std::accumulate(at, at + cuda::delta_blocks(q.bytes), uint64_t{0}), q.bytes);
     } else {
-      checksum = this->checksum(q.target->data(), q.bytes, q.header.checksum_kind);
+      checksum = this->checksum(q.target->data(), q.bytes, q.changes.header.checksum_kind);
     }
-    out.push_back({q.header, checksum});
+    out.push_back({q.changes.header, checksum});
   }
   drop_queued();
   return out;
@@ -379,7 +396,7 @@ namespace {
 DeviceBuffer DeviceDelta::copy_of(const std::byte*, size_t) { no_cuda(); }
 void DeviceDelta::assign(DeviceBuffer&, const std::byte*, size_t) { no_cuda(); }
 DeltaResult DeviceDelta::encode(DeviceBuffer&, const std::byte*, size_t, size_t, std::vector<uint8_t>&) { no_cuda(); }
-void DeviceDelta::encode_batch(std::span<EncodeJob>) { no_cuda(); }
+void DeviceDelta::encode_batch(std::span<EncodeJob>, HostCopyPool*) { no_cuda(); }
 DeltaHeader DeviceDelta::apply(DeviceBuffer&, size_t, size_t, std::span<const uint8_t>, const std::string&, uint64_t*) {
   no_cuda();
 }
@@ -388,7 +405,8 @@ uint64_t DeviceDelta::checksum(const std::byte*, size_t, DeltaChecksum) { no_cud
 void DeviceDelta::queue_patch(DeviceBuffer&, size_t, size_t, std::span<const uint8_t>, const std::string&) {
   no_cuda();
 }
-std::vector<DeviceDelta::Patched> DeviceDelta::patch_queued() { no_cuda(); }
+std::vector<DeviceDelta::Patched> DeviceDelta::patch_queued(HostCopyPool*) { no_cuda(); }
+void DeviceDelta::queue_decoded(DeviceBuffer&, size_t, size_t, DeltaChanges) { no_cuda(); }
 void DeviceDelta::drop_queued() {}
 
 #endif  // REFIT_HAVE_CUDA

@@ -20,6 +20,8 @@
 
 namespace refit {
 
+class HostCopyPool;
+
 class DeviceDelta {
  public:
   DeviceDelta();
@@ -48,7 +50,8 @@ class DeviceDelta {
     std::vector<uint8_t>* out = nullptr;
     DeltaResult result;
   };
-  void encode_batch(std::span<EncodeJob> jobs);
+  // `pool`: the records are written on its threads.
+  void encode_batch(std::span<EncodeJob> jobs, HostCopyPool* pool = nullptr);
 
   // apply_delta for GPU memory: decodes and checks `record` (host bytes) on the host, patches
   // `target` (GPU, from copy_of) with a kernel. Returns the header, and in `checksum` the patched
@@ -57,15 +60,17 @@ class DeviceDelta {
                     const std::string& what, uint64_t* checksum);
 
   // apply() for many tensors (of one GPU) at once: queue_patch() decodes and checks a record and
-  // queues its patch; patch_queued() copies every queued change to the GPU in one go, patches and
-  // hashes each tensor, waits once, and returns each one's header and checksum in queue order.
+  // queues its patch (queue_decoded(): one decoded already); patch_queued() copies every queued
+  // change to the GPU in one go (gathered on `pool`'s threads), patches and hashes each tensor,
+  // waits once, and returns each one's header and checksum in queue order.
   struct Patched {
     DeltaHeader header;
     uint64_t checksum = 0;
   };
   void queue_patch(DeviceBuffer& target, size_t bytes, size_t element_size, std::span<const uint8_t> record,
                    const std::string& what);
-  std::vector<Patched> patch_queued();
+  void queue_decoded(DeviceBuffer& target, size_t bytes, size_t element_size, DeltaChanges changes);
+  std::vector<Patched> patch_queued(HostCopyPool* pool = nullptr);
   // Forgets the queued patches (their batch failed).
   void drop_queued();
 

@@ -214,7 +214,7 @@ TensorView SourceDelta::begin(uint64_t destination_version, const std::string& d
                     encode_marker(base, next_version_));
 }
 
-void SourceDelta::next(std::span<const TensorView> views, std::vector<TensorView>& out) {
+void SourceDelta::next(std::span<const TensorView> views, std::vector<TensorView>& out, HostCopyPool& pool) {
   out.assign(views.begin(), views.end());    // whole, unless changes go instead
   std::vector<DeviceDelta::EncodeJob> jobs;  // the GPU tensors, compared together
   std::vector<size_t> job_view;
@@ -262,7 +262,7 @@ void SourceDelta::next(std::span<const TensorView> views, std::vector<TensorView
       whole_.push_back(sum_of(info.name, base, gpu()));
   }
   if (jobs.empty()) return;
-  gpu().encode_batch(jobs);
+  gpu().encode_batch(jobs, &pool);
   for (size_t j = 0; j < jobs.size(); ++j) {
     const std::string& name = views[job_view[j]].info->name;
     if (jobs[j].result.encoded)
@@ -306,32 +306,48 @@ void DestinationDelta::transform(std::span<const TensorView> in, std::span<const
                                  const std::string& who, HostCopyPool& pool) {
   out.clear();
   owners.clear();
-  // Changes to GPU tensors are patched together, one wait per batch (and per GPU); each result is
-  // checked before the batch goes to the loader.
-  std::vector<std::string_view> queued;  // names of the tensors patched in the batch
-  int queued_device = -1;
-  auto patch_queued = [&] {
-    if (queued.empty()) return;
-    const auto patched = gpu().patch_queued();
-    for (size_t k = 0; k < queued.size(); ++k) check_patched(queued[k], patched[k].header, patched[k].checksum, who);
-    queued.clear();
-  };
-  // Changes to host tensors are applied at once and checked together (host_checksums).
-  struct HostPatched {
+  // Changes are applied together at the end of the batch (or before a tensor they touch arrives
+  // whole), and each result is checked before the batch goes to the loader: records decoded and
+  // host tensors patched and hashed on the pool's threads, GPU tensors patched with one wait (per
+  // GPU). A record that arrived in GPU memory is copied to the host first (records_).
+  struct Patch {
     std::string_view name;
-    DeltaHeader header;
-    std::span<const std::byte> bytes;
+    HeldTensor* held;
+    std::span<const uint8_t> record;
+    std::string what;
   };
-  std::vector<HostPatched> host_patched;
-  std::unordered_set<const HeldTensor*> patched_here;
-  auto check_host_patched = [&] {
-    patched_here.clear();
+  std::vector<Patch> host_patches, gpu_patches;
+  records_.clear();
+  std::unordered_set<const HeldTensor*> patched_here;  // host tensors with a patch pending
+  auto patch_on_host = [&] {
+    if (host_patches.empty()) return;
+    std::vector<DeltaHeader> headers(host_patches.size());
+    pool.for_each(host_patches.size(), [&](size_t k) {
+      const Patch& p = host_patches[k];
+      headers[k] = apply_delta(p.held->bytes, dtype_size(p.held->info.dtype), p.record, p.what);
+    });
     std::vector<HostSum> sums;
-    for (const HostPatched& p : host_patched) sums.push_back({p.bytes, p.header.checksum_kind});
+    for (size_t k = 0; k < host_patches.size(); ++k)
+      sums.push_back({host_patches[k].held->bytes, headers[k].checksum_kind});
     const std::vector<uint64_t> now = host_checksums(sums, pool);
-    for (size_t k = 0; k < host_patched.size(); ++k)
-      check_patched(host_patched[k].name, host_patched[k].header, now[k], who);
-    host_patched.clear();
+    for (size_t k = 0; k < host_patches.size(); ++k) check_patched(host_patches[k].name, headers[k], now[k], who);
+    host_patches.clear();
+    patched_here.clear();
+  };
+  auto patch_on_gpu = [&] {
+    if (gpu_patches.empty()) return;
+    std::vector<DeltaChanges> changes(gpu_patches.size());
+    pool.for_each(gpu_patches.size(), [&](size_t k) {
+      const Patch& p = gpu_patches[k];
+      decode_delta(p.record, dtype_size(p.held->info.dtype), p.held->info.nbytes(), changes[k], p.what);
+    });
+    for (size_t k = 0; k < gpu_patches.size(); ++k)
+      gpu().queue_decoded(gpu_patches[k].held->device, gpu_patches[k].held->info.nbytes(),
+                          dtype_size(gpu_patches[k].held->info.dtype), std::move(changes[k]));
+    const auto patched = gpu().patch_queued(&pool);
+    for (size_t k = 0; k < gpu_patches.size(); ++k)
+      check_patched(gpu_patches[k].name, patched[k].header, patched[k].checksum, who);
+    gpu_patches.clear();
   };
   try {
     for (size_t k = 0; k < in.size(); ++k) {
@@ -384,18 +400,20 @@ void DestinationDelta::transform(std::span<const TensorView> in, std::span<const
           fail(ErrorKind::kProtocol, "{} sent changes to '{}', which this destination never received whole", who,
                target);
         HeldTensor& held = it->second;
-        const std::string what = fmt::format("changes to '{}' from {}", target, who);
-        const std::span<const uint8_t> record = on_host(view);
-        const uint64_t nbytes = held.info.nbytes();
-        const size_t element_size = dtype_size(held.info.dtype);
+        std::span<const uint8_t> record = on_host(view);
+        if (view.memory != MemoryKind::kHost) record = records_.emplace_back(record.begin(), record.end());
+        Patch patch{it->first, &held, record, fmt::format("changes to '{}' from {}", target, who)};
         if (held.memory == MemoryKind::kHost) {
-          host_patched.push_back({it->first, apply_delta(held.bytes, element_size, record, what), held.bytes});
+          if (!patched_here.insert(&held).second) patch_on_host();  // twice in a batch: (a protocol error) in order
+          host_patches.push_back(std::move(patch));
           patched_here.insert(&held);
         } else {
-          if (queued_device != held.device.device_index()) patch_queued();
-          queued_device = held.device.device_index();
-          gpu().queue_patch(held.device, nbytes, element_size, record, what);
-          queued.push_back(it->first);
+          const bool same_gpu =
+              gpu_patches.empty() || gpu_patches.front().held->device.device_index() == held.device.device_index();
+          if (!same_gpu ||
+              std::any_of(gpu_patches.begin(), gpu_patches.end(), [&](const Patch& p) { return p.held == &held; }))
+            patch_on_gpu();
+          gpu_patches.push_back(std::move(patch));
         }
         ++counts_.changed_tensors;
         counts_.record_bytes += view.info->nbytes();
@@ -404,14 +422,16 @@ void DestinationDelta::transform(std::span<const TensorView> in, std::span<const
         continue;
       }
       HeldTensor& held = held_[name];
-      if (patched_here.contains(&held)) check_host_patched();  // (a protocol error) before its bytes move
+      if (patched_here.contains(&held)) patch_on_host();  // (a protocol error) before its bytes move
+      if (std::any_of(gpu_patches.begin(), gpu_patches.end(), [&](const Patch& p) { return p.held == &held; }))
+        patch_on_gpu();
       held.assign(view, gpu(), /*page_lock=*/true);
       whole_.push_back(&*held_.find(name));
       out.push_back(view);
       owners.push_back(k < in_owners.size() ? in_owners[k] : nullptr);
     }
-    patch_queued();
-    check_host_patched();
+    patch_on_gpu();
+    patch_on_host();
   } catch (...) {
     if (gpu_) gpu_->drop_queued();
     throw;

@@ -121,7 +121,8 @@ class SourceDelta {
   // What to send of each of `views`, in `out` in the same order: its changes against the base, or
   // itself (the base becomes it either way). Tensors in GPU memory are compared together (a wait
   // or two per call, not per tensor).
-  void next(std::span<const TensorView> views, std::vector<TensorView>& out);
+  // GPU tensors' records are written on `pool`'s threads (the engine's).
+  void next(std::span<const TensorView> views, std::vector<TensorView>& out, HostCopyPool& pool);
   // The trailer: how many tensors the refit sent.
   TensorView end();
   // The refit went through in `seconds`: the destination now holds this refit's version, which it
@@ -189,8 +190,9 @@ class DestinationDelta {
 
   std::map<std::string, HeldTensor, std::less<>> held_;
   std::unique_ptr<DeviceDelta> gpu_;
-  std::vector<uint8_t> record_;  // a marker or record that arrived in GPU memory, on the host
-  uint64_t version_ = 0;         // of held_; 0 while a refit rewrites it
+  std::vector<uint8_t> record_;               // a marker or record that arrived in GPU memory, on the host
+  std::deque<std::vector<uint8_t>> records_;  // the batch's records that arrived in GPU memory, on the host
+  uint64_t version_ = 0;                      // of held_; 0 while a refit rewrites it
   bool header_seen_ = false;
   bool ended_ = false;
   uint64_t new_version_ = 0;

@@ -682,7 +682,8 @@ class CheckpointEngine::Impl {
            (caps.reads_registered_memory ? protocol::kTakesByRead : 0);
   }
 
-  // Delta refit on a destination: the host copies' checksums, for every link (delta.h).
+  // Delta refit's host work on several cores, for every link (delta/link_delta.h): a destination's
+  // patches and checksums, a source's records of GPU tensors.
   HostCopyPool& host_pool() {
     if (!host_pool_) host_pool_ = std::make_unique<HostCopyPool>();
     return *host_pool_;
@@ -780,7 +781,7 @@ class CheckpointEngine::Impl {
     auto flush_delta = [&](size_t k) {
       Pending& p = pending[k];
       const auto start = Clock::now();
-      deltas[k]->next(p.views, delta_out);
+      deltas[k]->next(p.views, delta_out, host_pool());
       stats.delta_seconds += seconds_since(start);
       for (const TensorView& out : delta_out) {
         senders_[k]->add(out, Box::whole(), *out.info, Box::whole(), phase);
@@ -1088,7 +1089,7 @@ class CheckpointEngine::Impl {
   // across connections (the versions in the metadata say what still holds).
   std::map<uint32_t, SourceDelta> source_deltas_;
   std::map<uint32_t, DestinationDelta> destination_deltas_;
-  std::unique_ptr<HostCopyPool> host_pool_;  // their checksums' threads: one pool whatever the links
+  std::unique_ptr<HostCopyPool> host_pool_;  // their host work's threads: one pool whatever the links
   // On a source, by destination rank: the slices or pieces packed to compare. Per link, since two
   // links' pieces may go by one name (each destination's whole tensor) and a link may read its
   // bytes from where they were packed until the refit ends.

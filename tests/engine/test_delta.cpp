@@ -52,7 +52,8 @@ std::vector<TensorView> encoded(SourceDelta& source, const std::vector<OwnedTens
   std::vector<TensorView> in, out;
   TensorView v;
   while (inner.next(&v)) in.push_back(v);
-  source.next(in, out);  // all in one call
+  HostCopyPool pool(0);        // host tensors: the pool is for GPU tensors' records
+  source.next(in, out, pool);  // all in one call
   views.insert(views.end(), out.begin(), out.end());
   views.push_back(source.end());
   return views;
@@ -368,6 +369,35 @@ TEST(DeltaRefit, ChangesApplyOnlyToTheirBaseAndNeverTwice) {
   } catch (const Error& e) {
     EXPECT_EQ(e.kind(), ErrorKind::kProtocol);
     EXPECT_NE(std::string(e.what()).find("refusing"), std::string::npos) << e.what();
+  }
+}
+
+// A destination applies a batch's changes together (on the pool's threads): a record that comes
+// twice in one batch is still applied in order, so the second application is caught by the
+// checksum, naming the tensor; and the rest of the batch is exact once it is not repeated.
+TEST(DeltaRefit, ARecordTwiceInOneBatchIsCaughtByItsChecksum) {
+  auto weights = model(9);
+  SourceDelta source;
+  DestinationDelta destination;
+  HostCopyPool pool(2);
+  std::vector<TensorView> out;
+  std::vector<std::shared_ptr<const void>> owners;
+  destination.begin();
+  destination.transform(encoded(source, weights, 0), {}, out, owners, "source rank 0", pool);
+  destination.finish("source rank 0", pool);
+  source.commit(0);
+  step(weights, 0.01, 91);
+  std::vector<TensorView> records = encoded(source, weights, destination.version());
+  ASSERT_TRUE(records[2].info->name.starts_with("refit:delta:"));
+  records.insert(records.begin() + 3, records[2]);
+  destination.begin();
+  try {
+    destination.transform(records, {}, out, owners, "source rank 0", pool);
+    FAIL() << "a record applied twice";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kIntegrity);
+    const std::string tensor = records[2].info->name.substr(std::string("refit:delta:").size());
+    EXPECT_NE(std::string(e.what()).find("'" + tensor + "'"), std::string::npos) << e.what();
   }
 }
 

@@ -695,6 +695,8 @@ class CheckpointEngine::Impl {
   }
 
   void disconnect() {
+    // A receive's readers work from the links: it ends first (the sources are told).
+    end_receive(ErrorKind::kInvalidArgument, "the engine was connected again (init) during the receive");
     target_layout_.reset();
     needs_nothing_ = false;
     senders_.clear();

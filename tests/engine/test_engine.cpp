@@ -550,6 +550,29 @@ TEST(EnginePull, CallsOutOfOrderAreErrorsThatNameTheCall) {
   expect_same(weights, got);
 }
 
+// A destination connected again while it receives: the receive ends first (its readers work from
+// the links being replaced), the source is told why, and the new connection refits.
+TEST(EnginePull, AnInitDuringAReceiveEndsItAndTellsTheSource) {
+  Pair p(256);
+  p.connect();
+  auto weights = mixed_model(3);
+  auto sent = p.start_send(weights);
+  p.destination->begin_receive();
+  ReceivedBatch batch;
+  ASSERT_EQ(p.destination->next_batch(deadline_after(std::chrono::seconds(10)), &batch), ReceiveProgress::kBatch);
+  p.destination->init_destination(0, 1, 1, p.metadata);
+  EXPECT_FALSE(p.destination->receiving());
+  EXPECT_TRUE(p.destination->stale());
+  std::string message;
+  EXPECT_EQ(error_kind_of([&] { sent.get(); }, &message), ErrorKind::kInvalidArgument);
+  EXPECT_NE(message.find("connected again (init) during the receive"), std::string::npos) << message;
+  p.connect();
+  Received got;
+  p.refit(weights, got);
+  expect_same(weights, got);
+  EXPECT_FALSE(p.destination->stale());
+}
+
 TEST(EnginePull, ABatchHeldPastTheDeadlineFailsTheRefitOnBothSides) {
   Pair p(64, false, /*timeout_s=*/0.5);
   p.connect();

@@ -29,8 +29,7 @@ struct ParameterLoader::Impl {
   std::vector<Parameter> parameters;  // by number in `names`
   CopyStream stream;
   double timeout_s;
-  std::vector<CopyStream::Copy> copies;  // of the batch being loaded, kept from one to the next
-  std::vector<uint32_t> targets;         // the parameter of each of its tensors, likewise
+  std::vector<uint32_t> targets;  // the parameter of each tensor of the batch being loaded
   uint64_t tensors = 0, bytes = 0;
 };
 
@@ -53,7 +52,6 @@ size_t ParameterLoader::size() const { return impl_->parameters.size(); }
 
 void ParameterLoader::load(LoadBatch batch) {
   Impl& m = *impl_;
-  m.copies.clear();
   m.targets.clear();
   uint64_t bytes = 0;
   for (size_t i = 0; i < batch.size(); ++i) {
@@ -71,11 +69,14 @@ void ParameterLoader::load(LoadBatch batch) {
            "converts nothing",
            v.info->name, dtype_name(v.info->dtype), shape_string(v.info->shape), dtype_name(p.dtype),
            shape_string(p.shape));
-    m.copies.push_back({p.data, v.data, n, p.memory, v.memory});
     m.targets.push_back(*index);
     bytes += n;
   }
-  m.stream.copy_batch(m.copies);
+  // Every tensor checked before any copy; between GPU memory the copies go out as one kernel per ~100.
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const Parameter& p = m.parameters[m.targets[i]];
+    m.stream.copy(p.data, batch[i].data, batch[i].info->nbytes(), p.memory, batch[i].memory);
+  }
   if (m.stream.pending()) m.stream.synchronize(deadline_after(std::chrono::duration<double>(m.timeout_s)));
   for (uint32_t target : m.targets) m.parameters[target].loaded = true;  // once the copies are done
   m.tensors += batch.size();

@@ -14,7 +14,7 @@
 // loader gets out of that device copy, copying every tensor of the model from one allocation
 // into another:
 //   load_per_tensor   one cudaMemcpyAsync per tensor (an inference engine's loader)
-//   load_batched      CopyStream::copy_batch (one kernel per ~100 tensors)
+//   load_batched      CopyStream::copy of each (one kernel per ~100 tensors)
 // GB/s are 1e9 bytes copied per second (a device-to-device copy also reads as many bytes as it
 // writes; the rate counts them once, as a refit's throughput does).
 //
@@ -244,10 +244,15 @@ int main(int argc, char** argv) {
     if (!model_path.empty()) {
       // Every tensor of the model, 256-byte aligned in one allocation, into another.
       const refit::ModelInventory model = refit::load_model_inventory(model_path);
-      std::vector<refit::CopyStream::Copy> copies;
+      struct Copy {
+        void* dst;
+        const void* src;
+        size_t bytes;
+      };
+      std::vector<Copy> copies;
       uint64_t total = 0, payload = 0;
       for (const auto& t : model.tensors) {
-        copies.push_back({nullptr, nullptr, t.nbytes(), refit::MemoryKind::kCuda, refit::MemoryKind::kCuda});
+        copies.push_back({nullptr, nullptr, t.nbytes()});
         payload += t.nbytes();
         total += (t.nbytes() + 255) / 256 * 256;
       }
@@ -287,7 +292,10 @@ int main(int argc, char** argv) {
         for (const auto& c : copies)
           check(cudaMemcpyAsync(c.dst, c.src, c.bytes, cudaMemcpyDeviceToDevice, stream), "cudaMemcpyAsync");
       });
-      timed("load_batched", [&] { loads.copy_batch(copies); });
+      timed("load_batched", [&] {
+        for (const auto& c : copies)
+          loads.copy(c.dst, c.src, c.bytes, refit::MemoryKind::kCuda, refit::MemoryKind::kCuda);
+      });
     }
     cudaStreamDestroy(stream);
 

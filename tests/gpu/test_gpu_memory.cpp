@@ -285,13 +285,11 @@ TEST(CopyStream, CopiesABatchOfGpuRangesBitwise) {
   DeviceBuffer dst(cuda(0), total + kHostBytes);
   std::vector<uint8_t> host_dst(kHostBytes);
   const std::vector<uint8_t> host_src = pattern(kHostBytes, 6);
-  std::vector<CopyStream::Copy> copies;
-  for (const Placed& p : placed)
-    copies.push_back({dst.data() + p.dst, src.data() + p.src, p.bytes, MemoryKind::kCuda, MemoryKind::kCuda});
-  copies.push_back({host_dst.data(), src.data(), kHostBytes, MemoryKind::kHost, MemoryKind::kCuda});
-  copies.push_back({dst.data() + total, host_src.data(), kHostBytes, MemoryKind::kCuda, MemoryKind::kHost});
   CopyStream stream(cuda(0));
-  stream.copy_batch(copies);
+  for (const Placed& p : placed)
+    stream.copy(dst.data() + p.dst, src.data() + p.src, p.bytes, MemoryKind::kCuda, MemoryKind::kCuda);
+  stream.copy(host_dst.data(), src.data(), kHostBytes, MemoryKind::kHost, MemoryKind::kCuda);
+  stream.copy(dst.data() + total, host_src.data(), kHostBytes, MemoryKind::kCuda, MemoryKind::kHost);
   stream.synchronize(deadline_after(60s));
   const std::vector<uint8_t> from = read_device(src.data(), total), to = read_device(dst.data(), total + kHostBytes);
   for (size_t i = 0; i < placed.size(); ++i)

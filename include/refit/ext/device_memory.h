@@ -108,20 +108,6 @@ class CopyStream {
   void copy_2d(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t row_bytes, size_t rows,
                MemoryKind dst_kind, MemoryKind src_kind);
 
-  // One copy of copy_batch().
-  struct Copy {
-    void* dst = nullptr;
-    const void* src = nullptr;
-    size_t bytes = 0;
-    MemoryKind dst_kind = MemoryKind::kHost;
-    MemoryKind src_kind = MemoryKind::kHost;
-  };
-  // copy() of each: a loader's batch of tensors. Copies between GPU memory go out together
-  // instead of one cudaMemcpyAsync each: no launch per small tensor, and from memory another
-  // process exported (CUDA IPC) the kernel reads at 0.84 of the device copy where
-  // cudaMemcpyAsync reached 0.76 (H200, docs/GPU.md).
-  void copy_batch(std::span<const Copy> copies);
-
   // Returns once every copy issued so far is complete. Error(kTimeout) past the deadline (the
   // copies may still be running: keep the memory alive), Error(kTransport) when a copy failed.
   void synchronize(Deadline deadline);

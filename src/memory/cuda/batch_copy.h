@@ -1,5 +1,5 @@
-// One kernel launch that does many device-to-device copies (CopyStream::copy_batch and the 2-D
-// copies of copy_2d): a batch of tensors loaded into a destination's parameters, or the strided
+// One kernel launch that does many device-to-device copies (CopyStream::copy and copy_2d between
+// GPU memory): a batch of tensors loaded into a destination's parameters, or the strided
 // slices a source packs into a bucket, pay one launch instead of one per copy, and read memory
 // another process exported faster than cudaMemcpyAsync does (docs/GPU.md). Plain C++17 on both
 // sides, so that the .cu file builds with nvcc's C++17 and the rest with C++20.

@@ -261,10 +261,6 @@ void CopyStream::copy_2d(void* dst, size_t dst_pitch, const void* src, size_t sr
 #endif
 }
 
-void CopyStream::copy_batch(std::span<const Copy> copies) {
-  for (const Copy& c : copies) copy(c.dst, c.src, c.bytes, c.dst_kind, c.src_kind);
-}
-
 void CopyStream::synchronize(Deadline deadline) { impl_->synchronize(deadline); }
 
 }  // namespace refit

@@ -318,7 +318,7 @@ void DestinationDelta::transform(std::span<const TensorView> in, std::span<const
   };
   std::vector<Patch> host_patches, gpu_patches;
   records_.clear();
-  std::unordered_set<const HeldTensor*> patched_here;  // host tensors with a patch pending
+  std::unordered_set<const HeldTensor*> pending;  // tensors with a patch not yet applied
   auto patch_on_host = [&] {
     if (host_patches.empty()) return;
     std::vector<DeltaHeader> headers(host_patches.size());
@@ -332,7 +332,6 @@ void DestinationDelta::transform(std::span<const TensorView> in, std::span<const
     const std::vector<uint64_t> now = host_checksums(sums, pool);
     for (size_t k = 0; k < host_patches.size(); ++k) check_patched(host_patches[k].name, headers[k], now[k], who);
     host_patches.clear();
-    patched_here.clear();
   };
   auto patch_on_gpu = [&] {
     if (gpu_patches.empty()) return;
@@ -348,6 +347,11 @@ void DestinationDelta::transform(std::span<const TensorView> in, std::span<const
     for (size_t k = 0; k < gpu_patches.size(); ++k)
       check_patched(gpu_patches[k].name, patched[k].header, patched[k].checksum, who);
     gpu_patches.clear();
+  };
+  auto apply_pending = [&] {
+    patch_on_gpu();
+    patch_on_host();
+    pending.clear();
   };
   try {
     for (size_t k = 0; k < in.size(); ++k) {
@@ -400,21 +404,19 @@ void DestinationDelta::transform(std::span<const TensorView> in, std::span<const
           fail(ErrorKind::kProtocol, "{} sent changes to '{}', which this destination never received whole", who,
                target);
         HeldTensor& held = it->second;
+        // Kept until the batch's patches are applied (on_host's copy is overwritten by the next).
         std::span<const uint8_t> record = on_host(view);
-        if (view.memory != MemoryKind::kHost) record = records_.emplace_back(record.begin(), record.end());
+        if (view.memory != MemoryKind::kHost) record = records_.emplace_back(std::move(record_));
         Patch patch{it->first, &held, record, fmt::format("changes to '{}' from {}", target, who)};
-        if (held.memory == MemoryKind::kHost) {
-          if (!patched_here.insert(&held).second) patch_on_host();  // twice in a batch: (a protocol error) in order
-          host_patches.push_back(std::move(patch));
-          patched_here.insert(&held);
-        } else {
-          const bool same_gpu =
-              gpu_patches.empty() || gpu_patches.front().held->device.device_index() == held.device.device_index();
-          if (!same_gpu ||
-              std::any_of(gpu_patches.begin(), gpu_patches.end(), [&](const Patch& p) { return p.held == &held; }))
-            patch_on_gpu();
-          gpu_patches.push_back(std::move(patch));
+        // A tensor patched twice in a batch (a protocol error), or a batch on another GPU: what is
+        // pending is applied first, in order.
+        const bool other_gpu = held.memory != MemoryKind::kHost && !gpu_patches.empty() &&
+                               gpu_patches.front().held->device.device_index() != held.device.device_index();
+        if (!pending.insert(&held).second || other_gpu) {
+          apply_pending();
+          pending.insert(&held);
         }
+        (held.memory == MemoryKind::kHost ? host_patches : gpu_patches).push_back(std::move(patch));
         ++counts_.changed_tensors;
         counts_.record_bytes += view.info->nbytes();
         out.push_back({&held.info, held.data(), held.memory});
@@ -422,16 +424,13 @@ void DestinationDelta::transform(std::span<const TensorView> in, std::span<const
         continue;
       }
       HeldTensor& held = held_[name];
-      if (patched_here.contains(&held)) patch_on_host();  // (a protocol error) before its bytes move
-      if (std::any_of(gpu_patches.begin(), gpu_patches.end(), [&](const Patch& p) { return p.held == &held; }))
-        patch_on_gpu();
+      if (pending.contains(&held)) apply_pending();  // (a protocol error) before its bytes move
       held.assign(view, gpu(), /*page_lock=*/true);
       whole_.push_back(&*held_.find(name));
       out.push_back(view);
       owners.push_back(k < in_owners.size() ? in_owners[k] : nullptr);
     }
-    patch_on_gpu();
-    patch_on_host();
+    apply_pending();
   } catch (...) {
     if (gpu_) gpu_->drop_queued();
     throw;

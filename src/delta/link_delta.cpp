@@ -175,7 +175,7 @@ TensorView PackedBoxes::pack(const TensorView& view, const Box& box, const Tenso
   return {&packed.info, data, view.memory};
 }
 
-SourceDelta::SourceDelta() = default;
+SourceDelta::SourceDelta(double timeout_s) : packed_(timeout_s) {}
 SourceDelta::~SourceDelta() = default;
 
 TensorView SourceDelta::add_record(TensorInfo info, std::vector<uint8_t> bytes) {
@@ -188,6 +188,9 @@ TensorView SourceDelta::begin(uint64_t destination_version, const std::string& d
   counts_ = {};
   records_.clear();
   whole_.clear();
+  waiting_.clear();  // left by a failed refit
+  infos_.clear();
+  waiting_bytes_ = 0;
   const bool possible = base_version_ != 0 && destination_version == base_version_;
   if (!possible)
     spdlog::info("delta refit: {} {}: sending every tensor whole", destination,
@@ -270,6 +273,25 @@ void SourceDelta::next(std::span<const TensorView> views, std::vector<TensorView
     else
       whole_.push_back(sum_of(name, base_.find(name)->second, gpu()));
   }
+}
+
+std::span<const TensorView> SourceDelta::add(const TensorView& view, const Box& box, const TensorInfo& info,
+                                             bool outlives, CopyStream& copies, HostCopyPool& pool) {
+  const bool as_is = box.is_whole() && info.name == view.info->name;
+  TensorView in = as_is ? view : packed_.pack(view, box, info, copies);
+  const bool waits = in.memory == MemoryKind::kCuda && (outlives || !as_is);
+  if (waits) in.info = &infos_.emplace_back(*in.info);
+  waiting_.push_back(in);
+  waiting_bytes_ += in.info->nbytes();
+  if (waits && waiting_.size() < kBatchTensors && waiting_bytes_ < kBatchBytes) return {};
+  return flush(pool);
+}
+
+std::span<const TensorView> SourceDelta::flush(HostCopyPool& pool) {
+  next(waiting_, ready_, pool);
+  waiting_.clear();
+  waiting_bytes_ = 0;
+  return ready_;
 }
 
 TensorView SourceDelta::end() {

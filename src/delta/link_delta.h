@@ -104,12 +104,13 @@ class PackedBoxes {
 };
 
 // A source's side of one link: the base (what its destination holds) and, per refit, each
-// tensor turned into its changes or left whole. A refit sends begin()'s header, what next()
-// makes of each tensor, then end()'s trailer; every view they return lives until the next
+// tensor turned into its changes or left whole. A refit sends begin()'s header, what add() and
+// flush() make of its tensors, then end()'s trailer; every view they return lives until the next
 // begin(), so the views outlive send() whenever the caller's do.
 class SourceDelta {
  public:
-  SourceDelta();
+  // `timeout_s`: how long packing a box on the GPU may take.
+  explicit SourceDelta(double timeout_s = 300);
   ~SourceDelta();
   // `destination_version`: what the destination holds (from its metadata, or the last refit that
   // went through on this connection). Starts a refit that makes a fresh version, and returns its
@@ -118,11 +119,17 @@ class SourceDelta {
   // the last one sent whole (or has not been measured yet); the slower way is measured again
   // every kRemeasureEvery refits.
   TensorView begin(uint64_t destination_version, const std::string& destination, bool measured = false);
-  // What to send of each of `views`, in `out` in the same order: its changes against the base, or
-  // itself (the base becomes it either way). Tensors in GPU memory are compared together (a wait
-  // or two per call, not per tensor).
-  // GPU tensors' records are written on `pool`'s threads (the engine's).
-  void next(std::span<const TensorView> views, std::vector<TensorView>& out, HostCopyPool& pool);
+  // What to send of `box` of `view`, which the destination holds as `info` (its name and shape; a
+  // box that is not the tensor as it is gets packed first, on `copies`): its changes against the
+  // base, or itself (the base becomes it either way). GPU tensors that stay valid until send()
+  // returns (`outlives`; packed ones are ours) wait to be compared in batches (kBatchTensors,
+  // kBatchBytes), their records written on `pool`'s threads (the engine's); any other goes at
+  // once, with those waiting before it. Returns the views ready, in order (the span is valid
+  // until the next add() or flush()).
+  std::span<const TensorView> add(const TensorView& view, const Box& box, const TensorInfo& info, bool outlives,
+                                  CopyStream& copies, HostCopyPool& pool);
+  // The views still waiting, made ready.
+  std::span<const TensorView> flush(HostCopyPool& pool);
   // The trailer: how many tensors the refit sent.
   TensorView end();
   // The refit went through in `seconds`: the destination now holds this refit's version, which it
@@ -139,9 +146,22 @@ class SourceDelta {
     std::vector<uint8_t> bytes;
   };
   TensorView add_record(TensorInfo info, std::vector<uint8_t> bytes);
+  // What to send of each of `views`, in `out` in the same order; the GPU tensors among them are
+  // compared together (two waits a call, not a tensor).
+  void next(std::span<const TensorView> views, std::vector<TensorView>& out, HostCopyPool& pool);
   DeviceDelta& gpu();
 
   static constexpr int kRemeasureEvery = 8;
+  // A batch of GPU tensors: two waits, not two a tensor (~50 us each on one H100), with the
+  // scratch for their changes bounded (up to 24 bytes a changed element).
+  static constexpr size_t kBatchTensors = 64;
+  static constexpr uint64_t kBatchBytes = 64 << 20;
+  PackedBoxes packed_;
+  std::vector<TensorView> waiting_, ready_;
+  // The infos of GPU views that waited, kept until the next begin(): the stream's may not outlive
+  // its next tensor, and a view made ready goes by its info after flush() returns.
+  std::deque<TensorInfo> infos_;
+  uint64_t waiting_bytes_ = 0;
   double seconds_[2] = {-1, -1};  // the last refit sent whole [0] and as changes [1]; -1: none yet
   bool changes_now_ = false;      // this refit sends changes
   int since_measured_ = 0;        // refits since the slower way was last measured

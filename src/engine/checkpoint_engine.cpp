@@ -42,10 +42,6 @@ constexpr Seconds kAbortTimeout{2.0};
 // Delta refit: a bucket goes once it holds this much (delta/link_delta.h), so that the destination
 // patches while the source scans on; a few round trips per refit at most.
 constexpr uint64_t kDeltaBucketBytes = 1 << 20;
-// ... and GPU tensors are compared in batches of up to this many (or bytes): two waits a batch,
-// not two a tensor (~50 us each on one H100), with the scratch for their changes bounded.
-constexpr size_t kDeltaBatchTensors = 64;
-constexpr uint64_t kDeltaBatchBytes = 64 << 20;
 
 double seconds_since(Clock::time_point start) { return Seconds(Clock::now() - start).count(); }
 
@@ -182,7 +178,6 @@ class CheckpointEngine::Impl {
         target_layout_ = decode_layout(links_[0].metadata.layout, "layout of " + links_[0].label);
       for (auto& link : links_) link.first_refit = protocol::first_refit(generation_, link.metadata.generation);
       keep_linked(source_deltas_);
-      keep_linked(packed_);
       for (auto& link : links_)
         for (const auto& [rank, version] : link.metadata.weights_versions)
           if (rank == static_cast<uint32_t>(worker_rank)) link.weights_version = version;
@@ -502,10 +497,6 @@ class CheckpointEngine::Impl {
     }
   }
 
-  PackedBoxes& packed_of(size_t link) {
-    return packed_.try_emplace(links_[link].peer_rank, options_.config.timeout_s).first->second;
-  }
-
   // Delta refit: the bases or versions of peers this init does not link to are of no use any more.
   template <typename Delta>
   void keep_linked(std::map<uint32_t, Delta>& deltas) {
@@ -762,48 +753,26 @@ class CheckpointEngine::Impl {
     std::vector<SourceDelta*> deltas;
     if (delta_)
       for (size_t k = 0; k < links_.size(); ++k) {
-        SourceDelta& delta = source_deltas_[links_[k].peer_rank];
+        SourceDelta& delta = source_deltas_.try_emplace(links_[k].peer_rank, options_.config.timeout_s).first->second;
         const TensorView header =
             delta.begin(links_[k].weights_version, links_[k].label, options_.config.delta == DeltaMode::kAuto);
         links_[k].weights_version = 0;
         senders_[k]->add(header, Box::whole(), *header.info, Box::whole(), phase);
         deltas.push_back(&delta);
       }
-    // Delta: what link k's destination holds of `view` (`box` of it, going by `info`), packed where
-    // it is not the tensor as it is, goes as changes or whole. GPU tensors that stay valid (packed
-    // ones are ours) wait to be compared together; the others go at once, so that the destination
-    // patches while this source scans on.
-    struct Pending {
-      std::vector<TensorView> views;
-      std::deque<TensorInfo> infos;  // theirs: the stream's may not outlive its next tensor
-      uint64_t bytes = 0;
-    };
-    std::vector<Pending> pending(deltas.size());
-    std::vector<TensorView> delta_out;
-    auto flush_delta = [&](size_t k) {
-      Pending& p = pending[k];
-      const auto start = Clock::now();
-      deltas[k]->next(p.views, delta_out, host_pool());
-      stats.delta_seconds += seconds_since(start);
-      for (const TensorView& out : delta_out) {
+    // Delta: what link k's destination holds of `view` (`box` of it, going by `info`) goes as
+    // changes or whole, once its batch is compared (SourceDelta::add).
+    auto send_ready = [&](size_t k, std::span<const TensorView> ready) {
+      for (const TensorView& out : ready) {
         senders_[k]->add(out, Box::whole(), *out.info, Box::whole(), phase);
         senders_[k]->send_early(kDeltaBucketBytes, phase);
       }
-      p.views.clear();
-      p.infos.clear();
-      p.bytes = 0;
     };
     auto send_delta = [&](size_t k, const TensorView& view, const Box& box, const TensorInfo& info) {
       const auto start = Clock::now();
-      const bool as_is = box.is_whole() && info.name == view.info->name;
-      TensorView in = as_is ? view : packed_of(k).pack(view, box, info, *pack_stream_);
+      const auto ready = deltas[k]->add(view, box, info, in_place, *pack_stream_, host_pool());
       stats.delta_seconds += seconds_since(start);
-      Pending& p = pending[k];
-      const bool waits = in.memory == MemoryKind::kCuda && (in_place || !as_is);
-      if (waits) in.info = &p.infos.emplace_back(*in.info);
-      p.views.push_back(in);
-      p.bytes += in.info->nbytes();
-      if (!waits || p.views.size() >= kDeltaBatchTensors || p.bytes >= kDeltaBatchBytes) flush_delta(k);
+      send_ready(k, ready);
     };
     TensorView view;
     SendPiece paired_piece;  // paired: the one piece of the tensor in hand
@@ -871,7 +840,10 @@ class CheckpointEngine::Impl {
         fail(ErrorKind::kLayout, "{} needs a piece of '{}' from this source, but the weight stream never yielded it",
              senders_[t.pieces.front().link]->peer_label(), name);
     for (size_t k = 0; k < deltas.size(); ++k) {
-      if (!pending[k].views.empty()) flush_delta(k);
+      const auto start = Clock::now();
+      const auto ready = deltas[k]->flush(host_pool());
+      stats.delta_seconds += seconds_since(start);
+      send_ready(k, ready);
       const TensorView trailer = deltas[k]->end();
       senders_[k]->add(trailer, Box::whole(), *trailer.info, Box::whole(), phase);
     }
@@ -1092,10 +1064,6 @@ class CheckpointEngine::Impl {
   std::map<uint32_t, SourceDelta> source_deltas_;
   std::map<uint32_t, DestinationDelta> destination_deltas_;
   std::unique_ptr<HostCopyPool> host_pool_;  // their host work's threads: one pool whatever the links
-  // On a source, by destination rank: the slices or pieces packed to compare. Per link, since two
-  // links' pieces may go by one name (each destination's whole tensor) and a link may read its
-  // bytes from where they were packed until the refit ends.
-  std::map<uint32_t, PackedBoxes> packed_;
   // On a resharding destination: the pieces the plan sends it, by the name they go by on a delta
   // link, and where each lies in its tensor.
   std::map<std::string, protocol::ManifestEntry, std::less<>> delta_pieces_;

@@ -49,12 +49,12 @@ std::vector<TensorView> encoded(SourceDelta& source, const std::vector<OwnedTens
                                 bool measured = false) {
   std::vector<TensorView> views{source.begin(version, "destination rank 0", measured)};
   VectorSource inner(weights);
-  std::vector<TensorView> in, out;
+  HostCopyPool pool(0);  // host tensors: the pool is for GPU tensors' records
+  CopyStream copies;     // whole tensors: nothing to pack
+  auto take = [&](std::span<const TensorView> ready) { views.insert(views.end(), ready.begin(), ready.end()); };
   TensorView v;
-  while (inner.next(&v)) in.push_back(v);
-  HostCopyPool pool(0);        // host tensors: the pool is for GPU tensors' records
-  source.next(in, out, pool);  // all in one call
-  views.insert(views.end(), out.begin(), out.end());
+  while (inner.next(&v)) take(source.add(v, Box::whole(), *v.info, /*outlives=*/true, copies, pool));
+  take(source.flush(pool));
   views.push_back(source.end());
   return views;
 }

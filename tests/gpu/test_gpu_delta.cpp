@@ -7,7 +7,9 @@
 
 #include "delta/codec.h"
 #include "delta/device_delta.h"
+#include "delta/link_delta.h"
 #include "gpu_test_util.h"
+#include "memory/host_copy_pool.h"
 #include "refit/ext/device_memory.h"
 
 namespace refit::gpu_test {
@@ -225,13 +227,73 @@ TEST(DeviceDelta, ABatchEncodesEachTensorAsAloneAndLeavesEveryBaseTheTensor) {
         gpu.encode(alone_bases[k], now_gpu[k].data, cases[k].bytes, cases[k].element_size, alone_records[k]);
     EXPECT_EQ(jobs[k].result.encoded, alone.encoded) << k;
     EXPECT_EQ(jobs[k].result.checksum, alone.checksum) << k;
-    if (alone.encoded) EXPECT_EQ(batch_records[k], alone_records[k]) << k;
+    if (alone.encoded) {
+      EXPECT_EQ(batch_records[k], alone_records[k]) << k;
+    }
     EXPECT_EQ(download(batch_bases[k].data(), cases[k].bytes), nows[k]) << k;
     encoded += alone.encoded ? 1 : 0;
     whole += alone.encoded ? 0 : 1;
   }
   EXPECT_GE(encoded, 4u) << "sparse and unchanged tensors go as records";
   EXPECT_GE(whole, 1u) << "a tensor changed everywhere goes whole";
+}
+
+// A source's side of a link with GPU tensors: those that outlive send() wait and go in batches,
+// in the order they came, each by a copy of its info (the stream reuses its own); those that do
+// not go at once. Every view lives until the next begin().
+TEST(SourceDelta, GpuTensorsGoInBatchesInTheirOrderByTheirOwnInfos) {
+  REFIT_REQUIRE_GPUS(1);
+  constexpr size_t kTensors = 70, kElements = 2048;  // more than a batch's tensors
+  std::vector<OnGpu> tensors;
+  for (size_t k = 0; k < kTensors; ++k) tensors.emplace_back(random_bytes(kElements * 2, 50 + k), 0);
+  SourceDelta source;
+  HostCopyPool pool(2);
+  CopyStream copies(kGpu);
+  // One refit; returns what went, and how many of the adds returned views before the flush.
+  auto refit = [&](uint64_t version, bool outlives, size_t& early) {
+    std::vector<TensorView> sent{source.begin(version, "destination rank 0")};
+    TensorInfo current;  // the stream's info, overwritten tensor by tensor
+    early = 0;
+    for (size_t k = 0; k < kTensors; ++k) {
+      current = TensorInfo{"w." + std::to_string(k), DType::kBFloat16, {static_cast<int64_t>(kElements)}};
+      const auto ready =
+          source.add({&current, tensors[k].data, MemoryKind::kCuda}, Box::whole(), current, outlives, copies, pool);
+      early += ready.empty() ? 0 : 1;
+      sent.insert(sent.end(), ready.begin(), ready.end());
+    }
+    const auto ready = source.flush(pool);
+    sent.insert(sent.end(), ready.begin(), ready.end());
+    sent.push_back(source.end());
+    return sent;
+  };
+  size_t early = 0;
+  const std::vector<TensorView> first = refit(0, true, early);  // the destination holds nothing: all whole
+  ASSERT_EQ(first.size(), kTensors + 2);
+  EXPECT_GE(early, 1u) << "a batch goes before the stream ends";
+  EXPECT_LT(early, kTensors) << "GPU tensors that outlive send() wait for their batch";
+  for (size_t k = 0; k < kTensors; ++k) {
+    EXPECT_EQ(first[k + 1].info->name, "w." + std::to_string(k));
+    EXPECT_EQ(first[k + 1].info->nbytes(), kElements * 2);
+    EXPECT_EQ(first[k + 1].data, tensors[k].data) << "whole: the tensor itself";
+  }
+  const uint64_t version = source.commit(1.0);
+
+  for (size_t k = 0; k < kTensors; k += 2) {  // every other tensor changes in one element
+    std::byte* element = tensors[k].data + 2 * k;
+    std::vector<std::byte> bumped = download(element, 1);
+    bumped[0] = static_cast<std::byte>(static_cast<uint8_t>(bumped[0]) + 1);
+    cuda_ok(cudaMemcpy(element, bumped.data(), 1, cudaMemcpyHostToDevice), "cudaMemcpy");
+  }
+  const std::vector<TensorView> second = refit(version, false, early);
+  EXPECT_EQ(early, kTensors) << "tensors that may not outlive send() go at once";
+  ASSERT_EQ(second.size(), kTensors + 2);
+  for (size_t k = 0; k < kTensors; ++k) {
+    const TensorView& v = second[k + 1];
+    EXPECT_EQ(v.info->name, std::string(kDeltaTensorPrefix) + "w." + std::to_string(k));
+    EXPECT_EQ(v.memory, MemoryKind::kHost) << "a record";
+  }
+  EXPECT_EQ(source.counts().changed_tensors, kTensors);
+  EXPECT_GT(second[1].info->nbytes(), second[2].info->nbytes()) << "a change makes the record longer";
 }
 
 }  // namespace

@@ -2,6 +2,7 @@
 
 #include "core/fail.h"
 #include "core/wire.h"
+#include "core/wire_fields.h"
 
 namespace refit::protocol {
 namespace {
@@ -9,30 +10,93 @@ namespace {
 constexpr uint32_t kMetadataMagic = 0x4d544652;  // "RFTM"
 constexpr uint32_t kMessageMagic = 0x47534d52;   // "RMSG"
 constexpr uint64_t kMaxRank = 8;                 // dimensions of a tensor shape
+static_assert((kTakesByMap | kTakesByRead) == 3, "EngineMetadata::takes is read as a number up to 3");
 
-void put_tensor(ByteWriter& w, const TensorInfo& t) {
-  w.put_string(t.name);
-  w.put<uint8_t>(static_cast<uint8_t>(t.dtype));
-  w.put<uint64_t>(t.shape.size());
-  for (int64_t d : t.shape) w.put<int64_t>(d);
+template <typename Io, typename M>  // M: EngineMetadata, const or not
+void metadata_fields(Io& io, M& m) {
+  io(m.session, "session");
+  io(m.model_fingerprint, "model fingerprint");
+  io(m.bucket_bytes, "bucket bytes");
+  io(m.transport_name, "transport name");
+  io(m.transport_address, "transport address");
+  io(m.buffers.address, "buffer address");
+  io(m.buffers.length, "buffer length");
+  io(m.buffers.key, "buffer key");
+  io(m.layout, "layout");
+  io(m.holds, "holds");
+  io(m.process.boot_id, "boot id");
+  io(m.process.namespaces, "namespaces");
+  io(m.process.hostname, "hostname");
+  io(m.process.pid, "pid");
+  io(m.process.start_time, "start time");
+  io(m.generation, "generation");
+  io(m.takes, "takes", uint8_t{0}, static_cast<uint8_t>(kTakesByMap | kTakesByRead));
+  io(m.delta, "delta", DeltaMode::kAuto);
+  io.template items<uint32_t>(m.weights_versions, "weights versions", 4 + 8, [&](auto& v) {
+    io(v.first, "weights version's source rank");
+    io(v.second, "weights version");
+  });
 }
 
-TensorInfo get_tensor(ByteReader& r) {
-  TensorInfo t;
-  t.name = r.get_string("tensor name");
-  auto code = r.get<uint8_t>("dtype");
-  if (code >= kDTypeCount)
-    fail(ErrorKind::kProtocol, "malformed {}: tensor '{}' has dtype code {}", r.what(), t.name, code);
-  t.dtype = static_cast<DType>(code);
-  uint64_t rank = r.get_count("shape rank", sizeof(int64_t));
-  if (rank > kMaxRank)
-    fail(ErrorKind::kProtocol, "malformed {}: tensor '{}' has {} dimensions", r.what(), t.name, rank);
-  t.shape.resize(rank);
-  for (auto& d : t.shape) {
-    d = r.get<int64_t>("shape");
-    if (d < 0) fail(ErrorKind::kProtocol, "malformed {}: tensor '{}' has a negative dimension", r.what(), t.name);
-  }
-  return t;
+template <typename Io, typename M>  // M: Manifest, const or not
+void manifest_fields(Io& io, M& m) {
+  // Smallest region: address, length, an empty key, memory kind.
+  io.template items<uint64_t>(m.regions, "regions", 8 + 8 + 8 + 1, [&](auto& region) {
+    io(region.remote.address, "region address");
+    io(region.remote.length, "region length");
+    io(region.remote.key, "region key");
+    io(region.memory, "region memory", MemoryKind::kCuda);
+  });
+  // Smallest entry: empty name, dtype, rank 0, no cuts, three offsets, a region (0: no source offset).
+  io.template items<uint64_t>(m.entries, "entries", 8 + 1 + 8 + 1 + 24 + 4, [&](auto& e) {
+    io(e.tensor.name, "tensor name");
+    io(e.tensor.dtype, "dtype", static_cast<DType>(kDTypeCount - 1));
+    io.template items<uint64_t>(
+        e.tensor.shape, "shape rank", 8, [&](auto& d) { io(d, "dimension", int64_t{0}, INT64_MAX); }, kMaxRank);
+    io(e.box.count, "box cuts", uint8_t{0}, static_cast<uint8_t>(Box::kMaxCuts));
+    for (int c = 0; c < e.box.count; ++c) {
+      io(e.box.cuts[c].dim, "box dim");
+      io(e.box.cuts[c].start, "box start");
+      io(e.box.cuts[c].length, "box length");
+    }
+    io(e.tensor_offset, "tensor offset");
+    io(e.size, "chunk size");
+    io(e.bucket_offset, "bucket offset");
+    io(e.region, "region");
+    if (e.region > 0) io(e.source_offset, "source offset");
+  });
+}
+
+template <typename Io, typename M>  // M: BucketReady, const or not; the manifest follows unless replayed
+void ready_fields(Io& io, M& m) {
+  io(m.refit, "refit");
+  io(m.seq, "seq");
+  io(m.offset, "offset");
+  io(m.is_last, "is_last");
+  io(m.used_bytes, "used bytes");
+  io(m.checksum, "checksum");
+  io(m.replay_of, "replay of");
+}
+
+template <typename Io, typename M>
+void done_fields(Io& io, M& m) {
+  io(m.refit, "refit");
+  io(m.seq, "seq");
+}
+
+template <typename Io, typename M>
+void abort_fields(Io& io, M& m) {
+  io(m.refit, "refit");
+  io(m.kind, "kind", ErrorKind::kInternal);
+  io(m.reason, "reason");
+}
+
+ByteWriter message_writer(MessageType type) {
+  ByteWriter w;
+  w.put<uint32_t>(kMessageMagic);
+  w.put<uint32_t>(kVersion);
+  w.put<uint8_t>(static_cast<uint8_t>(type));
+  return w;
 }
 
 // nbytes without overflow: a garbled shape must not wrap around to a small size.
@@ -46,43 +110,14 @@ bool checked_nbytes(const TensorInfo& t, uint64_t* out) {
   return true;
 }
 
-ByteWriter message_writer(MessageType type) {
-  ByteWriter w;
-  w.put<uint32_t>(kMessageMagic);
-  w.put<uint32_t>(kVersion);
-  w.put<uint8_t>(static_cast<uint8_t>(type));
-  return w;
-}
-
 }  // namespace
 
 Bytes encode(const EngineMetadata& m) {
   ByteWriter w;
   w.put<uint32_t>(kMetadataMagic);
   w.put<uint32_t>(m.version);
-  w.put_bytes(m.session);
-  w.put<uint64_t>(m.model_fingerprint);
-  w.put<uint64_t>(m.bucket_bytes);
-  w.put_string(m.transport_name);
-  w.put_bytes(m.transport_address);
-  w.put<uint64_t>(m.buffers.address);
-  w.put<uint64_t>(m.buffers.length);
-  w.put_bytes(m.buffers.key);
-  w.put_bytes(m.layout);
-  w.put_bytes(m.holds);
-  w.put_string(m.process.boot_id);
-  w.put<uint64_t>(m.process.namespaces);
-  w.put_string(m.process.hostname);
-  w.put<int32_t>(m.process.pid);
-  w.put<uint64_t>(m.process.start_time);
-  w.put<uint64_t>(m.generation);
-  w.put<uint8_t>(m.takes);
-  w.put<uint8_t>(static_cast<uint8_t>(m.delta));
-  w.put<uint32_t>(static_cast<uint32_t>(m.weights_versions.size()));
-  for (const auto& [rank, version] : m.weights_versions) {
-    w.put<uint32_t>(rank);
-    w.put<uint64_t>(version);
-  }
+  wire::Put put{w};
+  metadata_fields(put, m);
   return w.take();
 }
 
@@ -94,98 +129,34 @@ EngineMetadata decode_metadata(std::span<const uint8_t> blob, const std::string&
   m.version = r.get<uint32_t>("version");
   if (m.version != kVersion)
     fail(ErrorKind::kProtocol, "{} has protocol version {}, this engine speaks {}", who, m.version, kVersion);
-  auto session = r.get_bytes("session");
-  if (session.size() != m.session.size())
-    fail(ErrorKind::kProtocol, "malformed {}: session id of {} bytes", who, session.size());
-  std::copy(session.begin(), session.end(), m.session.begin());
-  m.model_fingerprint = r.get<uint64_t>("model fingerprint");
-  m.bucket_bytes = r.get<uint64_t>("bucket bytes");
-  m.transport_name = r.get_string("transport name");
-  auto address = r.get_bytes("transport address");
-  m.transport_address.assign(address.begin(), address.end());
-  m.buffers.address = r.get<uint64_t>("buffer address");
-  m.buffers.length = r.get<uint64_t>("buffer length");
-  auto key = r.get_bytes("buffer key");
-  m.buffers.key.assign(key.begin(), key.end());
+  wire::Get get{r};
+  metadata_fields(get, m);
+  r.expect_end();
   if (m.buffers.length != 0 && (m.bucket_bytes > UINT64_MAX / 2 || m.buffers.length < 2 * m.bucket_bytes))
     fail(ErrorKind::kProtocol, "malformed {}: the transfer buffers hold {} bytes, less than two buckets of {}", who,
          m.buffers.length, m.bucket_bytes);
-  auto layout = r.get_bytes("layout");
-  m.layout.assign(layout.begin(), layout.end());
-  auto holds = r.get_bytes("holds");
-  m.holds.assign(holds.begin(), holds.end());
-  m.process.boot_id = r.get_string("boot id");
-  m.process.namespaces = r.get<uint64_t>("namespaces");
-  m.process.hostname = r.get_string("hostname");
-  m.process.pid = r.get<int32_t>("pid");
-  m.process.start_time = r.get<uint64_t>("start time");
-  m.generation = r.get<uint64_t>("generation");
-  m.takes = r.get<uint8_t>("takes");
-  if ((m.takes & ~(kTakesByMap | kTakesByRead)) != 0)
-    fail(ErrorKind::kProtocol, "malformed {}: takes source memory in ways {:#x}", who, m.takes);
-  const auto delta = r.get<uint8_t>("delta");
-  if (delta > static_cast<uint8_t>(DeltaMode::kAuto))
-    fail(ErrorKind::kProtocol, "malformed {}: delta = {}", who, delta);
-  m.delta = static_cast<DeltaMode>(delta);
-  const auto versions = r.get<uint32_t>("weights versions");
-  for (uint32_t k = 0; k < versions; ++k) {
-    const auto rank = r.get<uint32_t>("weights version's source rank");
-    m.weights_versions.emplace_back(rank, r.get<uint64_t>("weights version"));
-  }
-  r.expect_end();
   return m;
 }
 
 Bytes encode(const BucketReady& m) {
   ByteWriter w = message_writer(MessageType::kBucketReady);
-  w.put<uint64_t>(m.refit);
-  w.put<uint64_t>(m.seq);
-  w.put<uint64_t>(m.offset);
-  w.put<uint8_t>(m.is_last ? 1 : 0);
-  w.put<uint64_t>(m.used_bytes);
-  w.put<uint8_t>(m.checksum ? 1 : 0);
-  w.put<uint64_t>(m.checksum.value_or(0));
-  w.put<uint8_t>(m.replay_of ? 1 : 0);
-  w.put<uint64_t>(m.replay_of.value_or(0));
-  if (m.replay_of) return w.take();
-  const Manifest& manifest = *m.manifest;
-  w.put<uint64_t>(manifest.regions.size());
-  for (const auto& region : manifest.regions) {
-    w.put<uint64_t>(region.remote.address);
-    w.put<uint64_t>(region.remote.length);
-    w.put_bytes(region.remote.key);
-    w.put<uint8_t>(static_cast<uint8_t>(region.memory));
-  }
-  w.put<uint64_t>(manifest.entries.size());
-  for (const auto& e : manifest.entries) {
-    put_tensor(w, e.tensor);
-    w.put<uint8_t>(e.box.count);
-    for (int c = 0; c < e.box.count; ++c) {
-      w.put<int32_t>(e.box.cuts[c].dim);
-      w.put<int64_t>(e.box.cuts[c].start);
-      w.put<int64_t>(e.box.cuts[c].length);
-    }
-    w.put<uint64_t>(e.tensor_offset);
-    w.put<uint64_t>(e.size);
-    w.put<uint64_t>(e.bucket_offset);
-    w.put<uint32_t>(e.region);
-    if (e.region > 0) w.put<uint64_t>(e.source_offset);
-  }
+  wire::Put put{w};
+  ready_fields(put, m);
+  if (!m.replay_of) manifest_fields(put, *m.manifest);
   return w.take();
 }
 
 Bytes encode(const BucketDone& m) {
   ByteWriter w = message_writer(MessageType::kBucketDone);
-  w.put<uint64_t>(m.refit);
-  w.put<uint64_t>(m.seq);
+  wire::Put put{w};
+  done_fields(put, m);
   return w.take();
 }
 
 Bytes encode(const Abort& m) {
   ByteWriter w = message_writer(MessageType::kAbort);
-  w.put<uint64_t>(m.refit);
-  w.put<uint8_t>(static_cast<uint8_t>(m.kind));
-  w.put_string(m.reason);
+  wire::Put put{w};
+  abort_fields(put, m);
   return w.take();
 }
 
@@ -196,87 +167,26 @@ Message decode_message(std::span<const uint8_t> bytes, const std::string& who) {
   if (version != kVersion)
     fail(ErrorKind::kProtocol, "message from {} has protocol version {}, expected {}", who, version, kVersion);
   Message msg{};
-  auto type = r.get<uint8_t>("type");
-  switch (static_cast<MessageType>(type)) {
+  wire::Get get{r};
+  get(msg.type, "type", MessageType::kAbort);
+  switch (msg.type) {
     case MessageType::kBucketReady: {
-      msg.type = MessageType::kBucketReady;
-      auto& m = msg.ready;
-      m.refit = r.get<uint64_t>("refit");
-      m.seq = r.get<uint64_t>("seq");
-      m.offset = r.get<uint64_t>("offset");
-      auto last = r.get<uint8_t>("is_last");
-      if (last > 1) fail(ErrorKind::kProtocol, "garbled message from {}: is_last = {}", who, last);
-      m.is_last = last == 1;
-      m.used_bytes = r.get<uint64_t>("used bytes");
-      auto has_checksum = r.get<uint8_t>("has checksum");
-      if (has_checksum > 1) fail(ErrorKind::kProtocol, "garbled message from {}: has_checksum = {}", who, has_checksum);
-      auto checksum = r.get<uint64_t>("checksum");
-      if (has_checksum == 1) m.checksum = checksum;
-      auto replayed = r.get<uint8_t>("replayed");
-      if (replayed > 1) fail(ErrorKind::kProtocol, "garbled message from {}: replayed = {}", who, replayed);
-      auto replay_of = r.get<uint64_t>("replay of");
-      if (replayed == 1) {
-        m.replay_of = replay_of;
-        m.manifest = nullptr;
-        break;
-      }
+      ready_fields(get, msg.ready);
+      msg.ready.manifest = nullptr;  // a replay's is the one it repeats
+      if (msg.ready.replay_of) break;
       auto manifest = std::make_shared<Manifest>();
-      // Smallest region: address, length, an empty key, memory kind.
-      const uint64_t regions = r.get_count("region count", 8 + 8 + 8 + 1);
-      manifest->regions.resize(regions);
-      for (auto& region : manifest->regions) {
-        region.remote.address = r.get<uint64_t>("region address");
-        region.remote.length = r.get<uint64_t>("region length");
-        auto key = r.get_bytes("region key");
-        region.remote.key.assign(key.begin(), key.end());
-        const auto memory = r.get<uint8_t>("region memory");
-        if (memory > static_cast<uint8_t>(MemoryKind::kCuda))
-          fail(ErrorKind::kProtocol, "garbled message from {}: memory kind {}", who, memory);
-        region.memory = static_cast<MemoryKind>(memory);
-      }
-      // Smallest entry: empty name, dtype, rank 0, no cuts, three offsets, a region (0: no source offset).
-      uint64_t n = r.get_count("entry count", 8 + 1 + 8 + 1 + 24 + 4);
-      manifest->entries.reserve(n);
-      for (uint64_t i = 0; i < n; ++i) {
-        ManifestEntry e;
-        e.tensor = get_tensor(r);
-        e.box.count = r.get<uint8_t>("box cuts");
-        if (e.box.count > Box::kMaxCuts)
-          fail(ErrorKind::kProtocol, "garbled message from {}: tensor '{}' has a box of {} cuts", who, e.tensor.name,
-               e.box.count);
-        for (int c = 0; c < e.box.count; ++c) {
-          e.box.cuts[c].dim = r.get<int32_t>("box dim");
-          e.box.cuts[c].start = r.get<int64_t>("box start");
-          e.box.cuts[c].length = r.get<int64_t>("box length");
-        }
-        e.tensor_offset = r.get<uint64_t>("tensor offset");
-        e.size = r.get<uint64_t>("chunk size");
-        e.bucket_offset = r.get<uint64_t>("bucket offset");
-        e.region = r.get<uint32_t>("region");
-        if (e.region > 0) e.source_offset = r.get<uint64_t>("source offset");
-        manifest->entries.push_back(std::move(e));
-      }
-      m.manifest = std::move(manifest);
+      manifest_fields(get, *manifest);
+      msg.ready.manifest = std::move(manifest);
       break;
     }
     case MessageType::kBucketDone:
-      msg.type = MessageType::kBucketDone;
-      msg.done.refit = r.get<uint64_t>("refit");
-      msg.done.seq = r.get<uint64_t>("seq");
+      done_fields(get, msg.done);
       break;
     case MessageType::kAbort:
-      msg.type = MessageType::kAbort;
-      msg.abort.refit = r.get<uint64_t>("refit");
-      {
-        auto kind = r.get<uint8_t>("kind");
-        if (kind > static_cast<uint8_t>(ErrorKind::kInternal))
-          fail(ErrorKind::kProtocol, "garbled message from {}: error kind {}", who, kind);
-        msg.abort.kind = static_cast<ErrorKind>(kind);
-      }
-      msg.abort.reason = r.get_string("reason");
+      abort_fields(get, msg.abort);
       break;
     default:
-      fail(ErrorKind::kProtocol, "garbled message from {}: unknown message type {}", who, type);
+      fail(ErrorKind::kProtocol, "garbled message from {}: unknown message type {}", who, static_cast<int>(msg.type));
   }
   r.expect_end();
   return msg;

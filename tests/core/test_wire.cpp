@@ -1,7 +1,9 @@
 // The wire codec (src/core/wire.h): values round-trip, integers and floats are little-endian
 // bytes whatever the host (checked against explicit bytes), and every malformed input is
-// Error(kProtocol) naming what was decoded and the field.
+// Error(kProtocol) naming what was decoded and the field. Field lists (wire_fields.h) write the
+// bytes the codec's own calls write, and read them back checking every bound.
 #include "core/wire.h"
+#include "core/wire_fields.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -15,6 +17,7 @@ namespace refit {
 namespace {
 
 using ::testing::AllOf;
+using ::testing::AnyOf;
 using ::testing::ElementsAre;
 using testing::error_of;
 using ::testing::HasSubstr;
@@ -172,6 +175,135 @@ TEST(Wire, TrailingBytesMagicsAndCountsAreChecked) {
                          w.put_bytes<uint8_t>(std::vector<uint8_t>(256));
                        }),
               HasSubstr("256 bytes"));
+}
+
+// A format of every kind of field a list may hold.
+enum class Colour : uint8_t { kRed, kGreen, kBlue };
+struct Sample {
+  uint32_t seq = 0;
+  int64_t offset = 0;
+  Colour colour = Colour::kRed;
+  uint8_t level = 0;  // 0..3
+  bool last = false;
+  std::string name;
+  std::vector<uint8_t> key;
+  std::array<uint8_t, 4> id{};
+  std::optional<uint64_t> replay_of;
+  std::vector<std::pair<uint32_t, int64_t>> pairs;
+};
+
+template <typename Io, typename M>
+void sample_fields(Io& io, M& m) {
+  io(m.seq, "seq");
+  io(m.offset, "offset");
+  io(m.colour, "colour", Colour::kBlue);
+  io(m.level, "level", uint8_t{0}, uint8_t{3});
+  io(m.last, "last");
+  io(m.name, "name");
+  io(m.key, "key");
+  io(m.id, "id");
+  io(m.replay_of, "replay of");
+  io.template items<uint32_t>(
+      m.pairs, "pairs", 4 + 8,
+      [&](auto& p) {
+        io(p.first, "pair rank");
+        io(p.second, "pair value");
+      },
+      3);
+}
+
+std::vector<uint8_t> put_sample(const Sample& m) {
+  ByteWriter w;
+  wire::Put put{w};
+  sample_fields(put, m);
+  return w.take();
+}
+
+Sample get_sample(std::span<const uint8_t> bytes) {
+  ByteReader r(bytes, "sample from rank 2");
+  wire::Get get{r};
+  Sample m;
+  sample_fields(get, m);
+  r.expect_end();
+  return m;
+}
+
+TEST(WireFields, AListWritesTheCodecsBytesAndReadsThemBack) {
+  Sample m;
+  m.seq = 9;
+  m.offset = -5;
+  m.colour = Colour::kBlue;
+  m.level = 3;
+  m.last = true;
+  m.name = "w";
+  m.key = {7, 8};
+  m.id = {1, 2, 3, 4};
+  m.replay_of = 11;
+  m.pairs = {{1, -1}, {2, 2}};
+  ByteWriter w;  // the same fields through the codec's own calls
+  w.put<uint32_t>(9);
+  w.put<int64_t>(-5);
+  w.put<uint8_t>(2);
+  w.put<uint8_t>(3);
+  w.put<uint8_t>(1);
+  w.put_string("w");
+  w.put_bytes(std::vector<uint8_t>{7, 8});
+  w.put_bytes(std::vector<uint8_t>{1, 2, 3, 4});
+  w.put<uint8_t>(1);
+  w.put<uint64_t>(11);
+  w.put<uint32_t>(2);
+  w.put<uint32_t>(1);
+  w.put<int64_t>(-1);
+  w.put<uint32_t>(2);
+  w.put<int64_t>(2);
+  const std::vector<uint8_t> bytes = put_sample(m);
+  EXPECT_EQ(bytes, w.take());
+  const Sample back = get_sample(bytes);
+  EXPECT_EQ(back.seq, 9u);
+  EXPECT_EQ(back.offset, -5);
+  EXPECT_EQ(back.colour, Colour::kBlue);
+  EXPECT_EQ(back.level, 3);
+  EXPECT_TRUE(back.last);
+  EXPECT_EQ(back.name, "w");
+  EXPECT_THAT(back.key, ElementsAre(7, 8));
+  EXPECT_THAT(back.id, ElementsAre(1, 2, 3, 4));
+  EXPECT_EQ(back.replay_of, std::optional<uint64_t>(11));
+  ASSERT_EQ(back.pairs.size(), 2u);
+  EXPECT_EQ(back.pairs[1], std::make_pair(2u, int64_t{2}));
+
+  m.replay_of.reset();  // absent: a zero flag and a zero value
+  EXPECT_FALSE(get_sample(put_sample(m)).replay_of.has_value());
+}
+
+TEST(WireFields, EveryBoundIsCheckedAsItIsReadNamingTheField) {
+  Sample m;
+  m.pairs = {{1, 1}};
+  const std::vector<uint8_t> good = put_sample(m);
+  // Offsets of the bounded fields in `good`: seq 4, offset 8, then colour, level, last.
+  auto with = [&](size_t at, uint8_t value) {
+    std::vector<uint8_t> bad = good;
+    bad[at] = value;
+    return bad;
+  };
+  auto refused = [&](const std::vector<uint8_t>& bytes) {
+    return error_of(ErrorKind::kProtocol, [&] { get_sample(bytes); });
+  };
+  EXPECT_THAT(refused(with(12, 3)), AllOf(HasSubstr("malformed sample from rank 2"), HasSubstr("colour = 3")));
+  EXPECT_THAT(refused(with(13, 4)), HasSubstr("level = 4 (not in [0, 3])"));
+  EXPECT_THAT(refused(with(14, 2)), HasSubstr("last = 2"));
+  Sample wrong_id = m;
+  std::vector<uint8_t> bytes = put_sample(wrong_id);
+  // The id's length (8 bytes after the name and the key, each an 8-byte length here).
+  const size_t id_length = 15 + 8 + 8;
+  bytes[id_length] = 3;
+  EXPECT_THAT(refused(bytes), HasSubstr("id of 3 bytes, not 4"));
+  Sample many = m;
+  many.pairs.assign(4, {1, 1});
+  EXPECT_THAT(refused(put_sample(many)), HasSubstr("pairs 4 (at most 3)"));
+  for (size_t keep = 0; keep < good.size(); ++keep)
+    EXPECT_THAT(refused(std::vector<uint8_t>(good.begin(), good.begin() + keep)),
+                AnyOf(HasSubstr("truncated at field"), HasSubstr("pairs count 1 exceeds the message size")))
+        << keep;
 }
 
 }  // namespace

@@ -63,6 +63,11 @@ nlohmann::json without_raw(const nlohmann::json& j, std::vector<const std::vecto
     return {{kRawKey, raw.size() - 1}};
   }
   if (j.is_object()) {
+    if (j.size() == 1 && j.contains(kRawKey))  // would come back as raw bytes
+      fail(ErrorKind::kInvalidArgument,
+           "channel message: an object whose one key is '{}' stands for raw bytes on the channel; name the key "
+           "otherwise",
+           kRawKey);
     nlohmann::json out = nlohmann::json::object();
     for (const auto& [key, value] : j.items()) out[key] = without_raw(value, raw);
     return out;

@@ -85,6 +85,17 @@ TEST(ChannelFrame, LargeBinaryValuesTravelAfterTheCborAndComeBackInPlace) {
   const std::vector<uint8_t> bad = body_of(json::to_cbor(json{{"m", {{"refit:raw", 1}}}}), {{1, 2}});
   EXPECT_THAT(error_of(ErrorKind::kProtocol, [&] { channel_frame::decode_body(bad, "worker 3"); }),
               AllOf(HasSubstr("malformed channel message from worker 3"), HasSubstr("raw value 1 of 1")));
+  // A message's own object of that shape would come back as bytes: the encoder refuses it.
+  EXPECT_THAT(error_of(ErrorKind::kInvalidArgument,
+                       [&] {
+                         channel_frame::encode(json{{"m", {{"refit:raw", 0}}}});
+                       }),
+              HasSubstr("'refit:raw' stands for raw bytes"));
+  EXPECT_EQ(
+      channel_frame::decode_body(
+          std::span<const uint8_t>(channel_frame::encode(json{{"refit:raw", 0}, {"x", 1}})).subspan(8), "worker 1"),
+      (json{{"refit:raw", 0}, {"x", 1}}))
+      << "with other keys it is an object like any";
 }
 
 TEST(ChannelFrame, MalformedFramesAreProtocolErrorsNamingThePeer) {

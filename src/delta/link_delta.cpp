@@ -3,6 +3,7 @@
 #include <spdlog/spdlog.h>
 #include <xxhash.h>
 
+#include <mutex>
 #include <unordered_set>
 
 #include "core/fail.h"
@@ -220,8 +221,17 @@ TensorView SourceDelta::begin(uint64_t destination_version, const std::string& d
 void SourceDelta::next(std::span<const TensorView> views, std::vector<TensorView>& out, HostCopyPool& pool) {
   out.assign(views.begin(), views.end());    // whole, unless changes go instead
   std::vector<DeviceDelta::EncodeJob> jobs;  // the GPU tensors, compared together
-  std::vector<size_t> job_view;
-  std::deque<std::vector<uint8_t>> records;  // the jobs' records (a deque: their addresses stay)
+  struct HostJob {
+    std::span<std::byte> base;
+    std::span<const std::byte> now;
+    size_t element_size = 0;
+    std::vector<uint8_t> record;
+    bool encoded = false;
+  };
+  std::deque<HostJob> host_jobs;  // the host tensors, compared on the pool's threads
+  std::vector<size_t> job_view, host_job_view;
+  std::deque<std::vector<uint8_t>> records;  // the GPU jobs' records (a deque: their addresses stay)
+  std::unordered_set<std::string_view> compared;
   auto sent_as_record = [&](size_t k, const std::string& name, std::vector<uint8_t> record) {
     ++counts_.changed_tensors;
     counts_.record_bytes += record.size();
@@ -239,6 +249,9 @@ void SourceDelta::next(std::span<const TensorView> views, std::vector<TensorView
     const uint64_t nbytes = info.nbytes();
     if (nbytes > 0 && view.data == nullptr)
       fail(ErrorKind::kInvalidArgument, "tensor '{}' ({} bytes) has no data pointer", info.name, nbytes);
+    // One use of a base per call: the jobs below update theirs later, on other threads.
+    if (!compared.insert(info.name).second)
+      fail(ErrorKind::kInvalidArgument, "tensor '{}' appears twice in one refit", info.name);
     auto it = base_.find(info.name);
     if (!changes_now_ || it == base_.end() || !(it->second.info == info) || it->second.memory != view.memory ||
         nbytes == 0) {
@@ -251,18 +264,36 @@ void SourceDelta::next(std::span<const TensorView> views, std::vector<TensorView
     // The encoder makes the base equal to the tensor whether or not it sends changes.
     HeldTensor& base = it->second;
     const size_t element_size = dtype_size(info.dtype);
-    if (view.memory != MemoryKind::kHost) {
-      if (std::any_of(job_view.begin(), job_view.end(), [&](size_t j) { return views[j].info->name == info.name; }))
-        fail(ErrorKind::kInvalidArgument, "tensor '{}' appears twice in one refit", info.name);
+    if (view.memory == MemoryKind::kHost) {
+      host_jobs.push_back({base.bytes, bytes_of(view), element_size, {}, false});
+      host_job_view.push_back(k);
+    } else {
       jobs.push_back({&base.device, view.data, nbytes, element_size, &records.emplace_back(), {}});
       job_view.push_back(k);
-      continue;
     }
-    std::vector<uint8_t> record;
-    if (encode_delta(base.bytes, bytes_of(view), element_size, record, &scratch_).encoded)
-      sent_as_record(k, info.name, std::move(record));
+  }
+  // Host tensors on the pool's threads, each with scratch of its own (kept for the next call).
+  pool.for_each(host_jobs.size(), [&](size_t j) {
+    std::unique_ptr<DeltaScratch> scratch;
+    {
+      std::lock_guard lock(scratch_mutex_);
+      if (!scratch_.empty()) {
+        scratch = std::move(scratch_.back());
+        scratch_.pop_back();
+      }
+    }
+    if (!scratch) scratch = std::make_unique<DeltaScratch>();
+    HostJob& job = host_jobs[j];
+    job.encoded = encode_delta(job.base, job.now, job.element_size, job.record, scratch.get()).encoded;
+    std::lock_guard lock(scratch_mutex_);
+    scratch_.push_back(std::move(scratch));
+  });
+  for (size_t j = 0; j < host_jobs.size(); ++j) {
+    const std::string& name = views[host_job_view[j]].info->name;
+    if (host_jobs[j].encoded)
+      sent_as_record(host_job_view[j], name, std::move(host_jobs[j].record));
     else  // dense changes: whole after all (the base is the tensor now)
-      whole_.push_back(sum_of(info.name, base, gpu()));
+      whole_.push_back(sum_of(name, base_.find(name)->second, gpu()));
   }
   if (jobs.empty()) return;
   gpu().encode_batch(jobs, &pool);
@@ -279,7 +310,9 @@ std::span<const TensorView> SourceDelta::add(const TensorView& view, const Box& 
                                              bool outlives, CopyStream& copies, HostCopyPool& pool) {
   const bool as_is = box.is_whole() && info.name == view.info->name;
   TensorView in = as_is ? view : packed_.pack(view, box, info, copies);
-  const bool waits = in.memory == MemoryKind::kCuda && (outlives || !as_is);
+  // Compared in batches: GPU tensors (two waits a batch), and host tensors where the pool has threads.
+  const bool batches = in.memory == MemoryKind::kCuda || pool.threads() > 0;
+  const bool waits = batches && (outlives || !as_is);
   if (waits) in.info = &infos_.emplace_back(*in.info);
   waiting_.push_back(in);
   waiting_bytes_ += in.info->nbytes();

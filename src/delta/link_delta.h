@@ -24,6 +24,7 @@
 #include <deque>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <span>
 #include <string>
 #include <vector>
@@ -168,8 +169,10 @@ class SourceDelta {
 
   std::map<std::string, HeldTensor, std::less<>> base_;
   std::unique_ptr<DeviceDelta> gpu_;  // made at the first tensor in GPU memory
-  DeltaScratch scratch_;              // the scans' buffers, kept from tensor to tensor
-  uint64_t base_version_ = 0;         // 0: none
+  // The host scans' buffers, kept from tensor to tensor: one set for each scan at once.
+  std::vector<std::unique_ptr<DeltaScratch>> scratch_;
+  std::mutex scratch_mutex_;
+  uint64_t base_version_ = 0;  // 0: none
   uint64_t next_version_ = 0;
   DeltaCounts counts_;
   std::vector<WholeSum> whole_;  // of this refit's tensors sent whole

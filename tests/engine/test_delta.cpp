@@ -1,5 +1,6 @@
 // Delta refit (refit_cfg.nixl.delta) through the engine: versions, whole refits where the
 // destination does not hold the base, and bit-exact results after many refits.
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -15,7 +16,9 @@ namespace refit {
 namespace {
 
 using testing::error_kind_of;
+using testing::error_of;
 using testing::expect_same;
+using ::testing::HasSubstr;
 using testing::inproc_options;
 using testing::make_tensor;
 using testing::OwnedTensor;
@@ -45,15 +48,22 @@ void step(std::vector<OwnedTensor>& weights, double share, uint32_t seed) {
 
 // One refit of `weights` through a source's side alone: the header, what goes of each tensor,
 // the trailer (their memory lives until the source's next begin()).
+// `threads`: the pool's (0: each tensor compared as it comes; more: in batches on them).
 std::vector<TensorView> encoded(SourceDelta& source, const std::vector<OwnedTensor>& weights, uint64_t version,
-                                bool measured = false) {
+                                bool measured = false, int threads = 0, size_t* early = nullptr) {
   std::vector<TensorView> views{source.begin(version, "destination rank 0", measured)};
   VectorSource inner(weights);
-  HostCopyPool pool(0);  // host tensors: the pool is for GPU tensors' records
-  CopyStream copies;     // whole tensors: nothing to pack
+  HostCopyPool pool(threads);
+  CopyStream copies;  // whole tensors: nothing to pack
+  size_t ready_early = 0;
   auto take = [&](std::span<const TensorView> ready) { views.insert(views.end(), ready.begin(), ready.end()); };
   TensorView v;
-  while (inner.next(&v)) take(source.add(v, Box::whole(), *v.info, /*outlives=*/true, copies, pool));
+  while (inner.next(&v)) {
+    const auto ready = source.add(v, Box::whole(), *v.info, /*outlives=*/true, copies, pool);
+    ready_early += ready.empty() ? 0 : 1;
+    take(ready);
+  }
+  if (early) *early = ready_early;
   take(source.flush(pool));
   views.push_back(source.end());
   return views;
@@ -324,6 +334,37 @@ TEST(DeltaRefit, ALayoutTensorTheStreamNeverYieldsFailsTheRefit) {
   error_kind_of([&] { p.refit(model(3), got); }, &message);  // throws if the refit went through
   EXPECT_NE(message.find("never yielded"), std::string::npos) << message;
   EXPECT_NE(message.find("model.layers.9.missing"), std::string::npos) << message;
+}
+
+// Where the pool has threads, a source compares its host tensors in batches on them: the same
+// records, in the same order, as one at a time; a tensor twice in a batch is refused.
+TEST(DeltaRefit, HostTensorsComparedOnThePoolsThreadsMakeTheSameRecords) {
+  auto weights = model(11);
+  for (int k = 0; k < 70; ++k)  // more tensors than a batch holds
+    weights.push_back(make_tensor("extra." + std::to_string(k), DType::kBFloat16, {64, 33}, 500 + k));
+  SourceDelta alone, batched;
+  size_t early_alone = 0, early_batched = 0;
+  for (int refit = 0; refit < 3; ++refit) {
+    const std::vector<TensorView> a = encoded(alone, weights, refit == 0 ? 0 : alone.commit(0), false, 0, &early_alone);
+    const std::vector<TensorView> b =
+        encoded(batched, weights, refit == 0 ? 0 : batched.commit(0), false, 3, &early_batched);
+    ASSERT_EQ(a.size(), b.size());
+    for (size_t i = 1; i < a.size(); ++i) {  // after the header (each source's versions are its own)
+      EXPECT_EQ(a[i].info->name, b[i].info->name) << refit << " " << i;
+      const auto bytes_a = std::span(a[i].data, a[i].info->nbytes()),
+                 bytes_b = std::span(b[i].data, b[i].info->nbytes());
+      EXPECT_TRUE(std::equal(bytes_a.begin(), bytes_a.end(), bytes_b.begin(), bytes_b.end())) << a[i].info->name;
+    }
+    if (refit > 0) EXPECT_TRUE(b[1].info->name.starts_with("refit:delta:")) << "changes went";
+    EXPECT_EQ(early_alone, weights.size()) << "no threads: each tensor goes as it comes";
+    EXPECT_GE(early_batched, 1u) << "a full batch goes before the stream ends";
+    EXPECT_LT(early_batched, weights.size()) << "with threads, tensors wait for their batch";
+    step(weights, 0.01, 40 + refit);
+  }
+  // The same tensor twice in one batch would update one base on two threads: refused.
+  std::vector<OwnedTensor> twice{weights[0], weights[0]};
+  EXPECT_THAT(error_of(ErrorKind::kInvalidArgument, [&] { encoded(batched, twice, batched.commit(0), false, 3); }),
+              HasSubstr("appears twice in one refit"));
 }
 
 // The destination's side alone: changes to a version it does not hold are refused before

@@ -244,6 +244,16 @@ int run_bench(const BenchOptions& options) {
   const auto holds = source_layouts(path, model.inventory, options.source_parallel, options.sources);
   if (options.refits < 1)
     throw Error(ErrorKind::kInvalidArgument, fmt::format("--refits must be >= 1, got {}", options.refits));
+  if (kill) {
+    const int workers = kill->source ? options.sources : options.destinations;
+    if (kill->rank >= workers || kill->refit >= static_cast<uint64_t>(options.refits))
+      throw Error(ErrorKind::kInvalidArgument,
+                  fmt::format("--kill '{}': this bench has {} {}(s) and refits 0 to {}", options.kill, workers,
+                              kill->source ? "source" : "destination", options.refits - 1));
+  }
+  // How many steps the killed worker's refit had (its tensors, or its batches), to say so when the
+  // kill point lies past them.
+  std::optional<uint64_t> kill_steps;
 
   GroupOptions group_options;
   group_options.config = config;
@@ -329,6 +339,8 @@ int run_bench(const BenchOptions& options) {
         uint64_t received = 0;
         json per_destination = json::array(), per_source = json::array();
         for (const auto& w : report.workers) {
+          if (kill && kill->refit == static_cast<uint64_t>(k) && kill->source == w.is_source && kill->rank == w.rank)
+            kill_steps = w.is_source ? w.send.tensors + w.send.dropped : w.receive.batches;
           if (w.is_source) {
             per_source.push_back({{"rank", w.rank},
                                   {"bytes", w.send.payload_bytes},
@@ -401,6 +413,14 @@ int run_bench(const BenchOptions& options) {
       }
       out["refits"].push_back(entry);
     }
+  }
+  // A kill point no worker reached is a failure test that tested nothing.
+  if (kill && kill_steps) {
+    spdlog::error("--kill {}: nothing was killed: that refit of {} rank {} had {} {} (STEP counts from 0)",
+                  options.kill, kill->source ? "source" : "destination", kill->rank, *kill_steps,
+                  kill->source ? "tensors" : "batches");
+    out["kill_missed"] = true;
+    if (exit_code == 0) exit_code = 4;
   }
   out["bucket_bytes"] = bucket_bytes;
   out["verified"] = verified;

@@ -132,7 +132,7 @@ int main(int argc, char** argv) {
   info_cmd->add_flag("--keys", info.keys,
                      "Print the configuration table instead: every refit_cfg.nixl key, backend init param and "
                      "environment variable with its type, default and meaning");
-  info_cmd->add_flag("--json", info.json, "With --keys: the table as JSON");
+  info_cmd->add_flag("--json", info.json, "With --keys: the table as JSON")->needs("--keys");
 
   CLI11_PARSE(app, argc, argv);
   spdlog::cfg::load_env_levels();  // SPDLOG_LEVEL=debug shows per-bucket timings

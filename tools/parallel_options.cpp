@@ -94,7 +94,10 @@ std::vector<Layout> source_layouts(const std::string& model_path, const ModelInv
   return megatron_source_layouts(inventory, model_dims_from_hf_config(config_json_of(model_path)), t);
 }
 
-ParallelRank parallel_rank(const ParallelOptions& p, int r) { return {r % p.tp, (r / p.tp) % p.ep, r / (p.tp * p.ep)}; }
+// Ranks past tp x ep x pp are data-parallel replicas: the same ranks again.
+ParallelRank parallel_rank(const ParallelOptions& p, int r) {
+  return {r % p.tp, (r / p.tp) % p.ep, (r / (p.tp * p.ep)) % p.pp};
+}
 
 std::vector<std::optional<Layout>> destination_layouts(const std::string& model_path, const ModelInventory& inventory,
                                                        const RefitConfig& config, const ParallelOptions& p,

@@ -136,8 +136,9 @@ int run_plan(const PlanOptions& options) {
             plan.payload_bytes,
             plan.transferred_bytes};
     // Destinations that receive the same amounts share one row.
+    // (Paired, each from the source of its rank, so those must follow on too; planned, from the plan's.)
     if (!rows.empty() && rows.back().same_numbers(row) && rows.back().last == r - 1 &&
-        rows.back().last_source == source - 1) {
+        (source < 0 || rows.back().last_source == source - 1)) {
       rows.back().last = r;
       rows.back().last_source = source;
       rows.back().last_rank = rank;

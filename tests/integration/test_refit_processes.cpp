@@ -275,5 +275,17 @@ TEST(RefitProcesses, DestinationKilledMidRefitIsReportedByItsSource) {
   EXPECT_LT(r.seconds, 60) << r.output;
 }
 
+// A kill point past the refit's batches kills nothing: the bench says so and fails (exit 4)
+// instead of passing a failure test that tested nothing.
+TEST(RefitProcesses, AKillPointNoWorkerReachesFailsTheBench) {
+  Bench b;
+  auto r = b.run(1, 1, 2, {kShm, "--kill", "destination:0:1:100000:after"}, 90);
+  EXPECT_EQ(r.exit_code, 4) << r.output;
+  EXPECT_NE(r.output.find("nothing was killed"), std::string::npos) << r.output;
+  const auto j = read_json(b.json);
+  EXPECT_TRUE(j.at("verified").get<bool>()) << "every refit went through";
+  EXPECT_TRUE(j.at("kill_missed").get<bool>());
+}
+
 }  // namespace
 }  // namespace refit

@@ -2,17 +2,25 @@
 """What the Python layer costs: the same refits driven from Python and by `refit bench`, in one run.
 
 Both sides run the same model, transport (UCX, local processes), bucket size and topology, and
-both check every tensor of every refit (XXH3-64 per tensor on each side):
+both check every tensor of every refit (XXH3-64 per tensor on each side). Both send every tensor
+through the buckets (refit_cfg.nixl.direct_reads=false, unless an override says otherwise): the
+Python source's NumPy arrays are not in engine memory, which a destination needs to load tensors
+in place, while `refit bench`'s sources place theirs there (CheckpointEngine::allocate_weight_memory).
 
   - C++:    `refit bench --model M --sources 1 --destinations 1 --refits K bucket_bytes=B`
   - Python: refit.WeightSynchronizer over refit.multiprocessing_group.ProcessWorkerGroup (spawned
-            processes); the source streams NumPy arrays through send_weights(), the destination
-            hashes every tensor from Python, in a receive_weights(load) callback (default) or
-            iterating receive_weight_batches() (--receive iterator).
+            processes); the source streams NumPy arrays through send_weights(); the destination, as
+            refit bench's, copies every tensor into NumPy parameters of its own (a TensorProgram:
+            refit.ParameterLoader) and hashes them after the timed refit (--destination load, the
+            default), or hashes every tensor from Python as it arrives (--destination hash), in a
+            receive_weights(load) callback (default) or iterating receive_weight_batches()
+            (--receive iterator, hashing destinations only).
 
 Each round runs both (alternating which goes first), each side's throughput is the median over
-its refits (bytes received / wall time of the refit seen by the driver, weights made beforehand),
-and the result is the median over rounds. The Python layer's cost is 1 - python/cpp.
+its refits of the destination's bytes over its refit's time as its engine measured it (begin to
+end of the receive: the source's stream and the destination's loads, not the programs' reports
+nor the driver's calls around them), and the result is the median over rounds. The Python
+layer's cost is 1 - python/cpp. The driver's wall time of each refit is printed beside it.
 
     python python/bench/bench_python.py                        # refit-bench-2g, 256 MiB, 1 -> 1
     python python/bench/bench_python.py --rounds 5 --refits 5 --json out.json
@@ -63,17 +71,17 @@ def run_cpp(binary: str, model: str, refits: int, bucket: str, overrides: List[s
             raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
         with open(out) as f:
             data = json.load(f)
-    rates = [r["throughput_bytes_per_s"] for r in data["refits"]]
     dest = [r["bytes_received"][0] for r in data["refits"]]
-    return {"median": data["median_throughput_bytes_per_s"], "rates": rates, "verified": data["verified"],
+    rates = [d["bytes"] / (d["receive_seconds"] + d["load_seconds"]) for d in dest]
+    return {"median": statistics.median(rates), "rates": rates, "verified": data["verified"],
             "seconds": [r["seconds"] for r in data["refits"]], "command": " ".join(cmd),
             "load_seconds": [d["load_seconds"] for d in dest], "receive_seconds": [d["receive_seconds"] for d in dest]}
 
 
 def run_python(model: str, refits: int, bucket: str, overrides: List[str], framework: str,
-               receive: str) -> dict:
+               receive: str, destination: str) -> dict:
     config = refit.as_config({"bucket_bytes": bucket}, overrides)
-    programs = SyntheticPrograms(model)
+    programs = SyntheticPrograms(model, destination=destination)
     rates, seconds, verified, load, receive_s, send = [], [], True, [], [], []
     with ProcessWorkerGroup(1, 1, programs, framework=framework, receive=receive,
                             log_level="warning") as group:
@@ -82,10 +90,9 @@ def run_python(model: str, refits: int, bucket: str, overrides: List[str], frame
             report = sync.sync_weights()
             problems = verify(report.results, 1)
             verified = verified and not problems
-            received = sum(r["stats"]["payload_bytes"] for r in report.destination_results)
-            rates.append(received / report.seconds)
-            seconds.append(report.seconds)
             stats = report.destination_results[0]["stats"]
+            rates.append(stats["payload_bytes"] / (stats["receive_seconds"] + stats["load_seconds"]))
+            seconds.append(report.seconds)
             load.append(stats["load_seconds"])
             receive_s.append(stats["receive_seconds"])
             send.append(report.source_results[0]["stats"]["seconds"])
@@ -109,15 +116,23 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--receive", default="callback", choices=["callback", "iterator"],
                    help="how the Python destination drives a refit: receive_weights(load) (default) or "
                         "iterating receive_weight_batches()")
+    p.add_argument("--destination", default="load", choices=["load", "hash"],
+                   help="what the Python destination does: copy into parameters of its own, hashed after the "
+                        "refit, as refit bench's (default), or hash every tensor as it arrives")
     p.add_argument("--json", default=None, help="write the figures to this file")
     p.add_argument("overrides", nargs="*", help="refit config overrides for both sides, key=value")
     args = p.parse_args(argv)
+    if args.receive == "iterator" and args.destination == "load":
+        p.error("--receive iterator needs --destination hash (a TensorProgram receives by callback)")
+    # The same data path on both sides (see above).
+    if not any(o.split("=", 1)[0].endswith("direct_reads") for o in args.overrides):
+        args.overrides.append("direct_reads=false")
 
     binary = find_refit_binary(args.refit)
     inventory = refit.load_model_inventory(args.model)
     print(f"bench_python: model {inventory.name} ({len(inventory)} tensors, {inventory.total_bytes / GiB:.2f} GiB), "
           f"1 source -> 1 destination, bucket {args.bucket}, {args.refits} refits x {args.rounds} rounds per side, "
-          f"Python receives {args.framework} with {args.receive}; "
+          f"Python receives {args.framework} with {args.receive} ({args.destination}); "
           f"C++: {binary}", flush=True)
     refit.set_log_level("warning")
     cpp_medians, py_medians, rounds = [], [], []
@@ -131,7 +146,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 result[side] = run_cpp(binary, args.model, args.refits, args.bucket, args.overrides)
             else:
                 result[side] = run_python(args.model, args.refits, args.bucket, args.overrides, args.framework,
-                                          args.receive)
+                                          args.receive, args.destination)
             result[side]["wall"] = time.monotonic() - start
         ok = ok and result["cpp"]["verified"] and result["python"]["verified"]
         cpp_medians.append(result["cpp"]["median"])

@@ -135,24 +135,44 @@ class HashingDestination:
         return {"hashes": dict(self.hashes), "bytes": self.bytes, "batches": self.batches}
 
 
+def loading_destination(model: Optional[str] = None, limit: Optional[int] = None):
+    """A destination that does what `refit bench`'s do: copies every tensor into NumPy parameters of
+    its own, allocated once (a refit.TensorProgram: refit.ParameterLoader), and hashes them in its
+    report, after the timed refit."""
+    from .worker import TensorProgram
+    inventory = _refit.load_model_inventory(model or default_model_path())
+    parameters = {t.name: np.empty(tuple(t.shape), numpy_dtype(t.dtype)) for t in list(inventory.tensors)[:limit]}
+    return TensorProgram(parameters, report=lambda: {
+        "hashes": {name: f"{_refit.xxh3_64(p):016x}" for name, p in parameters.items()},
+        "bytes": sum(p.nbytes for p in parameters.values())})
+
+
 class SyntheticPrograms:
     """A picklable program factory for worker groups: sources are SyntheticSource(model, ...),
-    destinations HashingDestination(). ``fail_at``: (role, rank, refit index) at which that worker's
-    program raises (for failure tests)."""
+    destinations HashingDestination() (``destination="hash"``, the default) or
+    loading_destination(model) (``"load"``). ``fail_at``: (role, rank, refit index) at which that
+    worker's program raises (for failure tests; hashing destinations)."""
 
     def __init__(self, model: Optional[str] = None, *, backend: str = "numpy", device: str = "cpu",
-                 limit: Optional[int] = None, fail_at: Optional[Tuple[str, int, int]] = None):
+                 limit: Optional[int] = None, fail_at: Optional[Tuple[str, int, int]] = None,
+                 destination: str = "hash"):
+        if destination not in ("hash", "load"):
+            raise _refit.InvalidArgumentError(f"SyntheticPrograms(destination={destination!r}): expected 'hash' or "
+                                              f"'load'")
         self.model = model or default_model_path()
         self.backend = backend
         self.device = device
         self.limit = limit
         self.fail_at = fail_at
+        self.destination = destination
 
     def __call__(self, role: str, rank: int):
         fail = self.fail_at[2] if self.fail_at and self.fail_at[:2] == (role, rank) else None
         if role == "policy":
             return SyntheticSource(self.model, backend=self.backend, device=self.device, limit=self.limit,
                                    fail_at=fail)
+        if self.destination == "load":
+            return loading_destination(self.model, self.limit)
         return HashingDestination(fail_at=fail)
 
 

@@ -17,6 +17,24 @@ MiB = 1 << 20
 RATIO = 0.001
 
 
+def test_loading_destinations_copy_into_their_parameters_and_hash_them_after():
+    """SyntheticPrograms(destination="load"): what refit bench's destinations do (bench_python.py
+    compares against it): every tensor copied into the destination's own parameters, each refit's
+    content checked bitwise against its source's, and a refit's new content seen in the next."""
+    with ProcessWorkerGroup(1, 1, SyntheticPrograms(TINY_MOE, limit=40, destination="load"),
+                            framework="numpy") as group:
+        sync = refit.WeightSynchronizer({"timeout_s": 60}, group, model_bytes=64 * MiB)
+        hashes = []
+        for _ in range(2):
+            report = sync.sync_weights()
+            assert verify(report.results, 1) == []
+            hashes.append(report.destination_results[0]["report"]["hashes"])
+            assert len(hashes[-1]) == 40
+        assert hashes[0] != hashes[1], "the parameters hold each refit's content"
+    with pytest.raises(refit.InvalidArgumentError, match="destination='nowhere'"):
+        SyntheticPrograms(TINY_MOE, destination="nowhere")
+
+
 class CountingGroup:
     """Wraps a WorkerGroup and records the calls the synchronizer makes."""
 

@@ -122,11 +122,12 @@ class SourceDelta {
   TensorView begin(uint64_t destination_version, const std::string& destination, bool measured = false);
   // What to send of `box` of `view`, which the destination holds as `info` (its name and shape; a
   // box that is not the tensor as it is gets packed first, on `copies`): its changes against the
-  // base, or itself (the base becomes it either way). GPU tensors that stay valid until send()
+  // base, or itself (the base becomes it either way). Tensors that stay valid until send()
   // returns (`outlives`; packed ones are ours) wait to be compared in batches (kBatchTensors,
-  // kBatchBytes), their records written on `pool`'s threads (the engine's); any other goes at
-  // once, with those waiting before it. Returns the views ready, in order (the span is valid
-  // until the next add() or flush()).
+  // kBatchBytes) if they are GPU tensors (their records written on `pool`'s threads, the
+  // engine's), or host tensors and `pool` has threads (scanned on them); any other goes at once,
+  // with those waiting before it. Returns the views ready, in order (the span is valid until the
+  // next add() or flush()).
   std::span<const TensorView> add(const TensorView& view, const Box& box, const TensorInfo& info, bool outlives,
                                   CopyStream& copies, HostCopyPool& pool);
   // The views still waiting, made ready.
@@ -148,7 +149,8 @@ class SourceDelta {
   };
   TensorView add_record(TensorInfo info, std::vector<uint8_t> bytes);
   // What to send of each of `views`, in `out` in the same order; the GPU tensors among them are
-  // compared together (two waits a call, not a tensor).
+  // compared together (two waits a call, not a tensor), the host tensors on `pool`'s threads. A
+  // name twice in one call is refused (its base would be updated twice at once).
   void next(std::span<const TensorView> views, std::vector<TensorView>& out, HostCopyPool& pool);
   DeviceDelta& gpu();
 

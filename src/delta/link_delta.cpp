@@ -222,6 +222,7 @@ void SourceDelta::next(std::span<const TensorView> views, std::vector<TensorView
   out.assign(views.begin(), views.end());    // whole, unless changes go instead
   std::vector<DeviceDelta::EncodeJob> jobs;  // the GPU tensors, compared together
   struct HostJob {
+    size_t view = 0;  // in `views`
     std::span<std::byte> base;
     std::span<const std::byte> now;
     size_t element_size = 0;
@@ -229,7 +230,7 @@ void SourceDelta::next(std::span<const TensorView> views, std::vector<TensorView
     bool encoded = false;
   };
   std::deque<HostJob> host_jobs;  // the host tensors, compared on the pool's threads
-  std::vector<size_t> job_view, host_job_view;
+  std::vector<size_t> job_view;
   std::deque<std::vector<uint8_t>> records;  // the GPU jobs' records (a deque: their addresses stay)
   std::unordered_set<std::string_view> compared;
   auto sent_as_record = [&](size_t k, const std::string& name, std::vector<uint8_t> record) {
@@ -250,7 +251,7 @@ void SourceDelta::next(std::span<const TensorView> views, std::vector<TensorView
     if (nbytes > 0 && view.data == nullptr)
       fail(ErrorKind::kInvalidArgument, "tensor '{}' ({} bytes) has no data pointer", info.name, nbytes);
     // One use of a base per call: the jobs below update theirs later, on other threads.
-    if (!compared.insert(info.name).second)
+    if (views.size() > 1 && !compared.insert(info.name).second)
       fail(ErrorKind::kInvalidArgument, "tensor '{}' appears twice in one refit", info.name);
     auto it = base_.find(info.name);
     if (!changes_now_ || it == base_.end() || !(it->second.info == info) || it->second.memory != view.memory ||
@@ -265,8 +266,7 @@ void SourceDelta::next(std::span<const TensorView> views, std::vector<TensorView
     HeldTensor& base = it->second;
     const size_t element_size = dtype_size(info.dtype);
     if (view.memory == MemoryKind::kHost) {
-      host_jobs.push_back({base.bytes, bytes_of(view), element_size, {}, false});
-      host_job_view.push_back(k);
+      host_jobs.push_back({k, base.bytes, bytes_of(view), element_size, {}, false});
     } else {
       jobs.push_back({&base.device, view.data, nbytes, element_size, &records.emplace_back(), {}});
       job_view.push_back(k);
@@ -288,10 +288,10 @@ void SourceDelta::next(std::span<const TensorView> views, std::vector<TensorView
     std::lock_guard lock(scratch_mutex_);
     scratch_.push_back(std::move(scratch));
   });
-  for (size_t j = 0; j < host_jobs.size(); ++j) {
-    const std::string& name = views[host_job_view[j]].info->name;
-    if (host_jobs[j].encoded)
-      sent_as_record(host_job_view[j], name, std::move(host_jobs[j].record));
+  for (HostJob& job : host_jobs) {
+    const std::string& name = views[job.view].info->name;
+    if (job.encoded)
+      sent_as_record(job.view, name, std::move(job.record));
     else  // dense changes: whole after all (the base is the tensor now)
       whole_.push_back(sum_of(name, base_.find(name)->second, gpu()));
   }

@@ -161,7 +161,7 @@ class SourceDelta {
   static constexpr uint64_t kBatchBytes = 64 << 20;
   PackedBoxes packed_;
   std::vector<TensorView> waiting_, ready_;
-  // The infos of GPU views that waited, kept until the next begin(): the stream's may not outlive
+  // The infos of the views that waited, kept until the next begin(): the stream's may not outlive
   // its next tensor, and a view made ready goes by its info after flush() returns.
   std::deque<TensorInfo> infos_;
   uint64_t waiting_bytes_ = 0;

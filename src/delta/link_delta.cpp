@@ -4,6 +4,7 @@
 #include <xxhash.h>
 
 #include <mutex>
+#include <optional>
 #include <unordered_set>
 
 #include "core/fail.h"
@@ -220,25 +221,23 @@ TensorView SourceDelta::begin(uint64_t destination_version, const std::string& d
 
 void SourceDelta::next(std::span<const TensorView> views, std::vector<TensorView>& out, HostCopyPool& pool) {
   out.assign(views.begin(), views.end());    // whole, unless changes go instead
-  std::vector<DeviceDelta::EncodeJob> jobs;  // the GPU tensors, compared together
+  std::vector<DeviceDelta::EncodeJob> jobs;  // the GPU tensors compared, together
+  std::vector<size_t> job_view;
+  std::deque<std::vector<uint8_t>> records;  // the GPU jobs' records (a deque: their addresses stay)
+  // The host tensors, copied into their bases or compared with them on the pool's threads.
   struct HostJob {
     size_t view = 0;  // in `views`
-    std::span<std::byte> base;
-    std::span<const std::byte> now;
-    size_t element_size = 0;
+    HeldTensor* base = nullptr;
+    bool whole = false;  // copied, not compared
     std::vector<uint8_t> record;
     bool encoded = false;
   };
-  std::deque<HostJob> host_jobs;  // the host tensors, compared on the pool's threads
-  std::vector<size_t> job_view;
-  std::deque<std::vector<uint8_t>> records;  // the GPU jobs' records (a deque: their addresses stay)
+  std::deque<HostJob> host_jobs;
+  // The checksums of the tensors that go whole, by view, so that the trailer lists them in the
+  // stream's order whichever thread computed them.
+  std::vector<std::optional<WholeSum>> sums(views.size());
   std::unordered_set<std::string_view> compared;
-  auto sent_as_record = [&](size_t k, const std::string& name, std::vector<uint8_t> record) {
-    ++counts_.changed_tensors;
-    counts_.record_bytes += record.size();
-    const auto size = static_cast<int64_t>(record.size());
-    out[k] = add_record(TensorInfo{std::string(kDeltaTensorPrefix) + name, DType::kUInt8, {size}}, std::move(record));
-  };
+  DeviceDelta& device = gpu();
   for (size_t k = 0; k < views.size(); ++k) {
     const TensorView& view = views[k];
     if (view.info == nullptr) fail(ErrorKind::kInvalidArgument, "the weight stream yielded a tensor without metadata");
@@ -254,56 +253,65 @@ void SourceDelta::next(std::span<const TensorView> views, std::vector<TensorView
     if (views.size() > 1 && !compared.insert(info.name).second)
       fail(ErrorKind::kInvalidArgument, "tensor '{}' appears twice in one refit", info.name);
     auto it = base_.find(info.name);
-    if (!changes_now_ || it == base_.end() || !(it->second.info == info) || it->second.memory != view.memory ||
-        nbytes == 0) {
-      // Whole: the destination takes it as it is, and so does our base, whose checksum the trailer carries.
-      HeldTensor& base = base_[info.name];
-      base.assign(view, gpu());
-      whole_.push_back(sum_of(info.name, base, gpu()));
-      continue;
-    }
-    // The encoder makes the base equal to the tensor whether or not it sends changes.
-    HeldTensor& base = it->second;
-    const size_t element_size = dtype_size(info.dtype);
+    // Whole: the destination takes it as it is, and so does our base, whose checksum the trailer
+    // carries. Otherwise the encoder makes the base equal to the tensor, changes sent or not.
+    const bool whole = !changes_now_ || it == base_.end() || !(it->second.info == info) ||
+                       it->second.memory != view.memory || nbytes == 0;
+    HeldTensor& base = whole ? base_[info.name] : it->second;
     if (view.memory == MemoryKind::kHost) {
-      host_jobs.push_back({k, base.bytes, bytes_of(view), element_size, {}, false});
+      host_jobs.push_back({k, &base, whole, {}, false});
+    } else if (whole) {
+      base.assign(view, device);
+      sums[k] = sum_of(info.name, base, device);
     } else {
-      jobs.push_back({&base.device, view.data, nbytes, element_size, &records.emplace_back(), {}});
+      jobs.push_back({&base.device, view.data, nbytes, dtype_size(info.dtype), &records.emplace_back(), {}});
       job_view.push_back(k);
     }
   }
-  // Host tensors on the pool's threads, each with scratch of its own (kept for the next call).
+  auto sent_as_record = [&](size_t k, std::vector<uint8_t> record) {
+    ++counts_.changed_tensors;
+    counts_.record_bytes += record.size();
+    const auto size = static_cast<int64_t>(record.size());
+    out[k] = add_record(TensorInfo{std::string(kDeltaTensorPrefix) + views[k].info->name, DType::kUInt8, {size}},
+                        std::move(record));
+  };
+  // Host tensors on the pool's threads, each compared with scratch of its own (kept for the next call).
   pool.for_each(host_jobs.size(), [&](size_t j) {
-    std::unique_ptr<DeltaScratch> scratch;
-    {
-      std::lock_guard lock(scratch_mutex_);
-      if (!scratch_.empty()) {
-        scratch = std::move(scratch_.back());
-        scratch_.pop_back();
-      }
-    }
-    if (!scratch) scratch = std::make_unique<DeltaScratch>();
     HostJob& job = host_jobs[j];
-    job.encoded = encode_delta(job.base, job.now, job.element_size, job.record, scratch.get()).encoded;
-    std::lock_guard lock(scratch_mutex_);
-    scratch_.push_back(std::move(scratch));
+    const TensorView& view = views[job.view];
+    if (!job.whole) {
+      std::unique_ptr<DeltaScratch> scratch;
+      {
+        std::lock_guard lock(scratch_mutex_);
+        if (!scratch_.empty()) {
+          scratch = std::move(scratch_.back());
+          scratch_.pop_back();
+        }
+      }
+      if (!scratch) scratch = std::make_unique<DeltaScratch>();
+      job.encoded =
+          encode_delta(job.base->bytes, bytes_of(view), dtype_size(view.info->dtype), job.record, scratch.get())
+              .encoded;
+      std::lock_guard lock(scratch_mutex_);
+      scratch_.push_back(std::move(scratch));
+    } else {
+      job.base->assign(view, device);
+    }
+    // Dense changes go whole after all (the base is the tensor now).
+    if (!job.encoded) sums[job.view] = sum_of(view.info->name, *job.base, device);
   });
-  for (HostJob& job : host_jobs) {
-    const std::string& name = views[job.view].info->name;
-    if (job.encoded)
-      sent_as_record(job.view, name, std::move(job.record));
-    else  // dense changes: whole after all (the base is the tensor now)
-      whole_.push_back(sum_of(name, base_.find(name)->second, gpu()));
-  }
-  if (jobs.empty()) return;
-  gpu().encode_batch(jobs, &pool);
+  for (HostJob& job : host_jobs)
+    if (job.encoded) sent_as_record(job.view, std::move(job.record));
+  if (!jobs.empty()) device.encode_batch(jobs, &pool);
   for (size_t j = 0; j < jobs.size(); ++j) {
-    const std::string& name = views[job_view[j]].info->name;
+    const size_t k = job_view[j];
     if (jobs[j].result.encoded)
-      sent_as_record(job_view[j], name, std::move(*jobs[j].out));
+      sent_as_record(k, std::move(*jobs[j].out));
     else
-      whole_.push_back(sum_of(name, base_.find(name)->second, gpu()));
+      sums[k] = sum_of(views[k].info->name, base_.find(views[k].info->name)->second, device);
   }
+  for (auto& sum : sums)
+    if (sum) whole_.push_back(*sum);
 }
 
 std::span<const TensorView> SourceDelta::add(const TensorView& view, const Box& box, const TensorInfo& info,

@@ -149,8 +149,9 @@ class SourceDelta {
   };
   TensorView add_record(TensorInfo info, std::vector<uint8_t> bytes);
   // What to send of each of `views`, in `out` in the same order; the GPU tensors among them are
-  // compared together (two waits a call, not a tensor), the host tensors on `pool`'s threads. A
-  // name twice in one call is refused (its base would be updated twice at once).
+  // compared together (two waits a call, not a tensor), the host tensors compared or copied whole
+  // into their bases on `pool`'s threads. A name twice in one call is refused (its base would be
+  // updated twice at once).
   void next(std::span<const TensorView> views, std::vector<TensorView>& out, HostCopyPool& pool);
   DeviceDelta& gpu();
 

@@ -8,11 +8,11 @@
 #include <exception>
 
 #include "core/fail.h"
+#include "core/host_threads.h"
 
 namespace refit {
 namespace {
 
-constexpr int kMaxThreads = 8;      // by default
 constexpr int kMaxEnvThreads = 64;  // when set
 constexpr size_t kPartAlignment = 4096;
 
@@ -26,8 +26,7 @@ int default_threads() {
            kMaxEnvThreads);
     return threads;
   }
-  const int cores = static_cast<int>(std::thread::hardware_concurrency());
-  return cores < 8 ? 0 : std::min(cores / 4, kMaxThreads);
+  return host_pool_threads(static_cast<int>(std::thread::hardware_concurrency()));
 }
 
 }  // namespace

@@ -3,6 +3,7 @@
 #include <bit>
 
 #include "core/fail.h"
+#include "core/host_threads.h"
 #include "planner/paired_model.h"
 #include "refit/prediction.h"
 
@@ -78,27 +79,35 @@ DeltaPrediction predict_delta(const ModelInventory& model, std::span<const Layou
     if (g->copy_rate <= 0)
       fail(ErrorKind::kConfig, "node group '{}' has no copy rate: calibrate the cluster (refit plan --calibration)",
            g->name);
-  // Each worker's stage, on a worker of its own.
-  auto scan = [&](const Work& w) {
-    const double compared = static_cast<double>(w.compared);
-    const double work =
-        sources.gpu ? compared * kGpuScanCopies : compared * kHostScanCopies + w.changes * kHostScanBytesPerChange;
-    return (work + static_cast<double>(w.packed)) / sources.copy_rate;
+  // Each worker's stage, on a worker of its own. On the host it compares or patches on its engine's
+  // pool too, which has threads on hosts of 8 cores or more (host_pool_threads): that many cores
+  // more, as far as the node's memory gives (a source's tensors that stay valid until send()
+  // returns, as registered weights do: those wait for their batch). `spread`: the stage's time on
+  // the pool's threads and its caller's; else its work, in seconds of one core.
+  auto host_rate = [](const NodeGroup& g, bool spread) {
+    const double cores = spread ? host_pool_threads(g.cores) + 1 : 1;
+    const double rate = g.copy_rate * cores;
+    return g.node_copy_rate > 0 ? std::min(rate, std::max(g.node_copy_rate, g.copy_rate)) : rate;
   };
-  auto patch = [&](const Work& w) {
+  auto scan = [&](const Work& w, bool spread = true) {
+    const double compared = static_cast<double>(w.compared), packed = static_cast<double>(w.packed);
+    if (sources.gpu) return (compared * kGpuScanCopies + packed) / sources.copy_rate;
+    return (compared * kHostScanCopies + w.changes * kHostScanBytesPerChange) / host_rate(sources, spread) +
+           packed / sources.copy_rate;
+  };
+  auto patch = [&](const Work& w, bool spread = true) {
     const double patched = static_cast<double>(w.compared);
-    const double work = destinations.gpu ? patched * kGpuPatchCopies
-                                         : patched * kHostPatchCopies + w.changes * kHostPatchBytesPerChange;
-    return work / destinations.copy_rate;
+    if (destinations.gpu) return patched * kGpuPatchCopies / destinations.copy_rate;
+    return (patched * kHostPatchCopies + w.changes * kHostPatchBytesPerChange) / host_rate(destinations, spread);
   };
   double cpu_work = 0;  // seconds of one core
   for (const Work& w : at_source) {
     p.scan_seconds = std::max(p.scan_seconds, scan(w));
-    cpu_work += scan(w);
+    cpu_work += scan(w, false);
   }
   for (const Work& w : at_destination) {
     p.patch_seconds = std::max(p.patch_seconds, patch(w));
-    cpu_work += patch(w);
+    cpu_work += patch(w, false);
   }
   // Sources and destinations that are processes of one machine (simulated hosts) compare and patch
   // on its cores all at once.

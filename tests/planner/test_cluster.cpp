@@ -10,6 +10,7 @@
 #include <fstream>
 
 #include "core/error_of.h"
+#include "core/host_threads.h"
 #include "refit/prediction.h"
 
 namespace refit {
@@ -652,6 +653,42 @@ TEST(DeltaPrediction, PaysOnASlowLinkNotWhereTheLinkRunsAtCopySpeed) {
   EXPECT_FALSE(predict_delta(m, {}, std::vector<Layout>(1), fast, 0.01, fast_full).pays);
   EXPECT_THAT(error_of(ErrorKind::kConfig, [&] { predict_delta(m, {}, std::vector<Layout>(1), slow, 1.5, full); }),
               HasSubstr("[0, 1]"));
+}
+
+// On hosts of 8 cores or more a delta's host work also runs on the engine's pool threads
+// (host_pool_threads, the engine's rule): the planner spreads a stage over them, as far as the
+// node's memory gives, and counts its work in one core's seconds where processes share a machine.
+TEST(DeltaPrediction, HostStagesSpreadOverTheEnginesPoolThreadsAsFarAsMemoryGives) {
+  const ModelInventory m = rows_model(8, 1024, 1024);  // 8 tensors of 4 MiB (float32)
+  const double bytes = static_cast<double>(m.total_bytes());
+  const double one_core = (bytes * 2 + 0.01 * bytes / 4 * 320) / 10e9;  // a source's scan on one core
+  auto cluster = [&](int cores, double node_rate) {
+    Cluster c = two_sides(1, 1, "1Gbit", "10GB/s", "16MiB");
+    for (NodeGroup& g : c.groups) {
+      g.gpu = false;
+      g.cores = cores;
+      g.node_copy_rate = node_rate;
+    }
+    return c;
+  };
+  auto scan = [&](const Cluster& c) {
+    return predict_delta(m, {}, std::vector<Layout>(1), c, 0.01, predict_refit(m, {}, std::vector<Layout>(1), c))
+        .scan_seconds;
+  };
+  ASSERT_EQ(host_pool_threads(4), 0);
+  ASSERT_EQ(host_pool_threads(16), 4);
+  ASSERT_EQ(host_pool_threads(128), kMaxHostPoolThreads);
+  EXPECT_NEAR(scan(cluster(4, 100e9)), one_core, 1e-9);                // no pool threads
+  EXPECT_NEAR(scan(cluster(16, 100e9)), one_core / 5, 1e-9);           // 4 threads and the caller's
+  EXPECT_NEAR(scan(cluster(128, 100e9)), one_core / 9, 1e-9);          // at most 8 threads
+  EXPECT_NEAR(scan(cluster(16, 20e9)), one_core * 10e9 / 20e9, 1e-9);  // the node's memory: 2 cores' worth
+  // One machine's processes: the shared cores carry the work of one core's seconds.
+  Cluster shared = cluster(16, 100e9);
+  for (NodeGroup& g : shared.groups) g.machine = "one";
+  const DeltaPrediction d =
+      predict_delta(m, {}, std::vector<Layout>(1), shared, 0.01, predict_refit(m, {}, std::vector<Layout>(1), shared));
+  EXPECT_NEAR(d.scan_seconds, one_core / 5, 1e-9);
+  EXPECT_NEAR(d.shared_cores_seconds, (one_core + d.patch_seconds * 5) / 16, 1e-9);
 }
 
 // A destination with a layout gets the records of what it keeps: its source compares and sends

@@ -10,9 +10,11 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "core/error_of.h"
+#include "core/host_threads.h"
 #include "memory/host_copy_pool.h"
 #include "refit/device.h"
 #include "refit/error.h"
@@ -187,6 +189,8 @@ TEST(HostCopyPool, RunsEveryPartOnceAndReportsTheLowestFailure) {
 
 // The thread count can be set, and a bad setting is refused naming the variable.
 TEST(HostCopyPool, TakesItsThreadCountFromTheEnvironmentAndRefusesABadOne) {
+  unsetenv("REFIT_HOST_COPY_THREADS");  // unset: the engine's rule for this host's cores, which the planner models
+  EXPECT_EQ(HostCopyPool().threads(), host_pool_threads(static_cast<int>(std::thread::hardware_concurrency())));
   setenv("REFIT_HOST_COPY_THREADS", "2", 1);
   EXPECT_EQ(HostCopyPool().threads(), 2);
   for (const char* bad : {"two", "-1", "65", "3x", ""}) {

@@ -381,7 +381,7 @@ void DestinationDelta::transform(std::span<const TensorView> in, std::span<const
   };
   std::vector<Patch> host_patches, gpu_patches;
   records_.clear();
-  std::unordered_set<const HeldTensor*> pending;  // tensors with a patch not yet applied
+  std::unordered_set<const HeldTensor*> pending;  // tensors with a patch or copy not yet applied
   auto patch_on_host = [&] {
     if (host_patches.empty()) return;
     std::vector<DeltaHeader> headers(host_patches.size());
@@ -411,7 +411,13 @@ void DestinationDelta::transform(std::span<const TensorView> in, std::span<const
       check_patched(gpu_patches[k].name, patched[k].header, patched[k].checksum, who);
     gpu_patches.clear();
   };
+  // Tensors that came whole in host memory are copied into what we hold together, on the pool's
+  // threads (a first refit is all whole), before any patch queued after them.
+  std::vector<std::pair<HeldTensor*, TensorView>> copies;
+  DeviceDelta& device = gpu();
   auto apply_pending = [&] {
+    pool.for_each(copies.size(), [&](size_t k) { copies[k].first->assign(copies[k].second, device, true); });
+    copies.clear();
     patch_on_gpu();
     patch_on_host();
     pending.clear();
@@ -487,8 +493,14 @@ void DestinationDelta::transform(std::span<const TensorView> in, std::span<const
         continue;
       }
       HeldTensor& held = held_[name];
-      if (pending.contains(&held)) apply_pending();  // (a protocol error) before its bytes move
-      held.assign(view, gpu(), /*page_lock=*/true);
+      if (!pending.insert(&held).second) {  // (a protocol error) what is pending goes first
+        apply_pending();
+        pending.insert(&held);
+      }
+      if (view.memory == MemoryKind::kHost)
+        copies.emplace_back(&held, view);
+      else
+        held.assign(view, device, /*page_lock=*/true);
       whole_.push_back(&*held_.find(name));
       out.push_back(view);
       owners.push_back(k < in_owners.size() ? in_owners[k] : nullptr);

@@ -472,10 +472,11 @@ void ucx_address_seeds() {
   for (size_t i = 0; i < id.size(); ++i) id[i] = static_cast<uint8_t>(0x40 + i);
   Bytes worker(57);
   for (size_t i = 0; i < worker.size(); ++i) worker[i] = static_cast<uint8_t>(i * 31);
-  const Bytes good = encode_ucx_address(id, worker);
+  const ProcessIdentity process{"0f4c6a1e-boot", 0x1234, "host-a", 4242, 987654};
+  const Bytes good = encode_ucx_address(id, process, worker);
   write("ucx_address", "address", good);
-  write("ucx_address", "one_byte_worker", encode_ucx_address(id, Bytes{1}));
-  write("ucx_address", "empty_worker", encode_ucx_address(id, {}));
+  write("ucx_address", "one_byte_worker", encode_ucx_address(id, process, Bytes{1}));
+  write("ucx_address", "empty_worker", encode_ucx_address(id, process, {}));
   write("ucx_address", "header", Bytes(id.begin(), id.end()));
   write("ucx_address", "bad_magic", flipped(good, 0));
   write("ucx_address", "truncated", truncated(good, good.size() - 1));

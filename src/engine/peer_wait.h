@@ -11,11 +11,6 @@
 
 namespace refit {
 
-// How often a peer on this host is looked up while we wait for it: often enough to report a
-// killed peer at once, rarely enough that a destination waiting for hundreds of sources (or as
-// many sources waiting for it, on one host) spends nothing on it (each look reads /proc).
-inline constexpr auto kLivenessSlice = std::chrono::milliseconds(200);
-
 // Returns the message. Throws Error(kPeerLost) naming `label` when the peer process is gone,
 // Error(kTimeout) past the deadline.
 Bytes receive_watching(Transport& transport, PeerId peer, const std::string& label, const ProcessIdentity& process,

@@ -24,11 +24,7 @@ void metadata_fields(Io& io, M& m) {
   io(m.buffers.key, "buffer key");
   io(m.layout, "layout");
   io(m.holds, "holds");
-  io(m.process.boot_id, "boot id");
-  io(m.process.namespaces, "namespaces");
-  io(m.process.hostname, "hostname");
-  io(m.process.pid, "pid");
-  io(m.process.start_time, "start time");
+  process_identity_fields(io, m.process);
   io(m.generation, "generation");
   io(m.takes, "takes", uint8_t{0}, static_cast<uint8_t>(kTakesByMap | kTakesByRead));
   io(m.delta, "delta", DeltaMode::kAuto);

@@ -331,6 +331,21 @@ TEST(Fp8Checkpoint, ASliceTakesTheScaleBlocksItCovers) {
   EXPECT_EQ(scale_of(links[3], Request::narrow(0, 16, 16)), Request::whole());
 }
 
+// A dim shorter than a block has one scale along it, which every element of that dim shares: a
+// slice of it is not a cut through a block, and each holder takes the scale whole along it.
+TEST(Fp8Checkpoint, ADimThatOneScaleBlockSpansIsNotSplitByItsScale) {
+  ModelInventory m;
+  m.tensors = {{"short.weight", DType::kFloat8E4M3FN, {100, 256}}, {"short.weight_scale_inv", DType::kFloat32, {1, 2}}};
+  const auto links = fp8_scales_of(m);
+  ASSERT_EQ(links.size(), 1u);
+  EXPECT_EQ(links[0].block, (std::array<int64_t, 2>{100, 128}));
+  EXPECT_EQ(fp8_scale_request(m, links[0], Request::narrow(0, 0, 50), "d"), Request::whole());
+  EXPECT_EQ(fp8_scale_request(m, links[0], Request::narrow(0, 50, 50), "d"), Request::whole());
+  EXPECT_EQ(fp8_scale_request(m, links[0], Request::narrow(1, 128, 128), "d"), Request::narrow(1, 1, 1));
+  EXPECT_THAT(error_of(ErrorKind::kLayout, [&] { fp8_scale_request(m, links[0], Request::narrow(1, 0, 64), "d"); }),
+              HasSubstr("scale block 0 (elements [0, 128))"));
+}
+
 TEST(Fp8Checkpoint, ASliceThroughAScaleBlockIsRefusedNamingTheBlock) {
   const ModelInventory m = scaled_model();
   const auto links = fp8_scales_of(m);

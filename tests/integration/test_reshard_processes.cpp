@@ -1,6 +1,7 @@
 // Resharding between real processes over UCX, through `refit bench --src-*`: each source process
 // holds only its own shards (Megatron TP/EP/DP), each destination reads its slices from several
 // sources at once and checks every byte against the model afterwards.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include "bench_runner.h"
@@ -133,6 +134,25 @@ TEST(ReshardProcesses, AKilledSourceFailsEveryDestinationItFeedsWithoutAHang) {
   EXPECT_FALSE(j.at("verified").get<bool>());
   const std::string error = j.at("refits").back().at("error");
   EXPECT_NE(error.find("source rank 1"), std::string::npos) << error;
+}
+
+// A destination killed mid-refit of 4 -> 4 resharding, where some sources have sent it nothing yet
+// in that refit: their first message to it must not wait out timeout_s (UCX over shared memory did
+// not report that peer, and the sources hung for timeout_s before the transport looked at its
+// process). Every source names the lost destination within seconds.
+TEST(ReshardProcesses, ADestinationKilledMidRefitFailsEverySourceWithinSeconds) {
+  for (int run = 0; run < 3; ++run) {  // where a source stands when the kill comes varies (it hung in about half)
+    Bench b;
+    auto r = b.run(4, 4, {"--src-tp", "2", "--tp", "4", "--shard-dense", "--kill", "destination:0:0:1:after"}, 2);
+    EXPECT_NE(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.exit_code, -1) << "the bench hung: " << r.output;
+    ASSERT_LT(r.seconds, 10) << "timeout_s is 20: a source waited it out (run " << run << ")\n" << r.output;
+    const std::string error = read_json(b.json).at("refits").back().at("error");
+    for (int s = 0; s < 4; ++s)
+      EXPECT_NE(error.find(fmt::format("source rank {}, refit 1 of this connection", s)), std::string::npos) << error;
+    EXPECT_NE(error.find("lost destination rank 0: its process"), std::string::npos) << error;
+    EXPECT_EQ(error.find("timed out"), std::string::npos) << error;
+  }
 }
 
 }  // namespace

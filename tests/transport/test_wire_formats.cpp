@@ -263,23 +263,30 @@ TEST(UcxAddressWire, IsLittleEndianAndRoundTrips) {
   InstanceId id;
   for (size_t i = 0; i < id.size(); ++i) id[i] = static_cast<uint8_t>(0x40 + i);
   const Bytes worker(0x0102, 0x5a);
-  const Bytes blob = encode_ucx_address(id, worker);
-  ASSERT_EQ(blob.size(), 4u + 16 + 4 + worker.size());
-  EXPECT_THAT(cut(blob, 4), ElementsAre('R', 'F', 'U', '1'));
-  EXPECT_THAT(Bytes(blob.begin() + 20, blob.begin() + 24), ElementsAre(0x02, 0x01, 0, 0));
+  const ProcessIdentity process{"boot", 7, "host-a", 4242, 99};
+  const Bytes blob = encode_ucx_address(id, process, worker);
+  EXPECT_THAT(cut(blob, 4), ElementsAre('R', 'F', 'U', '2'));
+  const size_t length_at = blob.size() - worker.size() - 4;  // the worker address's length, then it
+  EXPECT_THAT(Bytes(blob.begin() + length_at, blob.begin() + length_at + 4), ElementsAre(0x02, 0x01, 0, 0));
   const UcxAddress back = decode_ucx_address(blob, "source rank 3");
   EXPECT_EQ(back.id, id);
+  EXPECT_EQ(back.process.boot_id, "boot");
+  EXPECT_EQ(back.process.namespaces, 7u);
+  EXPECT_EQ(back.process.hostname, "host-a");
+  EXPECT_EQ(back.process.pid, 4242);
+  EXPECT_EQ(back.process.start_time, 99u);
   EXPECT_EQ(back.worker_address, worker);
   EXPECT_EQ(decode_ucx_message_header(id), id);
 }
 
 TEST(UcxAddressWire, MalformedAddressesAndHeadersAreProtocolErrors) {
   InstanceId id{};
-  const Bytes blob = encode_ucx_address(id, Bytes{1, 2, 3});
+  const Bytes blob = encode_ucx_address(id, ProcessIdentity{"boot", 1, "host", 2, 3}, Bytes{1, 2, 3});
   expect_truncations_refused(blob, "UCX address for source rank 3",
                              [](const Bytes& b) { decode_ucx_address(b, "source rank 3"); });
-  EXPECT_THAT(error_of(ErrorKind::kProtocol, [&] { decode_ucx_address(encode_ucx_address(id, {}), "source rank 3"); }),
-              AllOf(HasSubstr("UCX address for source rank 3"), HasSubstr("worker address is empty")));
+  EXPECT_THAT(
+      error_of(ErrorKind::kProtocol, [&] { decode_ucx_address(encode_ucx_address(id, {}, {}), "source rank 3"); }),
+      AllOf(HasSubstr("UCX address for source rank 3"), HasSubstr("worker address is empty")));
   EXPECT_THAT(error_of(ErrorKind::kProtocol, [&] { decode_ucx_message_header(Bytes(15)); }),
               HasSubstr("malformed UCX message header"));
   EXPECT_THAT(error_of(ErrorKind::kProtocol, [&] { decode_ucx_message_header(Bytes(17)); }),

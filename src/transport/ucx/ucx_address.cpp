@@ -2,19 +2,23 @@
 
 #include "core/fail.h"
 #include "core/wire.h"
+#include "core/wire_fields.h"
 
 namespace refit {
 namespace {
 
-// Layout: magic, instance id, worker address length (u32), worker address.
-constexpr std::string_view kMagic = "RFU1";
+// Layout: magic, instance id, process, worker address length (u32), worker address.
+constexpr std::string_view kMagic = "RFU2";
 
 }  // namespace
 
-Bytes encode_ucx_address(const InstanceId& id, std::span<const uint8_t> worker_address) {
+Bytes encode_ucx_address(const InstanceId& id, const ProcessIdentity& process,
+                         std::span<const uint8_t> worker_address) {
   ByteWriter w;
   w.put_raw(kMagic);
   w.put_raw(id);
+  wire::Put put{w};
+  process_identity_fields(put, process);
   w.put_bytes<uint32_t>(worker_address);
   return w.take();
 }
@@ -24,6 +28,8 @@ UcxAddress decode_ucx_address(std::span<const uint8_t> blob, const std::string& 
   r.expect_magic(kMagic);
   UcxAddress address;
   r.get_raw(address.id, "instance id");
+  wire::Get get{r};
+  process_identity_fields(get, address.process);
   const auto worker_address = r.get_bytes<uint32_t>("worker address");
   if (worker_address.empty()) fail(ErrorKind::kProtocol, "malformed {}: the worker address is empty", r.what());
   r.expect_end();

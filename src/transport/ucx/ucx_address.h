@@ -1,9 +1,10 @@
-// The address blob a UCX transport publishes: magic "RFU1", a random instance id (16 bytes), the
-// UCP worker address's length (u32, little-endian) and the worker address, which refit passes to
-// UCX as it is. The instance id travels as the header of every control message (an active
-// message), so that a receiver can queue messages per sender even before (or without) connecting
-// back to it. Encoded with the wire codec (core/wire.h); nothing here needs UCX, so that tests and
-// the fuzz target fuzz/fuzz_ucx_address.cpp reach the decoders without it.
+// The address blob a UCX transport publishes: magic "RFU2", a random instance id (16 bytes), the
+// process it runs in (core/process_identity.h), the UCP worker address's length (u32,
+// little-endian) and the worker address, which refit passes to UCX as it is. The instance id
+// travels as the header of every control message (an active message), so that a receiver can
+// queue messages per sender even before (or without) connecting back to it. The process lets a
+// peer on the same host see that it is gone where UCX does not say so. Encoded with the wire codec (core/wire.h);
+// nothing here needs UCX, so that tests and the fuzz target fuzz/fuzz_ucx_address.cpp reach the decoders without it.
 #pragma once
 
 #include <array>
@@ -11,6 +12,7 @@
 #include <span>
 #include <string>
 
+#include "core/process_identity.h"
 #include "core/random_id.h"
 #include "refit/ext/transport.h"
 
@@ -18,10 +20,11 @@ namespace refit {
 
 using InstanceId = RandomId;  // random_id()
 
-Bytes encode_ucx_address(const InstanceId& id, std::span<const uint8_t> worker_address);
+Bytes encode_ucx_address(const InstanceId& id, const ProcessIdentity& process, std::span<const uint8_t> worker_address);
 
 struct UcxAddress {
   InstanceId id{};
+  ProcessIdentity process;
   Bytes worker_address;
 };
 

@@ -46,9 +46,14 @@ struct Peer {
   UcxTransport* owner = nullptr;
   std::string label;
   InstanceId id{};
-  ucp_ep_h ep = nullptr;              // null once closed after a timeout
-  std::string timed_out;              // the operation whose timeout closed `ep`
-  bool lost = false;                  // under owner's mutex: set by the endpoint error callback
+  ucp_ep_h ep = nullptr;  // null once closed after a timeout
+  std::string timed_out;  // the operation whose timeout closed `ep`
+  bool lost = false;      // under owner's mutex: set by the endpoint error callback
+  // From its address: a peer on this host is looked up while an operation waits on it, since UCX
+  // does not report every death (a destination killed mid-refit of 4 -> 4 resharding held sends of
+  // its sources over shared memory for their whole deadline, ReshardProcesses.ADestinationKilled*).
+  ProcessIdentity process;
+  bool gone = false;                  // its process was seen gone, and the endpoint closed
   ucs_status_t lost_status = UCS_OK;  // under owner's mutex
   std::map<Bytes, ucp_rkey_h> rkeys;  // unpacked remote keys by packed bytes
 };
@@ -128,8 +133,10 @@ class UcxTransport final : public Transport {
   std::optional<Bytes> take_message(Peer& peer);
   ucp_rkey_h remote_key(Peer& peer, const Bytes& packed);
   // Waits for what ucp_*_nbx returned. Returns the request's status, or nothing when the deadline
-  // passed: the operation is then abandoned to its callback.
-  std::optional<ucs_status_t> wait(ucs_status_ptr_t request, std::unique_ptr<Operation> operation, Deadline deadline);
+  // passed or the process of `watched` (the peer it waits on, looked up every kLivenessSlice) is
+  // gone, which `gone` then says: the operation is then abandoned to its callback.
+  std::optional<ucs_status_t> wait(ucs_status_ptr_t request, std::unique_ptr<Operation> operation, Deadline deadline,
+                                   const Peer* watched = nullptr, bool* gone = nullptr);
   // wait() for a read or send on `peer`; throws naming `what` on timeout or failure.
   void finish(Peer& peer, ucs_status_ptr_t request, std::unique_ptr<Operation> operation, Deadline deadline,
               const std::string& what);
@@ -241,7 +248,7 @@ void UcxTransport::init_ucx() {
   status = ucp_worker_query(worker, &attr);
   if (status != UCS_OK) fail(ErrorKind::kTransport, "cannot query the UCX worker: {}", ucs_status_string(status));
   const auto* address = reinterpret_cast<const uint8_t*>(attr.address);
-  address_ = encode_ucx_address(id_, {address, attr.address_length});
+  address_ = encode_ucx_address(id_, this_process(), {address, attr.address_length});
   ucp_worker_release_address(worker, attr.address);
   if (attr.thread_mode != UCS_THREAD_MODE_MULTI) {
     fail(ErrorKind::kTransport, "this UCX library does not support multi-threaded workers (build it with --enable-mt)");
@@ -367,6 +374,7 @@ PeerId UcxTransport::connect(std::span<const uint8_t> peer_address, const std::s
   peer->owner = this;
   peer->label = label;
   peer->id = remote.id;
+  peer->process = std::move(remote.process);
 
   ucp_ep_params_t params{};
   params.field_mask =
@@ -418,6 +426,8 @@ bool UcxTransport::is_lost(const Peer& peer) {
 }
 
 void UcxTransport::fail_closed(const Peer& peer, std::string_view what) {
+  if (peer.gone)
+    fail(ErrorKind::kPeerLost, "lost {}: its process (pid {}) is gone, {}", peer.label, peer.process.pid, what);
   fail(ErrorKind::kTransport, "{}: the connection to {} was closed when {} timed out; connect again", what, peer.label,
        peer.timed_out);
 }
@@ -655,10 +665,20 @@ void UcxTransport::wait_activity(uint64_t seen, Deadline deadline) {
 }
 
 std::optional<ucs_status_t> UcxTransport::wait(ucs_status_ptr_t request, std::unique_ptr<Operation> operation,
-                                               Deadline deadline) {
+                                               Deadline deadline, const Peer* watched, bool* gone) {
   if (!UCS_PTR_IS_PTR(request)) return UCS_PTR_STATUS(request);
   std::unique_lock lock(mutex_);
-  if (!changed_.wait_until(lock, deadline, [&] { return operation->done; })) {
+  const auto done = [&] { return operation->done; };
+  while (!changed_.wait_until(lock, watched ? std::min(deadline, Clock::now() + kLivenessSlice) : deadline, done)) {
+    bool dead = false;
+    if (!expired(deadline)) {
+      if (watched == nullptr) continue;
+      lock.unlock();  // reads /proc
+      dead = process_is_gone(watched->process);
+      lock.lock();
+      if (!dead || operation->done) continue;
+    }
+    if (gone != nullptr) *gone = dead;
     operation->request = request;
     Operation* key = operation.get();
     abandoned_.emplace(key, std::move(operation));
@@ -672,15 +692,20 @@ std::optional<ucs_status_t> UcxTransport::wait(ucs_status_ptr_t request, std::un
 
 void UcxTransport::finish(Peer& peer, ucs_status_ptr_t request, std::unique_ptr<Operation> operation, Deadline deadline,
                           const std::string& what) {
-  const std::optional<ucs_status_t> status = wait(request, std::move(operation), deadline);
+  bool gone = false;
+  const std::optional<ucs_status_t> status = wait(request, std::move(operation), deadline, &peer, &gone);
   if (!status) {
     // UCX cannot cancel RMA or sends, and a late completion would land in (or read) buffers that
     // the caller reuses or frees. Closing the endpoint by force completes them at once (canceled).
     if (options_.error_mode == UCP_ERR_HANDLING_MODE_PEER) {
       peer.timed_out = what;
+      peer.gone = gone;
       close(peer, true);
+      if (gone) fail_closed(peer, what);
       fail(ErrorKind::kTimeout, "timed out {}; closed the connection so that it cannot complete late", what);
     }
+    if (gone)
+      fail(ErrorKind::kPeerLost, "lost {}: its process (pid {}) is gone, {}", peer.label, peer.process.pid, what);
     fail(ErrorKind::kTimeout, "timed out {} (without peer error handling it may still complete later)", what);
   }
   if (*status == UCS_OK) return;

@@ -46,15 +46,15 @@ struct Peer {
   UcxTransport* owner = nullptr;
   std::string label;
   InstanceId id{};
-  ucp_ep_h ep = nullptr;  // null once closed after a timeout
-  std::string timed_out;  // the operation whose timeout closed `ep`
-  bool lost = false;      // under owner's mutex: set by the endpoint error callback
+  ucp_ep_h ep = nullptr;              // null once closed after a timeout
+  std::string timed_out;              // the operation whose timeout closed `ep`
+  bool lost = false;                  // under owner's mutex: set by the endpoint error callback
+  ucs_status_t lost_status = UCS_OK;  // under owner's mutex
   // From its address: a peer on this host is looked up while an operation waits on it, since UCX
   // does not report every death (a destination killed mid-refit of 4 -> 4 resharding held sends of
   // its sources over shared memory for their whole deadline, ReshardProcesses.ADestinationKilled*).
   ProcessIdentity process;
-  bool gone = false;                  // its process was seen gone, and the endpoint closed
-  ucs_status_t lost_status = UCS_OK;  // under owner's mutex
+  bool gone = false;                  // an operation's wait saw its process gone
   std::map<Bytes, ucp_rkey_h> rkeys;  // unpacked remote keys by packed bytes
 };
 
@@ -697,16 +697,14 @@ void UcxTransport::finish(Peer& peer, ucs_status_ptr_t request, std::unique_ptr<
   if (!status) {
     // UCX cannot cancel RMA or sends, and a late completion would land in (or read) buffers that
     // the caller reuses or frees. Closing the endpoint by force completes them at once (canceled).
-    if (options_.error_mode == UCP_ERR_HANDLING_MODE_PEER) {
-      peer.timed_out = what;
-      peer.gone = gone;
-      close(peer, true);
-      if (gone) fail_closed(peer, what);
-      fail(ErrorKind::kTimeout, "timed out {}; closed the connection so that it cannot complete late", what);
-    }
-    if (gone)
-      fail(ErrorKind::kPeerLost, "lost {}: its process (pid {}) is gone, {}", peer.label, peer.process.pid, what);
-    fail(ErrorKind::kTimeout, "timed out {} (without peer error handling it may still complete later)", what);
+    peer.timed_out = what;
+    peer.gone = gone;
+    const bool closes = options_.error_mode == UCP_ERR_HANDLING_MODE_PEER;
+    if (closes) close(peer, true);
+    if (gone) fail_closed(peer, what);
+    fail(ErrorKind::kTimeout, "timed out {}{}", what,
+         closes ? "; closed the connection so that it cannot complete late"
+                : " (without peer error handling it may still complete later)");
   }
   if (*status == UCS_OK) return;
   if (is_lost(peer) || is_peer_failure(*status)) {

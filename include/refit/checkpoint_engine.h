@@ -190,7 +190,9 @@ class CheckpointEngine {
   void init_destination(int rollout_rank, int train_world_size, int rollout_world_size,
                         std::span<const Metadata> metadata);
   // With views that outlive it (WeightSource::views_outlive_send), their memory must not change
-  // until send() returns: destinations on this host may be reading it in place until then.
+  // until send() returns: destinations on this host may be reading it in place until then. One
+  // send at a time: a second send(), prepare(), an init or finalize() from another thread while
+  // one runs is Error(kInvalidArgument).
   SendStats send(WeightSource& weights);
   // Memory for a source's weights (zero-filled, on the configured device) that destinations on
   // this host load in place whatever the transport (UCX: shared memory, which it cannot do for

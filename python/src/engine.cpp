@@ -534,6 +534,7 @@ class PyEngine {
 
   nb::dict send(nb::handle iterable, nb::handle kv_scales, bool in_place) {
     CheckpointEngine& e = idle("send_weights()");
+    const Sending sending(sending_);
     std::optional<KvScales> scales;
     try {
       scales = kv_scales_for_send(kv_scales);
@@ -684,6 +685,7 @@ class PyEngine {
 
   void finalize() {
     if (in_receive_) throw Error(ErrorKind::kInvalidArgument, "finalize() inside receive_weights()'s load callback");
+    refuse_while_sending("finalize()");
     cancel_active("finalize() was called during receive_weight_batches()");
     CheckpointEngine& e = engine();
     {
@@ -695,6 +697,7 @@ class PyEngine {
   // Destroys the C++ engine now (buffers, transport); later calls raise.
   void close() {
     if (in_receive_) throw Error(ErrorKind::kInvalidArgument, "close() inside receive_weights()'s load callback");
+    refuse_while_sending("close()");
     close_now();
   }
 
@@ -730,6 +733,7 @@ class PyEngine {
 
   CheckpointEngine& idle(const char* what) {
     CheckpointEngine& e = engine();
+    refuse_while_sending(what);
     if (in_receive_)
       throw Error(
           ErrorKind::kInvalidArgument,
@@ -765,6 +769,21 @@ class PyEngine {
   std::unique_ptr<CheckpointEngine> engine_;
   std::shared_ptr<PullSession> active_;
   bool in_receive_ = false;  // receive_into() is running (its callback holds the GIL)
+  bool sending_ = false;     // send_weights() is running (set and read under the GIL)
+
+  // One send at a time, and nothing that replaces or frees what it works from while it runs.
+  void refuse_while_sending(const char* what) const {
+    if (sending_)
+      throw Error(ErrorKind::kInvalidArgument,
+                  fmt::format("{}: send_weights() is running on this engine in another thread; wait for it (it ends "
+                              "by timeout_s)",
+                              what));
+  }
+  struct Sending {
+    bool& flag;
+    explicit Sending(bool& f) : flag(f) { flag = true; }
+    ~Sending() { flag = false; }
+  };
 };
 
 }  // namespace

@@ -280,8 +280,24 @@ Framework parse_framework(std::string_view name) {
               fmt::format("framework must be 'numpy', 'torch', 'cupy' or 'dlpack', got '{}'", name));
 }
 
+// torch's lazy negation and conjugation (`.conj().imag`, torch._neg_view): the memory holds the
+// values before it, and DLPack exports that memory as it is. Its name, or null.
+const char* torch_lazy_bit(nb::handle obj) {
+  for (const char* bit : {"is_neg", "is_conj"})
+    if (nb::hasattr(obj, bit) && nb::cast<bool>(obj.attr(bit)())) return bit;
+  return nullptr;
+}
+
 ImportedTensor import_tensor(nb::handle obj_in, const std::string& name, bool device_ok, bool copies_ok) {
   nb::object obj = nb::borrow(obj_in);
+  if (const char* bit = torch_lazy_bit(obj)) {
+    if (!copies_ok)
+      throw Error(ErrorKind::kInvalidArgument,
+                  fmt::format("tensor '{}' has torch's {} bit set: its memory holds other values than it reads as, and "
+                              "it is read where it lies; pass t.resolve_neg().resolve_conj()",
+                              name, bit == std::string_view("is_neg") ? "negative" : "conjugate"));
+    obj = obj.attr("resolve_neg")().attr("resolve_conj")();  // a copy with the values it reads as
+  }
   std::optional<DType> forced;  // an ml_dtypes array read as its bits
   bool detached = false, contiguous_made = false, staged = false;
   if ((forced = ml_dtype_fast(obj))) obj = obj.attr("view")(dtype_size(*forced) == 2 ? "uint16" : "uint8");
@@ -393,6 +409,11 @@ ImportedTensor import_tensor(nb::handle obj_in, const std::string& name, bool de
 WritableTensor import_writable(nb::handle obj, bool device_ok) {
   nb::ndarray<> a;
   nb::object target = nb::borrow(obj);
+  if (const char* bit = torch_lazy_bit(target))
+    throw Error(ErrorKind::kInvalidArgument,
+                fmt::format("expected a tensor whose memory holds its values, got one with torch's {} bit set (bytes "
+                            "written into it would read negated or conjugated)",
+                            bit == std::string_view("is_neg") ? "negative" : "conjugate"));
   // torch refuses to export a tensor that requires grad; its detached view is the same memory.
   if (nb::hasattr(target, "detach") && nb::hasattr(target, "requires_grad") &&
       nb::cast<bool>(target.attr("requires_grad")))

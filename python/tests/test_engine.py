@@ -195,3 +195,60 @@ def test_in_place_keeps_every_tensor_until_the_send_returns(in_place):
         assert all(ref() is None for ref in alive)  # all released once the send returned
     finally:
         pair.close()
+
+
+def test_one_send_at_a_time_and_no_close_while_it_runs():
+    """A second send_weights() on one engine from another thread would interleave its buckets with
+    the first's on the same link (a destination took one send's bytes under the other's names and
+    reported success): refused, as are close(), finalize() and prepare() while a send runs."""
+    import threading
+    import time
+
+    pair = Pair(4096)
+    gate = threading.Event()
+
+    def slow():
+        for i in range(8):
+            if i == 2:
+                gate.set()
+                time.sleep(0.3)  # the other calls come now
+            yield f"w{i}", np.full(1024, i, np.float32)
+
+    try:
+        sender = pair.start_send(slow())
+        it = pair.destination.receive_weight_batches()
+        got = {}
+        receiver = threading.Thread(target=lambda: got.update({n: np.array(t) for b in it for n, t in b}))
+        receiver.start()
+        assert gate.wait(10)
+        for call in (lambda: pair.source.send_weights([("x", np.zeros(4, np.float32))]), pair.source.close,
+                     pair.source.finalize, pair.source.prepare):
+            with pytest.raises(refit.InvalidArgumentError, match="send_weights\\(\\) is running on this engine"):
+                call()
+        sender.join()
+        receiver.join(30)
+        assert sorted(got) == [f"w{i}" for i in range(8)]
+        assert all(np.array_equal(got[f"w{i}"], np.full(1024, i, np.float32)) for i in range(8))
+    finally:
+        pair.close()
+
+
+def test_torch_tensors_with_a_lazy_negation_go_as_the_values_they_read_as():
+    """torch's negative and conjugate bits (``.conj().imag``, ``torch._neg_view``) leave memory that
+    holds other values than the tensor reads as, and DLPack exports that memory: a source sends the
+    values (a copy), an in-place send and a parameter refuse such a tensor."""
+    torch = pytest.importorskip("torch")
+    a = torch.tensor([[3 + 4j]], dtype=torch.complex64).conj().imag  # reads -4, memory holds 4
+    b = torch._neg_view(torch.tensor([1.0, 2.0, 3.0]))
+    assert a.is_neg() and b.is_neg() and a.is_contiguous()
+    pair = Pair(4096)
+    try:
+        got = {}
+        pair.refit([("a", a), ("b", b)], load=lambda batch: got.update({n: np.array(t) for n, t in batch}))
+        assert got["a"].tolist() == [[-4.0]] and got["b"].tolist() == [-1.0, -2.0, -3.0]
+        with pytest.raises(refit.InvalidArgumentError, match="negative bit"):
+            refit.TensorSet([("b", b)])
+        with pytest.raises(refit.InvalidArgumentError, match="negative bit"):
+            refit.ParameterLoader({"b": torch._neg_view(torch.zeros(3))})
+    finally:
+        pair.close()

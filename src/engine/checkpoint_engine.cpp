@@ -6,6 +6,7 @@
 #include <malloc.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <deque>
 #include <map>
@@ -135,6 +136,7 @@ class CheckpointEngine::Impl {
   }
 
   Metadata prepare() {
+    refuse_while_sending("prepare()");
     if (!has_buffers_ && !options_.receives_only) allocate_buffers();
     prepared_ = true;
     protocol::EngineMetadata md;
@@ -157,6 +159,7 @@ class CheckpointEngine::Impl {
   }
 
   void init_source(int worker_rank, int train, int rollout, std::span<const Metadata> metadata) {
+    refuse_while_sending("init_source()");
     std::string self = fmt::format("source rank {}", worker_rank);
     in_phase(self + ", init", [&] {
       disconnect();
@@ -190,6 +193,7 @@ class CheckpointEngine::Impl {
   }
 
   void init_destination(int rollout_rank, int train, int rollout, std::span<const Metadata> metadata) {
+    refuse_while_sending("init_destination()");
     std::string self = fmt::format("destination rank {}", rollout_rank);
     self_ = self;
     in_phase(self + ", init", [&] {
@@ -254,6 +258,13 @@ class CheckpointEngine::Impl {
   }
 
   SendStats send(WeightSource& weights) {
+    if (sending_.exchange(true))
+      fail(ErrorKind::kInvalidArgument, "{}: send() while another send() runs on this engine in another thread",
+           self_.empty() ? "source" : self_);
+    struct Sent {
+      std::atomic<bool>& flag;
+      ~Sent() { flag = false; }
+    } sent{sending_};
     SendStats stats;
     const auto start = Clock::now();
     ++refits_;
@@ -452,6 +463,7 @@ class CheckpointEngine::Impl {
   bool receiving() const { return receive_ != nullptr; }
 
   void finalize() {
+    refuse_while_sending("finalize()");
     abort_receive("finalize() was called during the receive", ErrorKind::kInvalidArgument);
     disconnect();
     if (options_.config.release_after_refit) {
@@ -474,6 +486,14 @@ class CheckpointEngine::Impl {
 
  private:
   Deadline next_deadline() const { return deadline_after(Seconds(options_.config.timeout_s)); }
+
+  // One send at a time per engine, and nothing that replaces what a send works from (buffers,
+  // links) while one runs on another thread: two sends would interleave their buckets on one link.
+  void refuse_while_sending(const char* what) const {
+    if (sending_)
+      fail(ErrorKind::kInvalidArgument, "{}: {} while send() runs on this engine in another thread",
+           self_.empty() ? "source" : self_, what);
+  }
 
   // Whether this init's links go by delta refit (delta_):
   // the mode must be the same at both ends of every link, and `auto` leaves it off where a full refit is one copy per
@@ -1059,6 +1079,7 @@ class CheckpointEngine::Impl {
   bool resharding_ = false;     // the group reshards (the latest init's plan_if_resharding)
   bool delta_ = false;          // this init's links go by delta refit (check_delta)
   std::unique_ptr<ReceiveRun> receive_;
+  std::atomic<bool> sending_{false};  // send() is running
   // Delta refit (delta/link_delta.h), by link: a source's by destination rank, a destination's by source rank, kept
   // across connections (the versions in the metadata say what still holds).
   std::map<uint32_t, SourceDelta> source_deltas_;

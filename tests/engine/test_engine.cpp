@@ -346,6 +346,46 @@ TEST(Engine, AnythingTheWeightStreamThrowsAbortsTheDestinationAtOnceAndIsNamed) 
   }
 }
 
+// One send at a time per engine: a second send from another thread would interleave its buckets
+// with the first's on the same link (a destination took one send's bytes under the other's names,
+// and reported success). It is refused, and so is what would replace or free what the running
+// send works from (prepare, init, finalize); the running send goes through.
+TEST(Engine, OneSendAtATimeAndNothingReplacesWhatARunningSendWorksFrom) {
+  Pair p(64, false, 30.0);
+  p.connect();
+  const auto weights = mixed_model(5);
+  std::promise<void> started, go;
+  std::shared_future<void> resume = go.get_future().share();
+  auto sending = std::async(std::launch::async, [&] {
+    ThrowingSource source(weights, [&] {  // holds the send at its third tensor
+      started.set_value();
+      resume.wait();
+    });
+    return p.source->send(source);
+  });
+  Received got;
+  auto receiving = std::async(std::launch::async, [&] { return p.destination->receive(got.loader()); });
+  started.get_future().wait();
+  std::string message;
+  VectorSource other(weights);
+  EXPECT_EQ(error_kind_of([&] { p.source->send(other); }, &message), ErrorKind::kInvalidArgument);
+  EXPECT_THAT(message, ::testing::HasSubstr("send() while another send() runs on this engine")) << message;
+  EXPECT_EQ(error_kind_of([&] { p.source->finalize(); }, &message), ErrorKind::kInvalidArgument);
+  EXPECT_THAT(message, ::testing::HasSubstr("finalize() while send() runs")) << message;
+  EXPECT_EQ(error_kind_of([&] { p.source->prepare(); }, &message), ErrorKind::kInvalidArgument);
+  EXPECT_EQ(error_kind_of([&] { p.source->init_source(0, 1, 1, p.metadata); }, &message), ErrorKind::kInvalidArgument);
+  go.set_value();
+  sending.get();
+  receiving.get();
+  expect_same(weights, got);
+  VectorSource again(weights);  // the engine sends again once the first send is done
+  Received next;
+  auto receiving_next = std::async(std::launch::async, [&] { return p.destination->receive(next.loader()); });
+  p.source->send(again);
+  receiving_next.get();
+  expect_same(weights, next);
+}
+
 TEST(Engine, ALoaderThatThrowsSomethingElseStillAbortsTheSource) {
   Pair p(64, false, 30.0);
   p.connect();

@@ -94,7 +94,9 @@ struct KvScales {
   std::vector<float> values;        // one per tensor
 };
 // Scales for `num_layers` decoder layers; names absent from `given` get 1.0, and names in
-// `given` that are not scale names of these layers are ignored (as the reference does).
+// `given` that are not scale names of these layers are ignored (as the reference does), with a
+// warning naming them. Throws Error(kInvalidArgument) naming a scale that is not a finite number
+// above zero: the KV cache would be quantized by it.
 KvScales kv_scale_tensors(int64_t num_layers, const std::map<std::string, float>& given);
 
 }  // namespace refit

@@ -616,8 +616,9 @@ class PyEngine {
           throw Error(ErrorKind::kInvalidArgument,
                       fmt::format("send_weights(): kv_scales keys must be str, got a {}", Py_TYPE(key.ptr())->tp_name));
         std::string name = nb::cast<std::string>(key);
-        double v = PyFloat_AsDouble(value.ptr());
-        if (v == -1.0 && PyErr_Occurred()) {
+        // True is a number to Python (1.0), not a scale anyone meant.
+        double v = PyBool_Check(value.ptr()) ? -1.0 : PyFloat_AsDouble(value.ptr());
+        if (v == -1.0 && (PyBool_Check(value.ptr()) || PyErr_Occurred())) {
           PyErr_Clear();
           throw Error(ErrorKind::kInvalidArgument,
                       fmt::format("send_weights(): kv_scales['{}'] must be a number, got a {}", name,

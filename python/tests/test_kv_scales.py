@@ -140,6 +140,12 @@ def test_bad_layer_counts_and_kv_scales_are_errors():
     try:
         with pytest.raises(refit.InvalidArgumentError, match="must be a number"):
             pair.source.send_weights(make_weights(), kv_scales={"model.layers.0.self_attn.k_scale": "big"})
+        with pytest.raises(refit.InvalidArgumentError, match="must be a number, got a bool"):
+            pair.source.send_weights(make_weights(), kv_scales={"model.layers.0.self_attn.k_scale": True})
+        # A KV cache quantized by any of these is garbage that nothing downstream notices.
+        for bad in (float("nan"), float("inf"), -0.5, 0.0, 1e300):
+            with pytest.raises(refit.InvalidArgumentError, match="finite number above 0"):
+                pair.source.send_weights(make_weights(), kv_scales={"model.layers.1.self_attn.v_scale": bad})
         with pytest.raises(refit.InvalidArgumentError, match="keys must be str"):
             pair.source.send_weights(make_weights(), kv_scales={0: 1.0})
         with pytest.raises(refit.InvalidArgumentError, match="must be a dict"):

@@ -1,5 +1,7 @@
 #include "refit/fp8.h"
 
+#include <spdlog/spdlog.h>
+
 #include <algorithm>
 #include <bit>
 #include <cmath>
@@ -136,13 +138,31 @@ Fp8Tensor quantize_fp8(const std::byte* src, const TensorInfo& info, Fp8Scaling 
 KvScales kv_scale_tensors(int64_t num_layers, const std::map<std::string, float>& given) {
   if (num_layers < 0) fail(ErrorKind::kInvalidArgument, "kv scales: num_layers {} is negative", num_layers);
   KvScales out;
+  size_t used = 0;
   for (int64_t i = 0; i < num_layers; ++i) {
     for (const char* suffix : {"self_attn.attn.q_scale", "self_attn.k_scale", "self_attn.v_scale"}) {
       std::string name = fmt::format("model.layers.{}.{}", i, suffix);
-      auto it = given.find(name);
-      out.values.push_back(it == given.end() ? 1.0f : it->second);
+      float value = 1.0f;
+      if (auto it = given.find(name); it != given.end()) {
+        value = it->second;
+        ++used;
+        // A KV cache quantized by NaN, infinity, zero or a negative scale is garbage that no later check sees.
+        if (!std::isfinite(value) || value <= 0.0f)
+          fail(ErrorKind::kInvalidArgument, "kv scale '{}' is {}: a KV-cache scale must be a finite number above 0",
+               name, value);
+      }
+      out.values.push_back(value);
       out.tensors.push_back({std::move(name), DType::kFloat32, {1}});
     }
+  }
+  if (used < given.size()) {
+    std::string ignored;
+    for (const auto& [name, value] : given)
+      if (std::find_if(out.tensors.begin(), out.tensors.end(), [&](const TensorInfo& t) { return t.name == name; }) ==
+          out.tensors.end())
+        ignored += (ignored.empty() ? "'" : ", '") + name + "'";
+    spdlog::warn("kv scales: {} of {} given name no q/k/v scale of the model's {} layers and are ignored: {}",
+                 given.size() - used, given.size(), num_layers, ignored);
   }
   return out;
 }

@@ -232,6 +232,18 @@ std::vector<int64_t> expert_ids_from_map(const std::vector<int64_t>& expert_map,
   return ids;
 }
 
+namespace {
+
+// Routed experts per MoE layer: one more than the highest expert id a tensor name carries.
+int64_t routed_expert_count(const ModelInventory& inventory) {
+  int64_t count = 0;
+  for (const auto& t : inventory.tensors)
+    if (auto e = parse_hf_expert_name(t.name)) count = std::max(count, e->expert_id + 1);
+  return count;
+}
+
+}  // namespace
+
 std::vector<int64_t> linear_expert_ids(int64_t num_experts, int ep_size, int ep_rank) {
   if (ep_size < 1 || ep_rank < 0 || ep_rank >= ep_size || num_experts < 0)
     fail(ErrorKind::kLayout, "expert placement: ep_rank {} not in [0, ep_size {}) or {} experts", ep_rank, ep_size,
@@ -336,9 +348,7 @@ Layout build_without_scales(const ModelInventory& inventory, const ModelDims& di
   Layout layout;
   const PrefixSet dropped(prefixes);
   if (p.shard_experts) {
-    int64_t num_experts = 0;
-    for (const auto& t : inventory.tensors)
-      if (auto e = parse_hf_expert_name(t.name)) num_experts = std::max(num_experts, e->expert_id + 1);
+    const int64_t num_experts = routed_expert_count(inventory);
 
     const bool ep = !p.expert_map.empty() || p.ep_size > 1;
     std::optional<std::vector<int64_t>> owned;
@@ -433,6 +443,13 @@ std::vector<Layout> megatron_source_layouts(const ModelInventory& inventory, con
          "training parallelism: tp {} exceeds num_key_value_heads {}: Megatron then gives each rank an equal row "
          "block of its fused q/k/v, which is no slice of the q/k/v tensors a layout can name; use tp <= {}",
          p.tp_size, kv_heads, kv_heads);
+  // megatron-core's MoE layer asserts this; a placement it cannot build is refused, not described.
+  const int64_t num_experts = routed_expert_count(inventory);
+  if (num_experts > 0 && num_experts % p.ep_size != 0)
+    fail(ErrorKind::kLayout,
+         "training parallelism: ep {} does not divide the {} routed experts of model '{}' (megatron-core requires "
+         "it: each ep rank holds as many)",
+         p.ep_size, num_experts, inventory.name);
   std::vector<Layout> out;
   const LayoutResolver resolver(inventory);  // one for every rank
   const int world = stage_ranks * p.pp_size;

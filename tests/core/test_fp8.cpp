@@ -240,6 +240,19 @@ TEST(KvScales, NamesOrderAndDefaults) {
   error_of(ErrorKind::kInvalidArgument, [] { kv_scale_tensors(-1, {}); });
 }
 
+TEST(KvScales, AScaleThatIsNotAFiniteNumberAboveZeroIsRefusedByName) {
+  for (float bad : {std::nanf(""), INFINITY, -INFINITY, -0.5f, 0.0f})
+    EXPECT_THAT(error_of(ErrorKind::kInvalidArgument,
+                         [&] {
+                           kv_scale_tensors(2, {{"model.layers.1.self_attn.v_scale", bad},
+                                                {"model.layers.0.self_attn.k_scale", 2.0f}});
+                         }),
+                AllOf(HasSubstr("'model.layers.1.self_attn.v_scale'"), HasSubstr("finite number above 0")))
+        << bad;
+  // A name of no layer is ignored, as the reference does (and warned of), whatever its value.
+  EXPECT_EQ(kv_scale_tensors(1, {{"model.layers.5.self_attn.k_scale", -1.0f}}).values, (std::vector<float>{1, 1, 1}));
+}
+
 // ---- FP8 checkpoints: weights with their scales ----------------------------------------------
 
 const TensorInfo& named(const ModelInventory& inv, std::string_view name) {

@@ -432,6 +432,12 @@ TEST(SourceLayouts, MegatronRanksSplitExpertsWithinAStage) {
                          megatron_source_layouts(m.inventory, m.dims, {1, 1, 2, 4, 1});
                        }),
               HasSubstr("cannot be split into expert tp 1 x ep 4 groups"));
+  // megatron-core's MoE layer asserts that ep divides the experts: no uneven placement is described.
+  EXPECT_THAT(error_of(ErrorKind::kLayout,
+                       [&] {
+                         megatron_source_layouts(m.inventory, m.dims, {1, 1, 3, 3, 1});
+                       }),
+              HasSubstr("ep 3 does not divide the 8 routed experts"));
 }
 
 // The paired topology is the degenerate plan: source i serves destination i with its whole

@@ -92,12 +92,26 @@ uint64_t record_bytes_at_least(uint64_t changes, uint64_t elements) {
   return kDeltaHeaderBytes + std::min(changes, (elements + 7) / 8) + changes;
 }
 
+// How a scan hashes the new bytes: xxh3 of the whole tensor (one thread), or the word hash's terms
+// of a part of it (its first word at `first_word` of the tensor; parts hash on several threads).
+struct Xxh3Hash {
+  XXH3_state_t* state;
+  void add(const std::byte* data, size_t from, size_t bytes) { XXH3_64bits_update(state, data + from, bytes); }
+};
+struct WordTerms {
+  uint64_t first_word = 0;
+  uint64_t sum = 0;
+  void add(const std::byte* data, size_t from, size_t bytes) {
+    sum += word_hash_terms({data + from, bytes}, first_word + from / 8);
+  }
+};
+
 // Finds the elements that differ, collects them (index, old and new bits), copies the new bytes
 // into `base`, and hashes `now` on the way: one pass over the tensor's memory. Stops, returning
 // false, once a record of the changes found would cost `budget` bytes or more (`base` is then
 // partly updated). One instance per element size.
-template <size_t Size>
-bool scan(std::span<std::byte> base, std::span<const std::byte> now, uint64_t budget, Scan& s, XXH3_state_t* hash) {
+template <size_t Size, typename Hash>
+bool scan(std::span<std::byte> base, std::span<const std::byte> now, uint64_t budget, Scan& s, Hash& hash) {
   const uint64_t elements = now.size() / Size;
   std::byte* a = base.data();
   const std::byte* b = now.data();
@@ -131,7 +145,7 @@ bool scan(std::span<std::byte> base, std::span<const std::byte> now, uint64_t bu
   size_t w = 0;
   while (w + 8 <= words) {
     const size_t end = std::min(words - words % 8, w + kBlockWords);
-    XXH3_64bits_update(hash, b + w * 8, (end - w) * 8);
+    hash.add(b, w * 8, (end - w) * 8);
     for (; w < end; w += 8) {
       uint64_t any = 0;
       for (size_t k = 0; k < 8; ++k) any |= load_word(a + (w + k) * 8) ^ load_word(b + (w + k) * 8);
@@ -140,7 +154,7 @@ bool scan(std::span<std::byte> base, std::span<const std::byte> now, uint64_t bu
     }
     if (record_bytes_at_least(s.index.size(), elements) >= budget) return false;
   }
-  XXH3_64bits_update(hash, b + w * 8, now.size() - w * 8);
+  hash.add(b, w * 8, now.size() - w * 8);
   for (; w < words; ++w) word_changes(w);
   // The tail shorter than a word.
   for (uint64_t i = w * kLanes; i < elements; ++i)
@@ -166,8 +180,8 @@ auto by_element_size(size_t size, Args&&... args) {
 }
 template <size_t Size>
 struct ScanOf {
-  static bool run(std::span<std::byte> base, std::span<const std::byte> now, uint64_t budget, Scan& s,
-                  XXH3_state_t* hash) {
+  template <typename Hash>
+  static bool run(std::span<std::byte> base, std::span<const std::byte> now, uint64_t budget, Scan& s, Hash& hash) {
     return scan<Size>(base, now, budget, s, hash);
   }
 };
@@ -294,11 +308,57 @@ DeltaResult encode_delta(std::span<std::byte> base, std::span<const std::byte> n
   XXH3_state_t* hash = XXH3_createState();
   if (hash == nullptr) throw std::bad_alloc();
   XXH3_64bits_reset(hash);
-  const bool fits = by_element_size<ScanOf>(element_size, base, now, uint64_t{now.size()}, s, hash);
+  Xxh3Hash xxh3{hash};
+  const bool fits = by_element_size<ScanOf>(element_size, base, now, uint64_t{now.size()}, s, xxh3);
   const uint64_t checksum = fits ? XXH3_64bits_digest(hash) : 0;
   XXH3_freeState(hash);
   if (!fits || !write_record(elements, element_size, s.index, s.before, s.after, DeltaChecksum::kXxh3, checksum, out)) {
     if (!now.empty()) std::memcpy(base.data(), now.data(), now.size());  // the scan may have stopped part way
+    return {};
+  }
+  return {true, checksum};
+}
+
+void scan_delta_part(std::span<std::byte> base, std::span<const std::byte> now, size_t element_size, DeltaPart& part) {
+  check_element_size(element_size, "scan_delta_part");
+  if (base.size() != now.size() || part.first_byte % 8 != 0 || part.found == nullptr)
+    fail(ErrorKind::kInternal, "scan_delta_part: {} and {} bytes at byte {}", base.size(), now.size(), part.first_byte);
+  Scan s(*part.found);
+  WordTerms terms{part.first_byte / 8, 0};
+  // A part's own size bounds its share of the record (the header is the tensor's, once) as the
+  // tensor's size bounds a whole scan.
+  part.fits = by_element_size<ScanOf>(element_size, base, now, now.size() + kDeltaHeaderBytes, s, terms);
+  part.hash_terms = terms.sum;
+}
+
+DeltaResult join_delta_parts(std::span<std::byte> base, std::span<const std::byte> now, size_t element_size,
+                             std::span<const DeltaPart> parts, std::vector<uint8_t>& out, DeltaScratch& joined) {
+  check_element_size(element_size, "join_delta_parts");
+  const uint64_t elements = now.size() / element_size;
+  bool fits = true;
+  uint64_t sum = 0, next_byte = 0;
+  for (const DeltaPart& part : parts) {
+    if (part.first_byte != next_byte || part.found == nullptr)
+      fail(ErrorKind::kInternal, "join_delta_parts: a part at byte {} where {} was due", part.first_byte, next_byte);
+    if (part.bytes % 8 != 0 && &part != &parts.back())
+      fail(ErrorKind::kInternal, "join_delta_parts: a {}-byte part before the last", part.bytes);
+    fits = fits && part.fits;
+    sum += part.hash_terms;
+    next_byte = part.first_byte + part.bytes;
+  }
+  if (next_byte != now.size() || base.size() != now.size())
+    fail(ErrorKind::kInternal, "join_delta_parts: parts of {} bytes for a {}-byte tensor", next_byte, now.size());
+  Scan s(joined);
+  if (fits)
+    for (const DeltaPart& part : parts) {
+      const uint64_t first = part.first_byte / element_size;
+      for (size_t k = 0; k < part.found->index.size(); ++k)
+        s.add(first + part.found->index[k], part.found->before[k], part.found->after[k]);
+    }
+  const uint64_t checksum = word_hash::finish(sum, now.size());
+  if (!fits ||
+      !write_record(elements, element_size, s.index, s.before, s.after, DeltaChecksum::kWords, checksum, out)) {
+    if (!now.empty()) std::memcpy(base.data(), now.data(), now.size());  // a part may have stopped part way
     return {};
   }
   return {true, checksum};

@@ -4,8 +4,9 @@
 //
 // A record is self-describing: a fixed header (magic "RFD1", position encoding, element size,
 // value coding, checksum kind, element count, changed count, checksum of the whole tensor after
-// the change: xxh3-64 for a tensor in host memory, the word hash of delta/bits.h for one a
-// kernel hashed in GPU memory, whose blocks hash their words independently), then
+// the change: xxh3-64 for a tensor in host memory scanned whole, the word hash of delta/bits.h
+// for one a kernel hashed in GPU memory, whose blocks hash their words independently, or one
+// scanned in parts on several threads), then
 // the positions and the new values, each written whichever way is smaller:
 //   positions: gaps   each changed index as the LEB128 varint of its distance from the previous
 //                     one (about 1 byte per change when more than ~1% of the elements changed);
@@ -62,6 +63,23 @@ struct DeltaResult {
 // `scratch`, if given, holds the buffers of the scan (kept for the next call).
 DeltaResult encode_delta(std::span<std::byte> base, std::span<const std::byte> now, size_t element_size,
                          std::vector<uint8_t>& out, DeltaScratch* scratch = nullptr);
+
+// A large host tensor compared in parts on several threads: scan_delta_part on each part (`base`
+// and `now` its bytes; parts start at multiples of 8 bytes, which element sizes divide), in any
+// order, then join_delta_parts with all of them in order. The record is encode_delta's but for its
+// checksum, the word hash (kWords), a sum over the parts that a destination computes in parts too.
+struct DeltaPart {
+  uint64_t first_byte = 0;        // of the part, in the tensor
+  uint64_t bytes = 0;             // of the part
+  DeltaScratch* found = nullptr;  // its changes, indexed within the part
+  uint64_t hash_terms = 0;        // its words' terms of the word hash
+  bool fits = false;              // its changes make a record smaller than it (the scan ran to its end)
+};
+void scan_delta_part(std::span<std::byte> base, std::span<const std::byte> now, size_t element_size, DeltaPart& part);
+// `joined` holds the changes of all parts while the record is written. As encode_delta, makes
+// `base` equal to `now` whether a record is written or the tensor goes whole.
+DeltaResult join_delta_parts(std::span<std::byte> base, std::span<const std::byte> now, size_t element_size,
+                             std::span<const DeltaPart> parts, std::vector<uint8_t>& out, DeltaScratch& joined);
 
 // The same record made from changes found elsewhere (a GPU kernel's compaction): `index` (the
 // changed elements, increasing), `before` and `after` (their bits as little-endian integers),

@@ -231,6 +231,7 @@ void SourceDelta::next(std::span<const TensorView> views, std::vector<TensorView
     bool whole = false;  // copied, not compared
     std::vector<uint8_t> record;
     bool encoded = false;
+    size_t first_part = 0, parts = 0;  // compared in parts: which of `parts` below are its
   };
   std::deque<HostJob> host_jobs;
   // The checksums of the tensors that go whole, by view, so that the trailer lists them in the
@@ -275,31 +276,79 @@ void SourceDelta::next(std::span<const TensorView> views, std::vector<TensorView
     out[k] = add_record(TensorInfo{std::string(kDeltaTensorPrefix) + views[k].info->name, DType::kUInt8, {size}},
                         std::move(record));
   };
-  // Host tensors on the pool's threads, each compared with scratch of its own (kept for the next call).
-  pool.for_each(host_jobs.size(), [&](size_t j) {
+  // Host tensors on the pool's threads, each compared with scratch of its own (kept for the next
+  // call); a large one in parts, so that one embedding does not hold a batch on one thread.
+  auto take_scratch = [&] {
+    std::lock_guard lock(scratch_mutex_);
+    if (scratch_.empty()) return std::make_unique<DeltaScratch>();
+    auto scratch = std::move(scratch_.back());
+    scratch_.pop_back();
+    return scratch;
+  };
+  auto give_back = [&](std::unique_ptr<DeltaScratch> scratch) {
+    std::lock_guard lock(scratch_mutex_);
+    scratch_.push_back(std::move(scratch));
+  };
+  struct Item {
+    size_t job = 0;
+    size_t part = SIZE_MAX;  // in `parts`; SIZE_MAX: the whole tensor
+  };
+  std::vector<Item> items;
+  std::vector<DeltaPart> parts;
+  std::vector<std::unique_ptr<DeltaScratch>> part_scratch;  // parallel to parts
+  for (size_t j = 0; j < host_jobs.size(); ++j) {
     HostJob& job = host_jobs[j];
+    const uint64_t nbytes = views[job.view].info->nbytes();
+    if (job.whole || pool.threads() == 0 || nbytes < 2 * kScanPartBytes) {
+      items.push_back({j});
+      continue;
+    }
+    job.first_part = parts.size();
+    for (uint64_t at = 0; at < nbytes; at += kScanPartBytes) {
+      items.push_back({j, parts.size()});
+      parts.push_back({at, std::min(kScanPartBytes, nbytes - at)});
+      part_scratch.push_back(take_scratch());
+      parts.back().found = part_scratch.back().get();
+    }
+    job.parts = parts.size() - job.first_part;
+  }
+  pool.for_each(items.size(), [&](size_t i) {
+    HostJob& job = host_jobs[items[i].job];
     const TensorView& view = views[job.view];
+    const size_t element = dtype_size(view.info->dtype);
+    if (items[i].part != SIZE_MAX) {
+      DeltaPart& part = parts[items[i].part];
+      scan_delta_part(std::span(job.base->bytes).subspan(part.first_byte, part.bytes),
+                      bytes_of(view).subspan(part.first_byte, part.bytes), element, part);
+      return;
+    }
     if (!job.whole) {
-      std::unique_ptr<DeltaScratch> scratch;
-      {
-        std::lock_guard lock(scratch_mutex_);
-        if (!scratch_.empty()) {
-          scratch = std::move(scratch_.back());
-          scratch_.pop_back();
-        }
-      }
-      if (!scratch) scratch = std::make_unique<DeltaScratch>();
-      job.encoded =
-          encode_delta(job.base->bytes, bytes_of(view), dtype_size(view.info->dtype), job.record, scratch.get())
-              .encoded;
-      std::lock_guard lock(scratch_mutex_);
-      scratch_.push_back(std::move(scratch));
+      auto scratch = take_scratch();
+      job.encoded = encode_delta(job.base->bytes, bytes_of(view), element, job.record, scratch.get()).encoded;
+      give_back(std::move(scratch));
     } else {
       job.base->assign(view, device);
     }
     // Dense changes go whole after all (the base is the tensor now).
     if (!job.encoded) sums[job.view] = sum_of(view.info->name, *job.base, device);
   });
+  // The tensors compared in parts: their records, a tensor per thread.
+  std::vector<size_t> split;
+  for (size_t j = 0; j < host_jobs.size(); ++j)
+    if (host_jobs[j].parts > 0) split.push_back(j);
+  pool.for_each(split.size(), [&](size_t i) {
+    HostJob& job = host_jobs[split[i]];
+    const TensorView& view = views[job.view];
+    auto joined = take_scratch();
+    job.encoded = join_delta_parts(job.base->bytes, bytes_of(view), dtype_size(view.info->dtype),
+                                   std::span(parts).subspan(job.first_part, job.parts), job.record, *joined)
+                      .encoded;
+    give_back(std::move(joined));
+    if (!job.encoded) sums[job.view] = sum_of(view.info->name, *job.base, device);
+  });
+  // Kept for the next call, a few: a part's changes are small where a record pays.
+  for (auto& scratch : part_scratch)
+    if (scratch_.size() <= static_cast<size_t>(pool.threads()) + 1) scratch_.push_back(std::move(scratch));
   for (HostJob& job : host_jobs)
     if (job.encoded) sent_as_record(job.view, std::move(job.record));
   if (!jobs.empty()) device.encode_batch(jobs, &pool);

@@ -160,6 +160,8 @@ class SourceDelta {
   // scratch for their changes bounded (up to 24 bytes a changed element).
   static constexpr size_t kBatchTensors = 64;
   static constexpr uint64_t kBatchBytes = 64 << 20;
+  // A host tensor of two parts or more is compared in parts of this size on the pool's threads.
+  static constexpr uint64_t kScanPartBytes = 16 << 20;
   PackedBoxes packed_;
   std::vector<TensorView> waiting_, ready_;
   // The infos of the views that waited, kept until the next begin(): the stream's may not outlive

@@ -262,6 +262,73 @@ TEST_F(DeltaCodecBadRecord, MoreChangesThanElements) {
 
 // The changes a GPU kernel compacts (indices, bits before and after) make the record the host's
 // scan makes of the same tensors, but for the checksum's kind and value.
+// A large tensor scanned in parts (in any order, as threads finish them) makes the whole scan's
+// record, the word hash in place of xxh3; parts end on words, the last anywhere.
+TEST(DeltaCodec, ATensorScannedInPartsMakesTheWholeScansRecordWithTheWordHash) {
+  for (size_t element_size : {1, 2, 4, 8}) {
+    const size_t bytes = (64 << 10) * 5 + 3 * element_size;  // five parts and a short sixth
+    const auto old = random_bytes(bytes, 7);
+    const auto now = changed(old, element_size, bytes / element_size / 100, 8);
+    std::vector<std::byte> whole_base = old;
+    std::vector<uint8_t> whole_record;
+    ASSERT_TRUE(encode_delta(whole_base, now, element_size, whole_record).encoded);
+
+    std::vector<std::byte> base = old;
+    std::vector<DeltaPart> parts;
+    std::vector<DeltaScratch> found(6);
+    for (size_t at = 0; at < bytes; at += 64 << 10)
+      parts.push_back({at, std::min<size_t>(64 << 10, bytes - at), &found[parts.size()]});
+    for (size_t k = parts.size(); k-- > 0;)
+      scan_delta_part(std::span(base).subspan(parts[k].first_byte, parts[k].bytes),
+                      std::span(now).subspan(parts[k].first_byte, parts[k].bytes), element_size, parts[k]);
+    std::vector<uint8_t> record;
+    DeltaScratch joined;
+    const DeltaResult result = join_delta_parts(base, now, element_size, parts, record, joined);
+    ASSERT_TRUE(result.encoded) << element_size;
+    EXPECT_EQ(base, now);
+    EXPECT_EQ(result.checksum, delta_checksum(now, DeltaChecksum::kWords));
+    // The same positions and values; only the checksum's kind and value differ.
+    ASSERT_EQ(record.size(), whole_record.size());
+    const DeltaHeader h = read_delta_header(record, "parts"), w = read_delta_header(whole_record, "whole");
+    EXPECT_EQ(h.checksum_kind, DeltaChecksum::kWords);
+    EXPECT_EQ(h.changed, w.changed);
+    EXPECT_TRUE(std::equal(record.begin() + kDeltaHeaderBytes, record.end(), whole_record.begin() + kDeltaHeaderBytes));
+    std::vector<std::byte> target = old;
+    apply_delta(target, element_size, record, "parts");
+    EXPECT_EQ(target, now) << element_size;
+  }
+}
+
+// A part whose changes are too dense for a record sends the tensor whole; the base still becomes
+// the tensor. Parts that do not tile the tensor are a bug, not a record.
+TEST(DeltaCodec, ADensePartSendsTheTensorWholeAndPartsMustTileIt) {
+  const size_t bytes = 4 * (16 << 10);
+  const auto old = random_bytes(bytes, 3);
+  auto now = changed(old, 1, 100, 4);
+  for (size_t i = 0; i < (16 << 10); ++i) now[i] ^= std::byte{0xff};  // all of part 0
+  std::vector<std::byte> base = old;
+  std::vector<DeltaScratch> found(4);
+  std::vector<DeltaPart> parts;
+  for (size_t k = 0; k < 4; ++k) parts.push_back({k * (16 << 10), 16 << 10, &found[k]});
+  for (auto& part : parts)
+    scan_delta_part(std::span(base).subspan(part.first_byte, part.bytes),
+                    std::span(now).subspan(part.first_byte, part.bytes), 1, part);
+  EXPECT_FALSE(parts[0].fits);
+  EXPECT_TRUE(parts[1].fits);
+  std::vector<uint8_t> record{1, 2, 3};
+  DeltaScratch joined;
+  EXPECT_FALSE(join_delta_parts(base, now, 1, parts, record, joined).encoded);
+  EXPECT_EQ(base, now);
+  EXPECT_EQ(record, (std::vector<uint8_t>{1, 2, 3})) << "left as it was";
+  std::vector<DeltaPart> gap{parts[0], parts[2], parts[3]};
+  try {
+    join_delta_parts(base, now, 1, gap, record, joined);
+    FAIL() << "a gap between parts was joined";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kInternal);
+  }
+}
+
 TEST(DeltaCodec, ChangesFoundElsewhereMakeTheHostsRecord) {
   for (size_t element_size : {1, 2, 4, 8}) {
     const size_t elements = 40001;  // not a whole number of words for elements under 8 bytes

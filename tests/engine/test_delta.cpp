@@ -7,6 +7,7 @@
 #include <random>
 
 #include "core/error_of.h"
+#include "delta/codec.h"
 #include "delta/link_delta.h"
 #include "engine_harness.h"
 #include "memory/host_copy_pool.h"
@@ -365,6 +366,41 @@ TEST(DeltaRefit, HostTensorsComparedOnThePoolsThreadsMakeTheSameRecords) {
   std::vector<OwnedTensor> twice{weights[0], weights[0]};
   EXPECT_THAT(error_of(ErrorKind::kInvalidArgument, [&] { encoded(batched, twice, batched.commit(0), false, 3); }),
               HasSubstr("appears twice in one refit"));
+}
+
+// A host tensor of several scan parts (an embedding) is compared in parts on the pool's threads:
+// its record carries the word hash, and a destination patches it to the source's bits.
+TEST(DeltaRefit, ALargeHostTensorComparedInPartsPatchesToTheSourcesBits) {
+  std::vector<OwnedTensor> weights{
+      make_tensor("model.embed_tokens.weight", DType::kBFloat16, {10240, 2048}, 1),  // 40 MiB: 3 parts
+      make_tensor("model.norm.weight", DType::kFloat32, {2048}, 2)};
+  for (int threads : {0, 3}) {
+    SourceDelta source;
+    DestinationDelta destination;
+    HostCopyPool pool(2);
+    std::vector<TensorView> out;
+    std::vector<std::shared_ptr<const void>> owners;
+    uint64_t version = 0;
+    for (int refit = 0; refit < 3; ++refit) {
+      const std::vector<TensorView> views = encoded(source, weights, version, false, threads);
+      destination.begin();
+      destination.transform(views, {}, out, owners, "source rank 0", pool);
+      destination.finish("source rank 0", pool);
+      version = source.commit(0);
+      ASSERT_EQ(out.size(), weights.size());
+      for (size_t k = 0; k < weights.size(); ++k)
+        ASSERT_TRUE(std::equal(weights[k].data.begin(), weights[k].data.end(), out[k].data))
+            << weights[k].info.name << ", refit " << refit << ", " << threads << " threads";
+      if (refit > 0) {
+        ASSERT_EQ(views[1].info->name, "refit:delta:model.embed_tokens.weight");
+        const DeltaHeader h =
+            read_delta_header({reinterpret_cast<const uint8_t*>(views[1].data), views[1].info->nbytes()}, "record");
+        EXPECT_EQ(h.checksum_kind, threads > 0 ? DeltaChecksum::kWords : DeltaChecksum::kXxh3);
+        EXPECT_GT(h.changed, 0u);
+      }
+      step(weights, 0.01, 70 + refit);
+    }
+  }
 }
 
 // The destination's side alone: changes to a version it does not hold are refused before

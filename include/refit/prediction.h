@@ -84,6 +84,9 @@ struct DeltaPrediction {
   double full_seconds = 0;   // the full refit it replaces
   double scan_seconds = 0;   // each source's comparison
   double patch_seconds = 0;  // each destination's patch and hash
+  // Each link's comparing, patching and loading replayed bucket by bucket as the engine schedules
+  // them (core/delta_schedule.h): where one side waits for the other, more than the slower stage.
+  double pipeline_seconds = 0;
   // CPU sources and destinations of one machine (NodeGroup::machine): all the comparisons and
   // patches on its cores together (0: not one machine).
   double shared_cores_seconds = 0;

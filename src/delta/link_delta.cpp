@@ -373,7 +373,8 @@ std::span<const TensorView> SourceDelta::add(const TensorView& view, const Box& 
   if (waits) in.info = &infos_.emplace_back(*in.info);
   waiting_.push_back(in);
   waiting_bytes_ += in.info->nbytes();
-  if (waits && waiting_.size() < kBatchTensors && waiting_bytes_ < kBatchBytes) return {};
+  if (waits && waiting_.size() < delta_schedule::kBatchTensors && waiting_bytes_ < delta_schedule::kBatchBytes)
+    return {};
   return flush(pool);
 }
 

@@ -29,6 +29,7 @@
 #include <string>
 #include <vector>
 
+#include "core/delta_schedule.h"
 #include "delta/codec.h"
 #include "refit/checkpoint_engine.h"
 #include "refit/ext/device_memory.h"
@@ -123,11 +124,10 @@ class SourceDelta {
   // What to send of `box` of `view`, which the destination holds as `info` (its name and shape; a
   // box that is not the tensor as it is gets packed first, on `copies`): its changes against the
   // base, or itself (the base becomes it either way). Tensors that stay valid until send()
-  // returns (`outlives`; packed ones are ours) wait to be compared in batches (kBatchTensors,
-  // kBatchBytes) if they are GPU tensors (their records written on `pool`'s threads, the
-  // engine's), or host tensors and `pool` has threads (scanned on them); any other goes at once,
-  // with those waiting before it. Returns the views ready, in order (the span is valid until the
-  // next add() or flush()).
+  // returns (`outlives`; packed ones are ours) wait to be compared in batches (core/delta_schedule.h) if they are GPU
+  // tensors (their records written on `pool`'s threads, the engine's), or host tensors and `pool` has threads (scanned
+  // on them); any other goes at once, with those waiting before it. Returns the views ready, in order (the span is
+  // valid until the next add() or flush()).
   std::span<const TensorView> add(const TensorView& view, const Box& box, const TensorInfo& info, bool outlives,
                                   CopyStream& copies, HostCopyPool& pool);
   // The views still waiting, made ready.
@@ -156,10 +156,6 @@ class SourceDelta {
   DeviceDelta& gpu();
 
   static constexpr int kRemeasureEvery = 8;
-  // A batch of GPU tensors: two waits, not two a tensor (~50 us each on one H100), with the
-  // scratch for their changes bounded (up to 24 bytes a changed element).
-  static constexpr size_t kBatchTensors = 64;
-  static constexpr uint64_t kBatchBytes = 64 << 20;
   // A host tensor of two parts or more is compared in parts of this size on the pool's threads.
   static constexpr uint64_t kScanPartBytes = 16 << 20;
   PackedBoxes packed_;

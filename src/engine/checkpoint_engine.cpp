@@ -13,6 +13,7 @@
 #include <set>
 
 #include "core/caught.h"
+#include "core/delta_schedule.h"
 #include "core/fail.h"
 #include "core/name_index.h"
 #include "core/random_id.h"
@@ -39,10 +40,6 @@ using Seconds = std::chrono::duration<double>;
 constexpr int kBufferCount = 2;
 // An abort is a courtesy to the peer; it must never hold up reporting our own error.
 constexpr Seconds kAbortTimeout{2.0};
-
-// Delta refit: a bucket goes once it holds this much (delta/link_delta.h), so that the destination
-// patches while the source scans on; a few round trips per refit at most.
-constexpr uint64_t kDeltaBucketBytes = 1 << 20;
 
 double seconds_since(Clock::time_point start) { return Seconds(Clock::now() - start).count(); }
 
@@ -785,7 +782,7 @@ class CheckpointEngine::Impl {
     auto send_ready = [&](size_t k, std::span<const TensorView> ready) {
       for (const TensorView& out : ready) {
         senders_[k]->add(out, Box::whole(), *out.info, Box::whole(), phase);
-        senders_[k]->send_early(kDeltaBucketBytes, phase);
+        senders_[k]->send_early(delta_schedule::kBucketBytes, phase);
       }
     };
     auto send_delta = [&](size_t k, const TensorView& view, const Box& box, const TensorInfo& info) {

@@ -1,7 +1,9 @@
 // The planner's model of delta refit (prediction.h, predict_delta).
 #include <algorithm>
 #include <bit>
+#include <map>
 
+#include "core/delta_schedule.h"
 #include "core/fail.h"
 #include "core/host_threads.h"
 #include "planner/paired_model.h"
@@ -57,21 +59,25 @@ DeltaPrediction predict_delta(const ModelInventory& model, std::span<const Layou
     double changes = 0;
   };
   std::vector<Work> at_source(holds.empty() ? needs.size() : holds.size()), at_destination(needs.size());
+  // Each link's pieces in the order its source streams them, for the replay of its pipeline.
+  std::map<std::pair<uint32_t, uint32_t>, std::vector<Work>> links;
   DeltaPrediction p;
-  p.transfer = predict_stream(model, holds, needs, cluster,
-                              [&](uint32_t s, uint32_t d, const TensorInfo& piece, const TensorInfo& yielded) {
-                                const uint64_t bytes = predicted_record_bytes(piece, changed_share);
-                                const double changes = changed_share * static_cast<double>(piece.numel());
-                                Work& source = at_source[s];
-                                Work& destination = at_destination[d];
-                                source.compared += piece.nbytes();
-                                if (piece.nbytes() != yielded.nbytes()) source.packed += piece.nbytes();
-                                source.changes += changes;
-                                destination.compared += piece.nbytes();
-                                destination.changes += changes;
-                                destination.records += bytes;
-                                return TensorInfo{piece.name, DType::kUInt8, {static_cast<int64_t>(bytes)}};
-                              });
+  p.transfer = predict_stream(
+      model, holds, needs, cluster, [&](uint32_t s, uint32_t d, const TensorInfo& piece, const TensorInfo& yielded) {
+        const uint64_t bytes = predicted_record_bytes(piece, changed_share);
+        const double changes = changed_share * static_cast<double>(piece.numel());
+        Work& source = at_source[s];
+        Work& destination = at_destination[d];
+        source.compared += piece.nbytes();
+        if (piece.nbytes() != yielded.nbytes()) source.packed += piece.nbytes();
+        source.changes += changes;
+        destination.compared += piece.nbytes();
+        destination.changes += changes;
+        destination.records += bytes;
+        links[{s, d}].push_back(
+            {piece.nbytes(), piece.nbytes() != yielded.nbytes() ? piece.nbytes() : 0, bytes, changes});
+        return TensorInfo{piece.name, DType::kUInt8, {static_cast<int64_t>(bytes)}};
+      });
   for (const Work& d : at_destination) p.wire_bytes = std::max(p.wire_bytes, d.records);
   const NodeGroup& sources = cluster.group(cluster.sources.nodes);
   const NodeGroup& destinations = cluster.group(cluster.destinations.nodes);
@@ -114,9 +120,55 @@ DeltaPrediction predict_delta(const ModelInventory& model, std::span<const Layou
   if (!sources.gpu && !destinations.gpu && !sources.machine.empty() && sources.machine == destinations.machine &&
       sources.cores > 0)
     p.shared_cores_seconds = cpu_work / sources.cores;
-  // A pipeline: a source sends a bucket of changes as soon as it holds 1 MiB, and the
-  // destination patches each bucket as it arrives, so the slowest stage sets the time.
-  p.seconds = std::max({p.scan_seconds, p.transfer.seconds, p.patch_seconds, p.shared_cores_seconds});
+  // Each link as the engine runs it (core/delta_schedule.h): the source compares a batch (one
+  // tensor where it compares them as they come) and queues its records; a bucket goes once it
+  // holds kBucketBytes of them (the rest with the trailer), into one of the link's two buffers,
+  // which is free once the destination released the bucket before the last; the destination
+  // patches each bucket and its loader copies the tensors out of its copy. Large tensors at the
+  // ends of the stream, or records too few to fill a bucket, leave one side waiting for the other.
+  const bool batches = sources.gpu || host_pool_threads(sources.cores) > 0;
+  for (const auto& [link, pieces] : links) {
+    double source_clock = 0, destination_free = 0;
+    double released[2] = {0, 0};  // of the buckets that used each buffer last
+    size_t bucket = 0;
+    Work batch;
+    size_t batch_tensors = 0;
+    uint64_t queued_records = 0;
+    double queued_patch = 0;
+    auto send = [&] {
+      source_clock = std::max(source_clock, released[bucket % 2]);
+      destination_free = std::max(destination_free, source_clock) + queued_patch;
+      released[bucket % 2] = destination_free;
+      ++bucket;
+      queued_records = 0;
+      queued_patch = 0;
+    };
+    for (size_t k = 0; k < pieces.size(); ++k) {
+      const Work& w = pieces[k];
+      batch.compared += w.compared;
+      batch.packed += w.packed;
+      batch.changes += w.changes;
+      ++batch_tensors;
+      const bool last = k + 1 == pieces.size();
+      if (batches && !last && batch_tensors < delta_schedule::kBatchTensors &&
+          batch.compared < delta_schedule::kBatchBytes)
+        continue;
+      source_clock += scan(batch);
+      for (size_t j = k + 1 - batch_tensors; j <= k; ++j) {
+        queued_records += pieces[j].records;
+        queued_patch += patch(pieces[j]) + static_cast<double>(pieces[j].compared) / destinations.copy_rate;
+        if (queued_records >= delta_schedule::kBucketBytes) send();
+      }
+      batch = {};
+      batch_tensors = 0;
+    }
+    if (queued_records > 0 || bucket == 0) send();  // the trailer's bucket
+    p.pipeline_seconds = std::max(p.pipeline_seconds, destination_free);
+  }
+  // A source or destination with several links works them all; a shared machine's cores and the
+  // links themselves bound the refit too.
+  p.seconds =
+      std::max({p.pipeline_seconds, p.scan_seconds, p.transfer.seconds, p.patch_seconds, p.shared_cores_seconds});
   p.full_seconds = full.seconds;
   p.pays = p.seconds < full.seconds;
   return p;

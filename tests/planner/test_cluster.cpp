@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "core/delta_schedule.h"
 #include "core/error_of.h"
 #include "core/host_threads.h"
 #include "refit/prediction.h"
@@ -644,7 +645,12 @@ TEST(DeltaPrediction, PaysOnASlowLinkNotWhereTheLinkRunsAtCopySpeed) {
   EXPECT_TRUE(d.pays);
   // A host scan: two copies' worth, and 320 bytes' worth per changed element (1% of 4-byte ones).
   EXPECT_NEAR(d.scan_seconds, (bytes * 2 + 0.01 * bytes / 4 * 320) / 10e9, 1e-9);
-  EXPECT_NEAR(d.seconds, d.scan_seconds, 1e-9);
+  // Its records (8 x 21 KB) fill no bucket (core/delta_schedule.h): they go with the trailer, once
+  // all is compared, and the destination then patches them (a copy's worth and 150 bytes' worth
+  // per change) and its loader copies every tensor out.
+  EXPECT_NEAR(d.patch_seconds, (bytes + 0.01 * bytes / 4 * 150) / 10e9, 1e-9);
+  EXPECT_NEAR(d.seconds, d.scan_seconds + d.patch_seconds + bytes / 10e9, 1e-9);
+  EXPECT_EQ(d.seconds, d.pipeline_seconds);
   EXPECT_EQ(d.wire_bytes, 8 * predicted_record_bytes(m.tensors[0], 0.01));
   EXPECT_LT(d.transfer.seconds, full.seconds / 50);
   Cluster fast = two_sides(1, 1, "4000Gbit", "10GB/s", "16MiB");
@@ -653,6 +659,33 @@ TEST(DeltaPrediction, PaysOnASlowLinkNotWhereTheLinkRunsAtCopySpeed) {
   EXPECT_FALSE(predict_delta(m, {}, std::vector<Layout>(1), fast, 0.01, fast_full).pays);
   EXPECT_THAT(error_of(ErrorKind::kConfig, [&] { predict_delta(m, {}, std::vector<Layout>(1), slow, 1.5, full); }),
               HasSubstr("[0, 1]"));
+}
+
+// Records that fill many buckets overlap the source's comparing with the destination's patching
+// and loading, one bucket apart; a large tensor first holds the destination back until it is
+// compared, as the engine's timeline shows.
+TEST(DeltaPrediction, EachLinkIsReplayedBucketByBucketAsTheEngineSchedulesIt) {
+  auto predict = [](const ModelInventory& m) {
+    Cluster c = two_sides(1, 1, "100Gbit", "10GB/s", "16MiB");
+    for (NodeGroup& g : c.groups) g.gpu = false;
+    return predict_delta(m, {}, std::vector<Layout>(1), c, 0.3, predict_refit(m, {}, std::vector<Layout>(1), c));
+  };
+  const ModelInventory many = rows_model(64, 1024, 1024);  // 64 x 4 MiB, about 440 KB of records each
+  ASSERT_GT(predicted_record_bytes(many.tensors[0], 0.3), delta_schedule::kBucketBytes / 4);  // a bucket every few
+  const DeltaPrediction d = predict(many);
+  const double bytes = static_cast<double>(many.total_bytes());
+  const double destination = d.patch_seconds + bytes / 10e9;  // patching and loading
+  EXPECT_GT(d.pipeline_seconds, std::max(d.scan_seconds, destination));
+  EXPECT_LT(d.pipeline_seconds, std::max(d.scan_seconds, destination) * 1.1) << "the stages overlap";
+  EXPECT_EQ(d.seconds, d.pipeline_seconds);
+  // The same bytes with a first tensor half the model: the destination waits for its comparison,
+  // and the source, two buckets ahead, for the destination's patching of it.
+  ModelInventory front = rows_model(33, 1024, 1024);
+  front.tensors[0].shape = {32 * 1024, 1024};
+  ASSERT_EQ(front.total_bytes(), many.total_bytes());
+  const DeltaPrediction f = predict(front);
+  EXPECT_NEAR(f.scan_seconds, d.scan_seconds, 1e-9);
+  EXPECT_GT(f.pipeline_seconds, d.pipeline_seconds * 1.1);
 }
 
 // On hosts of 8 cores or more a delta's host work also runs on the engine's pool threads

@@ -371,9 +371,13 @@ TEST(DeltaRefit, HostTensorsComparedOnThePoolsThreadsMakeTheSameRecords) {
 // A host tensor of several scan parts (an embedding) is compared in parts on the pool's threads:
 // its record carries the word hash, and a destination patches it to the source's bits.
 TEST(DeltaRefit, ALargeHostTensorComparedInPartsPatchesToTheSourcesBits) {
+  // Parts of 16 MiB: the last one short, of every element size.
   std::vector<OwnedTensor> weights{
       make_tensor("model.embed_tokens.weight", DType::kBFloat16, {10240, 2048}, 1),  // 40 MiB: 3 parts
-      make_tensor("model.norm.weight", DType::kFloat32, {2048}, 2)};
+      make_tensor("model.norm.weight", DType::kFloat32, {2048}, 2),
+      make_tensor("bytes", DType::kUInt8, {(32 << 20) + 3}, 3),     // a 3-byte third part
+      make_tensor("doubles", DType::kFloat64, {(4 << 20) + 1}, 4),  // an 8-byte third part
+      make_tensor("words", DType::kInt32, {(8 << 20) + 5, 1}, 5)};  // a 20-byte third part
   for (int threads : {0, 3}) {
     SourceDelta source;
     DestinationDelta destination;
@@ -391,13 +395,14 @@ TEST(DeltaRefit, ALargeHostTensorComparedInPartsPatchesToTheSourcesBits) {
       for (size_t k = 0; k < weights.size(); ++k)
         ASSERT_TRUE(std::equal(weights[k].data.begin(), weights[k].data.end(), out[k].data))
             << weights[k].info.name << ", refit " << refit << ", " << threads << " threads";
-      if (refit > 0) {
-        ASSERT_EQ(views[1].info->name, "refit:delta:model.embed_tokens.weight");
-        const DeltaHeader h =
-            read_delta_header({reinterpret_cast<const uint8_t*>(views[1].data), views[1].info->nbytes()}, "record");
-        EXPECT_EQ(h.checksum_kind, threads > 0 ? DeltaChecksum::kWords : DeltaChecksum::kXxh3);
-        EXPECT_GT(h.changed, 0u);
-      }
+      if (refit > 0)
+        for (size_t k : {1, 3, 4, 5}) {  // the large ones, after the header
+          ASSERT_EQ(views[k].info->name, "refit:delta:" + weights[k - 1].info.name);
+          const DeltaHeader h =
+              read_delta_header({reinterpret_cast<const uint8_t*>(views[k].data), views[k].info->nbytes()}, "record");
+          EXPECT_EQ(h.checksum_kind, threads > 0 ? DeltaChecksum::kWords : DeltaChecksum::kXxh3);
+          EXPECT_GT(h.changed, 0u);
+        }
       step(weights, 0.01, 70 + refit);
     }
   }

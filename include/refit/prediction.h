@@ -77,8 +77,8 @@ Prediction predict_paired(const ModelInventory& model, std::span<const Layout> h
 // (predicted_record_bytes) through refit's pipeline as modelled above, while each source copies
 // out the slices or pieces and compares what its destinations keep with its bases, and
 // each destination patches and hashes its copy, at multiples of their node group's copy rate
-// (stages of one pipeline: the slowest sets the time; on one machine's cores, all of that work
-// together is one more). Throws Error(kConfig) for a share outside [0, 1].
+// (each link replayed bucket by bucket as the engine schedules it; a worker's stages, the links
+// and one machine's cores bound it too). Throws Error(kConfig) for a share outside [0, 1].
 struct DeltaPrediction {
   double seconds = 0;        // one delta refit
   double full_seconds = 0;   // the full refit it replaces

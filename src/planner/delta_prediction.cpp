@@ -122,23 +122,28 @@ DeltaPrediction predict_delta(const ModelInventory& model, std::span<const Layou
     p.shared_cores_seconds = cpu_work / sources.cores;
   // Each link as the engine runs it (core/delta_schedule.h): the source compares a batch (one
   // tensor where it compares them as they come) and queues its records; a bucket goes once it
-  // holds kBucketBytes of them (the rest with the trailer), into one of the link's two buffers,
-  // which is free once the destination released the bucket before the last; the destination
+  // holds kBucketBytes of them (the rest with the trailer), once a buffer is free (below); the destination
   // patches each bucket and its loader copies the tensors out of its copy. Large tensors at the
   // ends of the stream, or records too few to fill a bucket, leave one side waiting for the other.
   const bool batches = sources.gpu || host_pool_threads(sources.cores) > 0;
+  // A bucket the destination loads from the source's buffer (mapped: one node) is acknowledged once
+  // released, so the source is two buckets ahead at most; a staged one once read into the
+  // destination's own two buffers, so four.
+  const bool mapped = cluster.sources.nodes == cluster.destinations.nodes && sources.count == 1 &&
+                      cluster.transfer.mapped && cluster.transfer.transport != "nccl";
+  const size_t ahead = mapped ? 2 : 4;
   for (const auto& [link, pieces] : links) {
     double source_clock = 0, destination_free = 0;
-    double released[2] = {0, 0};  // of the buckets that used each buffer last
+    std::vector<double> released(ahead, 0);  // of the buckets that went `ahead` before
     size_t bucket = 0;
     Work batch;
     size_t batch_tensors = 0;
     uint64_t queued_records = 0;
     double queued_patch = 0;
     auto send = [&] {
-      source_clock = std::max(source_clock, released[bucket % 2]);
+      source_clock = std::max(source_clock, released[bucket % ahead]);
       destination_free = std::max(destination_free, source_clock) + queued_patch;
-      released[bucket % 2] = destination_free;
+      released[bucket % ahead] = destination_free;
       ++bucket;
       queued_records = 0;
       queued_patch = 0;

@@ -662,30 +662,41 @@ TEST(DeltaPrediction, PaysOnASlowLinkNotWhereTheLinkRunsAtCopySpeed) {
 }
 
 // Records that fill many buckets overlap the source's comparing with the destination's patching
-// and loading, one bucket apart; a large tensor first holds the destination back until it is
-// compared, as the engine's timeline shows.
+// and loading; a large tensor first holds the destination back until it is compared, and the
+// source, whose buffers the destination holds, until it is patched, as the engine's timeline
+// shows: two buckets ahead where the destination loads from the source's buffers (one node), four
+// where it reads them into its own.
 TEST(DeltaPrediction, EachLinkIsReplayedBucketByBucketAsTheEngineSchedulesIt) {
-  auto predict = [](const ModelInventory& m) {
+  auto predict = [](const ModelInventory& m, bool one_node) {
     Cluster c = two_sides(1, 1, "100Gbit", "10GB/s", "16MiB");
     for (NodeGroup& g : c.groups) g.gpu = false;
+    if (one_node) {
+      c.groups[0].workers = 2;
+      c.destinations.nodes = "a";
+      c.destinations.first_slot = 1;
+    }
     return predict_delta(m, {}, std::vector<Layout>(1), c, 0.3, predict_refit(m, {}, std::vector<Layout>(1), c));
   };
   const ModelInventory many = rows_model(64, 1024, 1024);  // 64 x 4 MiB, about 440 KB of records each
   ASSERT_GT(predicted_record_bytes(many.tensors[0], 0.3), delta_schedule::kBucketBytes / 4);  // a bucket every few
-  const DeltaPrediction d = predict(many);
-  const double bytes = static_cast<double>(many.total_bytes());
-  const double destination = d.patch_seconds + bytes / 10e9;  // patching and loading
-  EXPECT_GT(d.pipeline_seconds, std::max(d.scan_seconds, destination));
-  EXPECT_LT(d.pipeline_seconds, std::max(d.scan_seconds, destination) * 1.1) << "the stages overlap";
-  EXPECT_EQ(d.seconds, d.pipeline_seconds);
-  // The same bytes with a first tensor half the model: the destination waits for its comparison,
-  // and the source, two buckets ahead, for the destination's patching of it.
+  // The same bytes with a first tensor half the model.
   ModelInventory front = rows_model(33, 1024, 1024);
   front.tensors[0].shape = {32 * 1024, 1024};
   ASSERT_EQ(front.total_bytes(), many.total_bytes());
-  const DeltaPrediction f = predict(front);
-  EXPECT_NEAR(f.scan_seconds, d.scan_seconds, 1e-9);
-  EXPECT_GT(f.pipeline_seconds, d.pipeline_seconds * 1.1);
+  const double bytes = static_cast<double>(many.total_bytes());
+  for (bool one_node : {false, true}) {
+    const DeltaPrediction d = predict(many, one_node);
+    const double destination = d.patch_seconds + bytes / 10e9;  // patching and loading
+    EXPECT_GT(d.pipeline_seconds, std::max(d.scan_seconds, destination));
+    EXPECT_LT(d.pipeline_seconds, std::max(d.scan_seconds, destination) * 1.1) << "the stages overlap";
+    EXPECT_EQ(d.seconds, d.pipeline_seconds);
+    const DeltaPrediction f = predict(front, one_node);
+    EXPECT_NEAR(f.scan_seconds, d.scan_seconds, 1e-9);
+    EXPECT_GT(f.pipeline_seconds, d.pipeline_seconds * 1.05) << one_node;
+  }
+  // On one node the source waits for the destination's patching of the large tensor; reading
+  // into its own buffers, the destination lets it go on.
+  EXPECT_GT(predict(front, true).pipeline_seconds, predict(front, false).pipeline_seconds * 1.05);
 }
 
 // On hosts of 8 cores or more a delta's host work also runs on the engine's pool threads

@@ -464,6 +464,7 @@ void DestinationDelta::transform(std::span<const TensorView> in, std::span<const
   // Tensors that came whole in host memory are copied into what we hold together, on the pool's
   // threads (a first refit is all whole), before any patch queued after them.
   std::vector<std::pair<HeldTensor*, TensorView>> copies;
+  std::vector<std::pair<size_t, HeldTensor*>> came_whole;  // by index in `out`
   DeviceDelta& device = gpu();
   auto apply_pending = [&] {
     pool.for_each(copies.size(), [&](size_t k) { copies[k].first->assign(copies[k].second, device, true); });
@@ -552,10 +553,18 @@ void DestinationDelta::transform(std::span<const TensorView> in, std::span<const
       else
         held.assign(view, device, /*page_lock=*/true);
       whole_.push_back(&*held_.find(name));
+      came_whole.emplace_back(out.size(), &held);
       out.push_back(view);
       owners.push_back(k < in_owners.size() ? in_owners[k] : nullptr);
     }
     apply_pending();
+    // The loader reads what came whole from the copy too, so that nothing it gets lies in the
+    // transfer buffer, which goes back to the source before the loader runs.
+    for (const auto& [index, held] : came_whole) {
+      if (held->info.nbytes() == 0) continue;
+      out[index] = {&held->info, held->data(), held->memory};
+      owners[index] = nullptr;
+    }
   } catch (...) {
     if (gpu_) gpu_->drop_queued();
     throw;

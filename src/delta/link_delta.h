@@ -191,9 +191,10 @@ class DestinationDelta {
   // A refit starts; what we hold stays valid until its header arrives.
   void begin();
   // Turns a batch as received into the batch the loader gets: the header is checked and left out,
-  // changes are applied to the held copy and handed out as the whole tensor, whole tensors are
-  // copied into it and handed out as they came. `owners` is parallel to `views` (null for a view
-  // into our copy). `who` names the source in errors.
+  // changes are applied to the held copy, whole tensors are copied into it, and every tensor is
+  // handed out as the copy holds it, so that nothing handed out lies in `in` (the transfer buffer
+  // can go back at once). `owners` is parallel to `views` (null for a view into our copy). `who`
+  // names the source in errors.
   // Host copies are checked on `pool` (the engine's: one for all its links).
   void transform(std::span<const TensorView> in, std::span<const std::shared_ptr<const void>> in_owners,
                  std::vector<TensorView>& out, std::vector<std::shared_ptr<const void>>& owners, const std::string& who,

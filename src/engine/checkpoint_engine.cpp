@@ -888,6 +888,7 @@ class CheckpointEngine::Impl {
     std::string phase;
     // The bucket being assembled or loaded, and the batch it completed.
     std::optional<LinkReader::Fetched> bucket;
+    bool released = false;  // its buffer went back before the loader ran (delta refit)
     size_t link = 0;
     double assembling = 0;              // on the timeline
     uint64_t mapped_in_place = 0;       // of the bucket: bytes its entries load from the source's tensors
@@ -961,6 +962,7 @@ class CheckpointEngine::Impl {
       run.idle_deadline = deadline_after(backstop());
       run.link = k;
       run.bucket = std::move(fetched);
+      run.released = false;
       const auto& bucket = run.bucket->bucket;
       run.mapped_in_place = 0;
       for (const auto& e : bucket.entries()) {
@@ -996,6 +998,9 @@ class CheckpointEngine::Impl {
                                             links_[k].label, next_deadline());
           run.owners = assembler_.owners();
         }
+        // Nothing the loader gets lies in the bucket (DestinationDelta::transform): its buffer goes
+        // back now, and the source sends on while the loader works.
+        release_bucket(run);
       }
       if (!run.views.empty()) run.phase = fmt::format("load bucket {} from {}", bucket.seq, links_[k].label);
       return true;
@@ -1020,20 +1025,28 @@ class CheckpointEngine::Impl {
     }
   }
 
-  // The bucket's tensors are loaded: its buffer goes back to its source.
-  void finish_bucket(ReceiveRun& run) {
+  // Nothing more is read from the bucket: its buffer goes back to its source.
+  void release_bucket(ReceiveRun& run) {
     const auto& bucket = run.bucket->bucket;
-    const size_t k = run.link;
-    const uint32_t peer = links_[k].peer_rank;
+    const uint32_t peer = links_[run.link].peer_rank;
     // The load event spans assembling too: both are the destination's copies out of the bucket. Its
     // bytes are all it copied: the bucket's and those read in place from the source's tensors.
     const double released = timeline_now();
     run.stats.events.push_back({TimelinePhase::kLoad, peer, bucket.seq, run.assembling, released,
                                 bucket.used_bytes + run.mapped_in_place,
                                 static_cast<uint32_t>(bucket.entries().size())});
-    LinkReader& reader = *run.readers[k];
+    LinkReader& reader = *run.readers[run.link];
     on_link(run, reader, [&] { reader.release(bucket.seq); });
     run.stats.events.push_back({TimelinePhase::kRelease, peer, bucket.seq, released, released, 0});
+    run.released = true;
+  }
+
+  // The bucket's tensors are loaded.
+  void finish_bucket(ReceiveRun& run) {
+    const auto& bucket = run.bucket->bucket;
+    const size_t k = run.link;
+    if (!run.released) release_bucket(run);
+    LinkReader& reader = *run.readers[k];
     spdlog::debug("{}: bucket {} ({} bytes) from {} done", self_, bucket.seq, bucket.used_bytes, links_[k].label);
     if (reader.done()) {
       run.stats.events.insert(run.stats.events.end(), reader.events().begin(), reader.events().end());

@@ -122,9 +122,9 @@ DeltaPrediction predict_delta(const ModelInventory& model, std::span<const Layou
     p.shared_cores_seconds = cpu_work / sources.cores;
   // Each link as the engine runs it (core/delta_schedule.h): the source compares a batch (one
   // tensor where it compares them as they come) and queues its records; a bucket goes once it
-  // holds kBucketBytes of them (the rest with the trailer), once a buffer is free (below); the destination
-  // patches each bucket and its loader copies the tensors out of its copy. Large tensors at the
-  // ends of the stream, or records too few to fill a bucket, leave one side waiting for the other.
+  // holds kBucketBytes of them (the rest with the trailer), once a buffer is free (below); the
+  // destination patches each bucket, releases it, and its loader copies the tensors out of its copy. Large tensors at
+  // the ends of the stream, or records too few to fill a bucket, leave one side waiting for the other.
   const bool batches = sources.gpu || host_pool_threads(sources.cores) > 0;
   // A bucket the destination loads from the source's buffer (mapped: one node) is acknowledged once
   // released, so the source is two buckets ahead at most; a staged one once read into the
@@ -139,14 +139,16 @@ DeltaPrediction predict_delta(const ModelInventory& model, std::span<const Layou
     Work batch;
     size_t batch_tensors = 0;
     uint64_t queued_records = 0;
-    double queued_patch = 0;
+    double queued_patch = 0, queued_load = 0;
+    // The destination releases a bucket once patched, before its loader copies the tensors out.
     auto send = [&] {
       source_clock = std::max(source_clock, released[bucket % ahead]);
-      destination_free = std::max(destination_free, source_clock) + queued_patch;
-      released[bucket % ahead] = destination_free;
+      const double patched = std::max(destination_free, source_clock) + queued_patch;
+      released[bucket % ahead] = patched;
+      destination_free = patched + queued_load;
       ++bucket;
       queued_records = 0;
-      queued_patch = 0;
+      queued_patch = queued_load = 0;
     };
     for (size_t k = 0; k < pieces.size(); ++k) {
       const Work& w = pieces[k];
@@ -161,7 +163,8 @@ DeltaPrediction predict_delta(const ModelInventory& model, std::span<const Layou
       source_clock += scan(batch);
       for (size_t j = k + 1 - batch_tensors; j <= k; ++j) {
         queued_records += pieces[j].records;
-        queued_patch += patch(pieces[j]) + static_cast<double>(pieces[j].compared) / destinations.copy_rate;
+        queued_patch += patch(pieces[j]);
+        queued_load += static_cast<double>(pieces[j].compared) / destinations.copy_rate;
         if (queued_records >= delta_schedule::kBucketBytes) send();
       }
       batch = {};

@@ -123,8 +123,9 @@ DeltaPrediction predict_delta(const ModelInventory& model, std::span<const Layou
   // Each link as the engine runs it (core/delta_schedule.h): the source compares a batch (one
   // tensor where it compares them as they come) and queues its records; a bucket goes once it
   // holds kBucketBytes of them (the rest with the trailer), once a buffer is free (below); the
-  // destination patches each bucket, releases it, and its loader copies the tensors out of its copy. Large tensors at
-  // the ends of the stream, or records too few to fill a bucket, leave one side waiting for the other.
+  // destination patches each bucket, releases it, and its loader copies the tensors out of its
+  // copy. Large tensors at the ends of the stream, or records too few to fill a bucket, leave one
+  // side waiting for the other.
   const bool batches = sources.gpu || host_pool_threads(sources.cores) > 0;
   // A bucket the destination loads from the source's buffer (mapped: one node) is acknowledged once
   // released, so the source is two buckets ahead at most; a staged one once read into the

@@ -90,12 +90,13 @@ Request fp8_scale_request(const ModelInventory& model, const Fp8ScaleOf& link, c
                           std::string_view owner);
 
 struct KvScales {
-  std::vector<TensorInfo> tensors;  // in the reference's order, layer by layer: q, k, v
-  std::vector<float> values;        // one per tensor
+  std::vector<TensorInfo> tensors;   // in the reference's order, layer by layer: q, k, v
+  std::vector<float> values;         // one per tensor
+  std::vector<std::string> ignored;  // names given that are no scale of these layers
 };
 // Scales for `num_layers` decoder layers; names absent from `given` get 1.0, and names in
-// `given` that are not scale names of these layers are ignored (as the reference does), with a
-// warning naming them. Throws Error(kInvalidArgument) naming a scale that is not a finite number
+// `given` that are not scale names of these layers are ignored (as the reference does) and listed
+// in `ignored`, for the caller to warn of. Throws Error(kInvalidArgument) naming a scale that is not a finite number
 // above zero: the KV cache would be quantized by it.
 KvScales kv_scale_tensors(int64_t num_layers, const std::map<std::string, float>& given);
 

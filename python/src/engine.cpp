@@ -13,9 +13,11 @@
 // garbage collection, finalize()) or holds a batch longer than timeout_s fails the refit, never
 // hangs, and the destination stays stale.
 
+#include <fmt/ranges.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
+#include <spdlog/spdlog.h>
 
 #include <chrono>
 #include <condition_variable>
@@ -627,7 +629,11 @@ class PyEngine {
         values[std::move(name)] = static_cast<float>(v);
       }
     }
-    return kv_scale_tensors(*kv_layers_, values);
+    KvScales scales = kv_scale_tensors(*kv_layers_, values);
+    if (!scales.ignored.empty())
+      spdlog::warn("send_weights(): kv_scales names no q/k/v scale of the model's {} layers, ignored: '{}'",
+                   *kv_layers_, fmt::join(scales.ignored, "', '"));
+    return scales;
   }
 
   BatchIterator receive(nb::handle self, const std::string& framework) {

@@ -1,7 +1,5 @@
 #include "refit/fp8.h"
 
-#include <spdlog/spdlog.h>
-
 #include <algorithm>
 #include <bit>
 #include <cmath>
@@ -155,15 +153,11 @@ KvScales kv_scale_tensors(int64_t num_layers, const std::map<std::string, float>
       out.tensors.push_back({std::move(name), DType::kFloat32, {1}});
     }
   }
-  if (used < given.size()) {
-    std::string ignored;
-    for (const auto& [name, value] : given)
-      if (std::find_if(out.tensors.begin(), out.tensors.end(), [&](const TensorInfo& t) { return t.name == name; }) ==
-          out.tensors.end())
-        ignored += (ignored.empty() ? "'" : ", '") + name + "'";
-    spdlog::warn("kv scales: {} of {} given name no q/k/v scale of the model's {} layers and are ignored: {}",
-                 given.size() - used, given.size(), num_layers, ignored);
-  }
+  if (used < given.size())
+    for (const auto& entry : given)
+      if (std::none_of(out.tensors.begin(), out.tensors.end(),
+                       [&](const TensorInfo& t) { return t.name == entry.first; }))
+        out.ignored.push_back(entry.first);
   return out;
 }
 

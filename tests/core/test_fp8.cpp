@@ -249,8 +249,11 @@ TEST(KvScales, AScaleThatIsNotAFiniteNumberAboveZeroIsRefusedByName) {
                          }),
                 AllOf(HasSubstr("'model.layers.1.self_attn.v_scale'"), HasSubstr("finite number above 0")))
         << bad;
-  // A name of no layer is ignored, as the reference does (and warned of), whatever its value.
-  EXPECT_EQ(kv_scale_tensors(1, {{"model.layers.5.self_attn.k_scale", -1.0f}}).values, (std::vector<float>{1, 1, 1}));
+  // A name of no layer is ignored, as the reference does (listed for a warning), whatever its value.
+  const KvScales ignored =
+      kv_scale_tensors(1, {{"model.layers.5.self_attn.k_scale", -1.0f}, {"model.layers.0.self_attn.v_scale", 0.5f}});
+  EXPECT_EQ(ignored.values, (std::vector<float>{1, 1, 0.5f}));
+  EXPECT_EQ(ignored.ignored, std::vector<std::string>{"model.layers.5.self_attn.k_scale"});
 }
 
 // ---- FP8 checkpoints: weights with their scales ----------------------------------------------

@@ -96,8 +96,8 @@ struct KvScales {
 };
 // Scales for `num_layers` decoder layers; names absent from `given` get 1.0, and names in
 // `given` that are not scale names of these layers are ignored (as the reference does) and listed
-// in `ignored`, for the caller to warn of. Throws Error(kInvalidArgument) naming a scale that is not a finite number
-// above zero: the KV cache would be quantized by it.
+// in `ignored`, for the caller to warn of. Throws Error(kInvalidArgument) naming a scale that is
+// not a finite number above zero: the KV cache would be quantized by it.
 KvScales kv_scale_tensors(int64_t num_layers, const std::map<std::string, float>& given);
 
 }  // namespace refit

@@ -171,9 +171,10 @@ struct TrainingParallel {
   std::optional<int> expert_tp_size;  // default: tp_size (Megatron's expert-tensor-parallel default)
 };
 // One layout per rank, by rank. Throws Error(kLayout) for sizes < 1, tp x dp not divisible by
-// expert_tp x ep, ep not dividing the routed experts (as megatron-core asserts), tp above num_key_value_heads
-// (Megatron's ranks then hold row blocks of the fused q/k/v that no layout names; checked against megatron-core,
-// python/tests/test_megatron_layouts.py), or splits the model does not allow.
+// expert_tp x ep, ep not dividing the routed experts (as megatron-core asserts), tp above
+// num_key_value_heads (Megatron's ranks then hold row blocks of the fused q/k/v that no layout
+// names; checked against megatron-core, python/tests/test_megatron_layouts.py), or splits the
+// model does not allow.
 std::vector<Layout> megatron_source_layouts(const ModelInventory& inventory, const ModelDims& dims,
                                             const TrainingParallel& parallel);
 

@@ -619,8 +619,9 @@ class PyEngine {
                       fmt::format("send_weights(): kv_scales keys must be str, got a {}", Py_TYPE(key.ptr())->tp_name));
         std::string name = nb::cast<std::string>(key);
         // True is a number to Python (1.0), not a scale anyone meant.
-        double v = PyBool_Check(value.ptr()) ? -1.0 : PyFloat_AsDouble(value.ptr());
-        if (v == -1.0 && (PyBool_Check(value.ptr()) || PyErr_Occurred())) {
+        const bool is_bool = PyBool_Check(value.ptr());
+        const double v = is_bool ? 0.0 : PyFloat_AsDouble(value.ptr());
+        if (is_bool || (v == -1.0 && PyErr_Occurred())) {
           PyErr_Clear();
           throw Error(ErrorKind::kInvalidArgument,
                       fmt::format("send_weights(): kv_scales['{}'] must be a number, got a {}", name,

@@ -169,25 +169,19 @@ int run_cluster_plan(const PlanOptions& options) {
   if (options.changed >= 0) {
     const DeltaPrediction delta = predict_delta(inventory, holds, needs, cluster, options.changed, refit);
     fmt::print(
-        "delta refit, {:.2f}% of the elements changed: {:.3f} s ({:.3f} s comparing at the sources, {:.3f} s "
-        "through the links with {:.2f} MiB per destination, {:.3f} s patching at the destinations, {:.3f} s for "
-        "the busiest link's comparing, patching and loading, bucket by bucket{}) against {:.3f} s for the full refit: "
-        "{}\n",
-        options.changed * 100, delta.seconds, delta.scan_seconds, delta.transfer.seconds, delta.wire_bytes / 1048576.0,
-        delta.patch_seconds, delta.pipeline_seconds,
-        delta.shared_cores_seconds > 0
-            ? fmt::format(", {:.3f} s for all of them on the machine's cores", delta.shared_cores_seconds)
-            : std::string(),
+        "delta refit, {:.2f}% of the elements changed: {:.3f} s ({:.3f} s comparing at the busiest source and "
+        "{:.3f} s patching at the busiest destination, alone; {:.2f} MiB per destination), scheduled as the engine "
+        "does, against {:.3f} s for the full refit: {}\n  bound: {}\n",
+        options.changed * 100, delta.seconds, delta.scan_seconds, delta.patch_seconds, delta.wire_bytes / 1048576.0,
         delta.full_seconds,
         delta.pays ? fmt::format("delta pays, {:.1f}x faster", delta.full_seconds / delta.seconds)
-                   : std::string("a full refit is faster here"));
+                   : std::string("a full refit is faster here"),
+        delta.transfer.bound);
     out["prediction"]["delta"] = {{"changed_share", options.changed},
                                   {"seconds", delta.seconds},
                                   {"scan_seconds", delta.scan_seconds},
-                                  {"transfer_seconds", delta.transfer.seconds},
                                   {"patch_seconds", delta.patch_seconds},
-                                  {"pipeline_seconds", delta.pipeline_seconds},
-                                  {"shared_cores_seconds", delta.shared_cores_seconds},
+                                  {"timeline", prediction_json(delta.transfer)},
                                   {"wire_bytes", delta.wire_bytes},
                                   {"pays", delta.pays}};
   }

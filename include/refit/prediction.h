@@ -74,25 +74,21 @@ Prediction predict_paired(const ModelInventory& model, std::span<const Layout> h
 // them) predicts, when `changed_share` of every tensor's elements changed since the last refit by
 // steps of a few units in the last place (an optimizer's): each tensor, each slice a destination's
 // layout keeps, or each piece of the transfer plan crosses as the record the codec would write
-// (predicted_record_bytes) through refit's pipeline as modelled above, while each source copies
-// out the slices or pieces and compares what its destinations keep with its bases, and
-// each destination patches and hashes its copy, at multiples of their node group's copy rate
-// (each link replayed bucket by bucket as the engine schedules it; a worker's stages, the links
-// and one machine's cores bound it too). Throws Error(kConfig) for a share outside [0, 1].
+// (predicted_record_bytes) through refit's pipeline as modelled above, scheduled as the engine
+// schedules a delta refit (core/delta_schedule.h): each source compares its pieces (copying out the
+// slices or pieces first) in batches before their records go, a bucket goes once it holds a few
+// records, and each destination patches and hashes its copy from a bucket, releases it, then loads
+// its pieces; that work runs at multiples of the node group's copy rate through the same copy
+// resources (one machine's cores are shared by its processes). Throws Error(kConfig) for a share
+// outside [0, 1].
 struct DeltaPrediction {
   double seconds = 0;        // one delta refit
   double full_seconds = 0;   // the full refit it replaces
-  double scan_seconds = 0;   // each source's comparison
-  double patch_seconds = 0;  // each destination's patch and hash
-  // Each link's comparing, patching and loading replayed bucket by bucket as the engine schedules
-  // them (core/delta_schedule.h): where one side waits for the other, more than the slower stage.
-  double pipeline_seconds = 0;
-  // CPU sources and destinations of one machine (NodeGroup::machine): all the comparisons and
-  // patches on its cores together (0: not one machine).
-  double shared_cores_seconds = 0;
-  uint64_t wire_bytes = 0;  // every record (or whole tensor) the busiest destination receives
-  bool pays = false;        // faster than the full refit
-  Prediction transfer;      // the records through the pipeline
+  double scan_seconds = 0;   // the busiest source's comparing, alone
+  double patch_seconds = 0;  // the busiest destination's patching and hashing, alone
+  uint64_t wire_bytes = 0;   // every record (or whole tensor) the busiest destination receives
+  bool pays = false;         // faster than the full refit
+  Prediction transfer;       // the delta refit through the pipeline (seconds, timeline, demands)
 };
 DeltaPrediction predict_delta(const ModelInventory& model, std::span<const Layout> holds, std::span<const Layout> needs,
                               const Cluster& cluster, double changed_share, const Prediction& full);

@@ -1,6 +1,6 @@
 // Delta refit's schedule (docs/DELTA.md), one set of constants for the engine that runs it
-// (engine/checkpoint_engine.cpp, delta/link_delta.h) and the planner that replays it
-// (planner/delta_prediction.cpp).
+// (engine/checkpoint_engine.cpp, delta/link_delta.h) and the planner's pipeline model that runs it
+// (planner/prediction.cpp, pack_stream).
 #pragma once
 
 #include <cstddef>

@@ -9,16 +9,30 @@
 
 namespace refit {
 
-// What crosses the link from source `source` to destination `destination` for `piece` of what
-// the source's weight stream yields of a tensor (`yielded`: the tensor, or the source's shard of
-// it): a delta refit's record instead of the piece, sent from the source's own memory.
-using Crossing = std::function<TensorInfo(uint32_t source, uint32_t destination, const TensorInfo& piece,
-                                          const TensorInfo& yielded)>;
+// What crosses the link from a source to a destination for a piece of a delta refit, and the
+// work at either end around it (SourceDelta, DestinationDelta), in seconds of a worker alone.
+struct Crossed {
+  TensorInfo record;           // on the link, from the source's host memory
+  double compare_seconds = 0;  // the source's, before the record goes (its batch's comparison)
+  double patch_seconds = 0;    // the destination's once its bucket is here; it then releases the bucket
+  uint64_t load_bytes = 0;     // what the destination's loader then copies out of its copy
+};
 
-// predict_refit, with each piece replaced by what `crossing` makes of it: paired (no holds),
-// source i streams what destination i keeps in one link with the whole bucket; resharding, each
-// source streams the plan's pieces on its links. Checks the cluster's ranks.
+// What `crossing` makes of `piece` of what source `source`'s weight stream yields of a tensor
+// (`yielded`: the tensor, or the source's shard of it) for destination `destination`.
+using Crossing =
+    std::function<Crossed(uint32_t source, uint32_t destination, const TensorInfo& piece, const TensorInfo& yielded)>;
+
+// predict_refit, with each piece replaced by what `crossing` makes of it and its work run as the
+// engine schedules a delta refit (core/delta_schedule.h): paired (no holds), source i streams what
+// destination i keeps in one link with the whole bucket; resharding, each source streams the
+// plan's pieces on its links. Checks the cluster's ranks.
 Prediction predict_stream(const ModelInventory& model, std::span<const Layout> holds, std::span<const Layout> needs,
                           const Cluster& cluster, const Crossing& crossing);
+
+// The rate of a worker's delta work (seconds of it alone are this many bytes of its copies): on a
+// GPU its copy rate; on the host its copy rate on the engine's pool threads and its caller's
+// (host_pool_threads), as far as the node's memory gives.
+double work_rate(const NodeGroup& group);
 
 }  // namespace refit

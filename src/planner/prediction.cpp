@@ -9,7 +9,9 @@
 #include <queue>
 #include <set>
 
+#include "core/delta_schedule.h"
 #include "core/fail.h"
+#include "core/host_threads.h"
 #include "planner/paired_model.h"
 #include "refit/ext/box_copy.h"
 #include "refit/plan.h"
@@ -270,6 +272,7 @@ struct Flush {
   uint64_t rows = 0;        // strided rows among those copies (each a copy of its own on a CPU)
   uint64_t pieces = 0;      // tensor pieces among those copies
   bool uses_buffer = true;  // the destination reads some of the bucket from the source's buffer
+  double work = 0;          // delta refit: the source's comparing since its previous flush, in seconds alone
 };
 
 struct SimLink {
@@ -282,6 +285,10 @@ struct SimLink {
   // Reads in place: each bucket's bytes the destination loads straight from the source's tensors
   // (no pack, no read), and the strided rows of those loads.
   std::vector<uint64_t> in_place, in_place_rows;
+  // Delta refit: each bucket's patching at the destination (seconds alone), before it releases the
+  // bucket, and what its loader then copies out of the destination's copy.
+  std::vector<double> patch;
+  std::vector<uint64_t> load;
   bool mapped = false;
   // How the destination takes the source's tensors in its memory (direct_reads): maps them, or
   // (where it cannot map: another node) reads the large ones, the source packing only the rest.
@@ -414,7 +421,8 @@ class PipelineModel {
     const Flush f = st.flushes[st.next];
     const Place& p = source_places_[s];
     const double begun = now();
-    auto [cores, memory] = resources_.copy(p);
+    // Not a structured binding: a lambda below captures them.
+    int cores = resources_.copy(p).first, memory = resources_.copy(p).second;
     double cap = p.group->copy_rate;
     if (host_buffers(p)) {  // GPU tensors into pinned host buffers
       cores = resources_.pcie(p, true);
@@ -441,10 +449,23 @@ class PipelineModel {
       else
         pack_next(s);
     };
-    // A bucket of tensors in place only: nothing to copy or wait for, the source announces it.
-    if (f.packed == 0 && f.rows == 0 && links_[f.link].access != SourceAccess::kNone)
-      return sim_.at(sim_.now(), announce);
-    start_copy(copy_bytes(p, f.packed, f.rows), cap, {cores, memory}, copy_cost(p), announce);
+    auto pack = [this, s, f, cores, memory, cap, announce] {
+      const Place& p = source_places_[s];
+      // A bucket of tensors in place only: nothing to copy or wait for, the source announces it.
+      if (f.packed == 0 && f.rows == 0 && links_[f.link].access != SourceAccess::kNone)
+        return sim_.at(sim_.now(), announce);
+      start_copy(copy_bytes(p, f.packed, f.rows), cap, {cores, memory}, copy_cost(p), announce);
+    };
+    if (f.work <= 0) return pack();
+    // Delta refit: the source compares what the bucket's records stand for first.
+    work(p, f.work, pack);
+  }
+
+  // `seconds` of a worker's delta work alone, as a flow through its cores and memory (its GPU).
+  void work(const Place& p, double seconds, FlowSim::Callback done) {
+    const auto [cores, memory] = resources_.copy(p);
+    const double rate = work_rate(*p.group);
+    sim_.start_flow(seconds * rate, rate, {cores, memory}, std::move(done));
   }
 
   void acknowledge(uint32_t k, uint64_t bucket) {
@@ -565,21 +586,46 @@ class PipelineModel {
     const Place& dst = destination_places_[d];
     const Place& src = source_places_[l.source];
     const double begun = now();
-    auto done = [this, k, b, d, begun] {
+    auto loaded = [this, k, b, d, begun] {
+      SimLink& l = links_[k];
+      auto& w = out_destinations_[d];
+      event(w, TimelinePhase::kLoad, l.source, b, begun, now(), l.buckets[b] + l.in_place[b], l.pieces[b]);
+      w.bytes += l.buckets[b] + l.in_place[b];
+    };
+    // The engine is done with the bucket: it goes back to its source (LinkReader::release).
+    auto release = [this, k, b, d] {
       SimLink& l = links_[k];
       const double t = now();
-      auto& w = out_destinations_[d];
-      event(w, TimelinePhase::kLoad, l.source, b, begun, t, l.buckets[b] + l.in_place[b], l.pieces[b]);
-      event(w, TimelinePhase::kRelease, l.source, b, t, t, 0);
-      w.bytes += l.buckets[b] + l.in_place[b];
+      event(out_destinations_[d], TimelinePhase::kRelease, l.source, b, t, t, 0);
       l.released = static_cast<int64_t>(b);
-      if (l.mapped || l.in_place[b] > 0) acknowledge(k, b);  // LinkReader::release
+      if (l.mapped || l.in_place[b] > 0) acknowledge(k, b);
       try_fetch(k);
-      // The engine turns to the next bucket after its measured turnaround.
-      sim_.at(sim_.now() + (l.access == SourceAccess::kMap ? in_place_turnaround_ : turnaround_), [this, d] {
+    };
+    // The engine turns to the next bucket after its measured turnaround.
+    auto next = [this, k, d] {
+      sim_.at(sim_.now() + (links_[k].access == SourceAccess::kMap ? in_place_turnaround_ : turnaround_), [this, d] {
         destination_state_[d].loading = false;
         try_load(d);
       });
+    };
+    if (l.patch[b] > 0 || l.load[b] > 0) {
+      // Delta refit: the destination patches its copy from the bucket's records, releases the
+      // bucket, then its loader copies the tensors out of its copy.
+      return work(dst, l.patch[b], [this, k, b, d, loaded, release, next] {
+        release();
+        const Place& dst = destination_places_[d];
+        const std::pair<int, int> copies = resources_.copy(dst);
+        start_copy(static_cast<double>(links_[k].buckets[b] + links_[k].load[b]), dst.group->copy_rate,
+                   {copies.first, copies.second}, copy_cost(dst), [loaded, next] {
+                     loaded();
+                     next();
+                   });
+      });
+    }
+    auto done = [loaded, release, next] {
+      loaded();
+      release();
+      next();
     };
     const bool packed = l.buckets[b] > 0 || l.in_place[b] == 0;
     // Tensors in place are copied from the source's memory into the parameters at the in-place
@@ -654,7 +700,17 @@ struct PieceRef {
   // sends in place; and the strided rows of its copy into the destination's tensor.
   bool contiguous = false;
   uint64_t in_place_rows = 0;
+  Crossed delta;  // a delta refit's: `info` is its record
 };
+
+// How a source compares for a delta refit (SourceDelta::add): not at all (a full refit), each
+// tensor as it comes, or in batches (GPU tensors, or host ones where its engine's pool has threads).
+enum class Comparing { kNone, kEach, kInBatches };
+Comparing comparing_of(const Cluster& cluster, bool delta) {
+  const NodeGroup& g = cluster.group(cluster.sources.nodes);
+  if (!delta) return Comparing::kNone;
+  return g.gpu || host_pool_threads(g.cores) > 0 ? Comparing::kInBatches : Comparing::kEach;
+}
 
 // Whether `box` of a tensor of `shape` is one contiguous range of its bytes (LinkSender::add_in_place).
 bool contiguous_box(std::span<const int64_t> shape, DType dtype, const Box& box, uint64_t size) {
@@ -686,69 +742,113 @@ uint64_t strided_rows(const PieceRef& p, uint64_t begin, uint64_t size) {
   return rows;
 }
 std::vector<Flush> pack_stream(const std::vector<std::vector<PieceRef>>& by_tensor, PipelineModel& model,
-                               const std::vector<uint32_t>& links, const std::vector<uint64_t>& link_bytes) {
+                               const std::vector<uint32_t>& links, const std::vector<uint64_t>& link_bytes,
+                               Comparing comparing = Comparing::kNone) {
   std::map<uint32_t, BucketPacker> packers;
-  std::map<uint32_t, uint64_t> used, count, rows, merged, pieces, in_place, in_place_rows;
+  std::map<uint32_t, uint64_t> used, count, rows, merged, pieces, in_place, in_place_rows, load;
   std::map<uint32_t, uint64_t> packed;  // chunks of the open bucket the source copies into it
+  std::map<uint32_t, double> patch;
   for (size_t i = 0; i < links.size(); ++i) {
     packers.emplace(links[i], BucketPacker(link_bytes[i]));
     used[links[i]] = count[links[i]] = rows[links[i]] = merged[links[i]] = pieces[links[i]] = 0;
-    in_place[links[i]] = in_place_rows[links[i]] = packed[links[i]] = 0;
+    in_place[links[i]] = in_place_rows[links[i]] = packed[links[i]] = load[links[i]] = 0;
+    patch[links[i]] = 0;
   }
   std::vector<Flush> flushes;
   uint64_t since = 0, rows_since = 0, pieces_since = 0;
+  double work_since = 0;
   auto flush = [&](uint32_t k, bool last) {
     // A bucket read wholly from the source's memory (nothing packed) leaves its buffer free.
     const bool uses_buffer = model.link(k).access == SourceAccess::kRead ? packed[k] > 0 : used[k] > 0;
-    flushes.push_back({k, count[k], used[k], in_place[k], since, last, rows_since, pieces_since, uses_buffer});
-    model.link(k).buckets.push_back(used[k]);
-    model.link(k).rows.push_back(rows[k]);
-    model.link(k).merged.push_back(merged[k]);
-    model.link(k).pieces.push_back(pieces[k]);
-    model.link(k).in_place.push_back(in_place[k]);
-    model.link(k).in_place_rows.push_back(in_place_rows[k]);
+    flushes.push_back(
+        {k, count[k], used[k], in_place[k], since, last, rows_since, pieces_since, uses_buffer, work_since});
+    SimLink& l = model.link(k);
+    l.buckets.push_back(used[k]);
+    l.rows.push_back(rows[k]);
+    l.merged.push_back(merged[k]);
+    l.pieces.push_back(pieces[k]);
+    l.in_place.push_back(in_place[k]);
+    l.in_place_rows.push_back(in_place_rows[k]);
+    l.patch.push_back(patch[k]);
+    l.load.push_back(load[k]);
     since = rows_since = pieces_since = 0;
+    work_since = 0;
     ++count[k];
-    used[k] = rows[k] = merged[k] = pieces[k] = in_place[k] = in_place_rows[k] = packed[k] = 0;
+    used[k] = rows[k] = merged[k] = pieces[k] = in_place[k] = in_place_rows[k] = packed[k] = load[k] = 0;
+    patch[k] = 0;
+  };
+  auto place = [&](const PieceRef& p) {
+    // Where the engine puts it (route_piece); in place, the packer closes the group as it does
+    // the engine's. (A small piece that continues a read is packed here: the model knows no
+    // addresses.) A delta record lies in the source's host memory, which no transport maps.
+    const uint64_t size = p.info.nbytes();
+    SourceAccess access = model.link(p.link).access;
+    if (comparing != Comparing::kNone && access == SourceAccess::kMap) access = SourceAccess::kNone;
+    const PieceRoute route = route_piece(access, p.contiguous, size);
+    if (route == PieceRoute::kMap) {
+      if (packers.at(p.link).place_in_place(p.info, size)) flush(p.link, false);
+      if (p.one_of_several) merged[p.link] += size;
+      ++pieces[p.link];
+      in_place[p.link] += size;
+      in_place_rows[p.link] += p.in_place_rows;
+      return;
+    }
+    // Read from the source's memory: placed in the bucket (the destination reads it there) but
+    // not copied by the source.
+    const bool read_there = route == PieceRoute::kRead;
+    const auto chunks = packers.at(p.link).place(p.info);
+    for (const ChunkPlacement& c : chunks) {
+      if (c.starts_bucket) flush(p.link, false);
+      // A tensor in several chunks is assembled, then loaded whole once its last chunk is in.
+      if ((p.one_of_several || chunks.size() > 1) && c.tensor_offset + c.size == p.info.nbytes())
+        merged[p.link] += p.info.nbytes();
+      ++pieces[p.link];
+      used[p.link] = c.bucket_offset + c.size;
+      if (read_there) {
+        model.link(p.link).source_read_bytes += c.size;
+        continue;
+      }
+      ++pieces_since;
+      ++packed[p.link];
+      since += c.size;
+      const uint64_t r = strided_rows(p, c.tensor_offset, c.size);
+      rows_since += r;
+      rows[p.link] += r;
+    }
+  };
+  // Delta refit: each link's pieces waiting for their batch's comparison; once compared, their
+  // records go into the link's bucket, which is sent as soon as it holds kBucketBytes
+  // (LinkSender::send_early), and the destination patches each and loads its piece.
+  std::map<uint32_t, std::vector<const PieceRef*>> waiting;
+  std::map<uint32_t, uint64_t> waiting_bytes;
+  auto compare = [&](uint32_t k) {
+    for (const PieceRef* p : waiting[k]) work_since += p->delta.compare_seconds;
+    for (const PieceRef* p : waiting[k]) {
+      place(*p);
+      patch[k] += p->delta.patch_seconds;
+      load[k] += p->delta.load_bytes;
+      if (used[k] >= delta_schedule::kBucketBytes) {
+        flush(k, false);
+        packers.at(k).close_bucket();
+      }
+    }
+    waiting[k].clear();
+    waiting_bytes[k] = 0;
   };
   for (const auto& tensor_pieces : by_tensor)
     for (const auto& p : tensor_pieces) {
-      // Where the engine puts it (route_piece); in place, the packer closes the group as it does
-      // the engine's. (A small piece that continues a read is packed here: the model knows no
-      // addresses.)
-      const uint64_t size = p.info.nbytes();
-      const PieceRoute route = route_piece(model.link(p.link).access, p.contiguous, size);
-      if (route == PieceRoute::kMap) {
-        if (packers.at(p.link).place_in_place(p.info, size)) flush(p.link, false);
-        if (p.one_of_several) merged[p.link] += size;
-        ++pieces[p.link];
-        in_place[p.link] += size;
-        in_place_rows[p.link] += p.in_place_rows;
+      if (comparing == Comparing::kNone) {
+        place(p);
         continue;
       }
-      // Read from the source's memory: placed in the bucket (the destination reads it there) but
-      // not copied by the source.
-      const bool read_there = route == PieceRoute::kRead;
-      const auto chunks = packers.at(p.link).place(p.info);
-      for (const ChunkPlacement& c : chunks) {
-        if (c.starts_bucket) flush(p.link, false);
-        // A tensor in several chunks is assembled, then loaded whole once its last chunk is in.
-        if ((p.one_of_several || chunks.size() > 1) && c.tensor_offset + c.size == p.info.nbytes())
-          merged[p.link] += p.info.nbytes();
-        ++pieces[p.link];
-        used[p.link] = c.bucket_offset + c.size;
-        if (read_there) {
-          model.link(p.link).source_read_bytes += c.size;
-          continue;
-        }
-        ++pieces_since;
-        ++packed[p.link];
-        since += c.size;
-        const uint64_t r = strided_rows(p, c.tensor_offset, c.size);
-        rows_since += r;
-        rows[p.link] += r;
-      }
+      waiting[p.link].push_back(&p);
+      waiting_bytes[p.link] += p.delta.load_bytes;  // the piece's bytes, which the source compares
+      if (comparing == Comparing::kEach || waiting[p.link].size() >= delta_schedule::kBatchTensors ||
+          waiting_bytes[p.link] >= delta_schedule::kBatchBytes)
+        compare(p.link);
     }
+  if (comparing != Comparing::kNone)
+    for (uint32_t k : links) compare(k);  // SourceDelta::flush, then the trailer
   for (uint32_t k : links) flush(k, true);
   return flushes;
 }
@@ -803,21 +903,29 @@ Prediction simulate_paired(const ModelInventory& model, std::span<const Layout> 
       Selection s = select(needs[i], t);
       if (s.take == Take::kDrop) continue;
       if (crossing) {  // made by the source in its own memory, contiguous
-        by_tensor.push_back({{k, crossing(i, i, s.info, t), nullptr, Box::whole(), false, true, 0}});
+        Crossed crossed = crossing(i, i, s.info, t);
+        by_tensor.push_back({{k, crossed.record, nullptr, Box::whole(), false, true, 0, std::move(crossed)}});
         continue;
       }
       const Box box =
           s.take == Take::kSlice ? Box::of(Request::narrow(s.slice.dim, s.slice.start, s.slice.length)) : Box::whole();
       const bool contiguous = contiguous_box(t.shape, t.dtype, box, s.info.nbytes());
-      by_tensor.push_back({{k, std::move(s.info), &t, box, false, contiguous, 0}});
+      by_tensor.push_back({{k, std::move(s.info), &t, box, false, contiguous, 0, {}}});
     }
-    pipeline.add_flushes(i, pack_stream(by_tensor, pipeline, {k}, {cluster.transfer.bucket_bytes}));
+    pipeline.add_flushes(i, pack_stream(by_tensor, pipeline, {k}, {cluster.transfer.bucket_bytes},
+                                        comparing_of(cluster, static_cast<bool>(crossing))));
   }
   pipeline.run();
   return finish(pipeline, cluster, start, cluster.transfer.bucket_bytes);
 }
 
 }  // namespace
+
+double work_rate(const NodeGroup& g) {
+  if (g.gpu) return g.copy_rate;
+  const double rate = g.copy_rate * (host_pool_threads(g.cores) + 1);
+  return g.node_copy_rate > 0 ? std::min(rate, std::max(g.node_copy_rate, g.copy_rate)) : rate;
+}
 
 Prediction predict_refit(const ModelInventory& model, std::span<const Layout> holds, std::span<const Layout> needs,
                          const Cluster& cluster) {
@@ -851,7 +959,8 @@ Prediction predict_stream(const ModelInventory& model, std::span<const Layout> h
         TensorInfo piece{t.name, t.dtype, p.box.shape_in(t.shape)};
         if (crossing) {  // made by the source in its own memory, contiguous, a whole of its own
           const TensorInfo shard{t.name, t.dtype, Box::of(held).shape_in(t.shape)};
-          by_tensor[p.tensor].push_back({k, crossing(s, d, piece, shard), nullptr, Box::whole(), false, true, 0});
+          Crossed crossed = crossing(s, d, piece, shard);
+          by_tensor[p.tensor].push_back({k, crossed.record, nullptr, Box::whole(), false, true, 0, std::move(crossed)});
           continue;
         }
         const uint64_t size = p.box.nbytes_in(t);
@@ -860,12 +969,13 @@ Prediction predict_stream(const ModelInventory& model, std::span<const Layout> h
         const uint64_t rows = box_rows(Box::of(need).shape_in(t.shape), t.dtype,
                                        p.box.relative_to(need.take == Take::kSlice ? need.slice : none), size);
         by_tensor[p.tensor].push_back(
-            {k, std::move(piece), &t, p.box, pieces_of.at({d, p.tensor}) > 1, contiguous, rows});
+            {k, std::move(piece), &t, p.box, pieces_of.at({d, p.tensor}) > 1, contiguous, rows, {}});
       }
     }
     std::vector<std::vector<PieceRef>> ordered;
     for (auto& [tensor, pieces] : by_tensor) ordered.push_back(std::move(pieces));
-    pipeline.add_flushes(s, pack_stream(ordered, pipeline, links, link_bytes));
+    pipeline.add_flushes(
+        s, pack_stream(ordered, pipeline, links, link_bytes, comparing_of(cluster, static_cast<bool>(crossing))));
   }
   pipeline.run();
   return finish(pipeline, cluster, 0, largest);

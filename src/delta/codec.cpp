@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <bit>
 #include <cstring>
+#include <functional>
+#include <optional>
 
 #include "core/fail.h"
 #include "core/wire.h"
@@ -189,9 +191,9 @@ struct ScanOf {
 // Writes decoded changes into `target` (one instance per element size: no loop over bytes per change).
 template <size_t Size>
 struct PatchOf {
-  static void run(std::span<std::byte> target, const DeltaChanges& changes) {
+  static void run(std::span<std::byte> target, const DeltaChanges& changes, uint64_t first, uint64_t last) {
     const bool steps = changes.header.values == DeltaValues::kSteps;
-    for (size_t k = 0; k < changes.index.size(); ++k) {
+    for (uint64_t k = first; k < last; ++k) {
       std::byte* element = target.data() + changes.index[k] * Size;
       const uint64_t v = changes.values[k];
       store_element<Size>(element, steps ? delta_steps::unzigzag(element_bits<Size>(element), v, Size) : v);
@@ -391,8 +393,124 @@ DeltaHeader read_delta_header(std::span<const uint8_t> record, const std::string
   return h;
 }
 
+namespace {
+
+constexpr uint64_t kChangesPerPart = kDeltaChangesPerPart;
+constexpr size_t kMaxParts = 64;
+
+// body(0) ... body(n - 1) by `for_each`, or one after the other without one.
+void run_parts(const DeltaForEach& for_each, size_t n, const std::function<void(size_t)>& body) {
+  if (for_each && n > 1) return for_each(n, body);
+  for (size_t k = 0; k < n; ++k) body(k);
+}
+
+// [first, last) of `count`, cut into `parts` runs: run r is [cut(r), cut(r + 1)).
+uint64_t cut_at(uint64_t count, size_t parts, size_t r) { return count * r / parts; }
+
+// Where a record's varints go: varint k < `changed` is a position, as its gap from the one before
+// plus one (the first's from -1), else the step of change k - changed.
+struct VarintSink {
+  const std::string& what;
+  const char* holding;  // "the positions and values", "the values"
+  uint64_t changed, elements;
+  size_t element_size;
+  uint64_t* index;
+  uint64_t* steps;
+};
+
+// Decodes varints [k, last) from `q` on, the bytes ending at `end` at the latest. Positions are
+// summed from `running` (-1 for the record's first), each one's sum stored: where the varints
+// were cut into runs, a run's sums lack those of the runs before it. Returns the byte after the
+// last varint and the sum.
+std::pair<const uint8_t*, uint64_t> decode_run(const uint8_t* q, const uint8_t* end, uint64_t k, uint64_t last,
+                                               uint64_t running, const VarintSink& to) {
+  auto varint = [&](uint64_t n) {
+    uint64_t v = 0;
+    for (int shift = 0;; shift += 7) {
+      if (q >= end) fail(ErrorKind::kProtocol, "malformed {}: varint {} of {} is cut off", to.what, n, to.holding);
+      if (shift > 63)
+        fail(ErrorKind::kProtocol, "malformed {}: varint {} of {} runs past 64 bits", to.what, n, to.holding);
+      const uint8_t byte = *q++;
+      v |= static_cast<uint64_t>(byte & 0x7f) << shift;
+      if (!(byte & 0x80)) return v;
+    }
+  };
+  for (const uint64_t positions_end = std::min(last, to.changed); k < positions_end; ++k) {
+    const uint64_t gap = varint(k);
+    running += gap + 1;
+    if (gap >= to.elements || running >= to.elements)
+      fail(ErrorKind::kProtocol, "malformed {}: position {} is past element {}", to.what, k, to.elements);
+    to.index[k] = running;
+  }
+  for (k = std::max(k, to.changed); k < last; ++k) {
+    const uint64_t z = varint(k);
+    // A step larger than the element's range would be a second spelling of another step.
+    if (to.element_size < 8 && (z >> (8 * to.element_size)) != 0)
+      fail(ErrorKind::kProtocol, "malformed {}: value {} steps by {} in {}-byte elements", to.what, k - to.changed, z,
+           to.element_size);
+    to.steps[k - to.changed] = z;
+  }
+  return {q, running};
+}
+
+// The `count` varints that [begin, end) holds, exactly, into `to`, in `parts` runs: each run
+// starts after a varint's last byte (a byte below 0x80), its first varint's number found by
+// counting those bytes before it; runs after the first then add the positions' sums of the runs
+// before them.
+void decode_varints(const uint8_t* begin, const uint8_t* end, uint64_t count, size_t parts,
+                    const DeltaForEach& for_each, const VarintSink& to) {
+  const auto bytes = static_cast<uint64_t>(end - begin);
+  auto miscounted = [&](uint64_t found) {
+    fail(ErrorKind::kProtocol, "malformed {}: the {} bytes of {} hold {} varints where its changes need {}", to.what,
+         bytes, to.holding, found, count);
+  };
+  if (parts <= 1 || bytes < parts) {
+    const uint8_t* after = decode_run(begin, end, 0, count, UINT64_MAX, to).first;
+    if (after != end) fail(ErrorKind::kProtocol, "malformed {}: {} bytes after {}", to.what, end - after, to.holding);
+    return;
+  }
+  if (bytes > 0 && (end[-1] & 0x80))
+    fail(ErrorKind::kProtocol, "malformed {}: the {} bytes of {} end inside a varint", to.what, bytes, to.holding);
+  std::vector<const uint8_t*> cuts(parts + 1, end);
+  cuts[0] = begin;
+  for (size_t r = 1; r < parts; ++r) {
+    const uint8_t* c = std::max(begin + cut_at(bytes, parts, r), cuts[r - 1]);
+    while (c < end && (c[-1] & 0x80)) ++c;
+    cuts[r] = c;
+  }
+  std::vector<uint64_t> first(parts + 1, 0);
+  run_parts(for_each, parts, [&](size_t r) {
+    uint64_t n = 0;
+    for (const uint8_t* q = cuts[r]; q < cuts[r + 1]; ++q) n += (*q & 0x80) == 0;
+    first[r + 1] = n;
+  });
+  for (size_t r = 0; r < parts; ++r) first[r + 1] += first[r];
+  if (first[parts] != count) miscounted(first[parts]);
+  std::vector<uint64_t> running(parts);
+  run_parts(for_each, parts, [&](size_t r) {
+    running[r] = decode_run(cuts[r], cuts[r + 1], first[r], first[r + 1], UINT64_MAX, to).second;
+  });
+  // Run r's positions lie past the last of the runs before it (a run without positions adds none).
+  std::vector<uint64_t> base(parts, 0);
+  for (size_t r = 1; r < parts; ++r) {
+    base[r] = base[r - 1] + (running[r - 1] + 1);
+    if (base[r] > to.elements)
+      fail(ErrorKind::kProtocol, "malformed {}: position {} is past element {}", to.what, first[r], to.elements);
+  }
+  run_parts(for_each, parts - 1, [&](size_t j) {
+    const size_t r = j + 1;
+    for (uint64_t k = first[r]; k < std::min(first[r + 1], to.changed); ++k) {
+      to.index[k] += base[r];
+      if (to.index[k] >= to.elements)
+        fail(ErrorKind::kProtocol, "malformed {}: position {} is past element {}", to.what, k, to.elements);
+    }
+  });
+}
+
+}  // namespace
+
 void decode_delta(std::span<const uint8_t> record, size_t element_size, uint64_t target_bytes, DeltaChanges& out,
-                  const std::string& what) {
+                  const std::string& what, const DeltaForEach& for_each) {
   const DeltaHeader h = read_delta_header(record, what);
   out.header = h;
   if (h.element_size != element_size || element_size == 0 || element_size > 8 ||
@@ -401,71 +519,84 @@ void decode_delta(std::span<const uint8_t> record, size_t element_size, uint64_t
          what, h.elements, h.element_size, target_bytes, element_size);
   const uint8_t* p = record.data() + kDeltaHeaderBytes;
   const uint8_t* const end = record.data() + record.size();
-  auto varint = [&](const char* field, uint64_t k) {
-    uint64_t v = 0;
-    for (int shift = 0;; shift += 7) {
-      if (p >= end || shift > 63) fail(ErrorKind::kProtocol, "malformed {}: {} {} is cut off", what, field, k);
-      const uint8_t byte = *p++;
-      v |= static_cast<uint64_t>(byte & 0x7f) << shift;
-      if (!(byte & 0x80)) return v;
-    }
-  };
-  // Positions first (checked whole before anything is written), then the values.
   if (h.changed > static_cast<uint64_t>(end - p))
     fail(ErrorKind::kProtocol, "malformed {}: {} bytes cannot hold {} changes", what, end - p, h.changed);
+  const uint64_t changed = h.changed;
+  // In parts only where they run at once: alone, a part's cut and count cost without gain.
+  const size_t parts =
+      for_each ? static_cast<size_t>(std::clamp<uint64_t>(changed / kChangesPerPart, 1, kMaxParts)) : 1;
   std::vector<uint64_t>& index = out.index;
-  index.clear();
-  index.reserve(h.changed);
+  std::vector<uint64_t>& fresh = out.values;
+  index.resize(changed);
+  fresh.resize(changed);
+  const bool steps = h.values == DeltaValues::kSteps;
+  // Positions first (all checked before anything is written), then the values where they are not
+  // varints following the gaps'.
+  const uint8_t* values = p;
+  bool values_decoded = false;
   if (h.encoding == DeltaEncoding::kGaps) {
-    uint64_t previous = 0;
-    for (uint64_t k = 0; k < h.changed; ++k) {
-      const uint64_t gap = varint("position", k);
-      const uint64_t i = k == 0 ? gap : previous + 1 + gap;
-      if (gap >= h.elements || i >= h.elements || (k > 0 && i <= previous))
-        fail(ErrorKind::kProtocol, "malformed {}: position {} is past element {}", what, k, h.elements);
-      index.push_back(i);
-      previous = i;
-    }
+    const uint64_t raw_bytes = steps ? 0 : changed * element_size;
+    if (raw_bytes > static_cast<uint64_t>(end - p))
+      fail(ErrorKind::kProtocol, "malformed {}: {} bytes cannot hold {} changes of {} bytes", what, end - p, changed,
+           element_size);
+    values = end - raw_bytes;
+    // With steps, the gaps' varints and then the steps' fill the record: one run of varints.
+    decode_varints(p, values, steps ? 2 * changed : changed, parts, for_each,
+                   {what, "the positions and values", changed, h.elements, element_size, index.data(), fresh.data()});
+    values_decoded = steps;
   } else if (h.encoding == DeltaEncoding::kBitmap) {
     const uint64_t bitmap_bytes = (h.elements + 7) / 8;
     if (static_cast<uint64_t>(end - p) < bitmap_bytes)
       fail(ErrorKind::kProtocol, "malformed {}: the bitmap of {} elements is cut off", what, h.elements);
-    for (uint64_t i = 0; i < h.elements; ++i)
-      if (p[i / 8] & (1u << (i % 8))) index.push_back(i);
     // Bits past the last element must be clear, or two records could mean one change.
     if (h.elements % 8 != 0 && (p[bitmap_bytes - 1] >> (h.elements % 8)) != 0)
       fail(ErrorKind::kProtocol, "malformed {}: bitmap bits set past element {}", what, h.elements);
-    if (index.size() != h.changed)
-      fail(ErrorKind::kProtocol, "malformed {}: the bitmap marks {} elements, the header says {}", what, index.size(),
-           h.changed);
-    p += bitmap_bytes;
+    const size_t runs =
+        for_each ? static_cast<size_t>(std::clamp<uint64_t>(bitmap_bytes / (kChangesPerPart / 8), 1, kMaxParts)) : 1;
+    std::vector<uint64_t> first(runs + 1, 0);
+    run_parts(for_each, runs, [&](size_t r) {
+      uint64_t n = 0;
+      for (uint64_t b = cut_at(bitmap_bytes, runs, r); b < cut_at(bitmap_bytes, runs, r + 1); ++b)
+        n += static_cast<uint64_t>(std::popcount(p[b]));
+      first[r + 1] = n;
+    });
+    for (size_t r = 0; r < runs; ++r) first[r + 1] += first[r];
+    if (first[runs] != changed)
+      fail(ErrorKind::kProtocol, "malformed {}: the bitmap marks {} elements, the header says {}", what, first[runs],
+           changed);
+    run_parts(for_each, runs, [&](size_t r) {
+      uint64_t k = first[r];
+      for (uint64_t b = cut_at(bitmap_bytes, runs, r); b < cut_at(bitmap_bytes, runs, r + 1); ++b)
+        for (unsigned bits = p[b]; bits != 0; bits &= bits - 1) index[k++] = b * 8 + std::countr_zero(bits);
+    });
+    values = p + bitmap_bytes;
   }
-  std::vector<uint64_t>& fresh = out.values;
-  fresh.resize(index.size());
-  if (h.values == DeltaValues::kRaw) {
-    if (static_cast<uint64_t>(end - p) != index.size() * element_size)
-      fail(ErrorKind::kProtocol, "malformed {}: {} bytes of values for {} changes of {} bytes", what, end - p,
-           index.size(), element_size);
-    for (size_t k = 0; k < index.size(); ++k)
-      fresh[k] = element_bits(reinterpret_cast<const std::byte*>(p) + k * element_size, element_size);
-    p = end;
-  } else {
-    for (size_t k = 0; k < index.size(); ++k) {
-      const uint64_t z = varint("value", k);
-      // A step larger than the element's range would be a second spelling of another step.
-      if (element_size < 8 && (z >> (8 * element_size)) != 0)
-        fail(ErrorKind::kProtocol, "malformed {}: value {} steps by {} in {}-byte elements", what, k, z, element_size);
-      fresh[k] = z;
-    }
+  if (values_decoded) return;  // steps after gaps: decoded with them
+  if (!steps) {
+    if (static_cast<uint64_t>(end - values) != changed * element_size)
+      fail(ErrorKind::kProtocol, "malformed {}: {} bytes of values for {} changes of {} bytes", what, end - values,
+           changed, element_size);
+    run_parts(for_each, parts, [&](size_t r) {
+      for (uint64_t k = cut_at(changed, parts, r); k < cut_at(changed, parts, r + 1); ++k)
+        fresh[k] = element_bits(reinterpret_cast<const std::byte*>(values) + k * element_size, element_size);
+    });
+    return;
   }
-  if (p != end) fail(ErrorKind::kProtocol, "malformed {}: {} bytes after the values", what, end - p);
+  decode_varints(values, end, changed, parts, for_each,
+                 {what, "the values", 0, h.elements, element_size, index.data(), fresh.data()});
 }
 
 DeltaHeader apply_delta(std::span<std::byte> target, size_t element_size, std::span<const uint8_t> record,
-                        const std::string& what) {
+                        const std::string& what, const DeltaForEach& for_each) {
   DeltaChanges changes;
-  decode_delta(record, element_size, target.size(), changes, what);
-  by_element_size<PatchOf>(element_size, target, changes);
+  decode_delta(record, element_size, target.size(), changes, what, for_each);
+  // Each change is another element's: the parts write apart.
+  const uint64_t changed = changes.index.size();
+  const size_t parts =
+      for_each ? static_cast<size_t>(std::clamp<uint64_t>(changed / kChangesPerPart, 1, kMaxParts)) : 1;
+  run_parts(for_each, parts, [&](size_t r) {
+    by_element_size<PatchOf>(element_size, target, changes, cut_at(changed, parts, r), cut_at(changed, parts, r + 1));
+  });
   return changes.header;
 }
 

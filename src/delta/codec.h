@@ -23,6 +23,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <string>
 #include <vector>
@@ -118,17 +119,28 @@ struct DeltaChanges {
   std::vector<uint64_t> values;
 };
 
+// Runs body(0) ... body(n - 1), on several threads if it has them, returning once all are done and
+// rethrowing the exception of the lowest k that threw (HostCopyPool::for_each).
+using DeltaForEach = std::function<void(size_t n, const std::function<void(size_t)>& body)>;
+
+// A record is decoded and applied in a part per this many of its changes (about half a
+// millisecond's work each), at most 64.
+inline constexpr uint64_t kDeltaChangesPerPart = uint64_t{1} << 16;
+
 // Decodes the record for a tensor of `target_bytes` bytes of `element_size`-byte elements,
 // checking that it fits: the element size and count must match, positions must be in range and
 // increasing, and the record must end where its values end. Error(kProtocol) naming `what`.
+// A record of many changes is decoded in parts (its varints cut where one ends, found by counting
+// their last bytes; its bitmap by bytes), run by `for_each` when given: the embedding's or the LM
+// head's changes need not be one thread's work.
 void decode_delta(std::span<const uint8_t> record, size_t element_size, uint64_t target_bytes, DeltaChanges& out,
-                  const std::string& what);
+                  const std::string& what, const DeltaForEach& for_each = {});
 
 // Applies the record to `target` (the old version, in host memory, in place) once decode_delta
-// accepted all of it. Returns the header. Does not check the checksum (the caller hashes what it
-// holds afterwards).
+// accepted all of it, in parts by `for_each` as it decodes. Returns the header. Does not check the
+// checksum (the caller hashes what it holds afterwards).
 DeltaHeader apply_delta(std::span<std::byte> target, size_t element_size, std::span<const uint8_t> record,
-                        const std::string& what);
+                        const std::string& what, const DeltaForEach& for_each = {});
 
 // The checksum of the bytes (host memory) of the given kind.
 uint64_t delta_checksum(std::span<const std::byte> bytes, DeltaChecksum kind = DeltaChecksum::kXxh3);

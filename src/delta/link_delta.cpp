@@ -432,12 +432,28 @@ void DestinationDelta::transform(std::span<const TensorView> in, std::span<const
   std::vector<Patch> host_patches, gpu_patches;
   records_.clear();
   std::unordered_set<const HeldTensor*> pending;  // tensors with a patch or copy not yet applied
+  // A record of many changes (the embedding's, the LM head's) is decoded, and applied, in parts on
+  // the pool's threads, one record at a time (a pool's for_each does not nest); the others one per
+  // thread, whole.
+  const DeltaForEach on_pool = [&pool](size_t n, const std::function<void(size_t)>& body) { pool.for_each(n, body); };
+  auto in_parts = [&](const Patch& p) {
+    return pool.threads() > 0 && read_delta_header(p.record, p.what).changed >= 2 * kDeltaChangesPerPart;
+  };
   auto patch_on_host = [&] {
     if (host_patches.empty()) return;
     std::vector<DeltaHeader> headers(host_patches.size());
-    pool.for_each(host_patches.size(), [&](size_t k) {
+    std::vector<size_t> whole;
+    for (size_t k = 0; k < host_patches.size(); ++k) {
       const Patch& p = host_patches[k];
-      headers[k] = apply_delta(p.held->bytes, dtype_size(p.held->info.dtype), p.record, p.what);
+      if (!in_parts(p)) {
+        whole.push_back(k);
+        continue;
+      }
+      headers[k] = apply_delta(p.held->bytes, dtype_size(p.held->info.dtype), p.record, p.what, on_pool);
+    }
+    pool.for_each(whole.size(), [&](size_t j) {
+      const Patch& p = host_patches[whole[j]];
+      headers[whole[j]] = apply_delta(p.held->bytes, dtype_size(p.held->info.dtype), p.record, p.what);
     });
     std::vector<HostSum> sums;
     for (size_t k = 0; k < host_patches.size(); ++k)
@@ -449,9 +465,18 @@ void DestinationDelta::transform(std::span<const TensorView> in, std::span<const
   auto patch_on_gpu = [&] {
     if (gpu_patches.empty()) return;
     std::vector<DeltaChanges> changes(gpu_patches.size());
-    pool.for_each(gpu_patches.size(), [&](size_t k) {
+    std::vector<size_t> whole;
+    for (size_t k = 0; k < gpu_patches.size(); ++k) {
       const Patch& p = gpu_patches[k];
-      decode_delta(p.record, dtype_size(p.held->info.dtype), p.held->info.nbytes(), changes[k], p.what);
+      if (!in_parts(p)) {
+        whole.push_back(k);
+        continue;
+      }
+      decode_delta(p.record, dtype_size(p.held->info.dtype), p.held->info.nbytes(), changes[k], p.what, on_pool);
+    }
+    pool.for_each(whole.size(), [&](size_t j) {
+      const Patch& p = gpu_patches[whole[j]];
+      decode_delta(p.record, dtype_size(p.held->info.dtype), p.held->info.nbytes(), changes[whole[j]], p.what);
     });
     for (size_t k = 0; k < gpu_patches.size(); ++k)
       gpu().queue_decoded(gpu_patches[k].held->device, gpu_patches[k].held->info.nbytes(),

@@ -3,9 +3,12 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <functional>
+#include <optional>
 #include <random>
 
 #include "delta/bits.h"
+#include "memory/host_copy_pool.h"
 #include "refit/error.h"
 
 namespace refit {
@@ -415,6 +418,141 @@ TEST(DeltaChecksum, TheWordHashInPartsIsTheWholeOnes) {
   // A moved part changes it.
   EXPECT_NE(word_hash::finish(word_hash_terms(all.subspan(8), 0) + word_hash_terms(all.first(8), 1000), bytes.size()),
             whole);
+}
+
+// The decoder before records were decoded in parts, one varint after the other: the oracle the
+// parts must agree with. Nothing when it refuses the record.
+std::optional<DeltaChanges> decoded_one_by_one(std::span<const uint8_t> record, size_t element_size) {
+  DeltaChanges out;
+  try {
+    out.header = read_delta_header(record, "record");
+  } catch (const Error&) {
+    return std::nullopt;
+  }
+  const DeltaHeader& h = out.header;
+  const uint8_t* p = record.data() + kDeltaHeaderBytes;
+  const uint8_t* const end = record.data() + record.size();
+  if (h.element_size != element_size || h.changed > static_cast<uint64_t>(end - p)) return std::nullopt;
+  auto varint = [&](uint64_t* v) {
+    *v = 0;
+    for (int shift = 0;; shift += 7) {
+      if (p >= end || shift > 63) return false;
+      const uint8_t byte = *p++;
+      *v |= static_cast<uint64_t>(byte & 0x7f) << shift;
+      if (!(byte & 0x80)) return true;
+    }
+  };
+  if (h.encoding == DeltaEncoding::kGaps) {
+    uint64_t previous = 0;
+    for (uint64_t k = 0; k < h.changed; ++k) {
+      uint64_t gap = 0;
+      if (!varint(&gap)) return std::nullopt;
+      const uint64_t i = k == 0 ? gap : previous + 1 + gap;
+      if (gap >= h.elements || i >= h.elements || (k > 0 && i <= previous)) return std::nullopt;
+      out.index.push_back(previous = i);
+    }
+  } else if (h.encoding == DeltaEncoding::kBitmap) {
+    const uint64_t bitmap_bytes = (h.elements + 7) / 8;
+    if (static_cast<uint64_t>(end - p) < bitmap_bytes) return std::nullopt;
+    for (uint64_t i = 0; i < h.elements; ++i)
+      if (p[i / 8] & (1u << (i % 8))) out.index.push_back(i);
+    if ((h.elements % 8 != 0 && (p[bitmap_bytes - 1] >> (h.elements % 8)) != 0) || out.index.size() != h.changed)
+      return std::nullopt;
+    p += bitmap_bytes;
+  }
+  for (size_t k = 0; k < out.index.size(); ++k) {
+    uint64_t v = 0;
+    if (h.values == DeltaValues::kRaw) {
+      if (static_cast<uint64_t>(end - p) < element_size) return std::nullopt;
+      std::memcpy(&v, p, element_size);
+      p += element_size;
+    } else if (!varint(&v) || (element_size < 8 && (v >> (8 * element_size)) != 0)) {
+      return std::nullopt;
+    }
+    out.values.push_back(v);
+  }
+  if (p != end) return std::nullopt;
+  return out;
+}
+
+// A record of many changes is decoded and applied in parts, on a pool's threads: the changes of
+// the decoder one varint after the other, for every encoding of positions and values, and the
+// same records refused (each mutated byte of one, at part cuts too).
+TEST(DeltaCodec, ARecordOfManyChangesDecodesInPartsAsOneByOne) {
+  HostCopyPool pool(3);
+  const DeltaForEach on_pool = [&](size_t n, const std::function<void(size_t)>& body) { pool.for_each(n, body); };
+  constexpr size_t kElements = size_t{2} << 20;  // bf16
+  const auto old = random_bytes(2 * kElements, 7);
+  // Every `every`-th element stepped by one unit in the last place (steps), or changed at random (raw).
+  auto make = [&](size_t every, bool steps) {
+    std::vector<std::byte> now = old;
+    std::mt19937 rng(static_cast<uint32_t>(every));
+    for (size_t i = rng() % every; i < kElements; i += 1 + rng() % (2 * every - 1)) {
+      uint16_t v = 0;
+      std::memcpy(&v, now.data() + 2 * i, 2);
+      v = steps ? static_cast<uint16_t>(v + 1) : static_cast<uint16_t>(v ^ (0x8000 | (rng() & 0x7fff)));
+      std::memcpy(now.data() + 2 * i, &v, 2);
+    }
+    return now;
+  };
+  struct Case {
+    size_t every;
+    bool steps;
+    DeltaEncoding encoding;
+    DeltaValues values;
+  };
+  for (const Case& c : {Case{9, true, DeltaEncoding::kGaps, DeltaValues::kSteps},
+                        Case{9, false, DeltaEncoding::kGaps, DeltaValues::kRaw},
+                        Case{3, true, DeltaEncoding::kBitmap, DeltaValues::kSteps},
+                        Case{3, false, DeltaEncoding::kBitmap, DeltaValues::kRaw}}) {
+    const auto now = make(c.every, c.steps);
+    std::vector<std::byte> base = old;
+    std::vector<uint8_t> record;
+    ASSERT_TRUE(encode_delta(base, now, 2, record).encoded);
+    const DeltaHeader h = read_delta_header(record, "record");
+    SCOPED_TRACE(::testing::Message() << h.changed << " changes, encoding " << static_cast<int>(h.encoding));
+    ASSERT_EQ(h.encoding, c.encoding);
+    ASSERT_EQ(h.values, c.values);
+    ASSERT_GT(h.changed, 3u << 16) << "several parts";
+    const auto oracle = decoded_one_by_one(record, 2);
+    ASSERT_TRUE(oracle.has_value());
+    for (const DeltaForEach& runner : {DeltaForEach{}, on_pool}) {
+      DeltaChanges parts;
+      decode_delta(record, 2, 2 * kElements, parts, "record", runner);
+      EXPECT_EQ(parts.index, oracle->index);
+      EXPECT_EQ(parts.values, oracle->values);
+      std::vector<std::byte> target = old;
+      apply_delta(target, 2, record, "record", runner);
+      EXPECT_TRUE(target == now);
+    }
+    // Mutated bytes past the header: refused by both, or the same changes.
+    std::mt19937 rng(11);
+    int refusals = 0;
+    for (int m = 0; m < 40; ++m) {
+      std::vector<uint8_t> bad = record;
+      const size_t at = kDeltaHeaderBytes + rng() % (bad.size() - kDeltaHeaderBytes);
+      bad[at] = static_cast<uint8_t>(rng() % 3 == 0 ? 0x80 | bad[at] : rng() & 0xff);
+      if (m % 10 == 9) bad.push_back(static_cast<uint8_t>(rng() & 0xff));
+      if (m % 10 == 8) bad.pop_back();
+      const auto expected = decoded_one_by_one(bad, 2);
+      DeltaChanges got;
+      bool refused = false;
+      try {
+        decode_delta(bad, 2, 2 * kElements, got, "record", on_pool);
+      } catch (const Error& e) {
+        refused = true;
+        EXPECT_EQ(e.kind(), ErrorKind::kProtocol) << e.what();
+      }
+      EXPECT_EQ(refused, !expected.has_value()) << "mutation " << m << " at byte " << at;
+      refusals += refused;
+      if (!refused && expected) {
+        EXPECT_EQ(got.index, expected->index) << "mutation " << m;
+        EXPECT_EQ(got.values, expected->values) << "mutation " << m;
+      }
+    }
+    EXPECT_GT(refusals, 0);
+    EXPECT_LT(refusals, 40) << "some mutations make another valid record";
+  }
 }
 
 }  // namespace

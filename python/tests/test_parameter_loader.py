@@ -148,3 +148,40 @@ def test_the_loader_says_which_parameters_no_source_sent():
         assert len(loader.take_not_loaded()) == len(sent)  # counted anew
     finally:
         pair.close()
+
+
+def test_parameters_share_memory_only_as_one_tied_tensor():
+    # A tied model's state_dict names one tensor twice: both names load, and must bring the same
+    # bytes; an untied source into it fails the refit naming both. Parameters that overlap in any
+    # other way are refused when the loader is made.
+    torch = pytest.importorskip("torch")
+    buffer = torch.zeros(2400)
+    with pytest.raises(refit.InvalidArgumentError, match="'lm_head' .* overlaps the memory of parameter 'embed'"):
+        refit.ParameterLoader({"embed": buffer[:1600].view(100, 16), "lm_head": buffer[800:].view(100, 16)})
+    pair = Pair(MiB)
+    try:
+        model = torch.nn.Module()
+        model.embed = torch.nn.Embedding(100, 16)
+        model.lm_head = torch.nn.Linear(16, 100, bias=False)
+        model.lm_head.weight = model.embed.weight  # tied, as transformers ties them
+        parameters = model.state_dict()
+        assert parameters["embed.weight"].data_ptr() == parameters["lm_head.weight"].data_ptr()
+        loader = refit.ParameterLoader(parameters)
+        rng = np.random.default_rng(5)
+        for r in range(2):
+            embed = rng.standard_normal((100, 16)).astype(np.float32)
+            sender = pair.start_send([("embed.weight", embed), ("lm_head.weight", embed.copy())])
+            pair.destination.receive_weights(loader)
+            sender.join()
+            assert np.array_equal(model.embed.weight.detach().numpy(), embed), r
+        untied = [("embed.weight", rng.standard_normal((100, 16)).astype(np.float32)),
+                  ("lm_head.weight", rng.standard_normal((100, 16)).astype(np.float32))]
+        sender = pair.start_send(untied)
+        with pytest.raises(refit.LayoutError, match="'embed.weight' and 'lm_head.weight' differ, but their parameters "
+                                                    "here are one memory"):
+            pair.destination.receive_weights(loader)
+        with pytest.raises(refit.RefitError):
+            sender.join()
+        assert not np.array_equal(model.embed.weight.detach().numpy(), untied[1][1])
+    finally:
+        pair.close()

@@ -791,6 +791,9 @@ class CheckpointEngine::Impl {
       stats.delta_seconds += seconds_since(start);
       send_ready(k, ready);
     };
+    auto twice = [](const std::string& name) {
+      fail(ErrorKind::kInvalidArgument, "tensor '{}' appears twice in one refit", name);
+    };
     TensorView view;
     SendPiece paired_piece;  // paired: the one piece of the tensor in hand
     std::string pack_phase = "pack";
@@ -823,8 +826,7 @@ class CheckpointEngine::Impl {
           fail(ErrorKind::kLayout, "the weight stream yielded '{}' as {} {}, but this source declared it holds {} {}",
                info.name, dtype_name(info.dtype), shape_string(info.shape), dtype_name(t.dtype),
                shape_string(t.held_shape));
-        if (!sent.add(info.name).added)
-          fail(ErrorKind::kInvalidArgument, "tensor '{}' appears twice in one refit", info.name);
+        if (!sent.add(info.name).added) twice(info.name);
         pieces = t.pieces;
       } else if (target_layout_) {
         Selection selection = select(*target_layout_, info);
@@ -832,10 +834,12 @@ class CheckpointEngine::Impl {
           ++stats.dropped;
           continue;
         }
-        sent.add(info.name);
+        if (!sent.add(info.name).added && delta_) twice(info.name);
         paired_piece.at.in_view = Box::of(Request{selection.take, selection.slice});
         paired_piece.at.tensor = std::move(selection.info);
       } else {
+        // The packer refuses a name twice, but a delta link packs records under names of their own.
+        if (delta_ && !sent.add(info.name).added) twice(info.name);
         paired_piece.at.tensor = info;  // reuses the previous tensor's allocations
       }
       for (const SendPiece& p : pieces)

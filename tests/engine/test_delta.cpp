@@ -337,6 +337,30 @@ TEST(DeltaRefit, ALayoutTensorTheStreamNeverYieldsFailsTheRefit) {
   EXPECT_NE(message.find("model.layers.9.missing"), std::string::npos) << message;
 }
 
+// A tensor the stream yields twice is refused by its name, whether it goes whole or as changes
+// (which travel under names of their own), with or without a destination layout.
+TEST(DeltaRefit, ATensorYieldedTwiceIsRefusedByItsOwnName) {
+  for (const bool layout : {false, true}) {
+    DeltaPair p;
+    if (layout) {
+      auto o = inproc_options(p.fabric, 16 << 10, p.session);
+      o.config.delta = DeltaMode::kOn;
+      o.layout = Layout{};
+      o.layout->drop_prefixes.push_back("nothing.");
+      p.destination = std::make_unique<CheckpointEngine>(o);
+    }
+    p.connect();
+    auto weights = model(4);
+    p.refit_exact(weights);  // every tensor has a base now
+    step(weights, 0.01, 40);
+    weights.push_back(weights[1]);
+    Received got;
+    std::string message;
+    EXPECT_EQ(error_kind_of([&] { p.refit(weights, got); }, &message), ErrorKind::kInvalidArgument);
+    EXPECT_THAT(message, HasSubstr("tensor '" + weights[1].info.name + "' appears twice in one refit"));
+  }
+}
+
 // Where the pool has threads, a source compares its host tensors in batches on them: the same
 // records, in the same order, as one at a time; a tensor twice in a batch is refused.
 TEST(DeltaRefit, HostTensorsComparedOnThePoolsThreadsMakeTheSameRecords) {

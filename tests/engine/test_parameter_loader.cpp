@@ -109,5 +109,75 @@ TEST(ParameterLoader, RefusesANameTwiceAndMemoryWithoutAPointer) {
               HasSubstr("timeout_s must be > 0"));
 }
 
+// Parameters share memory only as one tensor under two names (a tied weight); any other overlap
+// would leave one holding the other's bytes after a refit, and is refused when it is added.
+TEST(ParameterLoader, RefusesParametersThatShareMemoryWithoutBeingOneTensor) {
+  std::vector<std::byte> memory(64);
+  ParameterLoader loader;
+  loader.add({"embed", DType::kBFloat16, {4, 4}}, memory.data(), MemoryKind::kHost);    // bytes [0, 32)
+  loader.add({"lm_head", DType::kBFloat16, {4, 4}}, memory.data(), MemoryKind::kHost);  // tied
+  const struct {
+    TensorInfo info;
+    size_t offset;
+  } conflicts[] = {
+      {{"half_over", DType::kBFloat16, {4, 4}}, 16},  // [16, 48)
+      {{"inside", DType::kUInt8, {4}}, 8},            // [8, 12)
+      {{"reinterpreted", DType::kFloat32, {8}}, 0},   // the same bytes as another dtype
+      {{"reshaped", DType::kBFloat16, {16}}, 0},      // ... or shape
+      {{"before", DType::kUInt8, {40}}, 0},
+  };
+  for (const auto& c : conflicts)
+    EXPECT_THAT(testing::error_of(ErrorKind::kInvalidArgument,
+                                  [&] { loader.add(c.info, memory.data() + c.offset, MemoryKind::kHost); }),
+                HasSubstr("parameter '" + c.info.name + "'"))
+        << c.info.name;
+  EXPECT_EQ(loader.size(), 2u) << "a refused parameter is not added";
+  loader.add({"after", DType::kUInt8, {32}}, memory.data() + 32, MemoryKind::kHost);  // adjacent: its own
+  loader.add({"empty", DType::kUInt8, {0}}, memory.data() + 8, MemoryKind::kHost);    // no bytes: no overlap
+  EXPECT_EQ(loader.size(), 4u);
+}
+
+// A tied weight loads when its names bring the same bytes; a source whose model does not tie them
+// (different bytes under the two names) fails the refit naming both, in one batch or across
+// batches, refit after refit, and nothing of that batch is copied.
+TEST(ParameterLoader, ATiedWeightTakesOnlyTheSameBytesUnderBothNames) {
+  for (const uint64_t bucket : {uint64_t{1} << 20, uint64_t{64}}) {  // one batch; a batch per tensor
+    SCOPED_TRACE(bucket);
+    Pair p(bucket);
+    p.connect();
+    std::vector<std::byte> tied(32), other(8);
+    ParameterLoader loader;
+    loader.add({"embed", DType::kBFloat16, {4, 4}}, tied.data(), MemoryKind::kHost);
+    loader.add({"norm", DType::kUInt8, {8}}, other.data(), MemoryKind::kHost);
+    loader.add({"lm_head", DType::kBFloat16, {4, 4}}, tied.data(), MemoryKind::kHost);
+    for (uint32_t refit = 0; refit < 3; ++refit) {
+      const OwnedTensor embed = make_tensor("embed", DType::kBFloat16, {4, 4}, 100 + refit);
+      OwnedTensor head = embed;
+      head.info.name = "lm_head";
+      const OwnedTensor norm = make_tensor("norm", DType::kUInt8, {8}, 200 + refit);
+      const std::vector<OwnedTensor> w{embed, norm, head};
+      auto sent = p.start_send(w);
+      p.destination->receive(loader.loader());
+      sent.get();
+      EXPECT_EQ(tied, embed.data);
+      EXPECT_EQ(other, norm.data);
+    }
+    for (uint32_t refit = 0; refit < 2; ++refit) {
+      const OwnedTensor embed = make_tensor("embed", DType::kBFloat16, {4, 4}, 300 + refit);
+      const OwnedTensor head = make_tensor("lm_head", DType::kBFloat16, {4, 4}, 400 + refit);  // untied
+      const OwnedTensor norm = make_tensor("norm", DType::kUInt8, {8}, 500 + refit);
+      const std::vector<std::byte> before = tied;
+      const std::vector<OwnedTensor> w{embed, norm, head};
+      auto sent = p.start_send(w);
+      const std::string error = testing::error_of(ErrorKind::kLayout, [&] { p.destination->receive(loader.loader()); });
+      EXPECT_THAT(error, HasSubstr("received tensors 'embed' and 'lm_head' differ")) << "refit " << refit;
+      EXPECT_THROW(sent.get(), Error);
+      EXPECT_TRUE(tied == embed.data || tied == before) << "never the head's bytes";
+      EXPECT_NE(tied, head.data);
+      p.connect();
+    }
+  }
+}
+
 }  // namespace
 }  // namespace refit

@@ -79,34 +79,17 @@ void BM_DeltaEncodeInParts(benchmark::State& state) {
 }
 BENCHMARK(BM_DeltaEncodeInParts)->Arg(17)->Arg(2)->UseRealTime()->Unit(benchmark::kMillisecond);
 
+// The destination's patch: decode and apply. Second argument 1: in parts on a pool of the host's
+// size (a destination's embedding or LM head, on a host of 8 cores or more).
 void BM_DeltaApply(benchmark::State& state) {
   Versions v(state.range(0));
   std::vector<std::byte> base = v.base;
   std::vector<uint8_t> record;
   refit::encode_delta(base, v.now, 2, record);
   std::vector<std::byte> target(kBytes);
-  for (auto _ : state) {
-    state.PauseTiming();
-    std::memcpy(target.data(), v.base.data(), kBytes);
-    state.ResumeTiming();
-    benchmark::DoNotOptimize(refit::apply_delta(target, 2, record, "bench"));
-  }
-  state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * kBytes));
-}
-BENCHMARK(BM_DeltaApply)->Arg(17)->Arg(2)->UseRealTime()->Unit(benchmark::kMillisecond);
-
-// The same record decoded and applied in parts on a pool of the host's size (a destination's
-// embedding or LM head, on a host of 8 cores or more).
-void BM_DeltaApplyInParts(benchmark::State& state) {
-  Versions v(state.range(0));
-  std::vector<std::byte> base = v.base;
-  std::vector<uint8_t> record;
-  refit::encode_delta(base, v.now, 2, record);
-  std::vector<std::byte> target(kBytes);
   refit::HostCopyPool pool(std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / 4));
-  const refit::DeltaForEach on_pool = [&](size_t n, const std::function<void(size_t)>& body) {
-    pool.for_each(n, body);
-  };
+  refit::DeltaForEach on_pool;
+  if (state.range(1) == 1) on_pool = [&](size_t n, const std::function<void(size_t)>& body) { pool.for_each(n, body); };
   for (auto _ : state) {
     state.PauseTiming();
     std::memcpy(target.data(), v.base.data(), kBytes);
@@ -114,9 +97,15 @@ void BM_DeltaApplyInParts(benchmark::State& state) {
     benchmark::DoNotOptimize(refit::apply_delta(target, 2, record, "bench", on_pool));
   }
   state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * kBytes));
-  state.counters["threads"] = pool.threads() + 1;
+  state.counters["threads"] = on_pool ? pool.threads() + 1 : 1;
 }
-BENCHMARK(BM_DeltaApplyInParts)->Arg(17)->Arg(2)->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_DeltaApply)
+    ->Args({17, 0})
+    ->Args({2, 0})
+    ->Args({17, 1})
+    ->Args({2, 1})
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
 
 // The record of changes a GPU kernel compacted (index, old and new bits): the host's share of a
 // delta refit of GPU tensors.

@@ -39,6 +39,7 @@ struct ParameterLoader::Impl {
   CopyStream stream;
   double timeout_s;
   std::vector<uint32_t> targets;  // the parameter of each tensor of the batch being loaded
+  std::vector<bool> there;        // ... whose bytes are there already (a tied weight's second name)
   uint64_t tensors = 0, bytes = 0;
   std::map<const std::byte*, uint32_t> by_address;  // the first parameter of each memory range
   std::vector<std::vector<uint32_t>> ties;          // tied parameters, by group
@@ -133,7 +134,9 @@ void ParameterLoader::load(LoadBatch batch) {
   }
   // A tied parameter takes one tensor under two names: what arrives under the second must be what
   // arrived under the first (earlier in this batch, or in an earlier batch: a name of its memory
-  // loaded more times than this one), or the source's model is not tied as this one is.
+  // loaded more times than this one), or the source's model is not tied as this one is. Compared
+  // instead of copied: its bytes are there.
+  m.there.assign(batch.size(), false);
   for (size_t i = 0; i < batch.size(); ++i) {
     Parameter& p = m.parameters[m.targets[i]];
     if (p.tie < 0) continue;
@@ -148,7 +151,10 @@ void ParameterLoader::load(LoadBatch batch) {
     const uint64_t n = batch[i].info->nbytes();
     const bool same = earlier ? m.same_bytes(earlier->data, earlier->memory, batch[i].data, batch[i].memory, n)
                               : m.same_bytes(p.data, p.memory, batch[i].data, batch[i].memory, n);
-    if (same) continue;
+    if (same) {
+      m.there[i] = true;
+      continue;
+    }
     const std::string other = earlier ? earlier->info->name : std::string(m.names.name(ahead));
     p.loads = most;  // caught up: a source that sends the names in another order is checked the other way
     fail(ErrorKind::kLayout,
@@ -159,7 +165,7 @@ void ParameterLoader::load(LoadBatch batch) {
   // Every tensor checked before any copy; between GPU memory the copies go out as one kernel per ~100.
   for (size_t i = 0; i < batch.size(); ++i) {
     const Parameter& p = m.parameters[m.targets[i]];
-    m.stream.copy(p.data, batch[i].data, batch[i].info->nbytes(), p.memory, batch[i].memory);
+    if (!m.there[i]) m.stream.copy(p.data, batch[i].data, batch[i].info->nbytes(), p.memory, batch[i].memory);
   }
   if (m.stream.pending()) m.stream.synchronize(deadline_after(std::chrono::duration<double>(m.timeout_s)));
   for (uint32_t target : m.targets) {  // once the copies are done

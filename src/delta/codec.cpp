@@ -6,7 +6,6 @@
 #include <bit>
 #include <cstring>
 #include <functional>
-#include <optional>
 
 #include "core/fail.h"
 #include "core/wire.h"

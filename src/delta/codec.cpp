@@ -394,8 +394,13 @@ DeltaHeader read_delta_header(std::span<const uint8_t> record, const std::string
 
 namespace {
 
-constexpr uint64_t kChangesPerPart = kDeltaChangesPerPart;
 constexpr size_t kMaxParts = 64;
+
+// How many parts `units` of work (changes, or bitmap bits) go in: one per kDeltaChangesPerPart, at most
+// kMaxParts, and one without a runner (alone, a part's cut and count cost without gain).
+size_t parts_for(uint64_t units, const DeltaForEach& for_each) {
+  return for_each ? static_cast<size_t>(std::clamp<uint64_t>(units / kDeltaChangesPerPart, 1, kMaxParts)) : 1;
+}
 
 // body(0) ... body(n - 1) by `for_each`, or one after the other without one.
 void run_parts(const DeltaForEach& for_each, size_t n, const std::function<void(size_t)>& body) {
@@ -521,9 +526,7 @@ void decode_delta(std::span<const uint8_t> record, size_t element_size, uint64_t
   if (h.changed > static_cast<uint64_t>(end - p))
     fail(ErrorKind::kProtocol, "malformed {}: {} bytes cannot hold {} changes", what, end - p, h.changed);
   const uint64_t changed = h.changed;
-  // In parts only where they run at once: alone, a part's cut and count cost without gain.
-  const size_t parts =
-      for_each ? static_cast<size_t>(std::clamp<uint64_t>(changed / kChangesPerPart, 1, kMaxParts)) : 1;
+  const size_t parts = parts_for(changed, for_each);
   std::vector<uint64_t>& index = out.index;
   std::vector<uint64_t>& fresh = out.values;
   index.resize(changed);
@@ -550,8 +553,7 @@ void decode_delta(std::span<const uint8_t> record, size_t element_size, uint64_t
     // Bits past the last element must be clear, or two records could mean one change.
     if (h.elements % 8 != 0 && (p[bitmap_bytes - 1] >> (h.elements % 8)) != 0)
       fail(ErrorKind::kProtocol, "malformed {}: bitmap bits set past element {}", what, h.elements);
-    const size_t runs =
-        for_each ? static_cast<size_t>(std::clamp<uint64_t>(bitmap_bytes / (kChangesPerPart / 8), 1, kMaxParts)) : 1;
+    const size_t runs = parts_for(8 * bitmap_bytes, for_each);
     std::vector<uint64_t> first(runs + 1, 0);
     run_parts(for_each, runs, [&](size_t r) {
       uint64_t n = 0;
@@ -591,8 +593,7 @@ DeltaHeader apply_delta(std::span<std::byte> target, size_t element_size, std::s
   decode_delta(record, element_size, target.size(), changes, what, for_each);
   // Each change is another element's: the parts write apart.
   const uint64_t changed = changes.index.size();
-  const size_t parts =
-      for_each ? static_cast<size_t>(std::clamp<uint64_t>(changed / kChangesPerPart, 1, kMaxParts)) : 1;
+  const size_t parts = parts_for(changed, for_each);
   run_parts(for_each, parts, [&](size_t r) {
     by_element_size<PatchOf>(element_size, target, changes, cut_at(changed, parts, r), cut_at(changed, parts, r + 1));
   });

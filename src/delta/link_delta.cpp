@@ -432,28 +432,26 @@ void DestinationDelta::transform(std::span<const TensorView> in, std::span<const
   std::vector<Patch> host_patches, gpu_patches;
   records_.clear();
   std::unordered_set<const HeldTensor*> pending;  // tensors with a patch or copy not yet applied
-  // A record of many changes (the embedding's, the LM head's) is decoded, and applied, in parts on
-  // the pool's threads, one record at a time (a pool's for_each does not nest); the others one per
-  // thread, whole.
+  // work(patch, k, runner) for each patch: a record of many changes (the embedding's, the LM
+  // head's) is decoded in parts on the pool's threads (`runner`), one record at a time (a pool's
+  // for_each does not nest); the others one per thread, whole (no runner).
   const DeltaForEach on_pool = [&pool](size_t n, const std::function<void(size_t)>& body) { pool.for_each(n, body); };
-  auto in_parts = [&](const Patch& p) {
-    return pool.threads() > 0 && read_delta_header(p.record, p.what).changed >= 2 * kDeltaChangesPerPart;
+  auto for_each_patch = [&](const std::vector<Patch>& patches, const auto& work) {
+    std::vector<size_t> whole;
+    for (size_t k = 0; k < patches.size(); ++k) {
+      const Patch& p = patches[k];
+      if (pool.threads() > 0 && read_delta_header(p.record, p.what).changed >= 2 * kDeltaChangesPerPart)
+        work(p, k, on_pool);
+      else
+        whole.push_back(k);
+    }
+    pool.for_each(whole.size(), [&](size_t j) { work(patches[whole[j]], whole[j], DeltaForEach{}); });
   };
   auto patch_on_host = [&] {
     if (host_patches.empty()) return;
     std::vector<DeltaHeader> headers(host_patches.size());
-    std::vector<size_t> whole;
-    for (size_t k = 0; k < host_patches.size(); ++k) {
-      const Patch& p = host_patches[k];
-      if (!in_parts(p)) {
-        whole.push_back(k);
-        continue;
-      }
-      headers[k] = apply_delta(p.held->bytes, dtype_size(p.held->info.dtype), p.record, p.what, on_pool);
-    }
-    pool.for_each(whole.size(), [&](size_t j) {
-      const Patch& p = host_patches[whole[j]];
-      headers[whole[j]] = apply_delta(p.held->bytes, dtype_size(p.held->info.dtype), p.record, p.what);
+    for_each_patch(host_patches, [&](const Patch& p, size_t k, const DeltaForEach& runner) {
+      headers[k] = apply_delta(p.held->bytes, dtype_size(p.held->info.dtype), p.record, p.what, runner);
     });
     std::vector<HostSum> sums;
     for (size_t k = 0; k < host_patches.size(); ++k)
@@ -465,18 +463,8 @@ void DestinationDelta::transform(std::span<const TensorView> in, std::span<const
   auto patch_on_gpu = [&] {
     if (gpu_patches.empty()) return;
     std::vector<DeltaChanges> changes(gpu_patches.size());
-    std::vector<size_t> whole;
-    for (size_t k = 0; k < gpu_patches.size(); ++k) {
-      const Patch& p = gpu_patches[k];
-      if (!in_parts(p)) {
-        whole.push_back(k);
-        continue;
-      }
-      decode_delta(p.record, dtype_size(p.held->info.dtype), p.held->info.nbytes(), changes[k], p.what, on_pool);
-    }
-    pool.for_each(whole.size(), [&](size_t j) {
-      const Patch& p = gpu_patches[whole[j]];
-      decode_delta(p.record, dtype_size(p.held->info.dtype), p.held->info.nbytes(), changes[whole[j]], p.what);
+    for_each_patch(gpu_patches, [&](const Patch& p, size_t k, const DeltaForEach& runner) {
+      decode_delta(p.record, dtype_size(p.held->info.dtype), p.held->info.nbytes(), changes[k], p.what, runner);
     });
     for (size_t k = 0; k < gpu_patches.size(); ++k)
       gpu().queue_decoded(gpu_patches[k].held->device, gpu_patches[k].held->info.nbytes(),

@@ -137,7 +137,7 @@ void ParameterLoader::load(LoadBatch batch) {
   // loaded more times than this one), or the source's model is not tied as this one is. Compared
   // instead of copied: its bytes are there.
   m.there.assign(batch.size(), false);
-  for (size_t i = 0; i < batch.size(); ++i) {
+  for (size_t i = 0; i < batch.size() && !m.ties.empty(); ++i) {
     Parameter& p = m.parameters[m.targets[i]];
     if (p.tie < 0) continue;
     const TensorView* earlier = nullptr;

@@ -422,7 +422,8 @@ class PipelineModel {
     const Place& p = source_places_[s];
     const double begun = now();
     // Not a structured binding: a lambda below captures them.
-    int cores = resources_.copy(p).first, memory = resources_.copy(p).second;
+    const std::pair<int, int> copies = resources_.copy(p);
+    int cores = copies.first, memory = copies.second;
     double cap = p.group->copy_rate;
     if (host_buffers(p)) {  // GPU tensors into pinned host buffers
       cores = resources_.pcie(p, true);

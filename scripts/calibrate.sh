@@ -14,7 +14,9 @@
 #   5. the same with 16 MiB groups: each group's cost beyond its bytes, the turnaround and the
 #      hand-offs' latencies;
 #   6. on hosts with fewer than 4 cores, two sources and two destinations in place: the loads'
-#      rate together while their sources wait beside them (more processes than cores).
+#      rate together while their sources wait beside them (more processes than cores);
+#   7. a delta refit (refit_cfg.nixl.delta=true) of 1% of the elements: the source's comparing and
+#      the destination's patching, whose cost per changed element the planner solves for.
 # GPU (--gpu, on the GPU machine): the copy ceilings of GPU 0 (refit_gpu_ceiling: device copy,
 #   pinned host copy, peer copy and NCCL with a second GPU), then steps 1, 2, 4 and 5 with GPU
 #   tensors and buffers on GPU 0 (MODEL, default data/models/qwen3-8b; CUDA IPC, so step 4 and 5
@@ -63,6 +65,7 @@ one_round() {  # $1: the file of this round
     "$REFIT" bench --refits 5 --sources 2 --destinations 2 --calibration-out "$out" refit_cfg.nixl.bucket_bytes=16MiB \
       refit_cfg.nixl.direct_reads=true | grep -E "^calibration"
   fi
+  "$REFIT" bench --refits 5 --changed 0.01 --calibration-out "$out" refit_cfg.nixl.delta=true | grep -E "^calibration"
 }
 for ((r = 1; r <= rounds; r++)); do
   echo "== calibration round $r of $rounds"

@@ -308,6 +308,14 @@ int run_bench(const BenchOptions& options) {
   out["sharded"] = layouts.empty() ? false : layouts[0].has_value();
   out["resharding"] = !holds.empty();
   out["expected_bytes"] = expected_bytes;
+  if (options.changed > 0) {
+    // What every refit after the first changes (each tensor's share, as the weight stream changes it).
+    uint64_t changed = 0;
+    for (const auto& t : model.inventory.tensors)
+      changed += static_cast<uint64_t>(options.changed * static_cast<double>(t.numel()));
+    out["changed_share"] = options.changed;
+    out["changed_elements"] = changed;
+  }
   bool verified = true;
   int exit_code = 0;
   std::vector<double> throughputs;

@@ -313,6 +313,38 @@ double in_place_share(const std::vector<InPlaceRefit>& refits) {
   return all > 0 ? in_place / all : 0;
 }
 
+// A delta refit run measures delta refit's host work alone (its copies are not a full refit's):
+// the source's comparing and the destination's patching, medians over the refits that went as
+// changes (all but the first).
+void save_delta_calibration(const std::string& path, const json& run, Calibration& c) {
+  auto refuse = [&](const std::string& why) {
+    throw Error(ErrorKind::kInvalidArgument, fmt::format("--calibration-out {} with --changed: {}", path, why));
+  };
+  if (run.value("sources", 0u) != 1 || run.value("destinations", 0u) != 1 || run.value("sharded", false) ||
+      run.value("resharding", false))
+    refuse("delta refit's costs are measured from one source into one destination of the whole model");
+  if (run.at("tensor_memory").get<std::string>() != "cpu")
+    refuse("delta refit's costs are measured on host tensors (on a GPU they follow its copy rate)");
+  std::vector<double> compare, patch;
+  const json& refits = run.at("refits");
+  for (size_t k = 1; k < refits.size(); ++k) {
+    const json& r = refits[k];
+    if (!r.value("ok", false) || r.at("bytes_received").empty()) continue;
+    const json& destination = r.at("bytes_received")[0];
+    if (destination.value("delta_tensors", uint64_t{0}) == 0) continue;  // went whole
+    compare.push_back(r.at("bytes_sent")[0].value("delta_seconds", 0.0));
+    patch.push_back(destination.value("delta_seconds", 0.0));
+  }
+  if (compare.empty()) refuse("no refit went as changes: run it with refit_cfg.nixl.delta=true and --refits 2 or more");
+  c.delta_bytes = run.at("model_bytes").get<double>();
+  c.delta_changes = run.at("changed_elements").get<double>();
+  c.delta_compare_s = median(compare);
+  c.delta_patch_s = median(patch);
+  save_calibration(path, c);
+  fmt::print("calibration {}: delta refit of {:.0f} MiB, {:.0f} changes: comparing {:.1f} ms, patching {:.1f} ms\n",
+             path, c.delta_bytes / (1 << 20), c.delta_changes, c.delta_compare_s * 1e3, c.delta_patch_s * 1e3);
+}
+
 }  // namespace
 
 void save_bench_calibration(const std::string& path, const json& run) {
@@ -325,6 +357,10 @@ void save_bench_calibration(const std::string& path, const json& run) {
                             "bench copies on {} (one file per kind of run)",
                             path, c.engine_device, device));
   c.engine_device = device;
+  if (run.contains("changed_elements")) {
+    save_delta_calibration(path, run, c);
+    return;
+  }
   const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
   c.machine =
       fmt::format("{} cores, {:.0f} GiB, measured by refit bench", cores, total_host_memory_bytes() / 1073741824.0);

@@ -11,6 +11,7 @@
 #include <sstream>
 
 #include "core/fail.h"
+#include "planner/paired_model.h"
 #include "refit/config.h"
 
 namespace refit {
@@ -325,6 +326,10 @@ constexpr CalibrationField kCalibrationFields[] = {
     {"duplex_pinned_copy_bytes_per_s", &Calibration::duplex_pinned_copy_rate, 0},
     {"peer_copy_bytes_per_s", &Calibration::peer_copy_rate, 0},
     {"nccl_bytes_per_s", &Calibration::nccl_rate, 0},
+    {"delta_bytes", &Calibration::delta_bytes, 0},
+    {"delta_changes", &Calibration::delta_changes, 0},
+    {"delta_compare_s", &Calibration::delta_compare_s, -1},
+    {"delta_patch_s", &Calibration::delta_patch_s, -1},
 };
 
 }  // namespace
@@ -411,6 +416,7 @@ void apply_calibration(Cluster& cluster, const Calibration& cal) {
       need(g, g.copy_rate, "copy");
       if (g.node_copy_rate == 0) g.node_copy_rate = g.copy_rate * std::max(g.cores, 1);
       if (g.crowded_copy_rate == 0 && engine) g.crowded_copy_rate = cal.engine_crowded_copy_rate;
+      if (engine) fit_host_delta_costs(g, cal);
     }
     if (g.in_place_copy_rate == 0) g.in_place_copy_rate = g.copy_rate;
   }

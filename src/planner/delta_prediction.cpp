@@ -26,7 +26,31 @@ constexpr double kHostPatchBytesPerChange = 150;
 // The codec's header.
 constexpr uint64_t kRecordHeaderBytes = 32;
 
+// Built-in, or as the group's calibration measured them.
+double compare_change_bytes(const NodeGroup& g) {
+  return g.compare_change_bytes >= 0 ? g.compare_change_bytes : kHostScanBytesPerChange;
+}
+double patch_change_bytes(const NodeGroup& g) {
+  return g.patch_change_bytes >= 0 ? g.patch_change_bytes : kHostPatchBytesPerChange;
+}
+
 }  // namespace
+
+void fit_host_delta_costs(NodeGroup& group, const Calibration& cal) {
+  if (cal.delta_changes <= 0 || cal.delta_bytes <= 0 || cal.delta_compare_s < 0 || cal.delta_patch_s < 0) return;
+  // The machine that measured, as apply_calibration makes a CPU node of it.
+  NodeGroup measured;
+  measured.copy_rate = cal.engine_copy_rate > 0 ? cal.engine_copy_rate : cal.host_copy_rate;
+  measured.node_copy_rate = cal.engine_node_copy_rate > 0 ? cal.engine_node_copy_rate : cal.host_node_copy_rate;
+  measured.cores = cal.cores;
+  const double rate = work_rate(measured);
+  if (rate <= 0) return;
+  auto per_change = [&](double seconds, double copies) {
+    return std::max(0.0, (seconds * rate - copies * cal.delta_bytes) / cal.delta_changes);
+  };
+  if (group.compare_change_bytes < 0) group.compare_change_bytes = per_change(cal.delta_compare_s, kHostScanCopies);
+  if (group.patch_change_bytes < 0) group.patch_change_bytes = per_change(cal.delta_patch_s, kHostPatchCopies);
+}
 
 uint64_t predicted_record_bytes(const TensorInfo& tensor, double changed_share) {
   const uint64_t bytes = tensor.nbytes();
@@ -68,12 +92,12 @@ DeltaPrediction predict_delta(const ModelInventory& model, std::span<const Layou
         const double changes = changed_share * static_cast<double>(piece.numel());
         Crossed c;
         c.record = {piece.name, DType::kUInt8, {static_cast<int64_t>(predicted_record_bytes(piece, changed_share))}};
-        c.compare_seconds = sources.gpu
-                                ? (bytes * kGpuScanCopies + packed) / sources.copy_rate
-                                : (bytes * kHostScanCopies + changes * kHostScanBytesPerChange) / work_rate(sources) +
-                                      packed / sources.copy_rate;
+        c.compare_seconds =
+            sources.gpu ? (bytes * kGpuScanCopies + packed) / sources.copy_rate
+                        : (bytes * kHostScanCopies + changes * compare_change_bytes(sources)) / work_rate(sources) +
+                              packed / sources.copy_rate;
         c.patch_seconds = destinations.gpu ? bytes * kGpuPatchCopies / destinations.copy_rate
-                                           : (bytes * kHostPatchCopies + changes * kHostPatchBytesPerChange) /
+                                           : (bytes * kHostPatchCopies + changes * patch_change_bytes(destinations)) /
                                                  work_rate(destinations);
         c.load_bytes = piece.nbytes();
         compared[s] += c.compare_seconds;

@@ -5,6 +5,7 @@
 #include <functional>
 #include <span>
 
+#include "refit/cluster.h"
 #include "refit/prediction.h"
 
 namespace refit {
@@ -34,5 +35,10 @@ Prediction predict_stream(const ModelInventory& model, std::span<const Layout> h
 // GPU its copy rate; on the host its copy rate on the engine's pool threads and its caller's
 // (host_pool_threads), as far as the node's memory gives.
 double work_rate(const NodeGroup& group);
+
+// Fills what a CPU node group leaves out of its delta refit's costs per change
+// (compare_change_bytes, patch_change_bytes) from a calibration's measured delta refit: solved at
+// the measuring machine's work rate, with the per-byte costs the model takes as they are.
+void fit_host_delta_costs(NodeGroup& group, const Calibration& calibration);
 
 }  // namespace refit

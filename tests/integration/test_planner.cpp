@@ -82,6 +82,36 @@ TEST(Planner, BenchRecordsEveryBucketOfEveryWorkerAndWritesACalibration) {
   EXPECT_EQ(both.at("engine_copy_bytes_per_s"), cal.at("engine_copy_bytes_per_s"));
   EXPECT_EQ(both.at("overhead_s"), cal.at("overhead_s"));
   EXPECT_FALSE(both.contains("engine_in_place_copy_cost_s")) << "one group per refit measures no per-group cost";
+
+  // A delta refit measures the source's comparing and the destination's patching of the changed
+  // share (refits after the first), and leaves the copy rates alone.
+  auto delta = [&](std::vector<std::string> extra) {
+    std::vector<std::string> args{"bench",     "--model",
+                                  model,       "--refits",
+                                  "3",         "--changed",
+                                  "0.05",      "--calibration-out",
+                                  calibration, "refit_cfg.nixl.timeout_s=20"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    return run_cli(args, 120);
+  };
+  auto e = delta({"refit_cfg.nixl.delta=true"});
+  ASSERT_EQ(e.exit_code, 0) << e.output;
+  const auto with_delta = read_json(calibration);
+  const double model_bytes = with_delta.at("delta_bytes").get<double>();
+  EXPECT_GT(model_bytes, 4 << 20);
+  // Every tensor of the small MoE is bf16: 5% of its elements, up to one per tensor rounded away.
+  EXPECT_NEAR(with_delta.at("delta_changes").get<double>(), 0.05 * model_bytes / 2, 0.001 * model_bytes);
+  EXPECT_GT(with_delta.at("delta_compare_s").get<double>(), 0) << with_delta.dump();
+  EXPECT_GT(with_delta.at("delta_patch_s").get<double>(), 0) << with_delta.dump();
+  EXPECT_EQ(with_delta.at("engine_copy_bytes_per_s"), cal.at("engine_copy_bytes_per_s"));
+  EXPECT_EQ(with_delta.at("engine_in_place_copy_bytes_per_s"), both.at("engine_in_place_copy_bytes_per_s"));
+  // What cannot measure it is refused, naming why.
+  auto whole = delta({"refit_cfg.nixl.delta=false"});
+  EXPECT_NE(whole.exit_code, 0);
+  EXPECT_NE(whole.output.find("no refit went as changes"), std::string::npos) << whole.output;
+  auto many = delta({"refit_cfg.nixl.delta=true", "--sources", "2", "--destinations", "2"});
+  EXPECT_NE(many.exit_code, 0);
+  EXPECT_NE(many.output.find("one source into one destination"), std::string::npos) << many.output;
 }
 
 constexpr const char* kCluster = R"(

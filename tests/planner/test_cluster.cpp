@@ -750,6 +750,49 @@ TEST(DeltaPrediction, HostStagesSpreadOverTheEnginesPoolThreadsAsFarAsMemoryGive
   EXPECT_NEAR(scan(cluster(16, 20e9)), one_core * 10e9 / 20e9, 1e-9);  // the node's memory: 2 cores' worth
 }
 
+// A calibration's delta refit (one source into one destination, host tensors) sets the cost of
+// each changed element: predicting that refit on the machine that measured it gives back the
+// measured comparing and patching, and on a node with pool threads the work spreads over them.
+TEST(DeltaPrediction, TheCalibratedCostPerChangeReproducesTheMeasuredRefit) {
+  const ModelInventory m = rows_model(8, 1024, 1024);  // 8 tensors of 4 MiB (float32)
+  const double bytes = static_cast<double>(m.total_bytes());
+  Calibration cal;
+  cal.engine_device = "cpu";
+  cal.engine_copy_rate = 10e9;
+  cal.cores = 2;
+  cal.delta_bytes = bytes;
+  cal.delta_changes = 0.01 * bytes / 4;
+  cal.delta_compare_s = 0.0125;  // two copies' worth (6.7 ms) and 5.8 ms of changes
+  cal.delta_patch_s = 0.0061;    // one copy's worth (3.4 ms) and 2.7 ms of changes
+  auto cluster = [&](int cores, const Calibration& with) {
+    Cluster c = two_sides(1, 1, "1Gbit", "10GB/s", "16MiB");
+    for (NodeGroup& g : c.groups) {
+      g.gpu = false;
+      g.cores = cores;
+      g.node_copy_rate = 100e9;
+    }
+    apply_calibration(c, with);
+    return c;
+  };
+  auto delta = [&](const Cluster& c) {
+    return predict_delta(m, {}, std::vector<Layout>(1), c, 0.01, predict_refit(m, {}, std::vector<Layout>(1), c));
+  };
+  const Cluster measured = cluster(2, cal);
+  EXPECT_NEAR(measured.groups[0].compare_change_bytes, (0.0125 * 10e9 - 2 * bytes) / cal.delta_changes, 1e-6);
+  EXPECT_NEAR(delta(measured).scan_seconds, 0.0125, 1e-9);
+  EXPECT_NEAR(delta(measured).patch_seconds, 0.0061, 1e-9);
+  // 16 cores: the engine's 4 pool threads and the caller's share the work.
+  EXPECT_NEAR(delta(cluster(16, cal)).scan_seconds, 0.0125 / 5, 1e-9);
+  // Without a measured delta refit, the planner's own (320 and 150 bytes' worth a change).
+  const DeltaPrediction built_in = delta(cluster(2, Calibration{}));
+  EXPECT_NEAR(built_in.scan_seconds, (2 * bytes + cal.delta_changes * 320) / 10e9, 1e-9);
+  EXPECT_NEAR(built_in.patch_seconds, (bytes + cal.delta_changes * 150) / 10e9, 1e-9);
+  // Measured faster than its bytes alone: no negative cost per change.
+  Calibration fast = cal;
+  fast.delta_compare_s = 0.001;
+  EXPECT_EQ(cluster(2, fast).groups[0].compare_change_bytes, 0.0);
+}
+
 // A destination with a layout gets the records of what it keeps: its source compares and sends
 // those slices, and the pair that keeps the most sets the time.
 TEST(DeltaPrediction, DestinationsWithLayoutsGetTheRecordsOfTheirSlices) {

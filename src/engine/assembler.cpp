@@ -166,9 +166,7 @@ void TensorAssembler::reset() {
   completed_ = 0;
   deferring_ = true;
   deferred_.clear();
-  batch_infos_.clear();
-  views_.clear();
-  owners_.clear();
+  begin_batch();
 }
 
 void TensorAssembler::release() {

@@ -1,14 +1,12 @@
 #include "refit/checkpoint_engine.h"
 
+#include <fmt/ranges.h>
 #include <spdlog/spdlog.h>
-#include <xxhash.h>
 
 #include <malloc.h>
 
 #include <algorithm>
 #include <atomic>
-#include <cstring>
-#include <deque>
 #include <map>
 #include <set>
 
@@ -176,11 +174,12 @@ class CheckpointEngine::Impl {
         plan_sends(plan, worker_rank);
       else if (!links_.empty() && !links_[0].metadata.layout.empty())  // what its destination holds
         target_layout_ = decode_layout(links_[0].metadata.layout, "layout of " + links_[0].label);
-      for (auto& link : links_) link.first_refit = protocol::first_refit(generation_, link.metadata.generation);
-      keep_linked(source_deltas_);
-      for (auto& link : links_)
+      for (auto& link : links_) {
+        link.first_refit = protocol::first_refit(generation_, link.metadata.generation);
         for (const auto& [rank, version] : link.metadata.weights_versions)
           if (rank == static_cast<uint32_t>(worker_rank)) link.weights_version = version;
+      }
+      keep_linked(source_deltas_);
       make_senders();
     });
     // Planning read every peer's layout; with hundreds of small sources on one host, what it freed
@@ -210,9 +209,10 @@ class CheckpointEngine::Impl {
       for (uint32_t s : plan.sources_of(rollout_rank))
         add_link(std::move(group[s]), s, fmt::format("source rank {}", s),
                  plan.link_bucket_bytes(s, rollout_rank, options_.bucket_bytes));
-      expected_tensors_.clear();
+      std::set<uint32_t> expected;  // a tensor may come in pieces from several sources
       for (uint32_t s = 0; s < plan.source_count(); ++s)
-        for (const auto& piece : plan.link(s, rollout_rank)) expected_tensors_.insert(piece.tensor);
+        for (const auto& piece : plan.link(s, rollout_rank)) expected.insert(piece.tensor);
+      expected_tensors_ = expected.size();
       needs_nothing_ = links_.empty();  // resharding, and this destination holds nothing
       bool all_mapped = true, all_here = !links_.empty();
       for (auto& link : links_) {
@@ -221,8 +221,8 @@ class CheckpointEngine::Impl {
           fail(ErrorKind::kProtocol, "{} published no transfer buffers (it was created to receive only)", link.label);
         if (options_.config.map_source_buffers) map_source_buffers(link);
         all_mapped = all_mapped && link.mapped != nullptr;
-        link.access = protocol::link_access(takes(), same_host(link.metadata.process), transport_->capabilities());
         const bool here = same_host(link.metadata.process);
+        link.access = protocol::link_access(takes(), here, transport_->capabilities());
         all_here = all_here && here;
         const ReadRoute route{buffer_kind_,
                               transport_->name(),
@@ -257,7 +257,7 @@ class CheckpointEngine::Impl {
   SendStats send(WeightSource& weights) {
     if (sending_.exchange(true))
       fail(ErrorKind::kInvalidArgument, "{}: send() while another send() runs on this engine in another thread",
-           self_.empty() ? "source" : self_);
+           self_label("source"));
     struct Sent {
       std::atomic<bool>& flag;
       ~Sent() { flag = false; }
@@ -341,8 +341,8 @@ class CheckpointEngine::Impl {
         }
         link.wire->reset();
       }
-    for (auto& link : links_) run->readers.push_back(std::make_unique<LinkReader>(link, link.first_refit + refits_));
-    run->remaining = needs_nothing_ ? 0 : links_.size();  // resharding, and this destination holds nothing
+    for (auto& link : links_) run->readers.push_back(std::make_unique<LinkReader>(link, wire_refit(link)));
+    run->remaining = links_.size();  // none: resharding, and this destination holds nothing
     run->stats.mapped = std::all_of(links_.begin(), links_.end(), [](const Link& l) { return l.mapped != nullptr; });
     run->stats.buffer_bytes = has_buffers_ ? kBufferCount * options_.bucket_bytes : 0;
     run->stats.sources = static_cast<uint32_t>(links_.size());
@@ -355,7 +355,7 @@ class CheckpointEngine::Impl {
     ReceiveRun& run = active_receive("next_batch()");
     if (run.held)
       fail(ErrorKind::kInvalidArgument, "{}: next_batch() while batch {} is still held: release_batch() it first",
-           self_, run.batches_out - 1);
+           self_, run.stats.batches);
     return guarded([&] {
       for (;;) {
         if (run.remaining == 0) return ReceiveProgress::kDone;
@@ -364,7 +364,7 @@ class CheckpointEngine::Impl {
         advance_links(run);
         if (take_bucket(run)) {
           if (!run.views.empty()) {
-            *out = ReceivedBatch{run.batches_out++, run.views, run.owners};
+            *out = ReceivedBatch{run.stats.batches, run.views, run.owners};  // numbered by the batches released
             run.held = true;
             run.handed_out = Clock::now();
             progress_->resume(run.readers);  // the links go on while the loader works
@@ -393,8 +393,8 @@ class CheckpointEngine::Impl {
     guarded([&] {
       const double held = seconds_since(run.handed_out);
       if (held > options_.config.timeout_s)  // the cause, whatever the sources did meanwhile
-        fail(ErrorKind::kTimeout, "the caller held batch {} for more than timeout_s={} s ({:.1f} s)",
-             run.batches_out - 1, options_.config.timeout_s, held);
+        fail(ErrorKind::kTimeout, "the caller held batch {} for more than timeout_s={} s ({:.1f} s)", run.stats.batches,
+             options_.config.timeout_s, held);
       progress_->pause(run.phase);
       run.held = false;
       run.stats.load_seconds += held;
@@ -413,9 +413,9 @@ class CheckpointEngine::Impl {
     guarded([&] {
       if (needs_nothing_) return;
       assembler_.finish(links_.size() == 1 ? links_[0].label : "its sources");
-      if (!expected_tensors_.empty() && assembler_.tensors_completed() != expected_tensors_.size())
-        fail(ErrorKind::kProtocol, "the plan sends this destination {} tensors, but {} arrived",
-             expected_tensors_.size(), assembler_.tensors_completed());
+      if (expected_tensors_ != 0 && assembler_.tensors_completed() != expected_tensors_)
+        fail(ErrorKind::kProtocol, "the plan sends this destination {} tensors, but {} arrived", expected_tensors_,
+             assembler_.tensors_completed());
       if (delta_)
         for (auto& link : links_) {
           link.wire->finish(link.label);
@@ -427,7 +427,7 @@ class CheckpointEngine::Impl {
     std::set<std::string> routes;
     for (auto& link : links_)
       routes.insert(link.mapped ? transport_->name() + " mapped" : transport_->route(link.peer));
-    for (const auto& r : routes) stats.route += (stats.route.empty() ? "" : "; ") + r;
+    stats.route = fmt::format("{}", fmt::join(routes, "; "));
     stats.total_seconds = seconds_since(done->start);
     stale_ = false;
     if (delta_) {
@@ -469,8 +469,6 @@ class CheckpointEngine::Impl {
     }
   }
 
-  void request_full_refit() { drop_held_versions(); }
-
   // A destination's weights are no version any source knows: the next refit goes whole.
   void drop_held_versions() {
     for (auto& [rank, delta] : destination_deltas_) delta.drop();
@@ -483,13 +481,15 @@ class CheckpointEngine::Impl {
 
  private:
   Deadline next_deadline() const { return deadline_after(Seconds(options_.config.timeout_s)); }
+  // This refit's number on the wire of `link`.
+  uint64_t wire_refit(const Link& link) const { return link.first_refit + refits_; }
 
   // One send at a time per engine, and nothing that replaces what a send works from (buffers,
   // links) while one runs on another thread: two sends would interleave their buckets on one link.
   void refuse_while_sending(const char* what) const {
     if (sending_)
       fail(ErrorKind::kInvalidArgument, "{}: {} while send() runs on this engine in another thread",
-           self_.empty() ? "source" : self_, what);
+           self_label("source"), what);
   }
 
   // Whether this init's links go by delta refit (delta_):
@@ -678,7 +678,7 @@ class CheckpointEngine::Impl {
     if (link.mapped == nullptr) return;
     if (buffer_kind_ == MemoryKind::kHost)
       link.mapped_pin = HostPin::pin(const_cast<std::byte*>(link.mapped), link.metadata.buffers.length);
-    spdlog::debug("{} loads straight from the mapped buffers of {}", self_.empty() ? "destination" : self_, link.label);
+    spdlog::debug("{} loads straight from the mapped buffers of {}", self_label(), link.label);
   }
 
   // How this engine, as a destination, can take tensors from its sources' own memory
@@ -749,10 +749,9 @@ class CheckpointEngine::Impl {
   }
 
   void abort_links(ErrorKind kind, const std::string& reason) noexcept {
-    for (size_t k = 0; k < links_.size(); ++k) {
+    for (const Link& link : links_) {
       try {
-        transport_->send(links_[k].peer,
-                         protocol::encode(protocol::Abort{links_[k].first_refit + refits_, kind, reason}),
+        transport_->send(link.peer, protocol::encode(protocol::Abort{wire_refit(link), kind, reason}),
                          deadline_after(kAbortTimeout));
       } catch (...) {
         // The peer may be the reason we are aborting.
@@ -762,9 +761,8 @@ class CheckpointEngine::Impl {
 
   void run_send(WeightSource& weights, SendStats& stats, std::string& phase) {
     const bool in_place = weights.views_outlive_send();
-    for (size_t k = 0; k < senders_.size(); ++k) senders_[k]->begin(links_[k].first_refit + refits_, in_place);
+    for (size_t k = 0; k < senders_.size(); ++k) senders_[k]->begin(wire_refit(links_[k]), in_place);
     sent_.clear();  // names, to check every request was met
-    NameIndex& sent = sent_;
     // Delta refit: each link's delta, whose header goes first. Until the refit is committed the
     // destination holds no version we know of.
     std::vector<SourceDelta*> deltas;
@@ -826,7 +824,7 @@ class CheckpointEngine::Impl {
           fail(ErrorKind::kLayout, "the weight stream yielded '{}' as {} {}, but this source declared it holds {} {}",
                info.name, dtype_name(info.dtype), shape_string(info.shape), dtype_name(t.dtype),
                shape_string(t.held_shape));
-        if (!sent.add(info.name).added) twice(info.name);
+        if (!sent_.add(info.name).added) twice(info.name);
         pieces = t.pieces;
       } else if (target_layout_) {
         Selection selection = select(*target_layout_, info);
@@ -834,12 +832,12 @@ class CheckpointEngine::Impl {
           ++stats.dropped;
           continue;
         }
-        if (!sent.add(info.name).added && delta_) twice(info.name);
+        if (!sent_.add(info.name).added && delta_) twice(info.name);
         paired_piece.at.in_view = Box::of(Request{selection.take, selection.slice});
         paired_piece.at.tensor = std::move(selection.info);
       } else {
         // The packer refuses a name twice, but a delta link packs records under names of their own.
-        if (delta_ && !sent.add(info.name).added) twice(info.name);
+        if (delta_ && !sent_.add(info.name).added) twice(info.name);
         paired_piece.at.tensor = info;  // reuses the previous tensor's allocations
       }
       for (const SendPiece& p : pieces)
@@ -853,13 +851,13 @@ class CheckpointEngine::Impl {
       // A destination that declared a tensor must get it: a request the stream never met would
       // otherwise leave that parameter stale.
       for (const auto& [name, request] : target_layout_->tensors)
-        if (request.take != Take::kDrop && !sent.contains(name))
+        if (request.take != Take::kDrop && !sent_.contains(name))
           fail(ErrorKind::kLayout, "{} holds '{}' but the weight stream never yielded it", links_[0].label, name);
     }
     for (const auto& [name, t] : send_tensors_)
-      if (!sent.contains(name))
+      if (!sent_.contains(name))
         fail(ErrorKind::kLayout, "{} needs a piece of '{}' from this source, but the weight stream never yielded it",
-             senders_[t.pieces.front().link]->peer_label(), name);
+             links_[t.pieces.front().link].label, name);
     for (size_t k = 0; k < deltas.size(); ++k) {
       const auto start = Clock::now();
       const auto ready = deltas[k]->flush(host_pool());
@@ -901,13 +899,13 @@ class CheckpointEngine::Impl {
     // Delta refit: the bucket's views as the loader gets them (DestinationDelta::transform).
     std::vector<TensorView> delta_views;
     std::vector<std::shared_ptr<const void>> delta_owners;
-    bool held = false;  // handed out, not yet released
-    uint64_t batches_out = 0;
+    bool held = false;  // handed out (batch number stats.batches), not yet released
     Clock::time_point handed_out;
   };
 
   Seconds backstop() const { return Seconds(2 * options_.config.timeout_s + 1); }
-  std::string self_label() const { return self_.empty() ? "destination" : self_; }
+  // Who this engine is in messages: "source rank 2", or its role before init named it.
+  std::string self_label(const char* role = "destination") const { return self_.empty() ? role : self_; }
 
   ReceiveRun& active_receive(const char* what) {
     if (!receive_)
@@ -925,9 +923,7 @@ class CheckpointEngine::Impl {
     } catch (...) {
       // A plain std::exception comes from the loader (caller code).
       const Caught c = describe_caught(std::current_exception(), ErrorKind::kInvalidArgument, "", "the loader");
-      Error error = receive_error(c.kind, c.what);
-      end_receive(c.kind, c.what);
-      throw error;
+      throw abort_receive(c.what, c.kind);
     }
   }
 
@@ -957,11 +953,13 @@ class CheckpointEngine::Impl {
   bool take_bucket(ReceiveRun& run) {
     for (size_t n = 0; n < run.readers.size(); ++n) {
       const size_t k = (run.cursor + n) % run.readers.size();
-      if (run.readers[k]->done()) continue;
-      auto fetched = run.readers[k]->take();
+      LinkReader& reader = *run.readers[k];
+      if (reader.done()) continue;
+      auto fetched = reader.take();
       if (!fetched) continue;
       // The link's next bucket is read while this one is loaded.
-      on_link(run, *run.readers[k], [&] { run.readers[k]->advance(); });
+      on_link(run, reader, [&] { reader.advance(); });
+      Link& link = links_[k];
       run.cursor = (k + 1) % run.readers.size();
       run.idle_deadline = deadline_after(backstop());
       run.link = k;
@@ -977,36 +975,35 @@ class CheckpointEngine::Impl {
       run.stats.wire_bytes += bucket.used_bytes;
       ++run.stats.buckets;
       if (bucket.replay_of) ++run.stats.replayed_buckets;
-      run.phase = fmt::format("assemble bucket {} from {}", bucket.seq, links_[k].label);
+      run.phase = fmt::format("assemble bucket {} from {}", bucket.seq, link.label);
       run.assembling = timeline_now();
       // A replay of a bucket of the previous refit, which this destination checked whole.
       const bool repeats_checked =
-          bucket.replay_of && run.previous_went_through && *bucket.replay_of == links_[k].first_refit + refits_ - 1;
+          bucket.replay_of && run.previous_went_through && *bucket.replay_of == wire_refit(link) - 1;
       if (!delta_) {
-        run.views = assembler_.add_bucket(bucket, run.bucket->bytes, links_[k].label, next_deadline(), repeats_checked);
+        run.views = assembler_.add_bucket(bucket, run.bucket->bytes, link.label, next_deadline(), repeats_checked);
         run.owners = assembler_.owners();
       } else {
         // Delta refit: what the link carried, patched where it came as changes; resharding, the
         // link's pieces then merge into this destination's tensors.
-        TensorAssembler& wire = *links_[k].wire;
-        const auto carried =
-            wire.add_bucket(bucket, run.bucket->bytes, links_[k].label, next_deadline(), repeats_checked);
+        TensorAssembler& wire = *link.wire;
+        const auto carried = wire.add_bucket(bucket, run.bucket->bytes, link.label, next_deadline(), repeats_checked);
         const auto patching = Clock::now();
-        destination_deltas_[links_[k].peer_rank].transform(carried, wire.owners(), run.delta_views, run.delta_owners,
-                                                           links_[k].label, host_pool());
+        destination_deltas_[link.peer_rank].transform(carried, wire.owners(), run.delta_views, run.delta_owners,
+                                                      link.label, host_pool());
         run.stats.delta_seconds += seconds_since(patching);
         run.views = run.delta_views;
         run.owners = run.delta_owners;
         if (resharding_) {
-          run.views = assembler_.add_pieces(run.delta_views, run.delta_owners, delta_pieces_, bucket.seq,
-                                            links_[k].label, next_deadline());
+          run.views = assembler_.add_pieces(run.delta_views, run.delta_owners, delta_pieces_, bucket.seq, link.label,
+                                            next_deadline());
           run.owners = assembler_.owners();
         }
         // Nothing the loader gets lies in the bucket (DestinationDelta::transform): its buffer goes
         // back now, and the source sends on while the loader works.
         release_bucket(run);
       }
-      if (!run.views.empty()) run.phase = fmt::format("load bucket {} from {}", bucket.seq, links_[k].label);
+      if (!run.views.empty()) run.phase = fmt::format("load bucket {} from {}", bucket.seq, link.label);
       return true;
     }
     return false;
@@ -1087,11 +1084,11 @@ class CheckpointEngine::Impl {
   // pieces a source sends by tensor name, the tensors a destination gets.
   std::vector<Layout> holds_, needs_;
   std::map<std::string, SendTensor, std::less<>> send_tensors_;
-  NameIndex sent_;  // on a source: the tensors the stream yielded this refit (run_send)
-  std::set<uint32_t> expected_tensors_;
-  bool needs_nothing_ = false;  // a resharding destination whose layout holds no tensor
-  bool resharding_ = false;     // the group reshards (the latest init's plan_if_resharding)
-  bool delta_ = false;          // this init's links go by delta refit (check_delta)
+  NameIndex sent_;                 // on a source: the tensors the stream yielded this refit (run_send)
+  uint64_t expected_tensors_ = 0;  // on a destination: the tensors the plan sends it (paired: 0, not checked)
+  bool needs_nothing_ = false;     // a resharding destination whose layout holds no tensor
+  bool resharding_ = false;        // the group reshards (the latest init's plan_of_group)
+  bool delta_ = false;             // this init's links go by delta refit (check_delta)
   std::unique_ptr<ReceiveRun> receive_;
   std::atomic<bool> sending_{false};  // send() is running
   // Delta refit (delta/link_delta.h), by link: a source's by destination rank, a destination's by source rank, kept
@@ -1134,7 +1131,7 @@ Error CheckpointEngine::abort_receive(const std::string& reason, ErrorKind kind)
   return impl_->abort_receive(reason, kind);
 }
 bool CheckpointEngine::receiving() const { return impl_->receiving(); }
-void CheckpointEngine::request_full_refit() { impl_->request_full_refit(); }
+void CheckpointEngine::request_full_refit() { impl_->drop_held_versions(); }
 void CheckpointEngine::finalize() { impl_->finalize(); }
 bool CheckpointEngine::stale() const { return impl_->stale(); }
 uint64_t CheckpointEngine::bucket_bytes() const { return impl_->bucket_bytes(); }

@@ -13,6 +13,7 @@
 #include "engine/assembler.h"
 #include "engine/manifest_cache.h"
 #include "engine/protocol.h"
+#include "refit/deadline.h"
 #include "refit/ext/device_memory.h"
 #include "refit/ext/transport.h"
 
@@ -48,6 +49,8 @@ struct Link {
   std::unique_ptr<TensorAssembler> wire;
 
   uint64_t buffer_offset(int b) const { return offset + static_cast<uint64_t>(b) * bucket_bytes; }
+  // The deadline of a wait on the link (a message, a copy) that starts now.
+  Deadline next_deadline() const { return deadline_after(std::chrono::duration<double>(timeout_s)); }
 };
 
 }  // namespace refit

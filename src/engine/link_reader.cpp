@@ -9,13 +9,12 @@
 namespace refit {
 namespace {
 
-using Seconds = std::chrono::duration<double>;
 // Buckets a reader fetches ahead of the engine: two buffers.
 constexpr size_t kReadAhead = 2;
 
 }  // namespace
 
-LinkReader::LinkReader(Link& link, uint64_t refit) : link_(link), refit_(refit) { phase_ = "wait for bucket 0"; }
+LinkReader::LinkReader(Link& link, uint64_t refit) : link_(link), refit_(refit) {}
 
 LinkReader::~LinkReader() {
   if (!reading_) return;
@@ -30,7 +29,7 @@ LinkReader::~LinkReader() {
 
 bool LinkReader::buffer_free(uint64_t seq) const {
   // Staged: bucket seq goes into the local buffer of bucket seq - 2, which the engine must have loaded.
-  return link_.mapped != nullptr || seq < 2 || (released_ && *released_ >= seq - 2);
+  return link_.mapped != nullptr || seq < released_ + 2;
 }
 
 bool LinkReader::advance() {
@@ -55,7 +54,7 @@ bool LinkReader::advance() {
 
 bool LinkReader::take_announcement() {
   phase_ = fmt::format("wait for bucket {}", next_);
-  if (!wait_deadline_) wait_deadline_ = deadline_after(Seconds(link_.timeout_s));
+  if (!wait_deadline_) wait_deadline_ = link_.next_deadline();
   protocol::Message msg;
   while (true) {
     std::optional<Bytes> bytes = link_.transport->try_receive(link_.peer);
@@ -164,24 +163,17 @@ void LinkReader::complete() {
 
 std::vector<const std::byte*> LinkReader::map_regions(const protocol::BucketReady& bucket) {
   std::vector<const std::byte*> bases;
-  const auto& regions = bucket.regions();
-  for (size_t k = 0; k < regions.size(); ++k) {
-    const RemoteRegion& remote = regions[k].remote;
-    auto [it, fresh] = link_.in_place_maps.try_emplace({remote.address, remote.key}, nullptr);
-    if (fresh) {
-      try {
-        it->second = link_.transport->map(link_.peer, remote);
-      } catch (...) {
-        link_.in_place_maps.erase(it);
-        throw;
-      }
-      if (it->second == nullptr) {
-        link_.in_place_maps.erase(it);
+  for (const protocol::SourceRegion& region : bucket.regions()) {
+    const RemoteRegion& remote = region.remote;
+    auto it = link_.in_place_maps.find({remote.address, remote.key});
+    if (it == link_.in_place_maps.end()) {
+      const std::byte* mapped = link_.transport->map(link_.peer, remote);
+      if (mapped == nullptr)
         fail(ErrorKind::kTransport,
              "{} sent tensors in place (its own memory, {} bytes at 0x{:x}), but {} cannot map that memory here; set "
              "refit_cfg.nixl.direct_reads=false on the source",
              link_.label, remote.length, remote.address, link_.transport->name());
-      }
+      it = link_.in_place_maps.emplace(std::pair{remote.address, remote.key}, mapped).first;
     }
     bases.push_back(it->second);
   }
@@ -199,7 +191,7 @@ std::optional<LinkReader::Fetched> LinkReader::take() {
 void LinkReader::release(uint64_t seq) {
   if (!held_ || held_->seq != seq)
     fail(ErrorKind::kInternal, "released bucket {} from {}, which the engine did not hold", seq, link_.label);
-  released_ = seq;
+  released_ = seq + 1;
   // The source refills its buffer (or changes its tensors) only once the engine is done with them.
   if (held_->acknowledge) acknowledge(seq);
   done_ = held_->last;
@@ -208,8 +200,7 @@ void LinkReader::release(uint64_t seq) {
 
 void LinkReader::acknowledge(uint64_t seq) {
   phase_ = fmt::format("acknowledge bucket {}", seq);
-  link_.transport->send(link_.peer, protocol::encode(protocol::BucketDone{refit_, seq}),
-                        deadline_after(Seconds(link_.timeout_s)));
+  link_.transport->send(link_.peer, protocol::encode(protocol::BucketDone{refit_, seq}), link_.next_deadline());
 }
 
 void LinkReader::check() {

@@ -70,7 +70,6 @@ class LinkReader {
   // The last bucket was released and acknowledged.
   bool done() const { return done_; }
   const std::string& phase() const { return phase_; }
-  const std::string& peer_label() const { return link_.label; }
   // The reads of this refit.
   const std::vector<TimelineEvent>& events() const { return events_; }
 
@@ -103,7 +102,7 @@ class LinkReader {
 
   Link& link_;
   const uint64_t refit_;
-  std::string phase_;
+  std::string phase_ = "wait for bucket 0";
   uint64_t next_ = 0;               // the bucket to fetch next
   bool last_fetched_ = false;       // the last bucket was announced
   std::optional<Reading> reading_;  // bucket next_, announced
@@ -114,7 +113,7 @@ class LinkReader {
     bool last = false;
   };
   std::optional<Held> held_;               // taken, not yet released
-  std::optional<uint64_t> released_;       // the highest bucket the engine is done with
+  uint64_t released_ = 0;                  // one past the latest bucket the engine is done with
   std::optional<Deadline> wait_deadline_;  // of bucket next_'s announcement and reads
   Clock::time_point last_liveness_check_{};
   bool done_ = false;

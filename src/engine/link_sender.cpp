@@ -22,38 +22,42 @@ bool same_regions(const std::vector<protocol::SourceRegion>& a, const std::vecto
 }  // namespace
 
 void LinkSender::begin(uint64_t refit, bool in_place) {
-  refit_ = refit;
   in_place_ = in_place && in_place_regions_ != nullptr ? link_.access : SourceAccess::kNone;
   if (packer_)
     packer_->restart();
   else
     packer_.emplace(link_.bucket_bytes);
   bucket_ = protocol::BucketReady{};
-  bucket_.refit = refit;
+  bucket_.refit = refit;  // this refit's number: the acknowledgements it waits for carry it too
   buffer_ = 0;
-  bucket_.offset = link_.buffer_offset(0);
   unacknowledged_.clear();
   buffers_held_ = 0;
-  buckets_ = payload_bytes_ = in_place_bytes_ = replayed_ = 0;
-  regions_.clear();
-  bucket_regions_.clear();
-  entry_data_.clear();
-  bucket_entries_ = buffer_bytes_ = 0;
-  last_entry_ = {};
-  pack_start_.reset();
+  payload_bytes_ = in_place_bytes_ = replayed_ = 0;
   events_.clear();
   // A refit that failed may have left the destination with other manifests than ours.
   if (!completed_) previous_.clear();
   completed_ = false;
   sent_.clear();
   replaying_ = !previous_.empty();
-  matched_ = 0;
+  open_bucket();
+}
+
+void LinkSender::open_bucket() {
+  bucket_.offset = link_.buffer_offset(buffer_);
+  bucket_.used_bytes = 0;
+  bucket_.manifest.reset();
   manifest_ = replaying_ ? nullptr : std::make_shared<protocol::Manifest>();
-  pack_phase_ = fmt::format("pack bucket 0 for {}", link_.label);
+  matched_ = 0;
+  buffer_bytes_ = 0;
+  last_entry_ = {};
+  bucket_regions_.clear();
+  regions_.clear();
+  entry_data_.clear();
+  pack_start_.reset();
+  pack_phase_ = fmt::format("pack bucket {} for {}", bucket_.seq, link_.label);
 }
 
 void LinkSender::record(const TensorInfo& tensor, const Box& piece, const Chunk& c, const std::byte* data) {
-  ++bucket_entries_;
   if (link_.verify_checksums) entry_data_.push_back(data);
   if (c.size > 0) last_entry_ = {c.region, c.region == 0 ? c.bucket_offset : c.source_offset, c.bucket_offset, c.size};
   if (replaying_) {
@@ -82,7 +86,7 @@ void LinkSender::stop_replaying() {
 }
 
 std::optional<SourceRegions::Found> LinkSender::find_in_place(const TensorView& view, const Box& box, uint64_t size,
-                                                              SourceRegions::Access access, const std::byte** data,
+                                                              SourceAccess access, const std::byte** data,
                                                               bool register_new) const {
   // Checksums are computed on the CPU: only host memory goes in place with them.
   if (size == 0 || (link_.verify_checksums && view.memory != MemoryKind::kHost)) return std::nullopt;
@@ -111,7 +115,7 @@ bool LinkSender::add_in_place(const TensorView& view, const Box& box, const Tens
                               std::string& phase) {
   const uint64_t size = piece.is_whole() ? tensor.nbytes() : piece.nbytes_in(tensor);
   const std::byte* data = nullptr;
-  const auto found = find_in_place(view, box, size, SourceRegions::Access::kMap, &data);
+  const auto found = find_in_place(view, box, size, SourceAccess::kMap, &data);
   if (route_piece(SourceAccess::kMap, found.has_value(), size) != PieceRoute::kMap) return false;
   if (packer_->place_in_place(tensor, size)) flush(false, phase);
   if (!pack_start_) pack_start_ = timeline_now();
@@ -133,7 +137,7 @@ void LinkSender::add(const TensorView& view, const Box& box, const TensorInfo& t
   const std::byte* readable_data = nullptr;
   const bool read_alone = route_piece(in_place_, true, packed.nbytes()) == PieceRoute::kRead;
   const auto readable = in_place_ == SourceAccess::kRead && (read_alone || last_entry_.region > 0)
-                            ? find_in_place(view, box, packed.nbytes(), SourceRegions::Access::kRead, &readable_data,
+                            ? find_in_place(view, box, packed.nbytes(), SourceAccess::kRead, &readable_data,
                                             /*register_new=*/read_alone)
                             : std::nullopt;
   for (const ChunkPlacement& c : packer_->place(packed)) {
@@ -174,7 +178,7 @@ void LinkSender::flush(bool is_last, std::string& phase) {
   // Every copy into this buffer must be complete before the destination may read it.
   if (stream_.pending()) {
     phase = fmt::format("copy into bucket {} for {}", bucket_.seq, link_.label);
-    stream_.synchronize(deadline_after(std::chrono::duration<double>(link_.timeout_s)));
+    stream_.synchronize(link_.next_deadline());
   }
   // Whether the destination takes any of the bucket from the buffer (else all of it lies in our
   // tensors, and the buffer is free for the next bucket at once).
@@ -201,31 +205,16 @@ void LinkSender::flush(bool is_last, std::string& phase) {
   phase = fmt::format("announce bucket {} to {}", bucket_.seq, link_.label);
   const double packed = timeline_now();
   events_.push_back({TimelinePhase::kPack, link_.peer_rank, bucket_.seq, pack_start_.value_or(packed), packed,
-                     bucket_.used_bytes, static_cast<uint32_t>(bucket_entries_)});
+                     bucket_.used_bytes, static_cast<uint32_t>(bucket_.entries().size())});
   // Stamped before it goes: the destination may act on it before send() returns here.
   events_.push_back({TimelinePhase::kAnnounce, link_.peer_rank, bucket_.seq, packed, packed, bucket_.used_bytes});
-  pack_start_.reset();
-  link_.transport->send(link_.peer, protocol::encode(bucket_),
-                        deadline_after(std::chrono::duration<double>(link_.timeout_s)));
+  link_.transport->send(link_.peer, protocol::encode(bucket_), link_.next_deadline());
   unacknowledged_.push_back({bucket_.seq, uses_buffer});
   buffers_held_ += uses_buffer ? 1 : 0;
-  ++buckets_;
   const auto announced = Clock::now();
   bucket_.seq++;
-  if (uses_buffer) {
-    buffer_ ^= 1;
-    bucket_.offset = link_.buffer_offset(buffer_);
-  }
-  bucket_.manifest.reset();
-  if (!replaying_) manifest_ = std::make_shared<protocol::Manifest>();
-  matched_ = 0;
-  bucket_entries_ = buffer_bytes_ = 0;
-  last_entry_ = {};
-  bucket_regions_.clear();
-  entry_data_.clear();
-  bucket_.used_bytes = 0;
-  regions_.clear();
-  pack_phase_ = fmt::format("pack bucket {} for {}", bucket_.seq, link_.label);
+  if (uses_buffer) buffer_ ^= 1;
+  open_bucket();
   // The next bucket goes into the other buffer: the destination must be done with the bucket that
   // buffer holds (acknowledgements come in order). Buckets that hold nothing in a buffer do not
   // wait: a destination reading in place goes from one to the next with no round trip between.
@@ -247,7 +236,7 @@ void LinkSender::wait_done(std::string& phase) {
   while (!unacknowledged_.empty()) acknowledged_oldest(phase);
   // The destination has every bucket of this refit, so the next may replay their manifests.
   previous_ = std::move(sent_);
-  previous_refit_ = refit_;
+  previous_refit_ = bucket_.refit;
   completed_ = true;
 }
 
@@ -259,12 +248,12 @@ void LinkSender::acknowledged_oldest(std::string& phase) {
 
 void LinkSender::wait_acknowledged(uint64_t seq, std::string& phase) {
   phase = fmt::format("wait for {} to read bucket {}", link_.label, seq);
-  const Deadline deadline = deadline_after(std::chrono::duration<double>(link_.timeout_s));
+  const Deadline deadline = link_.next_deadline();
   const std::string expecting = fmt::format("bucket {} done", seq);
   while (true) {
     const Bytes bytes = receive_watching(*link_.transport, link_.peer, link_.label, link_.metadata.process, deadline);
     auto msg = protocol::decode_message(bytes, link_.label);
-    if (msg.refit() != refit_) {
+    if (msg.refit() != bucket_.refit) {
       spdlog::debug("discarding a message of an earlier refit from {}", link_.label);
       continue;
     }

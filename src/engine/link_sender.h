@@ -62,9 +62,8 @@ class LinkSender {
   void flush_last(std::string& phase);
   void wait_done(std::string& phase);
 
-  const std::string& peer_label() const { return link_.label; }
-  uint64_t bucket() const { return bucket_.seq; }  // the one being packed
-  uint64_t buckets() const { return buckets_; }
+  uint64_t bucket() const { return bucket_.seq; }          // the one being packed
+  uint64_t buckets() const { return bucket_.seq; }         // announced: those before the open one
   uint64_t replayed_buckets() const { return replayed_; }  // of buckets(), sent as a replay
   uint64_t payload_bytes() const { return payload_bytes_; }
   uint64_t in_place_bytes() const { return in_place_bytes_; }  // of payload_bytes(), sent in place
@@ -72,6 +71,8 @@ class LinkSender {
   const std::vector<TimelineEvent>& events() const { return events_; }
 
  private:
+  // Bucket bucket_.seq starts, empty, in buffer buffer_.
+  void open_bucket();
   void flush(bool is_last, std::string& phase);
   void wait_acknowledged(uint64_t seq, std::string& phase);
   // Waits for the oldest announced bucket's acknowledgement and forgets it.
@@ -81,7 +82,7 @@ class LinkSender {
                     std::string& phase);
   // Where the piece lies in registered memory, if it is one contiguous range of it there.
   std::optional<SourceRegions::Found> find_in_place(const TensorView& view, const Box& box, uint64_t size,
-                                                    SourceRegions::Access access, const std::byte** data,
+                                                    SourceAccess access, const std::byte** data,
                                                     bool register_new = true) const;
   // The open bucket's index of our region (adding it to the bucket's regions).
   uint32_t bucket_region(const SourceRegions::Found& found);
@@ -103,14 +104,12 @@ class LinkSender {
   CopyStream& stream_;
   const MemoryKind buffer_kind_;
   SourceRegions* const in_place_regions_;
-  uint64_t refit_ = 0;
   // How this refit sends in place: kNone, or the link's way (when the weight stream allows).
   SourceAccess in_place_ = SourceAccess::kNone;
   std::optional<BucketPacker> packer_;
   protocol::BucketReady bucket_;                        // the open bucket's announcement, but for its manifest
   std::shared_ptr<protocol::Manifest> manifest_;        // of the open bucket, unless replaying
   std::vector<protocol::SourceRegion> bucket_regions_;  // of the open bucket (few; made even while replaying)
-  uint64_t bucket_entries_ = 0;                         // of the open bucket
   uint64_t buffer_bytes_ = 0;                           // of the open bucket: packed into the buffer
   protocol::BucketRead last_entry_;                     // of the open bucket, where the latest entry lies
   std::vector<const std::byte*> entry_data_;            // by entry of the open bucket: where it lies here (checksums)
@@ -138,7 +137,7 @@ class LinkSender {
   };
   std::deque<Announced> unacknowledged_;
   int buffers_held_ = 0;  // of unacknowledged_, those that hold bytes in a buffer
-  uint64_t buckets_ = 0, payload_bytes_ = 0, in_place_bytes_ = 0;
+  uint64_t payload_bytes_ = 0, in_place_bytes_ = 0;
   std::map<RegionId, uint32_t> regions_;  // of the open bucket: our region -> its index there
   std::optional<double> pack_start_;      // when the open bucket got its first byte
   std::vector<TimelineEvent> events_;

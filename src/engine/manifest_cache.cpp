@@ -25,7 +25,6 @@ void ManifestCache::arrived(uint64_t refit, const protocol::BucketReady& bucket)
   // Only buckets 0, 1, ... of one refit, in order, make a cache.
   if (arriving_refit_ != refit || bucket.seq != arriving_.size()) {
     arriving_.clear();
-    arriving_refit_.reset();
     if (bucket.seq != 0) return;
     arriving_refit_ = refit;
   }
@@ -34,7 +33,6 @@ void ManifestCache::arrived(uint64_t refit, const protocol::BucketReady& bucket)
   refit_ = refit;
   buckets_ = std::move(arriving_);
   arriving_.clear();
-  arriving_refit_.reset();
 }
 
 }  // namespace refit

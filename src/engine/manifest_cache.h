@@ -33,7 +33,8 @@ class ManifestCache {
   };
   std::optional<uint64_t> refit_;  // the refit the cache holds; none yet
   std::vector<Bucket> buckets_;    // by bucket number
-  std::optional<uint64_t> arriving_refit_;
+  // Buckets 0, 1, ... of refit arriving_refit_ that arrived so far (an empty list takes bucket 0 of any refit).
+  uint64_t arriving_refit_ = 0;
   std::vector<Bucket> arriving_;
 };
 

@@ -87,12 +87,16 @@ void abort_fields(Io& io, M& m) {
   io(m.reason, "reason");
 }
 
-ByteWriter message_writer(MessageType type) {
+// A control message of `type`: its header, then what `fields` writes.
+template <typename F>
+Bytes encode_message(MessageType type, F&& fields) {
   ByteWriter w;
   w.put<uint32_t>(kMessageMagic);
   w.put<uint32_t>(kVersion);
   w.put<uint8_t>(static_cast<uint8_t>(type));
-  return w;
+  wire::Put put{w};
+  fields(put);
+  return w.take();
 }
 
 // nbytes without overflow: a garbled shape must not wrap around to a small size.
@@ -135,25 +139,18 @@ EngineMetadata decode_metadata(std::span<const uint8_t> blob, const std::string&
 }
 
 Bytes encode(const BucketReady& m) {
-  ByteWriter w = message_writer(MessageType::kBucketReady);
-  wire::Put put{w};
-  ready_fields(put, m);
-  if (!m.replay_of) manifest_fields(put, *m.manifest);
-  return w.take();
+  return encode_message(MessageType::kBucketReady, [&](wire::Put& put) {
+    ready_fields(put, m);
+    if (!m.replay_of) manifest_fields(put, *m.manifest);
+  });
 }
 
 Bytes encode(const BucketDone& m) {
-  ByteWriter w = message_writer(MessageType::kBucketDone);
-  wire::Put put{w};
-  done_fields(put, m);
-  return w.take();
+  return encode_message(MessageType::kBucketDone, [&](wire::Put& put) { done_fields(put, m); });
 }
 
 Bytes encode(const Abort& m) {
-  ByteWriter w = message_writer(MessageType::kAbort);
-  wire::Put put{w};
-  abort_fields(put, m);
-  return w.take();
+  return encode_message(MessageType::kAbort, [&](wire::Put& put) { abort_fields(put, m); });
 }
 
 Message decode_message(std::span<const uint8_t> bytes, const std::string& who) {

@@ -10,9 +10,9 @@ SourceRegions::~SourceRegions() {
   while (!by_base_.empty()) drop(by_base_.begin());
 }
 
-bool SourceRegions::registrable(MemoryKind kind, Access access) const {
+bool SourceRegions::registrable(MemoryKind kind, SourceAccess access) const {
   const TransportCapabilities caps = transport_->capabilities();
-  const bool reachable = access == Access::kMap ? caps.maps_registered_memory : caps.reads_registered_memory;
+  const bool reachable = access == SourceAccess::kMap ? caps.maps_registered_memory : caps.reads_registered_memory;
   return reachable && (kind == MemoryKind::kCuda ? caps.device_memory : caps.host_memory);
 }
 
@@ -26,7 +26,7 @@ void SourceRegions::drop(std::map<const std::byte*, Registration>::iterator it) 
 }
 
 std::optional<SourceRegions::Found> SourceRegions::find(const std::byte* data, uint64_t bytes, MemoryKind kind,
-                                                        Access access, bool register_new) {
+                                                        SourceAccess access, bool register_new) {
   if (data == nullptr || bytes == 0) return std::nullopt;
   auto it = by_base_.upper_bound(data);
   if (it != by_base_.begin()) {

@@ -24,9 +24,6 @@ class SourceRegions {
     uint64_t offset = 0;                   // of the bytes asked for, in the region
   };
 
-  // How a peer reaches the memory: maps it (Transport::map), or reads it (Transport::post_read).
-  enum class Access { kMap, kRead };
-
   explicit SourceRegions(Transport* transport) : transport_(transport) {}
   ~SourceRegions();
   SourceRegions(const SourceRegions&) = delete;
@@ -35,8 +32,9 @@ class SourceRegions {
   // The registered memory holding [data, data + bytes) of `kind`: memory from allocate(), or a
   // registration of those bytes made now (or in an earlier refit) when the transport lets peers
   // map (or read) registered memory of that kind. Nothing when the bytes cannot go in place.
+  // `access`: how a peer reaches the memory, kMap (Transport::map) or kRead (Transport::post_read).
   // `register_new` false: only memory registered already.
-  std::optional<Found> find(const std::byte* data, uint64_t bytes, MemoryKind kind, Access access,
+  std::optional<Found> find(const std::byte* data, uint64_t bytes, MemoryKind kind, SourceAccess access,
                             bool register_new = true);
   // Memory for a source's weights, from the transport (a local peer maps it even where the
   // transport cannot map registered memory, as UCX's shared memory); freed with this object.
@@ -52,7 +50,7 @@ class SourceRegions {
     bool allocated = false;
     uint64_t used_in = 0;  // the refit that last used it
   };
-  bool registrable(MemoryKind kind, Access access) const;
+  bool registrable(MemoryKind kind, SourceAccess access) const;
   void drop(std::map<const std::byte*, Registration>::iterator it);
 
   Transport* transport_;

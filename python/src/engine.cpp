@@ -252,7 +252,9 @@ class PullSession {
   std::optional<ReceivedBatch> take() {
     {
       std::lock_guard lock(mu_);
-      if (finished_ && !started_ && error_) throw Error(ErrorKind::kInvalidArgument, *error_);
+      // A refit that failed (closed, finalized, cancelled) fails every later take too: a loop that
+      // went on would otherwise end as if the refit were complete.
+      if (finished_ && error_) throw *error_;
       if (finished_) return std::nullopt;
       if (busy_)
         throw Error(ErrorKind::kInvalidArgument,
@@ -301,13 +303,13 @@ class PullSession {
             nb::gil_scoped_release nogil;
             engine_->abort_receive("receive_weight_batches() was interrupted by a signal");
           }
-          finish("interrupted by a signal");
+          finish(Error(ErrorKind::kInvalidArgument, "receive_weight_batches() was interrupted by a signal"));
           interrupt.restore();
           throw nb::python_error();
         }
       }
     } catch (const Error& e) {
-      finish(e.what());
+      finish(e);
       throw;
     }
   }
@@ -329,7 +331,7 @@ class PullSession {
     std::optional<Error> error;
     if (started_) error = engine_->abort_receive(reason, kind);
     finished_ = true;
-    error_ = reason;
+    error_ = error ? *error : Error(kind, reason);
     return error;
   }
 
@@ -339,7 +341,7 @@ class PullSession {
   }
   bool started() const { return started_; }
   const std::optional<ReceiveStats>& stats() const { return stats_; }
-  const std::optional<std::string>& error() const { return error_; }
+  const std::optional<Error>& error() const { return error_; }
   uint64_t taken() const { return taken_; }
 
  private:
@@ -347,7 +349,7 @@ class PullSession {
     std::lock_guard lock(mu_);
     return cancel_;
   }
-  void finish(std::optional<std::string> error) {
+  void finish(std::optional<Error> error) {
     std::lock_guard lock(mu_);
     finished_ = true;
     error_ = std::move(error);
@@ -359,7 +361,7 @@ class PullSession {
   bool busy_ = false;                  // a thread is in take()
   std::optional<std::string> cancel_;  // close() asked the taking thread to give up
   bool finished_ = false;              // ended: done, failed or closed
-  std::optional<std::string> error_;   // why it failed
+  std::optional<Error> error_;         // why it failed
   // Touched by the taking thread only.
   bool started_ = false;
   bool holding_ = false;  // the consumer has the latest batch
@@ -454,7 +456,7 @@ class BatchIterator {
   }
   nb::object error() const {
     const auto& e = session_->error();
-    return e ? nb::object(nb::str(e->c_str())) : nb::none();
+    return e ? nb::object(nb::str(e->what())) : nb::none();
   }
   uint64_t batches() const { return session_->taken(); }
   bool running() const { return session_->started() && !session_->finished(); }

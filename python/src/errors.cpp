@@ -96,6 +96,13 @@ void register_errors(nb::module_& m) {
 }
 
 void raise_error(const Error& e, nb::handle cause) {
+  // Ctrl-C and sys.exit() from caller code stay what they are (`except Exception` must not catch
+  // them); the refit failed all the same, everywhere, and its error comes along as a note.
+  if (cause.is_valid() && !cause.is_none() && PyObject_IsInstance(cause.ptr(), PyExc_Exception) == 0) {
+    if (nb::hasattr(cause, "add_note")) cause.attr("add_note")(nb::str(("refit: " + std::string(e.what())).c_str()));
+    PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(cause.ptr())), cause.ptr());
+    throw nb::python_error();
+  }
   nb::handle type = error_type(e.kind());
   nb::object value = type(nb::str(e.what()));
   if (cause.is_valid() && !cause.is_none()) {

@@ -89,6 +89,23 @@ def test_source_without_destination_drains_its_weights():
             e.close()
 
 
+def test_a_source_that_is_not_connected_refuses_to_send():
+    # Before init, or after finalize(), a send would drain the stream and deliver nothing.
+    pair = Pair(MiB, config())
+    lone = refit.CheckpointEngine(MiB, config())
+    try:
+        lone.prepare()
+        with pytest.raises(refit.TopologyError, match="before the source was connected"):
+            lone.send_weights(make_weights(2))
+        pair.refit(make_weights(2))
+        pair.source.finalize()
+        with pytest.raises(refit.TopologyError, match="after finalize"):
+            pair.source.send_weights(make_weights(2))
+    finally:
+        lone.close()
+        pair.close()
+
+
 def test_topology_and_session_are_checked():
     session = refit.new_session_id()
     a = refit.CheckpointEngine(MiB, config(), session=session)

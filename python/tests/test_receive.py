@@ -108,6 +108,62 @@ def test_stopping_early_fails_the_refit_and_leaves_the_destination_stale(how):
         pair.close()
 
 
+@pytest.mark.parametrize("call", ["finalize", "close"])
+def test_a_loop_that_goes_on_after_its_refit_was_stopped_raises_instead_of_ending(call):
+    # A shutdown path run from inside the loop (the engine's finalize(), the iterator's close())
+    # fails the refit; the loop around it must not then end as if the whole model had arrived.
+    pair = Pair(MiB, config(timeout_s=30))
+    try:
+        sender = pair.start_send(distinct_weights(1))
+        it = pair.destination.receive_weight_batches()
+        batches = 0
+        with pytest.raises(refit.InvalidArgumentError, match="finalize\\(\\) was called|stopped iterating"):
+            for _ in it:
+                batches += 1
+                if batches == 2:
+                    pair.destination.finalize() if call == "finalize" else it.close()
+        assert batches == 2
+        assert it.stats is None and it.error
+        with pytest.raises(refit.InvalidArgumentError):  # and again: it stays failed
+            next(it)
+        assert pair.destination.stale
+        with pytest.raises(refit.RefitError, match="destination rank 0"):
+            sender.join()
+    finally:
+        pair.close()
+
+
+@pytest.mark.parametrize("raised", [KeyboardInterrupt, SystemExit])
+def test_ctrl_c_or_exit_from_caller_code_stays_itself_and_fails_the_refit_everywhere(raised):
+    # Not an Exception: refit must not turn it into one (`except Exception` would catch Ctrl-C).
+    pair = Pair(MiB, config(timeout_s=30))
+    try:
+        def stream():
+            yield from distinct_weights(1)[:2]
+            raise raised()
+
+        sender = pair.start_send(stream())
+        start = time.monotonic()
+        with pytest.raises(refit.RefitError, match="weight iterator raised"):
+            pair.destination.receive_weights(lambda batch: None)
+        with pytest.raises(raised) as err:
+            sender.join()
+        assert any("weight iterator raised" in note for note in getattr(err.value, "__notes__", []))
+        # The loader's side: the source is told at once.
+        sender = pair.start_send(distinct_weights(2))
+
+        def load(batch):
+            raise raised()
+
+        with pytest.raises(raised):
+            pair.destination.receive_weights(load)
+        with pytest.raises(refit.RefitError, match="the loader raised"):
+            sender.join()
+        assert time.monotonic() - start < 10, "both refits must fail at once, not at the deadline"
+    finally:
+        pair.close()
+
+
 def test_a_consumer_holding_a_batch_past_the_deadline_fails_the_refit():
     pair = Pair(MiB, config(timeout_s=1))
     try:

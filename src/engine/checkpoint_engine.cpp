@@ -186,6 +186,7 @@ class CheckpointEngine::Impl {
     // is most of each one's memory unless handed back.
     malloc_trim(0);
     self_ = self;
+    connected_ = true;
   }
 
   void init_destination(int rollout_rank, int train, int rollout, std::span<const Metadata> metadata) {
@@ -262,6 +263,13 @@ class CheckpointEngine::Impl {
       std::atomic<bool>& flag;
       ~Sent() { flag = false; }
     } sent{sending_};
+    // Not silently nothing: a send before init (or after finalize) would drain the stream and
+    // report success while no destination got a byte.
+    if (!connected_)
+      fail(ErrorKind::kTopology,
+           "{}: send() before the source was connected (init_source(); in Python init_policy_process_group()) or "
+           "after finalize(): no destination would get the weights",
+           self_label("source"));
     SendStats stats;
     const auto start = Clock::now();
     ++refits_;
@@ -714,6 +722,7 @@ class CheckpointEngine::Impl {
       transport_->disconnect(link.peer);
     }
     links_.clear();
+    connected_ = false;
   }
 
   // Both transfer buffers come from one allocation of the transport, on the configured device.
@@ -1089,6 +1098,7 @@ class CheckpointEngine::Impl {
   bool needs_nothing_ = false;     // a resharding destination whose layout holds no tensor
   bool resharding_ = false;        // the group reshards (the latest init's plan_of_group)
   bool delta_ = false;             // this init's links go by delta refit (check_delta)
+  bool connected_ = false;         // a source's init_source() succeeded, and no init or finalize() since
   std::unique_ptr<ReceiveRun> receive_;
   std::atomic<bool> sending_{false};  // send() is running
   // Delta refit (delta/link_delta.h), by link: a source's by destination rank, a destination's by source rank, kept

@@ -276,6 +276,26 @@ TEST(Engine, SourceWithoutPeerDrainsItsWeights) {
   expect_same(weights, got);
 }
 
+// A source that is not connected (before init_source, after finalize) has no destination to
+// drain for: its send would report success while nobody got a byte, so it is refused.
+TEST(Engine, ASourceThatIsNotConnectedRefusesToSend) {
+  Pair p(256);
+  auto weights = mixed_model(1);
+  VectorSource before(weights);
+  EXPECT_NE(testing::error_of(ErrorKind::kTopology, [&] { p.source->send(before); })
+                .find("send() before the source was connected"),
+            std::string::npos);
+  EXPECT_EQ(before.consumed(), 0u);
+  p.connect();
+  Received got;
+  p.refit(weights, got);
+  expect_same(weights, got);
+  p.source->finalize();
+  VectorSource after(weights);
+  EXPECT_NE(testing::error_of(ErrorKind::kTopology, [&] { p.source->send(after); }).find("after finalize()"),
+            std::string::npos);
+}
+
 TEST(Engine, RepeatedNameFailsTheRefitOnBothSides) {
   Pair p(256);
   p.connect();

@@ -19,7 +19,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   try {
     const UcxAddress address = decode_ucx_address(in, "source rank 0");
     FUZZ_CHECK(!address.worker_address.empty());
-    const Bytes again = encode_ucx_address(address.id, address.process, address.worker_address);
+    const Bytes again = encode_ucx_address(address.id, address.process, address.peer_errors, address.worker_address);
     FUZZ_CHECK(again.size() == size && std::equal(again.begin(), again.end(), data));
   } catch (const Error& e) {
     FUZZ_EXPECT_ERROR(e, ErrorKind::kProtocol, "source rank 0");

@@ -473,10 +473,11 @@ void ucx_address_seeds() {
   Bytes worker(57);
   for (size_t i = 0; i < worker.size(); ++i) worker[i] = static_cast<uint8_t>(i * 31);
   const ProcessIdentity process{"0f4c6a1e-boot", 0x1234, "host-a", 4242, 987654};
-  const Bytes good = encode_ucx_address(id, process, worker);
+  const Bytes good = encode_ucx_address(id, process, true, worker);
   write("ucx_address", "address", good);
-  write("ucx_address", "one_byte_worker", encode_ucx_address(id, process, Bytes{1}));
-  write("ucx_address", "empty_worker", encode_ucx_address(id, process, {}));
+  write("ucx_address", "no_error_handling", encode_ucx_address(id, process, false, worker));
+  write("ucx_address", "one_byte_worker", encode_ucx_address(id, process, true, Bytes{1}));
+  write("ucx_address", "empty_worker", encode_ucx_address(id, process, true, {}));
   write("ucx_address", "header", Bytes(id.begin(), id.end()));
   write("ucx_address", "bad_magic", flipped(good, 0));
   write("ucx_address", "truncated", truncated(good, good.size() - 1));

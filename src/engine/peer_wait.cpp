@@ -12,7 +12,13 @@ Bytes receive_watching(Transport& transport, PeerId peer, const std::string& lab
     try {
       return transport.receive(peer, std::min(deadline, Clock::now() + kLivenessSlice));
     } catch (const Error& e) {
-      if (e.kind() != ErrorKind::kTimeout || expired(deadline)) throw;
+      if (e.kind() != ErrorKind::kTimeout) throw;
+      // A peer that is alive but silent for the whole wait did not take part in this refit (its
+      // init or its receive failed, or it never ran): its own error says why.
+      if (expired(deadline))
+        fail(ErrorKind::kTimeout,
+             "{} ({}; the cause is likely on its side: an init or receive that failed or never ran)", e.what(),
+             same_host(process) ? fmt::format("its process, pid {}, is alive", process.pid) : "no word from it");
     }
     if (process_is_gone(process))
       fail(ErrorKind::kPeerLost, "lost {}: its process (pid {}) is gone", label, process.pid);

@@ -296,6 +296,18 @@ TEST(Engine, ASourceThatIsNotConnectedRefusesToSend) {
             std::string::npos);
 }
 
+// A destination that never receives (its own init or receive failed): the source's wait ends at
+// its deadline and says where to look.
+TEST(Engine, ASourceWhoseDestinationNeverReceivesTimesOutPointingAtIt) {
+  Pair p(256, /*release=*/false, /*timeout_s=*/0.5);
+  p.connect();
+  auto weights = mixed_model(1);
+  VectorSource src(weights);
+  const std::string message = testing::error_of(ErrorKind::kTimeout, [&] { p.source->send(src); });
+  EXPECT_NE(message.find("destination rank 0"), std::string::npos) << message;
+  EXPECT_NE(message.find("is alive; the cause is likely on its side"), std::string::npos) << message;
+}
+
 TEST(Engine, RepeatedNameFailsTheRefitOnBothSides) {
   Pair p(256);
   p.connect();

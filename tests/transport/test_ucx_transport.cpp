@@ -559,6 +559,22 @@ TEST(UcxTransport, RejectsBadInitParamsNamingThem) {
   }
 }
 
+// UCX connects only endpoints of one error handling mode, and says only "unsupported operation",
+// at the first message (the peer then looks lost while it is alive): connecting says which key differs.
+TEST(UcxTransport, PeersOfTwoErrorHandlingModesAreRefusedAtConnectNamingTheKey) {
+  auto peer = create_transport("UCX", {{"ucx_error_handling_mode", "peer"}});
+  auto none = create_transport("UCX", {{"ucx_error_handling_mode", "none"}});
+  std::string message;
+  EXPECT_EQ(error_kind_of([&] { none->connect(peer->address(), "source rank 0"); }, &message), ErrorKind::kConfig);
+  for (const char* expected :
+       {"source rank 0", "refit_cfg.nixl.backend_init_params.ucx_error_handling_mode='peer'", "this engine 'none'"})
+    EXPECT_NE(message.find(expected), std::string::npos) << message;
+  EXPECT_EQ(error_kind_of([&] { peer->connect(none->address(), "destination rank 0"); }, &message), ErrorKind::kConfig);
+  EXPECT_NE(message.find("'none', this engine 'peer'"), std::string::npos) << message;
+  auto also_none = create_transport("UCX", {{"ucx_error_handling_mode", "none"}});
+  none->disconnect(none->connect(also_none->address(), "source rank 1"));  // one mode connects
+}
+
 // engine_config names settings as UCX's environment does (UCX_TCP_SNDBUF), on every UCX version:
 // UCX 1.13-1.16 match a transport's settings by their name inside its table, 1.17 and later by
 // the environment's name, and 1.21 and later reject any other.

@@ -264,8 +264,9 @@ TEST(UcxAddressWire, IsLittleEndianAndRoundTrips) {
   for (size_t i = 0; i < id.size(); ++i) id[i] = static_cast<uint8_t>(0x40 + i);
   const Bytes worker(0x0102, 0x5a);
   const ProcessIdentity process{"boot", 7, "host-a", 4242, 99};
-  const Bytes blob = encode_ucx_address(id, process, worker);
-  EXPECT_THAT(cut(blob, 4), ElementsAre('R', 'F', 'U', '2'));
+  const Bytes blob = encode_ucx_address(id, process, false, worker);
+  EXPECT_THAT(cut(blob, 4), ElementsAre('R', 'F', 'U', '3'));
+  EXPECT_EQ(blob[blob.size() - worker.size() - 5], 0);       // the error handling, before the length
   const size_t length_at = blob.size() - worker.size() - 4;  // the worker address's length, then it
   EXPECT_THAT(Bytes(blob.begin() + length_at, blob.begin() + length_at + 4), ElementsAre(0x02, 0x01, 0, 0));
   const UcxAddress back = decode_ucx_address(blob, "source rank 3");
@@ -276,17 +277,19 @@ TEST(UcxAddressWire, IsLittleEndianAndRoundTrips) {
   EXPECT_EQ(back.process.pid, 4242);
   EXPECT_EQ(back.process.start_time, 99u);
   EXPECT_EQ(back.worker_address, worker);
+  EXPECT_FALSE(back.peer_errors);
+  EXPECT_TRUE(decode_ucx_address(encode_ucx_address(id, process, true, worker), "source rank 3").peer_errors);
   EXPECT_EQ(decode_ucx_message_header(id), id);
 }
 
 TEST(UcxAddressWire, MalformedAddressesAndHeadersAreProtocolErrors) {
   InstanceId id{};
-  const Bytes blob = encode_ucx_address(id, ProcessIdentity{"boot", 1, "host", 2, 3}, Bytes{1, 2, 3});
+  const Bytes blob = encode_ucx_address(id, ProcessIdentity{"boot", 1, "host", 2, 3}, true, Bytes{1, 2, 3});
   expect_truncations_refused(blob, "UCX address for source rank 3",
                              [](const Bytes& b) { decode_ucx_address(b, "source rank 3"); });
-  EXPECT_THAT(
-      error_of(ErrorKind::kProtocol, [&] { decode_ucx_address(encode_ucx_address(id, {}, {}), "source rank 3"); }),
-      AllOf(HasSubstr("UCX address for source rank 3"), HasSubstr("worker address is empty")));
+  EXPECT_THAT(error_of(ErrorKind::kProtocol,
+                       [&] { decode_ucx_address(encode_ucx_address(id, {}, true, {}), "source rank 3"); }),
+              AllOf(HasSubstr("UCX address for source rank 3"), HasSubstr("worker address is empty")));
   EXPECT_THAT(error_of(ErrorKind::kProtocol, [&] { decode_ucx_message_header(Bytes(15)); }),
               HasSubstr("malformed UCX message header"));
   EXPECT_THAT(error_of(ErrorKind::kProtocol, [&] { decode_ucx_message_header(Bytes(17)); }),

@@ -1,5 +1,6 @@
-// The address blob a UCX transport publishes: magic "RFU2", a random instance id (16 bytes), the
-// process it runs in (core/process_identity.h), the UCP worker address's length (u32,
+// The address blob a UCX transport publishes: magic "RFU3", a random instance id (16 bytes), the
+// process it runs in (core/process_identity.h), whether its endpoints handle peer errors (u8: UCX
+// connects only endpoints of one error handling mode), the UCP worker address's length (u32,
 // little-endian) and the worker address, which refit passes to UCX as it is. The instance id
 // travels as the header of every control message (an active message), so that a receiver can
 // queue messages per sender even before (or without) connecting back to it. The process lets a
@@ -20,11 +21,13 @@ namespace refit {
 
 using InstanceId = RandomId;  // random_id()
 
-Bytes encode_ucx_address(const InstanceId& id, const ProcessIdentity& process, std::span<const uint8_t> worker_address);
+Bytes encode_ucx_address(const InstanceId& id, const ProcessIdentity& process, bool peer_errors,
+                         std::span<const uint8_t> worker_address);
 
 struct UcxAddress {
   InstanceId id{};
   ProcessIdentity process;
+  bool peer_errors = true;  // ucx_error_handling_mode: peer (else none)
   Bytes worker_address;
 };
 

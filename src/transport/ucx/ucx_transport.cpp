@@ -248,7 +248,8 @@ void UcxTransport::init_ucx() {
   status = ucp_worker_query(worker, &attr);
   if (status != UCS_OK) fail(ErrorKind::kTransport, "cannot query the UCX worker: {}", ucs_status_string(status));
   const auto* address = reinterpret_cast<const uint8_t*>(attr.address);
-  address_ = encode_ucx_address(id_, this_process(), {address, attr.address_length});
+  address_ = encode_ucx_address(id_, this_process(), options_.error_mode == UCP_ERR_HANDLING_MODE_PEER,
+                                {address, attr.address_length});
   ucp_worker_release_address(worker, attr.address);
   if (attr.thread_mode != UCS_THREAD_MODE_MULTI) {
     fail(ErrorKind::kTransport, "this UCX library does not support multi-threaded workers (build it with --enable-mt)");
@@ -370,6 +371,14 @@ void UcxTransport::deregister_memory(RegionId region) {
 
 PeerId UcxTransport::connect(std::span<const uint8_t> peer_address, const std::string& label) {
   UcxAddress remote = decode_ucx_address(peer_address, label);
+  // UCX cannot connect endpoints of two error handling modes, and says only "unsupported".
+  const bool peer_errors = options_.error_mode == UCP_ERR_HANDLING_MODE_PEER;
+  if (remote.peer_errors != peer_errors)
+    fail(ErrorKind::kConfig,
+         "{} has {}='{}', this engine '{}': UCX connects only endpoints of one error handling mode; set it the same "
+         "on every worker",
+         label, ucx_param_name("ucx_error_handling_mode"), remote.peer_errors ? "peer" : "none",
+         peer_errors ? "peer" : "none");
   auto peer = std::make_unique<Peer>();
   peer->owner = this;
   peer->label = label;

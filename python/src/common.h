@@ -10,12 +10,14 @@
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <optional>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <vector>
 
 #include "refit/config.h"
@@ -35,6 +37,27 @@ inline bool interpreter_finalizing() {
   return _Py_IsFinalizing();
 #endif
 }
+
+// Releases the GIL for a blocking call and takes it back after. A daemon thread still in a refit
+// call when the program ends parks here instead of taking the GIL back, until the process exits
+// around it: CPython 3.13 and older end a thread that wants the GIL once finalizing has begun by
+// unwinding it, which through the C++ frames here aborts the process. An atexit hook (module.cpp,
+// run once only daemon threads are left) marks the end, then lets every thread already on its way
+// back to the GIL get there before finalizing starts. Finalizing already (a destructor run at
+// exit), it keeps the GIL.
+class GilRelease {
+ public:
+  GilRelease() : state_(interpreter_finalizing() ? nullptr : PyEval_SaveThread()) {}
+  ~GilRelease() {
+    if (state_ != nullptr) take_back(state_);
+  }
+  GilRelease(const GilRelease&) = delete;
+  GilRelease& operator=(const GilRelease&) = delete;
+
+ private:
+  static void take_back(PyThreadState* state);
+  PyThreadState* state_;
+};
 
 // ---- errors (errors.cpp) ---------------------------------------------------------------------
 

@@ -191,7 +191,7 @@ void register_config(nb::module_& m) {
       "total_device_memory_bytes",
       [](const std::string& device) {
         Device d = parse_device(device);
-        nb::gil_scoped_release nogil;
+        GilRelease nogil;
         return total_device_memory_bytes(d);
       },
       nb::arg("device") = "cpu",
@@ -395,7 +395,7 @@ void register_config(nb::module_& m) {
   m.def(
       "plan_transfers",
       [](const ModelInventory& model, const std::vector<Layout>& sources, const std::vector<Layout>& destinations) {
-        nb::gil_scoped_release nogil;
+        GilRelease nogil;
         return plan_transfers(model, sources, destinations);
       },
       nb::arg("model"), nb::arg("sources"), nb::arg("destinations"),

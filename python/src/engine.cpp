@@ -274,7 +274,7 @@ class PullSession {
         ReceivedBatch batch;
         ReceiveProgress progress;
         {
-          nb::gil_scoped_release nogil;
+          GilRelease nogil;
           if (!started_) {
             started_ = true;
             engine_->begin_receive();
@@ -300,7 +300,7 @@ class PullSession {
         if (PyErr_CheckSignals() != 0) {
           nb::python_error interrupt;
           {
-            nb::gil_scoped_release nogil;
+            GilRelease nogil;
             engine_->abort_receive("receive_weight_batches() was interrupted by a signal");
           }
           finish(Error(ErrorKind::kInvalidArgument, "receive_weight_batches() was interrupted by a signal"));
@@ -319,8 +319,8 @@ class PullSession {
   // while it waits.
   std::optional<Error> close(const std::string& reason, ErrorKind kind = ErrorKind::kInvalidArgument) {
     // Without the GIL when we have it (a destructor at interpreter exit may not).
-    std::optional<nb::gil_scoped_release> nogil;
-    if (PyGILState_Check() && !interpreter_finalizing()) nogil.emplace();
+    std::optional<GilRelease> nogil;
+    if (PyGILState_Check()) nogil.emplace();
     std::unique_lock lock(mu_);
     if (finished_) return std::nullopt;
     if (busy_) {
@@ -506,7 +506,7 @@ class PyEngine {
     }
     device_ok_ = cuda_built();
     if (config.device.kind == Device::Kind::kCuda) device_id_ = std::max(config.device.index, 0);
-    nb::gil_scoped_release nogil;
+    GilRelease nogil;
     engine_ = std::make_unique<CheckpointEngine>(std::move(options));
   }
 
@@ -516,7 +516,7 @@ class PyEngine {
     CheckpointEngine& e = idle("prepare()");
     Metadata md;
     {
-      nb::gil_scoped_release nogil;
+      GilRelease nogil;
       md = e.prepare();
     }
     return nb::bytes(reinterpret_cast<const char*>(md.data()), md.size());
@@ -526,7 +526,7 @@ class PyEngine {
     CheckpointEngine& e = idle(source ? "init_policy_process_group()" : "init_rollout_process_group()");
     std::vector<Metadata> md;
     for (nb::handle item : metadata) md.push_back(bytes_of(item, "every metadata entry"));
-    nb::gil_scoped_release nogil;
+    GilRelease nogil;
     if (source) {
       e.init_source(rank, train, rollout, md);
     } else {
@@ -547,7 +547,7 @@ class PyEngine {
     }
     // Without the GIL: the weights, followed by the KV-cache scales if any.
     auto send_all = [&](WeightSource& weights) {
-      nb::gil_scoped_release nogil;
+      GilRelease nogil;
       if (!scales) return e.send(weights);
       WeightSourceWithKvScales with_scales(weights, std::move(*scales));
       return e.send(with_scales);
@@ -580,7 +580,7 @@ class PyEngine {
       bool next(TensorView*) override { throw why; }
     } refused(bad);
     try {
-      nb::gil_scoped_release nogil;
+      GilRelease nogil;
       e.send(refused);
     } catch (const Error&) {
       // The engine's own words for it (phase, refit): the caller gets the argument error as it was.
@@ -663,7 +663,7 @@ class PyEngine {
       while (std::optional<ReceivedBatch> batch = session.take()) {
         std::optional<Error> failed;
         {
-          nb::gil_scoped_release nogil;
+          GilRelease nogil;
           try {
             parameters.load(batch->tensors);
           } catch (const Error& err) {
@@ -699,7 +699,7 @@ class PyEngine {
     cancel_active("finalize() was called during receive_weight_batches()");
     CheckpointEngine& e = engine();
     {
-      nb::gil_scoped_release nogil;
+      GilRelease nogil;
       e.finalize();
     }
   }
@@ -716,7 +716,7 @@ class PyEngine {
     cancel_active("the checkpoint engine was closed during receive_weight_batches()");
     if (!engine_) return;
     if (PyGILState_Check() && !interpreter_finalizing()) {
-      nb::gil_scoped_release nogil;
+      GilRelease nogil;
       engine_.reset();
     } else {
       engine_.reset();

@@ -123,7 +123,7 @@ class PyExpertLoader {
     for (const auto& t : tensors) views.push_back({&t.info, t.data, t.memory});
     ExpertLoadResult result;
     {
-      nb::gil_scoped_release nogil;
+      GilRelease nogil;
       result = loader_->load(views);
     }
     // The other tensors, in batch order, as the objects given.

@@ -193,7 +193,7 @@ class PyWorkerGroup final : public WorkerGroup {
 template <typename F>
 auto drive(F&& f) {
   try {
-    nb::gil_scoped_release nogil;
+    GilRelease nogil;
     return f();
   } catch (const PythonCallError& e) {
     e.restore();

@@ -539,7 +539,7 @@ void register_tensors(nb::module_& m) {
         const uint64_t n = t.info.nbytes();
         uint64_t h;
         {
-          nb::gil_scoped_release nogil;
+          GilRelease nogil;
           h = XXH3_64bits(t.data, n);
         }
         return h;
@@ -552,7 +552,7 @@ void register_tensors(nb::module_& m) {
       "fill_synthetic",
       [](nb::handle tensor, uint64_t seed) {
         WritableTensor t = import_writable(tensor);
-        nb::gil_scoped_release nogil;
+        GilRelease nogil;
         uint64_t state = seed;
         uint64_t i = 0;
         const uint64_t n = t.nbytes;

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import gc
 import importlib.util
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 
@@ -162,6 +165,28 @@ def test_ctrl_c_or_exit_from_caller_code_stays_itself_and_fails_the_refit_everyw
         assert time.monotonic() - start < 10, "both refits must fail at once, not at the deadline"
     finally:
         pair.close()
+
+
+def test_a_program_that_ends_while_a_daemon_thread_waits_in_a_receive_exits_cleanly():
+    # CPython (3.13 and older) unwinds a daemon thread that wants the GIL back once finalizing has
+    # begun; through refit's C++ frames that aborted the process ("terminate called without an
+    # active exception", exit status -6) about every other run.
+    program = textwrap.dedent("""
+        import threading, time, refit
+        session = refit.new_session_id()
+        cfg = {"nixl": {"timeout_s": 30}, "session": session, "framework": "numpy"}
+        src = refit.create_checkpoint_engine("nixl", 1 << 20, dict(cfg))
+        dst = refit.create_checkpoint_engine("nixl", 1 << 20, dict(cfg))
+        md = [src.prepare(), dst.prepare()]
+        src.init_policy_process_group(0, 1, 1, md)
+        dst.init_rollout_process_group(0, 1, 1, md)
+        threading.Thread(target=lambda: dst.receive_weights(lambda batch: None), daemon=True).start()
+        time.sleep(0.5)
+    """)
+    for _ in range(4):
+        run = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=60)
+        assert run.returncode == 0, run.stderr[-2000:]
+        assert "terminate called" not in run.stderr
 
 
 def test_a_consumer_holding_a_batch_past_the_deadline_fails_the_refit():

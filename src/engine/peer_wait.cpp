@@ -17,7 +17,8 @@ Bytes receive_watching(Transport& transport, PeerId peer, const std::string& lab
       // init or its receive failed, or it never ran): its own error says why.
       if (expired(deadline))
         fail(ErrorKind::kTimeout,
-             "{} ({}; the cause is likely on its side: an init or receive that failed or never ran)", e.what(),
+             "{} ({}; the cause is likely on its side: an init or receive that failed, never ran or is stuck)",
+             e.what(),
              same_host(process) ? fmt::format("its process, pid {}, is alive", process.pid) : "no word from it");
     }
     if (process_is_gone(process))

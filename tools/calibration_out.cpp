@@ -357,14 +357,14 @@ void save_bench_calibration(const std::string& path, const json& run) {
                             "bench copies on {} (one file per kind of run)",
                             path, c.engine_device, device));
   c.engine_device = device;
-  if (run.contains("changed_elements")) {
-    save_delta_calibration(path, run, c);
-    return;
-  }
   const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
   c.machine =
       fmt::format("{} cores, {:.0f} GiB, measured by refit bench", cores, total_host_memory_bytes() / 1073741824.0);
   c.host_memory = total_host_memory_bytes();
+  if (run.contains("changed_elements")) {
+    save_delta_calibration(path, run, c);
+    return;
+  }
   const auto timelines = later_timelines(run.at("refits"));
   const bool many_buckets = run.value("bucket_bytes", uint64_t{0}) * 8 <= run.value("model_bytes", uint64_t{0});
   // A run whose destinations read (nearly) everything in place measures that path only: the

@@ -311,8 +311,7 @@ int run_bench(const BenchOptions& options) {
   if (options.changed > 0) {
     // What every refit after the first changes (each tensor's share, as the weight stream changes it).
     uint64_t changed = 0;
-    for (const auto& t : model.inventory.tensors)
-      changed += static_cast<uint64_t>(options.changed * static_cast<double>(t.numel()));
+    for (const auto& t : model.inventory.tensors) changed += BenchModel::changed_elements(t.numel(), options.changed);
     out["changed_share"] = options.changed;
     out["changed_elements"] = changed;
   }

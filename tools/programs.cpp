@@ -70,7 +70,7 @@ void fill_box(std::byte* out, const TensorInfo& full, const Box& box, uint64_t s
 template <typename At>
 void step_elements(const TensorInfo& info, double share, uint64_t seed, At&& at) {
   const uint64_t element = dtype_size(info.dtype), elements = info.numel();
-  const auto n = static_cast<uint64_t>(share * static_cast<double>(elements));
+  const uint64_t n = BenchModel::changed_elements(elements, share);
   for (uint64_t k = 0; k < n; ++k) {
     const uint64_t r = content_word(seed, k);
     std::byte* e = at(r % elements);
@@ -284,10 +284,9 @@ class SourceProgram final : public WorkerProgram {
     for (size_t i = 0; i < views_.size(); ++i) {
       const auto& v = views_[i];
       if (model_.changed_share > 0 && index > 0)
-        change_device_elements(const_cast<std::byte*>(v.data), v.info->numel(),
-                               static_cast<uint32_t>(dtype_size(v.info->dtype)),
-                               static_cast<uint64_t>(model_.changed_share * static_cast<double>(v.info->numel())),
-                               seed_of(index, i), nullptr);
+        change_device_elements(
+            const_cast<std::byte*>(v.data), v.info->numel(), static_cast<uint32_t>(dtype_size(v.info->dtype)),
+            BenchModel::changed_elements(v.info->numel(), model_.changed_share), seed_of(index, i), nullptr);
       else if (synthetic())
         fill_device_pattern(const_cast<std::byte*>(v.data), v.info->nbytes(), index * 1000003 + i, nullptr);
       const Selection s = expected(*v.info);

@@ -42,6 +42,10 @@ struct BenchModel {
   // share of every tensor's elements by one or two units in the last place, as an optimizer step
   // does, at positions drawn from the refit; 0: all new content every refit.
   double changed_share = 0;
+  // How many of a tensor's `elements` a refit of the delta workload moves.
+  static uint64_t changed_elements(uint64_t elements, double share) {
+    return static_cast<uint64_t>(share * static_cast<double>(elements));
+  }
   // Consecutive versions of the weights (safetensors files, e.g. python/bench/delta_workload.py
   // --save-dir): refit k sends version k; safetensors_path is the first.
   std::vector<std::string> versions;

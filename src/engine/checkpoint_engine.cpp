@@ -253,6 +253,7 @@ class CheckpointEngine::Impl {
           }
     });
     is_destination_ = true;
+    connected_ = true;
   }
 
   SendStats send(WeightSource& weights) {
@@ -331,9 +332,11 @@ class CheckpointEngine::Impl {
     const bool previous_went_through = !stale_;
     stale_ = true;
     ++refits_;
-    if (links_.empty() && !needs_nothing_)
-      fail(ErrorKind::kTopology,
-           "{}: receive() before init_destination(): the destination is not connected to a source", self_label());
+    if (!connected_)
+      fail(
+          ErrorKind::kTopology,
+          "{}: receive() before init_destination() (or after finalize()): the destination is not connected to a source",
+          self_label());
     if (!progress_) progress_ = std::make_unique<LinkProgress>(*transport_);
     auto run = std::make_unique<ReceiveRun>();
     run->previous_went_through = previous_went_through;
@@ -1098,7 +1101,7 @@ class CheckpointEngine::Impl {
   bool needs_nothing_ = false;     // a resharding destination whose layout holds no tensor
   bool resharding_ = false;        // the group reshards (the latest init's plan_of_group)
   bool delta_ = false;             // this init's links go by delta refit (check_delta)
-  bool connected_ = false;         // a source's init_source() succeeded, and no init or finalize() since
+  bool connected_ = false;         // the latest init succeeded, and no finalize() since
   std::unique_ptr<ReceiveRun> receive_;
   std::atomic<bool> sending_{false};  // send() is running
   // Delta refit (delta/link_delta.h), by link: a source's by destination rank, a destination's by source rank, kept

@@ -277,7 +277,8 @@ TEST(Engine, SourceWithoutPeerDrainsItsWeights) {
 }
 
 // A source that is not connected (before init_source, after finalize) has no destination to
-// drain for: its send would report success while nobody got a byte, so it is refused.
+// drain for: its send would report success while nobody got a byte, so it is refused; a
+// destination that is not connected refuses to receive alike.
 TEST(Engine, ASourceThatIsNotConnectedRefusesToSend) {
   Pair p(256);
   auto weights = mixed_model(1);
@@ -286,6 +287,10 @@ TEST(Engine, ASourceThatIsNotConnectedRefusesToSend) {
                 .find("send() before the source was connected"),
             std::string::npos);
   EXPECT_EQ(before.consumed(), 0u);
+  Received none;
+  EXPECT_NE(testing::error_of(ErrorKind::kTopology, [&] { p.destination->receive(none.loader()); })
+                .find("receive() before init_destination()"),
+            std::string::npos);
   p.connect();
   Received got;
   p.refit(weights, got);
@@ -293,6 +298,10 @@ TEST(Engine, ASourceThatIsNotConnectedRefusesToSend) {
   p.source->finalize();
   VectorSource after(weights);
   EXPECT_NE(testing::error_of(ErrorKind::kTopology, [&] { p.source->send(after); }).find("after finalize()"),
+            std::string::npos);
+  p.destination->finalize();
+  EXPECT_NE(testing::error_of(ErrorKind::kTopology, [&] { p.destination->receive(none.loader()); })
+                .find("(or after finalize())"),
             std::string::npos);
 }
 

@@ -9,8 +9,11 @@
 //   send(weights) / receive(loader)
 //                        one refit; repeat as often as needed (a destination may instead pull
 //                        the refit's batches itself: begin_receive() ... finish_receive());
-//   finalize()           disconnect; with release_after_refit also free the buffers, after
-//                        which prepare() must run again (with a fresh metadata exchange).
+//   finalize()           disconnect, telling the peers (their next refit of this connection
+//                        fails at once, naming it); with release_after_refit also free the
+//                        buffers. One prepare()'s metadata serves one connection: after
+//                        finalize(), or an init that failed or replaced a connection, prepare()
+//                        and exchange metadata again before the next init.
 // Two topologies, chosen by what the sources declare (every peer reaches the same choice), each a
 // transfer plan (transfer_plan.h) that gives every engine its links:
 //  - paired (the reference's; paired_plan()): sources hold the whole model; source rank i sends to
@@ -230,7 +233,7 @@ class CheckpointEngine {
   // that; a connection made earlier still sends changes).
   void request_full_refit();
 
-  // Disconnects (aborting a receive in progress).
+  // Disconnects (aborting a receive in progress); the peers' next refit fails at once, kPeerLost.
   void finalize();
 
   bool stale() const;

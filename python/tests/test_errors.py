@@ -146,3 +146,70 @@ def test_a_killed_peer_surfaces_as_peer_lost_error_with_the_cpp_message():
         source.close()
         proc.join(10)
     assert proc.exitcode == -signal.SIGKILL
+
+
+def _finalizing_destination(conn, session: bytes) -> None:
+    engine = refit.create_checkpoint_engine("nixl", MiB, {"timeout_s": 60, "session": session, "framework": "numpy"})
+    conn.send(engine.prepare())
+    engine.init_rollout_process_group(0, 1, 1, conn.recv())
+    for _ in engine.receive_weight_batches():
+        pass
+    engine.finalize()  # leaves the connection, and stays alive until told
+    conn.send("finalized")
+    conn.recv()
+    engine.close()
+
+
+def test_a_destination_that_finalizes_fails_its_sources_next_send_at_once():
+    # Two processes over UCX; the source waits with timeout_s = 60 and must hear of the finalize now.
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    session = refit.new_session_id()
+    proc = ctx.Process(target=_finalizing_destination, args=(child, session), daemon=True)
+    proc.start()
+    source = refit.create_checkpoint_engine("nixl", MiB, {"timeout_s": 60, "session": session})
+    try:
+        md = [source.prepare(), parent.recv()]
+        parent.send(md)
+        source.init_policy_process_group(0, 1, 1, md)
+        weights = [(f"w{i}", np.full(MiB // 4, i, np.float32)) for i in range(8)]
+        source.send_weights(weights)
+        assert parent.recv() == "finalized"
+        start = time.monotonic()
+        with pytest.raises(refit.PeerLostError) as err:
+            source.send_weights(weights)
+        assert time.monotonic() - start < 10, "the source waited for its deadline"
+        assert "destination rank 0 left this connection" in str(err.value), str(err.value)
+        assert "it called finalize()" in str(err.value), str(err.value)
+        parent.send("exit")
+    finally:
+        source.close()
+        proc.join(10)
+    assert proc.exitcode == 0
+
+
+def _source_that_exits_after_the_exchange(conn, session: bytes) -> None:
+    engine = refit.create_checkpoint_engine("nixl", MiB, {"timeout_s": 60, "session": session})
+    conn.send(engine.prepare())
+    conn.recv()
+    os._exit(0)
+
+
+def test_a_source_gone_before_its_destination_connects_is_named_lost_not_a_transport_error():
+    # UCX says only "Shared memory error" when it cannot attach to a dead peer's memory.
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    session = refit.new_session_id()
+    proc = ctx.Process(target=_source_that_exits_after_the_exchange, args=(child, session), daemon=True)
+    proc.start()
+    destination = refit.create_checkpoint_engine("nixl", MiB, {"timeout_s": 60, "session": session,
+                                                               "framework": "numpy"})
+    try:
+        md = [parent.recv(), destination.prepare()]
+        parent.send(md)
+        proc.join(10)
+        with pytest.raises(refit.PeerLostError) as err:
+            destination.init_rollout_process_group(0, 1, 1, md)
+        assert f"lost source rank 0: its process (pid {proc.pid}) is gone" in str(err.value), str(err.value)
+    finally:
+        destination.close()

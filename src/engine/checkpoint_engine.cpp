@@ -123,7 +123,7 @@ class CheckpointEngine::Impl {
 
   ~Impl() {
     try {
-      disconnect();
+      disconnect("its engine was destroyed (its process ended or dropped it)");
       release_buffers();
     } catch (const std::exception& e) {
       spdlog::warn("checkpoint engine teardown: {}", e.what());
@@ -156,8 +156,7 @@ class CheckpointEngine::Impl {
   void init_source(int worker_rank, int train, int rollout, std::span<const Metadata> metadata) {
     refuse_while_sending("init_source()");
     std::string self = fmt::format("source rank {}", worker_rank);
-    in_phase(self + ", init", [&] {
-      disconnect();
+    connecting(self, [&] {
       if (worker_rank < 0 || worker_rank >= train)
         fail(ErrorKind::kTopology, "worker_rank must be in [0, {}), got {}", train, worker_rank);
       auto group = decode_group(train, rollout, metadata);
@@ -193,8 +192,7 @@ class CheckpointEngine::Impl {
     refuse_while_sending("init_destination()");
     std::string self = fmt::format("destination rank {}", rollout_rank);
     self_ = self;
-    in_phase(self + ", init", [&] {
-      disconnect();
+    connecting(self, [&] {
       auto group = decode_group(train, rollout, metadata);
       if (rollout_rank < 0 || rollout_rank >= rollout)
         fail(ErrorKind::kTopology, "rollout_rank must be in [0, {}), got {}", rollout, rollout_rank);
@@ -298,8 +296,8 @@ class CheckpointEngine::Impl {
     } catch (...) {
       // A plain std::exception comes from the weight stream (caller code); whatever it was, every
       // destination is told at once.
-      const Caught c = describe_caught(std::current_exception(), ErrorKind::kInvalidArgument,
-                                       "weight stream failed: ", "the weight stream");
+      const Caught c = naming_a_gone_peer(describe_caught(std::current_exception(), ErrorKind::kInvalidArgument,
+                                                          "weight stream failed: ", "the weight stream"));
       if (delta_)
         for (auto& link : links_) source_deltas_[link.peer_rank].drop();
       abort_links(c.kind, c.what);
@@ -473,7 +471,7 @@ class CheckpointEngine::Impl {
   void finalize() {
     refuse_while_sending("finalize()");
     abort_receive("finalize() was called during the receive", ErrorKind::kInvalidArgument);
-    disconnect();
+    disconnect("it called finalize()");
     if (options_.config.release_after_refit) {
       release_buffers();
       assembler_.release();
@@ -533,9 +531,30 @@ class CheckpointEngine::Impl {
     });
   }
 
+  // An init: ends the connection before (its peers are told), then runs `body`, which links this
+  // engine to its new peers; if that fails they are told at once too.
+  template <typename F>
+  void connecting(const std::string& self, F&& body) {
+    disconnect("it was connected again (a new init)");
+    linked_generation_ = generation_;
+    try {
+      in_phase(self + ", init", body);
+    } catch (...) {
+      const Caught c = describe_caught(std::current_exception(), ErrorKind::kInternal, "", "init");
+      disconnect("its init failed: " + c.what, c.kind);
+      throw;
+    }
+  }
+
   // Checks the group's sizes and decodes every member's metadata (sources first).
   std::vector<protocol::EngineMetadata> decode_group(int train, int rollout, std::span<const Metadata> metadata) {
     if (!prepared_) fail(ErrorKind::kInvalidArgument, "prepare() must run before init (buffers are not registered)");
+    // The peers of the connection before were told it ended, in refit numbers this metadata
+    // derives: the same metadata again would make every refit of the new one fail.
+    if (closed_generation_ == generation_)
+      fail(ErrorKind::kInvalidArgument,
+           "init after finalize() or another init (one that failed included) needs a new prepare() and metadata "
+           "exchange: this engine's metadata names a connection that is over");
     if (train < 1 || rollout < 1)
       fail(ErrorKind::kTopology, "world sizes must be >= 1, got train_world_size={} rollout_world_size={}", train,
            rollout);
@@ -608,7 +627,12 @@ class CheckpointEngine::Impl {
     link.transport = transport_.get();
     link.timeout_s = options_.config.timeout_s;
     link.verify_checksums = options_.config.verify_checksums;
-    link.peer = transport_->connect(md.transport_address, where);
+    try {
+      link.peer = transport_->connect(md.transport_address, where);
+    } catch (const Error& e) {
+      if (auto gone = gone_peer(where, md.process, e.what())) throw *gone;  // not the transport's words alone
+      throw;
+    }
     link.metadata = std::move(md);
     link.label = where;
     link.peer_rank = peer_rank;
@@ -713,9 +737,12 @@ class CheckpointEngine::Impl {
     return *source_regions_;
   }
 
-  void disconnect() {
+  // Ends the connection: a peer waiting in one of its refits, now or later, fails at once naming
+  // `why` (with `kind`) rather than at its deadline.
+  void disconnect(const std::string& why, ErrorKind kind = ErrorKind::kPeerLost) {
     // A receive's readers work from the links: it ends first (the sources are told).
     end_receive(ErrorKind::kInvalidArgument, "the engine was connected again (init) during the receive");
+    abort_links(kind, why, /*farewell=*/true);
     target_layout_.reset();
     needs_nothing_ = false;
     senders_.clear();
@@ -760,15 +787,18 @@ class CheckpointEngine::Impl {
     has_buffers_ = false;
   }
 
-  void abort_links(ErrorKind kind, const std::string& reason) noexcept {
+  // Tells every peer that this refit failed, or with `farewell` that this connection is over.
+  void abort_links(ErrorKind kind, const std::string& reason, bool farewell = false) noexcept {
+    const Deadline deadline = deadline_after(kAbortTimeout);  // one for all: peers may be gone
     for (const Link& link : links_) {
       try {
-        transport_->send(link.peer, protocol::encode(protocol::Abort{wire_refit(link), kind, reason}),
-                         deadline_after(kAbortTimeout));
+        transport_->send(link.peer, protocol::encode(protocol::Abort{wire_refit(link), kind, reason, farewell}),
+                         deadline);
       } catch (...) {
         // The peer may be the reason we are aborting.
       }
     }
+    if (farewell && !links_.empty()) closed_generation_ = linked_generation_;
   }
 
   void run_send(WeightSource& weights, SendStats& stats, std::string& phase) {
@@ -934,9 +964,19 @@ class CheckpointEngine::Impl {
       return step();
     } catch (...) {
       // A plain std::exception comes from the loader (caller code).
-      const Caught c = describe_caught(std::current_exception(), ErrorKind::kInvalidArgument, "", "the loader");
+      const Caught c =
+          naming_a_gone_peer(describe_caught(std::current_exception(), ErrorKind::kInvalidArgument, "", "the loader"));
       throw abort_receive(c.what, c.kind);
     }
+  }
+
+  // A transport's error where a peer's process on this host is gone says that first: a transport
+  // reports a dead peer in its own words ("Shared memory error").
+  Caught naming_a_gone_peer(Caught c) const {
+    if (c.kind != ErrorKind::kTransport) return c;
+    for (const Link& link : links_)
+      if (auto gone = gone_peer(link.label, link.metadata.process, c.what)) return {gone->kind(), gone->what()};
+    return c;
   }
 
   // An error of the receive in progress, with the refit and phase in front.
@@ -1082,6 +1122,8 @@ class CheckpointEngine::Impl {
   HostPin pin_;                              // host buffers, page-locked when a GPU is usable
   std::unique_ptr<CopyStream> pack_stream_;  // on a source: copies into the transfer buffers
   bool prepared_ = false;                    // prepare() ran since the buffers were last released
+  uint64_t linked_generation_ = 0;           // generation_ when the links were made
+  uint64_t closed_generation_ = 0;           // peers were told the connection of this generation is over
 
   std::string self_;
   bool is_destination_ = false;

@@ -60,7 +60,7 @@ bool LinkReader::take_announcement() {
     std::optional<Bytes> bytes = link_.transport->try_receive(link_.peer);
     if (!bytes) return false;
     msg = protocol::decode_message(*bytes, link_.label);
-    if (msg.refit() == refit_) break;
+    if (protocol::concerns(msg, refit_, link_.first_refit)) break;
     spdlog::debug("discarding a message of an earlier refit from {}", link_.label);  // left by a failure
   }
   if (msg.type == protocol::MessageType::kAbort)

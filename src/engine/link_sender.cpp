@@ -253,7 +253,7 @@ void LinkSender::wait_acknowledged(uint64_t seq, std::string& phase) {
   while (true) {
     const Bytes bytes = receive_watching(*link_.transport, link_.peer, link_.label, link_.metadata.process, deadline);
     auto msg = protocol::decode_message(bytes, link_.label);
-    if (msg.refit() != bucket_.refit) {
+    if (!protocol::concerns(msg, bucket_.refit, link_.first_refit)) {
       spdlog::debug("discarding a message of an earlier refit from {}", link_.label);
       continue;
     }

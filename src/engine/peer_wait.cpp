@@ -21,9 +21,14 @@ Bytes receive_watching(Transport& transport, PeerId peer, const std::string& lab
              e.what(),
              same_host(process) ? fmt::format("its process, pid {}, is alive", process.pid) : "no word from it");
     }
-    if (process_is_gone(process))
-      fail(ErrorKind::kPeerLost, "lost {}: its process (pid {}) is gone", label, process.pid);
+    if (auto gone = gone_peer(label, process)) throw *gone;
   }
+}
+
+std::optional<Error> gone_peer(const std::string& label, const ProcessIdentity& process, const std::string& cause) {
+  if (!process_is_gone(process)) return std::nullopt;
+  return Error(ErrorKind::kPeerLost, fmt::format("lost {}: its process (pid {}) is gone{}", label, process.pid,
+                                                 cause.empty() ? "" : fmt::format(" ({})", cause)));
 }
 
 }  // namespace refit

@@ -85,6 +85,7 @@ void abort_fields(Io& io, M& m) {
   io(m.refit, "refit");
   io(m.kind, "kind", ErrorKind::kInternal);
   io(m.reason, "reason");
+  io(m.farewell, "farewell");
 }
 
 // A control message of `type`: its header, then what `fields` writes.
@@ -235,7 +236,16 @@ uint64_t Message::refit() const {
   return 0;
 }
 
+bool concerns(const Message& m, uint64_t refit, uint64_t first_refit) {
+  // A connection's refit numbers are first_refit + k, first_refit random per pair of metadata: one
+  // that lies 2^32 refits from it is another connection's.
+  constexpr uint64_t kRefitsOfAConnection = uint64_t{1} << 32;
+  if (m.refit() == refit) return true;
+  return m.type == MessageType::kAbort && m.abort.farewell && m.abort.refit - first_refit < kRefitsOfAConnection;
+}
+
 void raise_abort(const Abort& m, const std::string& who, const std::string& waiting_for) {
+  if (m.farewell) fail(m.kind, "{} left this connection while we waited for {}: {}", who, waiting_for, m.reason);
   fail(m.kind, "{} aborted the refit while we waited for {}: {}", who, waiting_for, m.reason);
 }
 

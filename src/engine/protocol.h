@@ -19,7 +19,7 @@
 
 namespace refit::protocol {
 
-inline constexpr uint32_t kVersion = 12;
+inline constexpr uint32_t kVersion = 13;
 
 // How a destination takes the tensors a source leaves in its own memory (SourceAccess, plan.h):
 // a destination says which ways it can (EngineMetadata::takes); link_access() picks one per link,
@@ -156,6 +156,9 @@ struct Abort {
   uint64_t refit = 0;
   ErrorKind kind = ErrorKind::kInternal;  // why the sender failed; the receiver fails with the same kind
   std::string reason;
+  // The sender left the connection (finalize, a new init, an init that failed, its engine's end):
+  // this refit of it and every later one fail at once, rather than wait for their deadline.
+  bool farewell = false;
 };
 
 struct Message {
@@ -171,7 +174,13 @@ Bytes encode(const BucketDone& m);
 Bytes encode(const Abort& m);
 Message decode_message(std::span<const uint8_t> bytes, const std::string& who);
 
-// Throws the error a peer's Abort stands for: its kind, naming the peer and what we waited for.
+// Whether `m` is for refit `refit` of the connection whose refits are numbered from `first_refit`:
+// that refit's own messages, and a farewell sent at any refit of the connection. Anything else was
+// left over from an earlier refit or connection.
+bool concerns(const Message& m, uint64_t refit, uint64_t first_refit);
+
+// Throws the error a peer's Abort (or farewell) stands for: its kind, naming the peer and what we
+// waited for.
 [[noreturn]] void raise_abort(const Abort& m, const std::string& who, const std::string& waiting_for);
 
 // Checks a bucket against the link's bucket size, the source's buffer length and the way the link

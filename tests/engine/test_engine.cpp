@@ -305,6 +305,65 @@ TEST(Engine, ASourceThatIsNotConnectedRefusesToSend) {
             std::string::npos);
 }
 
+// A peer that leaves the connection (finalize, its engine's end) tells the other side: that side's
+// next refit fails at once naming it, not at its deadline (60 s here).
+TEST(Engine, APeerThatLeavesEndsTheOthersNextRefitAtOnce) {
+  for (bool destination_leaves : {true, false}) {
+    Pair p(256, false, /*timeout_s=*/60.0);
+    p.connect();
+    auto weights = mixed_model(2);
+    Received got;
+    p.refit(weights, got);
+    (destination_leaves ? p.destination : p.source)->finalize();
+    const auto start = Clock::now();
+    std::string message;
+    if (destination_leaves) {
+      VectorSource src(weights);
+      EXPECT_EQ(error_kind_of([&] { p.source->send(src); }, &message), ErrorKind::kPeerLost);
+      EXPECT_THAT(message, ::testing::HasSubstr("destination rank 0 left this connection"));
+    } else {
+      EXPECT_EQ(error_kind_of([&] { p.destination->receive(got.loader()); }, &message), ErrorKind::kPeerLost);
+      EXPECT_THAT(message, ::testing::HasSubstr("source rank 0 left this connection"));
+    }
+    EXPECT_THAT(message, ::testing::HasSubstr("it called finalize()"));
+    EXPECT_LT(std::chrono::duration<double>(Clock::now() - start).count(), 5.0) << message;
+    // Its metadata named that connection: init from it again is refused; a new prepare() works.
+    auto& left = destination_leaves ? p.destination : p.source;
+    const std::string refused = testing::error_of(ErrorKind::kInvalidArgument, [&] {
+      destination_leaves ? left->init_destination(0, 1, 1, p.metadata) : left->init_source(0, 1, 1, p.metadata);
+    });
+    EXPECT_THAT(refused, ::testing::HasSubstr("needs a new prepare()"));
+    p.connect();
+    Received again;
+    p.refit(weights, again);
+    expect_same(weights, again);
+  }
+}
+
+// An init that fails after linking to its peers tells them: a source whose destination's init
+// failed fails its send at once with the destination's error, not at its deadline.
+TEST(Engine, AnInitThatFailsAfterLinkingEndsItsPeersRefitAtOnce) {
+  Pair p(256, false, /*timeout_s=*/60.0);
+  p.metadata = {p.source->prepare(), p.destination->prepare()};
+  p.source->init_source(0, 1, 1, p.metadata);
+  // The destination sees its source's buffers as missing, once linked to it.
+  protocol::EngineMetadata source_md = protocol::decode_metadata(p.metadata[0], "source");
+  source_md.buffers.length = 0;
+  std::vector<Metadata> wrong = {protocol::encode(source_md), p.metadata[1]};
+  const std::string init_error =
+      testing::error_of(ErrorKind::kProtocol, [&] { p.destination->init_destination(0, 1, 1, wrong); });
+  EXPECT_THAT(init_error, ::testing::HasSubstr("published no transfer buffers"));
+  auto weights = mixed_model(2);
+  VectorSource src(weights);
+  const auto start = Clock::now();
+  std::string message;
+  EXPECT_EQ(error_kind_of([&] { p.source->send(src); }, &message), ErrorKind::kProtocol);
+  EXPECT_THAT(message, ::testing::HasSubstr("destination rank 0 left this connection"));
+  EXPECT_THAT(message, ::testing::HasSubstr("its init failed"));
+  EXPECT_THAT(message, ::testing::HasSubstr("published no transfer buffers"));
+  EXPECT_LT(std::chrono::duration<double>(Clock::now() - start).count(), 5.0) << message;
+}
+
 // A destination that never receives (its own init or receive failed): the source's wait ends at
 // its deadline and says where to look.
 TEST(Engine, ASourceWhoseDestinationNeverReceivesTimesOutPointingAtIt) {
@@ -641,7 +700,10 @@ TEST(EnginePull, AnInitDuringAReceiveEndsItAndTellsTheSource) {
   p.destination->begin_receive();
   ReceivedBatch batch;
   ASSERT_EQ(p.destination->next_batch(deadline_after(std::chrono::seconds(10)), &batch), ReceiveProgress::kBatch);
-  p.destination->init_destination(0, 1, 1, p.metadata);
+  // The connection is over for both sides: the same metadata cannot start another (a new prepare()).
+  std::string refused =
+      testing::error_of(ErrorKind::kInvalidArgument, [&] { p.destination->init_destination(0, 1, 1, p.metadata); });
+  EXPECT_THAT(refused, ::testing::HasSubstr("needs a new prepare()"));
   EXPECT_FALSE(p.destination->receiving());
   EXPECT_TRUE(p.destination->stale());
   std::string message;

@@ -95,7 +95,8 @@ TEST(Protocol, EveryTruncationOfEveryMessageIsAProtocolError) {
   BucketReady replay = sample_bucket();
   replay.replay_of = 2;
   std::vector<Bytes> messages = {encode(sample_bucket()), encode(replay), encode(BucketDone{1, 2}),
-                                 encode(Abort{1, ErrorKind::kIntegrity, "why"})};
+                                 encode(Abort{1, ErrorKind::kIntegrity, "why"}),
+                                 encode(Abort{1, ErrorKind::kPeerLost, "bye", /*farewell=*/true})};
   for (const auto& full : messages) {
     for (size_t n = 0; n < full.size(); ++n) {
       Bytes cut(full.begin(), full.begin() + n);
@@ -108,6 +109,26 @@ TEST(Protocol, EveryTruncationOfEveryMessageIsAProtocolError) {
       }
     }
   }
+}
+
+// A refit's messages concern that refit only; a farewell concerns every refit of its connection
+// (numbered from first_refit) and none of another's.
+TEST(Protocol, AFarewellConcernsEveryRefitOfItsConnectionAndNoOther) {
+  const uint64_t first = first_refit(11, 22), other = first_refit(33, 22);
+  auto decoded = [](const Bytes& b) { return decode_message(b, "source rank 0"); };
+  const Message bucket = decoded(encode(BucketDone{first + 3, 0}));
+  EXPECT_TRUE(concerns(bucket, first + 3, first));
+  EXPECT_FALSE(concerns(bucket, first + 4, first));
+  const Message abort = decoded(encode(Abort{first + 3, ErrorKind::kIntegrity, "why"}));
+  EXPECT_FALSE(abort.abort.farewell);
+  EXPECT_FALSE(concerns(abort, first + 4, first));
+  const Message farewell = decoded(encode(Abort{first + 3, ErrorKind::kPeerLost, "it called finalize()", true}));
+  EXPECT_TRUE(farewell.abort.farewell);
+  for (uint64_t k : {0, 1, 3, 4, 1000}) EXPECT_TRUE(concerns(farewell, first + k, first)) << k;
+  EXPECT_FALSE(concerns(farewell, other + 3, other));
+  const std::string message = testing::error_of(
+      ErrorKind::kPeerLost, [&] { raise_abort(farewell.abort, "destination rank 1", "bucket 0 done"); });
+  EXPECT_EQ(message, "destination rank 1 left this connection while we waited for bucket 0 done: it called finalize()");
 }
 
 TEST(Protocol, MetadataRoundTripsAndTruncationsAreRejected) {

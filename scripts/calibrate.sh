@@ -18,9 +18,9 @@
 #   7. a delta refit (refit_cfg.nixl.delta=true) of 1% of the elements: the source's comparing and
 #      the destination's patching, whose cost per changed element the planner solves for.
 # GPU (--gpu, on the GPU machine): the copy ceilings of GPU 0 (refit_gpu_ceiling: device copy,
-#   pinned host copy, peer copy and NCCL with a second GPU), then steps 1, 2, 4 and 5 with GPU
+#   pinned host copy, peer copy and NCCL with a second GPU), then steps 1, 2, 4, 5 and 7 with GPU
 #   tensors and buffers on GPU 0 (MODEL, default data/models/qwen3-8b; CUDA IPC, so step 4 and 5
-#   read the source's GPU tensors in place).
+#   read the source's GPU tensors in place; step 7 compares and patches with the GPU's kernels).
 # Each is run ROUNDS times (default 3) into files of their own, and FILE gets the median of each
 # value over the rounds: this kind of machine varies by 10-15% from one minute to the next.
 # Usage: scripts/calibrate.sh [--gpu] [FILE]   (default build/calibration.json; BUILD_DIR as elsewhere)
@@ -48,6 +48,8 @@ one_round() {  # $1: the file of this round
           grep -E "^calibration"
       done
     done
+    CUDA_VISIBLE_DEVICES=0 "$REFIT" bench --model "$model" --device cuda --tensors cuda --refits 5 --changed 0.01 \
+      --calibration-out "$out" refit_cfg.nixl.bucket_bytes=256MiB refit_cfg.nixl.delta=true | grep -E "^calibration"
     return
   fi
   local buckets=refit_cfg.nixl.direct_reads=false

@@ -313,9 +313,9 @@ double in_place_share(const std::vector<InPlaceRefit>& refits) {
   return all > 0 ? in_place / all : 0;
 }
 
-// A delta refit run measures delta refit's host work alone (its copies are not a full refit's):
-// the source's comparing and the destination's patching, medians over the refits that went as
-// changes (all but the first).
+// A delta refit run measures delta refit's work alone (its copies are not a full refit's): the
+// source's comparing and the destination's patching, medians over the refits that went as changes
+// (all but the first), on the run's tensors (host or GPU: the file's engine_device).
 void save_delta_calibration(const std::string& path, const json& run, Calibration& c) {
   auto refuse = [&](const std::string& why) {
     throw Error(ErrorKind::kInvalidArgument, fmt::format("--calibration-out {} with --changed: {}", path, why));
@@ -323,8 +323,6 @@ void save_delta_calibration(const std::string& path, const json& run, Calibratio
   if (run.value("sources", 0u) != 1 || run.value("destinations", 0u) != 1 || run.value("sharded", false) ||
       run.value("resharding", false))
     refuse("delta refit's costs are measured from one source into one destination of the whole model");
-  if (run.at("tensor_memory").get<std::string>() != "cpu")
-    refuse("delta refit's costs are measured on host tensors (on a GPU they follow its copy rate)");
   std::vector<double> compare, patch;
   const json& refits = run.at("refits");
   for (size_t k = 1; k < refits.size(); ++k) {

@@ -47,9 +47,10 @@ struct NodeGroup {
   // name it here: their copies and TCP share its cores and memory. Empty: every node is its own.
   std::string machine;
   double tcp_rate = 0;  // CPU nodes: TCP both ends on one node (ucp_get over TCP loopback)
-  // CPU nodes, delta refit: each changed element's cost beyond the bytes, in bytes' worth of the
-  // node's host work, comparing at a source and patching at a destination (< 0: calibration, else
-  // the planner's own, measured by bench/micro_delta.cpp).
+  // Delta refit: each changed element's cost beyond the bytes, in bytes' worth of the node's delta
+  // work (a CPU node's host work, a GPU's copies), comparing at a source and patching at a
+  // destination (< 0: calibration, else the planner's own, measured on the host by
+  // bench/micro_delta.cpp and on one H100 by scripts/calibrate.sh --gpu).
   double compare_change_bytes = -1;
   double patch_change_bytes = -1;
 };
@@ -136,9 +137,10 @@ struct Calibration {
   double duplex_pinned_copy_rate = 0;  // ... each way, both ways at once
   double peer_copy_rate = 0;           // GPU to GPU over NVLink
   double nccl_rate = 0;                // NCCL send/recv between two GPUs
-  // A delta refit of host tensors, one source into one destination (`refit bench --changed SHARE
-  // refit_cfg.nixl.delta=true`): the bytes compared and the elements changed per refit, and the
-  // median seconds per refit of the source's comparing and the destination's patching.
+  // A delta refit, one source into one destination (`refit bench --changed SHARE
+  // refit_cfg.nixl.delta=true`, on engine_device's tensors): the bytes compared and the elements
+  // changed per refit, and the median seconds per refit of the source's comparing and the
+  // destination's patching.
   double delta_bytes = 0;
   double delta_changes = 0;
   double delta_compare_s = -1;

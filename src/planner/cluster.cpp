@@ -370,6 +370,21 @@ void save_calibration(const std::string& path, const Calibration& c) {
   if (!f) fail(ErrorKind::kIo, "cannot write calibration file '{}'", path);
 }
 
+NodeGroup measured_node(const Calibration& cal, bool gpu) {
+  const bool engine = cal.engine_device == (gpu ? "cuda" : "cpu");
+  NodeGroup g;
+  g.gpu = gpu;
+  if (gpu) {
+    g.copy_rate = engine && cal.engine_copy_rate > 0 ? cal.engine_copy_rate : cal.device_copy_rate;
+    g.node_copy_rate = engine ? cal.engine_node_copy_rate : 0;
+  } else {
+    g.copy_rate = engine && cal.engine_copy_rate > 0 ? cal.engine_copy_rate : cal.host_copy_rate;
+    g.node_copy_rate = engine && cal.engine_node_copy_rate > 0 ? cal.engine_node_copy_rate : cal.host_node_copy_rate;
+    g.cores = cal.cores;
+  }
+  return g;
+}
+
 void apply_calibration(Cluster& cluster, const Calibration& cal) {
   auto need = [&](const NodeGroup& g, double value, const char* key) {
     if (value <= 0)
@@ -388,10 +403,10 @@ void apply_calibration(Cluster& cluster, const Calibration& cal) {
     if (g.in_place_copy_rate == 0 && engine) g.in_place_copy_rate = cal.engine_in_place_copy_rate;
     if (g.in_place_crowded_rate == 0 && engine && !g.gpu)
       g.in_place_crowded_rate = cal.engine_in_place_crowded_copy_rate;
+    const NodeGroup measured = measured_node(cal, g.gpu);
+    if (g.copy_rate == 0) g.copy_rate = measured.copy_rate;
+    if (g.node_copy_rate == 0) g.node_copy_rate = measured.node_copy_rate;
     if (g.gpu) {
-      if (g.copy_rate == 0)
-        g.copy_rate = engine && cal.engine_copy_rate > 0 ? cal.engine_copy_rate : cal.device_copy_rate;
-      if (g.node_copy_rate == 0 && engine) g.node_copy_rate = cal.engine_node_copy_rate;
       // The engine's copies reach a share of the device copy's ceiling (many tensors, each its own
       // copy); measured on one GPU, the same share is assumed of NVLink's.
       const double share = engine && cal.engine_copy_rate > 0 && cal.device_copy_rate > 0
@@ -404,20 +419,15 @@ void apply_calibration(Cluster& cluster, const Calibration& cal) {
       need(g, g.copy_rate, "copy");
       if (g.node_copy_rate == 0) g.node_copy_rate = g.copy_rate;
     } else {
-      if (g.copy_rate == 0)
-        g.copy_rate = engine && cal.engine_copy_rate > 0 ? cal.engine_copy_rate : cal.host_copy_rate;
-      if (g.node_copy_rate == 0)
-        g.node_copy_rate =
-            engine && cal.engine_node_copy_rate > 0 ? cal.engine_node_copy_rate : cal.host_node_copy_rate;
-      if (g.cores == 0) g.cores = cal.cores;
+      if (g.cores == 0) g.cores = measured.cores;
       if (g.memory == 0) g.memory = cal.host_memory;
       if (g.row_cost_s == 0) g.row_cost_s = cal.row_cost_s;
       if (g.tcp_rate == 0) g.tcp_rate = cal.tcp_rate;
       need(g, g.copy_rate, "copy");
       if (g.node_copy_rate == 0) g.node_copy_rate = g.copy_rate * std::max(g.cores, 1);
       if (g.crowded_copy_rate == 0 && engine) g.crowded_copy_rate = cal.engine_crowded_copy_rate;
-      if (engine) fit_host_delta_costs(g, cal);
     }
+    if (engine) fit_delta_costs(g, cal);
     if (g.in_place_copy_rate == 0) g.in_place_copy_rate = g.copy_rate;
   }
   if (cluster.transfer.read_rate == 0)

@@ -9,47 +9,49 @@
 namespace refit {
 namespace {
 
-// A source's comparison of its weights with its base, against one copy of them (copy_rate). On a
-// GPU the kernels read the weights and the base twice each: two copies' worth of traffic. On the
-// host one core compares, hashes (xxh3) and collects in one pass, two copies' worth, plus about
-// 320 bytes' worth of copying per changed element (bench/micro_delta.cpp, 2026-12-06, 64 MiB of
-// bf16: 16.7 ms at 0.2% changed, 34.9 ms at 1.7%, against 7.0 ms for its memcpy).
-constexpr double kGpuScanCopies = 2.0;
-constexpr double kHostScanCopies = 2.0;
-constexpr double kHostScanBytesPerChange = 320;
-// A destination's patch and hash of its copy: the hash reads it once (half a copy's traffic on a
-// GPU); on the host xxh3 costs about a copy and the patch about 150 bytes' worth per change (the
-// same bench: 2.2 ms at 0.2%, 10.8 ms at 1.7%, plus 5.6 ms of xxh3).
-constexpr double kGpuPatchCopies = 0.5;
-constexpr double kHostPatchCopies = 1.0;
-constexpr double kHostPatchBytesPerChange = 150;
-// The codec's header.
-constexpr uint64_t kRecordHeaderBytes = 32;
+// A worker's delta work, in copies' worth of its bytes at its work rate plus bytes' worth per changed
+// element, comparing at a source and patching at a destination.
+struct DeltaCosts {
+  double scan_copies, scan_bytes_per_change, patch_copies, patch_bytes_per_change;
+};
+// On the host one core compares, hashes (xxh3) and collects in one pass, two copies' worth, plus
+// about 320 bytes' worth of copying per changed element (bench/micro_delta.cpp, 2026-12-06, 64 MiB
+// of bf16: 16.7 ms at 0.2% changed, 34.9 ms at 1.7%, against 7.0 ms for its memcpy); a
+// destination's xxh3 of its copy costs about a copy, the patch about 150 bytes' worth per change
+// (2.2 ms at 0.2%, 10.8 ms at 1.7%, plus 5.6 ms of xxh3).
+constexpr DeltaCosts kHostDelta{2.0, 320, 1.0, 150};
+// On a GPU the kernels read the weights and the base twice each (two copies' worth of traffic) and
+// the hash reads the patched copy once (half a copy's); but each changed element crosses to the
+// host, where the record is written (and at the destination read, then copied back): in bytes' worth
+// of the GPU's copies that is far more per change than on the host (one H100, 2026-12-07,
+// Qwen3-8B at 1% changed, 82 M changes, `scripts/calibrate.sh --gpu`: comparing 0.75 s, patching
+// 0.63 s with the engine's copies at 1,413 GB/s, about 9 and 8 ns a change).
+constexpr DeltaCosts kGpuDelta{2.0, 12500, 0.5, 10800};
+const DeltaCosts& built_in(const NodeGroup& g) { return g.gpu ? kGpuDelta : kHostDelta; }
 
 // Built-in, or as the group's calibration measured them.
 double compare_change_bytes(const NodeGroup& g) {
-  return g.compare_change_bytes >= 0 ? g.compare_change_bytes : kHostScanBytesPerChange;
+  return g.compare_change_bytes >= 0 ? g.compare_change_bytes : built_in(g).scan_bytes_per_change;
 }
 double patch_change_bytes(const NodeGroup& g) {
-  return g.patch_change_bytes >= 0 ? g.patch_change_bytes : kHostPatchBytesPerChange;
+  return g.patch_change_bytes >= 0 ? g.patch_change_bytes : built_in(g).patch_bytes_per_change;
 }
+// The codec's header.
+constexpr uint64_t kRecordHeaderBytes = 32;
 
 }  // namespace
 
-void fit_host_delta_costs(NodeGroup& group, const Calibration& cal) {
+void fit_delta_costs(NodeGroup& group, const Calibration& cal) {
   if (cal.delta_changes <= 0 || cal.delta_bytes <= 0 || cal.delta_compare_s < 0 || cal.delta_patch_s < 0) return;
-  // The machine that measured, as apply_calibration makes a CPU node of it.
-  NodeGroup measured;
-  measured.copy_rate = cal.engine_copy_rate > 0 ? cal.engine_copy_rate : cal.host_copy_rate;
-  measured.node_copy_rate = cal.engine_node_copy_rate > 0 ? cal.engine_node_copy_rate : cal.host_node_copy_rate;
-  measured.cores = cal.cores;
-  const double rate = work_rate(measured);
+  const double rate = work_rate(measured_node(cal, group.gpu));
   if (rate <= 0) return;
   auto per_change = [&](double seconds, double copies) {
     return std::max(0.0, (seconds * rate - copies * cal.delta_bytes) / cal.delta_changes);
   };
-  if (group.compare_change_bytes < 0) group.compare_change_bytes = per_change(cal.delta_compare_s, kHostScanCopies);
-  if (group.patch_change_bytes < 0) group.patch_change_bytes = per_change(cal.delta_patch_s, kHostPatchCopies);
+  if (group.compare_change_bytes < 0)
+    group.compare_change_bytes = per_change(cal.delta_compare_s, built_in(group).scan_copies);
+  if (group.patch_change_bytes < 0)
+    group.patch_change_bytes = per_change(cal.delta_patch_s, built_in(group).patch_copies);
 }
 
 uint64_t predicted_record_bytes(const TensorInfo& tensor, double changed_share) {
@@ -93,12 +95,11 @@ DeltaPrediction predict_delta(const ModelInventory& model, std::span<const Layou
         Crossed c;
         c.record = {piece.name, DType::kUInt8, {static_cast<int64_t>(predicted_record_bytes(piece, changed_share))}};
         c.compare_seconds =
-            sources.gpu ? (bytes * kGpuScanCopies + packed) / sources.copy_rate
-                        : (bytes * kHostScanCopies + changes * compare_change_bytes(sources)) / work_rate(sources) +
-                              packed / sources.copy_rate;
-        c.patch_seconds = destinations.gpu ? bytes * kGpuPatchCopies / destinations.copy_rate
-                                           : (bytes * kHostPatchCopies + changes * patch_change_bytes(destinations)) /
-                                                 work_rate(destinations);
+            (bytes * built_in(sources).scan_copies + changes * compare_change_bytes(sources)) / work_rate(sources) +
+            packed / sources.copy_rate;
+        c.patch_seconds =
+            (bytes * built_in(destinations).patch_copies + changes * patch_change_bytes(destinations)) /
+            work_rate(destinations);
         c.load_bytes = piece.nbytes();
         compared[s] += c.compare_seconds;
         patched[d] += c.patch_seconds;

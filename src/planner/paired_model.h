@@ -36,9 +36,14 @@ Prediction predict_stream(const ModelInventory& model, std::span<const Layout> h
 // (host_pool_threads), as far as the node's memory gives.
 double work_rate(const NodeGroup& group);
 
-// Fills what a CPU node group leaves out of its delta refit's costs per change
-// (compare_change_bytes, patch_change_bytes) from a calibration's measured delta refit: solved at
-// the measuring machine's work rate, with the per-byte costs the model takes as they are.
-void fit_host_delta_costs(NodeGroup& group, const Calibration& calibration);
+// The node a calibration measured, as far as its copy rates and cores go: the engine's rates where
+// its bench ran on nodes of this kind (engine_device), else memcpy's or the device copy's. What
+// apply_calibration gives a node group that leaves them out.
+NodeGroup measured_node(const Calibration& calibration, bool gpu);
+
+// Fills what a node group of the calibration's kind leaves out of its delta refit's costs per change
+// (compare_change_bytes, patch_change_bytes) from the calibration's measured delta refit: solved at
+// the measuring node's work rate (measured_node), with the per-byte costs the model takes as they are.
+void fit_delta_costs(NodeGroup& group, const Calibration& calibration);
 
 }  // namespace refit

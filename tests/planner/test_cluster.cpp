@@ -793,6 +793,30 @@ TEST(DeltaPrediction, TheCalibratedCostPerChangeReproducesTheMeasuredRefit) {
   EXPECT_EQ(cluster(2, fast).groups[0].compare_change_bytes, 0.0);
 }
 
+// On a GPU the same: the calibration's delta refit (GPU tensors) gives back its comparing and
+// patching, each change costing far more than its bytes (it crosses to the host).
+TEST(DeltaPrediction, AGpuCalibrationSetsTheCostPerChangeOfGpuNodes) {
+  const ModelInventory m = rows_model(8, 1024, 1024);  // 8 tensors of 4 MiB (float32)
+  const double bytes = static_cast<double>(m.total_bytes());
+  Calibration cal;
+  cal.engine_device = "cuda";
+  cal.engine_copy_rate = 1000e9;
+  cal.device_copy_rate = 2000e9;
+  cal.delta_bytes = bytes;
+  cal.delta_changes = 0.01 * bytes / 4;
+  cal.delta_compare_s = 0.0015;
+  cal.delta_patch_s = 0.0006;
+  Cluster c = two_sides(1, 1, "1Gbit", "10GB/s", "16MiB");
+  for (NodeGroup& g : c.groups) g.copy_rate = g.node_copy_rate = 0;  // as the calibration measured
+  apply_calibration(c, cal);
+  ASSERT_DOUBLE_EQ(c.groups[1].copy_rate, 1000e9);
+  EXPECT_NEAR(c.groups[0].compare_change_bytes, (0.0015 * 1000e9 - 2 * bytes) / cal.delta_changes, 1e-6);
+  const DeltaPrediction d =
+      predict_delta(m, {}, std::vector<Layout>(1), c, 0.01, predict_refit(m, {}, std::vector<Layout>(1), c));
+  EXPECT_NEAR(d.scan_seconds, 0.0015, 1e-9);
+  EXPECT_NEAR(d.patch_seconds, 0.0006, 1e-9);
+}
+
 // A destination with a layout gets the records of what it keeps: its source compares and sends
 // those slices, and the pair that keeps the most sets the time.
 TEST(DeltaPrediction, DestinationsWithLayoutsGetTheRecordsOfTheirSlices) {

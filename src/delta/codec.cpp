@@ -6,6 +6,7 @@
 #include <bit>
 #include <cstring>
 #include <functional>
+#include <numeric>
 
 #include "core/fail.h"
 #include "core/wire.h"
@@ -200,40 +201,72 @@ struct PatchOf {
   }
 };
 
+constexpr size_t kMaxParts = 64;
+
+// How many parts `units` of work (changes, or bitmap bits) go in: one per kDeltaChangesPerPart, at most
+// kMaxParts, and one without a runner (alone, a part's cut and count cost without gain).
+size_t parts_for(uint64_t units, const DeltaForEach& for_each) {
+  return for_each ? static_cast<size_t>(std::clamp<uint64_t>(units / kDeltaChangesPerPart, 1, kMaxParts)) : 1;
+}
+
+// body(0) ... body(n - 1) by `for_each`, or one after the other without one.
+void run_parts(const DeltaForEach& for_each, size_t n, const std::function<void(size_t)>& body) {
+  if (for_each && n > 1) return for_each(n, body);
+  for (size_t k = 0; k < n; ++k) body(k);
+}
+
 // Writes the record of the changes (`index` increasing, `before`/`after` their bits) into `out`,
 // unless the record would not be smaller than the tensor (`elements * element_size` bytes): then
-// returns false and leaves `out` as it was.
+// returns false and leaves `out` as it was. Many changes are written in parts by `for_each`: each
+// part sizes its varints, then writes them where the parts before end.
 bool write_record(uint64_t elements, size_t element_size, std::span<const uint64_t> index,
                   std::span<const uint64_t> before, std::span<const uint64_t> after, DeltaChecksum kind,
-                  uint64_t checksum, std::vector<uint8_t>& out) {
-  uint64_t gap_bytes = 0, step_bytes = 0, next_gap_from = 0;
-  for (size_t k = 0; k < index.size(); ++k) {
-    gap_bytes += varint_size(index[k] - next_gap_from);
-    next_gap_from = index[k] + 1;
-    step_bytes += varint_size(delta_steps::zigzag(before[k], after[k], element_size));
-  }
-  const DeltaRecordShape shape = delta_record_shape(elements, element_size, index.size(), gap_bytes, step_bytes);
+                  uint64_t checksum, std::vector<uint8_t>& out, const DeltaForEach& for_each) {
+  const size_t n = index.size(), parts = parts_for(n, for_each);
+  auto first = [&](size_t part) { return n * part / parts; };
+  // A gap counts from the element after the previous change: a part's first gap from its neighbour's last.
+  auto gap_origin = [&](size_t k) { return k == 0 ? uint64_t{0} : index[k - 1] + 1; };
+  std::vector<uint64_t> gap_at(parts + 1, 0), step_at(parts + 1, 0);  // each part's bytes, then where it starts
+  run_parts(for_each, parts, [&](size_t part) {
+    uint64_t from = gap_origin(first(part)), gaps = 0,
+             steps = 0;  // not in gap_at: its neighbours' threads share the line
+    for (size_t k = first(part); k < first(part + 1); ++k) {
+      gaps += varint_size(index[k] - from);
+      from = index[k] + 1;
+      steps += varint_size(delta_steps::zigzag(before[k], after[k], element_size));
+    }
+    gap_at[part + 1] = gaps;
+    step_at[part + 1] = steps;
+  });
+  std::partial_sum(gap_at.begin(), gap_at.end(), gap_at.begin());
+  std::partial_sum(step_at.begin(), step_at.end(), step_at.begin());
+  const DeltaRecordShape shape = delta_record_shape(elements, element_size, n, gap_at.back(), step_at.back());
   if (shape.bytes() >= elements * element_size) return false;
   out.assign(shape.bytes(), 0);
-  write_delta_header(out.data(), shape, elements, element_size, index.size(), kind, checksum);
-  uint8_t* p = out.data() + kDeltaHeaderBytes;
-  if (shape.encoding == DeltaEncoding::kGaps) {
-    next_gap_from = 0;
-    for (uint64_t i : index) {
-      p = put_varint(p, i - next_gap_from);
-      next_gap_from = i + 1;
+  write_delta_header(out.data(), shape, elements, element_size, n, kind, checksum);
+  uint8_t* const positions = out.data() + kDeltaHeaderBytes;
+  uint8_t* const values = positions + shape.position_bytes;
+  if (shape.encoding == DeltaEncoding::kBitmap)  // parts could share a byte: one pass, a bit each
+    for (uint64_t i : index) positions[i / 8] |= static_cast<uint8_t>(1u << (i % 8));
+  run_parts(for_each, parts, [&](size_t part) {
+    if (shape.encoding == DeltaEncoding::kGaps) {
+      uint8_t* p = positions + gap_at[part];
+      uint64_t from = gap_origin(first(part));
+      for (size_t k = first(part); k < first(part + 1); ++k) {
+        p = put_varint(p, index[k] - from);
+        from = index[k] + 1;
+      }
     }
-  } else if (shape.encoding == DeltaEncoding::kBitmap) {
-    for (uint64_t i : index) p[i / 8] |= static_cast<uint8_t>(1u << (i % 8));
-    p += shape.position_bytes;
-  }
-  if (shape.steps) {
-    for (size_t k = 0; k < index.size(); ++k) p = put_varint(p, delta_steps::zigzag(before[k], after[k], element_size));
-  } else {
-    for (uint64_t v : after) {
-      for (size_t byte = 0; byte < element_size; ++byte) *p++ = static_cast<uint8_t>(v >> (8 * byte));
+    if (shape.steps) {
+      uint8_t* p = values + step_at[part];
+      for (size_t k = first(part); k < first(part + 1); ++k)
+        p = put_varint(p, delta_steps::zigzag(before[k], after[k], element_size));
+    } else {
+      uint8_t* p = values + first(part) * element_size;
+      for (size_t k = first(part); k < first(part + 1); ++k)
+        for (size_t byte = 0; byte < element_size; ++byte) *p++ = static_cast<uint8_t>(after[k] >> (8 * byte));
     }
-  }
+  });
   return true;
 }
 
@@ -289,12 +322,12 @@ uint64_t delta_checksum(std::span<const std::byte> bytes, DeltaChecksum kind) {
 
 bool encode_delta_changes(uint64_t elements, size_t element_size, std::span<const uint64_t> index,
                           std::span<const uint64_t> before, std::span<const uint64_t> after, DeltaChecksum kind,
-                          uint64_t checksum, std::vector<uint8_t>& out) {
+                          uint64_t checksum, std::vector<uint8_t>& out, const DeltaForEach& for_each) {
   check_element_size(element_size, "encode_delta_changes");
   if (before.size() != index.size() || after.size() != index.size())
     fail(ErrorKind::kInternal, "encode_delta_changes: {} positions, {} and {} values", index.size(), before.size(),
          after.size());
-  return write_record(elements, element_size, index, before, after, kind, checksum, out);
+  return write_record(elements, element_size, index, before, after, kind, checksum, out, for_each);
 }
 
 DeltaResult encode_delta(std::span<std::byte> base, std::span<const std::byte> now, size_t element_size,
@@ -313,7 +346,8 @@ DeltaResult encode_delta(std::span<std::byte> base, std::span<const std::byte> n
   const bool fits = by_element_size<ScanOf>(element_size, base, now, uint64_t{now.size()}, s, xxh3);
   const uint64_t checksum = fits ? XXH3_64bits_digest(hash) : 0;
   XXH3_freeState(hash);
-  if (!fits || !write_record(elements, element_size, s.index, s.before, s.after, DeltaChecksum::kXxh3, checksum, out)) {
+  if (!fits ||
+      !write_record(elements, element_size, s.index, s.before, s.after, DeltaChecksum::kXxh3, checksum, out, {})) {
     if (!now.empty()) std::memcpy(base.data(), now.data(), now.size());  // the scan may have stopped part way
     return {};
   }
@@ -358,7 +392,7 @@ DeltaResult join_delta_parts(std::span<std::byte> base, std::span<const std::byt
     }
   const uint64_t checksum = word_hash::finish(sum, now.size());
   if (!fits ||
-      !write_record(elements, element_size, s.index, s.before, s.after, DeltaChecksum::kWords, checksum, out)) {
+      !write_record(elements, element_size, s.index, s.before, s.after, DeltaChecksum::kWords, checksum, out, {})) {
     if (!now.empty()) std::memcpy(base.data(), now.data(), now.size());  // a part may have stopped part way
     return {};
   }
@@ -393,20 +427,6 @@ DeltaHeader read_delta_header(std::span<const uint8_t> record, const std::string
 }
 
 namespace {
-
-constexpr size_t kMaxParts = 64;
-
-// How many parts `units` of work (changes, or bitmap bits) go in: one per kDeltaChangesPerPart, at most
-// kMaxParts, and one without a runner (alone, a part's cut and count cost without gain).
-size_t parts_for(uint64_t units, const DeltaForEach& for_each) {
-  return for_each ? static_cast<size_t>(std::clamp<uint64_t>(units / kDeltaChangesPerPart, 1, kMaxParts)) : 1;
-}
-
-// body(0) ... body(n - 1) by `for_each`, or one after the other without one.
-void run_parts(const DeltaForEach& for_each, size_t n, const std::function<void(size_t)>& body) {
-  if (for_each && n > 1) return for_each(n, body);
-  for (size_t k = 0; k < n; ++k) body(k);
-}
 
 // [first, last) of `count`, cut into `parts` runs: run r is [cut(r), cut(r + 1)).
 uint64_t cut_at(uint64_t count, size_t parts, size_t r) { return count * r / parts; }

@@ -52,6 +52,10 @@ struct DeltaScratch {
   std::vector<uint64_t> index, before, after;  // the changed elements, their old and new bits
 };
 
+// Runs body(0) ... body(n - 1), on several threads if it has them, returning once all are done and
+// rethrowing the exception of the lowest k that threw (HostCopyPool::for_each).
+using DeltaForEach = std::function<void(size_t n, const std::function<void(size_t)>& body)>;
+
 struct DeltaResult {
   bool encoded = false;
   uint64_t checksum = 0;  // of `now`, when encoded
@@ -85,10 +89,11 @@ DeltaResult join_delta_parts(std::span<std::byte> base, std::span<const std::byt
 // The same record made from changes found elsewhere (a GPU kernel's compaction): `index` (the
 // changed elements, increasing), `before` and `after` (their bits as little-endian integers),
 // `checksum` of the tensor after the change, of kind `kind`. Returns false, leaving `out` as it
-// was, when the record would not be smaller than the tensor.
+// was, when the record would not be smaller than the tensor. Many changes are written in parts
+// (kDeltaChangesPerPart each) run by `for_each` when given; the record is the same.
 bool encode_delta_changes(uint64_t elements, size_t element_size, std::span<const uint64_t> index,
                           std::span<const uint64_t> before, std::span<const uint64_t> after, DeltaChecksum kind,
-                          uint64_t checksum, std::vector<uint8_t>& out);
+                          uint64_t checksum, std::vector<uint8_t>& out, const DeltaForEach& for_each = {});
 
 // What a record of `changes` changes of `elements` elements is made of: its positions as gaps
 // (`gap_bytes` of varints) or as a bitmap, its values as steps (`step_bytes`) or raw, each
@@ -118,10 +123,6 @@ struct DeltaChanges {
   std::vector<uint64_t> index;
   std::vector<uint64_t> values;
 };
-
-// Runs body(0) ... body(n - 1), on several threads if it has them, returning once all are done and
-// rethrowing the exception of the lowest k that threw (HostCopyPool::for_each).
-using DeltaForEach = std::function<void(size_t n, const std::function<void(size_t)>& body)>;
 
 // A record is decoded and applied in a part per this many of its changes (about half a
 // millisecond's work each), at most 64.

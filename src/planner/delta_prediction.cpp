@@ -25,8 +25,9 @@ constexpr DeltaCosts kHostDelta{2.0, 320, 1.0, 150};
 // host, where the record is written (and at the destination read, then copied back): in bytes' worth
 // of the GPU's copies that is far more per change than on the host (one H100, 2026-12-07,
 // Qwen3-8B at 1% changed, 82 M changes, `scripts/calibrate.sh --gpu`: comparing 0.75 s, patching
-// 0.63 s with the engine's copies at 1,413 GB/s, about 9 and 8 ns a change).
-constexpr DeltaCosts kGpuDelta{2.0, 12500, 0.5, 10800};
+// 0.63 s with the engine's copies at 1,413 GB/s, about 9 and 8 ns a change; then records of many
+// changes were written in parts, which an A/B in one call measured at 0.61 of the comparing).
+constexpr DeltaCosts kGpuDelta{2.0, 7500, 0.5, 10800};
 const DeltaCosts& built_in(const NodeGroup& g) { return g.gpu ? kGpuDelta : kHostDelta; }
 
 // Built-in, or as the group's calibration measured them.
@@ -97,9 +98,8 @@ DeltaPrediction predict_delta(const ModelInventory& model, std::span<const Layou
         c.compare_seconds =
             (bytes * built_in(sources).scan_copies + changes * compare_change_bytes(sources)) / work_rate(sources) +
             packed / sources.copy_rate;
-        c.patch_seconds =
-            (bytes * built_in(destinations).patch_copies + changes * patch_change_bytes(destinations)) /
-            work_rate(destinations);
+        c.patch_seconds = (bytes * built_in(destinations).patch_copies + changes * patch_change_bytes(destinations)) /
+                          work_rate(destinations);
         c.load_bytes = piece.nbytes();
         compared[s] += c.compare_seconds;
         patched[d] += c.patch_seconds;

@@ -374,6 +374,47 @@ TEST(DeltaCodec, ChangesFoundElsewhereMakeTheHostsRecord) {
   }
 }
 
+// A GPU's compaction of many changes is written in parts on several threads: the record is the
+// one-thread record byte for byte, whatever order the parts run in, for every way of writing
+// positions and values.
+TEST(DeltaCodec, ChangesFoundElsewhereWrittenInPartsMakeTheSameRecord) {
+  HostCopyPool pool(3);
+  const DeltaForEach on_pool = [&](size_t n, const std::function<void(size_t)>& body) { pool.for_each(n, body); };
+  const DeltaForEach backwards = [](size_t n, const std::function<void(size_t)>& body) {
+    for (size_t k = n; k-- > 0;) body(k);
+  };
+  for (size_t element_size : {2, 4}) {
+    // every: a change every that many elements on average; steps: by one unit (else random bits).
+    for (auto [every, steps] : {std::pair{9u, true}, std::pair{9u, false}, std::pair{3u, true}, std::pair{3u, false},
+                                std::pair{300u, true}}) {
+      std::mt19937_64 rng(every * 7 + element_size);
+      const uint64_t kElements = every * uint64_t{150000} + 7;  // about 150,000 changes: several parts
+      std::vector<uint64_t> index, before, after;
+      for (uint64_t i = rng() % every; i < kElements; i += 1 + rng() % (2 * every - 1)) {
+        const uint64_t mask = element_size == 8 ? ~uint64_t{0} : (uint64_t{1} << (8 * element_size)) - 1;
+        const uint64_t old = rng() & mask;
+        index.push_back(i);
+        before.push_back(old);
+        after.push_back(steps ? (old + 1) & mask : (old ^ (1 + rng() % mask)) & mask);
+      }
+      SCOPED_TRACE(::testing::Message() << element_size << "-byte elements, " << index.size() << " changes, steps "
+                                        << steps);
+      ASSERT_GT(index.size(), 2 * kDeltaChangesPerPart) << "several parts";
+      std::vector<uint8_t> alone, parts, reversed;
+      ASSERT_TRUE(encode_delta_changes(kElements, element_size, index, before, after, DeltaChecksum::kWords, 5, alone));
+      ASSERT_TRUE(encode_delta_changes(kElements, element_size, index, before, after, DeltaChecksum::kWords, 5, parts,
+                                       on_pool));
+      ASSERT_TRUE(encode_delta_changes(kElements, element_size, index, before, after, DeltaChecksum::kWords, 5,
+                                       reversed, backwards));
+      EXPECT_TRUE(parts == alone);
+      EXPECT_TRUE(reversed == alone);
+      DeltaChanges decoded;
+      decode_delta(alone, element_size, kElements * element_size, decoded, "record");
+      EXPECT_EQ(decoded.index, index);
+    }
+  }
+}
+
 TEST(DeltaCodec, TooManyChangesFoundElsewhereAreNotARecord) {
   std::vector<uint64_t> index(50), before(50, 1), after(50, 2);
   for (size_t i = 0; i < index.size(); ++i) index[i] = i;

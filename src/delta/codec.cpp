@@ -423,6 +423,10 @@ DeltaHeader read_delta_header(std::span<const uint8_t> record, const std::string
     fail(ErrorKind::kProtocol, "malformed {}: {} changed of {} elements", what, h.changed, h.elements);
   if ((h.encoding == DeltaEncoding::kNone) != (h.changed == 0))
     fail(ErrorKind::kProtocol, "malformed {}: encoding {} with {} changed elements", what, encoding, h.changed);
+  // Every change takes at least a byte of values: what a reader allocates stays within the record's size.
+  if (h.changed > record.size() - kDeltaHeaderBytes)
+    fail(ErrorKind::kProtocol, "malformed {}: {} bytes cannot hold {} changes", what, record.size() - kDeltaHeaderBytes,
+         h.changed);
   return h;
 }
 
@@ -535,22 +539,27 @@ void decode_varints(const uint8_t* begin, const uint8_t* end, uint64_t count, si
 
 void decode_delta(std::span<const uint8_t> record, size_t element_size, uint64_t target_bytes, DeltaChanges& out,
                   const std::string& what, const DeltaForEach& for_each) {
+  out.header = read_delta_header(record, what);
+  out.index.resize(out.header.changed);
+  out.values.resize(out.header.changed);
+  decode_delta_into(record, element_size, target_bytes, out.index, out.values, what, for_each);
+}
+
+DeltaHeader decode_delta_into(std::span<const uint8_t> record, size_t element_size, uint64_t target_bytes,
+                              std::span<uint64_t> index, std::span<uint64_t> fresh, const std::string& what,
+                              const DeltaForEach& for_each) {
   const DeltaHeader h = read_delta_header(record, what);
-  out.header = h;
   if (h.element_size != element_size || element_size == 0 || element_size > 8 ||
       h.elements * element_size != target_bytes || h.elements > target_bytes)
     fail(ErrorKind::kProtocol, "{} is for {} elements of {} bytes, but the tensor has {} bytes of {}-byte elements",
          what, h.elements, h.element_size, target_bytes, element_size);
+  if (index.size() != h.changed || fresh.size() != h.changed)
+    fail(ErrorKind::kInternal, "decode_delta_into: room for {} and {} of {} changes of {}", index.size(), fresh.size(),
+         h.changed, what);
   const uint8_t* p = record.data() + kDeltaHeaderBytes;
   const uint8_t* const end = record.data() + record.size();
-  if (h.changed > static_cast<uint64_t>(end - p))
-    fail(ErrorKind::kProtocol, "malformed {}: {} bytes cannot hold {} changes", what, end - p, h.changed);
   const uint64_t changed = h.changed;
   const size_t parts = parts_for(changed, for_each);
-  std::vector<uint64_t>& index = out.index;
-  std::vector<uint64_t>& fresh = out.values;
-  index.resize(changed);
-  fresh.resize(changed);
   const bool steps = h.values == DeltaValues::kSteps;
   // Positions first (all checked before anything is written), then the values where they are not
   // varints following the gaps'.
@@ -592,7 +601,7 @@ void decode_delta(std::span<const uint8_t> record, size_t element_size, uint64_t
     });
     values = p + bitmap_bytes;
   }
-  if (values_decoded) return;  // steps after gaps: decoded with them
+  if (values_decoded) return h;  // steps after gaps: decoded with them
   if (!steps) {
     if (static_cast<uint64_t>(end - values) != changed * element_size)
       fail(ErrorKind::kProtocol, "malformed {}: {} bytes of values for {} changes of {} bytes", what, end - values,
@@ -601,10 +610,11 @@ void decode_delta(std::span<const uint8_t> record, size_t element_size, uint64_t
       for (uint64_t k = cut_at(changed, parts, r); k < cut_at(changed, parts, r + 1); ++k)
         fresh[k] = element_bits(reinterpret_cast<const std::byte*>(values) + k * element_size, element_size);
     });
-    return;
+    return h;
   }
   decode_varints(values, end, changed, parts, for_each,
                  {what, "the values", 0, h.elements, element_size, index.data(), fresh.data()});
+  return h;
 }
 
 DeltaHeader apply_delta(std::span<std::byte> target, size_t element_size, std::span<const uint8_t> record,

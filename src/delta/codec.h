@@ -137,6 +137,13 @@ inline constexpr uint64_t kDeltaChangesPerPart = uint64_t{1} << 16;
 void decode_delta(std::span<const uint8_t> record, size_t element_size, uint64_t target_bytes, DeltaChanges& out,
                   const std::string& what, const DeltaForEach& for_each = {});
 
+// decode_delta into memory the caller gives (page-locked memory a GPU copies from): `index` and
+// `values` hold exactly the header's `changed` elements each (read_delta_header, which bounds it by
+// the record's size). Returns the header.
+DeltaHeader decode_delta_into(std::span<const uint8_t> record, size_t element_size, uint64_t target_bytes,
+                              std::span<uint64_t> index, std::span<uint64_t> values, const std::string& what,
+                              const DeltaForEach& for_each = {});
+
 // Applies the record to `target` (the old version, in host memory, in place) once decode_delta
 // accepted all of it, in parts by `for_each` as it decodes. Returns the header. Does not check the
 // checksum (the caller hashes what it holds afterwards).

@@ -5,6 +5,7 @@
 #include "memory/host_copy_pool.h"
 
 #ifdef REFIT_HAVE_CUDA
+#include <cstring>
 #include <numeric>
 
 #include "delta/kernels.h"
@@ -56,6 +57,15 @@ struct Pinned {
     size = count;
     return data();
   }
+  // resize() that keeps what the array holds.
+  void grow(uint64_t count) {
+    if (count * sizeof(T) > memory.size()) {
+      TensorMemory larger(MemoryKind::kHost, Device{}, std::max<uint64_t>(count, 2 * size) * sizeof(T), /*pin=*/true);
+      if (size > 0) std::memcpy(larger.data(), memory.data(), size * sizeof(T));
+      memory = std::move(larger);
+    }
+    size = count;
+  }
   std::span<const T> view() const { return {data(), size}; }
 };
 
@@ -68,16 +78,15 @@ struct DeviceDelta::State {
   Scratch<uint64_t> sums, offsets, index, before, after;
   Pinned<uint32_t> host_counts;
   Pinned<uint64_t> host_sums, host_offsets, host_index, host_before, host_after;
-  // Patches queued (queue_decoded), each with its decoded changes.
+  // Patches queued (queue_patch), their changes at `first` of host_index and host_after.
   struct Queued {
     DeviceBuffer* target;
     size_t bytes;
     size_t element_size;
-    DeltaChanges changes;
-    uint64_t first = 0;  // of its changes in the batch's copy to the GPU
+    DeltaHeader header;
+    uint64_t first = 0;
   };
   std::vector<Queued> queued;
-  DeltaChanges changes;  // the record being decoded
 
   // Binds to `device` (a stream there). The caller holds a DeviceGuard for it: the calling
   // thread's current GPU is the caller's own business again afterwards.
@@ -268,7 +277,7 @@ void DeviceDelta::encode_batch(std::span<EncodeJob> jobs, HostCopyPool* pool) {
 DeltaHeader DeviceDelta::apply(DeviceBuffer& target, size_t bytes, size_t element_size, std::span<const uint8_t> record,
                                const std::string& what, uint64_t* checksum) {
   try {
-    queue_patch(target, bytes, element_size, record, what);
+    queue_record(target, bytes, element_size, record, what);
     const Patched patched = patch_queued().front();
     *checksum = patched.checksum;
     return patched.header;
@@ -278,48 +287,53 @@ DeltaHeader DeviceDelta::apply(DeviceBuffer& target, size_t bytes, size_t elemen
   }
 }
 
-void DeviceDelta::queue_patch(DeviceBuffer& target, size_t bytes, size_t element_size, std::span<const uint8_t> record,
-                              const std::string& what) {
-  DeltaChanges changes;
-  decode_delta(record, element_size, bytes, changes, what);  // all of it checked before any write
-  queue_decoded(target, bytes, element_size, std::move(changes));
-}
-
-void DeviceDelta::queue_decoded(DeviceBuffer& target, size_t bytes, size_t element_size, DeltaChanges changes) {
+size_t DeviceDelta::queue_patch(DeviceBuffer& target, size_t bytes, size_t element_size, const DeltaHeader& header) {
   if (target.size() != rounded(bytes))
     fail(ErrorKind::kInternal, "DeviceDelta::queue_patch: a copy of {} bytes for {} bytes", target.size(), bytes);
   State& s = *state_;
   if (!s.queued.empty() && s.queued.front().target->device_index() != target.device_index())
     fail(ErrorKind::kInternal, "DeviceDelta::queue_patch: patches on GPUs {} and {} in one queue",
          s.queued.front().target->device_index(), target.device_index());
-  s.queued.push_back({&target, bytes, element_size, std::move(changes)});
+  const uint64_t first = s.queued.empty() ? 0 : s.queued.back().first + s.queued.back().header.changed;
+  s.host_index.grow(first + header.changed);
+  s.host_after.grow(first + header.changed);
+  s.queued.push_back({&target, bytes, element_size, header, first});
+  return s.queued.size() - 1;
 }
 
-void DeviceDelta::drop_queued() { state_->queued.clear(); }
+DeviceDelta::Changes DeviceDelta::changes_of(size_t k) {
+  State& s = *state_;
+  if (k >= s.queued.size()) fail(ErrorKind::kInternal, "DeviceDelta::changes_of({}) of {} queued", k, s.queued.size());
+  const State::Queued& q = s.queued[k];
+  return {{s.host_index.data() + q.first, q.header.changed}, {s.host_after.data() + q.first, q.header.changed}};
+}
 
-std::vector<DeviceDelta::Patched> DeviceDelta::patch_queued(HostCopyPool* pool) {
+void DeviceDelta::queue_record(DeviceBuffer& target, size_t bytes, size_t element_size, std::span<const uint8_t> record,
+                               const std::string& what) {
+  const size_t k = queue_patch(target, bytes, element_size, read_delta_header(record, what));
+  try {
+    const Changes changes = changes_of(k);
+    decode_delta_into(record, element_size, bytes, changes.index, changes.values, what);  // all checked first
+  } catch (...) {
+    state_->queued.pop_back();
+    throw;
+  }
+}
+
+void DeviceDelta::drop_queued() {
+  State& s = *state_;
+  s.queued.clear();
+  s.host_index.size = s.host_after.size = 0;
+}
+
+std::vector<DeviceDelta::Patched> DeviceDelta::patch_queued() {
   State& s = *state_;
   std::vector<Patched> out;
   if (s.queued.empty()) return out;
   const cuda::DeviceGuard guard(s.queued.front().target->device_index());
   s.use(s.queued.front().target->device_index());
-  // Every patch's changes cross in one copy each of positions and values (gathered on the pool).
-  uint64_t count = 0;
-  for (auto& q : s.queued) {
-    q.first = count;
-    count += q.changes.index.size();
-  }
-  uint64_t* host_index = s.host_index.resize(count);
-  uint64_t* host_values = s.host_after.resize(count);
-  auto gather = [&](size_t k) {
-    const DeltaChanges& c = s.queued[k].changes;
-    std::copy(c.index.begin(), c.index.end(), host_index + s.queued[k].first);
-    std::copy(c.values.begin(), c.values.end(), host_values + s.queued[k].first);
-  };
-  if (pool != nullptr)
-    pool->for_each(s.queued.size(), gather);
-  else
-    for (size_t k = 0; k < s.queued.size(); ++k) gather(k);
+  // Every patch's changes cross in one copy each of positions and values.
+  const uint64_t count = s.queued.back().first + s.queued.back().header.changed;
   uint64_t* index = s.index.at_least(s.device, count);
   uint64_t* values = s.after.at_least(s.device, count);
   s.to_device(index, s.host_index.view());
@@ -330,17 +344,17 @@ std::vector<DeviceDelta::Patched> DeviceDelta::patch_queued(HostCopyPool* pool) 
   std::vector<uint64_t> first_block;
   for (const auto& q : s.queued) {
     first_block.push_back(blocks);
-    if (q.changes.header.checksum_kind == DeltaChecksum::kWords) blocks += cuda::delta_blocks(q.bytes);
+    if (q.header.checksum_kind == DeltaChecksum::kWords) blocks += cuda::delta_blocks(q.bytes);
   }
   uint32_t* counts = s.counts.at_least(s.device, blocks);
   uint64_t* sums = s.sums.at_least(s.device, blocks);
   for (size_t k = 0; k < s.queued.size(); ++k) {
     const auto& q = s.queued[k];
-    s.launched(cuda::launch_delta_patch(q.target->data(), static_cast<uint32_t>(q.element_size), index + q.first,
-                                        values + q.first, q.changes.index.size(),
-                                        q.changes.header.values == DeltaValues::kSteps, s.stream),
-               "the delta patch kernel");
-    if (q.changes.header.checksum_kind == DeltaChecksum::kWords)
+    s.launched(
+        cuda::launch_delta_patch(q.target->data(), static_cast<uint32_t>(q.element_size), index + q.first,
+                                 values + q.first, q.header.changed, q.header.values == DeltaValues::kSteps, s.stream),
+        "the delta patch kernel");
+    if (q.header.checksum_kind == DeltaChecksum::kWords)
       s.launched(cuda::launch_delta_count(nullptr, q.target->data(), q.bytes, 1, counts + first_block[k],
                                           sums + first_block[k], s.stream),
                  "the hash kernel");
@@ -350,13 +364,13 @@ std::vector<DeviceDelta::Patched> DeviceDelta::patch_queued(HostCopyPool* pool) 
   for (size_t k = 0; k < s.queued.size(); ++k) {
     const auto& q = s.queued[k];
     uint64_t checksum = 0;
-    if (q.changes.header.checksum_kind == DeltaChecksum::kWords) {
+    if (q.header.checksum_kind == DeltaChecksum::kWords) {
       const uint64_t* at = s.host_sums.data() + first_block[k];
       checksum = word_hash::finish(std::accumulate(at, at + cuda::delta_blocks(q.bytes), uint64_t{0}), q.bytes);
     } else {
-      checksum = this->checksum(q.target->data(), q.bytes, q.changes.header.checksum_kind);
+      checksum = this->checksum(q.target->data(), q.bytes, q.header.checksum_kind);
     }
-    out.push_back({q.changes.header, checksum});
+    out.push_back({q.header, checksum});
   }
   drop_queued();
   return out;
@@ -408,11 +422,12 @@ DeltaHeader DeviceDelta::apply(DeviceBuffer&, size_t, size_t, std::span<const ui
 }
 void DeviceDelta::read(const std::byte*, size_t, std::vector<uint8_t>&) { no_cuda(); }
 uint64_t DeviceDelta::checksum(const std::byte*, size_t, DeltaChecksum) { no_cuda(); }
-void DeviceDelta::queue_patch(DeviceBuffer&, size_t, size_t, std::span<const uint8_t>, const std::string&) {
+std::vector<DeviceDelta::Patched> DeviceDelta::patch_queued() { no_cuda(); }
+size_t DeviceDelta::queue_patch(DeviceBuffer&, size_t, size_t, const DeltaHeader&) { no_cuda(); }
+DeviceDelta::Changes DeviceDelta::changes_of(size_t) { no_cuda(); }
+void DeviceDelta::queue_record(DeviceBuffer&, size_t, size_t, std::span<const uint8_t>, const std::string&) {
   no_cuda();
 }
-std::vector<DeviceDelta::Patched> DeviceDelta::patch_queued(HostCopyPool*) { no_cuda(); }
-void DeviceDelta::queue_decoded(DeviceBuffer&, size_t, size_t, DeltaChanges) { no_cuda(); }
 void DeviceDelta::drop_queued() {}
 
 #endif  // REFIT_HAVE_CUDA

@@ -59,18 +59,25 @@ class DeviceDelta {
   DeltaHeader apply(DeviceBuffer& target, size_t bytes, size_t element_size, std::span<const uint8_t> record,
                     const std::string& what, uint64_t* checksum);
 
-  // apply() for many tensors (of one GPU) at once: queue_patch() decodes and checks a record and
-  // queues its patch (queue_decoded(): one decoded already); patch_queued() copies every queued
-  // change to the GPU in one go (gathered on `pool`'s threads), patches and hashes each tensor,
-  // waits once, and returns each one's header and checksum in queue order.
+  // apply() for many tensors (of one GPU) at once, each record's changes decoded straight into the
+  // page-locked memory they cross to the GPU from: queue_patch() queues the patch of a record with
+  // `header` (read_delta_header) and returns its number k; changes_of(k), once every patch of the
+  // batch is queued, is where its changes go (decode_delta_into, on any thread); patch_queued()
+  // copies every change to the GPU in one go, patches and hashes each tensor, waits once, and
+  // returns each one's header and checksum in queue order. queue_record() does all but the last
+  // for one record, on this thread.
   struct Patched {
     DeltaHeader header;
     uint64_t checksum = 0;
   };
-  void queue_patch(DeviceBuffer& target, size_t bytes, size_t element_size, std::span<const uint8_t> record,
-                   const std::string& what);
-  void queue_decoded(DeviceBuffer& target, size_t bytes, size_t element_size, DeltaChanges changes);
-  std::vector<Patched> patch_queued(HostCopyPool* pool = nullptr);
+  struct Changes {
+    std::span<uint64_t> index, values;
+  };
+  size_t queue_patch(DeviceBuffer& target, size_t bytes, size_t element_size, const DeltaHeader& header);
+  Changes changes_of(size_t k);
+  void queue_record(DeviceBuffer& target, size_t bytes, size_t element_size, std::span<const uint8_t> record,
+                    const std::string& what);
+  std::vector<Patched> patch_queued();
   // Forgets the queued patches (their batch failed).
   void drop_queued();
 

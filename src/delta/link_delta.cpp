@@ -462,14 +462,17 @@ void DestinationDelta::transform(std::span<const TensorView> in, std::span<const
   };
   auto patch_on_gpu = [&] {
     if (gpu_patches.empty()) return;
-    std::vector<DeltaChanges> changes(gpu_patches.size());
+    // Each record's changes are decoded straight into the page-locked memory they cross to the GPU from.
+    DeviceDelta& device = gpu();
+    for (const Patch& p : gpu_patches)
+      device.queue_patch(p.held->device, p.held->info.nbytes(), dtype_size(p.held->info.dtype),
+                         read_delta_header(p.record, p.what));
     for_each_patch(gpu_patches, [&](const Patch& p, size_t k, const DeltaForEach& runner) {
-      decode_delta(p.record, dtype_size(p.held->info.dtype), p.held->info.nbytes(), changes[k], p.what, runner);
+      const DeviceDelta::Changes changes = device.changes_of(k);
+      decode_delta_into(p.record, dtype_size(p.held->info.dtype), p.held->info.nbytes(), changes.index, changes.values,
+                        p.what, runner);
     });
-    for (size_t k = 0; k < gpu_patches.size(); ++k)
-      gpu().queue_decoded(gpu_patches[k].held->device, gpu_patches[k].held->info.nbytes(),
-                          dtype_size(gpu_patches[k].held->info.dtype), std::move(changes[k]));
-    const auto patched = gpu().patch_queued(&pool);
+    const auto patched = device.patch_queued();
     for (size_t k = 0; k < gpu_patches.size(); ++k)
       check_patched(gpu_patches[k].name, patched[k].header, patched[k].checksum, who);
     gpu_patches.clear();

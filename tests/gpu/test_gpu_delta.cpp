@@ -170,7 +170,7 @@ TEST(DeviceDelta, QueuedPatchesApplyTogetherEachWithItsChecksum) {
   records[2].clear();
   ASSERT_TRUE(encode_delta(host_base, nows[2], cases[2].element_size, records[2]).encoded);
   for (size_t k = 0; k < cases.size(); ++k)
-    gpu.queue_patch(targets[k], cases[k].bytes, cases[k].element_size, records[k], "record");
+    gpu.queue_record(targets[k], cases[k].bytes, cases[k].element_size, records[k], "record");
   const auto patched = gpu.patch_queued();
   ASSERT_EQ(patched.size(), cases.size());
   for (size_t k = 0; k < cases.size(); ++k) {
@@ -184,11 +184,11 @@ TEST(DeviceDelta, QueuedPatchesApplyTogetherEachWithItsChecksum) {
   EXPECT_TRUE(gpu.patch_queued().empty()) << "the queue is empty after a batch";
   // A batch with a malformed record: queueing it throws; dropped, nothing was written.
   DeviceBuffer untouched = gpu.copy_of(OnGpu(olds[0], 0).data, cases[0].bytes);
-  gpu.queue_patch(untouched, cases[0].bytes, 2, records[0], "record 0");
+  gpu.queue_record(untouched, cases[0].bytes, 2, records[0], "record 0");
   std::vector<uint8_t> bad = records[0];
   bad.push_back(0);
   DeviceBuffer other = gpu.copy_of(OnGpu(olds[0], 0).data, cases[0].bytes);
-  EXPECT_THROW(gpu.queue_patch(other, cases[0].bytes, 2, bad, "bad record"), Error);
+  EXPECT_THROW(gpu.queue_record(other, cases[0].bytes, 2, bad, "bad record"), Error);
   gpu.drop_queued();
   EXPECT_TRUE(gpu.patch_queued().empty());
   EXPECT_EQ(download(untouched.data(), cases[0].bytes), olds[0]);

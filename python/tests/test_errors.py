@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import pickle
@@ -122,17 +123,36 @@ def _killed_destination(conn, session: bytes) -> None:
         os.kill(os.getpid(), signal.SIGKILL)  # dies holding the first batch
 
 
-def test_a_killed_peer_surfaces_as_peer_lost_error_with_the_cpp_message():
+@contextlib.contextmanager
+def _peer_process(target):
+    """`target(conn, session)` in a spawned process: yields (conn, session, process), joined on leaving."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     session = refit.new_session_id()
-    proc = ctx.Process(target=_killed_destination, args=(child, session), daemon=True)
+    proc = ctx.Process(target=target, args=(child, session), daemon=True)
     proc.start()
+    try:
+        yield parent, session, proc
+    finally:
+        proc.join(10)
+
+
+@contextlib.contextmanager
+def _source_of(peer):
+    """A source engine connected to the destination `_peer_process` runs (timeout_s = 60); closed on leaving."""
+    conn, session, _ = peer
     source = refit.create_checkpoint_engine("nixl", MiB, {"timeout_s": 60, "session": session})
     try:
-        md = [source.prepare(), parent.recv()]
-        parent.send(md)
+        md = [source.prepare(), conn.recv()]
+        conn.send(md)
         source.init_policy_process_group(0, 1, 1, md)
+        yield source
+    finally:
+        source.close()
+
+
+def test_a_killed_peer_surfaces_as_peer_lost_error_with_the_cpp_message():
+    with _peer_process(_killed_destination) as peer, _source_of(peer) as source:
         weights = [(f"w{i}", np.full(MiB // 4, i, np.float32)) for i in range(8)]
         start = time.monotonic()
         with pytest.raises(refit.PeerLostError) as err:
@@ -141,11 +161,8 @@ def test_a_killed_peer_surfaces_as_peer_lost_error_with_the_cpp_message():
         # The C++ engine's message: who failed, where, and which peer died.
         assert re.fullmatch(
             rf"source rank 0, refit 1 of this connection, phase wait for destination rank 0 to read bucket \d+: "
-            rf"lost destination rank 0: its process \(pid {proc.pid}\) is gone", str(err.value)), str(err.value)
-    finally:
-        source.close()
-        proc.join(10)
-    assert proc.exitcode == -signal.SIGKILL
+            rf"lost destination rank 0: its process \(pid {peer[2].pid}\) is gone", str(err.value)), str(err.value)
+    assert peer[2].exitcode == -signal.SIGKILL
 
 
 def _finalizing_destination(conn, session: bytes) -> None:
@@ -162,30 +179,19 @@ def _finalizing_destination(conn, session: bytes) -> None:
 
 def test_a_destination_that_finalizes_fails_its_sources_next_send_at_once():
     # Two processes over UCX; the source waits with timeout_s = 60 and must hear of the finalize now.
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    session = refit.new_session_id()
-    proc = ctx.Process(target=_finalizing_destination, args=(child, session), daemon=True)
-    proc.start()
-    source = refit.create_checkpoint_engine("nixl", MiB, {"timeout_s": 60, "session": session})
-    try:
-        md = [source.prepare(), parent.recv()]
-        parent.send(md)
-        source.init_policy_process_group(0, 1, 1, md)
+    with _peer_process(_finalizing_destination) as peer, _source_of(peer) as source:
+        conn = peer[0]
         weights = [(f"w{i}", np.full(MiB // 4, i, np.float32)) for i in range(8)]
         source.send_weights(weights)
-        assert parent.recv() == "finalized"
+        assert conn.recv() == "finalized"
         start = time.monotonic()
         with pytest.raises(refit.PeerLostError) as err:
             source.send_weights(weights)
         assert time.monotonic() - start < 10, "the source waited for its deadline"
         assert "destination rank 0 left this connection" in str(err.value), str(err.value)
         assert "it called finalize()" in str(err.value), str(err.value)
-        parent.send("exit")
-    finally:
-        source.close()
-        proc.join(10)
-    assert proc.exitcode == 0
+        conn.send("exit")
+    assert peer[2].exitcode == 0
 
 
 def _source_that_exits_after_the_exchange(conn, session: bytes) -> None:
@@ -197,19 +203,15 @@ def _source_that_exits_after_the_exchange(conn, session: bytes) -> None:
 
 def test_a_source_gone_before_its_destination_connects_is_named_lost_not_a_transport_error():
     # UCX says only "Shared memory error" when it cannot attach to a dead peer's memory.
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    session = refit.new_session_id()
-    proc = ctx.Process(target=_source_that_exits_after_the_exchange, args=(child, session), daemon=True)
-    proc.start()
-    destination = refit.create_checkpoint_engine("nixl", MiB, {"timeout_s": 60, "session": session,
-                                                               "framework": "numpy"})
-    try:
-        md = [parent.recv(), destination.prepare()]
-        parent.send(md)
-        proc.join(10)
-        with pytest.raises(refit.PeerLostError) as err:
-            destination.init_rollout_process_group(0, 1, 1, md)
-        assert f"lost source rank 0: its process (pid {proc.pid}) is gone" in str(err.value), str(err.value)
-    finally:
-        destination.close()
+    with _peer_process(_source_that_exits_after_the_exchange) as (conn, session, proc):
+        destination = refit.create_checkpoint_engine("nixl", MiB, {"timeout_s": 60, "session": session,
+                                                                   "framework": "numpy"})
+        try:
+            md = [conn.recv(), destination.prepare()]
+            conn.send(md)
+            proc.join(10)
+            with pytest.raises(refit.PeerLostError) as err:
+                destination.init_rollout_process_group(0, 1, 1, md)
+            assert f"lost source rank 0: its process (pid {proc.pid}) is gone" in str(err.value), str(err.value)
+        finally:
+            destination.close()

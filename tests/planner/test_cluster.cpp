@@ -750,20 +750,28 @@ TEST(DeltaPrediction, HostStagesSpreadOverTheEnginesPoolThreadsAsFarAsMemoryGive
   EXPECT_NEAR(scan(cluster(16, 20e9)), one_core * 10e9 / 20e9, 1e-9);  // the node's memory: 2 cores' worth
 }
 
+// A calibration of the engine's copies on `device` at `rate`, with a delta refit of `bytes` at 1%
+// changed (4-byte elements) that compared and patched in the given seconds.
+Calibration delta_calibration(const char* device, double rate, double bytes, double compare_s, double patch_s) {
+  Calibration cal;
+  cal.engine_device = device;
+  cal.engine_copy_rate = rate;
+  cal.delta_bytes = bytes;
+  cal.delta_changes = 0.01 * bytes / 4;
+  cal.delta_compare_s = compare_s;
+  cal.delta_patch_s = patch_s;
+  return cal;
+}
+
 // A calibration's delta refit (one source into one destination, host tensors) sets the cost of
 // each changed element: predicting that refit on the machine that measured it gives back the
 // measured comparing and patching, and on a node with pool threads the work spreads over them.
 TEST(DeltaPrediction, TheCalibratedCostPerChangeReproducesTheMeasuredRefit) {
   const ModelInventory m = rows_model(8, 1024, 1024);  // 8 tensors of 4 MiB (float32)
   const double bytes = static_cast<double>(m.total_bytes());
-  Calibration cal;
-  cal.engine_device = "cpu";
-  cal.engine_copy_rate = 10e9;
+  // Comparing: two copies' worth (6.7 ms) and 5.8 ms of changes; patching: one (3.4 ms) and 2.7 ms.
+  Calibration cal = delta_calibration("cpu", 10e9, bytes, 0.0125, 0.0061);
   cal.cores = 2;
-  cal.delta_bytes = bytes;
-  cal.delta_changes = 0.01 * bytes / 4;
-  cal.delta_compare_s = 0.0125;  // two copies' worth (6.7 ms) and 5.8 ms of changes
-  cal.delta_patch_s = 0.0061;    // one copy's worth (3.4 ms) and 2.7 ms of changes
   auto cluster = [&](int cores, const Calibration& with) {
     Cluster c = two_sides(1, 1, "1Gbit", "10GB/s", "16MiB");
     for (NodeGroup& g : c.groups) {
@@ -798,14 +806,8 @@ TEST(DeltaPrediction, TheCalibratedCostPerChangeReproducesTheMeasuredRefit) {
 TEST(DeltaPrediction, AGpuCalibrationSetsTheCostPerChangeOfGpuNodes) {
   const ModelInventory m = rows_model(8, 1024, 1024);  // 8 tensors of 4 MiB (float32)
   const double bytes = static_cast<double>(m.total_bytes());
-  Calibration cal;
-  cal.engine_device = "cuda";
-  cal.engine_copy_rate = 1000e9;
+  Calibration cal = delta_calibration("cuda", 1000e9, bytes, 0.0015, 0.0006);
   cal.device_copy_rate = 2000e9;
-  cal.delta_bytes = bytes;
-  cal.delta_changes = 0.01 * bytes / 4;
-  cal.delta_compare_s = 0.0015;
-  cal.delta_patch_s = 0.0006;
   Cluster c = two_sides(1, 1, "1Gbit", "10GB/s", "16MiB");
   for (NodeGroup& g : c.groups) g.copy_rate = g.node_copy_rate = 0;  // as the calibration measured
   apply_calibration(c, cal);

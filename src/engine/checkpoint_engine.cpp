@@ -160,21 +160,21 @@ class CheckpointEngine::Impl {
       if (worker_rank < 0 || worker_rank >= train)
         fail(ErrorKind::kTopology, "worker_rank must be in [0, {}), got {}", train, worker_rank);
       auto group = decode_group(train, rollout, metadata);
+      const TransferPlan plan = plan_of_group(train, rollout, group, PlanScope::source(worker_rank));
+      for (uint32_t d : plan.destinations_of(worker_rank))
+        add_link(std::move(group[train + d]), d, fmt::format("destination rank {}", d),
+                 plan.link_bucket_bytes(worker_rank, d, options_.bucket_bytes), /*to_destination=*/true);
+      // This side's own mistakes once linked: its destinations hear of them at once (connecting()).
       if (options_.receives_only)
         fail(ErrorKind::kInvalidArgument,
              "this engine was created to receive only (receives_only): it cannot be a "
              "source");
-      const TransferPlan plan = plan_of_group(train, rollout, group, PlanScope::source(worker_rank));
-      for (uint32_t d : plan.destinations_of(worker_rank))
-        add_link(std::move(group[train + d]), d, fmt::format("destination rank {}", d),
-                 plan.link_bucket_bytes(worker_rank, d, options_.bucket_bytes));
       check_delta(self);  // before the pieces are placed: delta names them
       if (!plan.paired())
         plan_sends(plan, worker_rank);
       else if (!links_.empty() && !links_[0].metadata.layout.empty())  // what its destination holds
         target_layout_ = decode_layout(links_[0].metadata.layout, "layout of " + links_[0].label);
       for (auto& link : links_) {
-        link.first_refit = protocol::first_refit(generation_, link.metadata.generation);
         for (const auto& [rank, version] : link.metadata.weights_versions)
           if (rank == static_cast<uint32_t>(worker_rank)) link.weights_version = version;
       }
@@ -196,18 +196,19 @@ class CheckpointEngine::Impl {
       auto group = decode_group(train, rollout, metadata);
       if (rollout_rank < 0 || rollout_rank >= rollout)
         fail(ErrorKind::kTopology, "rollout_rank must be in [0, {}), got {}", rollout, rollout_rank);
+      const TransferPlan plan = plan_of_group(train, rollout, group, PlanScope::destination(rollout_rank));
+      for (uint32_t s : plan.sources_of(rollout_rank))
+        add_link(std::move(group[s]), s, fmt::format("source rank {}", s),
+                 plan.link_bucket_bytes(s, rollout_rank, options_.bucket_bytes), /*to_destination=*/false);
       // The reference's destinations report their layout whenever experts are sharded; without one
-      // this destination would silently receive every expert.
+      // this destination would silently receive every expert. Checked once linked: its sources
+      // hear of it at once (connecting()).
       if (options_.config.shard_expert_weights && !options_.layout)
         fail(ErrorKind::kConfig,
              "refit_cfg.nixl.shard_expert_weights is true, but {} declared no layout: give it one "
              "(EngineOptions::layout; in Python layout=refit.destination_layout(..., shard_experts=True) or "
              "refit.layout_from_compact(...))",
              self);
-      const TransferPlan plan = plan_of_group(train, rollout, group, PlanScope::destination(rollout_rank));
-      for (uint32_t s : plan.sources_of(rollout_rank))
-        add_link(std::move(group[s]), s, fmt::format("source rank {}", s),
-                 plan.link_bucket_bytes(s, rollout_rank, options_.bucket_bytes));
       std::set<uint32_t> expected;  // a tensor may come in pieces from several sources
       for (uint32_t s = 0; s < plan.source_count(); ++s)
         for (const auto& piece : plan.link(s, rollout_rank)) expected.insert(piece.tensor);
@@ -215,7 +216,6 @@ class CheckpointEngine::Impl {
       needs_nothing_ = links_.empty();  // resharding, and this destination holds nothing
       bool all_mapped = true, all_here = !links_.empty();
       for (auto& link : links_) {
-        link.first_refit = protocol::first_refit(link.metadata.generation, generation_);
         if (link.metadata.buffers.length == 0)
           fail(ErrorKind::kProtocol, "{} published no transfer buffers (it was created to receive only)", link.label);
         if (options_.config.map_source_buffers) map_source_buffers(link);
@@ -608,7 +608,9 @@ class CheckpointEngine::Impl {
 
   // Refuses a peer's metadata unless it belongs to the same group, model and bucket size, and
   // connects.
-  void add_link(protocol::EngineMetadata md, uint32_t peer_rank, const std::string& label, uint64_t link_bucket) {
+  // Links to a peer (a destination of this source, or a source of this destination) from its metadata.
+  void add_link(protocol::EngineMetadata md, uint32_t peer_rank, const std::string& label, uint64_t link_bucket,
+                bool to_destination) {
     if (md.session != options_.session)
       fail(ErrorKind::kProtocol, "metadata of {} comes from another refit session (stale or foreign metadata)", label);
     if (options_.model_fingerprint != 0 && md.model_fingerprint != 0 &&
@@ -633,6 +635,9 @@ class CheckpointEngine::Impl {
       if (auto gone = gone_peer(where, md.process, e.what())) throw *gone;  // not the transport's words alone
       throw;
     }
+    // Numbered at once: a farewell from an init that fails later must carry this connection's numbers.
+    link.first_refit = to_destination ? protocol::first_refit(generation_, md.generation)
+                                      : protocol::first_refit(md.generation, generation_);
     link.metadata = std::move(md);
     link.label = where;
     link.peer_rank = peer_rank;

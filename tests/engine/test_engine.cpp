@@ -364,6 +364,28 @@ TEST(Engine, AnInitThatFailsAfterLinkingEndsItsPeersRefitAtOnce) {
   EXPECT_LT(std::chrono::duration<double>(Clock::now() - start).count(), 5.0) << message;
 }
 
+// A destination's own configuration mistake (experts sharded without a layout) is found once it
+// is linked, so its source hears of it at once too.
+TEST(Engine, ADestinationsConfigurationMistakeEndsItsSourcesRefitAtOnce) {
+  auto fabric = make_inproc_fabric();
+  const SessionId session = new_session_id();
+  EngineOptions destination_options = inproc_options(fabric, 256, session, /*timeout_s=*/60.0);
+  destination_options.config.shard_expert_weights = true;  // and no layout
+  CheckpointEngine source(inproc_options(fabric, 256, session, 60.0)), destination(destination_options);
+  const std::vector<Metadata> md = {source.prepare(), destination.prepare()};
+  source.init_source(0, 1, 1, md);
+  EXPECT_THAT(testing::error_of(ErrorKind::kConfig, [&] { destination.init_destination(0, 1, 1, md); }),
+              ::testing::HasSubstr("declared no layout"));
+  auto weights = mixed_model(2);
+  VectorSource src(weights);
+  const auto start = Clock::now();
+  std::string message;
+  EXPECT_EQ(error_kind_of([&] { source.send(src); }, &message), ErrorKind::kConfig);
+  EXPECT_THAT(message, ::testing::HasSubstr("destination rank 0 left this connection"));
+  EXPECT_THAT(message, ::testing::HasSubstr("refit_cfg.nixl.shard_expert_weights is true"));
+  EXPECT_LT(std::chrono::duration<double>(Clock::now() - start).count(), 5.0) << message;
+}
+
 // A destination that never receives (its own init or receive failed): the source's wait ends at
 // its deadline and says where to look.
 TEST(Engine, ASourceWhoseDestinationNeverReceivesTimesOutPointingAtIt) {

@@ -464,9 +464,12 @@ void DestinationDelta::transform(std::span<const TensorView> in, std::span<const
     if (gpu_patches.empty()) return;
     // Each record's changes are decoded straight into the page-locked memory they cross to the GPU from.
     DeviceDelta& device = gpu();
-    for (const Patch& p : gpu_patches)
-      device.queue_patch(p.held->device, p.held->info.nbytes(), dtype_size(p.held->info.dtype),
-                         read_delta_header(p.record, p.what));
+    for (size_t k = 0; k < gpu_patches.size(); ++k) {
+      const Patch& p = gpu_patches[k];
+      if (device.queue_patch(p.held->device, p.held->info.nbytes(), dtype_size(p.held->info.dtype),
+                             read_delta_header(p.record, p.what)) != k)
+        fail(ErrorKind::kInternal, "delta refit: GPU patches of an earlier batch are still queued");
+    }
     for_each_patch(gpu_patches, [&](const Patch& p, size_t k, const DeltaForEach& runner) {
       const DeviceDelta::Changes changes = device.changes_of(k);
       decode_delta_into(p.record, dtype_size(p.held->info.dtype), p.held->info.nbytes(), changes.index, changes.values,

@@ -606,9 +606,8 @@ class CheckpointEngine::Impl {
     return plan;
   }
 
-  // Refuses a peer's metadata unless it belongs to the same group, model and bucket size, and
-  // connects.
-  // Links to a peer (a destination of this source, or a source of this destination) from its metadata.
+  // Links to a peer (a destination of this source, or a source of this destination): refuses its
+  // metadata unless it belongs to the same group, model and bucket size, and connects.
   void add_link(protocol::EngineMetadata md, uint32_t peer_rank, const std::string& label, uint64_t link_bucket,
                 bool to_destination) {
     if (md.session != options_.session)

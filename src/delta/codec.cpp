@@ -6,7 +6,7 @@
 #include <bit>
 #include <cstring>
 #include <functional>
-#include <numeric>
+#include <utility>
 
 #include "core/fail.h"
 #include "core/wire.h"
@@ -215,59 +215,97 @@ void run_parts(const DeltaForEach& for_each, size_t n, const std::function<void(
   for (size_t k = 0; k < n; ++k) body(k);
 }
 
-// Writes the record of the changes (`index` increasing, `before`/`after` their bits) into `out`,
-// unless the record would not be smaller than the tensor (`elements * element_size` bytes): then
-// returns false and leaves `out` as it was. Many changes are written in parts by `for_each`: each
-// part sizes its varints, then writes them where the parts before end.
-bool write_record(uint64_t elements, size_t element_size, std::span<const uint64_t> index,
-                  std::span<const uint64_t> before, std::span<const uint64_t> after, DeltaChecksum kind,
-                  uint64_t checksum, std::vector<uint8_t>& out, const DeltaForEach& for_each) {
-  const size_t n = index.size(), parts = parts_for(n, for_each);
-  auto first = [&](size_t part) { return n * part / parts; };
+// Changes per part when records are written on several threads: small enough that the parts of a
+// batch's few large tensors keep every thread busy.
+constexpr uint64_t kWritePartChanges = uint64_t{1} << 15;
+
+// Writes each tensor's record of its changes (`index` increasing, `before`/`after` their bits) into
+// its `out`, unless the record would not be smaller than the tensor (`encoded` false, `out` left as
+// it was). With a runner every tensor's changes are cut into parts, all of them run together: each
+// part sizes its varints; then each tensor, its parts' sizes summed, takes its shape and header;
+// then each part writes its varints where the parts before it end. The same bytes as one pass.
+void write_records(std::span<ChangesToEncode> tensors, const DeltaForEach& for_each) {
+  struct Part {
+    size_t tensor = 0;
+    uint64_t first = 0, last = 0;      // its changes
+    uint64_t gap_at = 0, step_at = 0;  // its varints' bytes, then where they go
+  };
+  std::vector<Part> parts;
+  std::vector<size_t> first_part;
+  for (size_t t = 0; t < tensors.size(); ++t) {
+    const uint64_t n = tensors[t].index.size();
+    const uint64_t count = for_each ? std::max<uint64_t>(1, (n + kWritePartChanges - 1) / kWritePartChanges) : 1;
+    first_part.push_back(parts.size());
+    for (uint64_t p = 0; p < count; ++p) parts.push_back({t, n * p / count, n * (p + 1) / count});
+  }
+  first_part.push_back(parts.size());
   // A gap counts from the element after the previous change: a part's first gap from its neighbour's last.
-  auto gap_origin = [&](size_t k) { return k == 0 ? uint64_t{0} : index[k - 1] + 1; };
-  std::vector<uint64_t> gap_at(parts + 1, 0), step_at(parts + 1, 0);  // each part's bytes, then where it starts
-  run_parts(for_each, parts, [&](size_t part) {
-    uint64_t from = gap_origin(first(part)), gaps = 0,
-             steps = 0;  // not in gap_at: its neighbours' threads share the line
-    for (size_t k = first(part); k < first(part + 1); ++k) {
-      gaps += varint_size(index[k] - from);
-      from = index[k] + 1;
-      steps += varint_size(delta_steps::zigzag(before[k], after[k], element_size));
+  auto gap_origin = [](const ChangesToEncode& c, uint64_t k) { return k == 0 ? uint64_t{0} : c.index[k - 1] + 1; };
+  run_parts(for_each, parts.size(), [&](size_t i) {
+    Part& part = parts[i];
+    const ChangesToEncode& c = tensors[part.tensor];
+    uint64_t from = gap_origin(c, part.first), gaps = 0, steps = 0;  // summed here: neighbours share a line
+    for (uint64_t k = part.first; k < part.last; ++k) {
+      gaps += varint_size(c.index[k] - from);
+      from = c.index[k] + 1;
+      steps += varint_size(delta_steps::zigzag(c.before[k], c.after[k], c.element_size));
     }
-    gap_at[part + 1] = gaps;
-    step_at[part + 1] = steps;
+    part.gap_at = gaps;
+    part.step_at = steps;
   });
-  std::partial_sum(gap_at.begin(), gap_at.end(), gap_at.begin());
-  std::partial_sum(step_at.begin(), step_at.end(), step_at.begin());
-  const DeltaRecordShape shape = delta_record_shape(elements, element_size, n, gap_at.back(), step_at.back());
-  if (shape.bytes() >= elements * element_size) return false;
-  out.assign(shape.bytes(), 0);
-  write_delta_header(out.data(), shape, elements, element_size, n, kind, checksum);
-  uint8_t* const positions = out.data() + kDeltaHeaderBytes;
-  uint8_t* const values = positions + shape.position_bytes;
-  if (shape.encoding == DeltaEncoding::kBitmap)  // parts could share a byte: one pass, a bit each
-    for (uint64_t i : index) positions[i / 8] |= static_cast<uint8_t>(1u << (i % 8));
-  run_parts(for_each, parts, [&](size_t part) {
+  std::vector<DeltaRecordShape> shapes(tensors.size());
+  run_parts(for_each, tensors.size(), [&](size_t t) {
+    ChangesToEncode& c = tensors[t];
+    uint64_t gaps = 0, steps = 0;
+    for (size_t i = first_part[t]; i < first_part[t + 1]; ++i) {
+      gaps += std::exchange(parts[i].gap_at, gaps);
+      steps += std::exchange(parts[i].step_at, steps);
+    }
+    const DeltaRecordShape shape = delta_record_shape(c.elements, c.element_size, c.index.size(), gaps, steps);
+    c.encoded = shape.bytes() < c.elements * c.element_size;
+    if (!c.encoded) return;
+    shapes[t] = shape;
+    c.out->assign(shape.bytes(), 0);
+    write_delta_header(c.out->data(), shape, c.elements, c.element_size, c.index.size(), c.kind, c.checksum);
+    if (shape.encoding == DeltaEncoding::kBitmap) {  // parts could share a byte: one pass, a bit each
+      uint8_t* const positions = c.out->data() + kDeltaHeaderBytes;
+      for (uint64_t i : c.index) positions[i / 8] |= static_cast<uint8_t>(1u << (i % 8));
+    }
+  });
+  run_parts(for_each, parts.size(), [&](size_t i) {
+    const Part& part = parts[i];
+    const ChangesToEncode& c = tensors[part.tensor];
+    if (!c.encoded) return;
+    const DeltaRecordShape& shape = shapes[part.tensor];
+    uint8_t* const positions = c.out->data() + kDeltaHeaderBytes;
+    uint8_t* const values = positions + shape.position_bytes;
     if (shape.encoding == DeltaEncoding::kGaps) {
-      uint8_t* p = positions + gap_at[part];
-      uint64_t from = gap_origin(first(part));
-      for (size_t k = first(part); k < first(part + 1); ++k) {
-        p = put_varint(p, index[k] - from);
-        from = index[k] + 1;
+      uint8_t* p = positions + part.gap_at;
+      uint64_t from = gap_origin(c, part.first);
+      for (uint64_t k = part.first; k < part.last; ++k) {
+        p = put_varint(p, c.index[k] - from);
+        from = c.index[k] + 1;
       }
     }
     if (shape.steps) {
-      uint8_t* p = values + step_at[part];
-      for (size_t k = first(part); k < first(part + 1); ++k)
-        p = put_varint(p, delta_steps::zigzag(before[k], after[k], element_size));
+      uint8_t* p = values + part.step_at;
+      for (uint64_t k = part.first; k < part.last; ++k)
+        p = put_varint(p, delta_steps::zigzag(c.before[k], c.after[k], c.element_size));
     } else {
-      uint8_t* p = values + first(part) * element_size;
-      for (size_t k = first(part); k < first(part + 1); ++k)
-        for (size_t byte = 0; byte < element_size; ++byte) *p++ = static_cast<uint8_t>(after[k] >> (8 * byte));
+      uint8_t* p = values + part.first * c.element_size;
+      for (uint64_t k = part.first; k < part.last; ++k)
+        for (size_t byte = 0; byte < c.element_size; ++byte) *p++ = static_cast<uint8_t>(c.after[k] >> (8 * byte));
     }
   });
-  return true;
+}
+
+// write_records for one tensor, on this thread.
+bool write_record(uint64_t elements, size_t element_size, std::span<const uint64_t> index,
+                  std::span<const uint64_t> before, std::span<const uint64_t> after, DeltaChecksum kind,
+                  uint64_t checksum, std::vector<uint8_t>& out) {
+  ChangesToEncode c{elements, element_size, index, before, after, kind, checksum, &out};
+  write_records({&c, 1}, {});
+  return c.encoded;
 }
 
 void check_element_size(size_t element_size, const char* where) {
@@ -320,14 +358,22 @@ uint64_t delta_checksum(std::span<const std::byte> bytes, DeltaChecksum kind) {
   return word_hash::finish(word_hash_terms(bytes, 0), bytes.size());
 }
 
+void encode_delta_changes(std::span<ChangesToEncode> tensors, const DeltaForEach& for_each) {
+  for (const ChangesToEncode& c : tensors) {
+    check_element_size(c.element_size, "encode_delta_changes");
+    if (c.before.size() != c.index.size() || c.after.size() != c.index.size() || c.out == nullptr)
+      fail(ErrorKind::kInternal, "encode_delta_changes: {} positions, {} and {} values", c.index.size(),
+           c.before.size(), c.after.size());
+  }
+  write_records(tensors, for_each);
+}
+
 bool encode_delta_changes(uint64_t elements, size_t element_size, std::span<const uint64_t> index,
                           std::span<const uint64_t> before, std::span<const uint64_t> after, DeltaChecksum kind,
                           uint64_t checksum, std::vector<uint8_t>& out, const DeltaForEach& for_each) {
-  check_element_size(element_size, "encode_delta_changes");
-  if (before.size() != index.size() || after.size() != index.size())
-    fail(ErrorKind::kInternal, "encode_delta_changes: {} positions, {} and {} values", index.size(), before.size(),
-         after.size());
-  return write_record(elements, element_size, index, before, after, kind, checksum, out, for_each);
+  ChangesToEncode c{elements, element_size, index, before, after, kind, checksum, &out};
+  encode_delta_changes({&c, 1}, for_each);
+  return c.encoded;
 }
 
 DeltaResult encode_delta(std::span<std::byte> base, std::span<const std::byte> now, size_t element_size,
@@ -346,8 +392,7 @@ DeltaResult encode_delta(std::span<std::byte> base, std::span<const std::byte> n
   const bool fits = by_element_size<ScanOf>(element_size, base, now, uint64_t{now.size()}, s, xxh3);
   const uint64_t checksum = fits ? XXH3_64bits_digest(hash) : 0;
   XXH3_freeState(hash);
-  if (!fits ||
-      !write_record(elements, element_size, s.index, s.before, s.after, DeltaChecksum::kXxh3, checksum, out, {})) {
+  if (!fits || !write_record(elements, element_size, s.index, s.before, s.after, DeltaChecksum::kXxh3, checksum, out)) {
     if (!now.empty()) std::memcpy(base.data(), now.data(), now.size());  // the scan may have stopped part way
     return {};
   }
@@ -392,7 +437,7 @@ DeltaResult join_delta_parts(std::span<std::byte> base, std::span<const std::byt
     }
   const uint64_t checksum = word_hash::finish(sum, now.size());
   if (!fits ||
-      !write_record(elements, element_size, s.index, s.before, s.after, DeltaChecksum::kWords, checksum, out, {})) {
+      !write_record(elements, element_size, s.index, s.before, s.after, DeltaChecksum::kWords, checksum, out)) {
     if (!now.empty()) std::memcpy(base.data(), now.data(), now.size());  // a part may have stopped part way
     return {};
   }

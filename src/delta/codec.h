@@ -88,9 +88,21 @@ DeltaResult join_delta_parts(std::span<std::byte> base, std::span<const std::byt
 
 // The same record made from changes found elsewhere (a GPU kernel's compaction): `index` (the
 // changed elements, increasing), `before` and `after` (their bits as little-endian integers),
-// `checksum` of the tensor after the change, of kind `kind`. Returns false, leaving `out` as it
-// was, when the record would not be smaller than the tensor. Many changes are written in parts
-// (kDeltaChangesPerPart each) run by `for_each` when given; the record is the same.
+// `checksum` of the tensor after the change, of kind `kind`. `encoded` false, `out` left as it
+// was: the record would not be smaller than the tensor.
+struct ChangesToEncode {
+  uint64_t elements = 0;
+  size_t element_size = 0;
+  std::span<const uint64_t> index, before, after;
+  DeltaChecksum kind = DeltaChecksum::kWords;
+  uint64_t checksum = 0;
+  std::vector<uint8_t>* out = nullptr;
+  bool encoded = false;
+};
+// Many tensors' records at once: with `for_each` their changes are cut into parts that all run
+// together (a batch's few large tensors keep every thread busy); the records are the same.
+void encode_delta_changes(std::span<ChangesToEncode> tensors, const DeltaForEach& for_each = {});
+// One tensor's; returns `encoded`.
 bool encode_delta_changes(uint64_t elements, size_t element_size, std::span<const uint64_t> index,
                           std::span<const uint64_t> before, std::span<const uint64_t> after, DeltaChecksum kind,
                           uint64_t checksum, std::vector<uint8_t>& out, const DeltaForEach& for_each = {});

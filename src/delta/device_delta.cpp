@@ -251,27 +251,25 @@ void DeviceDelta::encode_batch(std::span<EncodeJob> jobs, HostCopyPool* pool) {
     s.to_host(s.host_after, after, changes);
   }
   s.wait("waiting for the delta collect kernels");  // and the copies of tensors that go whole
-  // The records, on the pool's threads (passes over their changes on the host): a tensor of few
-  // changes on one thread, one of many (an embedding, the larger MLP weights) in parts on all.
-  auto write = [&](size_t k, const DeltaForEach& parts) {
-    EncodeJob& j = jobs[k];
+  // The records, on the pool's threads (passes over their changes on the host), every tensor's in
+  // parts together.
+  std::vector<ChangesToEncode> records;
+  for (size_t k : collected) {
+    const EncodeJob& j = jobs[k];
     const uint64_t first = first_change[k], n = first_change[k + 1] - first;
-    j.result.encoded =
-        encode_delta_changes(j.bytes / j.element_size, j.element_size, s.host_index.view().subspan(first, n),
-                             s.host_before.view().subspan(first, n), s.host_after.view().subspan(first, n),
-                             DeltaChecksum::kWords, j.result.checksum, *j.out, parts);
-    if (!j.result.encoded) j.result = {};  // whole after all (the base is the tensor now)
-  };
-  if (pool == nullptr || pool->threads() == 0) {
-    for (size_t k : collected) write(k, {});
-    return;
+    records.push_back({j.bytes / j.element_size, j.element_size, s.host_index.view().subspan(first, n),
+                       s.host_before.view().subspan(first, n), s.host_after.view().subspan(first, n),
+                       DeltaChecksum::kWords, j.result.checksum, j.out});
   }
-  std::vector<size_t> few, many;
-  for (size_t k : collected)
-    (first_change[k + 1] - first_change[k] >= 2 * kDeltaChangesPerPart ? many : few).push_back(k);
-  pool->for_each(few.size(), [&](size_t c) { write(few[c], {}); });
-  const DeltaForEach on_pool = [pool](size_t n, const std::function<void(size_t)>& body) { pool->for_each(n, body); };
-  for (size_t k : many) write(k, on_pool);
+  DeltaForEach on_pool;
+  if (pool != nullptr && pool->threads() > 0)
+    on_pool = [pool](size_t n, const std::function<void(size_t)>& body) { pool->for_each(n, body); };
+  encode_delta_changes(records, on_pool);
+  for (size_t c = 0; c < collected.size(); ++c) {
+    EncodeJob& j = jobs[collected[c]];
+    j.result.encoded = records[c].encoded;
+    if (!j.result.encoded) j.result = {};  // whole after all (the base is the tensor now)
+  }
 }
 
 DeltaHeader DeviceDelta::apply(DeviceBuffer& target, size_t bytes, size_t element_size, std::span<const uint8_t> record,

@@ -25,10 +25,10 @@ constexpr DeltaCosts kHostDelta{2.0, 320, 1.0, 150};
 // host, where the record is written (and at the destination read, then copied back): in bytes' worth
 // of the GPU's copies that is far more per change than on the host (one H100, 2026-12-07,
 // Qwen3-8B at 1% changed, 82 M changes, `scripts/calibrate.sh --gpu`: comparing 0.75 s, patching
-// 0.63 s with the engine's copies at 1,413 GB/s, about 9 and 8 ns a change; then records of many
-// changes were written in parts and decoded straight into page-locked memory, which A/Bs in one
-// call each measured at 0.61 of the comparing and 0.60 of the patching).
-constexpr DeltaCosts kGpuDelta{2.0, 7500, 0.5, 6500};
+// 0.63 s with the engine's copies at 1,413 GB/s, about 9 and 8 ns a change; then records were
+// written in parts, a batch's together, and decoded straight into page-locked memory, which A/Bs
+// in one call each measured at 0.61 and 0.73 of the comparing and 0.60 of the patching).
+constexpr DeltaCosts kGpuDelta{2.0, 5500, 0.5, 6500};
 const DeltaCosts& built_in(const NodeGroup& g) { return g.gpu ? kGpuDelta : kHostDelta; }
 
 // Built-in, or as the group's calibration measured them.

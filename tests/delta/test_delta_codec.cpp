@@ -3,7 +3,9 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <deque>
 #include <functional>
+#include <numeric>
 #include <optional>
 #include <random>
 
@@ -374,15 +376,23 @@ TEST(DeltaCodec, ChangesFoundElsewhereMakeTheHostsRecord) {
   }
 }
 
-// A GPU's compaction of many changes is written in parts on several threads: the record is the
-// one-thread record byte for byte, whatever order the parts run in, for every way of writing
-// positions and values.
+// A GPU's compaction of many changes is written in parts on several threads, a batch's tensors
+// together: each record is the one-thread record byte for byte, whatever order the parts run in,
+// for every way of writing positions and values; a tensor whose record would not be smaller in
+// the same batch is left alone.
 TEST(DeltaCodec, ChangesFoundElsewhereWrittenInPartsMakeTheSameRecord) {
   HostCopyPool pool(3);
   const DeltaForEach on_pool = [&](size_t n, const std::function<void(size_t)>& body) { pool.for_each(n, body); };
   const DeltaForEach backwards = [](size_t n, const std::function<void(size_t)>& body) {
     for (size_t k = n; k-- > 0;) body(k);
   };
+  struct Case {
+    uint64_t elements;
+    size_t element_size;
+    std::vector<uint64_t> index, before, after;
+    std::vector<uint8_t> alone;
+  };
+  std::deque<Case> cases;  // the batch below points into them
   for (size_t element_size : {2, 4}) {
     // every: a change every that many elements on average; steps: by one unit (else random bits).
     for (auto [every, steps] : {std::pair{9u, true}, std::pair{9u, false}, std::pair{3u, true}, std::pair{3u, false},
@@ -411,7 +421,22 @@ TEST(DeltaCodec, ChangesFoundElsewhereWrittenInPartsMakeTheSameRecord) {
       DeltaChanges decoded;
       decode_delta(alone, element_size, kElements * element_size, decoded, "record");
       EXPECT_EQ(decoded.index, index);
+      cases.push_back({kElements, element_size, index, before, after, alone});
     }
+  }
+  // Every case, and a small tensor that changed throughout (no record), in one batch.
+  std::vector<uint64_t> all(50), ones(50, 1), twos(50, 2);
+  std::iota(all.begin(), all.end(), 0);
+  cases.push_back({50, 1, all, ones, twos, {42}});
+  std::vector<std::vector<uint8_t>> outs(cases.size(), std::vector<uint8_t>{42});
+  std::vector<ChangesToEncode> batch;
+  for (size_t k = 0; k < cases.size(); ++k)
+    batch.push_back({cases[k].elements, cases[k].element_size, cases[k].index, cases[k].before, cases[k].after,
+                     DeltaChecksum::kWords, 5, &outs[k]});
+  encode_delta_changes(batch, on_pool);
+  for (size_t k = 0; k < cases.size(); ++k) {
+    EXPECT_EQ(batch[k].encoded, k + 1 < cases.size()) << k;
+    EXPECT_TRUE(outs[k] == cases[k].alone) << k;
   }
 }
 

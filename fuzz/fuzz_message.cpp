@@ -133,6 +133,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       FUZZ_CHECK(!"decode_message returned an unknown type");
   }
   FUZZ_CHECK(again.size() == size);  // every field has a fixed or length-prefixed size
+  // A message concerns its own refit; a later one of its connection only if it is a farewell.
+  FUZZ_CHECK(protocol::concerns(msg, msg.refit(), msg.refit() - 1));
+  const bool farewell = msg.type == protocol::MessageType::kAbort && msg.abort.farewell;
+  FUZZ_CHECK(protocol::concerns(msg, msg.refit() + 1, msg.refit()) == farewell);
   try {
     protocol::Message twice = protocol::decode_message(again, "re-encoded message");
     FUZZ_CHECK(twice.type == msg.type);

@@ -219,6 +219,10 @@ void message_seeds() {
   write("message", "done", protocol::encode(done_message(2, 17)));
   write("message", "abort", protocol::encode(abort_message(1, "source rank 0 failed in phase pack bucket 3")));
   write("message", "abort_empty", protocol::encode(abort_message(0, "")));
+  protocol::Abort farewell = abort_message(7, "it called finalize()");
+  farewell.kind = ErrorKind::kPeerLost;
+  farewell.farewell = true;
+  write("message", "farewell", protocol::encode(farewell));
 
   // Valid encodings that validate() must refuse.
   protocol::BucketReady bad;

@@ -270,8 +270,9 @@ class CheckpointEngine(CheckpointEngineBase):
         return self._engine.target_layout()
 
     def finalize(self) -> None:
-        """Disconnects; with release_after_refit also frees the buffers (prepare() must then run
-        again, with a fresh metadata exchange). Cancels a receive that is still running."""
+        """Disconnects, telling the peers: their next refit raises PeerLostError at once. With
+        release_after_refit also frees the buffers. Cancels a receive that is still running. The
+        next init needs a new prepare() and metadata exchange (one metadata, one connection)."""
         self._engine.finalize()
 
     # ---- refit's additions ----

@@ -211,7 +211,9 @@ def test_a_source_gone_before_its_destination_connects_is_named_lost_not_a_trans
             conn.send(md)
             proc.join(10)
             with pytest.raises(refit.PeerLostError) as err:
-                destination.init_rollout_process_group(0, 1, 1, md)
+                destination.init_rollout_process_group(0, 1, 1, md)  # shared memory: attaching fails
+                for _ in destination.receive_weight_batches():  # a transport that connects lazily
+                    pass
             assert f"lost source rank 0: its process (pid {proc.pid}) is gone" in str(err.value), str(err.value)
         finally:
             destination.close()

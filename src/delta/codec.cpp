@@ -69,7 +69,7 @@ void store_element(std::byte* p, uint64_t v) {
 }
 
 // What a scan found, in index order: the changed elements and their bits before and after, as a
-// GPU kernel's compaction finds them too; one writer (write_record) makes the record of either.
+// GPU kernel's compaction finds them too; one writer (write_records) makes the record of either.
 struct Scan {
   explicit Scan(DeltaScratch& buffers) : index(buffers.index), before(buffers.before), after(buffers.after) {
     index.clear();
@@ -299,15 +299,6 @@ void write_records(std::span<ChangesToEncode> tensors, const DeltaForEach& for_e
   });
 }
 
-// write_records for one tensor, on this thread.
-bool write_record(uint64_t elements, size_t element_size, std::span<const uint64_t> index,
-                  std::span<const uint64_t> before, std::span<const uint64_t> after, DeltaChecksum kind,
-                  uint64_t checksum, std::vector<uint8_t>& out) {
-  ChangesToEncode c{elements, element_size, index, before, after, kind, checksum, &out};
-  write_records({&c, 1}, {});
-  return c.encoded;
-}
-
 void check_element_size(size_t element_size, const char* where) {
   if (element_size == 0 || element_size > 8 || 8 % element_size != 0)
     fail(ErrorKind::kInternal, "{}: {}-byte elements", where, element_size);
@@ -392,7 +383,8 @@ DeltaResult encode_delta(std::span<std::byte> base, std::span<const std::byte> n
   const bool fits = by_element_size<ScanOf>(element_size, base, now, uint64_t{now.size()}, s, xxh3);
   const uint64_t checksum = fits ? XXH3_64bits_digest(hash) : 0;
   XXH3_freeState(hash);
-  if (!fits || !write_record(elements, element_size, s.index, s.before, s.after, DeltaChecksum::kXxh3, checksum, out)) {
+  if (!fits ||
+      !encode_delta_changes(elements, element_size, s.index, s.before, s.after, DeltaChecksum::kXxh3, checksum, out)) {
     if (!now.empty()) std::memcpy(base.data(), now.data(), now.size());  // the scan may have stopped part way
     return {};
   }
@@ -437,7 +429,7 @@ DeltaResult join_delta_parts(std::span<std::byte> base, std::span<const std::byt
     }
   const uint64_t checksum = word_hash::finish(sum, now.size());
   if (!fits ||
-      !write_record(elements, element_size, s.index, s.before, s.after, DeltaChecksum::kWords, checksum, out)) {
+      !encode_delta_changes(elements, element_size, s.index, s.before, s.after, DeltaChecksum::kWords, checksum, out)) {
     if (!now.empty()) std::memcpy(base.data(), now.data(), now.size());  // a part may have stopped part way
     return {};
   }

@@ -51,20 +51,15 @@ struct Pinned {
   TensorMemory memory;
   uint64_t size = 0;
   T* data() const { return reinterpret_cast<T*>(memory.data()); }
+  // Keeps what the array holds (patches queued one after another decode into it).
   T* resize(uint64_t count) {
-    if (count * sizeof(T) > memory.size())
-      memory = TensorMemory(MemoryKind::kHost, Device{}, std::max<uint64_t>(count, 2 * size) * sizeof(T), /*pin=*/true);
-    size = count;
-    return data();
-  }
-  // resize() that keeps what the array holds.
-  void grow(uint64_t count) {
     if (count * sizeof(T) > memory.size()) {
       TensorMemory larger(MemoryKind::kHost, Device{}, std::max<uint64_t>(count, 2 * size) * sizeof(T), /*pin=*/true);
       if (size > 0) std::memcpy(larger.data(), memory.data(), size * sizeof(T));
       memory = std::move(larger);
     }
     size = count;
+    return data();
   }
   std::span<const T> view() const { return {data(), size}; }
 };
@@ -293,8 +288,8 @@ size_t DeviceDelta::queue_patch(DeviceBuffer& target, size_t bytes, size_t eleme
     fail(ErrorKind::kInternal, "DeviceDelta::queue_patch: patches on GPUs {} and {} in one queue",
          s.queued.front().target->device_index(), target.device_index());
   const uint64_t first = s.queued.empty() ? 0 : s.queued.back().first + s.queued.back().header.changed;
-  s.host_index.grow(first + header.changed);
-  s.host_after.grow(first + header.changed);
+  s.host_index.resize(first + header.changed);
+  s.host_after.resize(first + header.changed);
   s.queued.push_back({&target, bytes, element_size, header, first});
   return s.queued.size() - 1;
 }

@@ -215,10 +215,6 @@ void run_parts(const DeltaForEach& for_each, size_t n, const std::function<void(
   for (size_t k = 0; k < n; ++k) body(k);
 }
 
-// Changes per part when records are written on several threads: small enough that the parts of a
-// batch's few large tensors keep every thread busy.
-constexpr uint64_t kWritePartChanges = uint64_t{1} << 15;
-
 // Writes each tensor's record of its changes (`index` increasing, `before`/`after` their bits) into
 // its `out`, unless the record would not be smaller than the tensor (`encoded` false, `out` left as
 // it was). With a runner every tensor's changes are cut into parts, all of them run together: each
@@ -234,7 +230,7 @@ void write_records(std::span<ChangesToEncode> tensors, const DeltaForEach& for_e
   std::vector<size_t> first_part;
   for (size_t t = 0; t < tensors.size(); ++t) {
     const uint64_t n = tensors[t].index.size();
-    const uint64_t count = for_each ? std::max<uint64_t>(1, (n + kWritePartChanges - 1) / kWritePartChanges) : 1;
+    const uint64_t count = for_each ? std::max<uint64_t>(1, (n + kDeltaChangesPerPart - 1) / kDeltaChangesPerPart) : 1;
     first_part.push_back(parts.size());
     for (uint64_t p = 0; p < count; ++p) parts.push_back({t, n * p / count, n * (p + 1) / count});
   }
@@ -475,7 +471,7 @@ uint64_t cut_at(uint64_t count, size_t parts, size_t r) { return count * r / par
 // Where a record's varints go: varint k < `changed` is a position, as its gap from the one before
 // plus one (the first's from -1), else the step of change k - changed.
 struct VarintSink {
-  const std::string& what;
+  std::string_view what;
   const char* holding;  // "the positions and values", "the values"
   uint64_t changed, elements;
   size_t element_size;
@@ -518,153 +514,278 @@ std::pair<const uint8_t*, uint64_t> decode_run(const uint8_t* q, const uint8_t* 
   return {q, running};
 }
 
+// A record decodes as one or two chains (its positions', its values') of rounds: a round's parts
+// are independent, and after(round) runs once they all ended. The chains of every record of a
+// batch run their rounds together (run_chains), so a batch's few large records and its many small
+// ones keep every thread busy. Every check is made before a target is written (the caller patches
+// only once all decoded).
+class DecodeChain {
+ public:
+  virtual ~DecodeChain() = default;
+  virtual size_t rounds() const = 0;
+  virtual size_t parts(size_t round) const = 0;
+  virtual void run(size_t round, size_t part) = 0;
+  virtual void after(size_t /*round*/) {}
+};
+
+void run_chains(std::span<const std::unique_ptr<DecodeChain>> chains, const DeltaForEach& for_each) {
+  struct Work {
+    DecodeChain* chain;
+    size_t part;
+  };
+  std::vector<Work> work;
+  for (size_t round = 0;; ++round) {
+    work.clear();
+    for (const auto& chain : chains)
+      if (round < chain->rounds())
+        for (size_t k = 0; k < chain->parts(round); ++k) work.push_back({chain.get(), k});
+    if (work.empty()) return;
+    run_parts(for_each, work.size(), [&](size_t i) { work[i].chain->run(round, work[i].part); });
+    for (const auto& chain : chains)
+      if (round < chain->rounds()) chain->after(round);
+  }
+}
+
 // The `count` varints that [begin, end) holds, exactly, into `to`, in `parts` runs: each run
 // starts after a varint's last byte (a byte below 0x80), its first varint's number found by
-// counting those bytes before it; runs after the first then add the positions' sums of the runs
-// before them.
-void decode_varints(const uint8_t* begin, const uint8_t* end, uint64_t count, size_t parts,
-                    const DeltaForEach& for_each, const VarintSink& to) {
-  const auto bytes = static_cast<uint64_t>(end - begin);
-  auto miscounted = [&](uint64_t found) {
-    fail(ErrorKind::kProtocol, "malformed {}: the {} bytes of {} hold {} varints where its changes need {}", to.what,
-         bytes, to.holding, found, count);
-  };
-  if (parts <= 1 || bytes < parts) {
-    const uint8_t* after = decode_run(begin, end, 0, count, UINT64_MAX, to).first;
-    if (after != end) fail(ErrorKind::kProtocol, "malformed {}: {} bytes after {}", to.what, end - after, to.holding);
+// counting those bytes before it (round 0); the runs decode (round 1); runs after the first then
+// add the positions' sums of the runs before them (round 2). One run decodes in one round.
+class VarintChain final : public DecodeChain {
+ public:
+  VarintChain(const uint8_t* begin, const uint8_t* end, uint64_t count, size_t parts, const VarintSink& to)
+      : begin_(begin), end_(end), count_(count), to_(to) {
+    const auto bytes = static_cast<uint64_t>(end - begin);
+    runs_ = bytes < parts ? 1 : parts;
+    if (runs_ <= 1) return;
+    if (end[-1] & 0x80)
+      fail(ErrorKind::kProtocol, "malformed {}: the {} bytes of {} end inside a varint", to.what, bytes, to.holding);
+    cuts_.assign(runs_ + 1, end);
+    cuts_[0] = begin;
+    for (size_t r = 1; r < runs_; ++r) {
+      const uint8_t* c = std::max(begin + cut_at(bytes, runs_, r), cuts_[r - 1]);
+      while (c < end && (c[-1] & 0x80)) ++c;
+      cuts_[r] = c;
+    }
+    first_.assign(runs_ + 1, 0);
+    running_.assign(runs_, 0);
+  }
+  size_t rounds() const override { return runs_ <= 1 ? 1 : 3; }
+  size_t parts(size_t round) const override { return round == 2 ? runs_ - 1 : runs_; }
+  void run(size_t round, size_t r) override {
+    if (runs_ <= 1) {
+      const uint8_t* after = decode_run(begin_, end_, 0, count_, UINT64_MAX, to_).first;
+      if (after != end_)
+        fail(ErrorKind::kProtocol, "malformed {}: {} bytes after {}", to_.what, end_ - after, to_.holding);
+    } else if (round == 0) {
+      uint64_t n = 0;
+      for (const uint8_t* q = cuts_[r]; q < cuts_[r + 1]; ++q) n += (*q & 0x80) == 0;
+      first_[r + 1] = n;
+    } else if (round == 1) {
+      running_[r] = decode_run(cuts_[r], cuts_[r + 1], first_[r], first_[r + 1], UINT64_MAX, to_).second;
+    } else {
+      ++r;  // run r + 1: the first run's sums are whole
+      for (uint64_t k = first_[r]; k < std::min(first_[r + 1], to_.changed); ++k) {
+        to_.index[k] += base_[r];
+        if (to_.index[k] >= to_.elements)
+          fail(ErrorKind::kProtocol, "malformed {}: position {} is past element {}", to_.what, k, to_.elements);
+      }
+    }
+  }
+  void after(size_t round) override {
+    if (runs_ <= 1) return;
+    if (round == 0) {
+      for (size_t r = 0; r < runs_; ++r) first_[r + 1] += first_[r];
+      if (first_[runs_] != count_)
+        fail(ErrorKind::kProtocol, "malformed {}: the {} bytes of {} hold {} varints where its changes need {}",
+             to_.what, end_ - begin_, to_.holding, first_[runs_], count_);
+    } else if (round == 1) {
+      // Run r's positions lie past the last of the runs before it (a run without positions adds none).
+      base_.assign(runs_, 0);
+      for (size_t r = 1; r < runs_; ++r) {
+        base_[r] = base_[r - 1] + (running_[r - 1] + 1);
+        if (base_[r] > to_.elements)
+          fail(ErrorKind::kProtocol, "malformed {}: position {} is past element {}", to_.what, first_[r], to_.elements);
+      }
+    }
+  }
+
+ private:
+  const uint8_t *begin_, *end_;
+  uint64_t count_;
+  VarintSink to_;
+  size_t runs_ = 1;
+  std::vector<const uint8_t*> cuts_;
+  std::vector<uint64_t> first_;           // the varints before each run
+  std::vector<uint64_t> running_, base_;  // each run's last position's sum, and what it adds
+};
+
+// A bitmap's set bits, in `runs` runs of its bytes: each run counts its bits (round 0), then
+// writes its positions after the runs before it (round 1).
+class BitmapChain final : public DecodeChain {
+ public:
+  BitmapChain(const uint8_t* bitmap, uint64_t bytes, uint64_t changed, size_t runs, uint64_t* index,
+              std::string_view what)
+      : bitmap_(bitmap),
+        bytes_(bytes),
+        changed_(changed),
+        runs_(runs),
+        index_(index),
+        what_(what),
+        first_(runs + 1, 0) {}
+  size_t rounds() const override { return 2; }
+  size_t parts(size_t) const override { return runs_; }
+  void run(size_t round, size_t r) override {
+    const uint64_t from = cut_at(bytes_, runs_, r), to = cut_at(bytes_, runs_, r + 1);
+    if (round == 0) {
+      uint64_t n = 0;
+      for (uint64_t b = from; b < to; ++b) n += static_cast<uint64_t>(std::popcount(bitmap_[b]));
+      first_[r + 1] = n;
+      return;
+    }
+    uint64_t k = first_[r];
+    for (uint64_t b = from; b < to; ++b)
+      for (unsigned bits = bitmap_[b]; bits != 0; bits &= bits - 1) index_[k++] = b * 8 + std::countr_zero(bits);
+  }
+  void after(size_t round) override {
+    if (round != 0) return;
+    for (size_t r = 0; r < runs_; ++r) first_[r + 1] += first_[r];
+    if (first_[runs_] != changed_)
+      fail(ErrorKind::kProtocol, "malformed {}: the bitmap marks {} elements, the header says {}", what_, first_[runs_],
+           changed_);
+  }
+
+ private:
+  const uint8_t* bitmap_;
+  uint64_t bytes_, changed_;
+  size_t runs_;
+  uint64_t* index_;
+  std::string_view what_;
+  std::vector<uint64_t> first_;
+};
+
+// Values stored whole, little-endian, `changed` of `element_size` bytes: one round of parts.
+class RawValuesChain final : public DecodeChain {
+ public:
+  RawValuesChain(const uint8_t* values, uint64_t changed, size_t element_size, size_t parts, uint64_t* out)
+      : values_(values), changed_(changed), element_size_(element_size), parts_(parts), out_(out) {}
+  size_t rounds() const override { return 1; }
+  size_t parts(size_t) const override { return parts_; }
+  void run(size_t, size_t r) override {
+    for (uint64_t k = cut_at(changed_, parts_, r); k < cut_at(changed_, parts_, r + 1); ++k)
+      out_[k] = element_bits(reinterpret_cast<const std::byte*>(values_) + k * element_size_, element_size_);
+  }
+
+ private:
+  const uint8_t* values_;
+  uint64_t changed_;
+  size_t element_size_, parts_;
+  uint64_t* out_;
+};
+
+// Checks `r`'s header against its tensor and the room it is given, sets r.header, and adds the
+// chains that decode it.
+void add_chains(RecordToDecode& r, const DeltaForEach& for_each, std::vector<std::unique_ptr<DecodeChain>>& chains) {
+  const DeltaHeader h = r.header = read_delta_header(r.record, r.what);
+  const size_t element_size = r.element_size;
+  if (h.element_size != element_size || element_size == 0 || element_size > 8 ||
+      h.elements * element_size != r.target_bytes || h.elements > r.target_bytes)
+    fail(ErrorKind::kProtocol, "{} is for {} elements of {} bytes, but the tensor has {} bytes of {}-byte elements",
+         r.what, h.elements, h.element_size, r.target_bytes, element_size);
+  if (r.index.size() != h.changed || r.values.size() != h.changed)
+    fail(ErrorKind::kInternal, "decode_delta_into: room for {} and {} of {} changes of {}", r.index.size(),
+         r.values.size(), h.changed, r.what);
+  const uint8_t* p = r.record.data() + kDeltaHeaderBytes;
+  const uint8_t* const end = r.record.data() + r.record.size();
+  const uint64_t changed = h.changed;
+  const size_t parts = parts_for(changed, for_each);
+  const bool steps = h.values == DeltaValues::kSteps;
+  const uint64_t raw_bytes = steps ? 0 : changed * element_size;
+  if (h.encoding == DeltaEncoding::kGaps) {
+    if (raw_bytes > static_cast<uint64_t>(end - p))
+      fail(ErrorKind::kProtocol, "malformed {}: {} bytes cannot hold {} changes of {} bytes", r.what, end - p, changed,
+           element_size);
+    // With steps, the gaps' varints and then the steps' fill the record: one run of varints.
+    const uint8_t* const values = end - raw_bytes;
+    chains.push_back(std::make_unique<VarintChain>(p, values, steps ? 2 * changed : changed, parts,
+                                                   VarintSink{r.what, "the positions and values", changed, h.elements,
+                                                              element_size, r.index.data(), r.values.data()}));
+    if (steps) return;
+    p = values;
+  } else if (h.encoding == DeltaEncoding::kBitmap) {
+    const uint64_t bitmap_bytes = (h.elements + 7) / 8;
+    if (static_cast<uint64_t>(end - p) < bitmap_bytes)
+      fail(ErrorKind::kProtocol, "malformed {}: the bitmap of {} elements is cut off", r.what, h.elements);
+    // Bits past the last element must be clear, or two records could mean one change.
+    if (h.elements % 8 != 0 && (p[bitmap_bytes - 1] >> (h.elements % 8)) != 0)
+      fail(ErrorKind::kProtocol, "malformed {}: bitmap bits set past element {}", r.what, h.elements);
+    chains.push_back(std::make_unique<BitmapChain>(p, bitmap_bytes, changed, parts_for(8 * bitmap_bytes, for_each),
+                                                   r.index.data(), r.what));
+    p += bitmap_bytes;
+  }
+  if (steps) {
+    chains.push_back(std::make_unique<VarintChain>(
+        p, end, changed, parts,
+        VarintSink{r.what, "the values", 0, h.elements, element_size, r.index.data(), r.values.data()}));
     return;
   }
-  if (bytes > 0 && (end[-1] & 0x80))
-    fail(ErrorKind::kProtocol, "malformed {}: the {} bytes of {} end inside a varint", to.what, bytes, to.holding);
-  std::vector<const uint8_t*> cuts(parts + 1, end);
-  cuts[0] = begin;
-  for (size_t r = 1; r < parts; ++r) {
-    const uint8_t* c = std::max(begin + cut_at(bytes, parts, r), cuts[r - 1]);
-    while (c < end && (c[-1] & 0x80)) ++c;
-    cuts[r] = c;
-  }
-  std::vector<uint64_t> first(parts + 1, 0);
-  run_parts(for_each, parts, [&](size_t r) {
-    uint64_t n = 0;
-    for (const uint8_t* q = cuts[r]; q < cuts[r + 1]; ++q) n += (*q & 0x80) == 0;
-    first[r + 1] = n;
-  });
-  for (size_t r = 0; r < parts; ++r) first[r + 1] += first[r];
-  if (first[parts] != count) miscounted(first[parts]);
-  std::vector<uint64_t> running(parts);
-  run_parts(for_each, parts, [&](size_t r) {
-    running[r] = decode_run(cuts[r], cuts[r + 1], first[r], first[r + 1], UINT64_MAX, to).second;
-  });
-  // Run r's positions lie past the last of the runs before it (a run without positions adds none).
-  std::vector<uint64_t> base(parts, 0);
-  for (size_t r = 1; r < parts; ++r) {
-    base[r] = base[r - 1] + (running[r - 1] + 1);
-    if (base[r] > to.elements)
-      fail(ErrorKind::kProtocol, "malformed {}: position {} is past element {}", to.what, first[r], to.elements);
-  }
-  run_parts(for_each, parts - 1, [&](size_t j) {
-    const size_t r = j + 1;
-    for (uint64_t k = first[r]; k < std::min(first[r + 1], to.changed); ++k) {
-      to.index[k] += base[r];
-      if (to.index[k] >= to.elements)
-        fail(ErrorKind::kProtocol, "malformed {}: position {} is past element {}", to.what, k, to.elements);
-    }
-  });
+  if (static_cast<uint64_t>(end - p) != raw_bytes)
+    fail(ErrorKind::kProtocol, "malformed {}: {} bytes of values for {} changes of {} bytes", r.what, end - p, changed,
+         element_size);
+  chains.push_back(std::make_unique<RawValuesChain>(p, changed, element_size, parts, r.values.data()));
 }
 
 }  // namespace
+
+void decode_delta_into(std::span<RecordToDecode> records, const DeltaForEach& for_each) {
+  std::vector<std::unique_ptr<DecodeChain>> chains;
+  for (RecordToDecode& r : records) add_chains(r, for_each, chains);
+  run_chains(chains, for_each);
+}
 
 void decode_delta(std::span<const uint8_t> record, size_t element_size, uint64_t target_bytes, DeltaChanges& out,
                   const std::string& what, const DeltaForEach& for_each) {
   out.header = read_delta_header(record, what);
   out.index.resize(out.header.changed);
   out.values.resize(out.header.changed);
-  decode_delta_into(record, element_size, target_bytes, out.index, out.values, what, for_each);
+  RecordToDecode r{record, element_size, target_bytes, out.index, out.values, what, {}};
+  decode_delta_into({&r, 1}, for_each);
 }
 
-DeltaHeader decode_delta_into(std::span<const uint8_t> record, size_t element_size, uint64_t target_bytes,
-                              std::span<uint64_t> index, std::span<uint64_t> fresh, const std::string& what,
-                              const DeltaForEach& for_each) {
-  const DeltaHeader h = read_delta_header(record, what);
-  if (h.element_size != element_size || element_size == 0 || element_size > 8 ||
-      h.elements * element_size != target_bytes || h.elements > target_bytes)
-    fail(ErrorKind::kProtocol, "{} is for {} elements of {} bytes, but the tensor has {} bytes of {}-byte elements",
-         what, h.elements, h.element_size, target_bytes, element_size);
-  if (index.size() != h.changed || fresh.size() != h.changed)
-    fail(ErrorKind::kInternal, "decode_delta_into: room for {} and {} of {} changes of {}", index.size(), fresh.size(),
-         h.changed, what);
-  const uint8_t* p = record.data() + kDeltaHeaderBytes;
-  const uint8_t* const end = record.data() + record.size();
-  const uint64_t changed = h.changed;
-  const size_t parts = parts_for(changed, for_each);
-  const bool steps = h.values == DeltaValues::kSteps;
-  // Positions first (all checked before anything is written), then the values where they are not
-  // varints following the gaps'.
-  const uint8_t* values = p;
-  bool values_decoded = false;
-  if (h.encoding == DeltaEncoding::kGaps) {
-    const uint64_t raw_bytes = steps ? 0 : changed * element_size;
-    if (raw_bytes > static_cast<uint64_t>(end - p))
-      fail(ErrorKind::kProtocol, "malformed {}: {} bytes cannot hold {} changes of {} bytes", what, end - p, changed,
-           element_size);
-    values = end - raw_bytes;
-    // With steps, the gaps' varints and then the steps' fill the record: one run of varints.
-    decode_varints(p, values, steps ? 2 * changed : changed, parts, for_each,
-                   {what, "the positions and values", changed, h.elements, element_size, index.data(), fresh.data()});
-    values_decoded = steps;
-  } else if (h.encoding == DeltaEncoding::kBitmap) {
-    const uint64_t bitmap_bytes = (h.elements + 7) / 8;
-    if (static_cast<uint64_t>(end - p) < bitmap_bytes)
-      fail(ErrorKind::kProtocol, "malformed {}: the bitmap of {} elements is cut off", what, h.elements);
-    // Bits past the last element must be clear, or two records could mean one change.
-    if (h.elements % 8 != 0 && (p[bitmap_bytes - 1] >> (h.elements % 8)) != 0)
-      fail(ErrorKind::kProtocol, "malformed {}: bitmap bits set past element {}", what, h.elements);
-    const size_t runs = parts_for(8 * bitmap_bytes, for_each);
-    std::vector<uint64_t> first(runs + 1, 0);
-    run_parts(for_each, runs, [&](size_t r) {
-      uint64_t n = 0;
-      for (uint64_t b = cut_at(bitmap_bytes, runs, r); b < cut_at(bitmap_bytes, runs, r + 1); ++b)
-        n += static_cast<uint64_t>(std::popcount(p[b]));
-      first[r + 1] = n;
-    });
-    for (size_t r = 0; r < runs; ++r) first[r + 1] += first[r];
-    if (first[runs] != changed)
-      fail(ErrorKind::kProtocol, "malformed {}: the bitmap marks {} elements, the header says {}", what, first[runs],
-           changed);
-    run_parts(for_each, runs, [&](size_t r) {
-      uint64_t k = first[r];
-      for (uint64_t b = cut_at(bitmap_bytes, runs, r); b < cut_at(bitmap_bytes, runs, r + 1); ++b)
-        for (unsigned bits = p[b]; bits != 0; bits &= bits - 1) index[k++] = b * 8 + std::countr_zero(bits);
-    });
-    values = p + bitmap_bytes;
+void apply_delta(std::span<RecordToApply> records, const DeltaForEach& for_each) {
+  std::vector<DeltaChanges> changes(records.size());
+  std::vector<RecordToDecode> decode;
+  for (size_t t = 0; t < records.size(); ++t) {
+    const RecordToApply& r = records[t];
+    changes[t].header = read_delta_header(r.record, r.what);
+    changes[t].index.resize(changes[t].header.changed);
+    changes[t].values.resize(changes[t].header.changed);
+    decode.push_back({r.record, r.element_size, r.target.size(), changes[t].index, changes[t].values, r.what, {}});
   }
-  if (values_decoded) return h;  // steps after gaps: decoded with them
-  if (!steps) {
-    if (static_cast<uint64_t>(end - values) != changed * element_size)
-      fail(ErrorKind::kProtocol, "malformed {}: {} bytes of values for {} changes of {} bytes", what, end - values,
-           changed, element_size);
-    run_parts(for_each, parts, [&](size_t r) {
-      for (uint64_t k = cut_at(changed, parts, r); k < cut_at(changed, parts, r + 1); ++k)
-        fresh[k] = element_bits(reinterpret_cast<const std::byte*>(values) + k * element_size, element_size);
-    });
-    return h;
+  decode_delta_into(decode, for_each);
+  // Each change is another element's: the parts write apart.
+  struct Part {
+    size_t record;
+    uint64_t first, last;
+  };
+  std::vector<Part> parts;
+  for (size_t t = 0; t < records.size(); ++t) {
+    records[t].header = changes[t].header;
+    const uint64_t changed = changes[t].index.size();
+    const size_t n = parts_for(changed, for_each);
+    for (size_t r = 0; r < n; ++r) parts.push_back({t, cut_at(changed, n, r), cut_at(changed, n, r + 1)});
   }
-  decode_varints(values, end, changed, parts, for_each,
-                 {what, "the values", 0, h.elements, element_size, index.data(), fresh.data()});
-  return h;
+  run_parts(for_each, parts.size(), [&](size_t i) {
+    const Part& part = parts[i];
+    const RecordToApply& r = records[part.record];
+    by_element_size<PatchOf>(r.element_size, r.target, changes[part.record], part.first, part.last);
+  });
 }
 
 DeltaHeader apply_delta(std::span<std::byte> target, size_t element_size, std::span<const uint8_t> record,
                         const std::string& what, const DeltaForEach& for_each) {
-  DeltaChanges changes;
-  decode_delta(record, element_size, target.size(), changes, what, for_each);
-  // Each change is another element's: the parts write apart.
-  const uint64_t changed = changes.index.size();
-  const size_t parts = parts_for(changed, for_each);
-  run_parts(for_each, parts, [&](size_t r) {
-    by_element_size<PatchOf>(element_size, target, changes, cut_at(changed, parts, r), cut_at(changed, parts, r + 1));
-  });
-  return changes.header;
+  RecordToApply r{target, element_size, record, what, {}};
+  apply_delta({&r, 1}, for_each);
+  return r.header;
 }
 
 }  // namespace refit

@@ -136,9 +136,10 @@ struct DeltaChanges {
   std::vector<uint64_t> values;
 };
 
-// A record is decoded and applied in a part per this many of its changes (about half a
-// millisecond's work each), at most 64.
-inline constexpr uint64_t kDeltaChangesPerPart = uint64_t{1} << 16;
+// Records are written, decoded and applied in a part per this many of their changes (about a
+// quarter of a millisecond's work each), at most 64 a record when decoded: small enough that the
+// parts of a batch's few large tensors keep every thread busy.
+inline constexpr uint64_t kDeltaChangesPerPart = uint64_t{1} << 15;
 
 // Decodes the record for a tensor of `target_bytes` bytes of `element_size`-byte elements,
 // checking that it fits: the element size and count must match, positions must be in range and
@@ -149,16 +150,33 @@ inline constexpr uint64_t kDeltaChangesPerPart = uint64_t{1} << 16;
 void decode_delta(std::span<const uint8_t> record, size_t element_size, uint64_t target_bytes, DeltaChanges& out,
                   const std::string& what, const DeltaForEach& for_each = {});
 
-// decode_delta into memory the caller gives (page-locked memory a GPU copies from): `index` and
-// `values` hold exactly the header's `changed` elements each (read_delta_header, which bounds it by
-// the record's size). Returns the header.
-DeltaHeader decode_delta_into(std::span<const uint8_t> record, size_t element_size, uint64_t target_bytes,
-                              std::span<uint64_t> index, std::span<uint64_t> values, const std::string& what,
-                              const DeltaForEach& for_each = {});
+// A record to decode into memory the caller gives (page-locked memory a GPU copies from): `index`
+// and `values` hold exactly the header's `changed` elements each (read_delta_header, which bounds
+// it by the record's size). `header` is set to the record's.
+struct RecordToDecode {
+  std::span<const uint8_t> record;
+  size_t element_size = 0;
+  uint64_t target_bytes = 0;
+  std::span<uint64_t> index, values;
+  std::string what;
+  DeltaHeader header;
+};
+// decode_delta of many records at once: with `for_each`, the parts of all of them run together
+// (a batch's few large records and its many small ones keep every thread busy).
+void decode_delta_into(std::span<RecordToDecode> records, const DeltaForEach& for_each = {});
 
-// Applies the record to `target` (the old version, in host memory, in place) once decode_delta
-// accepted all of it, in parts by `for_each` as it decodes. Returns the header. Does not check the
-// checksum (the caller hashes what it holds afterwards).
+// Applies each record to its `target` (the old version, in host memory, in place) once every
+// record decoded (nothing is written if one is malformed), in parts by `for_each` as they decode.
+// Sets each `header`. Does not check the checksum (the caller hashes what it holds afterwards).
+struct RecordToApply {
+  std::span<std::byte> target;
+  size_t element_size = 0;
+  std::span<const uint8_t> record;
+  std::string what;
+  DeltaHeader header;
+};
+void apply_delta(std::span<RecordToApply> records, const DeltaForEach& for_each = {});
+// One record's; returns its header.
 DeltaHeader apply_delta(std::span<std::byte> target, size_t element_size, std::span<const uint8_t> record,
                         const std::string& what, const DeltaForEach& for_each = {});
 

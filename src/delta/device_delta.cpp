@@ -306,7 +306,8 @@ void DeviceDelta::queue_record(DeviceBuffer& target, size_t bytes, size_t elemen
   const size_t k = queue_patch(target, bytes, element_size, read_delta_header(record, what));
   try {
     const Changes changes = changes_of(k);
-    decode_delta_into(record, element_size, bytes, changes.index, changes.values, what);  // all checked first
+    RecordToDecode r{record, element_size, bytes, changes.index, changes.values, what, {}};
+    decode_delta_into({&r, 1});  // all checked first
   } catch (...) {
     state_->queued.pop_back();
     throw;

@@ -432,49 +432,41 @@ void DestinationDelta::transform(std::span<const TensorView> in, std::span<const
   std::vector<Patch> host_patches, gpu_patches;
   records_.clear();
   std::unordered_set<const HeldTensor*> pending;  // tensors with a patch or copy not yet applied
-  // work(patch, k, runner) for each patch: a record of many changes (the embedding's, the LM
-  // head's) is decoded in parts on the pool's threads (`runner`), one record at a time (a pool's
-  // for_each does not nest); the others one per thread, whole (no runner).
+  // Each batch's records are decoded (and host tensors patched) together, their parts on the pool's threads.
   const DeltaForEach on_pool = [&pool](size_t n, const std::function<void(size_t)>& body) { pool.for_each(n, body); };
-  auto for_each_patch = [&](const std::vector<Patch>& patches, const auto& work) {
-    std::vector<size_t> whole;
-    for (size_t k = 0; k < patches.size(); ++k) {
-      const Patch& p = patches[k];
-      if (pool.threads() > 0 && read_delta_header(p.record, p.what).changed >= 2 * kDeltaChangesPerPart)
-        work(p, k, on_pool);
-      else
-        whole.push_back(k);
-    }
-    pool.for_each(whole.size(), [&](size_t j) { work(patches[whole[j]], whole[j], DeltaForEach{}); });
-  };
+  const DeltaForEach runner = pool.threads() > 0 ? on_pool : DeltaForEach{};
   auto patch_on_host = [&] {
     if (host_patches.empty()) return;
-    std::vector<DeltaHeader> headers(host_patches.size());
-    for_each_patch(host_patches, [&](const Patch& p, size_t k, const DeltaForEach& runner) {
-      headers[k] = apply_delta(p.held->bytes, dtype_size(p.held->info.dtype), p.record, p.what, runner);
-    });
+    std::vector<RecordToApply> records;
+    for (const Patch& p : host_patches)
+      records.push_back({p.held->bytes, dtype_size(p.held->info.dtype), p.record, p.what, {}});
+    apply_delta(records, runner);
     std::vector<HostSum> sums;
-    for (size_t k = 0; k < host_patches.size(); ++k)
-      sums.push_back({host_patches[k].held->bytes, headers[k].checksum_kind});
+    for (const RecordToApply& r : records) sums.push_back({r.target, r.header.checksum_kind});
     const std::vector<uint64_t> now = host_checksums(sums, pool);
-    for (size_t k = 0; k < host_patches.size(); ++k) check_patched(host_patches[k].name, headers[k], now[k], who);
+    for (size_t k = 0; k < host_patches.size(); ++k)
+      check_patched(host_patches[k].name, records[k].header, now[k], who);
     host_patches.clear();
   };
   auto patch_on_gpu = [&] {
     if (gpu_patches.empty()) return;
     // Each record's changes are decoded straight into the page-locked memory they cross to the GPU from.
     DeviceDelta& device = gpu();
+    std::vector<RecordToDecode> records;
     for (size_t k = 0; k < gpu_patches.size(); ++k) {
       const Patch& p = gpu_patches[k];
-      if (device.queue_patch(p.held->device, p.held->info.nbytes(), dtype_size(p.held->info.dtype),
+      const size_t element_size = dtype_size(p.held->info.dtype);
+      if (device.queue_patch(p.held->device, p.held->info.nbytes(), element_size,
                              read_delta_header(p.record, p.what)) != k)
         fail(ErrorKind::kInternal, "delta refit: GPU patches of an earlier batch are still queued");
+      records.push_back({p.record, element_size, p.held->info.nbytes(), {}, {}, p.what, {}});
     }
-    for_each_patch(gpu_patches, [&](const Patch& p, size_t k, const DeltaForEach& runner) {
+    for (size_t k = 0; k < records.size(); ++k) {
       const DeviceDelta::Changes changes = device.changes_of(k);
-      decode_delta_into(p.record, dtype_size(p.held->info.dtype), p.held->info.nbytes(), changes.index, changes.values,
-                        p.what, runner);
-    });
+      records[k].index = changes.index;
+      records[k].values = changes.values;
+    }
+    decode_delta_into(records, runner);
     const auto patched = device.patch_queued();
     for (size_t k = 0; k < gpu_patches.size(); ++k)
       check_patched(gpu_patches[k].name, patched[k].header, patched[k].checksum, who);

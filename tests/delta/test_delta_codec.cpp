@@ -543,7 +543,9 @@ std::optional<DeltaChanges> decoded_one_by_one(std::span<const uint8_t> record, 
 
 // A record of many changes is decoded and applied in parts, on a pool's threads: the changes of
 // the decoder one varint after the other, for every encoding of positions and values, and the
-// same records refused (each mutated byte of one, at part cuts too).
+// same records refused (each mutated byte of one, at part cuts too). Many records of a batch,
+// large and small, decode and apply together as one by one, and one malformed record among them
+// leaves every target as it was.
 TEST(DeltaCodec, ARecordOfManyChangesDecodesInPartsAsOneByOne) {
   HostCopyPool pool(3);
   const DeltaForEach on_pool = [&](size_t n, const std::function<void(size_t)>& body) { pool.for_each(n, body); };
@@ -567,10 +569,13 @@ TEST(DeltaCodec, ARecordOfManyChangesDecodesInPartsAsOneByOne) {
     DeltaEncoding encoding;
     DeltaValues values;
   };
+  std::vector<std::vector<std::byte>> batch_now;
+  std::vector<std::vector<uint8_t>> batch_records;
   for (const Case& c : {Case{9, true, DeltaEncoding::kGaps, DeltaValues::kSteps},
                         Case{9, false, DeltaEncoding::kGaps, DeltaValues::kRaw},
                         Case{3, true, DeltaEncoding::kBitmap, DeltaValues::kSteps},
-                        Case{3, false, DeltaEncoding::kBitmap, DeltaValues::kRaw}}) {
+                        Case{3, false, DeltaEncoding::kBitmap, DeltaValues::kRaw},
+                        Case{100000, true, DeltaEncoding::kGaps, DeltaValues::kSteps}}) {
     const auto now = make(c.every, c.steps);
     std::vector<std::byte> base = old;
     std::vector<uint8_t> record;
@@ -579,6 +584,12 @@ TEST(DeltaCodec, ARecordOfManyChangesDecodesInPartsAsOneByOne) {
     SCOPED_TRACE(::testing::Message() << h.changed << " changes, encoding " << static_cast<int>(h.encoding));
     ASSERT_EQ(h.encoding, c.encoding);
     ASSERT_EQ(h.values, c.values);
+    batch_now.push_back(now);
+    batch_records.push_back(record);
+    if (c.every == 100000) {
+      ASSERT_LT(h.changed, 100u) << "a small record beside the large ones";
+      continue;
+    }
     ASSERT_GT(h.changed, 3u << 16) << "several parts";
     const auto oracle = decoded_one_by_one(record, 2);
     ASSERT_TRUE(oracle.has_value());
@@ -619,6 +630,32 @@ TEST(DeltaCodec, ARecordOfManyChangesDecodesInPartsAsOneByOne) {
     EXPECT_GT(refusals, 0);
     EXPECT_LT(refusals, 40) << "some mutations make another valid record";
   }
+  auto apply_batch = [&](const std::vector<std::vector<uint8_t>>& records,
+                         std::vector<std::vector<std::byte>>& targets) {
+    std::vector<RecordToApply> batch;
+    for (size_t k = 0; k < records.size(); ++k)
+      batch.push_back({targets[k], 2, records[k], "record " + std::to_string(k), {}});
+    apply_delta(batch, on_pool);
+  };
+  std::vector<std::vector<std::byte>> targets(batch_records.size(), old);
+  apply_batch(batch_records, targets);
+  for (size_t k = 0; k < targets.size(); ++k) EXPECT_TRUE(targets[k] == batch_now[k]) << "record " << k;
+  // Record 2's bitmap marks one element more than its header says: refused, nothing written.
+  std::vector<std::vector<uint8_t>> with_bad = batch_records;
+  const uint8_t* bitmap = with_bad[2].data() + kDeltaHeaderBytes;
+  size_t clear_byte = 0;
+  while (bitmap[clear_byte] == 0xff) ++clear_byte;
+  with_bad[2][kDeltaHeaderBytes + clear_byte] = 0xff;
+  ASSERT_FALSE(decoded_one_by_one(with_bad[2], 2).has_value());
+  targets.assign(batch_records.size(), old);
+  try {
+    apply_batch(with_bad, targets);
+    ADD_FAILURE() << "a batch with a malformed record was applied";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kProtocol) << e.what();
+    EXPECT_NE(std::string(e.what()).find("record 2"), std::string::npos) << e.what();
+  }
+  for (size_t k = 0; k < targets.size(); ++k) EXPECT_TRUE(targets[k] == old) << "record " << k << " was written";
 }
 
 }  // namespace

@@ -38,6 +38,13 @@ double compare_change_bytes(const NodeGroup& g) {
 double patch_change_bytes(const NodeGroup& g) {
   return g.patch_change_bytes >= 0 ? g.patch_change_bytes : built_in(g).patch_bytes_per_change;
 }
+// Work of `bytes` copies' worth and `per_change` bytes' worth of a group's work rate: on a GPU the
+// changes' are its host threads'.
+DeltaWork work_of(const NodeGroup& g, double bytes, double per_change) {
+  const double rate = work_rate(g);
+  if (g.gpu) return {bytes / rate, per_change / rate};
+  return {(bytes + per_change) / rate, 0};
+}
 // The codec's header.
 constexpr uint64_t kRecordHeaderBytes = 32;
 
@@ -96,14 +103,13 @@ DeltaPrediction predict_delta(const ModelInventory& model, std::span<const Layou
         const double changes = changed_share * static_cast<double>(piece.numel());
         Crossed c;
         c.record = {piece.name, DType::kUInt8, {static_cast<int64_t>(predicted_record_bytes(piece, changed_share))}};
-        c.compare_seconds =
-            (bytes * built_in(sources).scan_copies + changes * compare_change_bytes(sources)) / work_rate(sources) +
-            packed / sources.copy_rate;
-        c.patch_seconds = (bytes * built_in(destinations).patch_copies + changes * patch_change_bytes(destinations)) /
-                          work_rate(destinations);
+        c.compare = work_of(sources, bytes * built_in(sources).scan_copies, changes * compare_change_bytes(sources));
+        c.compare.copies += packed / sources.copy_rate;
+        c.patch = work_of(destinations, bytes * built_in(destinations).patch_copies,
+                          changes * patch_change_bytes(destinations));
         c.load_bytes = piece.nbytes();
-        compared[s] += c.compare_seconds;
-        patched[d] += c.patch_seconds;
+        compared[s] += c.compare.seconds();
+        patched[d] += c.patch.seconds();
         records[d] += c.record.nbytes();
         return c;
       });

@@ -10,13 +10,27 @@
 
 namespace refit {
 
+// Seconds of a worker's delta work alone: on its copies (a CPU node's cores and memory, or a GPU),
+// then, on a GPU worker, on its process's host threads (each change's record written or read):
+// two processes' host work runs side by side while their GPU's copies take turns.
+struct DeltaWork {
+  double copies = 0, host = 0;
+  double seconds() const { return copies + host; }
+  DeltaWork& operator+=(const DeltaWork& o) {
+    copies += o.copies;
+    host += o.host;
+    return *this;
+  }
+  bool any() const { return copies > 0 || host > 0; }
+};
+
 // What crosses the link from a source to a destination for a piece of a delta refit, and the
-// work at either end around it (SourceDelta, DestinationDelta), in seconds of a worker alone.
+// work at either end around it (SourceDelta, DestinationDelta).
 struct Crossed {
-  TensorInfo record;           // on the link, from the source's host memory
-  double compare_seconds = 0;  // the source's, before the record goes (its batch's comparison)
-  double patch_seconds = 0;    // the destination's once its bucket is here; it then releases the bucket
-  uint64_t load_bytes = 0;     // what the destination's loader then copies out of its copy
+  TensorInfo record;        // on the link, from the source's host memory
+  DeltaWork compare;        // the source's, before the record goes (its batch's comparison)
+  DeltaWork patch;          // the destination's once its bucket is here; it then releases the bucket
+  uint64_t load_bytes = 0;  // what the destination's loader then copies out of its copy
 };
 
 // What `crossing` makes of `piece` of what source `source`'s weight stream yields of a tensor

@@ -197,6 +197,10 @@ class Resources {
     return {get(fmt::format("cores ({})", where), p.group->copy_rate * cores),
             get(fmt::format("memory ({})", where), p.group->node_copy_rate, cores, p.group->crowded_copy_rate)};
   }
+  // A GPU worker's process's host threads (its delta records written or read).
+  int host_threads(const Place& p) {
+    return get(fmt::format("worker {} host threads (node {})", p.slot, p.node_key), kInf);
+  }
   // A CPU node's in-place loads, together: limited to the crowded in-place rate once more of them
   // run than half its cores (their sources wait alongside them); -1 when not given.
   int in_place(const Place& p) {
@@ -272,7 +276,7 @@ struct Flush {
   uint64_t rows = 0;        // strided rows among those copies (each a copy of its own on a CPU)
   uint64_t pieces = 0;      // tensor pieces among those copies
   bool uses_buffer = true;  // the destination reads some of the bucket from the source's buffer
-  double work = 0;          // delta refit: the source's comparing since its previous flush, in seconds alone
+  DeltaWork work;           // delta refit: the source's comparing since its previous flush
 };
 
 struct SimLink {
@@ -287,7 +291,7 @@ struct SimLink {
   std::vector<uint64_t> in_place, in_place_rows;
   // Delta refit: each bucket's patching at the destination (seconds alone), before it releases the
   // bucket, and what its loader then copies out of the destination's copy.
-  std::vector<double> patch;
+  std::vector<DeltaWork> patch;
   std::vector<uint64_t> load;
   bool mapped = false;
   // How the destination takes the source's tensors in its memory (direct_reads): maps them, or
@@ -457,16 +461,22 @@ class PipelineModel {
         return sim_.at(sim_.now(), announce);
       start_copy(copy_bytes(p, f.packed, f.rows), cap, {cores, memory}, copy_cost(p), announce);
     };
-    if (f.work <= 0) return pack();
+    if (!f.work.any()) return pack();
     // Delta refit: the source compares what the bucket's records stand for first.
     work(p, f.work, pack);
   }
 
-  // `seconds` of a worker's delta work alone, as a flow through its cores and memory (its GPU).
-  void work(const Place& p, double seconds, FlowSim::Callback done) {
+  // A worker's delta work: a flow through its cores and memory (its GPU), then one through its
+  // process's host threads.
+  void work(const Place& p, const DeltaWork& w, FlowSim::Callback done) {
     const auto [cores, memory] = resources_.copy(p);
     const double rate = work_rate(*p.group);
-    sim_.start_flow(seconds * rate, rate, {cores, memory}, std::move(done));
+    auto on_host = [this, p, host = w.host * rate, rate, done = std::move(done)]() mutable {
+      if (host <= 0) return done();
+      sim_.start_flow(host, rate, {resources_.host_threads(p)}, std::move(done));
+    };
+    if (w.copies <= 0) return on_host();
+    sim_.start_flow(w.copies * rate, rate, {cores, memory}, std::move(on_host));
   }
 
   void acknowledge(uint32_t k, uint64_t bucket) {
@@ -609,7 +619,7 @@ class PipelineModel {
         try_load(d);
       });
     };
-    if (l.patch[b] > 0 || l.load[b] > 0) {
+    if (l.patch[b].any() || l.load[b] > 0) {
       // Delta refit: the destination patches its copy from the bucket's records, releases the
       // bucket, then its loader copies the tensors out of its copy.
       return work(dst, l.patch[b], [this, k, b, d, loaded, release, next] {
@@ -748,16 +758,16 @@ std::vector<Flush> pack_stream(const std::vector<std::vector<PieceRef>>& by_tens
   std::map<uint32_t, BucketPacker> packers;
   std::map<uint32_t, uint64_t> used, count, rows, merged, pieces, in_place, in_place_rows, load;
   std::map<uint32_t, uint64_t> packed;  // chunks of the open bucket the source copies into it
-  std::map<uint32_t, double> patch;
+  std::map<uint32_t, DeltaWork> patch;
   for (size_t i = 0; i < links.size(); ++i) {
     packers.emplace(links[i], BucketPacker(link_bytes[i]));
     used[links[i]] = count[links[i]] = rows[links[i]] = merged[links[i]] = pieces[links[i]] = 0;
     in_place[links[i]] = in_place_rows[links[i]] = packed[links[i]] = load[links[i]] = 0;
-    patch[links[i]] = 0;
+    patch[links[i]] = {};
   }
   std::vector<Flush> flushes;
   uint64_t since = 0, rows_since = 0, pieces_since = 0;
-  double work_since = 0;
+  DeltaWork work_since;
   auto flush = [&](uint32_t k, bool last) {
     // A bucket read wholly from the source's memory (nothing packed) leaves its buffer free.
     const bool uses_buffer = model.link(k).access == SourceAccess::kRead ? packed[k] > 0 : used[k] > 0;
@@ -773,10 +783,10 @@ std::vector<Flush> pack_stream(const std::vector<std::vector<PieceRef>>& by_tens
     l.patch.push_back(patch[k]);
     l.load.push_back(load[k]);
     since = rows_since = pieces_since = 0;
-    work_since = 0;
+    work_since = {};
     ++count[k];
     used[k] = rows[k] = merged[k] = pieces[k] = in_place[k] = in_place_rows[k] = packed[k] = load[k] = 0;
-    patch[k] = 0;
+    patch[k] = {};
   };
   auto place = [&](const PieceRef& p) {
     // Where the engine puts it (route_piece); in place, the packer closes the group as it does
@@ -823,10 +833,10 @@ std::vector<Flush> pack_stream(const std::vector<std::vector<PieceRef>>& by_tens
   std::map<uint32_t, std::vector<const PieceRef*>> waiting;
   std::map<uint32_t, uint64_t> waiting_bytes;
   auto compare = [&](uint32_t k) {
-    for (const PieceRef* p : waiting[k]) work_since += p->delta.compare_seconds;
+    for (const PieceRef* p : waiting[k]) work_since += p->delta.compare;
     for (const PieceRef* p : waiting[k]) {
       place(*p);
-      patch[k] += p->delta.patch_seconds;
+      patch[k] += p->delta.patch;
       load[k] += p->delta.load_bytes;
       if (used[k] >= delta_schedule::kBucketBytes) {
         flush(k, false);

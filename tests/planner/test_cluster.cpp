@@ -819,6 +819,30 @@ TEST(DeltaPrediction, AGpuCalibrationSetsTheCostPerChangeOfGpuNodes) {
   EXPECT_NEAR(d.patch_seconds, 0.0006, 1e-9);
 }
 
+// On one GPU, a source's and its destination's delta work per change (records written and read)
+// runs on their processes' host threads side by side, while their work on the GPU takes turns.
+TEST(DeltaPrediction, OnOneGpuBothSidesWorkPerChangeOverlaps) {
+  const ModelInventory m = rows_model(128, 1024, 1024);  // 128 tensors of 4 MiB: several batches
+  const std::vector<Layout> whole(1);
+  Cluster c = parse_cluster(R"(
+nodes: [{name: g, workers: 2, gpus: 1, device: gpu, copy: 100GB/s, node_copy: 100GB/s}]
+sources: {nodes: g, ranks: 1}
+destinations: {nodes: g, ranks: 1}
+transfer: {bucket: 16MiB, transport: cuda_ipc, direct_reads: false, latency: 0s, turnaround: 0s, overhead: 0s}
+)",
+                            "one-gpu.yaml");
+  apply_calibration(c, Calibration{});
+  auto delta = [&](double per_change) {
+    for (NodeGroup& g : c.groups) g.compare_change_bytes = g.patch_change_bytes = per_change;
+    return predict_delta(m, {}, whole, c, 0.05, predict_refit(m, {}, whole, c));
+  };
+  const DeltaPrediction heavy = delta(20000);  // per change: 200 ns of each side's host threads
+  ASSERT_GT(heavy.scan_seconds, 0.02);
+  ASSERT_NEAR(heavy.scan_seconds, heavy.patch_seconds, 0.2 * heavy.scan_seconds);
+  EXPECT_LT(heavy.seconds, 0.75 * (heavy.scan_seconds + heavy.patch_seconds)) << "the two sides' host work overlaps";
+  EXPECT_GT(heavy.seconds, std::max(heavy.scan_seconds, heavy.patch_seconds));
+}
+
 // A destination with a layout gets the records of what it keeps: its source compares and sends
 // those slices, and the pair that keeps the most sets the time.
 TEST(DeltaPrediction, DestinationsWithLayoutsGetTheRecordsOfTheirSlices) {

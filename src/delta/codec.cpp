@@ -485,7 +485,13 @@ struct VarintSink {
 // last varint and the sum.
 std::pair<const uint8_t*, uint64_t> decode_run(const uint8_t* q, const uint8_t* end, uint64_t k, uint64_t last,
                                                uint64_t running, const VarintSink& to) {
+  // The sink's fields in locals: its pointers could alias them, which would reload each per change.
+  const uint64_t changed = to.changed, elements = to.elements;
+  const size_t element_size = to.element_size;
+  uint64_t* const index = to.index;
+  uint64_t* const steps = to.steps;
   auto varint = [&](uint64_t n) {
+    if (q < end && *q < 0x80) return uint64_t{*q++};  // most are one byte
     uint64_t v = 0;
     for (int shift = 0;; shift += 7) {
       if (q >= end) fail(ErrorKind::kProtocol, "malformed {}: varint {} of {} is cut off", to.what, n, to.holding);
@@ -496,20 +502,20 @@ std::pair<const uint8_t*, uint64_t> decode_run(const uint8_t* q, const uint8_t* 
       if (!(byte & 0x80)) return v;
     }
   };
-  for (const uint64_t positions_end = std::min(last, to.changed); k < positions_end; ++k) {
+  for (const uint64_t positions_end = std::min(last, changed); k < positions_end; ++k) {
     const uint64_t gap = varint(k);
     running += gap + 1;
-    if (gap >= to.elements || running >= to.elements)
-      fail(ErrorKind::kProtocol, "malformed {}: position {} is past element {}", to.what, k, to.elements);
-    to.index[k] = running;
+    if (gap >= elements || running >= elements)
+      fail(ErrorKind::kProtocol, "malformed {}: position {} is past element {}", to.what, k, elements);
+    index[k] = running;
   }
-  for (k = std::max(k, to.changed); k < last; ++k) {
+  for (k = std::max(k, changed); k < last; ++k) {
     const uint64_t z = varint(k);
     // A step larger than the element's range would be a second spelling of another step.
-    if (to.element_size < 8 && (z >> (8 * to.element_size)) != 0)
-      fail(ErrorKind::kProtocol, "malformed {}: value {} steps by {} in {}-byte elements", to.what, k - to.changed, z,
-           to.element_size);
-    to.steps[k - to.changed] = z;
+    if (element_size < 8 && (z >> (8 * element_size)) != 0)
+      fail(ErrorKind::kProtocol, "malformed {}: value {} steps by {} in {}-byte elements", to.what, k - changed, z,
+           element_size);
+    steps[k - changed] = z;
   }
   return {q, running};
 }

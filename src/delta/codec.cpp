@@ -6,6 +6,7 @@
 #include <bit>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <utility>
 
 #include "core/fail.h"
@@ -191,7 +192,7 @@ struct ScanOf {
 // Writes decoded changes into `target` (one instance per element size: no loop over bytes per change).
 template <size_t Size>
 struct PatchOf {
-  static void run(std::span<std::byte> target, const DeltaChanges& changes, uint64_t first, uint64_t last) {
+  static void run(std::span<std::byte> target, const RecordToDecode& changes, uint64_t first, uint64_t last) {
     const bool steps = changes.header.values == DeltaValues::kSteps;
     for (uint64_t k = first; k < last; ++k) {
       std::byte* element = target.data() + changes.index[k] * Size;
@@ -758,16 +759,23 @@ void decode_delta(std::span<const uint8_t> record, size_t element_size, uint64_t
 }
 
 void apply_delta(std::span<RecordToApply> records, const DeltaForEach& for_each) {
-  std::vector<DeltaChanges> changes(records.size());
-  std::vector<RecordToDecode> decode;
-  for (size_t t = 0; t < records.size(); ++t) {
-    const RecordToApply& r = records[t];
-    changes[t].header = read_delta_header(r.record, r.what);
-    changes[t].index.resize(changes[t].header.changed);
-    changes[t].values.resize(changes[t].header.changed);
-    decode.push_back({r.record, r.element_size, r.target.size(), changes[t].index, changes[t].values, r.what, {}});
+  // The changes of all records in one array, left uninitialized: the decode's parts touch its pages
+  // on their threads.
+  std::vector<RecordToDecode> decoded;
+  uint64_t total = 0;
+  for (const RecordToApply& r : records) {
+    decoded.push_back({r.record, r.element_size, r.target.size(), {}, {}, r.what, read_delta_header(r.record, r.what)});
+    total += decoded.back().header.changed;
   }
-  decode_delta_into(decode, for_each);
+  const std::unique_ptr<uint64_t[]> changes(new uint64_t[2 * total]);
+  uint64_t at = 0;
+  for (RecordToDecode& d : decoded) {
+    const uint64_t changed = d.header.changed;
+    d.index = {changes.get() + at, changed};
+    d.values = {changes.get() + at + changed, changed};
+    at += 2 * changed;
+  }
+  decode_delta_into(decoded, for_each);
   // Each change is another element's: the parts write apart.
   struct Part {
     size_t record;
@@ -775,15 +783,15 @@ void apply_delta(std::span<RecordToApply> records, const DeltaForEach& for_each)
   };
   std::vector<Part> parts;
   for (size_t t = 0; t < records.size(); ++t) {
-    records[t].header = changes[t].header;
-    const uint64_t changed = changes[t].index.size();
+    records[t].header = decoded[t].header;
+    const uint64_t changed = decoded[t].header.changed;
     const size_t n = parts_for(changed, for_each);
     for (size_t r = 0; r < n; ++r) parts.push_back({t, cut_at(changed, n, r), cut_at(changed, n, r + 1)});
   }
   run_parts(for_each, parts.size(), [&](size_t i) {
     const Part& part = parts[i];
     const RecordToApply& r = records[part.record];
-    by_element_size<PatchOf>(r.element_size, r.target, changes[part.record], part.first, part.last);
+    by_element_size<PatchOf>(r.element_size, r.target, decoded[part.record], part.first, part.last);
   });
 }
 

@@ -7,12 +7,9 @@
 #include "engine/peer_wait.h"
 
 namespace refit {
-namespace {
 
 // Buckets a reader fetches ahead of the engine: two buffers.
 constexpr size_t kReadAhead = 2;
-
-}  // namespace
 
 LinkReader::LinkReader(Link& link, uint64_t refit) : link_(link), refit_(refit) {}
 
@@ -27,11 +24,6 @@ LinkReader::~LinkReader() {
   }
 }
 
-bool LinkReader::buffer_free(uint64_t seq) const {
-  // Staged: bucket seq goes into the local buffer of bucket seq - 2, which the engine must have loaded.
-  return link_.mapped != nullptr || seq < released_ + 2;
-}
-
 bool LinkReader::advance() {
   bool moved = false;
   while (!done_) {
@@ -42,7 +34,8 @@ bool LinkReader::advance() {
       continue;
     }
     if (last_fetched_ || ready_.size() >= kReadAhead) return moved;
-    if (!buffer_free(next_)) {
+    // Staged: bucket next_ goes into the local buffer of bucket next_ - 2, which the engine must have loaded.
+    if (link_.mapped == nullptr && next_ >= released_ + 2) {
       phase_ = fmt::format("wait for the loader to finish bucket {}", next_ - 2);
       return moved;
     }
@@ -121,15 +114,9 @@ void LinkReader::start_reading(protocol::BucketReady bucket) {
 }
 
 bool LinkReader::reads_complete() {
-  std::vector<ReadId>& posted = reading_->posted;
   // Reads complete in any order; the ones complete leave the list (a read ends once tested true).
-  size_t kept = 0;
-  for (size_t k = 0; k < posted.size(); ++k) {
-    if (link_.transport->test_read(posted[k])) continue;
-    posted[kept++] = posted[k];
-  }
-  posted.resize(kept);
-  return posted.empty();
+  std::erase_if(reading_->posted, [&](ReadId read) { return link_.transport->test_read(read); });
+  return reading_->posted.empty();
 }
 
 void LinkReader::complete() {
@@ -219,10 +206,6 @@ void LinkReader::check() {
   if (process_is_gone(process))
     fail(ErrorKind::kPeerLost, "lost {}: its process (pid {}) is gone", link_.label, process.pid);
 }
-
-}  // namespace refit
-
-namespace refit {
 
 LinkProgress::LinkProgress(Transport& transport) : transport_(transport) {
   thread_ = std::thread([this] { run(); });

@@ -22,7 +22,6 @@
 #include <cstdint>
 #include <deque>
 #include <exception>
-#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -98,7 +97,6 @@ class LinkReader {
     return link_.mapped != nullptr || !bytes.mapped_regions.empty();
   }
   void acknowledge(uint64_t seq);
-  bool buffer_free(uint64_t seq) const;
 
   Link& link_;
   const uint64_t refit_;
@@ -119,10 +117,6 @@ class LinkReader {
   bool done_ = false;
   std::vector<TimelineEvent> events_;
 };
-
-}  // namespace refit
-
-namespace refit {
 
 // Moves the links on while the engine's thread is away in the loader: one thread per engine
 // (however many links it has) advances every reader between resume() and pause(), so that reads

@@ -916,7 +916,7 @@ class CheckpointEngine::Impl {
     for (auto& sender : senders_) sender->flush_last(phase);
     for (auto& sender : senders_) {
       sender->wait_done(phase);
-      stats.buckets += sender->buckets();
+      stats.buckets += sender->bucket();
       stats.replayed_buckets += sender->replayed_buckets();
       stats.payload_bytes += sender->payload_bytes();
       stats.in_place_bytes += sender->in_place_bytes();

@@ -2,24 +2,12 @@
 
 #include <spdlog/spdlog.h>
 
-#include <algorithm>
-
 #include "core/fail.h"
 #include "engine/bucket_checksum.h"
 #include "engine/peer_wait.h"
 #include "refit/ext/box_copy.h"
 
 namespace refit {
-namespace {
-
-bool same_regions(const std::vector<protocol::SourceRegion>& a, const std::vector<protocol::SourceRegion>& b) {
-  return std::equal(a.begin(), a.end(), b.begin(), b.end(), [](const auto& x, const auto& y) {
-    return x.memory == y.memory && x.remote.address == y.remote.address && x.remote.length == y.remote.length &&
-           x.remote.key == y.remote.key;
-  });
-}
-
-}  // namespace
 
 void LinkSender::begin(uint64_t refit, bool in_place) {
   in_place_ = in_place && in_place_regions_ != nullptr ? link_.access : SourceAccess::kNone;
@@ -187,7 +175,7 @@ void LinkSender::flush(bool is_last, std::string& phase) {
   const bool replay = replaying_ && bucket_.seq < previous_.size() &&
                       matched_ == previous_[bucket_.seq].manifest->entries.size() &&
                       bucket_.used_bytes == previous_[bucket_.seq].used_bytes &&
-                      same_regions(bucket_regions_, previous_[bucket_.seq].manifest->regions);
+                      bucket_regions_ == previous_[bucket_.seq].manifest->regions;
   if (replay) {
     bucket_.replay_of = previous_refit_;
     bucket_.manifest = previous_[bucket_.seq].manifest;
@@ -241,30 +229,25 @@ void LinkSender::wait_done(std::string& phase) {
 }
 
 void LinkSender::acknowledged_oldest(std::string& phase) {
-  wait_acknowledged(unacknowledged_.front().seq, phase);
-  buffers_held_ -= unacknowledged_.front().uses_buffer ? 1 : 0;
-  unacknowledged_.pop_front();
-}
-
-void LinkSender::wait_acknowledged(uint64_t seq, std::string& phase) {
+  const uint64_t seq = unacknowledged_.front().seq;
   phase = fmt::format("wait for {} to read bucket {}", link_.label, seq);
   const Deadline deadline = link_.next_deadline();
   const std::string expecting = fmt::format("bucket {} done", seq);
+  protocol::Message msg;
   while (true) {
     const Bytes bytes = receive_watching(*link_.transport, link_.peer, link_.label, link_.metadata.process, deadline);
-    auto msg = protocol::decode_message(bytes, link_.label);
-    if (!protocol::concerns(msg, bucket_.refit, link_.first_refit)) {
-      spdlog::debug("discarding a message of an earlier refit from {}", link_.label);
-      continue;
-    }
-    if (msg.type == protocol::MessageType::kAbort) protocol::raise_abort(msg.abort, link_.label, expecting);
-    if (msg.type != protocol::MessageType::kBucketDone || msg.done.seq != seq)
-      fail(ErrorKind::kProtocol, "{} sent an unexpected message (type {}, refit {}, bucket {}) instead of '{}'",
-           link_.label, static_cast<int>(msg.type), msg.done.refit, msg.done.seq, expecting);
-    const double seen = timeline_now();
-    events_.push_back({TimelinePhase::kRelease, link_.peer_rank, seq, seen, seen, 0});
-    return;
+    msg = protocol::decode_message(bytes, link_.label);
+    if (protocol::concerns(msg, bucket_.refit, link_.first_refit)) break;
+    spdlog::debug("discarding a message of an earlier refit from {}", link_.label);
   }
+  if (msg.type == protocol::MessageType::kAbort) protocol::raise_abort(msg.abort, link_.label, expecting);
+  if (msg.type != protocol::MessageType::kBucketDone || msg.done.seq != seq)
+    fail(ErrorKind::kProtocol, "{} sent an unexpected message (type {}, refit {}, bucket {}) instead of '{}'",
+         link_.label, static_cast<int>(msg.type), msg.done.refit, msg.done.seq, expecting);
+  const double seen = timeline_now();
+  events_.push_back({TimelinePhase::kRelease, link_.peer_rank, seq, seen, seen, 0});
+  buffers_held_ -= unacknowledged_.front().uses_buffer ? 1 : 0;
+  unacknowledged_.pop_front();
 }
 
 }  // namespace refit

@@ -62,9 +62,9 @@ class LinkSender {
   void flush_last(std::string& phase);
   void wait_done(std::string& phase);
 
-  uint64_t bucket() const { return bucket_.seq; }          // the one being packed
-  uint64_t buckets() const { return bucket_.seq; }         // announced: those before the open one
-  uint64_t replayed_buckets() const { return replayed_; }  // of buckets(), sent as a replay
+  // The bucket being packed; as many were announced before it.
+  uint64_t bucket() const { return bucket_.seq; }
+  uint64_t replayed_buckets() const { return replayed_; }  // of those announced, sent as a replay
   uint64_t payload_bytes() const { return payload_bytes_; }
   uint64_t in_place_bytes() const { return in_place_bytes_; }  // of payload_bytes(), sent in place
   // This refit's pack, announce and release events, so far.
@@ -74,7 +74,6 @@ class LinkSender {
   // Bucket bucket_.seq starts, empty, in buffer buffer_.
   void open_bucket();
   void flush(bool is_last, std::string& phase);
-  void wait_acknowledged(uint64_t seq, std::string& phase);
   // Waits for the oldest announced bucket's acknowledgement and forgets it.
   void acknowledged_oldest(std::string& phase);
   // Names the piece in the open bucket if it can go in place; false when it must be packed.

@@ -86,6 +86,7 @@ struct ManifestEntry {
 struct SourceRegion {
   RemoteRegion remote;
   MemoryKind memory = MemoryKind::kHost;
+  bool operator==(const SourceRegion&) const = default;
 };
 
 enum class MessageType : uint8_t { kBucketReady = 1, kBucketDone = 2, kAbort = 3 };

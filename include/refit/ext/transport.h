@@ -44,6 +44,7 @@ struct RemoteRegion {
   uint64_t address = 0;
   uint64_t length = 0;
   Bytes key;
+  bool operator==(const RemoteRegion&) const = default;
 };
 
 // What a backend can do, for the engine's choices and for `refit info`.

@@ -174,10 +174,9 @@ class CheckpointEngine::Impl {
         plan_sends(plan, worker_rank);
       else if (!links_.empty() && !links_[0].metadata.layout.empty())  // what its destination holds
         target_layout_ = decode_layout(links_[0].metadata.layout, "layout of " + links_[0].label);
-      for (auto& link : links_) {
+      for (auto& link : links_)
         for (const auto& [rank, version] : link.metadata.weights_versions)
           if (rank == static_cast<uint32_t>(worker_rank)) link.weights_version = version;
-      }
       keep_linked(source_deltas_);
       make_senders();
     });
@@ -213,7 +212,6 @@ class CheckpointEngine::Impl {
       for (uint32_t s = 0; s < plan.source_count(); ++s)
         for (const auto& piece : plan.link(s, rollout_rank)) expected.insert(piece.tensor);
       expected_tensors_ = expected.size();
-      needs_nothing_ = links_.empty();  // resharding, and this destination holds nothing
       bool all_mapped = true, all_here = !links_.empty();
       for (auto& link : links_) {
         if (link.metadata.buffers.length == 0)
@@ -301,7 +299,7 @@ class CheckpointEngine::Impl {
       if (delta_)
         for (auto& link : links_) source_deltas_[link.peer_rank].drop();
       abort_links(c.kind, c.what);
-      throw Error(c.kind, fmt::format("{}, refit {} of this connection, phase {}: {}", self_, refits_, phase, c.what));
+      throw refit_error(c.kind, phase, c.what);
     }
     stats.seconds = seconds_since(start);
     return stats;
@@ -420,7 +418,7 @@ class CheckpointEngine::Impl {
       fail(ErrorKind::kInvalidArgument, "{}: finish_receive() before the refit's last batch was released ({})", self_,
            run.held ? "a batch is held" : fmt::format("{} source(s) still sending", run.remaining));
     guarded([&] {
-      if (needs_nothing_) return;
+      if (links_.empty()) return;  // resharding, and this destination holds nothing
       assembler_.finish(links_.size() == 1 ? links_[0].label : "its sources");
       if (expected_tensors_ != 0 && assembler_.tensors_completed() != expected_tensors_)
         fail(ErrorKind::kProtocol, "the plan sends this destination {} tensors, but {} arrived", expected_tensors_,
@@ -451,7 +449,7 @@ class CheckpointEngine::Impl {
                    stats.delta_tensors, arrived, resharding_ ? "pieces" : "tensors",
                    stats.delta_bytes / double(1 << 20), stats.wire_bytes / double(1 << 20));
     }
-    if (!needs_nothing_)
+    if (!links_.empty())
       spdlog::info(
           "[vLLM refit] Loaded {} tensors in {} batches via checkpoint engine; bytes={:.2f}GiB total={:.2f}s "
           "receive={:.2f}s load={:.2f}s",
@@ -461,7 +459,7 @@ class CheckpointEngine::Impl {
   }
 
   Error abort_receive(const std::string& reason, ErrorKind kind) {
-    Error error = receive_error(kind, reason);
+    Error error = refit_error(kind, receive_ ? receive_->phase : "receive", reason);
     end_receive(kind, reason);
     return error;
   }
@@ -748,7 +746,6 @@ class CheckpointEngine::Impl {
     end_receive(ErrorKind::kInvalidArgument, "the engine was connected again (init) during the receive");
     abort_links(kind, why, /*farewell=*/true);
     target_layout_.reset();
-    needs_nothing_ = false;
     senders_.clear();
     send_tensors_.clear();
     for (auto& link : links_) {
@@ -809,6 +806,9 @@ class CheckpointEngine::Impl {
     const bool in_place = weights.views_outlive_send();
     for (size_t k = 0; k < senders_.size(); ++k) senders_[k]->begin(wire_refit(links_[k]), in_place);
     sent_.clear();  // names, to check every request was met
+    auto add_whole = [&](size_t k, const TensorView& view) {
+      senders_[k]->add(view, Box::whole(), *view.info, Box::whole(), phase);
+    };
     // Delta refit: each link's delta, whose header goes first. Until the refit is committed the
     // destination holds no version we know of.
     std::vector<SourceDelta*> deltas;
@@ -818,22 +818,19 @@ class CheckpointEngine::Impl {
         const TensorView header =
             delta.begin(links_[k].weights_version, links_[k].label, options_.config.delta == DeltaMode::kAuto);
         links_[k].weights_version = 0;
-        senders_[k]->add(header, Box::whole(), *header.info, Box::whole(), phase);
+        add_whole(k, header);
         deltas.push_back(&delta);
       }
-    // Delta: what link k's destination holds of `view` (`box` of it, going by `info`) goes as
-    // changes or whole, once its batch is compared (SourceDelta::add).
-    auto send_ready = [&](size_t k, std::span<const TensorView> ready) {
+    // Delta: what link k's destination holds goes as changes or whole, once `compare` has compared
+    // its batch (SourceDelta::add, flush).
+    auto send_compared = [&](size_t k, auto&& compare) {
+      const auto start = Clock::now();
+      const std::span<const TensorView> ready = compare();
+      stats.delta_seconds += seconds_since(start);
       for (const TensorView& out : ready) {
-        senders_[k]->add(out, Box::whole(), *out.info, Box::whole(), phase);
+        add_whole(k, out);
         senders_[k]->send_early(delta_schedule::kBucketBytes, phase);
       }
-    };
-    auto send_delta = [&](size_t k, const TensorView& view, const Box& box, const TensorInfo& info) {
-      const auto start = Clock::now();
-      const auto ready = deltas[k]->add(view, box, info, in_place, *pack_stream_, host_pool());
-      stats.delta_seconds += seconds_since(start);
-      send_ready(k, ready);
     };
     auto twice = [](const std::string& name) {
       fail(ErrorKind::kInvalidArgument, "tensor '{}' appears twice in one refit", name);
@@ -888,7 +885,10 @@ class CheckpointEngine::Impl {
       }
       for (const SendPiece& p : pieces)
         if (delta_)  // a resharding piece goes by its own name
-          send_delta(p.link, view, p.at.in_view, resharding_ ? p.at.packed : p.at.tensor);
+          send_compared(p.link, [&] {
+            return deltas[p.link]->add(view, p.at.in_view, resharding_ ? p.at.packed : p.at.tensor, in_place,
+                                       *pack_stream_, host_pool());
+          });
         else
           senders_[p.link]->add(view, p.at.in_view, p.at.tensor, p.at.in_tensor, phase);
       ++stats.tensors;
@@ -905,12 +905,8 @@ class CheckpointEngine::Impl {
         fail(ErrorKind::kLayout, "{} needs a piece of '{}' from this source, but the weight stream never yielded it",
              links_[t.pieces.front().link].label, name);
     for (size_t k = 0; k < deltas.size(); ++k) {
-      const auto start = Clock::now();
-      const auto ready = deltas[k]->flush(host_pool());
-      stats.delta_seconds += seconds_since(start);
-      send_ready(k, ready);
-      const TensorView trailer = deltas[k]->end();
-      senders_[k]->add(trailer, Box::whole(), *trailer.info, Box::whole(), phase);
+      send_compared(k, [&] { return deltas[k]->flush(host_pool()); });
+      add_whole(k, deltas[k]->end());
     }
     // Every link's last bucket goes out before we wait on any of them.
     for (auto& sender : senders_) sender->flush_last(phase);
@@ -983,10 +979,10 @@ class CheckpointEngine::Impl {
     return c;
   }
 
-  // An error of the receive in progress, with the refit and phase in front.
-  Error receive_error(ErrorKind kind, const std::string& what) const {
-    return Error(kind, fmt::format("{}, refit {} of this connection, phase {}: {}", self_label(), refits_,
-                                   receive_ ? receive_->phase : "receive", what));
+  // An error of the refit in progress, with the refit and phase in front.
+  Error refit_error(ErrorKind kind, const std::string& phase, const std::string& what) const {
+    return Error(kind,
+                 fmt::format("{}, refit {} of this connection, phase {}: {}", self_label(), refits_, phase, what));
   }
 
   // Ends a receive that failed or was given up: the sources are told why, the destination stays stale.
@@ -1144,7 +1140,6 @@ class CheckpointEngine::Impl {
   std::map<std::string, SendTensor, std::less<>> send_tensors_;
   NameIndex sent_;                 // on a source: the tensors the stream yielded this refit (run_send)
   uint64_t expected_tensors_ = 0;  // on a destination: the tensors the plan sends it (paired: 0, not checked)
-  bool needs_nothing_ = false;     // a resharding destination whose layout holds no tensor
   bool resharding_ = false;        // the group reshards (the latest init's plan_of_group)
   bool delta_ = false;             // this init's links go by delta refit (check_delta)
   bool connected_ = false;         // the latest init succeeded, and no finalize() since

@@ -78,8 +78,7 @@ class Harness {
     ++next_seq_;
     // A link that maps the source's memory: entries in place are loaded from their regions.
     protocol::validate(bucket, bucket_bytes_, 2 * bucket_bytes_, SourceAccess::kMap, kWho);
-    cache_.fill(bucket, kWho);
-    cache_.arrived(refit_, bucket);
+    cache_.take(refit_, bucket, kWho);
     const bool repeats_checked = bucket.replay_of && bucket.replay_of == checked_refit_;
 
     // Exactly the used bytes and each region's, on the heap: one byte more or less read is an

@@ -3,7 +3,6 @@
 #include <spdlog/spdlog.h>
 
 #include "core/fail.h"
-#include "engine/bucket_checksum.h"
 #include "engine/peer_wait.h"
 
 namespace refit {
@@ -62,8 +61,7 @@ bool LinkReader::take_announcement() {
     fail(ErrorKind::kProtocol, "{} sent an unexpected message (type {}, bucket {}) instead of bucket {}", link_.label,
          static_cast<int>(msg.type), msg.ready.seq, next_);
   protocol::validate(msg.ready, link_.bucket_bytes, link_.metadata.buffers.length, link_.access, link_.label);
-  link_.manifests.fill(msg.ready, link_.label);
-  link_.manifests.arrived(refit_, msg.ready);
+  link_.manifests.take(refit_, msg.ready, link_.label);
   if (link_.verify_checksums != msg.ready.checksum.has_value())
     fail(ErrorKind::kConfig, "verify_checksums differs between {} ({}) and this destination ({})", link_.label,
          msg.ready.checksum.has_value(), link_.verify_checksums);
@@ -134,7 +132,8 @@ void LinkReader::complete() {
   }
   if (bucket.checksum) {
     phase_ = fmt::format("verify bucket {}", seq);
-    const uint64_t actual = bucket_checksum(*bucket.manifest, [&](size_t k) { return bytes.at(bucket.entries()[k]); });
+    const uint64_t actual =
+        protocol::bucket_checksum(*bucket.manifest, [&](size_t k) { return bytes.at(bucket.entries()[k]); });
     if (actual != *bucket.checksum)
       fail(ErrorKind::kIntegrity, "bucket {} from {} arrived corrupted: checksum {:016x}, sent {:016x} ({} bytes)", seq,
            link_.label, actual, *bucket.checksum, bucket.used_bytes);

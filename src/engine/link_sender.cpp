@@ -3,7 +3,6 @@
 #include <spdlog/spdlog.h>
 
 #include "core/fail.h"
-#include "engine/bucket_checksum.h"
 #include "engine/peer_wait.h"
 #include "refit/ext/box_copy.h"
 
@@ -188,7 +187,7 @@ void LinkSender::flush(bool is_last, std::string& phase) {
   }
   sent_.push_back({bucket_.manifest, bucket_.used_bytes});
   if (link_.verify_checksums)
-    bucket_.checksum = bucket_checksum(*bucket_.manifest, [&](size_t k) { return entry_data_[k]; });
+    bucket_.checksum = protocol::bucket_checksum(*bucket_.manifest, [&](size_t k) { return entry_data_[k]; });
   bucket_.is_last = is_last;
   phase = fmt::format("announce bucket {} to {}", bucket_.seq, link_.label);
   const double packed = timeline_now();

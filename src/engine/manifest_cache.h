@@ -17,13 +17,11 @@ namespace refit {
 
 class ManifestCache {
  public:
-  // Gives a replayed bucket the manifest it names; Error(kProtocol), naming `who`, when this
-  // cache does not hold it or it came for another place in the source's buffers.
-  void fill(protocol::BucketReady& replayed, const std::string& who) const;
-
-  // Collects the buckets of refit `refit` as they arrive, with their manifests: buckets 0, 1, ...
-  // in order, and the last one makes them the cache.
-  void arrived(uint64_t refit, const protocol::BucketReady& bucket);
+  // Takes a bucket of refit `refit` as it arrives. A replayed one gets the manifest it names;
+  // Error(kProtocol), naming `who`, when this cache does not hold it or it came for another place
+  // in the source's buffers. Buckets 0, 1, ... in order are collected with their manifests, and
+  // the last one makes them the cache.
+  void take(uint64_t refit, protocol::BucketReady& bucket, const std::string& who);
 
  private:
   struct Bucket {

@@ -1,5 +1,7 @@
 #include "engine/protocol.h"
 
+#include <xxhash.h>
+
 #include "core/fail.h"
 #include "core/wire.h"
 #include "core/wire_fields.h"
@@ -247,6 +249,15 @@ bool concerns(const Message& m, uint64_t refit, uint64_t first_refit) {
 void raise_abort(const Abort& m, const std::string& who, const std::string& waiting_for) {
   if (m.farewell) fail(m.kind, "{} left this connection while we waited for {}: {}", who, waiting_for, m.reason);
   fail(m.kind, "{} aborted the refit while we waited for {}: {}", who, waiting_for, m.reason);
+}
+
+uint64_t bucket_checksum(const Manifest& m, const std::function<const std::byte*(size_t entry)>& at) {
+  XXH3_state_t* state = XXH3_createState();
+  XXH3_64bits_reset(state);
+  for (size_t k = 0; k < m.entries.size(); ++k) XXH3_64bits_update(state, at(k), m.entries[k].size);
+  const uint64_t sum = XXH3_64bits_digest(state);
+  XXH3_freeState(state);
+  return sum;
 }
 
 Manifest& edit_manifest(BucketReady& bucket) {

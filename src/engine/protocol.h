@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <span>
@@ -134,7 +135,7 @@ struct BucketReady {
   uint64_t offset = 0;  // where the bucket starts in the source's transfer region (metadata `buffers`)
   bool is_last = false;
   uint64_t used_bytes = 0;  // only this prefix of the buffer is read
-  // With verify_checksums: xxh3-64 of every entry's bytes, in entry order (bucket_checksum.h).
+  // With verify_checksums: bucket_checksum() of its entries.
   std::optional<uint64_t> checksum;
   // Set: the manifest is that of bucket `seq` of refit `replay_of` on this connection (which the
   // destination has), and is not on the wire; `manifest` is then null until the receiver fills it.
@@ -144,6 +145,12 @@ struct BucketReady {
   const std::vector<ManifestEntry>& entries() const { return manifest->entries; }
   const std::vector<SourceRegion>& regions() const { return manifest->regions; }
 };
+
+// The checksum a bucket carries with verify_checksums, computed alike by the source before it
+// announces the bucket and by the destination before it loads it: xxh3-64 of each entry's bytes, in
+// entry order, wherever they lie (`at(k)` gives entry k's): what the destination loads, not what
+// happened to travel.
+uint64_t bucket_checksum(const Manifest& m, const std::function<const std::byte*(size_t entry)>& at);
 
 // A copy of the bucket's manifest that only `bucket` holds, to change (tests, fuzz seeds).
 Manifest& edit_manifest(BucketReady& bucket);

@@ -932,7 +932,6 @@ class CheckpointEngine::Impl {
     std::string phase;
     // The bucket being assembled or loaded, and the batch it completed.
     std::optional<LinkReader::Fetched> bucket;
-    bool released = false;  // its buffer went back before the loader ran (delta refit)
     size_t link = 0;
     double assembling = 0;              // on the timeline
     uint64_t mapped_in_place = 0;       // of the bucket: bytes its entries load from the source's tensors
@@ -1016,7 +1015,6 @@ class CheckpointEngine::Impl {
       run.idle_deadline = deadline_after(backstop());
       run.link = k;
       run.bucket = std::move(fetched);
-      run.released = false;
       const auto& bucket = run.bucket->bucket;
       run.mapped_in_place = 0;
       for (const auto& e : bucket.entries()) {
@@ -1091,14 +1089,13 @@ class CheckpointEngine::Impl {
     LinkReader& reader = *run.readers[run.link];
     on_link(run, reader, [&] { reader.release(bucket.seq); });
     run.stats.events.push_back({TimelinePhase::kRelease, peer, bucket.seq, released, released, 0});
-    run.released = true;
   }
 
   // The bucket's tensors are loaded.
   void finish_bucket(ReceiveRun& run) {
     const auto& bucket = run.bucket->bucket;
     const size_t k = run.link;
-    if (!run.released) release_bucket(run);
+    if (!delta_) release_bucket(run);  // a delta refit's went back before the loader ran
     LinkReader& reader = *run.readers[k];
     spdlog::debug("{}: bucket {} ({} bytes) from {} done", self_, bucket.seq, bucket.used_bytes, links_[k].label);
     if (reader.done()) {

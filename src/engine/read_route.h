@@ -21,19 +21,11 @@ struct ReadRoute {
 
 // Empty when the route is not a known cliff; otherwise why it is slow, what was measured and what
 // to set instead. The cliff: GPU buffers of a source on this host read with UCX (or NIXL over UCX)
-// one-sided reads instead of mapped, while UCX serves them through host memory because its
-// cuda_ipc reads are off (UCX_CUDA_IPC_ENABLE_GET_ZCOPY: refit's UCX transport turns them on
-// unless the environment says no; NIXL's UCX only when it says yes): 0.61-0.68 GiB/s on one GPU,
-// against 129-130 GiB/s with cuda_ipc's reads and 621 GiB/s mapped.
-//
-// The other routes measured under half of the best of their memory kind on one GPU
-// (docs/GPU.md, "Every route on one GPU"), named with the measurement and what to set:
-// - staged by choice: map_source_buffers=false on this host, where the transport could map the
-//   buckets: every byte is copied once more (into the destination's own buffer);
-// - buckets by choice: direct_reads=false with GPU buffers mapped through CUDA_IPC, which would
-//   load the source's tensors in place: every byte is packed into a bucket first;
-// - GPU buffers through UCX or NIXL on one host (same_host_gpu_warning, once per destination):
-//   they map a source's buckets or read them, never its tensors in place as CUDA_IPC does.
+// one-sided reads while UCX serves them through host memory (its cuda_ipc reads off). The routes
+// measured under half of the best of their memory kind on one GPU (docs/GPU.md, "Every route on
+// one GPU"): staged by choice (map_source_buffers=false where the transport could map: a copy per
+// byte more) and buckets by choice (direct_reads=false with GPU buffers mapped through CUDA_IPC:
+// every byte packed first); same_host_gpu_warning names the third, once per destination.
 std::string slow_read_warning(const ReadRoute& route, const std::string& destination, const std::string& source);
 
 // Empty unless GPU buffers go through UCX or NIXL and every link of `destination` is on this

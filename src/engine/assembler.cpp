@@ -153,11 +153,10 @@ void TensorAssembler::claim(Merge& m, const protocol::ManifestEntry& e, uint64_t
 }
 
 void TensorAssembler::finish(const std::string& who) const {
-  if (!merging_.empty()) {
-    const Merge& m = merging_.begin()->second;
-    fail(ErrorKind::kProtocol, "refit from {} ended with {} tensor(s) incomplete, among them '{}' ({} of {} bytes)",
-         who, merging_.size(), m.info.name, m.received, m.info.nbytes());
-  }
+  if (merging_.empty()) return;
+  const Merge& m = merging_.begin()->second;
+  fail(ErrorKind::kProtocol, "refit from {} ended with {} tensor(s) incomplete, among them '{}' ({} of {} bytes)", who,
+       merging_.size(), m.info.name, m.received, m.info.nbytes());
 }
 
 void TensorAssembler::reset() {

@@ -85,28 +85,22 @@ void LinkReader::start_reading(protocol::BucketReady bucket) {
                                       : fmt::format("read bucket {} from the source's memory", seq);
     r.started = timeline_now();
     std::byte* local = link_.buffers[seq % 2];
-    Transport& transport = *link_.transport;
-    auto range_of = [&](const protocol::BucketRead& read) {
+    std::vector<Transport::ReadRange> ranges;
+    ranges.reserve(reads.size());
+    for (const protocol::BucketRead& read : reads) {
       const bool buffer = read.region == 0;
-      return Transport::ReadRange{buffer ? &link_.metadata.buffers : &bucket.regions()[read.region - 1].remote,
-                                  buffer ? bucket.offset + read.source_offset : read.source_offset,
-                                  local + read.bucket_offset, read.size};
-    };
-    if (reads.size() > 1 && transport.capabilities().batched_reads) {
-      // One backend call for the whole bucket.
-      std::vector<Transport::ReadRange> ranges;
-      ranges.reserve(reads.size());
-      for (const protocol::BucketRead& read : reads) ranges.push_back(range_of(read));
+      ranges.push_back({buffer ? &link_.metadata.buffers : &bucket.regions()[read.region - 1].remote,
+                        buffer ? bucket.offset + read.source_offset : read.source_offset, local + read.bucket_offset,
+                        read.size});
+      r.bytes += read.size;
+    }
+    Transport& transport = *link_.transport;
+    if (ranges.size() > 1 && transport.capabilities().batched_reads)  // one backend call for the whole bucket
       r.posted.push_back(transport.post_reads(link_.peer, ranges, link_.region, *wait_deadline_));
-    } else {
-      r.posted.reserve(reads.size());
-      for (const protocol::BucketRead& read : reads) {
-        const Transport::ReadRange range = range_of(read);
+    else
+      for (const Transport::ReadRange& range : ranges)
         r.posted.push_back(transport.post_read(link_.peer, *range.remote, range.remote_offset, range.local,
                                                link_.region, range.length, *wait_deadline_));
-      }
-    }
-    for (const protocol::BucketRead& read : reads) r.bytes += read.size;
   }
   r.bucket = std::move(bucket);
 }
@@ -201,9 +195,7 @@ void LinkReader::check() {
   const auto now = Clock::now();
   if (now - last_liveness_check_ < kLivenessSlice) return;
   last_liveness_check_ = now;
-  const ProcessIdentity& process = link_.metadata.process;
-  if (process_is_gone(process))
-    fail(ErrorKind::kPeerLost, "lost {}: its process (pid {}) is gone", link_.label, process.pid);
+  if (auto gone = gone_peer(link_.label, link_.metadata.process)) throw *gone;
 }
 
 LinkProgress::LinkProgress(Transport& transport) : transport_(transport) {

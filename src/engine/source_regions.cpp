@@ -77,12 +77,10 @@ std::optional<SourceRegions::Found> SourceRegions::find(const std::byte* data, u
 
 std::byte* SourceRegions::allocate(uint64_t bytes) {
   Transport::Allocation a = transport_->allocate_memory(bytes);
-  Registration r;
-  r.region = a.region;
-  r.bytes = bytes;
-  r.remote = {transport_->describe(a.region), memory_kind_of(a.base)};
-  r.allocated = true;
-  by_base_.emplace(a.base, std::move(r));
+  by_base_.emplace(a.base, Registration{.region = a.region,
+                                        .bytes = bytes,
+                                        .remote = {transport_->describe(a.region), memory_kind_of(a.base)},
+                                        .allocated = true});
   return a.base;
 }
 

@@ -10,25 +10,28 @@ namespace refit {
 namespace {
 
 // A worker's delta work, in copies' worth of its bytes at its work rate plus bytes' worth per changed
-// element, comparing at a source and patching at a destination.
+// element, comparing at a source and patching at a destination; and on a GPU, the source's waits
+// for its kernels (on its host threads, its GPU free meanwhile), in copies' worth of its bytes.
 struct DeltaCosts {
-  double scan_copies, scan_bytes_per_change, patch_copies, patch_bytes_per_change;
+  double scan_copies, scan_bytes_per_change, patch_copies, patch_bytes_per_change, scan_wait_copies;
 };
 // On the host one core compares, hashes (xxh3) and collects in one pass, two copies' worth, plus
 // about 320 bytes' worth of copying per changed element (bench/micro_delta.cpp, 2026-12-06, 64 MiB
 // of bf16: 16.7 ms at 0.2% changed, 34.9 ms at 1.7%, against 7.0 ms for its memcpy); a
 // destination's xxh3 of its copy costs about a copy, the patch about 150 bytes' worth per change
 // (2.2 ms at 0.2%, 10.8 ms at 1.7%, plus 5.6 ms of xxh3).
-constexpr DeltaCosts kHostDelta{2.0, 320, 1.0, 150};
+constexpr DeltaCosts kHostDelta{2.0, 320, 1.0, 150, 0};
 // On a GPU the kernels read the weights and the base twice each (two copies' worth of traffic) and
 // the hash reads the patched copy once (half a copy's); but each changed element crosses to the
 // host, where the record is written (and at the destination read, then copied back): in bytes' worth
-// of the GPU's copies that is far more per change than on the host (one H100, 2026-12-07,
-// Qwen3-8B at 1% changed, 82 M changes, `scripts/calibrate.sh --gpu`: comparing 0.75 s, patching
-// 0.63 s with the engine's copies at 1,413 GB/s, about 9 and 8 ns a change; then records were
-// written in parts, a batch's together, and decoded straight into page-locked memory, which A/Bs
-// in one call each measured at 0.61 and 0.73 of the comparing and 0.60 of the patching).
-constexpr DeltaCosts kGpuDelta{2.0, 5500, 0.5, 6500};
+// of the GPU's copies that is far more per change than on the host. And per batch (64 MiB) a source
+// launches its kernels and waits for them twice, its changes copied out between: about 8 copies'
+// worth of its bytes. One H100, 2026-12-07, Qwen3-8B, comparing 0.559 s at 1% changed (82 M
+// changes) and 0.160-0.163 s at 0.1% with the engine's copies at 1,409 GB/s: 0.117 s that does not
+// shrink with the changes, 0.023 s of it the kernels' traffic; per change 5.4 ns comparing and
+// 5.0 ns patching (0.426 s at 1%, 0.055-0.062 s at 0.1%). Then the engine's comparing got 0.73x
+// (records written a batch's parts together): about 3,900 and 7,000 bytes' worth a change.
+constexpr DeltaCosts kGpuDelta{2.0, 3900, 0.5, 7000, 8.0};
 const DeltaCosts& built_in(const NodeGroup& g) { return g.gpu ? kGpuDelta : kHostDelta; }
 
 // Built-in, or as the group's calibration measured them.
@@ -38,12 +41,12 @@ double compare_change_bytes(const NodeGroup& g) {
 double patch_change_bytes(const NodeGroup& g) {
   return g.patch_change_bytes >= 0 ? g.patch_change_bytes : built_in(g).patch_bytes_per_change;
 }
-// Work of `bytes` copies' worth and `per_change` bytes' worth of a group's work rate: on a GPU the
-// changes' are its host threads'.
-DeltaWork work_of(const NodeGroup& g, double bytes, double per_change) {
+// Work of `copies` copies' worth on a group's copies and `host` bytes' worth of its work rate on a
+// GPU worker's host threads (a CPU node's all on its copies).
+DeltaWork work_of(const NodeGroup& g, double copies, double host) {
   const double rate = work_rate(g);
-  if (g.gpu) return {bytes / rate, per_change / rate};
-  return {(bytes + per_change) / rate, 0};
+  if (g.gpu) return {copies / rate, host / rate};
+  return {(copies + host) / rate, 0};
 }
 // The codec's header.
 constexpr uint64_t kRecordHeaderBytes = 32;
@@ -58,7 +61,8 @@ void fit_delta_costs(NodeGroup& group, const Calibration& cal) {
     return std::max(0.0, (seconds * rate - copies * cal.delta_bytes) / cal.delta_changes);
   };
   if (group.compare_change_bytes < 0)
-    group.compare_change_bytes = per_change(cal.delta_compare_s, built_in(group).scan_copies);
+    group.compare_change_bytes =
+        per_change(cal.delta_compare_s, built_in(group).scan_copies + built_in(group).scan_wait_copies);
   if (group.patch_change_bytes < 0)
     group.patch_change_bytes = per_change(cal.delta_patch_s, built_in(group).patch_copies);
 }
@@ -103,7 +107,8 @@ DeltaPrediction predict_delta(const ModelInventory& model, std::span<const Layou
         const double changes = changed_share * static_cast<double>(piece.numel());
         Crossed c;
         c.record = {piece.name, DType::kUInt8, {static_cast<int64_t>(predicted_record_bytes(piece, changed_share))}};
-        c.compare = work_of(sources, bytes * built_in(sources).scan_copies, changes * compare_change_bytes(sources));
+        c.compare = work_of(sources, bytes * built_in(sources).scan_copies,
+                            bytes * built_in(sources).scan_wait_copies + changes * compare_change_bytes(sources));
         c.compare.copies += packed / sources.copy_rate;
         c.patch = work_of(destinations, bytes * built_in(destinations).patch_copies,
                           changes * patch_change_bytes(destinations));

@@ -802,7 +802,8 @@ TEST(DeltaPrediction, TheCalibratedCostPerChangeReproducesTheMeasuredRefit) {
 }
 
 // On a GPU the same: the calibration's delta refit (GPU tensors) gives back its comparing and
-// patching, each change costing far more than its bytes (it crosses to the host).
+// patching, each change costing far more than its bytes (it crosses to the host); the source's
+// waits for its kernels, 8 copies' worth of its bytes, stay when fewer elements change.
 TEST(DeltaPrediction, AGpuCalibrationSetsTheCostPerChangeOfGpuNodes) {
   const ModelInventory m = rows_model(8, 1024, 1024);  // 8 tensors of 4 MiB (float32)
   const double bytes = static_cast<double>(m.total_bytes());
@@ -812,11 +813,15 @@ TEST(DeltaPrediction, AGpuCalibrationSetsTheCostPerChangeOfGpuNodes) {
   for (NodeGroup& g : c.groups) g.copy_rate = g.node_copy_rate = 0;  // as the calibration measured
   apply_calibration(c, cal);
   ASSERT_DOUBLE_EQ(c.groups[1].copy_rate, 1000e9);
-  EXPECT_NEAR(c.groups[0].compare_change_bytes, (0.0015 * 1000e9 - 2 * bytes) / cal.delta_changes, 1e-6);
-  const DeltaPrediction d =
-      predict_delta(m, {}, std::vector<Layout>(1), c, 0.01, predict_refit(m, {}, std::vector<Layout>(1), c));
+  const double per_change = (0.0015 * 1000e9 - (2 + 8) * bytes) / cal.delta_changes;
+  EXPECT_NEAR(c.groups[0].compare_change_bytes, per_change, 1e-6);
+  auto delta = [&](double share) {
+    return predict_delta(m, {}, std::vector<Layout>(1), c, share, predict_refit(m, {}, std::vector<Layout>(1), c));
+  };
+  const DeltaPrediction d = delta(0.01);
   EXPECT_NEAR(d.scan_seconds, 0.0015, 1e-9);
   EXPECT_NEAR(d.patch_seconds, 0.0006, 1e-9);
+  EXPECT_NEAR(delta(0.001).scan_seconds, ((2 + 8) * bytes + 0.1 * cal.delta_changes * per_change) / 1000e9, 1e-9);
 }
 
 // On one GPU, a source's and its destination's delta work per change (records written and read)

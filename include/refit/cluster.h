@@ -48,9 +48,9 @@ struct NodeGroup {
   std::string machine;
   double tcp_rate = 0;  // CPU nodes: TCP both ends on one node (ucp_get over TCP loopback)
   // Delta refit: each changed element's cost beyond the bytes, in bytes' worth of the node's delta
-  // work (a CPU node's host work, a GPU's copies), comparing at a source and patching at a
-  // destination (< 0: calibration, else the planner's own, measured on the host by
-  // bench/micro_delta.cpp and on one H100 by scripts/calibrate.sh --gpu).
+  // work (a CPU node's host work; a GPU's copy rate, spent on its process's host threads),
+  // comparing at a source and patching at a destination (< 0: calibration, else the planner's
+  // own, measured on the host by bench/micro_delta.cpp and on one H100 by scripts/calibrate.sh --gpu).
   double compare_change_bytes = -1;
   double patch_change_bytes = -1;
 };

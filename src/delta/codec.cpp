@@ -12,6 +12,7 @@
 #include "core/fail.h"
 #include "core/wire.h"
 #include "delta/bits.h"
+#include "memory/host_copy_pool.h"
 
 namespace refit {
 namespace {
@@ -231,7 +232,7 @@ void write_records(std::span<ChangesToEncode> tensors, const DeltaForEach& for_e
   std::vector<size_t> first_part;
   for (size_t t = 0; t < tensors.size(); ++t) {
     const uint64_t n = tensors[t].index.size();
-    const uint64_t count = for_each ? std::max<uint64_t>(1, (n + kDeltaChangesPerPart - 1) / kDeltaChangesPerPart) : 1;
+    const size_t count = parts_for(n, for_each);
     first_part.push_back(parts.size());
     for (uint64_t p = 0; p < count; ++p) parts.push_back({t, n * p / count, n * (p + 1) / count});
   }
@@ -344,6 +345,11 @@ uint64_t word_hash_terms(std::span<const std::byte> bytes, uint64_t first_word) 
 uint64_t delta_checksum(std::span<const std::byte> bytes, DeltaChecksum kind) {
   if (kind == DeltaChecksum::kXxh3) return XXH3_64bits(bytes.data(), bytes.size());
   return word_hash::finish(word_hash_terms(bytes, 0), bytes.size());
+}
+
+DeltaForEach parts_on(HostCopyPool& pool) {
+  if (pool.threads() == 0) return {};
+  return [&pool](size_t n, const std::function<void(size_t)>& body) { pool.for_each(n, body); };
 }
 
 void encode_delta_changes(std::span<ChangesToEncode> tensors, const DeltaForEach& for_each) {

@@ -30,6 +30,8 @@
 
 namespace refit {
 
+class HostCopyPool;
+
 enum class DeltaEncoding : uint8_t { kNone = 0, kGaps = 1, kBitmap = 2 };
 enum class DeltaValues : uint8_t { kRaw = 0, kSteps = 1 };
 enum class DeltaChecksum : uint8_t { kXxh3 = 0, kWords = 1 };
@@ -55,6 +57,8 @@ struct DeltaScratch {
 // Runs body(0) ... body(n - 1), on several threads if it has them, returning once all are done and
 // rethrowing the exception of the lowest k that threw (HostCopyPool::for_each).
 using DeltaForEach = std::function<void(size_t n, const std::function<void(size_t)>& body)>;
+// The runner of `pool`'s threads, or none where it has none (alone, parts cost without gain).
+DeltaForEach parts_on(HostCopyPool& pool);
 
 struct DeltaResult {
   bool encoded = false;

@@ -256,10 +256,7 @@ void DeviceDelta::encode_batch(std::span<EncodeJob> jobs, HostCopyPool* pool) {
                        s.host_before.view().subspan(first, n), s.host_after.view().subspan(first, n),
                        DeltaChecksum::kWords, j.result.checksum, j.out});
   }
-  DeltaForEach on_pool;
-  if (pool != nullptr && pool->threads() > 0)
-    on_pool = [pool](size_t n, const std::function<void(size_t)>& body) { pool->for_each(n, body); };
-  encode_delta_changes(records, on_pool);
+  encode_delta_changes(records, pool != nullptr ? parts_on(*pool) : DeltaForEach{});
   for (size_t c = 0; c < collected.size(); ++c) {
     EncodeJob& j = jobs[collected[c]];
     j.result.encoded = records[c].encoded;
@@ -309,7 +306,9 @@ void DeviceDelta::queue_record(DeviceBuffer& target, size_t bytes, size_t elemen
     RecordToDecode r{record, element_size, bytes, changes.index, changes.values, what, {}};
     decode_delta_into({&r, 1});  // all checked first
   } catch (...) {
-    state_->queued.pop_back();
+    State& s = *state_;  // unqueued: the page-locked arrays end where the patches before it end
+    s.host_index.size = s.host_after.size = s.queued.back().first;
+    s.queued.pop_back();
     throw;
   }
 }

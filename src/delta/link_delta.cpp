@@ -433,8 +433,7 @@ void DestinationDelta::transform(std::span<const TensorView> in, std::span<const
   records_.clear();
   std::unordered_set<const HeldTensor*> pending;  // tensors with a patch or copy not yet applied
   // Each batch's records are decoded (and host tensors patched) together, their parts on the pool's threads.
-  const DeltaForEach on_pool = [&pool](size_t n, const std::function<void(size_t)>& body) { pool.for_each(n, body); };
-  const DeltaForEach runner = pool.threads() > 0 ? on_pool : DeltaForEach{};
+  const DeltaForEach runner = parts_on(pool);
   auto patch_on_host = [&] {
     if (host_patches.empty()) return;
     std::vector<RecordToApply> records;

@@ -327,6 +327,9 @@ std::vector<DeviceDelta::Patched> DeviceDelta::patch_queued() {
   s.use(s.queued.front().target->device_index());
   // Every patch's changes cross in one copy each of positions and values.
   const uint64_t count = s.queued.back().first + s.queued.back().header.changed;
+  if (s.host_index.size != count || s.host_after.size != count)
+    fail(ErrorKind::kInternal, "DeviceDelta::patch_queued: {} changes queued, {} and {} decoded", count,
+         s.host_index.size, s.host_after.size);
   uint64_t* index = s.index.at_least(s.device, count);
   uint64_t* values = s.after.at_least(s.device, count);
   s.to_device(index, s.host_index.view());

@@ -73,6 +73,7 @@ struct DeviceDelta::State {
   Scratch<uint64_t> sums, offsets, index, before, after;
   Pinned<uint32_t> host_counts;
   Pinned<uint64_t> host_sums, host_offsets, host_index, host_before, host_after;
+  Pinned<uint8_t> host_records;  // read()'s
   // Patches queued (queue_patch), their changes at `first` of host_index and host_after.
   struct Queued {
     DeviceBuffer* target;
@@ -372,11 +373,30 @@ std::vector<DeviceDelta::Patched> DeviceDelta::patch_queued() {
   return out;
 }
 
-void DeviceDelta::read(const std::byte* data, size_t bytes, std::vector<uint8_t>& out) {
-  out.resize(bytes);
-  if (bytes > 0)
-    cuda::check(cudaMemcpy(out.data(), data, bytes, cudaMemcpyDefault), "cudaMemcpy",
-                "delta refit: a record in GPU memory to the host");
+std::vector<std::span<const uint8_t>> DeviceDelta::read(std::span<const Range> ranges) {
+  uint64_t total = 0;
+  const std::byte* any = nullptr;  // a range's memory, to tell its GPU
+  for (const Range& r : ranges) {
+    total += r.bytes;
+    if (r.bytes > 0) any = r.data;
+  }
+  std::vector<std::span<const uint8_t>> out(ranges.size());
+  if (total == 0) return out;
+  State& s = *state_;
+  const int device = device_of(any, "delta refit: a record that arrived in GPU memory");
+  const cuda::DeviceGuard guard(device);
+  s.use(device);
+  uint8_t* host = s.host_records.resize(total);
+  for (size_t k = 0; k < ranges.size(); ++k) {
+    if (ranges[k].bytes == 0) continue;
+    // cudaMemcpyDefault: a batch's ranges may lie in a mapped buffer of another process.
+    cuda::check(cudaMemcpyAsync(host, ranges[k].data, ranges[k].bytes, cudaMemcpyDefault, s.stream), "cudaMemcpyAsync",
+                "delta refit: records in GPU memory to the host");
+    out[k] = {host, ranges[k].bytes};
+    host += ranges[k].bytes;
+  }
+  s.wait("waiting for the copies of records to the host");
+  return out;
 }
 
 uint64_t DeviceDelta::checksum(const std::byte* data, size_t bytes, DeltaChecksum kind) {
@@ -416,7 +436,7 @@ void DeviceDelta::encode_batch(std::span<EncodeJob>, HostCopyPool*) { no_cuda();
 DeltaHeader DeviceDelta::apply(DeviceBuffer&, size_t, size_t, std::span<const uint8_t>, const std::string&, uint64_t*) {
   no_cuda();
 }
-void DeviceDelta::read(const std::byte*, size_t, std::vector<uint8_t>&) { no_cuda(); }
+std::vector<std::span<const uint8_t>> DeviceDelta::read(std::span<const Range>) { no_cuda(); }
 uint64_t DeviceDelta::checksum(const std::byte*, size_t, DeltaChecksum) { no_cuda(); }
 std::vector<DeviceDelta::Patched> DeviceDelta::patch_queued() { no_cuda(); }
 size_t DeviceDelta::queue_patch(DeviceBuffer&, size_t, size_t, const DeltaHeader&) { no_cuda(); }

@@ -81,8 +81,14 @@ class DeviceDelta {
   // Forgets the queued patches (their batch failed).
   void drop_queued();
 
-  // Copies `bytes` bytes of GPU memory (a record that arrived there) into `out`.
-  void read(const std::byte* data, size_t bytes, std::vector<uint8_t>& out);
+  // Copies ranges of GPU memory (a batch's records and markers that arrived there) to the host,
+  // into one page-locked array, asynchronously and with one wait; the spans returned, one per
+  // range, stay valid until the next call.
+  struct Range {
+    const std::byte* data = nullptr;
+    size_t bytes = 0;
+  };
+  std::vector<std::span<const uint8_t>> read(std::span<const Range> ranges);
 
   // The checksum of `bytes` bytes of GPU memory, of the given kind (xxh3 copies them to the host).
   uint64_t checksum(const std::byte* data, size_t bytes, DeltaChecksum kind);

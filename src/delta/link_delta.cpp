@@ -422,7 +422,7 @@ void DestinationDelta::transform(std::span<const TensorView> in, std::span<const
   // Changes are applied together at the end of the batch (or before a tensor they touch arrives
   // whole), and each result is checked before the batch goes to the loader: records decoded and
   // host tensors patched and hashed on the pool's threads, GPU tensors patched with one wait (per
-  // GPU). A record that arrived in GPU memory is copied to the host first (records_).
+  // GPU). The batch's records and markers that arrived in GPU memory cross to the host first, together.
   struct Patch {
     std::string_view name;
     HeldTensor* held;
@@ -430,7 +430,28 @@ void DestinationDelta::transform(std::span<const TensorView> in, std::span<const
     std::string what;
   };
   std::vector<Patch> host_patches, gpu_patches;
-  records_.clear();
+  std::vector<std::span<const uint8_t>> on_host;  // by index in `in`: a record's or marker's bytes on the host
+  std::vector<DeviceDelta::Range> in_gpu;
+  for (const TensorView& view : in)
+    in_gpu.push_back(view.memory != MemoryKind::kHost && view.info->name.starts_with(kDeltaHeaderName)
+                         ? DeviceDelta::Range{view.data, view.info->nbytes()}
+                         : DeviceDelta::Range{});
+  // Adds the seconds since `start` to `total`, and returns now.
+  auto lap = [](double& total, Clock::time_point start) {
+    const auto now = Clock::now();
+    total += std::chrono::duration<double>(now - start).count();
+    return now;
+  };
+  if (std::any_of(in_gpu.begin(), in_gpu.end(), [](const DeviceDelta::Range& r) { return r.bytes > 0; })) {
+    const auto start = Clock::now();
+    on_host = gpu().read(in_gpu);
+    lap(counts_.to_host_seconds, start);
+  } else {
+    on_host.resize(in.size());
+  }
+  for (size_t k = 0; k < in.size(); ++k)
+    if (in[k].memory == MemoryKind::kHost)
+      on_host[k] = {reinterpret_cast<const uint8_t*>(in[k].data), in[k].info->nbytes()};
   std::unordered_set<const HeldTensor*> pending;  // tensors with a patch or copy not yet applied
   // Each batch's records are decoded (and host tensors patched) together, their parts on the pool's threads.
   const DeltaForEach runner = parts_on(pool);
@@ -439,18 +460,22 @@ void DestinationDelta::transform(std::span<const TensorView> in, std::span<const
     std::vector<RecordToApply> records;
     for (const Patch& p : host_patches)
       records.push_back({p.held->bytes, dtype_size(p.held->info.dtype), p.record, p.what, {}});
+    const auto start = Clock::now();
     apply_delta(records, runner);
+    const auto applied = lap(counts_.decode_seconds, start);
     std::vector<HostSum> sums;
     for (const RecordToApply& r : records) sums.push_back({r.target, r.header.checksum_kind});
     const std::vector<uint64_t> now = host_checksums(sums, pool);
     for (size_t k = 0; k < host_patches.size(); ++k)
       check_patched(host_patches[k].name, records[k].header, now[k], who);
+    lap(counts_.patch_seconds, applied);
     host_patches.clear();
   };
   auto patch_on_gpu = [&] {
     if (gpu_patches.empty()) return;
     // Each record's changes are decoded straight into the page-locked memory they cross to the GPU from.
     DeviceDelta& device = gpu();
+    const auto start = Clock::now();
     std::vector<RecordToDecode> records;
     for (size_t k = 0; k < gpu_patches.size(); ++k) {
       const Patch& p = gpu_patches[k];
@@ -466,9 +491,11 @@ void DestinationDelta::transform(std::span<const TensorView> in, std::span<const
       records[k].values = changes.values;
     }
     decode_delta_into(records, runner);
+    const auto decoded = lap(counts_.decode_seconds, start);
     const auto patched = device.patch_queued();
     for (size_t k = 0; k < gpu_patches.size(); ++k)
       check_patched(gpu_patches[k].name, patched[k].header, patched[k].checksum, who);
+    lap(counts_.patch_seconds, decoded);
     gpu_patches.clear();
   };
   // Tensors that came whole in host memory are copied into what we hold together, on the pool's
@@ -477,7 +504,9 @@ void DestinationDelta::transform(std::span<const TensorView> in, std::span<const
   std::vector<std::pair<size_t, HeldTensor*>> came_whole;  // by index in `out`
   DeviceDelta& device = gpu();
   auto apply_pending = [&] {
+    const auto start = Clock::now();
     pool.for_each(copies.size(), [&](size_t k) { copies[k].first->assign(copies[k].second, device, true); });
+    lap(counts_.whole_seconds, start);
     copies.clear();
     patch_on_gpu();
     patch_on_host();
@@ -490,7 +519,7 @@ void DestinationDelta::transform(std::span<const TensorView> in, std::span<const
       if (name == kDeltaHeaderName) {
         if (header_seen_ || arrived_ > 0)
           fail(ErrorKind::kProtocol, "{} sent the delta header after {} tensors", who, arrived_);
-        auto [base, made] = decode_marker(on_host(view), view, who);
+        auto [base, made] = decode_marker(on_host[k], view, who);
         if (base != 0 && base != version_)
           fail(ErrorKind::kProtocol,
                "{} sent changes to weights version {:016x}, but this destination holds {}: refusing them", who, base,
@@ -505,7 +534,7 @@ void DestinationDelta::transform(std::span<const TensorView> in, std::span<const
         fail(ErrorKind::kProtocol, "{} sent '{}' before the delta header (is delta on at both ends?)", who, name);
       if (ended_) fail(ErrorKind::kProtocol, "{} sent '{}' after the end of its delta refit", who, name);
       if (name == kDeltaEndName) {
-        ByteReader trailer(on_host(view), fmt::format("'{}' from {}", name, who));
+        ByteReader trailer(on_host[k], fmt::format("'{}' from {}", name, who));
         trailer.expect_magic(kMarkerMagic);
         announced_ = trailer.get<uint64_t>("tensors");
         const uint64_t whole = trailer.get<uint64_t>("whole tensors");
@@ -534,10 +563,7 @@ void DestinationDelta::transform(std::span<const TensorView> in, std::span<const
           fail(ErrorKind::kProtocol, "{} sent changes to '{}', which this destination never received whole", who,
                target);
         HeldTensor& held = it->second;
-        // Kept until the batch's patches are applied (on_host's copy is overwritten by the next).
-        std::span<const uint8_t> record = on_host(view);
-        if (view.memory != MemoryKind::kHost) record = records_.emplace_back(std::move(record_));
-        Patch patch{it->first, &held, record, fmt::format("changes to '{}' from {}", target, who)};
+        Patch patch{it->first, &held, on_host[k], fmt::format("changes to '{}' from {}", target, who)};
         // A tensor patched twice in a batch (a protocol error), or a batch on another GPU: what is
         // pending is applied first, in order.
         const bool other_gpu = held.memory != MemoryKind::kHost && !gpu_patches.empty() &&
@@ -558,10 +584,13 @@ void DestinationDelta::transform(std::span<const TensorView> in, std::span<const
         apply_pending();
         pending.insert(&held);
       }
-      if (view.memory == MemoryKind::kHost)
+      if (view.memory == MemoryKind::kHost) {
         copies.emplace_back(&held, view);
-      else
+      } else {
+        const auto start = Clock::now();
         held.assign(view, device, /*page_lock=*/true);
+        lap(counts_.whole_seconds, start);
+      }
       whole_.push_back(&*held_.find(name));
       came_whole.emplace_back(out.size(), &held);
       out.push_back(view);
@@ -588,12 +617,6 @@ void DestinationDelta::check_patched(std::string_view name, const DeltaHeader& h
          "'{}' after applying {} changed elements from {} does not match the source's checksum: the weights "
          "this destination held were not the source's base",
          name, h.changed, who);
-}
-
-std::span<const uint8_t> DestinationDelta::on_host(const TensorView& view) {
-  if (view.memory == MemoryKind::kHost) return {reinterpret_cast<const uint8_t*>(view.data), view.info->nbytes()};
-  gpu().read(view.data, view.info->nbytes(), record_);
-  return record_;
 }
 
 void DestinationDelta::finish(const std::string& who, HostCopyPool& pool) {

@@ -58,6 +58,20 @@ struct DeltaCounts {
   uint64_t tensors = 0;          // sent or arrived, as changes or whole (resharding: pieces)
   uint64_t changed_tensors = 0;  // of those, as changes (unchanged ones included)
   uint64_t record_bytes = 0;     // bytes of the change records
+  // A destination's seconds, by step: records that arrived in GPU memory copied to the host, records
+  // decoded (host tensors: and patched), GPU tensors patched and both checked, whole tensors copied.
+  double to_host_seconds = 0, decode_seconds = 0, patch_seconds = 0, whole_seconds = 0;
+
+  DeltaCounts& operator+=(const DeltaCounts& o) {
+    tensors += o.tensors;
+    changed_tensors += o.changed_tensors;
+    record_bytes += o.record_bytes;
+    to_host_seconds += o.to_host_seconds;
+    decode_seconds += o.decode_seconds;
+    patch_seconds += o.patch_seconds;
+    whole_seconds += o.whole_seconds;
+    return *this;
+  }
 };
 
 // A source's side: the base (what its destination holds) and the stream that turns each tensor of
@@ -210,14 +224,10 @@ class DestinationDelta {
   DeviceDelta& gpu();
   // Throws Error(kIntegrity) unless `now`, the checksum of the patched tensor `name`, is the source's.
   static void check_patched(std::string_view name, const DeltaHeader& h, uint64_t now, const std::string& who);
-  // A marker's or record's bytes, copied to the host when they arrived in GPU memory (record_).
-  std::span<const uint8_t> on_host(const TensorView& view);
 
   std::map<std::string, HeldTensor, std::less<>> held_;
   std::unique_ptr<DeviceDelta> gpu_;
-  std::vector<uint8_t> record_;               // a marker or record that arrived in GPU memory, on the host
-  std::deque<std::vector<uint8_t>> records_;  // the batch's records that arrived in GPU memory, on the host
-  uint64_t version_ = 0;                      // of held_; 0 while a refit rewrites it
+  uint64_t version_ = 0;  // of held_; 0 while a refit rewrites it
   bool header_seen_ = false;
   bool ended_ = false;
   uint64_t new_version_ = 0;

@@ -438,16 +438,17 @@ class CheckpointEngine::Impl {
     stats.total_seconds = seconds_since(done->start);
     stale_ = false;
     if (delta_) {
-      uint64_t arrived = 0;
-      for (auto& link : links_) {
-        const DeltaCounts& counts = destination_deltas_[link.peer_rank].counts();
-        arrived += counts.tensors;
-        stats.delta_tensors += counts.changed_tensors;
-        stats.delta_bytes += counts.record_bytes;
-      }
+      DeltaCounts all;
+      for (auto& link : links_) all += destination_deltas_[link.peer_rank].counts();
+      stats.delta_tensors = all.changed_tensors;
+      stats.delta_bytes = all.record_bytes;
       spdlog::info("delta refit: {} of {} {} came as changes ({:.2f} MiB of changes, {:.2f} MiB read in all)",
-                   stats.delta_tensors, arrived, resharding_ ? "pieces" : "tensors",
+                   stats.delta_tensors, all.tensors, resharding_ ? "pieces" : "tensors",
                    stats.delta_bytes / double(1 << 20), stats.wire_bytes / double(1 << 20));
+      spdlog::debug(
+          "delta refit: {:.3f} s patching, of which {:.3f} s records to the host, {:.3f} s decoding (host tensors: "
+          "and patching), {:.3f} s patching GPU tensors and checking every patched one, {:.3f} s copying whole tensors",
+          stats.delta_seconds, all.to_host_seconds, all.decode_seconds, all.patch_seconds, all.whole_seconds);
     }
     if (!links_.empty())
       spdlog::info(

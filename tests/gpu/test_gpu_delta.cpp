@@ -241,6 +241,29 @@ TEST(DeviceDelta, ABatchEncodesEachTensorAsAloneAndLeavesEveryBaseTheTensor) {
 // A source's side of a link with GPU tensors: those that outlive send() wait and go in batches,
 // in the order they came, each by a copy of its info (the stream reuses its own); those that do
 // not go at once. Every view lives until the next begin().
+TEST(DeviceDelta, RangesOfGpuMemoryReadToTheHostEachItsOwnBytes) {
+  REFIT_REQUIRE_GPUS(1);
+  DeviceDelta device;
+  // A batch's records and markers: odd sizes at odd offsets, an empty one among them; the second
+  // batch is larger (the page-locked array grows) and the first's bytes are not in it.
+  for (size_t scale : {1, 40}) {
+    std::vector<OnGpu> records;
+    std::vector<std::vector<std::byte>> want;
+    std::vector<DeviceDelta::Range> ranges;
+    for (size_t k = 0; k < 5; ++k) {
+      want.push_back(random_bytes(k == 2 ? 0 : (k * 1000 + 3) * scale, static_cast<uint32_t>(90 + k + scale)));
+      records.emplace_back(want.back(), k);
+      ranges.push_back({records.back().data, want.back().size()});
+    }
+    const std::vector<std::span<const uint8_t>> read = device.read(ranges);
+    ASSERT_EQ(read.size(), ranges.size());
+    for (size_t k = 0; k < ranges.size(); ++k) {
+      ASSERT_EQ(read[k].size(), want[k].size()) << "range " << k;
+      if (!want[k].empty()) EXPECT_EQ(std::memcmp(read[k].data(), want[k].data(), want[k].size()), 0) << "range " << k;
+    }
+  }
+}
+
 TEST(SourceDelta, GpuTensorsGoInBatchesInTheirOrderByTheirOwnInfos) {
   REFIT_REQUIRE_GPUS(1);
   constexpr size_t kTensors = 70, kElements = 2048;  // more than a batch's tensors

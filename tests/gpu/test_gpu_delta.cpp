@@ -259,7 +259,8 @@ TEST(DeviceDelta, RangesOfGpuMemoryReadToTheHostEachItsOwnBytes) {
     ASSERT_EQ(read.size(), ranges.size());
     for (size_t k = 0; k < ranges.size(); ++k) {
       ASSERT_EQ(read[k].size(), want[k].size()) << "range " << k;
-      if (!want[k].empty()) EXPECT_EQ(std::memcmp(read[k].data(), want[k].data(), want[k].size()), 0) << "range " << k;
+      if (want[k].empty()) continue;
+      EXPECT_EQ(std::memcmp(read[k].data(), want[k].data(), want[k].size()), 0) << "range " << k;
     }
   }
 }

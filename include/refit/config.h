@@ -120,10 +120,12 @@ struct RefitConfig {
 // prefix that belongs to the nixl scope, such as "device=cpu", is accepted too, and so are the
 // prefix "policy.generation.", Hydra's leading "+"/"++" and "backend_init_params.<param>=v").
 // An override's value is parsed as YAML ("null" resets bucket_bytes); values are validated
-// after all overrides are applied, so an override may fix a bad value in the file.
+// after all overrides are applied, so an override may fix a bad value in the file. The
+// environment variables refit checks are checked here too (REFIT_HOST_COPY_THREADS).
 RefitConfig parse_config(std::string_view yaml_text, std::span<const std::string> overrides = {});
 
-// Reads the YAML file (empty path: defaults only) and applies overrides.
+// Reads the YAML file (empty path: defaults only) and applies overrides. An error about a key or
+// value of the file names the file and the key's line ("f.yaml, line 3: unknown key ...").
 RefitConfig load_config(const std::string& yaml_path, std::span<const std::string> overrides = {});
 
 // YAML that parse_config reads back to the same config.

@@ -18,6 +18,7 @@
 
 #include "core/config_rows.h"
 #include "core/fail.h"
+#include "core/host_threads.h"
 
 namespace refit {
 
@@ -48,33 +49,62 @@ std::string describe(const YAML::Node& node) {
 // Quoted and explicitly tagged scalars are strings; only plain scalars may be numbers or bools.
 bool is_plain(const YAML::Node& node) { return node.IsScalar() && node.Tag() == "?"; }
 
+// A value and, when it comes from a config file, where: "f.yaml, line 3: ", put before the errors
+// about it ("" for config text, whose lines the user may never have seen, and for overrides).
+struct Value {
+  YAML::Node node;
+  std::string at;
+};
+
 // The refit keys of one document plus the overrides, gathered before any value is checked, so
 // that an override can replace a bad value from the file.
 struct Raw {
+  std::string file;    // the config file's path; "" for config text
   std::string prefix;  // "" or "policy.generation.", for key names in messages
-  std::optional<YAML::Node> transport;
-  std::map<std::string, YAML::Node> nixl;
+  std::optional<Value> transport;
+  std::map<std::string, Value> nixl;
   std::optional<std::pair<std::string, YAML::Node>> plugin;  // refit_cfg["module:ClassName"]
+
+  std::string at(const YAML::Mark& mark) const {
+    return file.empty() || mark.is_null() ? "" : fmt::format("{}, line {}: ", file, mark.line + 1);
+  }
 };
+
+// Runs `read`; an error it throws gets the value's place in the config file in front.
+template <typename F>
+void located(const std::string& at, F&& read) {
+  if (at.empty()) return read();
+  try {
+    read();
+  } catch (const Error& e) {
+    throw Error(e.kind(), at + e.what());
+  }
+}
 
 bool is_plugin_path(std::string_view s) { return s.find(':') != std::string_view::npos; }
 
 // Rebinds the entry; yaml-cpp's Node::operator= would instead write through into the old node.
-void put(std::map<std::string, YAML::Node>& map, const std::string& key, const YAML::Node& value) {
+void put(std::map<std::string, Value>& map, const std::string& key, Value value) {
   map.erase(key);
-  map.emplace(key, value);
+  map.emplace(key, std::move(value));
 }
 
+struct Entry {
+  std::string key;
+  YAML::Node value;
+  YAML::Mark mark;  // the key's: a null or block value's own mark is on a later line
+};
+
 // A mapping's entries, rejecting duplicate and non-scalar keys (yaml-cpp keeps duplicates silently).
-std::vector<std::pair<std::string, YAML::Node>> entries(const YAML::Node& map, std::string_view path) {
-  std::vector<std::pair<std::string, YAML::Node>> out;
+std::vector<Entry> entries(const YAML::Node& map, std::string_view path) {
+  std::vector<Entry> out;
   std::set<std::string> seen;
   for (auto it = map.begin(); it != map.end(); ++it) {
     if (!it->first.IsScalar()) fail(ErrorKind::kConfig, "{} has a key that is not a string", path);
     std::string key = it->first.Scalar();
     if (!seen.insert(key).second)
       fail(ErrorKind::kConfig, "duplicate key {}{}", path.empty() ? "" : fmt::format("{}.", path), key);
-    out.emplace_back(std::move(key), it->second);
+    out.push_back({std::move(key), it->second, it->first.Mark()});
   }
   return out;
 }
@@ -82,8 +112,9 @@ std::vector<std::pair<std::string, YAML::Node>> entries(const YAML::Node& map, s
 void gather_refit_cfg(Raw& raw, const YAML::Node& refit_cfg) {
   const std::string path = raw.prefix + "refit_cfg";
   if (!refit_cfg.IsDefined() || refit_cfg.IsNull()) return;
-  if (!refit_cfg.IsMap()) fail(ErrorKind::kConfig, "{} must be a mapping, got {}", path, describe(refit_cfg));
-  for (const auto& [scope, nixl] : entries(refit_cfg, path)) {
+  if (!refit_cfg.IsMap())
+    fail(ErrorKind::kConfig, "{}{} must be a mapping, got {}", raw.at(refit_cfg.Mark()), path, describe(refit_cfg));
+  for (const auto& [scope, nixl, mark] : entries(refit_cfg, path)) {
     if (is_plugin_path(scope)) {
       if (raw.plugin)
         fail(ErrorKind::kConfig, "{} has two plugin scopes, '{}' and '{}': keep the one refit_transport names", path,
@@ -93,50 +124,60 @@ void gather_refit_cfg(Raw& raw, const YAML::Node& refit_cfg) {
     }
     if (scope != "nixl") {
       fail(ErrorKind::kConfig,
-           "unknown key {}.{}: refit_cfg holds the 'nixl' scope and, for a plugin transport, its 'module:ClassName' "
-           "scope",
-           path, scope);
+           "{}unknown key {}.{}: refit_cfg holds the 'nixl' scope and, for a plugin transport, its "
+           "'module:ClassName' scope",
+           raw.at(mark), path, scope);
     }
     if (nixl.IsNull()) continue;
-    if (!nixl.IsMap()) fail(ErrorKind::kConfig, "{}.nixl must be a mapping, got {}", path, describe(nixl));
-    for (const auto& [key, value] : entries(nixl, path + ".nixl")) {
+    if (!nixl.IsMap())
+      fail(ErrorKind::kConfig, "{}{}.nixl must be a mapping, got {}", raw.at(mark), path, describe(nixl));
+    for (const auto& [key, value, key_mark] : entries(nixl, path + ".nixl")) {
       if (!find_field(key))
-        fail(ErrorKind::kConfig, "unknown key {}.nixl.{}: valid keys are {}", path, key, field_names());
-      put(raw.nixl, key, value);
+        fail(ErrorKind::kConfig, "{}unknown key {}.nixl.{}: valid keys are {}", raw.at(key_mark), path, key,
+             field_names());
+      put(raw.nixl, key, {value, raw.at(key_mark)});
     }
   }
 }
 
-Raw gather(const YAML::Node& root, std::string_view source) {
+// `file`: the config file's path, "" for config text.
+Raw gather(const YAML::Node& root, std::string_view file) {
   Raw raw;
+  raw.file = file;
+  // Before an error about a root key: the file and line, or that it is in the text.
+  auto where = [&](const YAML::Mark& mark) { return file.empty() ? "<config text>: " : raw.at(mark); };
   if (!root.IsDefined() || root.IsNull()) return raw;
-  if (!root.IsMap()) fail(ErrorKind::kConfig, "{}: the config root must be a mapping, got {}", source, describe(root));
-  auto root_entries = entries(root, "");
+  if (!root.IsMap())
+    fail(ErrorKind::kConfig, "{}the config root must be a mapping, got {}", where(root.Mark()), describe(root));
+  auto scope_entries = entries(root, "");
   YAML::Node scope = root;
   if (root["policy"]) {
     // A NeMo RL config: everything outside policy.generation, and NeMo's own keys inside it,
     // belong to NeMo and are ignored.
-    for (const auto& [key, value] : root_entries) {
+    YAML::Mark policy;
+    for (const auto& [key, value, mark] : scope_entries) {
       if (key == "refit_transport" || key == "refit_cfg") {
         fail(ErrorKind::kConfig,
-             "{}: '{}' is at the root of a config that also has 'policy'; put it under policy.generation", source, key);
+             "{}'{}' is at the root of a config that also has 'policy'; put it under policy.generation", where(mark),
+             key);
       }
+      if (key == "policy") policy = mark;
     }
     YAML::Node generation = root["policy"].IsMap() ? root["policy"]["generation"] : YAML::Node();
     if (!generation.IsDefined() || !generation.IsMap()) {
-      fail(ErrorKind::kConfig, "{}: policy.generation must be a mapping holding refit_transport and refit_cfg, got {}",
-           source, describe(generation));
+      fail(ErrorKind::kConfig, "{}policy.generation must be a mapping holding refit_transport and refit_cfg, got {}",
+           where(policy), describe(generation));
     }
     scope.reset(generation);
     raw.prefix = "policy.generation.";
-    entries(scope, "policy.generation");  // duplicate check only
+    scope_entries = entries(scope, "policy.generation");
   } else {
-    for (const auto& [key, value] : root_entries) {
+    for (const auto& [key, value, mark] : scope_entries) {
       if (key == "refit_transport" || key == "refit_cfg" || key == "checkpoint_engine") continue;
       fail(ErrorKind::kConfig,
-           "{}: unknown key '{}' at the config root: expected refit_transport and refit_cfg, or a NeMo RL config "
+           "{}unknown key '{}' at the config root: expected refit_transport and refit_cfg, or a NeMo RL config "
            "with them under policy.generation",
-           source, key);
+           where(mark), key);
     }
   }
   // V1 of the reference.
@@ -145,7 +186,8 @@ Raw gather(const YAML::Node& root, std::string_view source) {
     fail(ErrorKind::kConfig, "{0}checkpoint_engine was replaced by {0}refit_transport='nixl' and {0}refit_cfg.nixl.",
          raw.prefix);
   }
-  if (s["refit_transport"]) raw.transport.emplace(s["refit_transport"]);
+  for (const auto& [key, value, mark] : scope_entries)
+    if (key == "refit_transport") raw.transport.emplace(Value{value, raw.at(mark)});
   gather_refit_cfg(raw, s["refit_cfg"]);
   return raw;
 }
@@ -179,15 +221,15 @@ void apply_override(Raw& raw, const std::string& text) {
   strip_prefix(key, "policy.generation.");
   bool scoped = strip_prefix(key, "refit_cfg.nixl.");
   if (!scoped && key == "refit_transport") {
-    raw.transport.emplace(value);
+    raw.transport.emplace(Value{value, ""});
   } else if (find_field(key)) {
-    put(raw.nixl, std::string(key), value);
+    put(raw.nixl, std::string(key), {value, ""});
   } else if (strip_prefix(key, "backend_init_params.") && !key.empty()) {
     auto it = raw.nixl.find("backend_init_params");
-    YAML::Node params =
-        it != raw.nixl.end() && it->second.IsMap() ? YAML::Clone(it->second) : YAML::Node(YAML::NodeType::Map);
+    YAML::Node params = it != raw.nixl.end() && it->second.node.IsMap() ? YAML::Clone(it->second.node)
+                                                                        : YAML::Node(YAML::NodeType::Map);
     params[std::string(key)] = value;
-    put(raw.nixl, "backend_init_params", params);
+    put(raw.nixl, "backend_init_params", {params, ""});
   } else {
     fail(ErrorKind::kConfig,
          "override '{}': unknown key; expected refit_transport, refit_cfg.nixl.<key> (or just <key>) with <key> one of "
@@ -233,7 +275,7 @@ nlohmann::json to_json(const YAML::Node& node) {
   }
   if (node.IsMap()) {
     auto out = nlohmann::json::object();
-    for (const auto& [key, value] : entries(node, "plugin parameter")) out[key] = to_json(value);
+    for (const auto& [key, value, mark] : entries(node, "plugin parameter")) out[key] = to_json(value);
     return out;
   }
   if (is_plain(node)) {
@@ -339,7 +381,7 @@ const NixlField kNixlFields[] = {
        c.backend_init_params.clear();
        if (node.IsNull()) return;
        if (!node.IsMap()) fail(ErrorKind::kConfig, "{} must be null or a mapping, got {}", key, describe(node));
-       for (const auto& [param, value] : entries(node, key)) {
+       for (const auto& [param, value, mark] : entries(node, key)) {
          if (!value.IsScalar())
            fail(ErrorKind::kConfig, "{}.{} must be a string, number or bool, got {}", key, param, describe(value));
          c.backend_init_params[param] = value.Scalar();  // as written: 8 -> "8", true -> "true"
@@ -428,40 +470,48 @@ void build_plugin(const Raw& raw, RefitConfig& config) {
   config.release_after_refit = false;
   if (node.IsNull()) return;
   if (!node.IsMap()) fail(ErrorKind::kConfig, "{} must be a mapping, got {}", scope, describe(node));
-  for (const auto& [name, value] : entries(node, scope)) {
+  for (const auto& [name, value, mark] : entries(node, scope)) {
     const std::string key = scope + "." + name;
-    if (name == "update_weights_bucket_memory_ratio") {
-      const double r = number(value, key);
-      if (!(r > 0 && r < 1)) fail(ErrorKind::kConfig, "{} must be > 0 and < 1, got {}", key, describe(value));
-      config.update_weights_bucket_memory_ratio = r;
-    } else if (name == "release_after_refit") {
-      config.release_after_refit = boolean(value, key);
-    } else {
-      config.plugin_params[name] = to_json(value).dump();
-    }
+    located(raw.at(mark), [&] {
+      if (name == "update_weights_bucket_memory_ratio") {
+        const double r = number(value, key);
+        if (!(r > 0 && r < 1)) fail(ErrorKind::kConfig, "{} must be > 0 and < 1, got {}", key, describe(value));
+        config.update_weights_bucket_memory_ratio = r;
+      } else if (name == "release_after_refit") {
+        config.release_after_refit = boolean(value, key);
+      } else {
+        config.plugin_params[name] = to_json(value).dump();
+      }
+    });
   }
 }
 
 RefitConfig build(const Raw& raw) {
   RefitConfig config;
-  if (raw.transport) config.refit_transport = check_transport(*raw.transport, raw.prefix);
-  for (const auto& [name, node] : raw.nixl)
-    find_field(name)->read(config, node, raw.prefix + "refit_cfg.nixl." + name);  // gather() let known keys only
+  if (raw.transport)
+    located(raw.transport->at, [&] { config.refit_transport = check_transport(raw.transport->node, raw.prefix); });
+  for (const auto& [name, value] : raw.nixl)  // gather() let known keys only
+    located(value.at, [&] { find_field(name)->read(config, value.node, raw.prefix + "refit_cfg.nixl." + name); });
   build_plugin(raw, config);
   return config;
 }
 
-RefitConfig parse(std::string_view text, std::string_view source, std::span<const std::string> overrides) {
+// `file`: the config file's path, "" for config text.
+RefitConfig parse(std::string_view text, std::string_view file, std::span<const std::string> overrides) {
   YAML::Node root;
   try {
     root = YAML::Load(std::string(text));
   } catch (const YAML::ParserException& e) {
-    fail(ErrorKind::kConfig, "invalid YAML in {} at line {}, column {}: {}", source, e.mark.line + 1, e.mark.column + 1,
-         e.msg);
+    fail(ErrorKind::kConfig, "invalid YAML in {} at line {}, column {}: {}", file.empty() ? "<config text>" : file,
+         e.mark.line + 1, e.mark.column + 1, e.msg);
   }
-  Raw raw = gather(root, source);
+  Raw raw = gather(root, file);
   for (const auto& o : overrides) apply_override(raw, o);
-  return build(raw);
+  RefitConfig config = build(raw);
+  // The environment is configuration too (config_keys.h): a bad REFIT_HOST_COPY_THREADS is refused
+  // here, where a program starts, rather than at the first large copy of a refit.
+  host_copy_threads();
+  return config;
 }
 
 }  // namespace
@@ -484,11 +534,11 @@ uint64_t parse_byte_count(std::string_view text, std::string_view key) {
 }
 
 RefitConfig parse_config(std::string_view yaml_text, std::span<const std::string> overrides) {
-  return parse(yaml_text, "<config text>", overrides);
+  return parse(yaml_text, "", overrides);
 }
 
 RefitConfig load_config(const std::string& yaml_path, std::span<const std::string> overrides) {
-  if (yaml_path.empty()) return parse("", "<defaults>", overrides);
+  if (yaml_path.empty()) return parse("", "", overrides);
   std::error_code ec;
   if (!std::filesystem::is_regular_file(yaml_path, ec)) {
     fail(ErrorKind::kConfig, "config file '{}' does not exist or is not a regular file", yaml_path);

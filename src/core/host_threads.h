@@ -11,4 +11,8 @@ inline constexpr int kMaxHostPoolThreads = 8;
 
 inline int host_pool_threads(int cores) { return cores < 8 ? 0 : std::min(cores / 4, kMaxHostPoolThreads); }
 
+// This process's count: REFIT_HOST_COPY_THREADS when set (0-64), else host_pool_threads() of this
+// host's cores. Throws Error(kConfig) naming the variable when it is set to anything else.
+int host_copy_threads();
+
 }  // namespace refit

@@ -2,36 +2,19 @@
 
 #include <algorithm>
 #include <atomic>
-#include <charconv>
-#include <cstdlib>
 #include <cstring>
 #include <exception>
 
-#include "core/fail.h"
 #include "core/host_threads.h"
 
 namespace refit {
 namespace {
 
-constexpr int kMaxEnvThreads = 64;  // when set
 constexpr size_t kPartAlignment = 4096;
-
-int default_threads() {
-  if (const char* env = std::getenv("REFIT_HOST_COPY_THREADS")) {
-    int threads = -1;
-    const char* end = env + std::strlen(env);
-    const auto [at, error] = std::from_chars(env, end, threads);
-    if (error != std::errc() || at != end || threads < 0 || threads > kMaxEnvThreads)
-      fail(ErrorKind::kConfig, "REFIT_HOST_COPY_THREADS='{}': expected a number of threads from 0 to {}", env,
-           kMaxEnvThreads);
-    return threads;
-  }
-  return host_pool_threads(static_cast<int>(std::thread::hardware_concurrency()));
-}
 
 }  // namespace
 
-HostCopyPool::HostCopyPool(int threads) : threads_(threads < 0 ? default_threads() : threads) {}
+HostCopyPool::HostCopyPool(int threads) : threads_(threads < 0 ? host_copy_threads() : threads) {}
 
 HostCopyPool::~HostCopyPool() {
   {

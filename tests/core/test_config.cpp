@@ -4,10 +4,12 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <limits>
 #include <map>
+#include <optional>
 #include <set>
 #include <sstream>
 #include <string>
@@ -510,6 +512,58 @@ TEST_F(ConfigFile, UnknownRootKeyNamesFile) {
   } catch (const Error& e) {
     EXPECT_THAT(e.what(), AllOf(HasSubstr(path_.string()), HasSubstr("'foo'")));
   }
+}
+
+// An error about a key or value of a file names the file and the key's line; the same value from
+// an override names no file.
+TEST_F(ConfigFile, UnknownKeysAndBadValuesNameTheFileAndTheKeysLine) {
+  auto error_at = [&](const std::string& text, std::vector<std::string> overrides = {}) {
+    write(text);
+    try {
+      load_config(path_.string(), overrides);
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::kConfig) << e.what();
+      return std::string(e.what());
+    }
+    ADD_FAILURE() << "no refit::Error for:\n" << text;
+    return std::string();
+  };
+  const std::string file = path_.string();
+  EXPECT_THAT(error_at(nixl("device: cpu\n    bucket_byte: 1MiB")),
+              AllOf(HasSubstr(file + ", line 5: unknown key refit_cfg.nixl.bucket_byte: valid keys are"),
+                    HasSubstr("bucket_bytes")));
+  EXPECT_THAT(error_at("refit_transport: nixl\nrefit_cfg:\n  nixl:\n    timeout_s:\n    device: cpu\n"),
+              HasSubstr(file + ", line 4: refit_cfg.nixl.timeout_s must be a number, got null"));
+  EXPECT_THAT(error_at(nixl("backend_init_params:\n      tls: [tcp]")),
+              HasSubstr(file + ", line 4: refit_cfg.nixl.backend_init_params.tls must be a string"));
+  EXPECT_THAT(error_at("refit_transport: carrier_pigeon\n"), HasSubstr(file + ", line 1: Unknown refit transport"));
+  EXPECT_THAT(error_at("refit_transport: nixl\nfoo: 1\n"), HasSubstr(file + ", line 2: unknown key 'foo'"));
+  EXPECT_THAT(error_at("refit_cfg:\n  nixl: {}\n  nixel: {}\n"),
+              HasSubstr(file + ", line 3: unknown key refit_cfg.nixel"));
+  EXPECT_THAT(error_at("policy:\n  generation:\n    refit_cfg:\n      nixl:\n        bucket_size: 5\n"),
+              HasSubstr(file + ", line 5: unknown key policy.generation.refit_cfg.nixl.bucket_size"));
+  EXPECT_THAT(error_at("refit_transport: 'm:C'\nrefit_cfg:\n  'm:C':\n    x: 1\n    release_after_refit: 2\n"),
+              HasSubstr(file + ", line 5: refit_cfg['m:C'].release_after_refit must be true or false"));
+  // The value that fails is the override's: the file is not to blame.
+  const std::string overridden = error_at(nixl("timeout_s: 5"), {"timeout_s=soon"});
+  EXPECT_THAT(overridden, HasSubstr("refit_cfg.nixl.timeout_s must be a number, got 'soon'"));
+  EXPECT_THAT(overridden, ::testing::Not(HasSubstr(file)));
+}
+
+// REFIT_HOST_COPY_THREADS is refused where the configuration is read, at start, not at the first
+// large copy of a refit.
+TEST(ConfigEnvironment, ABadHostCopyThreadCountIsRefusedWithTheConfig) {
+  const char* before = std::getenv("REFIT_HOST_COPY_THREADS");
+  const std::optional<std::string> saved = before ? std::optional<std::string>(before) : std::nullopt;
+  setenv("REFIT_HOST_COPY_THREADS", "100", 1);
+  EXPECT_CONFIG_ERROR(config_error(""), "REFIT_HOST_COPY_THREADS='100'", "from 0 to 64");
+  EXPECT_THROW(load_config(""), Error);
+  setenv("REFIT_HOST_COPY_THREADS", "4", 1);
+  EXPECT_NO_THROW(parse_config(""));
+  if (saved)
+    setenv("REFIT_HOST_COPY_THREADS", saved->c_str(), 1);
+  else
+    unsetenv("REFIT_HOST_COPY_THREADS");
 }
 
 TEST(ConfigLoad, MissingFileNamesPath) {

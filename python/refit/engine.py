@@ -88,7 +88,7 @@ def as_config(config: Union[None, RefitConfig, Mapping[str, Any], str, os.PathLi
         return _refit.parse_config(config.to_yaml(), overrides) if overrides else config
     if isinstance(config, Mapping):
         doc = dict(config)
-        if not ({"refit_transport", "refit_cfg", "policy"} & doc.keys()):
+        if not (_DOCUMENT_KEYS & doc.keys()):
             doc = {"refit_cfg": {"nixl": _scope(doc)}}
         # JSON is YAML: strings stay quoted (so "true" stays a string, as the reference's types say).
         return _refit.parse_config(json.dumps(doc, default=_json_default), overrides)
@@ -98,6 +98,10 @@ def as_config(config: Union[None, RefitConfig, Mapping[str, Any], str, os.PathLi
             return _refit.load_config(text, overrides)
         return _refit.parse_config(text, overrides)
     raise _refit.ConfigError(f"cannot make a refit configuration from a {type(config).__name__}")
+
+
+#: The keys of a whole configuration document (refit layout or NeMo RL), not of the nixl scope alone.
+_DOCUMENT_KEYS = frozenset({"refit_transport", "refit_cfg", "policy"})
 
 
 def _scope(kwargs: Mapping[str, Any]) -> dict:
@@ -129,6 +133,17 @@ def engine_kwargs_from_config(config: RefitConfig) -> dict:
     return out
 
 
+def _refuse_unknown_keys(kwargs: Mapping[str, Any]) -> None:
+    """ConfigError naming the keys of an engine_kwargs scope that are neither configuration nor engine
+    options, listing both (the C++ parser sees the configuration alone and would list only its keys).
+    A whole document's keys are left to the parser."""
+    unknown = [str(k) for k in kwargs if k not in CONFIG_KEYS and k not in ENGINE_KEYS]
+    if unknown and not (_DOCUMENT_KEYS & kwargs.keys()):
+        raise _refit.ConfigError(
+            f"engine_kwargs: unknown key(s) {', '.join(unknown)}: expected configuration keys (refit_cfg.nixl: "
+            f"{', '.join(CONFIG_KEYS)}) or engine options ({', '.join(ENGINE_KEYS)})")
+
+
 def split_engine_kwargs(backend: str, engine_kwargs: Union[None, RefitConfig, Mapping[str, Any]]
                         ) -> Tuple[RefitConfig, dict]:
     """(configuration, engine options) from engine_kwargs in either shape the reference uses:
@@ -149,8 +164,10 @@ def split_engine_kwargs(backend: str, engine_kwargs: Union[None, RefitConfig, Ma
         if isinstance(inner, RefitConfig):
             return inner, options
         kwargs = dict(inner)
+        _refuse_unknown_keys(kwargs)
         options.update({k: kwargs.pop(k) for k in ENGINE_KEYS if k in kwargs})
         return as_config(kwargs), options
+    _refuse_unknown_keys(kwargs)
     options = {k: kwargs.pop(k) for k in ENGINE_KEYS if k in kwargs}
     return as_config(kwargs), options
 
@@ -358,6 +375,7 @@ def create_checkpoint_engine(backend: str, bucket_size_bytes: int,
         return cls(bucket_size=bucket_size_bytes, **scope)
     config, options = split_engine_kwargs(backend, engine_kwargs)
     # Keyword arguments: engine options, or configuration keys applied as overrides.
+    _refuse_unknown_keys(kwargs)
     options.update({k: kwargs.pop(k) for k in ENGINE_KEYS if k in kwargs})
     if kwargs:
         config = as_config(config, [f"{k}={json.dumps(_scope({k: v})[k], default=_json_default)}"

@@ -35,6 +35,19 @@ def test_bad_config_raises_config_error_with_the_cpp_message():
         refit.as_config({"bucket_size": 5})
 
 
+def test_an_unknown_engine_kwargs_key_is_named_with_the_config_keys_and_the_engine_options():
+    from refit.engine import CONFIG_KEYS, ENGINE_KEYS
+    for engine_kwargs, extra in (({"bucket_size": 5}, {}), ({"nixl": {"bucket_size": 5}}, {}),
+                                 ({"session": refit.new_session_id(), "bucket_size": 5}, {}),
+                                 (None, {"bucket_size": 5})):
+        with pytest.raises(refit.ConfigError) as err:
+            refit.create_checkpoint_engine("nixl", MiB, engine_kwargs, **extra)
+        message = str(err.value)
+        assert message.startswith("engine_kwargs: unknown key(s) bucket_size: expected configuration keys"), message
+        for key in CONFIG_KEYS + ENGINE_KEYS:
+            assert key in message, (key, message)
+
+
 def test_every_kind_has_its_class():
     kinds = {
         refit.ConfigError: "config", refit.InvalidArgumentError: "invalid_argument", refit.ModelError: "model",

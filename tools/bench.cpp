@@ -279,12 +279,15 @@ int run_bench(const BenchOptions& options) {
     throw Error(ErrorKind::kInvalidArgument, "--rendezvous and --join-timeout need --launcher env");
   }
 
+  // The model as the user named it (or the builtin's name); a config's architecture after it (a
+  // safetensors inventory's name is only its file's).
   fmt::print(
-      "refit bench: model {} ({} tensors, {:.2f} GiB{}), {} source(s) -> {} destination(s), {} refit(s); "
+      "refit bench: model {} ({}{} tensors, {:.2f} GiB{}), {} source(s) -> {} destination(s), {} refit(s); "
       "transfer buffers on {} ({}), tensors in {} memory\n",
-      model.inventory.name, model.inventory.tensors.size(), model.inventory.total_bytes() / kGiB,
-      model.safetensors_path.empty() ? ", synthetic content" : ", safetensors", options.sources, options.destinations,
-      options.refits, to_string(config.device), config.backend_name,
+      options.versions.empty() ? path : options.versions,
+      model.safetensors_path.empty() ? model.inventory.name + ", " : "", model.inventory.tensors.size(),
+      model.inventory.total_bytes() / kGiB, model.safetensors_path.empty() ? ", synthetic content" : ", safetensors",
+      options.sources, options.destinations, options.refits, to_string(config.device), config.backend_name,
       model.tensors == MemoryKind::kCuda ? "GPU" : "host");
 
   json out = {{"transport", config.backend_name},

@@ -45,7 +45,9 @@ int main(int argc, char** argv) {
                         "Merge what this run measured (the engine's copy rates from its timeline; with --baseline also "
                         "memcpy, ucx_perftest read and latency) into this planner calibration file (refit plan "
                         "--cluster --calibration); scripts/calibrate.sh runs the two benches it needs");
-  bench_cmd->add_option("--kill", bench.kill, "Failure test: ROLE:RANK:REFIT:STEP kills that worker at that point");
+  bench_cmd->add_option("--kill", bench.kill,
+                        "Failure test: ROLE:RANK:REFIT:STEP[:WHEN] kills that worker at that point, e.g. source:0:1:25 "
+                        "or destination:0:1:0:after (WHEN, a destination's: load, the default, or after)");
   bench_cmd->add_option("--device", bench.device,
                         "Transfer buffers: cpu, cuda or cuda:N (refit_cfg.nixl.device; cuda also sets "
                         "backend_name=CUDA_IPC, which an override may change)");
@@ -134,7 +136,20 @@ int main(int argc, char** argv) {
                      "environment variable with its type, default and meaning");
   info_cmd->add_flag("--json", info.json, "With --keys: the table as JSON")->needs("--keys");
 
-  CLI11_PARSE(app, argc, argv);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    // --help and --version end the parse too, with CLI11's text and exit status 0.
+    if (e.get_exit_code() == static_cast<int>(CLI::ExitCodes::Success)) return app.exit(e);
+    std::string command = "refit";  // the (sub)command whose arguments were refused
+    for (const CLI::App* at = &app; !at->get_subcommands().empty();) {
+      at = at->get_subcommands().front();
+      command += " " + at->get_name();
+    }
+    fmt::print(stderr, "refit: error ({}): {}; see `{} --help`\n", refit::to_string(refit::ErrorKind::kInvalidArgument),
+               e.what(), command);
+    return 1;
+  }
   spdlog::cfg::load_env_levels();  // SPDLOG_LEVEL=debug shows per-bucket timings
   refit::log_to_stderr("driver");
   try {

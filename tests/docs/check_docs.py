@@ -66,11 +66,15 @@ def code_files():
                 yield path
 
 
-def help_options(refit, subcommand):
+def help_text(refit, subcommand):
     out = subprocess.run([refit, *subcommand.split(), "--help"], capture_output=True, text=True, timeout=60)
     if out.returncode != 0:
         raise SystemExit(f"check_docs: `refit {subcommand} --help` failed: {out.stderr}")
-    return set(re.findall(r"^\s+(?:-\w,)?(--[a-z][\w-]*)", out.stdout, flags=re.M)) - {"--help"}
+    return out.stdout
+
+
+def help_options(text):
+    return set(re.findall(r"^\s+(?:-\w,)?(--[a-z][\w-]*)", text, flags=re.M)) - {"--help"}
 
 
 def config_table(refit):
@@ -141,7 +145,8 @@ class CodeFacts:
 
     def __init__(self, refit):
         self.refit = refit
-        self.options = {s: help_options(refit, s) for s in SUBCOMMANDS}
+        self.help = {s: help_text(refit, s) for s in SUBCOMMANDS}
+        self.options = {s: help_options(text) for s, text in self.help.items()}
         every_refit_option = set().union(*self.options.values()) | {"--version", "--help"}
         self.known_options = every_refit_option | repo_defined_options() | set().union(*EXTERNAL_OPTIONS.values())
         self.table = config_table(refit)
@@ -211,14 +216,15 @@ def check(root, facts, run_commands=True):
                 problems.add(f"{name}:{line}", f"`refit {sub}{rest}` failed ({out.returncode}): "
                                                f"{(out.stderr or out.stdout).strip().splitlines()[-1:]}")
 
-    check_cli_tables(docs.get("docs/CLI.md", ""), options, problems)
+    check_cli_tables(docs.get("docs/CLI.md", ""), options, facts.help, problems)
     check_config_docs(docs, facts.table, facts.env_read, problems)
     check_architecture(docs.get("docs/ARCHITECTURE.md", ""), public_headers, problems)
     return problems.items
 
 
-def check_cli_tables(text, options, problems):
-    """docs/CLI.md: each subcommand's section lists exactly its options."""
+def check_cli_tables(text, options, helps, problems):
+    """docs/CLI.md: each subcommand's section lists exactly its options, and a value written as fields
+    (`--kill ROLE:RANK:REFIT:STEP[:WHEN]`) the way --help writes it."""
     for sub in SUBCOMMANDS:
         m = re.search(r"^## `refit " + sub + r"`\n(.*?)(?=^## |\Z)", text, flags=re.M | re.S)
         if not m:
@@ -231,6 +237,11 @@ def check_cli_tables(text, options, problems):
             problems.add("docs/CLI.md", f"`refit {sub}` has option {opt}, which its table does not list")
         for opt in sorted(listed - options[sub]):
             problems.add("docs/CLI.md", f"the table of `refit {sub}` lists {opt}, which it does not have")
+        for opt, value in re.findall(r"^\| `(--[a-z][\w-]*) ([A-Z]+(?::[A-Z]+)+(?:\[:[A-Z]+\])*)`", m.group(1),
+                                     flags=re.M):
+            if value not in helps[sub]:
+                problems.add("docs/CLI.md", f"the table of `refit {sub}` writes {opt} {value}, which its --help "
+                                            f"does not")
 
 
 def check_config_docs(docs, table, env_read, problems):
@@ -305,6 +316,7 @@ def self_test(facts):
     plants = [
         ("README.md", "scripts/bench.sh          #", "scripts/bench.sh --src-dpp 2  #", "--src-dpp"),
         ("docs/CLI.md", "| `--refits K` |", "| `--refitz K` |", "--refits"),
+        ("docs/CLI.md", "| `--rendezvous HOST:PORT` |", "| `--rendezvous HOST:PORT[:TAG]` |", "HOST:PORT[:TAG]"),
         ("docs/CLI.md", "refit bench --sources 8", "refit bench --target-memory 1GiB --sources 8",
          "option --target-memory of `refit bench`"),
         ("docs/CLI.md", "--sources 256 --destinations 32", "--sources 255 --destinations 32", "--sources 255"),

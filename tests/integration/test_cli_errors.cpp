@@ -62,6 +62,44 @@ TEST(CliErrors, MalformedYaml) {
 
 TEST(CliErrors, UnknownKey) { expect_error({"bench", "refit_cfg.nixl.bucket_size=3"}, {"bucket_size"}); }
 
+TEST(CliErrors, AnUnknownKeyOrBadValueOfAConfigFileNamesTheFileAndLine) {
+  TempDir d;
+  auto typo = d.write("typo.yaml", "refit_cfg:\n  nixl:\n    device: cpu\n    bucket_byte: 1MiB\n");
+  expect_one_line_error(run_cli({"bench", "--config", typo}, 60),
+                        {"refit: error (config): " + typo + ", line 4: unknown key refit_cfg.nixl.bucket_byte"});
+  auto bad = d.write("bad_value.yaml", "refit_cfg:\n  nixl:\n    timeout_s: soon\n");
+  expect_one_line_error(run_cli({"plan", "--config", bad}, 60),
+                        {bad + ", line 3: refit_cfg.nixl.timeout_s must be a number, got 'soon'"});
+}
+
+// Refused input, not a failed refit: the bench stops before any worker starts.
+TEST(CliErrors, AHostCopyThreadCountOutOfRangeIsRefusedAtStart) {
+  auto r = run_program("/usr/bin/env", {"REFIT_HOST_COPY_THREADS=100", REFIT_CLI_PATH, "bench", "--refits", "1"}, 60);
+  expect_one_line_error(r, {"refit: error (config): REFIT_HOST_COPY_THREADS='100'", "from 0 to 64"});
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+}
+
+// A bad option or option value is refused input too: refit's one line and exit status 1, the
+// subcommand's --help named; --help and --version still succeed.
+TEST(CliErrors, ABadOptionIsRefusedInRefitsFormatWithExitStatusOne) {
+  const std::vector<std::pair<std::vector<std::string>, std::vector<std::string>>> cases = {
+      {{"bench", "--bogus"}, {"refit: error (invalid argument): ", "--bogus", "see `refit bench --help`"}},
+      {{"bench", "--sources", "x"}, {"--sources", "see `refit bench --help`"}},
+      {{"demo", "elastic", "--nope"}, {"--nope", "see `refit demo elastic --help`"}},
+      {{}, {"subcommand", "see `refit --help`"}}};
+  for (const auto& [args, needles] : cases) {
+    const auto r = run_cli(args, 60);
+    expect_one_line_error(r, needles);
+    EXPECT_EQ(r.exit_code, 1) << r.output;
+  }
+  for (const std::vector<std::string>& args :
+       {std::vector<std::string>{"--version"}, {"bench", "--help"}, {"--help"}}) {
+    const auto r = run_cli(args, 60);
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_FALSE(r.output.starts_with("refit: error")) << r.output;
+  }
+}
+
 TEST(CliErrors, RatioOutOfRange) {
   expect_error({"bench", "refit_cfg.nixl.update_weights_bucket_memory_ratio=0.6"},
                {"update_weights_bucket_memory_ratio", "0.6"});

@@ -42,6 +42,7 @@ TEST(RefitProcesses, OneToOneOverSharedMemory) {
   auto r = b.run(1, 1, 2, {kShm});
   auto model_bytes = inventory_from_hf_config(b.model).total_bytes();
   expect_verified(r, read_json(b.json), 1, 2, model_bytes);
+  EXPECT_NE(r.output.find("refit bench: model " + b.model + " (qwen3_moe, "), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("[vLLM refit] Loaded"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("Using checkpoint-engine refit backend: nixl"), std::string::npos);
   EXPECT_NE(r.output.find("[checkpoint engine] Bucket size: 1 MiB per buffer"), std::string::npos);
@@ -99,6 +100,9 @@ TEST(RefitProcesses, ACopiedBinaryRefitsTheBuiltinDefaultModel) {
                                  "refit_cfg.nixl.timeout_s=60", kShm},
                                 180);
   ASSERT_EQ(r.exit_code, 0) << r.output;
+  // The header names the model as --model does, its architecture after it.
+  EXPECT_NE(r.output.find("refit bench: model builtin:refit-tiny-moe (qwen3_moe, 459 tensors, "), std::string::npos)
+      << r.output;
   const auto result = read_json(json);
   EXPECT_TRUE(result.at("verified").get<bool>());
   EXPECT_EQ(result.at("model").get<std::string>(), "qwen3_moe");

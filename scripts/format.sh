@@ -10,10 +10,7 @@ for candidate in clang-format-14 clang-format; do
   if command -v "$candidate" >/dev/null 2>&1; then format="$candidate"; break; fi
 done
 if [ -z "$format" ]; then
-  sudo_cmd=""
-  [ "$(id -u)" -ne 0 ] && sudo_cmd="sudo"
-  $sudo_cmd apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq clang-format-14
+  scripts/install_packages.sh format clang-format-14
   format=clang-format-14
 fi
 mapfile -t files < <(git ls-files '*.cpp' '*.h' '*.cu' '*.cuh')

@@ -21,17 +21,7 @@ start=$SECONDS
 # extension without them.
 packages=(build-essential cmake ninja-build pkg-config libucx-dev libyaml-cpp-dev nlohmann-json3-dev
           libcli11-dev libspdlog-dev libfmt-dev libxxhash-dev python3-venv python3-dev)
-missing=()
-for p in "${packages[@]}"; do
-  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
-done
-if [ ${#missing[@]} -gt 0 ]; then
-  echo "test_python: installing ${missing[*]}"
-  sudo_cmd=""
-  [ "$(id -u)" -ne 0 ] && sudo_cmd="sudo"
-  $sudo_cmd apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq "${missing[@]}"
-fi
+scripts/install_packages.sh test_python "${packages[@]}"
 
 # The virtual environment, made once (a broken one, e.g. left by an interrupted run, is made anew).
 if ! "$VENV/bin/python" -c 'import sys; sys.exit(sys.prefix == sys.base_prefix)' 2>/dev/null; then

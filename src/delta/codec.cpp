@@ -561,9 +561,8 @@ void run_chains(std::span<const std::unique_ptr<DecodeChain>> chains, const Delt
 
 // The `count` varints that [begin, end) holds, exactly, into `to`, in `parts` runs: each run
 // starts after a varint's last byte (a byte below 0x80), its first varint's number found by
-// counting those bytes before it (round 0); runs that hold positions sum their gaps (round 1, reads
-// only), so that each run starts from the position before its first; the runs decode, writing each
-// position once where it ends up (round 2). One run decodes in one round.
+// counting those bytes before it (round 0); the runs decode (round 1); runs after the first then
+// add the positions' sums of the runs before them (round 2). One run decodes in one round.
 class VarintChain final : public DecodeChain {
  public:
   VarintChain(const uint8_t* begin, const uint8_t* end, uint64_t count, size_t parts, const VarintSink& to)
@@ -581,10 +580,10 @@ class VarintChain final : public DecodeChain {
       cuts_[r] = c;
     }
     first_.assign(runs_ + 1, 0);
-    advance_.assign(runs_, 0);
+    running_.assign(runs_, 0);
   }
   size_t rounds() const override { return runs_ <= 1 ? 1 : 3; }
-  size_t parts(size_t) const override { return runs_; }
+  size_t parts(size_t round) const override { return round == 2 ? runs_ - 1 : runs_; }
   void run(size_t round, size_t r) override {
     if (runs_ <= 1) {
       const uint8_t* after = decode_run(begin_, end_, 0, count_, UINT64_MAX, to_).first;
@@ -595,25 +594,14 @@ class VarintChain final : public DecodeChain {
       for (const uint8_t* q = cuts_[r]; q < cuts_[r + 1]; ++q) n += (*q & 0x80) == 0;
       first_[r + 1] = n;
     } else if (round == 1) {
-      // How far the run's positions advance (each gap + 1); a sum past the tensor is refused after.
-      uint64_t advance = 0;
-      const uint8_t* q = cuts_[r];
-      for (uint64_t k = first_[r]; k < std::min(first_[r + 1], to_.changed); ++k) {
-        uint64_t v = 0;
-        for (int shift = 0;; shift += 7) {
-          const uint8_t byte = *q++;  // within the run: round 0 counted its varints' ends
-          if (shift < 64) v |= static_cast<uint64_t>(byte & 0x7f) << shift;
-          if (!(byte & 0x80)) break;
-        }
-        if (v >= to_.elements || advance > to_.elements) {
-          advance = to_.elements + 1;
-          break;
-        }
-        advance += v + 1;
-      }
-      advance_[r] = advance;
+      running_[r] = decode_run(cuts_[r], cuts_[r + 1], first_[r], first_[r + 1], UINT64_MAX, to_).second;
     } else {
-      decode_run(cuts_[r], cuts_[r + 1], first_[r], first_[r + 1], before_[r], to_);
+      ++r;  // run r + 1: the first run's sums are whole
+      for (uint64_t k = first_[r]; k < std::min(first_[r + 1], to_.changed); ++k) {
+        to_.index[k] += base_[r];
+        if (to_.index[k] >= to_.elements)
+          fail(ErrorKind::kProtocol, "malformed {}: position {} is past element {}", to_.what, k, to_.elements);
+      }
     }
   }
   void after(size_t round) override {
@@ -624,13 +612,12 @@ class VarintChain final : public DecodeChain {
         fail(ErrorKind::kProtocol, "malformed {}: the {} bytes of {} hold {} varints where its changes need {}",
              to_.what, end_ - begin_, to_.holding, first_[runs_], count_);
     } else if (round == 1) {
-      // Run r starts after the position its runs before end on (none yet: UINT64_MAX, one before 0).
-      before_.assign(runs_, UINT64_MAX);
+      // Run r's positions lie past the last of the runs before it (a run without positions adds none).
+      base_.assign(runs_, 0);
       for (size_t r = 1; r < runs_; ++r) {
-        before_[r] = before_[r - 1] + advance_[r - 1];
-        if (advance_[r - 1] > to_.elements || before_[r] + 1 > to_.elements)
-          fail(ErrorKind::kProtocol, "malformed {}: position {} is past element {}", to_.what,
-               std::min(first_[r], to_.changed), to_.elements);
+        base_[r] = base_[r - 1] + (running_[r - 1] + 1);
+        if (base_[r] > to_.elements)
+          fail(ErrorKind::kProtocol, "malformed {}: position {} is past element {}", to_.what, first_[r], to_.elements);
       }
     }
   }
@@ -641,8 +628,8 @@ class VarintChain final : public DecodeChain {
   VarintSink to_;
   size_t runs_ = 1;
   std::vector<const uint8_t*> cuts_;
-  std::vector<uint64_t> first_;             // the varints before each run
-  std::vector<uint64_t> advance_, before_;  // how far each run's positions go; the position before each
+  std::vector<uint64_t> first_;           // the varints before each run
+  std::vector<uint64_t> running_, base_;  // each run's last position's sum, and what it adds
 };
 
 // A bitmap's set bits, in `runs` runs of its bytes: each run counts its bits (round 0), then

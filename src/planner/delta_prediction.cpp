@@ -29,9 +29,11 @@ constexpr DeltaCosts kHostDelta{2.0, 320, 1.0, 150, 0};
 // worth of its bytes. One H100, 2026-12-07, Qwen3-8B, comparing 0.559 s at 1% changed (82 M
 // changes) and 0.160-0.163 s at 0.1% with the engine's copies at 1,409 GB/s: 0.117 s that does not
 // shrink with the changes, 0.023 s of it the kernels' traffic; per change 5.4 ns comparing and
-// 5.0 ns patching (0.426 s at 1%, 0.055-0.062 s at 0.1%). Then the engine's comparing got 0.73x
-// (records written a batch's parts together): about 3,900 and 7,000 bytes' worth a change.
-constexpr DeltaCosts kGpuDelta{2.0, 3900, 0.5, 7000, 8.0};
+// 5.0 ns patching (0.426 s at 1%, 0.055-0.062 s at 0.1%). Refitted after the destination decoded a
+// batch's records together (another H100, 2026-12-07 evening, `scripts/calibrate.sh --gpu`, the
+// engine's copies at 1,392 GB/s): comparing 0.517 s and patching 0.395 s at 1%, about 6,800 and
+// 6,600 bytes' worth a change beyond the copies and waits above.
+constexpr DeltaCosts kGpuDelta{2.0, 6800, 0.5, 6600, 8.0};
 const DeltaCosts& built_in(const NodeGroup& g) { return g.gpu ? kGpuDelta : kHostDelta; }
 
 // Built-in, or as the group's calibration measured them.

@@ -373,15 +373,16 @@ std::vector<DeviceDelta::Patched> DeviceDelta::patch_queued() {
   return out;
 }
 
-std::vector<std::span<const uint8_t>> DeviceDelta::read(std::span<const Range> ranges) {
+void DeviceDelta::read(std::span<const Range> ranges, std::span<std::span<const uint8_t>> out) {
+  if (out.size() != ranges.size())
+    fail(ErrorKind::kInternal, "DeviceDelta::read: {} ranges, {} places for them", ranges.size(), out.size());
   uint64_t total = 0;
   const std::byte* any = nullptr;  // a range's memory, to tell its GPU
   for (const Range& r : ranges) {
     total += r.bytes;
     if (r.bytes > 0) any = r.data;
   }
-  std::vector<std::span<const uint8_t>> out(ranges.size());
-  if (total == 0) return out;
+  if (total == 0) return;
   State& s = *state_;
   const int device = device_of(any, "delta refit: a record that arrived in GPU memory");
   const cuda::DeviceGuard guard(device);
@@ -396,7 +397,6 @@ std::vector<std::span<const uint8_t>> DeviceDelta::read(std::span<const Range> r
     host += ranges[k].bytes;
   }
   s.wait("waiting for the copies of records to the host");
-  return out;
 }
 
 uint64_t DeviceDelta::checksum(const std::byte* data, size_t bytes, DeltaChecksum kind) {
@@ -436,7 +436,7 @@ void DeviceDelta::encode_batch(std::span<EncodeJob>, HostCopyPool*) { no_cuda();
 DeltaHeader DeviceDelta::apply(DeviceBuffer&, size_t, size_t, std::span<const uint8_t>, const std::string&, uint64_t*) {
   no_cuda();
 }
-std::vector<std::span<const uint8_t>> DeviceDelta::read(std::span<const Range>) { no_cuda(); }
+void DeviceDelta::read(std::span<const Range>, std::span<std::span<const uint8_t>>) { no_cuda(); }
 uint64_t DeviceDelta::checksum(const std::byte*, size_t, DeltaChecksum) { no_cuda(); }
 std::vector<DeviceDelta::Patched> DeviceDelta::patch_queued() { no_cuda(); }
 size_t DeviceDelta::queue_patch(DeviceBuffer&, size_t, size_t, const DeltaHeader&) { no_cuda(); }

@@ -82,13 +82,13 @@ class DeviceDelta {
   void drop_queued();
 
   // Copies ranges of GPU memory (a batch's records and markers that arrived there) to the host,
-  // into one page-locked array, asynchronously and with one wait; the spans returned, one per
-  // range, stay valid until the next call.
+  // into one page-locked array, asynchronously and with one wait: out[k] is range k there (for
+  // each range of one byte or more; the others' are left as they are), valid until the next call.
   struct Range {
     const std::byte* data = nullptr;
     size_t bytes = 0;
   };
-  std::vector<std::span<const uint8_t>> read(std::span<const Range> ranges);
+  void read(std::span<const Range> ranges, std::span<std::span<const uint8_t>> out);
 
   // The checksum of `bytes` bytes of GPU memory, of the given kind (xxh3 copies them to the host).
   uint64_t checksum(const std::byte* data, size_t bytes, DeltaChecksum kind);

@@ -430,28 +430,30 @@ void DestinationDelta::transform(std::span<const TensorView> in, std::span<const
     std::string what;
   };
   std::vector<Patch> host_patches, gpu_patches;
-  std::vector<std::span<const uint8_t>> on_host;  // by index in `in`: a record's or marker's bytes on the host
-  std::vector<DeviceDelta::Range> in_gpu;
-  for (const TensorView& view : in)
-    in_gpu.push_back(view.memory != MemoryKind::kHost && view.info->name.starts_with(kDeltaHeaderName)
-                         ? DeviceDelta::Range{view.data, view.info->nbytes()}
-                         : DeviceDelta::Range{});
   // Adds the seconds since `start` to `total`, and returns now.
   auto lap = [](double& total, Clock::time_point start) {
     const auto now = Clock::now();
     total += std::chrono::duration<double>(now - start).count();
     return now;
   };
-  if (std::any_of(in_gpu.begin(), in_gpu.end(), [](const DeviceDelta::Range& r) { return r.bytes > 0; })) {
-    const auto start = Clock::now();
-    on_host = gpu().read(in_gpu);
-    lap(counts_.to_host_seconds, start);
-  } else {
-    on_host.resize(in.size());
+  // By index in `in`: a record's or marker's bytes on the host.
+  std::vector<std::span<const uint8_t>> on_host(in.size());
+  std::vector<DeviceDelta::Range> in_gpu(in.size());
+  bool any_in_gpu = false;
+  for (size_t k = 0; k < in.size(); ++k) {
+    const TensorView& view = in[k];
+    if (view.memory == MemoryKind::kHost) {
+      on_host[k] = {reinterpret_cast<const uint8_t*>(view.data), view.info->nbytes()};
+    } else if (view.info->name.starts_with(kDeltaHeaderName) && view.info->nbytes() > 0) {
+      in_gpu[k] = {view.data, view.info->nbytes()};
+      any_in_gpu = true;
+    }
   }
-  for (size_t k = 0; k < in.size(); ++k)
-    if (in[k].memory == MemoryKind::kHost)
-      on_host[k] = {reinterpret_cast<const uint8_t*>(in[k].data), in[k].info->nbytes()};
+  if (any_in_gpu) {
+    const auto start = Clock::now();
+    gpu().read(in_gpu, on_host);
+    lap(counts_.to_host_seconds, start);
+  }
   std::unordered_set<const HeldTensor*> pending;  // tensors with a patch or copy not yet applied
   // Each batch's records are decoded (and host tensors patched) together, their parts on the pool's threads.
   const DeltaForEach runner = parts_on(pool);

@@ -255,8 +255,8 @@ TEST(DeviceDelta, RangesOfGpuMemoryReadToTheHostEachItsOwnBytes) {
       records.emplace_back(want.back(), k);
       ranges.push_back({records.back().data, want.back().size()});
     }
-    const std::vector<std::span<const uint8_t>> read = device.read(ranges);
-    ASSERT_EQ(read.size(), ranges.size());
+    std::vector<std::span<const uint8_t>> read(ranges.size());
+    device.read(ranges, read);
     for (size_t k = 0; k < ranges.size(); ++k) {
       ASSERT_EQ(read[k].size(), want[k].size()) << "range " << k;
       if (want[k].empty()) continue;

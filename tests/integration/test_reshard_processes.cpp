@@ -139,7 +139,8 @@ TEST(ReshardProcesses, AKilledSourceFailsEveryDestinationItFeedsWithoutAHang) {
 // A destination killed mid-refit of 4 -> 4 resharding, where some sources have sent it nothing yet
 // in that refit: their first message to it must not wait out timeout_s (UCX over shared memory did
 // not report that peer, and the sources hung for timeout_s before the transport looked at its
-// process). Every source that still had to hear from it names the lost destination within seconds;
+// process). Every source that still had to hear from it names the lost destination within seconds,
+// by its process gone or by the connection UCX saw reset (whichever it learns first);
 // one whose share the destination had read and released before it died (under load, now and then
 // source 0's) ends its refit as it should.
 TEST(ReshardProcesses, ADestinationKilledMidRefitFailsEverySourceWithinSeconds) {
@@ -157,7 +158,7 @@ TEST(ReshardProcesses, ADestinationKilledMidRefitFailsEverySourceWithinSeconds) 
       ++failed_sources;
       const std::string line = error.substr(at, error.find('\n', at) - at);
       EXPECT_NE(line.find(fmt::format("source rank {}, refit 1 of this connection", s)), std::string::npos) << error;
-      EXPECT_NE(line.find("lost destination rank 0: its process"), std::string::npos) << error;
+      EXPECT_NE(line.find("lost destination rank 0"), std::string::npos) << error;
     }
     EXPECT_GE(failed_sources, 2) << "most sources were still sending to destination 0: " << error;
     EXPECT_EQ(error.find("timed out"), std::string::npos) << error;

@@ -13,6 +13,16 @@
 #include "refit/logging.h"
 #include "refit/version.h"
 
+namespace {
+
+// The one line a failed command ends with; returns its exit status.
+int print_error(const refit::Error& e) {
+  fmt::print(stderr, "refit: error ({}): {}\n", refit::to_string(e.kind()), e.what());
+  return 1;
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
   CLI::App app{"refit: move freshly trained LLM weights from training to inference processes"};
   app.set_version_flag("--version", std::string("refit ") + refit::kVersionString);
@@ -138,6 +148,13 @@ int main(int argc, char** argv) {
 
   try {
     app.parse(argc, argv);
+    spdlog::cfg::load_env_levels();  // SPDLOG_LEVEL=debug shows per-bucket timings
+    refit::log_to_stderr("driver");
+    if (bench_cmd->parsed()) return refit::tools::run_bench(bench);
+    if (plan_cmd->parsed()) return refit::tools::run_plan(plan);
+    if (elastic_cmd->parsed()) return refit::tools::run_elastic_demo(elastic);
+    if (chaos_cmd->parsed()) return refit::tools::run_chaos(chaos);
+    if (info_cmd->parsed()) return refit::tools::run_info(info);
   } catch (const CLI::ParseError& e) {
     // --help and --version end the parse too, with CLI11's text and exit status 0.
     if (e.get_exit_code() == static_cast<int>(CLI::ExitCodes::Success)) return app.exit(e);
@@ -146,21 +163,10 @@ int main(int argc, char** argv) {
       at = at->get_subcommands().front();
       command += " " + at->get_name();
     }
-    fmt::print(stderr, "refit: error ({}): {}; see `{} --help`\n", refit::to_string(refit::ErrorKind::kInvalidArgument),
-               e.what(), command);
-    return 1;
-  }
-  spdlog::cfg::load_env_levels();  // SPDLOG_LEVEL=debug shows per-bucket timings
-  refit::log_to_stderr("driver");
-  try {
-    if (bench_cmd->parsed()) return refit::tools::run_bench(bench);
-    if (plan_cmd->parsed()) return refit::tools::run_plan(plan);
-    if (elastic_cmd->parsed()) return refit::tools::run_elastic_demo(elastic);
-    if (chaos_cmd->parsed()) return refit::tools::run_chaos(chaos);
-    if (info_cmd->parsed()) return refit::tools::run_info(info);
+    return print_error(
+        refit::Error(refit::ErrorKind::kInvalidArgument, fmt::format("{}; see `{} --help`", e.what(), command)));
   } catch (const refit::Error& e) {
-    fmt::print(stderr, "refit: error ({}): {}\n", refit::to_string(e.kind()), e.what());
-    return 1;
+    return print_error(e);
   } catch (const std::exception& e) {
     fmt::print(stderr, "refit: error: {}\n", e.what());
     return 1;

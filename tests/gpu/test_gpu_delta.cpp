@@ -238,9 +238,6 @@ TEST(DeviceDelta, ABatchEncodesEachTensorAsAloneAndLeavesEveryBaseTheTensor) {
   EXPECT_GE(whole, 1u) << "a tensor changed everywhere goes whole";
 }
 
-// A source's side of a link with GPU tensors: those that outlive send() wait and go in batches,
-// in the order they came, each by a copy of its info (the stream reuses its own); those that do
-// not go at once. Every view lives until the next begin().
 TEST(DeviceDelta, RangesOfGpuMemoryReadToTheHostEachItsOwnBytes) {
   REFIT_REQUIRE_GPUS(1);
   DeviceDelta device;
@@ -265,6 +262,9 @@ TEST(DeviceDelta, RangesOfGpuMemoryReadToTheHostEachItsOwnBytes) {
   }
 }
 
+// A source's side of a link with GPU tensors: those that outlive send() wait and go in batches,
+// in the order they came, each by a copy of its info (the stream reuses its own); those that do
+// not go at once. Every view lives until the next begin().
 TEST(SourceDelta, GpuTensorsGoInBatchesInTheirOrderByTheirOwnInfos) {
   REFIT_REQUIRE_GPUS(1);
   constexpr size_t kTensors = 70, kElements = 2048;  // more than a batch's tensors
